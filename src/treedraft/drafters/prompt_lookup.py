@@ -1,0 +1,52 @@
+"""Prompt lookup / n-gram drafter (Saxena 2023, "prompt lookup decoding").
+
+Find earlier occurrences of the context's last n tokens (longest n first) in
+prompt + output and propose the tokens that followed them. Several distinct
+matches become branches of one tree instead of a single chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine import DraftContext
+from ..tree import TokenTree
+
+
+@dataclass
+class PromptLookupDrafter:
+    max_ngram: int = 3
+    min_ngram: int = 1
+    num_tokens: int = 8  # continuation length per branch
+    max_branches: int = 4
+    name: str = "prompt-lookup"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        if self.num_tokens < 1 or self.max_branches < 1:
+            raise ValueError("num_tokens and max_branches must be >= 1")
+
+    def candidates(self, tokens: list[int], depth: int) -> list[list[int]]:
+        """Continuations (after the root) of the most recent matches, longest n-gram first."""
+        seqs: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        L = len(tokens)
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            pat = tokens[L - n :]
+            # scan backwards: recent matches are better predictors
+            for s in range(L - n - 1, -1, -1):
+                if tokens[s : s + n] == pat:
+                    cont = tokens[s + n : s + n + depth]
+                    key = tuple(cont)
+                    if cont and key not in seen and not any(k[: len(key)] == key for k in seen):
+                        seen.add(key)
+                        seqs.append(cont)
+                        if len(seqs) >= self.max_branches:
+                            return seqs
+        return seqs
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        depth = min(self.num_tokens, ctx.max_depth)
+        seqs = self.candidates(ctx.tokens, depth)
+        return TokenTree.from_sequences(ctx.root, seqs, max_nodes=ctx.max_nodes)

@@ -1,0 +1,265 @@
+"""Compact Llama-family transformer (Llama 2/3, SmolLM2, Qwen2/Mistral-style GQA).
+
+In the style of gpt-fast: a plain ``nn.Module`` whose only state besides weights
+is the :class:`KVCache` the caller hands to :meth:`Transformer.forward`.
+Positions and the attention mask are explicit arguments, so a tree of draft
+tokens is just another batch of tokens with its own positions and mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters of a Llama-family decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    head_dim_override: int | None = None
+    rope_scaling: dict | None = None  # Llama-3 style {"factor", "low_freq_factor", ...}
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_override or self.hidden_size // self.num_heads
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+
+class KVCache:
+    """Pre-allocated per-layer key/value buffers: ``(B, n_kv, max_len, head_dim)``.
+
+    ``length`` counts committed positions. :meth:`Transformer.forward` writes new
+    entries at slots ``[start, start + T)``; :meth:`keep` compacts a chosen subset
+    of those slots (the accepted tree path) down to ``start`` and commits them.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+    def update(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v ``(B, n_kv, T, hd)`` at ``start``; return views of slots ``[0, start+T)``."""
+        end = start + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: writing up to {end} > max_len {self.max_len}")
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def keep(self, start: int, indices: Tensor | list[int]) -> None:
+        """Keep slots ``start + indices`` (in order) at ``start ...``; set length accordingly."""
+        idx = torch.as_tensor(indices, dtype=torch.long, device=self.k[0].device)
+        n = int(idx.numel())
+        contiguous = bool(n == 0 or torch.equal(idx, torch.arange(n, device=idx.device)))
+        if not contiguous:
+            src = idx + start
+            for buf in (*self.k, *self.v):
+                buf[:, :, start : start + n] = buf.index_select(2, src)
+        self.length = start + n
+
+    def truncate(self, length: int) -> None:
+        """Forget everything at or after ``length``."""
+        self.length = min(self.length, length)
+
+
+def rope_frequencies(cfg: LlamaConfig, device: torch.device | str = "cpu") -> Tensor:
+    """Inverse frequencies ``(head_dim/2,)``, with optional Llama-3 rope scaling."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd))
+    rs = cfg.rope_scaling
+    if rs and rs.get("rope_type", rs.get("type")) == "llama3":
+        factor = rs["factor"]
+        lo, hi = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old = rs.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE (HF layout). x: (B, nh, T, hd); cos/sin: (B, 1, T, hd)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_out, kv_out = self.nh * self.hd, self.nkv * self.hd
+        # fused q/k/v projection: one matmul instead of three (rows: q, k, v)
+        self.wqkv = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(q_out, cfg.hidden_size, bias=False)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache | None, start: int
+    ) -> Tensor:
+        B, T, _ = x.shape
+        qkv = self.wqkv(x)
+        q_out, kv_out = self.nh * self.hd, self.nkv * self.hd
+        q, k, v = qkv.split((q_out, kv_out, kv_out), dim=-1)
+        q = q.view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer, start, k, v)  # (B, nkv, start+T, hd)
+        if mask is None and T == 1:
+            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.nkv != self.nh)
+        elif mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nkv != self.nh)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
+        y = y.transpose(1, 2).reshape(B, T, self.nh * self.hd)
+        return self.wo(y)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate, up
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.inter, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.attn = Attention(cfg, layer)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.ffn = FeedForward(cfg)
+
+    def forward(self, x, cos, sin, mask, cache, start):  # noqa: ANN001 - internal
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, start)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Llama-family decoder. ``forward`` returns ``(logits, hidden)``."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
+        """Allocate an empty KV cache for ``batch`` sequences of up to ``max_len`` tokens."""
+        c = self.config
+        p = self.embed.weight
+        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len or c.max_seq_len, c.head_dim, p.dtype, p.device)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache | None = None,
+        start: int | None = None,
+        mask: Tensor | None = None,
+        logits_for: Tensor | slice | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Run the decoder over new tokens.
+
+        tokens: (B, T) ids; positions: (B, T) or (T,) rotary positions.
+        cache/start: new keys/values are written at slots [start, start+T)
+            (start defaults to ``cache.length``); attention covers slots [0, start+T).
+        mask: boolean (T, start+T) or (B, 1, T, start+T), True = may attend;
+            None = causal over everything before (plain decoding / prefill).
+        logits_for: optional index into T choosing which rows get logits
+            (prefill only needs the last one: the lm_head is ~20% of the FLOPs).
+        Returns logits (B, T', V) in float32 and final-norm hidden states (B, T, H).
+        """
+        if tokens.dim() == 1:
+            tokens = tokens[None]
+        B, T = tokens.shape
+        if positions.dim() == 1:
+            positions = positions[None].expand(B, T)
+        if cache is not None and start is None:
+            start = cache.length
+        start = start or 0
+        if mask is not None and mask.dim() == 2:
+            mask = mask[None, None]
+        if mask is None and cache is not None and start > 0 and T > 1:
+            # causal over the new block, full view of the committed prefix
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device).tril(start)[None, None]
+        ang = positions[..., None].float() * self.inv_freq  # (B, T, hd/2)
+        ang = torch.cat((ang, ang), dim=-1)[:, None]  # (B, 1, T, hd)
+        dtype = self.embed.weight.dtype
+        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache, start)
+        h = self.norm(x)
+        hl = h if logits_for is None else h[:, logits_for]
+        return self.lm_head(hl).float(), h

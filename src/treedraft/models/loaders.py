@@ -1,0 +1,214 @@
+"""Weight loaders into the own Llama module: GGUF files and Hugging Face directories.
+
+Every tensor goes through an explicit key map with a shape assert; a tensor
+the map does not know, or a missing one, is an error (nothing silently dropped).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .llama import LlamaConfig, Transformer
+
+LLAMA_ARCHS = {"llama", "qwen2", "mistral"}
+
+
+class ModelLoadError(ValueError):
+    """A model file or directory cannot be loaded; the message says what to change."""
+
+
+def _field(reader, key: str, default=None):  # noqa: ANN001
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def gguf_config(path: str | Path, max_seq_len: int | None = None) -> tuple[LlamaConfig, dict]:
+    """Read a :class:`LlamaConfig` and tokenizer metadata from a GGUF header."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _field(reader, "general.architecture")
+    if arch not in LLAMA_ARCHS:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {arch!r} is not supported by the own runtime "
+            f"(supported: {sorted(LLAMA_ARCHS)}); use runtime='hf' to load it through transformers"
+        )
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    ctx = int(_field(reader, f"{arch}.context_length", 2048))
+    cfg = LlamaConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=n_heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
+        max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+    )
+    meta = {
+        "architecture": arch,
+        "name": _field(reader, "general.name"),
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    return cfg, meta
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rope -> HF rotate-half rows)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+              max_seq_len: int | None = None) -> tuple[Transformer, dict]:
+    """Dequantize a Llama-family GGUF file into the own :class:`Transformer`."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    cfg, meta = gguf_config(path, max_seq_len)
+    reader = gguf.GGUFReader(str(path))
+    raw: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        a = gguf.dequantize(t.data, t.tensor_type)
+        raw[t.name] = np.asarray(a, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+    if meta["architecture"] == "llama":  # only llama-arch GGUFs carry permuted q/k rows
+        for i in range(cfg.num_layers):
+            raw[f"blk.{i}.attn_q.weight"] = _unpermute_rope(raw[f"blk.{i}.attn_q.weight"], cfg.num_heads)
+            raw[f"blk.{i}.attn_k.weight"] = _unpermute_rope(raw[f"blk.{i}.attn_k.weight"], cfg.num_kv_heads)
+    keymap = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head",
+              "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "attn_norm": "attn_norm",
+              "ffn_norm": "ffn_norm", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}
+    canon: dict[str, np.ndarray] = {}
+    for name, arr in raw.items():
+        if name.startswith("blk."):
+            _, i, part, kind = name.split(".")
+            if part not in keymap:
+                raise ModelLoadError(f"{path}: unknown tensor {name!r}")
+            canon[f"{i}.{keymap[part]}.{kind}"] = arr
+        elif name in keymap:
+            canon[keymap[name] + ".weight"] = arr
+        elif name == "rope_freqs.weight":
+            raise ModelLoadError(f"{path}: rope_freqs tensors (Llama-3.1 scaling in GGUF) are not supported yet")
+        else:
+            raise ModelLoadError(f"{path}: unknown tensor {name!r}")
+    model = _build(cfg, canon, str(path), dtype, device)
+    return model, meta
+
+
+def hf_config(d: Path, max_seq_len: int | None = None) -> LlamaConfig:
+    """Read a :class:`LlamaConfig` from a Hugging Face ``config.json``."""
+    c = json.loads((d / "config.json").read_text())
+    arch = c.get("model_type")
+    if arch not in LLAMA_ARCHS:
+        raise ModelLoadError(f"{d}: model_type {arch!r} not supported by the own runtime "
+                             f"(supported: {sorted(LLAMA_ARCHS)}); use runtime='hf'")
+    ctx = int(c.get("max_position_embeddings", 2048))
+    return LlamaConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
+        num_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+        max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
+        rope_theta=float(c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+        rms_eps=float(c.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
+        head_dim_override=c.get("head_dim"), rope_scaling=c.get("rope_scaling"),
+    )
+
+
+def load_hf_dir(d: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                max_seq_len: int | None = None) -> Transformer:
+    """Load a Hugging Face directory (config.json + *.safetensors) into the own module."""
+    from safetensors.numpy import load_file
+
+    d = Path(d)
+    if not (d / "config.json").is_file():
+        raise ModelLoadError(f"{d}: no config.json; expected a Hugging Face model directory")
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{d}: no *.safetensors files")
+    cfg = hf_config(d, max_seq_len)
+    canon: dict[str, np.ndarray] = {}
+    part = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v", "self_attn.o_proj": "o",
+            "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "gate",
+            "mlp.up_proj": "up", "mlp.down_proj": "down"}
+    top = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+           "lm_head.weight": "lm_head.weight"}
+    for f in files:
+        for name, arr in load_file(str(f)).items():
+            if name in top:
+                canon[top[name]] = arr.astype(np.float32)
+                continue
+            bits = name.split(".")
+            if bits[:2] != ["model", "layers"] or ".".join(bits[3:-1]) not in part:
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # derived buffer, recomputed from config
+                raise ModelLoadError(f"{f}: unknown tensor {name!r}")
+            canon[f"{bits[2]}.{part['.'.join(bits[3:-1])]}.{bits[-1]}"] = arr.astype(np.float32)
+    if cfg.tie_embeddings:
+        canon.pop("lm_head.weight", None)
+    return _build(cfg, canon, str(d), dtype, device)
+
+
+def _build(cfg: LlamaConfig, canon: dict[str, np.ndarray], src: str, dtype: torch.dtype, device: str) -> Transformer:
+    """Fill a fresh Transformer from canonical names ``{i}.{q,k,v,o,...}.{weight,bias}``."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device="cpu")
+    hd, H = cfg.head_dim, cfg.hidden_size
+    sd: dict[str, Tensor] = {}
+
+    def take(key: str, shape: tuple[int, ...]) -> Tensor:
+        if key not in canon:
+            raise ModelLoadError(f"{src}: missing tensor {key!r}")
+        t = torch.from_numpy(np.ascontiguousarray(canon.pop(key)))
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(f"{src}: tensor {key!r} has shape {tuple(t.shape)}, expected {shape}")
+        return t
+
+    sd["embed.weight"] = take("embed.weight", (cfg.vocab_size, H))
+    sd["norm.weight"] = take("norm.weight", (H,))
+    if not cfg.tie_embeddings:
+        sd["lm_head.weight"] = take("lm_head.weight", (cfg.vocab_size, H))
+    qo, kvo = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        sd[p + "attn_norm.weight"] = take(f"{i}.attn_norm.weight", (H,))
+        sd[p + "ffn_norm.weight"] = take(f"{i}.ffn_norm.weight", (H,))
+        sd[p + "attn.wqkv.weight"] = torch.cat(
+            [take(f"{i}.q.weight", (qo, H)), take(f"{i}.k.weight", (kvo, H)), take(f"{i}.v.weight", (kvo, H))])
+        if cfg.qkv_bias:
+            sd[p + "attn.wqkv.bias"] = torch.cat(
+                [take(f"{i}.q.bias", (qo,)), take(f"{i}.k.bias", (kvo,)), take(f"{i}.v.bias", (kvo,))])
+        sd[p + "attn.wo.weight"] = take(f"{i}.o.weight", (H, qo))
+        sd[p + "ffn.w13.weight"] = torch.cat(
+            [take(f"{i}.gate.weight", (cfg.intermediate_size, H)), take(f"{i}.up.weight", (cfg.intermediate_size, H))])
+        sd[p + "ffn.w2.weight"] = take(f"{i}.down.weight", (H, cfg.intermediate_size))
+    if canon:
+        raise ModelLoadError(f"{src}: tensors not used by the model: {sorted(canon)[:8]}")
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    real_missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
+    if real_missing or unexpected:
+        raise ModelLoadError(f"{src}: state dict mismatch, missing={real_missing} unexpected={unexpected}")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    from .llama import rope_frequencies
+    model.inv_freq = rope_frequencies(cfg)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

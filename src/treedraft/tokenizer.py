@@ -1,0 +1,102 @@
+"""Tokenizer wrapper: encode/decode, chat template, incremental detokenization."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+
+class Tokenizer:
+    """Thin wrapper around a transformers fast tokenizer with the bits the engine needs."""
+
+    def __init__(self, hf_tokenizer, chat_template: str | None = None,  # noqa: ANN001
+                 eos_token_ids: Sequence[int] | None = None) -> None:
+        self.hf = hf_tokenizer
+        self.chat_template = chat_template or getattr(hf_tokenizer, "chat_template", None)
+        eos = set(eos_token_ids or [])
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, cache_dir: Path | None = None) -> Tokenizer:
+        """Build the tokenizer from GGUF metadata (converted once, then cached as tokenizer.json)."""
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        if cache_dir is not None and (cache_dir / "tokenizer.json").is_file():
+            tok = AutoTokenizer.from_pretrained(str(cache_dir))
+        else:
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            if cache_dir is not None:
+                cache_dir.mkdir(parents=True, exist_ok=True)
+                tok.save_pretrained(str(cache_dir))
+        return cls(tok)
+
+    @classmethod
+    def from_dir(cls, d: str | Path) -> Tokenizer:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(d)))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def is_chat(self) -> bool:
+        return bool(self.chat_template)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation, ending with the assistant's generation prompt."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; pass raw=True (CLI: --raw) for plain completion")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
+        text = self.hf.apply_chat_template(messages, chat_template=self.chat_template,
+                                           add_generation_prompt=True, tokenize=False)
+        return self.encode(text)
+
+    def stream_decoder(self) -> StreamDecoder:
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Incremental detokenizer: emits text only once it is stable.
+
+    Decodes a short window of tokens and emits the new suffix, holding back an
+    incomplete UTF-8 sequence (shown as U+FFFD) until its last byte arrives, and
+    keeping leading spaces that per-token decoding would lose.
+    """
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # start of the decode window
+        self.read_offset = 0  # tokens before this are already emitted
+
+    def push(self, token: int) -> str:
+        """Add one token, return the newly stable text (may be empty)."""
+        self.ids.append(int(token))
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tok.decode(self.ids[self.prefix_offset :])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        new = full[len(prefix) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return new
+
+    def flush(self) -> str:
+        """Whatever is still held back (e.g. a truncated multi-byte character)."""
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tok.decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix) :]

@@ -1,0 +1,123 @@
+"""Acceptance rules: pure functions of the target's outputs over a tree.
+
+Each returns an :class:`Acceptance`: the accepted node indices (root first;
+the root is always kept, it was already chosen by the target) and the bonus
+token drawn from the target's own distribution at the last accepted node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .sampling import SamplingParams, sample, target_probs
+from .tree import TokenTree
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    nodes: tuple[int, ...]  # accepted node indices, root first
+    bonus: int  # next token, from the target at nodes[-1]
+
+
+def accept_greedy(tree: TokenTree, logits: Tensor) -> Acceptance:
+    """Longest path whose every token equals the target's argmax at its parent. logits: (N, V)."""
+    best = logits.argmax(-1).tolist()  # (N,)
+    kids = tree.children()
+    node, path = 0, [0]
+    while True:
+        nxt = next((c for c in kids[node] if tree.tokens[c] == best[node]), None)
+        if nxt is None:
+            return Acceptance(tuple(path), int(best[node]))
+        node = nxt
+        path.append(node)
+
+
+def accept_speculative(tree: TokenTree, probs: Tensor, gen: torch.Generator) -> Acceptance:
+    """Lossless multi-draft speculative sampling over a tree (SpecInfer, Miao et al. 2023).
+
+    probs: (N, V) target distributions (after temperature/top-k/top-p) at every node.
+    At each node the children are tried in order. Sampled children (tree.child_q
+    holds their iid draft distribution q) are accepted with min(1, p(x)/q(x)) and a
+    rejection moves p to norm(max(p - q, 0)). Deterministic children (top-k, lookup)
+    are a point-mass q, so acceptance is p(x) and a rejection zeroes x and renormalises.
+    The emitted token is thus distributed exactly as p, level by level.
+    """
+    kids = tree.children()
+    node, path = 0, [0]
+    while True:
+        p = probs[node].double().clone()
+        q = tree.child_q.get(node)
+        q = None if q is None else q.double()
+        moved = False
+        for c in kids[node]:
+            x = tree.tokens[c]
+            u = float(torch.rand((), generator=gen, dtype=torch.float64))
+            if q is None:
+                if u < float(p[x]):
+                    moved = True
+                else:
+                    p[x] = 0.0
+            else:
+                qx = float(q[x])
+                if qx <= 0.0:
+                    raise ValueError(f"draft token {x} has zero draft probability; the drafter's q is inconsistent")
+                if u < min(1.0, float(p[x]) / qx):
+                    moved = True
+                else:
+                    p = (p - q).clamp_min(0.0)
+            if moved:
+                node = c
+                path.append(c)
+                break
+            s = float(p.sum())
+            if s <= 0.0:  # only reachable through float round-off: fall back to the target itself
+                p = probs[node].double().clone()
+                s = float(p.sum())
+            p = p / s
+        if not moved:
+            return Acceptance(tuple(path), sample(p.float(), gen))
+
+
+def accept_typical(tree: TokenTree, logits: Tensor, params: SamplingParams, gen: torch.Generator,
+                   eps: float = 0.09, alpha: float = 0.3) -> Acceptance:
+    """Medusa typical acceptance (Cai et al. 2024), lossy: accept x if p(x) > min(eps, alpha*exp(-H(p))).
+
+    Picks the longest accepted path; the bonus token is sampled from p at its end.
+    Under greedy params it is the greedy rule.
+    """
+    if params.greedy:
+        return accept_greedy(tree, logits)
+    probs = target_probs(logits, params)  # (N, V)
+    ent = -(probs * probs.clamp_min(1e-20).log()).sum(-1)  # (N,)
+    thresh = torch.minimum(torch.full_like(ent, eps), alpha * torch.exp(-ent))
+    ok = [True] + [bool(probs[tree.parents[i], tree.tokens[i]] > thresh[tree.parents[i]])
+                   for i in range(1, len(tree))]
+    best: list[int] = [0]
+    reach = [False] * len(tree)
+    reach[0] = True
+    for i in range(1, len(tree)):  # parents precede children
+        reach[i] = reach[tree.parents[i]] and ok[i]
+        if reach[i]:
+            path = tree.path_to(i)
+            if len(path) > len(best):
+                best = path
+    return Acceptance(tuple(best), sample(probs[best[-1]], gen))
+
+
+RULES = ("greedy", "speculative", "typical")
+
+
+def accept(rule: str, tree: TokenTree, logits: Tensor, params: SamplingParams, gen: torch.Generator) -> Acceptance:
+    """Dispatch by rule name. 'greedy' needs temperature 0; 'speculative' is lossless sampling."""
+    if params.greedy or rule == "greedy":
+        if rule == "greedy" and not params.greedy:
+            raise ValueError("acceptance rule 'greedy' needs temperature 0; use 'speculative' or 'typical'")
+        return accept_greedy(tree, logits)
+    if rule == "speculative":
+        return accept_speculative(tree, target_probs(logits, params), gen)
+    if rule == "typical":
+        return accept_typical(tree, logits, params, gen)
+    raise ValueError(f"unknown acceptance rule {rule!r}; choose one of {RULES}")
