@@ -1,0 +1,141 @@
+"""`treedraft` command line: generate, chat, and the subcommands other modules register."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+
+# module -> name of its `register(subparsers)` function; loaded only if the module imports
+_PLUGINS = ("treedraft.bench", "treedraft.server", "treedraft.training.cli")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by every command that loads a model."""
+    from .models.registry import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registry name, .gguf file or HF directory")
+    p.add_argument("--drafter", default="default",
+                   help="default (shipped Medusa heads, else prompt lookup), medusa, prompt-lookup, none")
+    p.add_argument("--heads", default="default", help="Medusa heads directory (default: the shipped ones)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on cpu, bf16 on cuda), fp32, bf16, fp16")
+    p.add_argument("--runtime", default="auto", help="own (compact Llama module), hf (transformers), auto")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--rule", default="speculative",
+                   help="acceptance rule when sampling: speculative (lossless) or typical (lossy)")
+    p.add_argument("--max-tree-nodes", type=int, default=64)
+
+
+def load_from_args(a: argparse.Namespace):  # noqa: ANN201
+    from . import load
+
+    drafter = None if a.drafter in ("none", "plain") else a.drafter
+    return load(a.model, drafter=drafter, heads=a.heads, device=a.device, dtype=a.dtype, runtime=a.runtime)
+
+
+def _gen_kwargs(a: argparse.Namespace) -> dict:
+    return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                seed=a.seed, stop=a.stop, rule=a.rule, max_tree_nodes=a.max_tree_nodes)
+
+
+def _run_stream(llm, prompt, a: argparse.Namespace, raw: bool) -> str:  # noqa: ANN001
+    from .engine import GenerationStats
+
+    stats = GenerationStats()
+    parts = []
+    for ch in llm.stream(prompt, raw=raw, stats=stats, **_gen_kwargs(a)):
+        sys.stdout.write(ch.text)
+        sys.stdout.flush()
+        parts.append(ch.text)
+    sys.stdout.write("\n")
+    name = getattr(llm.engine.drafter, "name", "none") if llm.engine.drafter else "none"
+    print(f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, drafter {name}, "
+          f"mean accepted {stats.mean_accepted_length:.2f}, prefill {stats.t_prefill * 1000:.0f} ms]",
+          file=sys.stderr)
+    return "".join(parts)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    t = time.perf_counter()
+    llm = load_from_args(a)
+    print(f"[loaded {llm.model_name} in {time.perf_counter() - t:.1f}s]", file=sys.stderr)
+    _run_stream(llm, a.prompt, a, a.raw)
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    llm = load_from_args(a)
+    if not llm.tokenizer.is_chat:
+        print(f"error: {llm.model_name} has no chat template; use `treedraft generate --raw`", file=sys.stderr)
+        return 2
+    messages: list[dict] = [{"role": "system", "content": a.system}] if a.system else []
+    print("treedraft chat: empty line or Ctrl-D to quit, /reset to clear the conversation", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        if line.strip() == "/reset":
+            messages = messages[:1] if a.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            reply = _run_stream(llm, messages, a, raw=False)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="treedraft", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    g.add_argument("prompt")
+    g.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    add_model_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat that keeps the conversation")
+    c.add_argument("--system", default=None, help="system prompt")
+    add_model_args(c)
+    add_sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+    for mod in _PLUGINS:
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("treedraft"):
+                continue  # feature module not present in this build
+            raise
+        m.register(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        return int(a.func(a) or 0)
+    except (ValueError, FileNotFoundError) as e:  # user errors: message, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

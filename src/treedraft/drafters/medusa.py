@@ -1,0 +1,201 @@
+"""Medusa draft heads (Cai et al. 2024, arXiv:2401.10774) and their tree drafter.
+
+Head k (0-based) reads the target's final hidden state h_i at position i and
+predicts token i+k+2 (the target's own lm_head predicts i+1, which is the tree
+root). Each head is ``n`` residual blocks x + SiLU(W x) (W zero-initialised, so a
+fresh head starts as the base lm_head) followed by a vocabulary projection:
+either the base model's frozen lm_head (shared) or a projection of its own.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..engine import DraftContext
+from ..tree import TokenTree
+
+HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
+# A small default tree (Medusa-style choices) used until `treedraft calibrate` stores a measured one.
+DEFAULT_CHOICES: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,), (0, 0), (1, 0), (0, 1), (0, 0, 0), (2, 0), (0, 2), (1, 1), (0, 0, 1), (0, 1, 0),
+    (0, 0, 0, 0), (3,), (1, 0, 0),
+)
+
+
+class HeadsMismatchError(ValueError):
+    """Heads trained for another base model."""
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    base_model: str  # registry name or file identity of the base model
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4
+    num_layers: int = 1
+    shared_lm_head: bool = True
+    choices: tuple[tuple[int, ...], ...] = DEFAULT_CHOICES
+    draft_vocab: int = 0  # >0: heads score only the first N ids of `vocab_map` (a frequency-ranked subset)
+    extra: dict = field(default_factory=dict)  # training/eval facts (accuracy, data, calibration)
+
+    @staticmethod
+    def from_json(d: dict) -> MedusaConfig:
+        d = dict(d)
+        d["choices"] = tuple(tuple(c) for c in d.get("choices", DEFAULT_CHOICES))
+        return MedusaConfig(**d)
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), W zero-initialised."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K heads; ``forward(h)`` -> logits (..., K, V') over the draft vocabulary."""
+
+    def __init__(self, cfg: MedusaConfig, lm_head_weight: Tensor | None = None,
+                 vocab_map: Tensor | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        # distinct modules per head and per block (no `[m] * n` weight sharing)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(cfg.hidden_size) for _ in range(cfg.num_layers)]) for _ in range(cfg.num_heads))
+        if cfg.shared_lm_head:
+            self.proj = None
+            if lm_head_weight is None:
+                raise ValueError("shared_lm_head heads need the base model's lm_head weight")
+        else:
+            self.proj = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+                                      for _ in range(cfg.num_heads))
+            if lm_head_weight is not None:
+                for p in self.proj:
+                    p.weight.data.copy_(lm_head_weight)
+        self.set_base(lm_head_weight, vocab_map)
+
+    def set_base(self, lm_head_weight: Tensor | None, vocab_map: Tensor | None) -> None:
+        """Attach the frozen base lm_head (not saved with the heads) and the draft-vocab subset."""
+        if vocab_map is not None and self.config.draft_vocab:
+            vocab_map = vocab_map[: self.config.draft_vocab]
+        self.vocab_map = vocab_map  # (V',) token ids or None = full vocabulary
+        if lm_head_weight is not None:
+            w = lm_head_weight.detach()
+            self.base_weight = w if vocab_map is None else w[vocab_map].contiguous()  # (V', H)
+        else:
+            self.base_weight = None
+
+    def hidden(self, h: Tensor) -> Tensor:
+        """(..., H) -> (..., K, H) per-head features."""
+        return torch.stack([blk(h) for blk in self.blocks], dim=-2)
+
+    def forward(self, h: Tensor) -> Tensor:
+        """(..., H) -> (..., K, V') logits."""
+        z = self.hidden(h)
+        if self.proj is None:
+            return z @ self.base_weight.T.to(z.dtype)
+        return torch.stack([p(z[..., k, :]) for k, p in enumerate(self.proj)], dim=-2)
+
+    # ---- persistence ---------------------------------------------------
+    def save(self, d: str | Path) -> None:
+        """Write heads.safetensors + medusa.json into directory d."""
+        from safetensors.torch import save_file
+
+        d = Path(d)
+        d.mkdir(parents=True, exist_ok=True)
+        sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if self.vocab_map is not None:
+            sd["vocab_map"] = self.vocab_map.cpu()
+        save_file(sd, str(d / "heads.safetensors"))
+        cfg = asdict(self.config)
+        cfg["choices"] = [list(c) for c in self.config.choices]
+        (d / "medusa.json").write_text(json.dumps(cfg, indent=1))
+
+    @staticmethod
+    def load(d: str | Path, lm_head_weight: Tensor | None, base_model: str | None = None,
+             hidden_size: int | None = None, vocab_size: int | None = None) -> MedusaHeads:
+        """Load heads from a directory, refusing heads made for a different base model."""
+        from safetensors.torch import load_file
+
+        d = Path(d)
+        if not (d / "medusa.json").is_file():
+            raise FileNotFoundError(f"{d}: no medusa.json; expected a directory written by `treedraft train-heads`")
+        cfg = MedusaConfig.from_json(json.loads((d / "medusa.json").read_text()))
+        problems = []
+        if base_model is not None and cfg.base_model != base_model:
+            problems.append(f"base model {cfg.base_model!r} != {base_model!r}")
+        if hidden_size is not None and cfg.hidden_size != hidden_size:
+            problems.append(f"hidden size {cfg.hidden_size} != {hidden_size}")
+        if vocab_size is not None and cfg.vocab_size != vocab_size:
+            problems.append(f"vocab size {cfg.vocab_size} != {vocab_size}")
+        if problems:
+            raise HeadsMismatchError(f"heads in {d} were trained for another model: " + "; ".join(problems)
+                                     + ". Train heads for this model with `treedraft train-heads`.")
+        sd = load_file(str(d / "heads.safetensors"))
+        vocab_map = sd.pop("vocab_map", None)
+        heads = MedusaHeads(cfg, lm_head_weight, vocab_map)
+        heads.load_state_dict(sd)
+        return heads.eval().requires_grad_(False)
+
+
+def shipped_heads_for(model_name: str) -> Path | None:
+    """Directory of heads shipped in the package for a registry model name, if any."""
+    d = HEADS_DIR / model_name
+    return d if (d / "medusa.json").is_file() else None
+
+
+@dataclass
+class MedusaDrafter:
+    """Proposes a Medusa tree: root = target's token; depth d+1 = top-k of head d."""
+
+    heads: MedusaHeads
+    choices: tuple[tuple[int, ...], ...] = ()
+    name: str = "medusa"
+
+    def __post_init__(self) -> None:
+        self.choices = tuple(tuple(c) for c in (self.choices or self.heads.config.choices))
+        depth = max(len(c) for c in self.choices)
+        if depth > self.heads.config.num_heads:
+            raise ValueError(f"tree depth {depth} needs {depth} heads; these heads have {self.heads.config.num_heads}")
+        self.topk = [1 + max((c[d] for c in self.choices if len(c) > d), default=0) for d in range(depth)]
+
+    @staticmethod
+    def for_model(llm, heads: str | Path | None = "default") -> MedusaDrafter:  # noqa: ANN001
+        """Heads for a loaded LLM: the shipped ones by default, or a directory."""
+        if heads in (None, "default"):
+            d = shipped_heads_for(llm.model_name)
+            if d is None:
+                raise FileNotFoundError(f"no Medusa heads are shipped for {llm.model_name!r}; "
+                                        "train some with `treedraft train-heads` and pass --heads DIR")
+        else:
+            d = Path(heads)
+        lm = llm.model.lm_head.weight if hasattr(llm.model, "lm_head") else llm.model.output_embeddings_weight()
+        h = MedusaHeads.load(d, lm, llm.model_name, llm.model.hidden_size, llm.model.vocab_size)
+        return MedusaDrafter(h.to(lm.device))
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        if ctx.hidden is None:
+            raise ValueError("the medusa drafter needs the target's hidden state; this target does not provide it")
+        logits = self.heads(ctx.hidden.to(self.heads.blocks[0][0].linear.weight.dtype))  # (K, V')
+        cands = []
+        for d, k in enumerate(self.topk):
+            ids = logits[d].topk(k).indices
+            if self.heads.vocab_map is not None:
+                ids = self.heads.vocab_map[ids]
+            cands.append(ids.tolist())
+        choices = [c for c in self.choices if len(c) <= ctx.max_depth]
+        tree = TokenTree.from_choices(ctx.root, choices, cands) if choices else TokenTree.chain(ctx.root)
+        return tree.truncated(ctx.max_nodes)

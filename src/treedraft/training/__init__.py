@@ -1,0 +1,1 @@
+"""Self-distillation data and Medusa head training."""

@@ -1,0 +1,179 @@
+"""Medusa head training by self-distillation on cached (token, hidden) shards.
+
+Row j of a sequence holds the hidden state whose lm_head produced token j, so
+head k at row j learns token j+k+1 of the same sequence (t+2 .. t+K+1 relative
+to the position itself). Loss: cross-entropy per head weighted decay**k.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..drafters.medusa import MedusaConfig, MedusaHeads
+from .data import load_shards
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 2
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    batch_size: int = 256
+    decay: float = 0.8  # per-head loss weight decay**k
+    heldout_frac: float = 0.05
+    seed: int = 0
+    warmup_steps: int = 20
+    checkpoint_every: int = 200
+
+
+def head_targets(tokens: Tensor, seq: Tensor, num_heads: int) -> Tensor:
+    """(N,) tokens, (N,) sequence ids -> (N, K) targets (-100 where the target crosses a sequence end)."""
+    N = tokens.shape[0]
+    out = torch.full((N, num_heads), -100, dtype=torch.long)
+    for k in range(num_heads):
+        off = k + 1
+        if off >= N:
+            break
+        same = seq[off:] == seq[:-off]
+        out[: N - off, k] = torch.where(same, tokens[off:], torch.full_like(tokens[off:], -100))
+    return out
+
+
+def frequency_vocab(tokens: Tensor, vocab_size: int, size: int) -> Tensor:
+    """Token ids ranked by frequency in the training answers (ties: lower id first); first ``size``."""
+    counts = torch.bincount(tokens, minlength=vocab_size).double()
+    counts -= torch.arange(vocab_size, dtype=torch.double) * 1e-9  # deterministic tie-break
+    return counts.argsort(descending=True)[:size]
+
+
+def split_by_sequence(seq: Tensor, frac: float, seed: int) -> Tensor:
+    """Boolean (N,) mask of held-out rows: whole sequences, chosen by a seeded permutation."""
+    ids = seq.unique()
+    g = torch.Generator().manual_seed(seed)
+    n_hold = max(1, int(round(len(ids) * frac))) if frac > 0 else 0
+    held = ids[torch.randperm(len(ids), generator=g)[:n_hold]]
+    return torch.isin(seq, held)
+
+
+@torch.no_grad()
+def evaluate(heads: MedusaHeads, hidden: Tensor, targets: Tensor, ks: tuple[int, ...] = (1, 5),
+             batch: int = 512) -> dict[str, list[float]]:
+    """Per-head top-k accuracy (over rows whose target exists, in the full vocabulary)."""
+    K = heads.config.num_heads
+    hits = {k: torch.zeros(K) for k in ks}
+    n = torch.zeros(K)
+    vm = heads.vocab_map
+    for s in range(0, hidden.shape[0], batch):
+        h = hidden[s : s + batch].float()
+        t = targets[s : s + batch]  # (b, K)
+        top = heads(h).topk(max(ks), dim=-1).indices  # (b, K, kmax)
+        if vm is not None:
+            top = vm[top]
+        ok = t >= 0
+        n += ok.sum(0)
+        for k in ks:
+            hits[k] += ((top[..., :k] == t[..., None]).any(-1) & ok).sum(0)
+    return {f"top{k}": (hits[k] / n.clamp_min(1)).tolist() for k in ks}
+
+
+def rank_accuracy(heads: MedusaHeads, hidden: Tensor, targets: Tensor, max_rank: int = 10,
+                  batch: int = 512) -> list[list[float]]:
+    """acc[k][r] = P(the target is head k's rank-r candidate): the tree calibrator's input."""
+    K = heads.config.num_heads
+    hits = torch.zeros(K, max_rank)
+    n = torch.zeros(K)
+    vm = heads.vocab_map
+    with torch.no_grad():
+        for s in range(0, hidden.shape[0], batch):
+            t = targets[s : s + batch]
+            top = heads(hidden[s : s + batch].float()).topk(max_rank, dim=-1).indices
+            if vm is not None:
+                top = vm[top]
+            ok = t >= 0
+            n += ok.sum(0)
+            hits += ((top == t[..., None]) & ok[..., None]).sum(0)
+    return (hits / n.clamp_min(1)[:, None]).tolist()
+
+
+def train_heads(data_dir: str | Path, lm_head_weight: Tensor, mcfg: MedusaConfig, tcfg: TrainConfig,
+                out_dir: str | Path, progress: bool = True, resume: bool = True) -> tuple[MedusaHeads, dict]:
+    """Train heads on shards in ``data_dir``; checkpoints and the final heads go to ``out_dir``."""
+    from tqdm import tqdm
+
+    torch.manual_seed(tcfg.seed)
+    tokens, hidden, seq = load_shards(data_dir)
+    if hidden.shape[1] != mcfg.hidden_size:
+        raise ValueError(f"{data_dir}: hidden size {hidden.shape[1]} does not match the model's {mcfg.hidden_size}")
+    targets = head_targets(tokens, seq, mcfg.num_heads)
+    held = split_by_sequence(seq, tcfg.heldout_frac, tcfg.seed)
+    tr_idx = (~held).nonzero().squeeze(1)
+    vocab_map = frequency_vocab(tokens[~held], mcfg.vocab_size, mcfg.draft_vocab) if mcfg.draft_vocab else None
+    heads = MedusaHeads(mcfg, lm_head_weight, vocab_map)
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+    steps_per_epoch = math.ceil(len(tr_idx) / tcfg.batch_size)
+    total = steps_per_epoch * tcfg.epochs
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = out / "checkpoint.pt"
+    step = 0
+    if resume and ckpt.is_file():
+        st = torch.load(ckpt, weights_only=False)
+        heads.load_state_dict(st["heads"])
+        opt.load_state_dict(st["opt"])
+        step = st["step"]
+    # remap targets into the draft vocabulary (-100 if outside it: that head cannot propose it anyway)
+    if vocab_map is not None:
+        inv = torch.full((mcfg.vocab_size,), -100, dtype=torch.long)
+        inv[vocab_map] = torch.arange(len(vocab_map))
+        tgt_local = torch.where(targets >= 0, inv[targets.clamp_min(0)], targets)
+    else:
+        tgt_local = targets
+    wts = torch.tensor([tcfg.decay**k for k in range(mcfg.num_heads)])
+    g = torch.Generator().manual_seed(tcfg.seed)
+    bar = tqdm(total=total, initial=step, desc="train-heads", disable=not progress)
+    heads.train()
+    t0 = time.time()
+    while step < total:
+        epoch = step // steps_per_epoch
+        perm = tr_idx[torch.randperm(len(tr_idx), generator=torch.Generator().manual_seed(tcfg.seed + epoch))]
+        for b in range(step % steps_per_epoch, steps_per_epoch):
+            idx = perm[b * tcfg.batch_size : (b + 1) * tcfg.batch_size]
+            lr = tcfg.lr * min(1.0, (step + 1) / tcfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * step / total))
+            for grp in opt.param_groups:
+                grp["lr"] = lr
+            logits = heads(hidden[idx].float())  # (b, K, V')
+            t = tgt_local[idx]  # (b, K)
+            losses = torch.stack([F.cross_entropy(logits[:, k], t[:, k], ignore_index=-100)
+                                  for k in range(mcfg.num_heads)])
+            losses = torch.nan_to_num(losses)
+            loss = (losses * wts).sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            with torch.no_grad():
+                acc = [((logits[:, k].argmax(-1) == t[:, k]) & (t[:, k] >= 0)).sum().item()
+                       / max(1, (t[:, k] >= 0).sum().item()) for k in range(mcfg.num_heads)]
+            bar.set_postfix(loss=f"{loss.item():.3f}", top1="/".join(f"{a:.2f}" for a in acc))
+            bar.update(1)
+            if step % tcfg.checkpoint_every == 0 or step == total:
+                torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+            if step >= total:
+                break
+    bar.close()
+    heads.eval()
+    held_idx = held.nonzero().squeeze(1)
+    report = {"train_rows": len(tr_idx), "heldout_rows": len(held_idx), "epochs": tcfg.epochs,
+              "seconds": round(time.time() - t0, 1),
+              "heldout": evaluate(heads, hidden[held_idx], targets[held_idx]) if len(held_idx) else {}}
+    heads.requires_grad_(False)
+    heads.config = replace(mcfg, extra={**mcfg.extra, "training": report})
+    return heads, report

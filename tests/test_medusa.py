@@ -1,0 +1,146 @@
+"""Medusa heads: module, persistence, drafting, training, calibration (tiny models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treedraft.drafters.medusa import HeadsMismatchError, MedusaConfig, MedusaDrafter, MedusaHeads
+from treedraft.engine import DraftContext, Engine, GenerationConfig
+from treedraft.models.tiny import tiny_llama
+from treedraft.training.calibrate import choose_tree, grow_tree
+from treedraft.training.data import batched_greedy
+from treedraft.training.train import TrainConfig, evaluate, head_targets, train_heads
+
+
+def _cfg(model, **kw) -> MedusaConfig:
+    return MedusaConfig(base_model="tiny", hidden_size=model.hidden_size, vocab_size=model.vocab_size, **kw)
+
+
+def test_heads_have_distinct_parameters_and_start_as_lm_head() -> None:
+    m = tiny_llama()
+    heads = MedusaHeads(_cfg(m, num_heads=3, num_layers=2), m.lm_head.weight)
+    ptrs = {p.data_ptr() for p in heads.parameters()}
+    assert len(ptrs) == 3 * 2 * 2  # weight + bias per block, nothing shared
+    h = torch.randn(5, m.hidden_size)
+    out = heads(h)  # (5, K, V)
+    assert out.shape == (5, 3, m.vocab_size)
+    for k in range(3):  # zero-initialised residual blocks: every head starts as the base lm_head
+        torch.testing.assert_close(out[:, k], m.lm_head(h))
+
+
+def test_separate_projection_and_draft_vocab() -> None:
+    m = tiny_llama()
+    sep = MedusaHeads(_cfg(m, shared_lm_head=False), m.lm_head.weight)
+    assert sep.proj[0].weight.data_ptr() != sep.proj[1].weight.data_ptr()
+    vm = torch.tensor([5, 3, 9, 1])
+    sub = MedusaHeads(_cfg(m, draft_vocab=4), m.lm_head.weight, vm)
+    h = torch.randn(2, m.hidden_size)
+    torch.testing.assert_close(sub(h)[:, 0], m.lm_head(h)[:, vm])
+
+
+def test_save_load_roundtrip_and_mismatch(tmp_path) -> None:
+    m = tiny_llama()
+    heads = MedusaHeads(_cfg(m, draft_vocab=8), m.lm_head.weight, torch.arange(m.vocab_size).flip(0))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_()
+    heads.save(tmp_path)
+    back = MedusaHeads.load(tmp_path, m.lm_head.weight, "tiny", m.hidden_size, m.vocab_size)
+    h = torch.randn(3, m.hidden_size)
+    torch.testing.assert_close(back(h), heads(h))
+    assert torch.equal(back.vocab_map, heads.vocab_map)
+    with pytest.raises(HeadsMismatchError, match="base model"):
+        MedusaHeads.load(tmp_path, m.lm_head.weight, "other-model")
+    with pytest.raises(HeadsMismatchError, match="hidden size"):
+        MedusaHeads.load(tmp_path, m.lm_head.weight, hidden_size=m.hidden_size + 1)
+
+
+def test_drafter_tree_follows_choices_and_head_ranks() -> None:
+    m = tiny_llama()
+    heads = MedusaHeads(_cfg(m, num_heads=2), m.lm_head.weight)
+    d = MedusaDrafter(heads, ((0,), (1,), (0, 0), (0, 1)))
+    h = torch.randn(m.hidden_size)
+    tree = d.propose(DraftContext([1, 2, 7], h, max_nodes=64, max_depth=8))
+    logits = heads(h)
+    top = [logits[k].topk(2).indices.tolist() for k in range(2)]
+    assert tree.tokens == (7, top[0][0], top[0][1], top[1][0], top[1][1])
+    assert tree.parents == (-1, 0, 0, 1, 1)
+    assert len(d.propose(DraftContext([7], h, max_nodes=3, max_depth=8))) == 3
+    assert max(d.propose(DraftContext([7], h, max_nodes=64, max_depth=1)).depths()) == 1
+
+
+def test_medusa_greedy_equals_plain_on_tiny_model() -> None:
+    m = tiny_llama(seed=3)
+    heads = MedusaHeads(_cfg(m), m.lm_head.weight)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    eng = Engine(m)
+    cfg = GenerationConfig(max_new_tokens=40)
+    plain = eng.generate([3, 1, 4, 1, 5], cfg, drafter=None)
+    spec = eng.generate([3, 1, 4, 1, 5], cfg, drafter=MedusaDrafter(heads))
+    assert spec.token_ids == plain.token_ids
+
+
+def test_head_targets_do_not_cross_sequences() -> None:
+    tok = torch.tensor([10, 11, 12, 20, 21])
+    seq = torch.tensor([0, 0, 0, 1, 1])
+    t = head_targets(tok, seq, 2)
+    assert t.tolist() == [[11, 12], [12, -100], [-100, -100], [21, -100], [-100, -100]]
+
+
+def test_batched_generation_matches_engine_greedy() -> None:
+    m = tiny_llama(seed=1)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
+    eng = Engine(m)
+    for p, (ans, hid) in zip(prompts, batched_greedy(m, prompts, 12, frozenset())):
+        assert ans == eng.generate(p, GenerationConfig(max_new_tokens=12), drafter=None).token_ids
+        assert hid.shape == (12, m.hidden_size)
+        # hidden j is the state whose lm_head chose answer j
+        assert m.lm_head(hid).argmax(-1).tolist() == ans
+
+
+def test_training_learns_the_base_models_continuations(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    m = tiny_llama(seed=2, vocab_size=32)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 32, (4,), generator=g).tolist() for _ in range(48)]
+    toks, hids, seqs = [], [], []
+    for i, (ans, hid) in enumerate(batched_greedy(m, prompts, 24, frozenset())):
+        toks.append(torch.tensor(ans))
+        hids.append(hid.half())
+        seqs.append(torch.full((len(ans),), i))
+    save_file({"tokens": torch.cat(toks).int(), "hidden": torch.cat(hids), "seq": torch.cat(seqs).int()},
+              str(tmp_path / "shard_00000.safetensors"))
+    mcfg = _cfg(m, num_heads=2)
+    before = evaluate(MedusaHeads(mcfg, m.lm_head.weight), torch.cat(hids).float(),
+                      head_targets(torch.cat(toks), torch.cat(seqs), 2))
+    heads, report = train_heads(tmp_path, m.lm_head.weight, mcfg,
+                                TrainConfig(epochs=30, lr=3e-3, batch_size=64, heldout_frac=0.0), tmp_path / "o",
+                                progress=False)
+    after = evaluate(heads, torch.cat(hids).float(), head_targets(torch.cat(toks), torch.cat(seqs), 2))
+    assert after["top1"][0] > before["top1"][0] + 0.2
+    assert (tmp_path / "o" / "checkpoint.pt").is_file()
+
+
+def test_grow_tree_is_prefix_closed_and_ordered() -> None:
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
+    choices, values = grow_tree(acc, 12)
+    seen = set()
+    for c in choices:
+        assert len(c) == 1 or c[:-1] in seen
+        seen.add(c)
+    assert values == sorted(values, reverse=True)
+    assert choices[:3] == [(0,), (0, 0), (1,)]  # 0.6, 0.3, 0.2
+    assert values[1] == pytest.approx(0.3)
+
+
+def test_choose_tree_follows_the_latency_curve() -> None:
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
+    flat = choose_tree(acc, {1: 1.0, 64: 1.0})
+    steep = choose_tree(acc, {1: 1.0, 2: 2.0, 64: 64.0})
+    assert flat["nodes"] > 10  # free extra tokens: take them all
+    assert steep["nodes"] == 0  # each node doubles the cost: plain decoding wins
+    assert flat["expected_len"] == pytest.approx(1 + sum(grow_tree(acc, 64)[1][: flat["nodes"]]))
