@@ -144,3 +144,22 @@ def test_choose_tree_follows_the_latency_curve() -> None:
     assert flat["nodes"] > 10  # free extra tokens: take them all
     assert steep["nodes"] == 0  # each node doubles the cost: plain decoding wins
     assert flat["expected_len"] == pytest.approx(1 + sum(grow_tree(acc, 64)[1][: flat["nodes"]]))
+
+
+def test_merge_trees_unions_paths_and_respects_budget() -> None:
+    from treedraft.drafters.hybrid import merge_trees
+    from treedraft.tree import TokenTree, retrieve_indices
+
+    a = TokenTree.from_sequences(9, [[1, 2], [3]])
+    b = TokenTree.from_sequences(9, [[1, 4], [5, 6]])
+    m = merge_trees([a, b], 64)
+
+    def paths(t: TokenTree) -> set[tuple[int, ...]]:
+        return {tuple(t.tokens[i] for i in row if i >= 0) for row in retrieve_indices(t).tolist()}
+
+    assert paths(m) == {(9, 1, 2), (9, 3), (9, 1, 4), (9, 5, 6)}
+    assert len(m) == 7  # the shared prefix (9, 1) is stored once
+    small = merge_trees([a, b], 5)
+    assert len(small) == 5 and small.tokens[:4] == a.tokens
+    with pytest.raises(ValueError, match="roots"):
+        merge_trees([a, TokenTree.chain(8, [1])], 10)

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from ..api import LLM
     from ..engine import Drafter
 
-DRAFTERS = ("none", "prompt-lookup", "medusa")
+DRAFTERS = ("none", "prompt-lookup", "medusa", "hybrid")
 
 
 def make_drafter(name: str, llm: LLM, heads: str | None = "default") -> Drafter | None:
@@ -22,6 +22,10 @@ def make_drafter(name: str, llm: LLM, heads: str | None = "default") -> Drafter 
     if name == "medusa":
         from .medusa import MedusaDrafter
         return MedusaDrafter.for_model(llm, heads)
+    if name == "hybrid":  # Medusa tree + prompt-lookup branches, verified in one pass
+        from .hybrid import HybridDrafter
+        from .medusa import MedusaDrafter
+        return HybridDrafter([MedusaDrafter.for_model(llm, heads), PromptLookupDrafter(max_branches=2)])
     raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
 
 
