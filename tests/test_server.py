@@ -1,0 +1,576 @@
+"""Live tests of the OpenAI-compatible server (`treedraft serve`) on 127.0.0.1.
+
+One real model is loaded per module; uvicorn runs in a background thread on a free
+port. The official `openai` client drives the happy paths, raw httpx the bad ones.
+Every wait is bounded in time and every loop in count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+import torch  # noqa: E402
+import uvicorn  # noqa: E402
+
+import treedraft  # noqa: E402
+from treedraft.engine import GenerationConfig, GenerationStats, StepStats  # noqa: E402
+from treedraft.server import Job, JobQueue, Metrics, ServerSettings, create_app  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 12
+CHAT = [{"role": "user", "content": "Name three colours."}]
+COMPLETION_PROMPT = "The capital of France is"
+REQUEST_TIMEOUT = 120.0
+
+
+class LiveServer:
+    """uvicorn serving an app in a daemon thread on a free loopback port."""
+
+    def __init__(self, app) -> None:  # noqa: ANN001
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive(), "uvicorn thread died during startup"
+            assert time.monotonic() < deadline, "uvicorn did not start within 30 s"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+        assert not self.thread.is_alive(), "uvicorn did not shut down within 30 s"
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[treedraft.LLM]:
+    # The test process hosts the server, its worker and the clients on a small shared CPU:
+    # one intra-op thread avoids oversubscription (several times faster here); restored afterwards.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield treedraft.load(drafter="prompt-lookup")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference(llm: treedraft.LLM) -> dict[str, treedraft.GenerationResult]:
+    """Greedy answers computed directly with the engine, before any server runs."""
+    return {"chat": llm.generate(CHAT, max_new_tokens=MAX_TOKENS, drafter=None),
+            "completion": llm.generate(COMPLETION_PROMPT, raw=True, max_new_tokens=MAX_TOKENS, drafter=None)}
+
+
+@pytest.fixture(scope="module")
+def server(llm: treedraft.LLM, reference: dict) -> Iterator[LiveServer]:
+    with LiveServer(create_app(llm, ServerSettings(max_queue=32, poll_interval_s=0.05))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT)
+
+
+def _metrics(url: str) -> dict[tuple[str, frozenset], float]:
+    """Scrape /metrics into {(name, labels without model_name): value}."""
+    r = httpx.get(f"{url}/metrics", timeout=10)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for line in r.text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)", line)
+        assert m, f"not Prometheus text format: {line!r}"
+        labels = frozenset(kv for kv in re.findall(r'(\w+)="([^"]*)"', m.group(2) or "") if kv[0] != "model_name")
+        out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def _metric(ms: dict, name: str, **labels: str) -> float:
+    return ms.get((name, frozenset(labels.items())), 0.0)
+
+
+def _wait_for(pred, what: str, timeout: float = 30.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.05)
+
+
+def _assert_error(r: httpx.Response, status: int | tuple[int, ...], param: str | None = "any") -> dict:
+    statuses = status if isinstance(status, tuple) else (status,)
+    assert r.status_code in statuses, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err["type"], str) and err["type"], err
+    if param != "any":
+        assert err["param"] == param, err
+    return err
+
+
+# ----------------------------------------------------------------------------- pieces, no model needed
+
+
+def test_job_queue_is_bounded_fifo_with_removal() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        jobs = [Job([1], GenerationConfig(max_new_tokens=1), "none", loop) for _ in range(4)]
+        q = JobQueue(3)
+        assert all(q.put_nowait(j) for j in jobs[:3])
+        assert not q.put_nowait(jobs[3]), "a full queue must refuse"
+        assert jobs[1].cancel() and len(q) == 2  # a waiting job that is cancelled leaves at once
+        assert not jobs[1].cancel()
+        assert q.put_nowait(jobs[3])
+        assert [q.get() for _ in range(3)] == [jobs[0], jobs[2], jobs[3]]
+        assert not jobs[0].cancel(), "a dequeued job is the worker's to stop"
+        q.close()
+        assert q.get() is None and not q.put_nowait(jobs[1])
+    finally:
+        loop.close()
+
+
+def test_metrics_record_and_render() -> None:
+    m = Metrics("tiny")
+    st = GenerationStats(prompt_tokens=5, new_tokens=6, t_decode=0.5)
+    st.steps = [StepStats(4, 3, 2, 0, 0, 0), StepStats(1, 0, 0, 0, 0, 0), StepStats(3, 2, 0, 0, 0, 0)]
+    m.record(st, 0.0, 0.25, 1.0, 2.0, 6, "stop")
+    m.record(GenerationStats(), 0.0, None, None, 0.1, 0, "aborted")
+    text = m.render()
+    assert text.endswith("\n")
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.fullmatch(r"# (HELP|TYPE) treedraft:\w+ .+", line), line
+            continue
+        name, value = line.rsplit(" ", 1)
+        samples[name] = float(value)
+    lab = 'model_name="tiny"'
+    assert samples[f"treedraft:spec_decode_num_drafts_total{{{lab}}}"] == 2
+    assert samples[f"treedraft:spec_decode_num_draft_tokens_total{{{lab}}}"] == 3 + 2
+    assert samples[f"treedraft:spec_decode_num_accepted_tokens_total{{{lab}}}"] == 2
+    assert samples[f"treedraft:spec_decode_num_verify_steps_total{{{lab}}}"] == 3
+    assert samples[f'treedraft:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="1"}}'] == 1
+    assert f'treedraft:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="2"}}' not in samples
+    assert samples[f'treedraft:spec_decode_num_drafts_per_pos_total{{{lab},position="2"}}'] == 1
+    assert samples[f'treedraft:spec_decode_num_drafts_per_pos_total{{{lab},position="1"}}'] == 2
+    assert samples[f"treedraft:generation_tokens_total{{{lab}}}"] == 6
+    assert samples[f"treedraft:prompt_tokens_total{{{lab}}}"] == 5
+    assert samples[f"treedraft:generation_tokens_per_second{{{lab}}}"] == 12
+    assert samples[f'treedraft:request_success_total{{{lab},finished_reason="stop"}}'] == 1
+    assert samples[f"treedraft:request_aborted_total{{{lab}}}"] == 1
+    assert samples[f'treedraft:time_to_first_token_seconds_bucket{{{lab},le="0.75"}}'] == 0
+    assert samples[f'treedraft:time_to_first_token_seconds_bucket{{{lab},le="1.0"}}'] == 1
+    assert samples[f'treedraft:time_to_first_token_seconds_bucket{{{lab},le="+Inf"}}'] == 1
+    assert samples[f"treedraft:time_to_first_token_seconds_count{{{lab}}}"] == 1
+    assert samples[f"treedraft:e2e_request_latency_seconds_sum{{{lab}}}"] == 2.0
+
+
+# ----------------------------------------------------------------------------- happy paths (openai client)
+
+
+def test_models_and_health(server: LiveServer, client: openai.OpenAI, llm: treedraft.LLM) -> None:
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [llm.model_name]
+    r = httpx.get(f"{server.url}/health", timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_chat_non_stream_matches_engine(client: openai.OpenAI, llm: treedraft.LLM, reference: dict) -> None:
+    r = client.chat.completions.create(model=llm.model_name, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    ref = reference["chat"]
+    assert r.object == "chat.completion" and len(r.choices) == 1
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(llm.encode_prompt(CHAT))
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_stream_with_usage(client: openai.OpenAI, llm: treedraft.LLM, reference: dict) -> None:
+    stream = client.chat.completions.create(model=llm.model_name, messages=CHAT, max_tokens=MAX_TOKENS,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    parts, finishes, usages, roles = [], [], [], []
+    for i, ch in enumerate(stream):
+        assert i < 500, "unbounded stream"
+        assert ch.object == "chat.completion.chunk"
+        if ch.usage is not None:
+            usages.append(ch.usage)
+            assert ch.choices == []
+            continue
+        d = ch.choices[0].delta
+        roles += [d.role] if d.role else []
+        parts.append(d.content or "")
+        if ch.choices[0].finish_reason:
+            finishes.append(ch.choices[0].finish_reason)
+    ref = reference["chat"]
+    assert roles == ["assistant"]
+    assert "".join(parts) == ref.text
+    assert finishes == [ref.finish_reason]
+    assert len(usages) == 1 and usages[0].completion_tokens == len(ref.token_ids)
+    assert usages[0].prompt_tokens == len(llm.encode_prompt(CHAT))
+
+
+def test_stream_raw_sse_ends_with_done(server: LiveServer, llm: treedraft.LLM) -> None:
+    body = {"model": llm.model_name, "prompt": COMPLETION_PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    lines = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            lines.append(line)
+            assert len(lines) < 200
+    data = [ln for ln in lines if ln]
+    assert all(ln.startswith("data: ") for ln in data), data
+    assert data[-1] == "data: [DONE]"
+    assert json.loads(data[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all("usage" not in json.loads(ln[6:]) for ln in data[:-1])  # not asked for
+
+
+def test_completions_stream_and_not(client: openai.OpenAI, llm: treedraft.LLM, reference: dict) -> None:
+    ref = reference["completion"]
+    r = client.completions.create(model=llm.model_name, prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS,
+                                  temperature=0)
+    assert r.object == "text_completion"
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.prompt_tokens == len(llm.encode_prompt(COMPLETION_PROMPT, raw=True))
+    parts, usage = [], None
+    stream = client.completions.create(model=llm.model_name, prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS,
+                                       temperature=0, stream=True, stream_options={"include_usage": True})
+    for i, ch in enumerate(stream):
+        assert i < 500
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            parts.append(c.text)
+    assert "".join(parts) == ref.text
+    assert usage is not None and usage.completion_tokens == len(ref.token_ids)
+    # token-id prompts work too and give the same answer
+    ids = llm.encode_prompt(COMPLETION_PROMPT, raw=True)
+    r2 = client.completions.create(model=llm.model_name, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
+    assert r2.choices[0].text == ref.text
+
+
+def test_stop_string(client: openai.OpenAI, llm: treedraft.LLM, reference: dict) -> None:
+    ref = reference["completion"].text
+    words = [w for w in ref.split() if len(w) > 2 and ref.index(w) > 0]
+    assert words, f"reference too short to pick a stop word: {ref!r}"
+    stop = words[0]
+    for s in (stop, [stop, "zzzz-never"]):
+        r = client.completions.create(model=llm.model_name, prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS,
+                                      temperature=0, stop=s)
+        assert r.choices[0].text == ref[: ref.index(stop)]
+        assert r.choices[0].finish_reason == "stop"
+
+
+def test_extension_drafters_agree_and_sampling_seed(client: openai.OpenAI, llm: treedraft.LLM,
+                                                    reference: dict) -> None:
+    texts = {}
+    for name in ("none", "prompt-lookup", "default"):
+        r = client.chat.completions.create(model=llm.model_name, messages=CHAT, max_tokens=MAX_TOKENS,
+                                           temperature=0, extra_body={"treedraft": {"drafter": name,
+                                                                                    "max_tree_nodes": 8}})
+        texts[name] = r.choices[0].message.content
+        assert r.model_extra["treedraft"]["drafter"] == ("prompt-lookup" if name == "default" else name)
+    assert set(texts.values()) == {reference["chat"].text}, texts
+    # sampling with a seed is reproducible, with either acceptance rule
+    for rule in ("speculative", "typical"):
+        outs = {client.chat.completions.create(model=llm.model_name, messages=CHAT, max_tokens=6, temperature=0.9,
+                                               top_p=0.95, seed=1234, extra_body={"treedraft": {"rule": rule}}
+                                               ).choices[0].message.content for _ in range(2)}
+        assert len(outs) == 1, (rule, outs)
+
+
+def test_nulls_mean_defaults_and_drafter_names_pass_through(server: LiveServer, llm: treedraft.LLM) -> None:
+    body = {"model": llm.model_name, "messages": CHAT, "max_tokens": 2, "temperature": None, "top_p": None,
+            "n": None, "stop": None, "seed": None, "stream": None, "user": "someone", "unknown_field": 1}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 2
+    # medusa may or may not be available in this build: either it serves, or it is a clean 4xx
+    body = {"model": llm.model_name, "messages": CHAT, "max_tokens": 2, "temperature": 0,
+            "treedraft": {"drafter": "medusa"}}
+    for stream in (False, True):
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": stream}, timeout=REQUEST_TIMEOUT)
+        if r.status_code != 200:
+            _assert_error(r, 400, "treedraft.drafter")
+
+
+# ----------------------------------------------------------------------------- bad input (raw httpx)
+
+_LONG_IDS = [100] * 5000  # longer than the 4096-token context
+
+BAD_REQUESTS = [
+    # (path, body: bytes or JSON-able, expected status, expected param or "any")
+    ("chat", b'{"messages": [{"role": "user", "content": "hi"}', 400, None),
+    ("chat", b"not json at all", 400, None),
+    ("chat", b"", 400, None),
+    ("chat", [1, 2, 3], 400, "any"),
+    ("chat", {"max_tokens": 4}, 400, "messages"),
+    ("chat", {"messages": []}, 400, "messages"),
+    ("chat", {"messages": "hello"}, 400, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]}]}, 400, "any"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "any"),
+    ("chat", {"messages": [{"content": "hi"}]}, 400, "any"),
+    ("chat", {"messages": [{"role": "user", "content": "   "}]}, 400, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, 400, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**7}, 400, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4090}, 400, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}, 400, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2.5}, 400, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stop": 5}, 400, "stop"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "stop"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stop": ["a", 3]}, 400, "stop"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "seed": "x"}, 400, "seed"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "treedraft": {"drafter": "bogus"}}, 400,
+     "treedraft.drafter"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "treedraft": {"rule": "bogus"}}, 400,
+     "treedraft.rule"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "treedraft": {"max_tree_nodes": 0}}, 400,
+     "treedraft.max_tree_nodes"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "treedraft": {"colour": "red"}}, 400,
+     "treedraft.colour"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "treedraft": "fast"}, 400, "treedraft"),
+    ("chat", {"messages": [{"role": "user", "content": "hello " * 5000}]}, 400, "messages"),
+    ("completions", {"prompt": _LONG_IDS}, 400, "prompt"),
+    ("completions", {"prompt": "word " * 6000, "max_tokens": 4}, 400, "prompt"),
+    ("completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("completions", {"prompt": []}, 400, "prompt"),
+    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": None}, 400, "prompt"),
+    ("completions", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("completions", {"max_tokens": 3}, 400, "prompt"),
+    ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("completions", {"prompt": "hello there my good friend", "max_tokens": 4095}, 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS, ids=[f"{i}-{b[0]}" for i, b in
+                                                                      enumerate(BAD_REQUESTS)])
+def test_bad_requests_get_openai_errors(server: LiveServer, llm: treedraft.LLM, path: str, body: object,
+                                        status: int, param: str | None) -> None:
+    url = f"{server.url}/v1/{'chat/completions' if path == 'chat' else 'completions'}"
+    if isinstance(body, dict):
+        body = {"model": llm.model_name, **body}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(url, content=content, headers={"Content-Type": "application/json"}, timeout=60)
+    err = _assert_error(r, status, param)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_unknown_model_routes_and_methods(server: LiveServer) -> None:
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                   json={"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]})
+    err = _assert_error(r, 404, "model")
+    assert err["code"] == "model_not_found" and "gpt-17" in err["message"]
+    _assert_error(httpx.get(f"{server.url}/v1/nothing-here", timeout=10), 404)
+    _assert_error(httpx.get(f"{server.url}/v1/chat/completions", timeout=10), 405)
+    # and the server is still alive and serving
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_openai_client_sees_errors(client: openai.OpenAI, llm: treedraft.LLM) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=CHAT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=llm.model_name, messages=CHAT, max_tokens=2, n=3)
+    assert ei.value.param == "n"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=llm.model_name, messages=CHAT, max_tokens=2, stream=True,
+                                       extra_body={"treedraft": {"drafter": "nope"}})
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_metrics_move_after_requests(server: LiveServer, client: openai.OpenAI, llm: treedraft.LLM) -> None:
+    before = _metrics(server.url)
+    for name in ("treedraft:num_requests_running", "treedraft:num_requests_waiting",
+                 "treedraft:spec_decode_num_drafts_total", "treedraft:time_to_first_token_seconds_count"):
+        assert (name, frozenset()) in before, name
+    msgs = [{"role": "user", "content": "Repeat exactly: red green blue, red green blue, red green blue."}]
+    r = client.chat.completions.create(model=llm.model_name, messages=msgs, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"treedraft": {"drafter": "prompt-lookup"}})
+    httpx.post(f"{server.url}/v1/chat/completions", json={"messages": []}, timeout=10)
+    after = _metrics(server.url)
+
+    def delta(name: str, **labels: str) -> float:
+        return _metric(after, name, **labels) - _metric(before, name, **labels)
+
+    assert delta("treedraft:num_requests_total") == 1
+    assert delta("treedraft:request_success_total", finished_reason=r.choices[0].finish_reason) == 1
+    assert delta("treedraft:prompt_tokens_total") == r.usage.prompt_tokens
+    assert delta("treedraft:generation_tokens_total") == r.usage.completion_tokens
+    assert delta("treedraft:time_to_first_token_seconds_count") == 1
+    assert delta("treedraft:e2e_request_latency_seconds_count") == 1
+    assert delta("treedraft:time_to_first_token_seconds_bucket", le="+Inf") == 1
+    assert delta("treedraft:request_errors_total", status="400") >= 1
+    info = r.model_extra["treedraft"]
+    steps = delta("treedraft:spec_decode_num_verify_steps_total")
+    drafts = delta("treedraft:spec_decode_num_drafts_total")
+    assert steps == info["steps"] and steps >= 1
+    assert 1 <= drafts <= steps, "prompt lookup should have drafted on a repetitive prompt"
+    accepted = delta("treedraft:spec_decode_num_accepted_tokens_total")
+    assert accepted == info["accepted_tokens"]
+    assert delta("treedraft:spec_decode_num_draft_tokens_total") == info["drafted_tokens"] >= accepted
+    per_pos = sum(v - _metric(before, k[0], **dict(k[1])) for k, v in after.items()
+                  if k[0] == "treedraft:spec_decode_num_accepted_tokens_per_pos_total")
+    assert per_pos == accepted
+    assert delta("treedraft:spec_decode_num_drafts_per_pos_total", position="0") == drafts
+    # committed tokens = accepted drafts + one target token per step (+ the root from prefill)
+    assert accepted + steps + 1 >= r.usage.completion_tokens
+    assert _metric(after, "treedraft:generation_tokens_per_second") > 0
+    assert _metric(after, "treedraft:num_requests_running") == 0
+
+
+# ----------------------------------------------------------------------------- queue, disconnects
+
+
+def test_queue_full_429_and_disconnects_free_the_worker(llm: treedraft.LLM, server: LiveServer) -> None:
+    """A tiny queue behind a long stream: a queued client that leaves frees its place, a full queue
+    answers 429 + Retry-After, and closing the long stream lets the queued request finish."""
+    settings = ServerSettings(max_queue=1, retry_after_s=7, poll_interval_s=0.05)
+    with LiveServer(create_app(llm, settings)) as s:
+        url = f"{s.url}/v1/chat/completions"
+        # long enough to outlast the steps below even on a fast accelerator; it is cancelled, never finished
+        long_body = {"model": llm.model_name, "messages": CHAT, "max_tokens": 4000, "temperature": 0,
+                     "stream": True, "ignore_eos": True, "treedraft": {"drafter": "none"}}
+        short_body = {"model": llm.model_name, "messages": CHAT, "max_tokens": 3, "temperature": 0}
+        before = _metrics(s.url)
+        with httpx.Client(timeout=REQUEST_TIMEOUT) as c, c.stream("POST", url, json=long_body) as stream_a:
+            assert stream_a.status_code == 200
+            lines = stream_a.iter_lines()
+            for _ in range(50):  # read until the first content arrives: A now owns the worker
+                line = next(lines)
+                if line.startswith("data: ") and '"content": "' in line and '"content": ""' not in line:
+                    break
+            else:
+                pytest.fail("no content from the long stream")
+            assert _metric(_metrics(s.url), "treedraft:num_requests_running") == 1
+            t = time.perf_counter()  # the event loop answers while the worker is busy
+            assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200
+            assert time.perf_counter() - t < 2.0
+
+            # D waits in the queue, then its client gives up: its place must be freed
+            def waiting() -> float:
+                return _metric(_metrics(s.url), "treedraft:num_requests_waiting")
+
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url, json=short_body, timeout=httpx.Timeout(10, read=1.5))
+            _wait_for(lambda: waiting() == 0, "the abandoned queued request to leave the queue", 10)
+
+            # B takes the only place in the queue ...
+            result: dict = {}
+
+            def run_b() -> None:
+                with httpx.Client(timeout=REQUEST_TIMEOUT) as cb:
+                    result["b"] = cb.post(url, json=short_body)
+
+            tb = threading.Thread(target=run_b, daemon=True)
+            tb.start()
+            _wait_for(lambda: waiting() == 1, "B to be queued", 10)
+            # ... so C is turned away at once
+            r = httpx.post(url, json=short_body, timeout=10)
+            err = _assert_error(r, (429, 503))
+            assert r.headers.get("retry-after") == "7"
+            assert err["code"] == "queue_full"
+            assert tb.is_alive(), "B finished although A should still hold the worker"
+        # leaving the `with` closed A's connection mid-stream: the worker must drop A and serve B
+        tb.join(REQUEST_TIMEOUT)
+        assert not tb.is_alive(), "B never finished: the disconnected stream still holds the worker"
+        assert result["b"].status_code == 200, result["b"].text
+        assert result["b"].json()["choices"][0]["message"]["content"]
+        after = _metrics(s.url)
+        aborted = (_metric(after, "treedraft:request_aborted_total")
+                   - _metric(before, "treedraft:request_aborted_total"))
+        assert aborted == 2  # A (running) and D (waiting)
+        gen = (_metric(after, "treedraft:generation_tokens_total")
+               - _metric(before, "treedraft:generation_tokens_total"))
+        assert gen < 4000, f"A ran to completion although its client left ({gen} tokens)"
+        assert _metric(after, "treedraft:num_requests_running") == 0
+        assert _metric(after, "treedraft:num_requests_waiting") == 0
+        assert _metric(after, "treedraft:request_errors_total", status="429") == 1
+        assert httpx.post(url, json=short_body, timeout=REQUEST_TIMEOUT).status_code == 200
+
+
+# ----------------------------------------------------------------------------- concurrency
+
+
+def test_parallel_streams_equal_serial(server: LiveServer, llm: treedraft.LLM) -> None:
+    """16 concurrent greedy streams (4 prompts x 2 drafters): each equals the same request served alone."""
+    prompts = ["Name a fruit.", "What is 2+2?", "Say hi in French.", "Name a planet."]
+    drafters = ["prompt-lookup", "none"]
+    n_tokens = 8
+
+    def body(i: int) -> dict:
+        return dict(model=llm.model_name, messages=[{"role": "user", "content": prompts[i % 4]}],
+                    max_tokens=n_tokens, temperature=0, extra_body={"treedraft": {"drafter": drafters[i // 4 % 2]}})
+
+    async def one(cl: openai.AsyncOpenAI, i: int) -> str:
+        parts = []
+        stream = await cl.chat.completions.create(**body(i), stream=True)
+        n = 0
+        async for ch in stream:
+            n += 1
+            assert n < 200
+            if ch.choices and ch.choices[0].delta.content:
+                parts.append(ch.choices[0].delta.content)
+        return "".join(parts)
+
+    async def main() -> tuple[list[str], list[str]]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                                      timeout=REQUEST_TIMEOUT) as cl:
+            alone = [await one(cl, i) for i in range(8)]  # every distinct request, one at a time
+            together = await asyncio.wait_for(asyncio.gather(*(one(cl, i) for i in range(16))), 300)
+        return alone, together
+
+    alone, together = asyncio.run(main())
+    assert len(set(alone[:4])) == 4, alone  # different prompts -> different answers, so mixing would show
+    for i, text in enumerate(together):
+        assert text == alone[i % 8], (i, text, alone[i % 8])
+    m = _metrics(server.url)
+    assert _metric(m, "treedraft:num_requests_running") == 0 and _metric(m, "treedraft:num_requests_waiting") == 0
