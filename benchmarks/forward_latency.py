@@ -1,0 +1,206 @@
+"""Own runtime vs transformers on the same weights, measured side by side in one run.
+
+1. Latency of one forward of k tokens (k = 1, 2, 4, ..., 64) on top of a 512-token KV cache,
+   median over several repetitions, runtimes interleaved per repetition (tree sizing depends on it).
+2. Plain greedy decoding tokens/s, own engine vs transformers ``generate``, same prompt and length
+   (EOS ignored by both so the lengths match), interleaved, and the own/HF ratio.
+
+    python benchmarks/forward_latency.py            # writes benchmarks/results/forward_latency.{md,json}
+
+Timings live here, never in unit-test asserts. On a shared machine the absolute numbers are noisy;
+the ratios (measured in the same run, interleaved) are what to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "Write a detailed essay about the history of the printing press and its effect on Europe."
+
+
+def load_runtimes(model: str, max_seq_len: int):  # noqa: ANN201
+    """(treedraft LLM on the own runtime, transformers model on the same weights), both fp32 on cpu."""
+    import treedraft
+    from treedraft.bench import load_hf_baseline
+    from treedraft.models.registry import resolve
+
+    llm = treedraft.load(model, drafter=None, device="cpu", dtype="fp32", runtime="own", max_seq_len=max_seq_len)
+    hf = load_hf_baseline(resolve(model), torch.float32, "cpu")
+    return llm, hf
+
+
+def time_call(fn) -> float:  # noqa: ANN001
+    """Seconds one call of fn takes."""
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+@torch.inference_mode()
+def forward_latency(llm, hf, context: int, ks: list[int], reps: int, warmup: int = 2) -> dict:  # noqa: ANN001
+    """Median seconds of one k-token forward on a ``context``-token cache, per runtime and k."""
+    model = llm.model
+    V = model.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, V, (1, context), generator=g)
+    new = torch.randint(0, V, (1, max(ks)), generator=g)
+
+    cache = model.new_cache(context + max(ks))
+    model.forward(ctx, torch.arange(context), cache, 0, logits_for=slice(-1, None))
+    cache.keep(0, range(context))
+
+    def own(k: int):  # noqa: ANN202
+        # the k new entries are written at [context, context + k) and never committed
+        return model.forward(new[:, :k], torch.arange(context, context + k), cache, context)[0]
+
+    # transformers renamed past_key_values -> cache (5.x); use whichever this version takes
+    cache_kw = "cache" if "cache" in inspect.signature(type(hf).forward).parameters else "past_key_values"
+    out = hf(input_ids=ctx, use_cache=True)
+    pkv = getattr(out, cache_kw)
+
+    def hf_step(k: int):  # noqa: ANN202
+        pos = torch.arange(context, context + k)
+        try:
+            return hf(input_ids=new[:, :k], position_ids=pos[None], use_cache=True, **{cache_kw: pkv}).logits
+        finally:
+            pkv.crop(-k)  # drop the k new entries again (DynamicCache grows by concatenation)
+
+    # sanity: both runtimes compute the same thing
+    diff = (own(8) - hf_step(8)).abs().max().item()
+    runs = {"own": own, "hf": hf_step}
+    times: dict[str, dict[int, list[float]]] = {n: {k: [] for k in ks} for n in runs}
+    for k in ks:
+        for _ in range(warmup):
+            for fn in runs.values():
+                fn(k)
+    for r in range(reps):
+        for k in ks:
+            order = list(runs) if (r + k) % 2 == 0 else list(runs)[::-1]
+            for name in order:
+                times[name][k].append(time_call(lambda: runs[name](k)))
+    return {"context": context, "reps": reps, "max_abs_logit_diff_k8": diff,
+            "median_s": {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()},
+            "all_s": times}
+
+
+@torch.inference_mode()
+def decode_ratio(llm, hf, new_tokens: int, reps: int) -> dict:  # noqa: ANN001
+    """Plain greedy decode tokens/s, own engine vs transformers generate, interleaved per repetition."""
+    from treedraft.engine import GenerationConfig
+
+    ids = llm.encode_prompt(PROMPT)
+    cfg = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
+    x = torch.tensor([ids])
+    no_eos = dict(eos_token_id=None, pad_token_id=0)  # generate the full length, like ignore_eos
+
+    def own() -> tuple[list[int], float]:
+        r = llm.engine.generate(ids, cfg, None)
+        return r.token_ids, r.stats.tokens_per_s
+
+    def hf_gen() -> tuple[list[int], None]:
+        out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=new_tokens,
+                          **no_eos)
+        return out[0, x.shape[1]:].tolist(), None
+
+    runs = {"own": own, "hf": hf_gen}
+    for fn in runs.values():  # warm-up
+        fn()
+    rows = []
+    for r in range(reps):
+        row = {}
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            t = time.perf_counter()
+            toks, decode_tps = runs[name]()
+            wall = time.perf_counter() - t
+            row[name] = {"tokens": len(toks), "wall_s": wall, "tokens_per_s": len(toks) / wall,
+                         "decode_only_tokens_per_s": decode_tps, "ids": toks}
+        row["ratio"] = row["own"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
+        rows.append(row)
+    same = all(r["own"]["ids"] == r["hf"]["ids"] for r in rows)
+    med = {n: statistics.median(r[n]["tokens_per_s"] for r in rows) for n in runs}
+    return {"prompt_tokens": len(ids), "new_tokens": new_tokens, "reps": reps, "same_output": same,
+            "median_tokens_per_s": med, "ratio_of_medians": med["own"] / med["hf"],
+            "median_paired_ratio": statistics.median(r["ratio"] for r in rows),
+            "own_decode_only_tokens_per_s": statistics.median(r["own"]["decode_only_tokens_per_s"] for r in rows),
+            "runs": [{n: ({k: v for k, v in r[n].items() if k != "ids"} if n != "ratio" else r[n]) for n in r}
+                     for r in rows]}
+
+
+def markdown(res: dict) -> str:
+    """The report."""
+    lat, dec, env = res["latency"], res["decode"], res["environment"]
+    lines = ["# Own runtime vs transformers (same weights, fp32, cpu)", "",
+             f"- command: `{env['command']}`", f"- model: `{env['model']}`", f"- date: {env['date']}",
+             f"- torch {env['torch']}, transformers {env['transformers']}, {env['threads']} thread(s), "
+             f"{env['platform']}", "",
+             "## Plain greedy decoding", "",
+             f"{dec['new_tokens']} new tokens (EOS ignored) after a {dec['prompt_tokens']}-token chat prompt, "
+             f"{dec['reps']} interleaved repetitions, wall time incl. prefill. Same output: {dec['same_output']}.", "",
+             "| runtime | median tok/s |", "|---|---|",
+             f"| own engine | {dec['median_tokens_per_s']['own']:.1f} |",
+             f"| transformers `generate` | {dec['median_tokens_per_s']['hf']:.1f} |", "",
+             f"**own / HF = {dec['median_paired_ratio']:.2f}x** (median of per-repetition ratios; "
+             f"ratio of medians {dec['ratio_of_medians']:.2f}x). Own decode-only (prefill excluded): "
+             f"{dec['own_decode_only_tokens_per_s']:.1f} tok/s.", "",
+             f"## One forward of k tokens on a {lat['context']}-token cache", "",
+             f"Median of {lat['reps']} interleaved repetitions. Logits agree: max |diff| = "
+             f"{lat['max_abs_logit_diff_k8']:.1e} (k = 8).", "",
+             "| k | own ms | HF ms | HF / own | own ms / token |", "|---|---|---|---|---|"]
+    for k, o in lat["median_s"]["own"].items():
+        h = lat["median_s"]["hf"][k]
+        lines.append(f"| {k} | {o * 1e3:.1f} | {h * 1e3:.1f} | {h / o:.2f} | {o * 1e3 / int(k):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both measurements and write the report."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--ks", default="1,2,4,8,16,32,64")
+    ap.add_argument("--reps", type=int, default=7, help="latency repetitions (median)")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--decode-reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    ks = [int(k) for k in a.ks.split(",")]
+    import transformers
+
+    t = time.perf_counter()
+    llm, hf = load_runtimes(a.model, max(a.context + max(ks), 1024))
+    print(f"loaded both runtimes in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    t = time.perf_counter()
+    lat = forward_latency(llm, hf, a.context, ks, a.reps)
+    print(f"latency done in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    t = time.perf_counter()
+    dec = decode_ratio(llm, hf, a.decode_tokens, a.decode_reps)
+    print(f"decode done in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    env = {"command": "python benchmarks/forward_latency.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "model": a.model, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
+           "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+           "platform": platform.platform(), "python": platform.python_version()}
+    res = {"environment": env, "latency": lat, "decode": dec}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "forward_latency.json").write_text(json.dumps(res, indent=1) + "\n")
+    md = markdown(res)
+    (out / "forward_latency.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

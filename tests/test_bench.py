@@ -1,0 +1,244 @@
+"""The benchmark harness on a tiny seeded model: records, arithmetic, mismatches, report files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from treedraft import bench
+from treedraft.bench import (BenchError, BenchPrompt, EngineMethod, MethodOutput, Record, load_prompts,
+                             run_bench, select_prompts, summarize, write_report)
+from treedraft.drafters.prompt_lookup import PromptLookupDrafter
+from treedraft.engine import Engine, GenerationConfig
+from treedraft.models.tiny import tiny_llama
+
+MAX_NEW = 12
+
+
+def fake_encode(text: str, vocab: int = 64) -> list[int]:
+    """A stand-in tokenizer: one id per byte, folded into the tiny vocabulary."""
+    return [b % vocab for b in text.encode()]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():  # noqa: ANN201
+    """Tiny matmuls are ~30x slower with several threads on a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(tiny_llama(seed=1, scale=2.0))  # no tokenizer, no EOS
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    rows = [{"question_id": 1, "category": "writing", "turns": ["abcabcabcabc abcabc", "second turn ignored"]},
+            {"prompt": "xyz xyz xyz xyzxyz", "category": "math"}]
+    p = tmp_path_factory.mktemp("data") / "q.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return p
+
+
+def wrong_after(method, position: int = 3):  # noqa: ANN001, ANN201
+    """A deliberately wrong method: a correct one with one output token changed."""
+    def run(ids: list[int]) -> MethodOutput:
+        out = method(ids)
+        toks = list(out.token_ids)
+        toks[position] = (toks[position] + 1) % 64
+        return MethodOutput(toks, out.stats, out.finish_reason)
+    return run
+
+
+def early_stop(method, n: int = 5):  # noqa: ANN001, ANN201
+    """Like an HF baseline that hit EOS early: a correct prefix, no stats, returned as a tuple."""
+    def run(ids: list[int]) -> tuple[list[int], None]:
+        return method(ids).token_ids[:n], None
+    return run
+
+
+@pytest.fixture(scope="module")
+def result(engine: Engine, dataset: Path) -> bench.BenchResult:
+    prompts = [(p, fake_encode(p.text)) for p in load_prompts(dataset)]
+    cfg = GenerationConfig(max_new_tokens=MAX_NEW)
+    plain = EngineMethod(engine, cfg, None)
+    methods = {"hf": early_stop(plain), "plain": plain,
+               "prompt-lookup": EngineMethod(engine, cfg, PromptLookupDrafter()),
+               "wrong": wrong_after(plain)}
+    return run_bench(prompts, methods, warmup=1, baselines=("hf", "plain"), progress=False)
+
+
+def test_load_prompts_reads_both_formats_first_turn(dataset: Path) -> None:
+    ps = load_prompts(dataset)
+    assert [(p.id, p.category, p.text) for p in ps] == [("1", "writing", "abcabcabcabc abcabc"),
+                                                         ("2", "math", "xyz xyz xyz xyzxyz")]
+
+
+def test_load_prompts_rejects_bad_lines(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"category": "x"}\n')
+    with pytest.raises(BenchError, match="bad.jsonl:1"):
+        load_prompts(bad)
+    with pytest.raises(BenchError, match="does not exist"):
+        load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_select_prompts_round_robin_over_categories() -> None:
+    ps = [BenchPrompt(str(i), c, "t") for i, c in enumerate("aaabbc")]
+    assert [p.id for p in select_prompts(ps, 4)] == ["0", "3", "5", "1"]
+    assert select_prompts(ps, None) == ps
+
+
+def test_records_are_complete(result: bench.BenchResult) -> None:
+    assert result.methods == ["hf", "plain", "prompt-lookup", "wrong"]
+    assert result.skipped == {}
+    assert sorted((r.method, r.prompt_id) for r in result.records) == sorted(
+        (m, q) for m in result.methods for q in ("1", "2"))
+    for r in result.records:
+        assert r.new_tokens == len(r.token_ids) > 0
+        assert r.wall_s > 0 and r.tokens_per_s == pytest.approx(r.new_tokens / r.wall_s)
+        assert r.category == {"1": "writing", "2": "math"}[r.prompt_id]
+        assert r.prompt_tokens == len(fake_encode({"1": "abcabcabcabc abcabc", "2": "xyz xyz xyz xyzxyz"}[r.prompt_id]))
+        if r.method == "hf":
+            assert r.accepted_lengths is None and r.t_verify is None and r.new_tokens == 5
+        else:
+            assert r.new_tokens == MAX_NEW
+            # every committed token after the prefill's first one comes from a verify step
+            assert 1 + sum(r.accepted_lengths) == r.new_tokens
+            assert len(r.tree_depths) == len(r.accepted_lengths) == len(r.tree_sizes)
+            assert r.t_prefill is not None and r.t_draft + r.t_verify + r.t_rest <= r.wall_s
+    plain = [r for r in result.records if r.method == "plain"]
+    assert all(set(r.accepted_lengths) == {1} and set(r.tree_depths) == {0} for r in plain)
+
+
+def test_speedups_are_computed_from_the_records(result: bench.BenchResult) -> None:
+    s = summarize(result)
+
+    def tps(method: str, cat: str) -> float:
+        rs = [r for r in result.records if r.method == method and cat in ("all", r.category)]
+        return sum(r.new_tokens for r in rs) / sum(r.wall_s for r in rs)
+
+    assert set(s) == {"all", "writing", "math"}
+    for cat in s:
+        for m in result.methods:
+            assert s[cat][m]["tokens_per_s"] == pytest.approx(tps(m, cat))
+            for b in ("hf", "plain"):
+                assert s[cat][m]["speedup"][b] == pytest.approx(tps(m, cat) / tps(b, cat))
+        assert s[cat]["plain"]["speedup"]["plain"] == pytest.approx(1.0)
+    pl = [r for r in result.records if r.method == "prompt-lookup"]
+    acc = [a for r in pl for a in r.accepted_lengths]
+    assert s["all"]["prompt-lookup"]["mean_accepted_length"] == pytest.approx(sum(acc) / len(acc))
+    assert s["all"]["prompt-lookup"]["steps"] == len(acc)
+    assert s["all"]["plain"]["mean_accepted_length"] == 1.0
+    assert s["all"]["hf"]["mean_accepted_length"] is None and s["all"]["hf"]["time_split"] is None
+    steps = [(d, a - 1) for r in pl for d, a in zip(r.tree_depths, r.accepted_lengths)]
+    want = [sum(a >= d for dd, a in steps if dd >= d) / sum(dd >= d for dd, _ in steps)
+            for d in range(1, max(dd for dd, _ in steps) + 1)]
+    assert s["all"]["prompt-lookup"]["acceptance_per_depth"] == pytest.approx(want)
+    split = s["all"]["prompt-lookup"]["time_split"]
+    wall = sum(r.wall_s for r in pl)
+    assert split["draft"] == pytest.approx(sum(r.t_draft for r in pl) / wall)
+    assert split["draft"] + split["verify"] + split["rest"] == pytest.approx(1.0)
+
+
+def test_wrong_method_is_detected_as_mismatch(result: bench.BenchResult) -> None:
+    by = {(r.method, r.prompt_id): r for r in result.records}
+    for q in ("1", "2"):
+        assert by[("plain", q)].equal_to_reference is True
+        assert by[("prompt-lookup", q)].equal_to_reference is True  # greedy speculative = plain
+        assert by[("hf", q)].equal_to_reference is True  # shorter (EOS-like) but the same prefix
+        assert by[("wrong", q)].equal_to_reference is False and by[("wrong", q)].first_mismatch == 3
+    mism = bench.mismatches(result)
+    assert [(m["method"], m["prompt_id"], m["position"]) for m in mism] == [("wrong", "1", 3), ("wrong", "2", 3)]
+    s = summarize(result)["all"]
+    assert (s["wrong"]["equal"], s["wrong"]["compared"]) == (0, 2)
+    assert (s["prompt-lookup"]["equal"], s["prompt-lookup"]["compared"]) == (2, 2)
+
+
+def test_report_files_are_written(result: bench.BenchResult, tmp_path: Path) -> None:
+    paths = write_report(result, tmp_path / "out", decode=lambda ids: " ".join(map(str, ids)))
+    md = paths["markdown"].read_text()
+    for m in result.methods:
+        assert f"| `{m}` |" in md
+    assert "## Output mismatches" in md and "| `wrong` | 1 | writing | 3 |" in md
+    assert "## Speedup vs `hf` per category" in md
+    for key in ("speedup_png", "hist_png"):
+        data = paths[key].read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    doc = json.loads(paths["json"].read_text())
+    assert len(doc["records"]) == len(result.records) == 8
+    assert doc["reference"] == "plain" and doc["baselines"] == ["hf", "plain"]
+    rec = doc["records"][0]
+    assert set(rec) >= {"method", "prompt_id", "category", "new_tokens", "wall_s", "token_ids",
+                        "accepted_lengths", "equal_to_reference", "mean_accepted_length"}
+    assert doc["summary"]["all"]["wrong"]["equal"] == 0
+
+
+def test_failing_method_is_dropped_and_reported(engine: Engine, dataset: Path) -> None:
+    calls = {"n": 0}
+
+    def flaky(ids: list[int]) -> MethodOutput:
+        calls["n"] += 1
+        if calls["n"] > 1:  # survives the warm-up, fails on the first timed prompt
+            raise RuntimeError("boom")
+        return MethodOutput([1, 2, 3])
+
+    prompts = [(p, fake_encode(p.text)) for p in load_prompts(dataset)]
+    plain = EngineMethod(engine, GenerationConfig(max_new_tokens=4), None)
+    res = run_bench(prompts, {"plain": plain, "flaky": flaky}, progress=False, skipped={"medusa": "no heads"})
+    assert res.methods == ["plain"]
+    assert "boom" in res.skipped["flaky"] and res.skipped["medusa"] == "no heads"
+    assert {r.method for r in res.records} == {"plain"} and len(res.records) == 2
+
+
+def test_sampling_runs_skip_the_equality_check(engine: Engine, dataset: Path) -> None:
+    prompts = [(p, fake_encode(p.text)) for p in load_prompts(dataset)]
+    plain = EngineMethod(engine, GenerationConfig(max_new_tokens=4), None)
+    res = run_bench(prompts, {"plain": plain, "wrong": wrong_after(plain, 1)}, greedy=False, warmup=0,
+                    progress=False)
+    assert all(r.equal_to_reference is None for r in res.records)
+    assert bench.mismatches(res) == []
+
+
+def test_method_names_and_unavailable_methods_are_skipped_with_reason(engine: Engine) -> None:
+    assert bench.parse_methods("plain,none,prompt-lookup") == ["plain", "prompt-lookup"]
+    with pytest.raises(BenchError, match="unknown method.*typo"):
+        bench.parse_methods("plain,typo")
+    names = bench.parse_methods("all")
+    assert {"hf", "hf-pld", "plain", "prompt-lookup", "medusa"} <= set(names)
+
+    class FakeLLM:
+        def __init__(self) -> None:
+            self.engine, self.model, self.device, self.model_name = engine, engine.model, "cpu", "tiny"
+
+    cfg = GenerationConfig(max_new_tokens=4)
+    methods, skipped = bench.build_methods(["plain", "prompt-lookup", "medusa", "llama.cpp"], FakeLLM(),
+                                           Path("/nonexistent.gguf"), cfg)
+    assert set(methods) >= {"plain", "prompt-lookup"}
+    assert set(methods) | set(skipped) == {"plain", "prompt-lookup", "medusa", "llama.cpp"}
+    assert all(isinstance(why, str) and why for why in skipped.values())
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert "llama-cpp-python is not installed" in skipped["llama.cpp"]
+    out = methods["prompt-lookup"](fake_encode("abab"))
+    assert isinstance(out, MethodOutput) and len(out.token_ids) == 4
+
+
+def test_bench_subcommand_is_registered() -> None:
+    from treedraft.cli import build_parser
+
+    a = build_parser().parse_args(["bench", "--methods", "hf,plain", "--max-new-tokens", "8", "--num-prompts", "2",
+                                   "--out", "x"])
+    assert a.func is bench.cmd_bench and a.max_new_tokens == 8 and a.num_prompts == 2
+
+
+def test_record_mean_accepted_length() -> None:
+    r = Record("m", "1", "c", 3, 5, 1.0, 5.0, "length", [1] * 5, accepted_lengths=[1, 3])
+    assert r.mean_accepted_length == 2.0
+    assert Record("m", "1", "c", 3, 5, 1.0, 5.0, "length", [1] * 5).mean_accepted_length is None
