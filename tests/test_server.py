@@ -316,13 +316,17 @@ def test_nulls_mean_defaults_and_drafter_names_pass_through(server: LiveServer, 
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 2
-    # medusa may or may not be available in this build: either it serves, or it is a clean 4xx
-    body = {"model": llm.model_name, "messages": CHAT, "max_tokens": 2, "temperature": 0,
-            "treedraft": {"drafter": "medusa"}}
-    for stream in (False, True):
-        r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": stream}, timeout=REQUEST_TIMEOUT)
-        if r.status_code != 200:
-            _assert_error(r, 400, "treedraft.drafter")
+    # every registered drafter name is passed through: it either serves or is a clean 400 (e.g. no heads shipped)
+    from treedraft.drafters import DRAFTERS
+
+    for name in DRAFTERS:
+        body = {"model": llm.model_name, "messages": CHAT, "max_tokens": 2, "temperature": 0,
+                "treedraft": {"drafter": name}}
+        for stream in (False, True):
+            r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": stream},
+                           timeout=REQUEST_TIMEOUT)
+            if r.status_code != 200:
+                _assert_error(r, 400, "treedraft.drafter")
 
 
 # ----------------------------------------------------------------------------- bad input (raw httpx)

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Chunk, GenerationConfig, GenerationError, GenerationStats
 from .tree import TreeError
+from .verify import RULES as _RULES
 
 if TYPE_CHECKING:
     from .api import LLM
@@ -40,9 +41,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("treedraft.server")
 
-# drafter names a request may pick; "default" is the one the server was started with
-_REQUEST_DRAFTERS = ("default", "none", "plain", "prompt-lookup", "medusa")
-_RULES = ("greedy", "speculative", "typical")
+
+def _request_drafters() -> tuple[str, ...]:
+    """Drafter names a request may pick: the registry's, plus 'default' (the server's own) and 'plain'."""
+    from .drafters import DRAFTERS
+
+    return ("default", *DRAFTERS, *(() if "plain" in DRAFTERS else ("plain",)))
+
+
 MAX_TREE_NODES_LIMIT = 512
 
 
@@ -724,8 +730,8 @@ class OpenAIServer:
                            param=pname)
         opts = req.treedraft or TreedraftOptions()
         drafter = opts.drafter or "default"
-        if drafter not in _REQUEST_DRAFTERS:
-            raise APIError(400, f"unknown drafter {drafter!r}; choose one of {', '.join(_REQUEST_DRAFTERS)}",
+        if drafter not in _request_drafters():
+            raise APIError(400, f"unknown drafter {drafter!r}; choose one of {', '.join(_request_drafters())}",
                            param="treedraft.drafter")
         if opts.rule is not None and opts.rule not in _RULES:
             raise APIError(400, f"unknown acceptance rule {opts.rule!r}; choose one of {', '.join(_RULES)}",
