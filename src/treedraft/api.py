@@ -128,6 +128,31 @@ def _architecture(path: Path) -> str:
     if path.is_dir():
         import json
         return json.loads((path / "config.json").read_text()).get("model_type", "?")
+    return _gguf_architecture(path)
+
+
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+
+
+def _gguf_architecture(path: Path) -> str:
+    """general.architecture from the GGUF header; GGUFReader parses every field (~20 s for a 262k vocab)."""
+    import struct
+
+    with open(path, "rb") as f:
+        magic, version = f.read(4), struct.unpack("<I", f.read(4))[0]
+        if magic == b"GGUF" and version >= 2:
+            _n_tensors, n_kv = struct.unpack("<QQ", f.read(16))
+            for _ in range(min(n_kv, 32)):  # general.* keys come first; stop at the first array
+                key = f.read(struct.unpack("<Q", f.read(8))[0]).decode("utf-8", "replace")
+                vtype = struct.unpack("<I", f.read(4))[0]
+                if vtype == 8:  # string
+                    val = f.read(struct.unpack("<Q", f.read(8))[0])
+                    if key == "general.architecture":
+                        return val.decode("utf-8", "replace")
+                elif vtype in _GGUF_SCALAR_SIZES:
+                    f.read(_GGUF_SCALAR_SIZES[vtype])
+                else:
+                    break
     import gguf
-    f = gguf.GGUFReader(str(path)).fields.get("general.architecture")
-    return f.contents() if f is not None else "?"
+    fld = gguf.GGUFReader(str(path)).fields.get("general.architecture")
+    return fld.contents() if fld is not None else "?"
