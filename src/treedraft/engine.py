@@ -156,12 +156,11 @@ class _StopChecker:
     def feed(self, text: str) -> tuple[str, bool]:
         """Return (text safe to emit, stop string hit)."""
         self.pending += text
-        for s in self.stops:
-            i = self.pending.find(s)
-            if i >= 0:
-                out = self.pending[:i]
-                self.pending = ""
-                return out, True
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:  # cut at the earliest stop string, whichever of them it is
+            out = self.pending[: min(hits)]
+            self.pending = ""
+            return out, True
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
@@ -241,7 +240,7 @@ class Engine:
                                        logits_for=slice(-1, None))
         cache.keep(0, range(len(prompt)))
         root = self._pick(logits[0, -1], cfg.sampling, gen)
-        last_hidden = hidden[0, -1]
+        last_hidden = None if hidden is None else hidden[0, -1]
         stats.t_prefill = time.perf_counter() - t0
         t_start = time.perf_counter()
         tokens = prompt + [root]
@@ -253,7 +252,8 @@ class Engine:
             stats.new_tokens = len(out)
             stats.t_decode = time.perf_counter() - t_start
             if tok in self.eos_token_ids and not cfg.ignore_eos:
-                return Chunk(stopper.flush(), [tok], "stop")
+                safe, hit = stopper.feed(decoder.flush() if decoder is not None else "")
+                return Chunk(safe + ("" if hit else stopper.flush()), [tok], "stop")
             text = decoder.push(tok) if decoder is not None else ""
             safe, hit = stopper.feed(text)
             if hit:
@@ -278,8 +278,12 @@ class Engine:
             max_depth = max_new - len(out) - 1
             if drafter is not None and budget > 1 and max_depth > 0:
                 ctx = DraftContext(tokens, last_hidden, budget, max_depth, len(prompt))
-                tree = drafter.propose(ctx)
-                self._check_tree(tree, root, V, getattr(drafter, "name", type(drafter).__name__))
+                name = getattr(drafter, "name", type(drafter).__name__)
+                try:
+                    tree = drafter.propose(ctx)
+                except TreeError as e:
+                    raise TreeError(f"drafter {name!r} built a malformed tree: {e}") from e
+                self._check_tree(tree, root, V, name)
                 tree = tree.pruned_depth(max_depth).truncated(budget)
             else:
                 tree = TokenTree((root,), (-1,))
@@ -295,7 +299,7 @@ class Engine:
                 a = accept(cfg.rule, tree, logits[0], cfg.sampling, gen)
                 acc_nodes, bonus = a.nodes, a.bonus
             cache.keep(start, list(acc_nodes))
-            last_hidden = hidden[0, acc_nodes[-1]]
+            last_hidden = None if hidden is None else hidden[0, acc_nodes[-1]]
             new = [tree.tokens[i] for i in acc_nodes[1:]]
             tokens.extend(new)
             tokens.append(bonus)
@@ -324,6 +328,16 @@ class Engine:
             raise TreeError(f"drafter {name!r} returned {type(tree).__name__}, expected a TokenTree")
         if tree.tokens[0] != root:
             raise TreeError(f"drafter {name!r} returned a tree rooted at {tree.tokens[0]}, expected root {root}")
-        bad = [t for t in tree.tokens if not 0 <= t < vocab]
+        bad = [t for t in tree.tokens if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
-            raise TreeError(f"drafter {name!r} proposed token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            raise TreeError(f"drafter {name!r} proposed token ids outside the vocabulary [0, {vocab}) "
+                            f"(or not ints): {bad[:5]}")
+        kids = tree.children()
+        for node, q in tree.child_q.items():
+            if not (isinstance(node, int) and 0 <= node < len(tree)) or not isinstance(q, Tensor) \
+                    or tuple(q.shape) != (vocab,):
+                raise TreeError(f"drafter {name!r} gave child_q[{node!r}] that is not a ({vocab},) tensor "
+                                f"for a node of its {len(tree)}-node tree")
+            if any(float(q[tree.tokens[c]]) <= 0.0 for c in kids[node]):
+                raise TreeError(f"drafter {name!r} sampled children of node {node} that have zero probability "
+                                "under its own child_q; its q must be the distribution it sampled from")

@@ -24,9 +24,12 @@ class TokenTree:
     """A trie of candidate tokens.
 
     tokens[i] is node i's token, parents[i] its parent (-1 for the root).
-    child_q optionally maps a node to the draft distribution (V,) its children
-    were *sampled* from (iid); nodes absent from it had their children chosen
-    deterministically (top-k, lookup), which the lossless rule treats as such.
+    child_q optionally maps a node to the draft distribution q (V,) its children
+    were *sampled* from, in node order and without replacement: child i ~ q with
+    children 0..i-1 removed and renormalised (a trie cannot hold the duplicates of
+    iid draws, and silently merging them would bias the lossless rule). Nodes absent
+    from it had their children chosen deterministically (top-k, lookup), which the
+    lossless rule treats as such.
     """
 
     tokens: tuple[int, ...]
@@ -89,7 +92,7 @@ class TokenTree:
             if c[:-1] not in node_of:
                 raise TreeError(f"choice {list(c)} has no parent choice {list(c[:-1])}")
             d = len(c) - 1
-            if d >= len(candidates) or c[-1] >= len(candidates[d]):
+            if d >= len(candidates) or not 0 <= c[-1] < len(candidates[d]):
                 raise TreeError(f"choice {list(c)} needs rank {c[-1]} at depth {d + 1}, "
                                 f"but only {len(candidates[d]) if d < len(candidates) else 0} candidates exist")
             if c in node_of:

@@ -40,9 +40,11 @@ def accept_speculative(tree: TokenTree, probs: Tensor, gen: torch.Generator) -> 
 
     probs: (N, V) target distributions (after temperature/top-k/top-p) at every node.
     At each node the children are tried in order. Sampled children (tree.child_q
-    holds their iid draft distribution q) are accepted with min(1, p(x)/q(x)) and a
-    rejection moves p to norm(max(p - q, 0)). Deterministic children (top-k, lookup)
-    are a point-mass q, so acceptance is p(x) and a rejection zeroes x and renormalises.
+    holds the draft distribution q they were drawn from one after another *without
+    replacement*, see TokenTree) are each accepted with min(1, p(x)/q_i(x)), where q_i
+    is q with the siblings already tried removed and renormalised; a rejection moves p
+    to norm(max(p - q_i, 0)). Deterministic children (top-k, lookup) are a point-mass
+    q, so acceptance is p(x) and a rejection zeroes x and renormalises.
     The emitted token is thus distributed exactly as p, level by level.
     """
     kids = tree.children()
@@ -68,6 +70,9 @@ def accept_speculative(tree: TokenTree, probs: Tensor, gen: torch.Generator) -> 
                     moved = True
                 else:
                     p = (p - q).clamp_min(0.0)
+                    q = q.clone()  # the next sibling was drawn from q without x
+                    q[x] = 0.0
+                    q = q / q.sum().clamp_min(1e-300)
             if moved:
                 node = c
                 path.append(c)
