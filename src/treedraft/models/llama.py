@@ -118,6 +118,25 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+class Linear(nn.Linear):
+    """nn.Linear with an optional (in, out) copy of the weight for single-row inputs.
+
+    Measured on this CPU (fp32, MKL): for one row, ``x @ W_t`` with a contiguous
+    (in, out) copy streams the weights ~1.5x faster than ``F.linear(x, W)``; for
+    multi-row inputs (tree verification, prefill) F.linear is as fast or faster.
+    :meth:`Transformer.pack` builds the copies (2x weight memory, not bandwidth).
+    """
+
+    weight_t: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        wt = self.weight_t
+        if wt is not None and x.numel() == x.shape[-1]:
+            y = x @ wt
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -137,8 +156,8 @@ class Attention(nn.Module):
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_out, kv_out = self.nh * self.hd, self.nkv * self.hd
         # fused q/k/v projection: one matmul instead of three (rows: q, k, v)
-        self.wqkv = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        self.wqkv = Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.qkv_bias)
+        self.wo = Linear(q_out, cfg.hidden_size, bias=False)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache | None, start: int
@@ -167,8 +186,8 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate, up
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate, up
+        self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).split(self.inter, dim=-1)
@@ -197,7 +216,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
@@ -213,6 +232,22 @@ class Transformer(nn.Module):
     @property
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
+
+    def pack(self) -> Transformer:
+        """Build (in, out) weight copies for the single-token decode path (see :class:`Linear`).
+
+        Call again after changing weights; :meth:`unpack` drops the copies.
+        """
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.weight_t = m.weight.detach().t().contiguous()
+        return self
+
+    def unpack(self) -> Transformer:
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.weight_t = None
+        return self
 
     def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
         """Allocate an empty KV cache for ``batch`` sequences of up to ``max_len`` tokens."""

@@ -1,0 +1,25 @@
+"""Shared fixtures: the real bundled model, loaded once per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm():  # noqa: ANN201
+    """The bundled SmolLM2 (own runtime, packed for CPU decode), no drafter."""
+    import treedraft
+
+    return treedraft.load(drafter=None)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm():  # noqa: ANN201
+    """transformers' own LlamaForCausalLM on the same GGUF weights (the parity reference)."""
+    from transformers import AutoModelForCausalLM
+
+    from treedraft.models.registry import resolve
+
+    p = resolve("smollm2-135m-instruct")
+    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
