@@ -48,20 +48,19 @@ def time_call(fn) -> float:  # noqa: ANN001
 
 @torch.inference_mode()
 def forward_latency(llm, hf, context: int, ks: list[int], reps: int, warmup: int = 2) -> dict:  # noqa: ANN001
-    """Median seconds of one k-token forward on a ``context``-token cache, per runtime and k."""
+    """Median seconds of one k-token forward on a ``context``-token cache, per runtime and k.
+
+    The own runtime is timed by :func:`treedraft.training.calibrate.measure_latency`, the very
+    numbers tree sizing uses (tree-verify mask included), one repetition per call; transformers
+    gets the same k sweep (causal, its own cache). The two sweeps alternate order per repetition.
+    """
+    from treedraft.training.calibrate import measure_latency
+
     model = llm.model
     V = model.vocab_size
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, V, (1, context), generator=g)
     new = torch.randint(0, V, (1, max(ks)), generator=g)
-
-    cache = model.new_cache(context + max(ks))
-    model.forward(ctx, torch.arange(context), cache, 0, logits_for=slice(-1, None))
-    cache.keep(0, range(context))
-
-    def own(k: int):  # noqa: ANN202
-        # the k new entries are written at [context, context + k) and never committed
-        return model.forward(new[:, :k], torch.arange(context, context + k), cache, context)[0]
 
     # transformers renamed past_key_values -> cache (5.x); use whichever this version takes
     cache_kw = "cache" if "cache" in inspect.signature(type(hf).forward).parameters else "past_key_values"
@@ -75,19 +74,29 @@ def forward_latency(llm, hf, context: int, ks: list[int], reps: int, warmup: int
         finally:
             pkv.crop(-k)  # drop the k new entries again (DynamicCache grows by concatenation)
 
-    # sanity: both runtimes compute the same thing
-    diff = (own(8) - hf_step(8)).abs().max().item()
-    runs = {"own": own, "hf": hf_step}
-    times: dict[str, dict[int, list[float]]] = {n: {k: [] for k in ks} for n in runs}
-    for k in ks:
-        for _ in range(warmup):
-            for fn in runs.values():
-                fn(k)
+    # sanity: both runtimes compute the same thing on the same context and 8 new tokens
+    cache = model.new_cache(context + 8)
+    model.forward(ctx, torch.arange(context), cache, 0, logits_for=slice(-1, None))
+    own8 = model.forward(new[:, :8], torch.arange(context, context + 8), cache, context)[0]
+    diff = (own8 - hf_step(8)).abs().max().item()
+    del cache
+
+    def hf_sweep() -> dict[int, float]:
+        out = {}
+        for k in ks:  # one untimed call per size first, as measure_latency does
+            hf_step(k)
+            out[k] = time_call(lambda: hf_step(k))
+        return out
+
+    sweeps = {"own": lambda: measure_latency(model, context, ks, reps=1), "hf": hf_sweep}
+    for _ in range(warmup):
+        for fn in sweeps.values():
+            fn()
+    times: dict[str, dict[int, list[float]]] = {n: {k: [] for k in ks} for n in sweeps}
     for r in range(reps):
-        for k in ks:
-            order = list(runs) if (r + k) % 2 == 0 else list(runs)[::-1]
-            for name in order:
-                times[name][k].append(time_call(lambda: runs[name](k)))
+        for name in (list(sweeps) if r % 2 == 0 else list(sweeps)[::-1]):
+            for k, t in sweeps[name]().items():
+                times[name][k].append(t)
     return {"context": context, "reps": reps, "max_abs_logit_diff_k8": diff,
             "median_s": {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()},
             "all_s": times}
@@ -153,7 +162,9 @@ def markdown(res: dict) -> str:
              f"ratio of medians {dec['ratio_of_medians']:.2f}x). Own decode-only (prefill excluded): "
              f"{dec['own_decode_only_tokens_per_s']:.1f} tok/s.", "",
              f"## One forward of k tokens on a {lat['context']}-token cache", "",
-             f"Median of {lat['reps']} interleaved repetitions. Logits agree: max |diff| = "
+             f"Median of {lat['reps']} interleaved repetitions; own runtime timed by "
+             "`treedraft.training.calibrate.measure_latency` (tree-verify mask, as tree sizing sees it), "
+             "transformers causal. Logits agree: max |diff| = "
              f"{lat['max_abs_logit_diff_k8']:.1e} (k = 8).", "",
              "| k | own ms | HF ms | HF / own | own ms / token |", "|---|---|---|---|---|"]
     for k, o in lat["median_s"]["own"].items():

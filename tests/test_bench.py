@@ -57,21 +57,44 @@ def wrong_after(method, position: int = 3):  # noqa: ANN001, ANN201
     return run
 
 
-def early_stop(method, n: int = 5):  # noqa: ANN001, ANN201
-    """Like an HF baseline that hit EOS early: a correct prefix, no stats, returned as a tuple."""
+def truncate(method, n: int = 5):  # noqa: ANN001, ANN201
+    """A deliberately wrong method: a correct prefix cut off without EOS, no stats, returned as a tuple."""
     def run(ids: list[int]) -> tuple[list[int], None]:
         return method(ids).token_ids[:n], None
     return run
 
 
+class StopsAtEOS:
+    """Like the transformers baseline: the correct tokens up to and including the first of its EOS ids
+    (which the tiny engine, having none, runs past); no stats, returned as a tuple."""
+
+    def __init__(self, method, eos: set[int]) -> None:  # noqa: ANN001
+        self.method, self.eos_token_ids = method, frozenset(eos)
+
+    def __call__(self, ids: list[int]) -> tuple[list[int], None]:
+        toks = self.method(ids).token_ids
+        return toks[:first_eos_cut(toks, self.eos_token_ids)], None
+
+
+def first_eos_cut(toks: list[int], eos: frozenset[int]) -> int:
+    return next((i + 1 for i, t in enumerate(toks) if t in eos), len(toks))
+
+
 @pytest.fixture(scope="module")
-def result(engine: Engine, dataset: Path) -> bench.BenchResult:
+def eos_id(engine: Engine, dataset: Path) -> int:
+    """An id the plain output of prompt 1 holds at index 3: an EOS for the HF-like method."""
+    ids = fake_encode(load_prompts(dataset)[0].text)
+    return engine.generate(ids, GenerationConfig(max_new_tokens=MAX_NEW), None).token_ids[3]
+
+
+@pytest.fixture(scope="module")
+def result(engine: Engine, dataset: Path, eos_id: int) -> bench.BenchResult:
     prompts = [(p, fake_encode(p.text)) for p in load_prompts(dataset)]
     cfg = GenerationConfig(max_new_tokens=MAX_NEW)
     plain = EngineMethod(engine, cfg, None)
-    methods = {"hf": early_stop(plain), "plain": plain,
+    methods = {"hf": StopsAtEOS(plain, {eos_id}), "plain": plain,
                "prompt-lookup": EngineMethod(engine, cfg, PromptLookupDrafter()),
-               "wrong": wrong_after(plain)}
+               "wrong": wrong_after(plain), "truncated": truncate(plain, 5)}
     return run_bench(prompts, methods, warmup=1, baselines=("hf", "plain"), progress=False)
 
 
@@ -96,8 +119,8 @@ def test_select_prompts_round_robin_over_categories() -> None:
     assert select_prompts(ps, None) == ps
 
 
-def test_records_are_complete(result: bench.BenchResult) -> None:
-    assert result.methods == ["hf", "plain", "prompt-lookup", "wrong"]
+def test_records_are_complete(result: bench.BenchResult, eos_id: int) -> None:
+    assert result.methods == ["hf", "plain", "prompt-lookup", "wrong", "truncated"]
     assert result.skipped == {}
     assert sorted((r.method, r.prompt_id) for r in result.records) == sorted(
         (m, q) for m in result.methods for q in ("1", "2"))
@@ -106,8 +129,11 @@ def test_records_are_complete(result: bench.BenchResult) -> None:
         assert r.wall_s > 0 and r.tokens_per_s == pytest.approx(r.new_tokens / r.wall_s)
         assert r.category == {"1": "writing", "2": "math"}[r.prompt_id]
         assert r.prompt_tokens == len(fake_encode({"1": "abcabcabcabc abcabc", "2": "xyz xyz xyz xyzxyz"}[r.prompt_id]))
-        if r.method == "hf":
-            assert r.accepted_lengths is None and r.t_verify is None and r.new_tokens == 5
+        if r.method in ("hf", "truncated"):
+            assert r.accepted_lengths is None and r.t_verify is None
+            plain_ids = next(p.token_ids for p in result.records if p.method == "plain" and p.prompt_id == r.prompt_id)
+            cut = first_eos_cut(plain_ids, frozenset({eos_id})) if r.method == "hf" else 5
+            assert r.new_tokens == cut and r.token_ids == plain_ids[:cut]
         else:
             assert r.new_tokens == MAX_NEW
             # every committed token after the prefill's first one comes from a verify step
@@ -148,18 +174,62 @@ def test_speedups_are_computed_from_the_records(result: bench.BenchResult) -> No
     assert split["draft"] + split["verify"] + split["rest"] == pytest.approx(1.0)
 
 
-def test_wrong_method_is_detected_as_mismatch(result: bench.BenchResult) -> None:
+def test_wrong_and_truncating_methods_are_detected_as_mismatches(result: bench.BenchResult) -> None:
     by = {(r.method, r.prompt_id): r for r in result.records}
+    assert by[("hf", "1")].new_tokens < MAX_NEW  # the HF-like method did stop early on prompt 1
     for q in ("1", "2"):
         assert by[("plain", q)].equal_to_reference is True
         assert by[("prompt-lookup", q)].equal_to_reference is True  # greedy speculative = plain
-        assert by[("hf", q)].equal_to_reference is True  # shorter (EOS-like) but the same prefix
-        assert by[("wrong", q)].equal_to_reference is False and by[("wrong", q)].first_mismatch == 3
+        # shorter, but it ended at its own EOS where plain (no EOS) has the same token and runs on
+        assert by[("hf", q)].equal_to_reference is True and by[("hf", q)].mismatch is None
+        assert (by[("wrong", q)].equal_to_reference, by[("wrong", q)].first_mismatch,
+                by[("wrong", q)].mismatch) == (False, 3, "differs")
+        # a correct prefix cut off without EOS is not hidden by the shorter length
+        assert (by[("truncated", q)].equal_to_reference, by[("truncated", q)].first_mismatch,
+                by[("truncated", q)].mismatch) == (False, 5, "truncated")
     mism = bench.mismatches(result)
-    assert [(m["method"], m["prompt_id"], m["position"]) for m in mism] == [("wrong", "1", 3), ("wrong", "2", 3)]
+    assert sorted((m["method"], m["prompt_id"], m["position"], m["kind"]) for m in mism) == [
+        ("truncated", "1", 5, "truncated"), ("truncated", "2", 5, "truncated"),
+        ("wrong", "1", 3, "differs"), ("wrong", "2", 3, "differs")]
+    t = next(m for m in mism if m["method"] == "truncated")
+    assert (t["reference_length"], t["method_length"]) == (MAX_NEW, 5) and len(t["method_tokens"]) < len(
+        t["reference_tokens"])
     s = summarize(result)["all"]
     assert (s["wrong"]["equal"], s["wrong"]["compared"]) == (0, 2)
+    assert (s["truncated"]["equal"], s["truncated"]["compared"]) == (0, 2)
+    assert (s["hf"]["equal"], s["hf"]["compared"]) == (2, 2)
     assert (s["prompt-lookup"]["equal"], s["prompt-lookup"]["compared"]) == (2, 2)
+
+
+def test_compare_outputs_length_rules() -> None:
+    cmp = bench.compare_outputs
+    assert cmp([1, 2, 3], [1, 2, 3]) == (True, None, None)
+    assert cmp([1, 2, 3], [1, 9, 3]) == (False, 1, "differs")
+    assert cmp([1, 2, 3], [1, 9]) == (False, 1, "differs")
+    # shorter without EOS: truncated, whatever the reference's EOS ids are
+    assert cmp([1, 2, 3], [1, 2]) == (False, 2, "truncated")
+    assert cmp([1, 2, 3], [1, 2], reference_eos={2}) == (False, 2, "truncated")
+    assert cmp([1, 2, 3], []) == (False, 0, "truncated")
+    # the method stopped at its own EOS, where the reference has it and runs on
+    assert cmp([1, 2, 3], [1, 2], other_eos={2}) == (True, None, None)
+    # the reference stopped at its EOS and the method ran past it; without EOS that is "longer"
+    assert cmp([1, 2], [1, 2, 3], reference_eos={2}) == (True, None, None)
+    assert cmp([1, 2], [1, 2, 3], other_eos={2}) == (False, 2, "longer")
+    # both stopped at the same EOS (the HF case: EOS is kept as the last token by both)
+    assert cmp([1, 2, 7], [1, 2, 7], reference_eos={7}, other_eos={7}) == (True, None, None)
+
+
+def test_methods_declare_the_eos_ids_they_stop_at(engine: Engine) -> None:
+    from types import SimpleNamespace
+
+    eng = Engine(engine.model, eos_token_ids=[5, 6])
+    assert EngineMethod(eng, GenerationConfig(max_new_tokens=2)).eos_token_ids == {5, 6}
+    assert EngineMethod(eng, GenerationConfig(max_new_tokens=2, ignore_eos=True)).eos_token_ids == frozenset()
+    hf = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[2, 3]), config=SimpleNamespace(eos_token_id=9))
+    assert bench.HFMethod(hf, 4).eos_token_ids == {2, 3}
+    hf.generation_config.eos_token_id = None
+    assert bench.HFMethod(hf, 4).eos_token_ids == {9}
+    assert bench.LlamaCppMethod(SimpleNamespace(token_eos=lambda: 4), 4).eos_token_ids == {4}
 
 
 def test_report_files_are_written(result: bench.BenchResult, tmp_path: Path) -> None:
@@ -167,18 +237,21 @@ def test_report_files_are_written(result: bench.BenchResult, tmp_path: Path) -> 
     md = paths["markdown"].read_text()
     for m in result.methods:
         assert f"| `{m}` |" in md
-    assert "## Output mismatches" in md and "| `wrong` | 1 | writing | 3 |" in md
+    assert "## Output mismatches" in md and "| `wrong` | 1 | writing | 3 | differs |" in md
+    assert f"| `truncated` | 1 | writing | 5 | truncated | {MAX_NEW} / 5 |" in md
     assert "## Speedup vs `hf` per category" in md
     for key in ("speedup_png", "hist_png"):
         data = paths[key].read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
     doc = json.loads(paths["json"].read_text())
-    assert len(doc["records"]) == len(result.records) == 8
+    assert len(doc["records"]) == len(result.records) == 10
     assert doc["reference"] == "plain" and doc["baselines"] == ["hf", "plain"]
     rec = doc["records"][0]
     assert set(rec) >= {"method", "prompt_id", "category", "new_tokens", "wall_s", "token_ids",
-                        "accepted_lengths", "equal_to_reference", "mean_accepted_length"}
+                        "accepted_lengths", "equal_to_reference", "mismatch", "mean_accepted_length"}
     assert doc["summary"]["all"]["wrong"]["equal"] == 0
+    assert sorted((m["method"], m["kind"]) for m in doc["mismatches"]) == [
+        ("truncated", "truncated")] * 2 + [("wrong", "differs")] * 2
 
 
 def test_failing_method_is_dropped_and_reported(engine: Engine, dataset: Path) -> None:
@@ -223,19 +296,61 @@ def test_method_names_and_unavailable_methods_are_skipped_with_reason(engine: En
                                            Path("/nonexistent.gguf"), cfg)
     assert set(methods) >= {"plain", "prompt-lookup"}
     assert set(methods) | set(skipped) == {"plain", "prompt-lookup", "medusa", "llama.cpp"}
-    assert all(isinstance(why, str) and why for why in skipped.values())
+    # the tiny model ships no heads: medusa is skipped with the loader's reason, not a generic one
+    assert skipped["medusa"].startswith("FileNotFoundError: no Medusa heads are shipped for 'tiny'")
     if importlib.util.find_spec("llama_cpp") is None:
-        assert "llama-cpp-python is not installed" in skipped["llama.cpp"]
-    out = methods["prompt-lookup"](fake_encode("abab"))
-    assert isinstance(out, MethodOutput) and len(out.token_ids) == 4
+        assert skipped["llama.cpp"].startswith("BenchError: llama-cpp-python is not installed")
+    assert methods["plain"].drafter is None and methods["plain"].config is cfg
+    assert isinstance(methods["prompt-lookup"].drafter, PromptLookupDrafter)
+    ids = fake_encode("abab abab abab")
+    want = engine.generate(ids, cfg, None).token_ids
+    plain, pl = methods["plain"](ids), methods["prompt-lookup"](ids)
+    assert plain.token_ids == pl.token_ids == want and pl.finish_reason == "length"
+    assert pl.stats.new_tokens == 4 and 1 + sum(s.accepted + 1 for s in pl.stats.steps) == 4
 
 
-def test_bench_subcommand_is_registered() -> None:
+def test_bench_cli_end_to_end_on_the_tiny_model(engine: Engine, dataset: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`treedraft bench` through the real parser and cmd_bench (model loading stubbed with the tiny engine):
+    the report matches the run, and the recorded command reproduces the same arguments."""
+    import shlex
+    from types import SimpleNamespace
+
+    import treedraft
+    from treedraft.api import LLM
     from treedraft.cli import build_parser
+    from treedraft.models import registry
 
-    a = build_parser().parse_args(["bench", "--methods", "hf,plain", "--max-new-tokens", "8", "--num-prompts", "2",
-                                   "--out", "x"])
-    assert a.func is bench.cmd_bench and a.max_new_tokens == 8 and a.num_prompts == 2
+    class TinyLLM(LLM):
+        def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
+            return fake_encode(prompt)
+
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: " ".join(map(str, ids)))
+    monkeypatch.setattr(treedraft, "load", lambda *a, **k: TinyLLM(engine, tok, "tiny", "cpu"))
+    monkeypatch.setattr(registry, "resolve", lambda model: Path("/nonexistent.gguf"))
+    out = tmp_path / "out"
+    argv = ["bench", "--dataset", str(dataset), "--methods", "plain,prompt-lookup", "--max-new-tokens", "6",
+            "--warmup", "0", "--threads", "1", "--no-progress", "--model", "tiny", "--out", str(out)]
+    a = build_parser().parse_args(argv)
+    assert a.func is bench.cmd_bench and a.max_new_tokens == 6
+    assert a.func(a) == 0
+    doc = json.loads((out / "records.json").read_text())
+    assert doc["methods"] == ["plain", "prompt-lookup"] and doc["reference"] == "plain"
+    assert doc["baselines"] == ["plain"]  # hf was not run, so it is no baseline
+    assert sorted((r["method"], r["prompt_id"], r["new_tokens"]) for r in doc["records"]) == [
+        ("plain", "1", 6), ("plain", "2", 6), ("prompt-lookup", "1", 6), ("prompt-lookup", "2", 6)]
+    for r in doc["records"]:
+        want = engine.generate(fake_encode({"1": "abcabcabcabc abcabc", "2": "xyz xyz xyz xyzxyz"}[r["prompt_id"]]),
+                               GenerationConfig(max_new_tokens=6), None).token_ids
+        assert r["token_ids"] == want and r["equal_to_reference"] is True
+    assert doc["mismatches"] == [] and doc["config"]["max_new_tokens"] == 6 and doc["config"]["prompts"] == 2
+    assert "| `prompt-lookup` |" in (out / "report.md").read_text()
+    # the command stored in the report parses back to the same options
+    cmd = shlex.split(doc["config"]["command"])
+    assert cmd[:2] == ["treedraft", "bench"]
+    b = build_parser().parse_args(cmd[1:])
+    keys = ("dataset", "methods", "max_new_tokens", "warmup", "threads", "model", "out", "temperature", "raw")
+    assert {k: getattr(b, k) for k in keys} == {k: getattr(a, k) for k in keys}
 
 
 def test_record_mean_accepted_length() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import socket
 import threading
@@ -426,6 +427,60 @@ def test_openai_client_sees_errors(client: openai.OpenAI, llm: treedraft.LLM) ->
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=llm.model_name, messages=CHAT, max_tokens=2, stream=True,
                                        extra_body={"treedraft": {"drafter": "nope"}})
+
+
+class _BrokenDrafter:
+    """A drafter with a bug: its propose raises ``exc``."""
+
+    def __init__(self, name: str, exc: Exception) -> None:
+        self.name, self.exc = name, exc
+
+    def propose(self, ctx: object) -> None:
+        raise self.exc
+
+
+def test_internal_errors_are_500_logged_and_the_server_keeps_serving(
+        llm: treedraft.LLM, reference: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A bug during generation (here broken drafters; a ValueError too, like a cache overflow or an
+    inconsistent q) is the server's fault: 500 + OpenAI error body + a logged traceback, never a 400;
+    the worker survives and the next request is served normally."""
+    from treedraft import drafters
+    from treedraft.tree import TreeError
+
+    broken = {"medusa": RuntimeError("boom: a drafter bug"),
+              "hybrid": ValueError("draft token 7 has zero draft probability; the drafter's q is inconsistent"),
+              "prompt-lookup": TreeError("parents must come before their children")}
+    real = drafters.make_drafter
+    monkeypatch.setattr(drafters, "make_drafter", lambda name, *a, **k: (
+        _BrokenDrafter(name, broken[name]) if name in broken else real(name, *a, **k)))
+    body = {"model": llm.model_name, "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    app = create_app(llm, ServerSettings(poll_interval_s=0.05))
+    with caplog.at_level(logging.ERROR, logger="treedraft.server"), LiveServer(app) as s:
+        url = f"{s.url}/v1/chat/completions"
+        for name, exc in broken.items():
+            r = httpx.post(url, json={**body, "treedraft": {"drafter": name}}, timeout=REQUEST_TIMEOUT)
+            err = _assert_error(r, 500, None)
+            assert err["type"] == "server_error" and str(exc) in err["message"], err
+        # streamed: the first token went out before the failure, so the error arrives in-band, then [DONE]
+        r = httpx.post(url, json={**body, "stream": True, "treedraft": {"drafter": "hybrid"}}, timeout=REQUEST_TIMEOUT)
+        assert r.status_code == 200, r.text
+        events = [ln.removeprefix("data: ") for ln in r.text.splitlines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        errors = [e["error"] for e in map(json.loads, events[:-1]) if "error" in e]
+        assert len(errors) == 1 and errors[0]["type"] == "server_error"
+        assert str(broken["hybrid"]) in errors[0]["message"]
+        # still alive: the same request with a working drafter gets the right answer
+        assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200
+        for name in ("none", "default"):
+            r = httpx.post(url, json={**body, "treedraft": {"drafter": name}}, timeout=REQUEST_TIMEOUT)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == reference["chat"].text
+        m = _metrics(s.url)
+        assert _metric(m, "treedraft:request_errors_total", status="500") == 4
+        assert _metric(m, "treedraft:request_errors_total", status="400") == 0
+    logged = [rec for rec in caplog.records if rec.name == "treedraft.server" and rec.levelno >= logging.ERROR]
+    assert len(logged) == 4 and all(rec.exc_info for rec in logged)
+    assert {type(rec.exc_info[1]) for rec in logged} == {RuntimeError, ValueError, TreeError}
 
 
 # ----------------------------------------------------------------------------- metrics

@@ -19,8 +19,12 @@ Definitions used throughout:
 - speedup of method M vs baseline B = tokens/s(M) / tokens/s(B) over the same prompts;
 - mean accepted length = tokens committed per verify step, bonus token included;
 - acceptance at depth d = P(accepted >= d | the drafted tree reached depth d), pooled over steps;
-- output equality: the method's ids vs the reference's (treedraft plain) on their common
-  prefix length (transformers and EOS-stopped runs may be shorter), greedy only.
+- output equality (greedy only): the method's ids vs the reference's (treedraft plain), same tokens
+  and same length; the one allowed length difference is an output that ended at an EOS token
+  (the last id of the shorter one is one its own method stops at) where the other has the same
+  token and ran on (ignore_eos, or a method with a different EOS set). A shorter output that did
+  not end at EOS is a "truncated" mismatch, a longer one past a reference that did not end at EOS a
+  "longer" one; both are listed with the differing tokens, never hidden.
 """
 
 from __future__ import annotations
@@ -157,6 +161,11 @@ class EngineMethod:
     config: Any  # treedraft.engine.GenerationConfig
     drafter: Any = None
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids this method stops at (the engine's; none with ignore_eos)."""
+        return frozenset() if getattr(self.config, "ignore_eos", False) else frozenset(self.engine.eos_token_ids)
+
     def __call__(self, prompt_ids: list[int]) -> MethodOutput:
         """Generate with the engine; stats are the engine's own."""
         r = self.engine.generate(prompt_ids, self.config, self.drafter)
@@ -175,8 +184,19 @@ class HFMethod:
     top_k: int = 0
     seed: int | None = None
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids ``generate`` stops at (generation_config, else the model config)."""
+        out: set[int] = set()
+        for cfg in (getattr(self.model, "generation_config", None), getattr(self.model, "config", None)):
+            e = getattr(cfg, "eos_token_id", None)
+            out.update(int(t) for t in ([] if e is None else [e] if isinstance(e, int) else e))
+            if out:
+                break
+        return frozenset(out)
+
     def __call__(self, prompt_ids: list[int]) -> MethodOutput:
-        """Run ``generate`` and return only the new tokens (it stops at EOS, so may be short)."""
+        """Run ``generate`` and return only the new tokens: up to and including the EOS it stops at (if any)."""
         import torch
 
         x = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
@@ -206,8 +226,13 @@ class LlamaCppMethod:
     top_k: int = 0
     seed: int | None = None
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The id this method stops at."""
+        return frozenset({int(self.llama.token_eos())})
+
     def __call__(self, prompt_ids: list[int]) -> MethodOutput:
-        """Stream tokens from ``Llama.generate`` until EOS or max_new_tokens."""
+        """Stream tokens from ``Llama.generate`` until EOS (kept as the last token) or max_new_tokens."""
         eos = self.llama.token_eos()
         greedy = self.temperature <= 0
         if self.seed is not None:
@@ -261,7 +286,8 @@ class Record:
     t_rest: float | None = None
     # output equality vs the reference method (None: not compared, e.g. sampling or no reference)
     equal_to_reference: bool | None = None
-    first_mismatch: int | None = None
+    first_mismatch: int | None = None  # index of the first differing (or missing / extra) token
+    mismatch: str | None = None  # "differs", "truncated" (shorter, no EOS) or "longer" (see compare_outputs)
 
     @property
     def mean_accepted_length(self) -> float | None:
@@ -291,13 +317,28 @@ def make_record(method: str, prompt: BenchPrompt, prompt_ids: Sequence[int], out
     return r
 
 
-def compare_outputs(reference: Sequence[int], other: Sequence[int]) -> tuple[bool, int | None]:
-    """Equal on the common prefix length? Returns (equal, first differing index or None)."""
+def compare_outputs(reference: Sequence[int], other: Sequence[int], *, reference_eos: Iterable[int] = (),
+                    other_eos: Iterable[int] = ()) -> tuple[bool, int | None, str | None]:
+    """Greedy output equality: (equal, index of the first difference, kind of mismatch).
+
+    Equal = the same tokens and the same length. Lengths may differ only where the shorter output
+    ended at an EOS of its own method (its last token is in ``reference_eos`` / ``other_eos``) and
+    the other has that same token there: one method stopped at an EOS the other runs past (a
+    different EOS set, ignore_eos). Otherwise:
+    ``"differs"`` (a different token at the index), ``"truncated"`` (``other`` is shorter and did not
+    end at EOS; index = ``len(other)``) or ``"longer"`` (``other`` goes on where the reference ended
+    without EOS; index = ``len(reference)``).
+    """
     n = min(len(reference), len(other))
     for i in range(n):
         if reference[i] != other[i]:
-            return False, i
-    return True, None
+            return False, i, "differs"
+    if len(reference) == len(other):
+        return True, None, None
+    shorter, eos = (other, other_eos) if len(other) < len(reference) else (reference, reference_eos)
+    if shorter and shorter[-1] in frozenset(eos):
+        return True, None, None
+    return False, n, "truncated" if len(other) < len(reference) else "longer"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,11 +361,13 @@ class BenchResult:
 def run_bench(prompts: Sequence[tuple[BenchPrompt, Sequence[int]]], methods: dict[str, Method], *,
               warmup: int = 1, baselines: Iterable[str] = DEFAULT_BASELINES, reference: str | None = REFERENCE,
               greedy: bool = True, skipped: dict[str, str] | None = None, progress: bool = True,
-              config: dict | None = None) -> BenchResult:
+              config: dict | None = None, eos_token_ids: Iterable[int] = ()) -> BenchResult:
     """Run every method on every (prompt, ids), interleaved per prompt; warm-up runs are excluded.
 
     A method that raises is dropped from the run (its records too) and listed in ``skipped``
-    with the error, so one broken drafter does not hide the others.
+    with the error, so one broken drafter does not hide the others. The output comparison
+    (:func:`compare_outputs`) takes the ids a method stops at from its ``eos_token_ids``
+    attribute, or from the ``eos_token_ids`` argument for methods without one.
     """
     from tqdm import tqdm
 
@@ -375,9 +418,13 @@ def run_bench(prompts: Sequence[tuple[BenchPrompt, Sequence[int]]], methods: dic
     records = [r for r in records if r.method in live]
     ref = reference if reference in live else None
     if greedy and ref is not None:
+        default_eos = frozenset(int(t) for t in eos_token_ids)
+        eos = {n: default_eos if getattr(m, "eos_token_ids", None) is None
+               else frozenset(int(t) for t in m.eos_token_ids) for n, m in methods.items()}
         ref_ids = {r.prompt_id: r.token_ids for r in records if r.method == ref}
         for r in records:
-            r.equal_to_reference, r.first_mismatch = compare_outputs(ref_ids[r.prompt_id], r.token_ids)
+            r.equal_to_reference, r.first_mismatch, r.mismatch = compare_outputs(
+                ref_ids[r.prompt_id], r.token_ids, reference_eos=eos[ref], other_eos=eos[r.method])
     return BenchResult(records, [n for n in names if n in live], skipped, ref,
                        [b for b in baselines if b in live], greedy, dict(config or {}))
 
@@ -394,14 +441,11 @@ def throughput(records: Iterable[Record]) -> float:
 
 
 def acceptance_per_depth(records: Iterable[Record]) -> list[float]:
-    """Pooled P(accepted >= d | tree depth >= d) for d = 1..max depth over all steps."""
-    steps = [(d, a - 1) for r in records if r.accepted_lengths for d, a in zip(r.tree_depths, r.accepted_lengths)]
-    depth = max((d for d, _ in steps), default=0)
-    out = []
-    for d in range(1, depth + 1):
-        tried = [a for dd, a in steps if dd >= d]
-        out.append(sum(a >= d for a in tried) / len(tried))
-    return out
+    """Pooled P(accepted >= d | tree depth >= d) for d = 1..max depth over all steps of the records."""
+    from .engine import acceptance_per_depth as pooled
+
+    return pooled((d, a - 1) for r in records if r.accepted_lengths
+                  for d, a in zip(r.tree_depths, r.accepted_lengths))
 
 
 def _group_summary(rs: list[Record], base_tps: dict[str, float]) -> dict:
@@ -453,7 +497,8 @@ def mismatches(result: BenchResult, decode: Callable[[list[int]], str] | None = 
             lo = max(0, i - context)
             exp, got = ref[r.prompt_id].token_ids[lo:i + context], r.token_ids[lo:i + context]
             m = {"method": r.method, "prompt_id": r.prompt_id, "category": r.category, "position": i,
-                 "reference_tokens": exp, "method_tokens": got}
+                 "kind": r.mismatch, "reference_length": len(ref[r.prompt_id].token_ids),
+                 "method_length": len(r.token_ids), "reference_tokens": exp, "method_tokens": got}
             if decode is not None:
                 m["reference_text"], m["method_text"] = decode(exp), decode(got)
             out.append(m)
@@ -480,7 +525,8 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
         lines.append("")
     lines += ["tokens/s = total new tokens / total wall time (prefill included) per method; speedup = ratio of "
               "tokens/s over the same prompts; mean accepted = tokens per verify step incl. the bonus token; "
-              f"equality is against `{result.reference}` on the common prefix length.", ""]
+              f"equality is against `{result.reference}`: same tokens and length (a shorter output must end at "
+              "EOS where the other has that EOS).", ""]
     base = result.baselines
     head = (["method", "tok/s"] + [f"× vs {b}" for b in base]
             + ["mean accepted", "accept. d1..d5", "draft / verify / rest", f"= {result.reference}"])
@@ -509,13 +555,15 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
     if result.reference is None or not result.greedy:
         lines.append("not checked (" + ("sampling" if not result.greedy else "no reference method in the run") + ")")
     elif not mism:
-        lines.append(f"none: every method's greedy output equals `{result.reference}` on the common prefix.")
+        lines.append(f"none: every method's greedy output equals `{result.reference}`.")
     else:
-        lines += ["| method | prompt | category | first diff at | reference | method |", "|---|---|---|---|---|---|"]
+        lines += ["| method | prompt | category | first diff at | kind | length ref / method | reference | method |",
+                  "|---|---|---|---|---|---|---|---|"]
         for x in mism:
             ref = x.get("reference_text", x["reference_tokens"])
             got = x.get("method_text", x["method_tokens"])
-            lines.append(f"| `{x['method']}` | {x['prompt_id']} | {x['category']} | {x['position']} | "
+            lines.append(f"| `{x['method']}` | {x['prompt_id']} | {x['category']} | {x['position']} | {x['kind']} | "
+                         f"{x['reference_length']} / {x['method_length']} | "
                          f"{json.dumps(ref, ensure_ascii=False)} | {json.dumps(got, ensure_ascii=False)} |")
     lines.append("")
     if result.skipped:

@@ -7,7 +7,7 @@ server, the benchmark and the tests all drive :meth:`Engine.stream`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -80,6 +80,21 @@ class GenerationConfig:
             raise GenerationError(f"max_tree_nodes must be >= 1, got {self.max_tree_nodes}")
 
 
+def acceptance_per_depth(steps: Iterable[tuple[int, int]]) -> list[float]:
+    """P(accepted >= d | tree depth >= d) for d = 1..max depth, pooled over (tree_depth, accepted) steps.
+
+    ``accepted`` counts draft tokens only (bonus excluded). Shared by :class:`GenerationStats`
+    and the benchmark, which pools the steps of many generations.
+    """
+    steps = list(steps)
+    depth = max((d for d, _ in steps), default=0)
+    out = []
+    for d in range(1, depth + 1):
+        tried = [a for dd, a in steps if dd >= d]
+        out.append(sum(a >= d for a in tried) / len(tried))
+    return out
+
+
 @dataclass
 class StepStats:
     tree_size: int  # nodes verified, root included
@@ -113,12 +128,7 @@ class GenerationStats:
 
     def acceptance_per_depth(self) -> list[float]:
         """P(accepted depth >= d | tree reached depth d), d = 1..max depth."""
-        depth = max((s.tree_depth for s in self.steps), default=0)
-        out = []
-        for d in range(1, depth + 1):
-            tried = [s for s in self.steps if s.tree_depth >= d]
-            out.append(sum(s.accepted >= d for s in tried) / max(1, len(tried)))
-        return out
+        return acceptance_per_depth((s.tree_depth, s.accepted) for s in self.steps)
 
     @property
     def tokens_per_s(self) -> float:

@@ -533,6 +533,8 @@ class Worker:
             try:
                 self._drafters[name] = make_drafter(name, self.llm, self.settings.heads)
             except (ImportError, FileNotFoundError, ValueError) as e:
+                # the name is valid (checked in prepare) but this server cannot build it (e.g. no heads)
+                log.warning("drafter %r is not available: %s: %s", name, type(e).__name__, e)
                 raise APIError(400, f"drafter {name!r} is not available on this server: {e}",
                                param="treedraft.drafter", code="drafter_unavailable") from None
         return self._drafters[name]
@@ -576,15 +578,16 @@ class Worker:
             else:
                 outcome = finish
                 job.deliver(_Done(finish, stats))
-        except APIError as e:
+        except APIError as e:  # raised deliberately: already the right status and message
             job.deliver(_Failed(e))
-        except TreeError as e:  # a drafter bug, not the client's fault
-            log.exception("drafter produced an invalid tree")
-            job.deliver(_Failed(APIError(500, f"internal error in the drafter: {e}", "server_error")))
-        except (GenerationError, ValueError) as e:
+        except GenerationError as e:  # the engine rejects the request itself (it names the limit): client's fault
             job.deliver(_Failed(APIError(400, str(e), code="invalid_generation_request")))
-        except Exception as e:  # noqa: BLE001 - answer the client, keep the server alive
-            log.exception("generation failed")
+        except TreeError as e:  # a drafter bug, not the client's fault
+            log.exception("generation failed: drafter %r produced an invalid tree", job.drafter)
+            job.deliver(_Failed(APIError(500, f"internal error in the drafter: {e}", "server_error")))
+        except Exception as e:  # noqa: BLE001 - any other error (ValueError included) is a server bug
+            # e.g. a KV cache overflow or a drafter's inconsistent q: answer 500, log it, keep serving
+            log.exception("generation failed (drafter %r)", job.drafter)
             job.deliver(_Failed(APIError(500, f"internal error during generation: {type(e).__name__}: {e}",
                                          "server_error")))
         finally:
