@@ -40,7 +40,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_DATASET = Path("..") / "shared" / "data" / "mt_bench_questions.jsonl"
+from .prompts import (MT_BENCH_FILE, SHARED_DATA, Prompt, PromptFileError,
+                      find_shared_data, read_prompt_file)
+
+DEFAULT_DATASET = SHARED_DATA / MT_BENCH_FILE
 BASELINE_METHODS = ("hf", "hf-pld", "plain", "llama.cpp", "llama.cpp-pld")
 DEFAULT_BASELINES = ("hf", "plain")
 REFERENCE = "plain"
@@ -68,40 +71,22 @@ class BenchError(ValueError):
 # prompts
 
 
-@dataclass(frozen=True)
-class BenchPrompt:
-    """One benchmark prompt: the first turn of a question."""
-
-    id: str
-    category: str
-    text: str
+BenchPrompt = Prompt  # one benchmark prompt: the first turn of a question (id, category, text)
 
 
 def load_prompts(path: str | Path) -> list[BenchPrompt]:
-    """Read a jsonl of MT-Bench/Spec-Bench questions (``turns``) or ``{"prompt": ...}`` lines."""
-    path = Path(path)
-    if not path.is_file():
+    """Read a jsonl of prompts (see :mod:`treedraft.prompts` for the formats); ids must be unique."""
+    if not Path(path).exists():
         raise BenchError(f"dataset {path} does not exist; pass --dataset FILE (jsonl)")
-    out: list[BenchPrompt] = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise BenchError(f"{path}:{n}: not valid JSON ({e.msg})") from e
-        if not isinstance(row, dict):
-            raise BenchError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-        turns = row.get("turns")
-        text = turns[0] if isinstance(turns, list) and turns else row.get("prompt")
-        if not isinstance(text, str) or not text.strip():
-            raise BenchError(f"{path}:{n}: needs a non-empty 'turns' list or a 'prompt' string")
-        qid = str(row.get("question_id", row.get("id", n)))
-        if any(p.id == qid for p in out):
-            raise BenchError(f"{path}:{n}: duplicate question id {qid!r}; ids must be unique")
-        out.append(BenchPrompt(qid, str(row.get("category") or "general"), text))
-    if not out:
-        raise BenchError(f"dataset {path} has no prompts")
+    try:
+        out = read_prompt_file(path)
+    except PromptFileError as e:
+        raise BenchError(str(e)) from e
+    seen: set[str] = set()
+    for p in out:
+        if p.id in seen:
+            raise BenchError(f"{path}: duplicate question id {p.id!r}; ids must be unique")
+        seen.add(p.id)
     return out
 
 
@@ -129,12 +114,7 @@ def select_prompts(prompts: Sequence[BenchPrompt], k: int | None) -> list[BenchP
 
 def find_default_dataset() -> Path | None:
     """``../shared/data/mt_bench_questions.jsonl`` relative to the cwd or the repo root, if present."""
-    repo = Path(__file__).resolve().parents[2]
-    for base in (Path.cwd(), repo):
-        p = (base / DEFAULT_DATASET).resolve()
-        if p.is_file():
-            return p
-    return None
+    return find_shared_data(MT_BENCH_FILE)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,31 +41,64 @@ def expected_lengths(values: Sequence[float]) -> list[float]:
     return out
 
 
+LATENCY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def latency_sizes(max_nodes: int, base: Sequence[int] = LATENCY_SIZES) -> list[int]:
+    """Forward sizes to measure for trees of up to ``max_nodes`` tokens (root included): the
+    ``base`` sizes below it, 1 and ``max_nodes`` itself, so no size used needs extrapolation."""
+    if max_nodes < 1:
+        raise ValueError(f"max_nodes must be >= 1 (it counts the root), got {max_nodes}")
+    return sorted({s for s in base if s < max_nodes} | {1, max_nodes})
+
+
 def choose_tree(acc: Sequence[Sequence[float]], latency: dict[int, float], draft_cost: float = 0.0,
                 max_nodes: int = 64) -> dict:
     """Pick the tree size maximising expected tokens/s under measured latency(n_tokens) (seconds).
 
-    latency maps a forward's token count (root included) to seconds; values between
-    measured sizes are interpolated linearly.
+    ``max_nodes`` is the tree size budget *root included*, like GenerationConfig.max_tree_nodes,
+    so the chosen tree has at most ``max_nodes - 1`` draft nodes. ``latency`` maps a forward's
+    token count (root included) to seconds; sizes between measured ones are interpolated linearly.
+    A size outside the measured range is extrapolated linearly from the nearest two points and
+    reported in ``warnings`` (measure up to ``max_nodes``: see :func:`latency_sizes`).
     """
-    choices, values = grow_tree(acc, max_nodes)
+    if max_nodes < 1:
+        raise ValueError(f"max_nodes must be >= 1 (it counts the root), got {max_nodes}")
+    if not latency:
+        raise ValueError("no latency measurements")
+    choices, values = grow_tree(acc, max_nodes - 1)
     lens = expected_lengths(values)
     sizes = sorted(latency)
+    outside: set[int] = set()
 
     def lat(n: int) -> float:
         if n in latency:
             return latency[n]
-        lo = max([s for s in sizes if s <= n], default=sizes[0])
-        hi = min([s for s in sizes if s >= n], default=sizes[-1])
-        if hi == lo:
-            return latency[lo]
-        return latency[lo] + (latency[hi] - latency[lo]) * (n - lo) / (hi - lo)
+        if n < sizes[0] or n > sizes[-1]:
+            outside.add(n)
+            pair = sizes[:2] if n < sizes[0] else sizes[-2:]
+            if len(pair) < 2:
+                return latency[pair[0]]
+            lo, hi = pair
+        else:
+            lo = max(s for s in sizes if s <= n)
+            hi = min(s for s in sizes if s >= n)
+        return max(0.0, latency[lo] + (latency[hi] - latency[lo]) * (n - lo) / (hi - lo))
 
-    best = max(range(len(choices) + 1), key=lambda n: lens[n] / (lat(n + 1) + (draft_cost if n else 0.0)))
-    table = [{"nodes": n, "expected_len": lens[n], "tok_per_s": lens[n] / (lat(n + 1) + (draft_cost if n else 0))}
-             for n in range(len(choices) + 1)]
-    return {"choices": [list(c) for c in choices[:best]], "nodes": best, "expected_len": lens[best],
-            "expected_tok_per_s": table[best]["tok_per_s"], "plain_tok_per_s": 1.0 / lat(1), "table": table}
+    def tok_per_s(n: int) -> float:
+        t = lat(n + 1) + (draft_cost if n else 0.0)
+        return lens[n] / t if t > 0 else float("inf")
+
+    table = [{"nodes": n, "expected_len": lens[n], "tok_per_s": tok_per_s(n)} for n in range(len(choices) + 1)]
+    best = max(range(len(table)), key=lambda n: table[n]["tok_per_s"])
+    plain = 1.0 / lat(1)
+    warnings = []
+    if outside:
+        warnings.append(f"latency for {sorted(outside)} tokens was extrapolated beyond the measured sizes "
+                        f"{sizes[0]}..{sizes[-1]}; measure up to {max_nodes} tokens for a reliable choice")
+    return {"choices": [list(c) for c in choices[:best]], "nodes": best, "tree_tokens": best + 1,
+            "expected_len": lens[best], "expected_tok_per_s": table[best]["tok_per_s"],
+            "plain_tok_per_s": plain, "table": table, "warnings": warnings}
 
 
 @torch.inference_mode()

@@ -4,21 +4,40 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
+from ..prompts import FORMATS, MT_BENCH_FILE, SHARED_DATA, SHAREGPT_FILE, find_shared_data
 
-def _default_prompts() -> str:
-    for cand in (Path("../shared/data/sharegpt_prompts.jsonl"), Path(__file__).resolve().parents[3].parent
-                 / "shared" / "data" / "sharegpt_prompts.jsonl"):
-        if cand.is_file():
-            return str(cand)
-    return "sharegpt_prompts.jsonl"
+
+def _default_prompts() -> str | None:
+    p = find_shared_data(SHAREGPT_FILE)
+    return str(p) if p else None
 
 
 def _default_eval() -> str | None:
-    p = Path(_default_prompts()).with_name("mt_bench_questions.jsonl")
-    return str(p) if p.is_file() else None
+    p = find_shared_data(MT_BENCH_FILE)
+    return str(p) if p else None
+
+
+def cache_name(model_name: str, prompt_file: str | Path, num_prompts: int | None, max_new_tokens: int,
+               max_prompt_tokens: int) -> str:
+    """Data directory name: model, prompt file, prompt count and token limits (meta.json has the rest)."""
+    m = Path(model_name)
+    model = m.stem if m.suffix == ".gguf" else m.name
+    n = "all" if num_prompts is None else str(num_prompts)
+    name = f"{model}--{Path(prompt_file).stem}-{n}-new{max_new_tokens}-prompt{max_prompt_tokens}"
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+
+
+EVAL_MAX_NEW_TOKENS = 256
+MAX_PROMPT_TOKENS = 384
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,12 +46,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     t = sub.add_parser("train-heads", help="self-distil Medusa heads for a model")
     add_model_args(t)
-    t.add_argument("--prompts", default=_default_prompts(), help="jsonl with {'prompt'} or {'turns'} records")
+    t.add_argument("--prompts", default=_default_prompts(),
+                   help=f"jsonl of prompts: {FORMATS} (default: {SHARED_DATA / SHAREGPT_FILE} when present)")
     t.add_argument("--num-prompts", type=int, default=1280)
-    t.add_argument("--eval-prompts", default=_default_eval(), help="held-out jsonl for accuracy (MT-Bench)")
+    t.add_argument("--eval-prompts", default=_default_eval(),
+                   help=f"held-out jsonl for accuracy (default: {SHARED_DATA / MT_BENCH_FILE} when present)")
     t.add_argument("--max-new-tokens", type=int, default=192)
+    t.add_argument("--eval-max-new-tokens", type=int, default=EVAL_MAX_NEW_TOKENS)
+    t.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS,
+                   help="prompts longer than this (after the chat template) are skipped")
     t.add_argument("--gen-batch-size", type=int, default=16)
-    t.add_argument("--data-dir", default="data-cache", help="where generated answers are cached (resumable)")
+    t.add_argument("--data-dir", default="data-cache",
+                   help="where generated answers are cached (resumable), in subdirectories named after the model, "
+                        "prompt file and token limits")
+    t.add_argument("--train-data", default=None, help="use this directory for the training answers instead")
+    t.add_argument("--eval-data", default=None, help="use this directory for the evaluation answers instead")
     t.add_argument("--out", required=True, help="output directory for the heads")
     t.add_argument("--num-heads", type=int, default=4)
     t.add_argument("--num-layers", type=int, default=1)
@@ -49,12 +77,32 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     c = sub.add_parser("calibrate", help="choose the tree for this machine from head accuracy and latency")
     add_model_args(c)
-    c.add_argument("--eval-data", default="data-cache/mtbench", help="answers directory from train-heads")
-    c.add_argument("--max-nodes", type=int, default=64)
+    c.add_argument("--eval-data", default=None,
+                   help="answers directory from train-heads (default: data-cache/<model>--mt_bench_questions-all-"
+                        f"new{EVAL_MAX_NEW_TOKENS}-prompt{MAX_PROMPT_TOKENS})")
+    c.add_argument("--max-nodes", type=int, default=64,
+                   help="tree size budget, root included (like --max-tree-nodes): at most N-1 draft nodes")
     c.add_argument("--context", type=int, default=512)
     c.add_argument("--check-prompts", type=int, default=4, help="MT-Bench prompts to measure the chosen tree on")
+    c.add_argument("--check-file", default=_default_eval(),
+                   help=f"prompts for the measured check (default: {SHARED_DATA / MT_BENCH_FILE} when present)")
     c.add_argument("--write", action="store_true", help="store the chosen tree in the heads' medusa.json")
     c.set_defaults(func=cmd_calibrate)
+
+
+def validate_train_args(a: argparse.Namespace) -> None:
+    """Argument checks that need no model (ValueError with the option to change)."""
+    _check(a.prompts is not None, f"no prompt file: {SHARED_DATA / SHAREGPT_FILE} was not found; pass --prompts FILE")
+    _check(Path(a.prompts).is_file(), f"--prompts {a.prompts}: no such file")
+    _check(a.eval_prompts is None or Path(a.eval_prompts).is_file(), f"--eval-prompts {a.eval_prompts}: no such file")
+    for flag, v, lo in (("--num-prompts", a.num_prompts, 1), ("--max-new-tokens", a.max_new_tokens, 1),
+                        ("--eval-max-new-tokens", a.eval_max_new_tokens, 1),
+                        ("--max-prompt-tokens", a.max_prompt_tokens, 1), ("--gen-batch-size", a.gen_batch_size, 1),
+                        ("--num-heads", a.num_heads, 1), ("--num-layers", a.num_layers, 1),
+                        ("--draft-vocab", a.draft_vocab, 0), ("--epochs", a.epochs, 1),
+                        ("--batch-size", a.batch_size, 1), ("--threads", a.threads, 0)):
+        _check(v >= lo, f"{flag} must be >= {lo}, got {v}")
+    _check(a.lr > 0, f"--lr must be > 0, got {a.lr}")
 
 
 def cmd_train(a: argparse.Namespace) -> int:
@@ -66,18 +114,29 @@ def cmd_train(a: argparse.Namespace) -> int:
     from .data import generate_dataset, load_shards, read_prompts
     from .train import TrainConfig, evaluate, head_targets, train_heads
 
+    validate_train_args(a)
     if a.threads:
         torch.set_num_threads(a.threads)
     llm = load(a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime)
+    vocab = llm.model.vocab_size
+    _check(a.draft_vocab <= vocab, f"--draft-vocab must be <= the model's vocabulary ({vocab}), got {a.draft_vocab}")
     prompts = read_prompts(a.prompts)[: a.num_prompts]
     data = Path(a.data_dir)
-    train_dir = generate_dataset(llm, prompts, data / f"{Path(a.prompts).stem}-{a.num_prompts}",
-                                 a.max_new_tokens, a.gen_batch_size)
-    eval_dir = (generate_dataset(llm, read_prompts(a.eval_prompts), data / "mtbench", 256, a.gen_batch_size)
-                if a.eval_prompts else None)
+    train_dir = Path(a.train_data) if a.train_data else data / cache_name(
+        llm.model_name, a.prompts, len(prompts), a.max_new_tokens, a.max_prompt_tokens)
+    train_dir = generate_dataset(llm, prompts, train_dir, max_new_tokens=a.max_new_tokens,
+                                 batch_size=a.gen_batch_size, max_prompt_tokens=a.max_prompt_tokens,
+                                 prompt_file=a.prompts)
+    eval_dir = None
+    if a.eval_prompts:
+        eval_dir = Path(a.eval_data) if a.eval_data else data / cache_name(
+            llm.model_name, a.eval_prompts, None, a.eval_max_new_tokens, a.max_prompt_tokens)
+        eval_dir = generate_dataset(llm, read_prompts(a.eval_prompts), eval_dir, max_new_tokens=a.eval_max_new_tokens,
+                                    batch_size=a.gen_batch_size, max_prompt_tokens=a.max_prompt_tokens,
+                                    prompt_file=a.eval_prompts)
     lm = llm.model.lm_head.weight
     mcfg = MedusaConfig(base_model=llm.model_name, hidden_size=llm.model.hidden_size,
-                        vocab_size=llm.model.vocab_size, num_heads=a.num_heads, num_layers=a.num_layers,
+                        vocab_size=vocab, num_heads=a.num_heads, num_layers=a.num_layers,
                         shared_lm_head=a.projection == "shared", draft_vocab=a.draft_vocab)
     tcfg = TrainConfig(epochs=a.epochs, lr=a.lr, batch_size=a.batch_size, seed=a.seed)
     heads, report = train_heads(train_dir, lm, mcfg, tcfg, Path(a.out) / "ckpt")
@@ -86,55 +145,86 @@ def cmd_train(a: argparse.Namespace) -> int:
         report["mt_bench"] = evaluate(heads, hid, head_targets(tok, seq, a.num_heads))
     from dataclasses import replace
     heads.config = replace(heads.config, extra={**heads.config.extra, "training": report,
-                                                 "prompts": a.prompts, "num_prompts": a.num_prompts})
+                                                 "prompts": a.prompts, "num_prompts": a.num_prompts,
+                                                 "train_data": str(train_dir),
+                                                 "eval_data": str(eval_dir) if eval_dir else None})
     heads.save(a.out)
     print(json.dumps(report, indent=1))
     return 0
 
 
+def validate_calibrate_args(a: argparse.Namespace) -> None:
+    """Argument checks that need no model (ValueError with the option to change)."""
+    _check(a.max_nodes >= 1, f"--max-nodes counts the root and must be >= 1, got {a.max_nodes}")
+    _check(a.context >= 1, f"--context must be >= 1, got {a.context}")
+    _check(a.check_prompts >= 0, f"--check-prompts must be >= 0, got {a.check_prompts}")
+    if a.check_prompts:
+        _check(a.check_file is not None, f"the measured check needs prompts and {SHARED_DATA / MT_BENCH_FILE} was "
+                                         "not found: pass --check-file FILE, or --check-prompts 0 to skip the check")
+        _check(Path(a.check_file).is_file(), f"--check-file {a.check_file}: no such file (or pass --check-prompts 0)")
+    if a.eval_data is not None:
+        _check(Path(a.eval_data).is_dir(), f"--eval-data {a.eval_data}: no such directory; run `treedraft "
+                                           "train-heads` first or point at its answers directory")
+
+
 def cmd_calibrate(a: argparse.Namespace) -> int:
     """Measure latency and head accuracy here; pick and optionally store the tree."""
-    from .. import load
-    from ..drafters.medusa import MedusaDrafter
-    from .calibrate import choose_tree, measure_latency
-    from .data import load_shards, read_prompts
-    from .train import head_targets, rank_accuracy
-
-    llm = load(a.model, drafter="medusa", heads=a.heads, device=a.device, dtype=a.dtype, runtime=a.runtime)
-    drafter = llm.engine.drafter
-    heads = drafter.heads
-    tok, hid, seq = load_shards(a.eval_data)
-    acc = rank_accuracy(heads, hid.float(), head_targets(tok, seq, heads.config.num_heads))
-    lat = measure_latency(llm.model, a.context)
     import time
 
     import torch
-    h = torch.randn(llm.model.hidden_size)
+
+    from .. import load
+    from ..drafters.medusa import MedusaDrafter
+    from ..engine import GenerationStats
+    from .calibrate import choose_tree, latency_sizes, measure_latency
+    from .data import load_shards, read_prompts
+    from .train import head_targets, rank_accuracy
+
+    validate_calibrate_args(a)
+    llm = load(a.model, drafter="medusa", heads=a.heads, device=a.device, dtype=a.dtype, runtime=a.runtime)
+    max_len = getattr(llm.model, "max_seq_len", None)
+    _check(max_len is None or a.context + a.max_nodes <= max_len,
+           f"--context {a.context} + --max-nodes {a.max_nodes} exceeds the model's {max_len} positions")
+    eval_data = Path(a.eval_data) if a.eval_data else Path("data-cache") / cache_name(
+        llm.model_name, MT_BENCH_FILE, None, EVAL_MAX_NEW_TOKENS, MAX_PROMPT_TOKENS)
+    _check(eval_data.is_dir(), f"no evaluation answers at {eval_data}; run `treedraft train-heads` first or pass "
+                               "--eval-data DIR")
+    drafter = llm.engine.drafter
+    heads = drafter.heads
+    tok, hid, seq = load_shards(eval_data)
+    acc = rank_accuracy(heads, hid.float(), head_targets(tok, seq, heads.config.num_heads))
+    lat = measure_latency(llm.model, a.context, sizes=latency_sizes(a.max_nodes))
+    p0 = next(heads.parameters())
+    h = torch.randn(llm.model.hidden_size, device=p0.device, dtype=p0.dtype)
     t = time.perf_counter()
     for _ in range(10):
         heads(h)
     draft_cost = (time.perf_counter() - t) / 10
     res = choose_tree(acc, lat, draft_cost, a.max_nodes)
+    for w in res["warnings"]:
+        print(f"warning: {w}", file=sys.stderr)
     print(f"latency (s) per forward of n tokens on a {a.context}-token cache: "
           + ", ".join(f"{n}:{v * 1000:.1f}ms" for n, v in lat.items()))
-    print(f"draft cost {draft_cost * 1000:.1f} ms; chosen tree: {res['nodes']} draft nodes, expected mean accepted "
-          f"length {res['expected_len']:.2f}, expected {res['expected_tok_per_s']:.1f} tok/s "
-          f"(plain {res['plain_tok_per_s']:.1f} tok/s)")
+    print(f"draft cost {draft_cost * 1000:.1f} ms; chosen tree: {res['nodes']} draft nodes + root "
+          f"(budget {a.max_nodes} incl. root), expected mean accepted length {res['expected_len']:.2f}, "
+          f"expected {res['expected_tok_per_s']:.1f} tok/s (plain {res['plain_tok_per_s']:.1f} tok/s)")
     measured = {}
     if a.check_prompts:
-        qs = read_prompts(_default_eval() or a.eval_data)[: a.check_prompts]
-        d = MedusaDrafter(heads, tuple(tuple(c) for c in res["choices"]))
-        tot_t = tot_n = steps = acc_len = 0.0
+        qs = read_prompts(a.check_file)[: a.check_prompts]
+        d = MedusaDrafter(heads, tuple(tuple(c) for c in res["choices"])) if res["choices"] else None
+        pooled = GenerationStats()  # all prompts' steps together: the stats' own definitions apply
         for q in qs:
-            r = llm.generate(q, drafter=d, max_new_tokens=128)
-            tot_t += r.stats.t_decode
-            tot_n += r.stats.new_tokens
-            steps += len(r.stats.steps)
-            acc_len += sum(s.accepted + 1 for s in r.stats.steps)
-        measured = {"mean_accepted_length": acc_len / max(1, steps), "tok_per_s": tot_n / max(tot_t, 1e-9)}
-        print(f"measured on {len(qs)} MT-Bench prompts: mean accepted length {measured['mean_accepted_length']:.2f}, "
-              f"{measured['tok_per_s']:.1f} tok/s")
-    if a.write:
+            r = llm.generate(q, drafter=d, max_new_tokens=128, max_tree_nodes=a.max_nodes)
+            pooled.steps += r.stats.steps
+            pooled.new_tokens += r.stats.new_tokens
+            pooled.t_decode += r.stats.t_decode
+        measured = {"mean_accepted_length": pooled.mean_accepted_length, "tok_per_s": pooled.tokens_per_s}
+        print(f"measured on {len(qs)} prompts of {a.check_file}: mean accepted length "
+              f"{measured['mean_accepted_length']:.2f} (expected {res['expected_len']:.2f}), "
+              f"{measured['tok_per_s']:.1f} tok/s (expected {res['expected_tok_per_s']:.1f})")
+    if a.write and not res["choices"]:
+        print("plain decoding is expected to be fastest here; medusa.json left unchanged", file=sys.stderr)
+    elif a.write:
         d = Path(a.heads) if a.heads not in (None, "default") else None
         if d is None:
             from ..drafters.medusa import shipped_heads_for
@@ -144,8 +234,9 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         cfg["choices"] = res["choices"]
         cfg.setdefault("extra", {})["calibration"] = {
             "latency_ms": {str(k): round(v * 1000, 2) for k, v in lat.items()}, "rank_accuracy": acc,
-            "draft_cost_ms": round(draft_cost * 1000, 2), "expected_len": res["expected_len"],
-            "expected_tok_per_s": res["expected_tok_per_s"], "measured": measured}
+            "max_nodes": a.max_nodes, "draft_cost_ms": round(draft_cost * 1000, 2),
+            "expected_len": res["expected_len"], "expected_tok_per_s": res["expected_tok_per_s"],
+            "measured": measured}
         cfg_path.write_text(json.dumps(cfg, indent=1))
         print(f"wrote tree to {cfg_path}", file=sys.stderr)
     return 0

@@ -5,11 +5,13 @@ Answers are generated greedily in left-padded batches through the own runtime
 ``shard_XXXXX.safetensors`` with ``tokens`` (N,) int32, ``hidden`` (N, H) fp16 and
 ``seq`` (N,) int32 (sequence index, so targets never cross sequences). Only
 answer positions are kept (plus the last prompt position, which predicts the
-first answer token).
+first answer token). ``meta.json`` records what the shards were made from (model,
+prompts, token limits); resuming a directory made with other settings is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -17,27 +19,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..prompts import read_prompt_file
+
 
 def read_prompts(path: str | Path) -> list[str]:
-    """Prompts from jsonl: {"prompt"}, {"turns": [...]} (MT-Bench) or {"conversations"/"messages"}."""
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
-            if isinstance(r.get("prompt"), str):
-                out.append(r["prompt"])
-            elif isinstance(r.get("turns"), list) and r["turns"]:
-                out.append(r["turns"][0])
-            else:
-                raise ValueError(f"{path}:{n}: expected a 'prompt' string or a 'turns' list")
-    if not out:
-        raise ValueError(f"{path}: no prompts found")
-    return out
+    """Prompt texts of a jsonl file; formats as in :func:`treedraft.prompts.read_prompt_file`
+    (``prompt``, MT-Bench ``turns``, ShareGPT ``conversations``, chat ``messages``: the first user turn)."""
+    return [p.text for p in read_prompt_file(path)]
 
 
 @torch.inference_mode()
@@ -90,26 +78,154 @@ def batched_greedy(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         yield answers[b], torch.stack(hiddens[b][: len(answers[b])])
 
 
-def generate_dataset(llm, prompts: Sequence[str], out_dir: str | Path, max_new_tokens: int = 192,
+class DataCacheMismatchError(ValueError):
+    """A data directory generated with other settings than the ones asked for."""
+
+
+META_FILE = "meta.json"
+# meta key -> the option that sets it (for messages)
+_META_FLAGS = {"model": "--model", "model_file": "--model", "max_new_tokens": "--max-new-tokens",
+               "max_prompt_tokens": "--max-prompt-tokens", "prompts": "--prompts / --num-prompts",
+               "num_prompts": "--num-prompts", "prompt_file": "--prompts", "prompts_sha1": "--prompts / --num-prompts"}
+# a key is only informative when the stronger identity in the value is known on both sides
+_COVERED_BY = {"model": "model_file", "prompt_file": "prompts_sha1", "num_prompts": "prompts_sha1"}
+# progress and layout, not content: a resumed run keeps the directory's shard size
+_STATE_KEYS = ("complete", "shard_size")
+
+
+def model_identity(llm) -> dict:  # noqa: ANN001
+    """{"model": name} plus "model_file": "<file name>:<bytes>" when the weights can be located."""
+    ident = {"model": llm.model_name}
+    try:  # best effort: registry names, .gguf files and HF directories; anything else stays name-only
+        from ..models.registry import resolve
+
+        p = resolve(llm.model_name)
+        size = p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.glob("*.safetensors"))
+        ident["model_file"] = f"{p.name}:{size}"
+    except Exception:  # noqa: BLE001
+        pass
+    return ident
+
+
+def dataset_meta(llm, prompts: Sequence[str], kept: int, max_new_tokens: int, max_prompt_tokens: int,  # noqa: ANN001
+                 shard_size: int, prompt_file: str | Path | None = None) -> dict:
+    """What identifies a data directory's content (written to meta.json)."""
+    h = hashlib.sha1()
+    for p in prompts:
+        h.update(p.encode("utf-8", "replace") + b"\0")
+    meta = {**model_identity(llm), "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+            "prompts": kept, "num_prompts": len(prompts), "prompts_sha1": h.hexdigest(), "shard_size": shard_size}
+    if prompt_file is not None:
+        meta["prompt_file"] = str(Path(prompt_file).resolve())
+    return meta
+
+
+def check_meta(out_dir: str | Path, meta: dict) -> dict:
+    """Compare ``meta`` with ``out_dir/meta.json``; raise DataCacheMismatchError on a difference.
+
+    Keys missing on either side are unknown and accepted (directories written before a key
+    existed, or by the older code that wrote meta.json only at the end). Returns the stored meta
+    ({} if none)."""
+    path = Path(out_dir) / META_FILE
+    if not path.is_file():
+        return {}
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataCacheMismatchError(f"{path} is unreadable ({e}); delete {out_dir} to regenerate it") from e
+    diffs = []
+    for k, v in meta.items():
+        if k in _STATE_KEYS or k not in old or old[k] == v:
+            continue
+        cover = _COVERED_BY.get(k)
+        if cover is not None and cover in old and cover in meta:
+            continue  # the stronger identity decides
+        if k == "prompts_sha1":
+            diffs.append(f"the prompts differ ({old.get('num_prompts', '?')} prompts from "
+                         f"{old.get('prompt_file', 'an unrecorded file')}; now {meta.get('num_prompts', '?')} from "
+                         f"{meta.get('prompt_file', 'an unrecorded file')}) [{_META_FLAGS[k]}]")
+        else:
+            diffs.append(f"{k} {old[k]!r} (now {v!r}) [{_META_FLAGS.get(k, k)}]")
+    if diffs:
+        raise DataCacheMismatchError(
+            f"data directory {out_dir} was generated with other settings: " + "; ".join(diffs)
+            + f". Delete {out_dir} to regenerate it, point at another directory (--data-dir / --train-data / "
+            "--eval-data), or change the option in [brackets] back.")
+    return old
+
+
+def _shard_prompt_ids(path: Path) -> set[int]:
+    """Prompt indices answered in a shard (reads only its ``seq`` tensor); empty if there is no shard."""
+    if not path.is_file():
+        return set()
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return set(f.get_tensor("seq").unique().tolist())
+
+
+def _check_existing_shards(out: Path, shards: list[list[tuple[int, list[int]]]]) -> None:
+    """Shards already in ``out`` must answer exactly the prompts this run puts in them."""
+    stray = sorted(f.name for f in out.glob("shard_*.safetensors")
+                   if not f.stem[6:].isdigit() or int(f.stem[6:]) >= len(shards))
+    if stray:
+        raise DataCacheMismatchError(
+            f"{out} holds shards this run would not write ({', '.join(stray[:3])}{', ...' if len(stray) > 3 else ''}): "
+            f"it was generated from more prompts. Delete {out} to regenerate it, or point at another directory.")
+    for si, shard in enumerate(shards):
+        path = out / f"shard_{si:05d}.safetensors"
+        if path.is_file():
+            have, want = _shard_prompt_ids(path), {i for i, _ in shard}
+            if have != want:
+                raise DataCacheMismatchError(
+                    f"{path} holds answers to other prompts than this run expects ({len(have)} prompts, "
+                    f"{len(have - want)} not expected here): the directory was generated from another prompt list "
+                    f"or --max-prompt-tokens. Delete {out} to regenerate it, or point at another directory.")
+
+
+def _write_meta(out: Path, meta: dict) -> None:
+    tmp = out / (META_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    tmp.replace(out / META_FILE)
+
+
+def generate_dataset(llm, prompts: Sequence[str], out_dir: str | Path, max_new_tokens: int = 192,  # noqa: ANN001
                      batch_size: int = 16, max_prompt_tokens: int = 384, shard_size: int = 64,
-                     progress: bool = True) -> Path:
-    """Generate (resumably) self-distillation shards for ``prompts`` into ``out_dir``."""
+                     progress: bool = True, prompt_file: str | Path | None = None) -> Path:
+    """Generate (resumably) self-distillation shards for ``prompts`` into ``out_dir``.
+
+    Prompts are encoded with ``llm.encode_prompt`` (chat template, or BOS + text for raw models),
+    exactly as they are served. ``meta.json`` (model, prompts, token limits, shard size) is written
+    before the first shard; resuming with other settings raises DataCacheMismatchError.
+    """
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = llm.tokenizer
     encoded = []
     for i, p in enumerate(prompts):
-        ids = tok.apply_chat_template([{"role": "user", "content": p}]) if tok.is_chat else tok.encode(p)
+        try:
+            ids = llm.encode_prompt(p)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from e
         if 0 < len(ids) <= max_prompt_tokens:
             encoded.append((i, ids))
+    if not encoded:
+        raise ValueError(f"none of the {len(prompts)} prompts fits in max_prompt_tokens={max_prompt_tokens}")
+    meta = dataset_meta(llm, prompts, len(encoded), max_new_tokens, max_prompt_tokens, shard_size, prompt_file)
+    old = check_meta(out, meta)
+    # resume with the directory's own shard layout (older directories did not record it: read it off shard 0)
+    shard_size = int(old.get("shard_size") or len(_shard_prompt_ids(out / "shard_00000.safetensors")) or shard_size)
+    meta["shard_size"] = shard_size
     shards = [encoded[s : s + shard_size] for s in range(0, len(encoded), shard_size)]
+    _check_existing_shards(out, shards)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_meta(out, {**old, **meta, "complete": False})
+    tok = llm.tokenizer
     bar = tqdm(total=len(encoded), desc="self-distillation", disable=not progress, unit="prompt")
     for si, shard in enumerate(shards):
         path = out / f"shard_{si:05d}.safetensors"
-        if path.is_file():
+        if path.is_file():  # checked by _check_existing_shards
             bar.update(len(shard))
             continue
         shard = sorted(shard, key=lambda x: len(x[1]))  # similar lengths batch together: less padding
@@ -120,7 +236,7 @@ def generate_dataset(llm, prompts: Sequence[str], out_dir: str | Path, max_new_t
                                                                     max_new_tokens, tok.eos_token_ids)):
                 # tokens aligned with hidden: token j is what the lm_head chose from hidden j
                 rows_tok.append(torch.tensor(ans, dtype=torch.int32))
-                rows_hid.append(hid.to(torch.float16))
+                rows_hid.append(hid.to(torch.float16).cpu())
                 rows_seq.append(torch.full((len(ans),), idx, dtype=torch.int32))
                 rows_prompt.append(idx)
             bar.update(len(batch))
@@ -129,8 +245,7 @@ def generate_dataset(llm, prompts: Sequence[str], out_dir: str | Path, max_new_t
                   str(tmp))
         tmp.replace(path)
     bar.close()
-    (out / "meta.json").write_text(json.dumps({"model": llm.model_name, "prompts": len(encoded),
-                                               "max_new_tokens": max_new_tokens}))
+    _write_meta(out, {**old, **meta, "complete": True})
     return out
 
 

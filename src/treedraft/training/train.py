@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -63,43 +63,91 @@ def split_by_sequence(seq: Tensor, frac: float, seed: int) -> Tensor:
 
 
 @torch.no_grad()
-def evaluate(heads: MedusaHeads, hidden: Tensor, targets: Tensor, ks: tuple[int, ...] = (1, 5),
-             batch: int = 512) -> dict[str, list[float]]:
-    """Per-head top-k accuracy (over rows whose target exists, in the full vocabulary)."""
+def rank_hits(heads: MedusaHeads, hidden: Tensor, targets: Tensor, max_rank: int = 10,
+              batch: int = 512) -> Tensor:
+    """(K, max_rank) tensor: P(the target is head k's rank-r candidate), over rows whose target exists.
+
+    Ranks are in the heads' draft vocabulary mapped back to token ids, so a target outside it is a
+    miss at every rank. Ranks beyond the draft vocabulary's size have probability 0.
+    """
     K = heads.config.num_heads
-    hits = {k: torch.zeros(K) for k in ks}
+    hits = torch.zeros(K, max_rank)
     n = torch.zeros(K)
     vm = heads.vocab_map
     for s in range(0, hidden.shape[0], batch):
-        h = hidden[s : s + batch].float()
         t = targets[s : s + batch]  # (b, K)
-        top = heads(h).topk(max(ks), dim=-1).indices  # (b, K, kmax)
+        logits = heads(hidden[s : s + batch].float())  # (b, K, V')
+        r = min(max_rank, logits.shape[-1])
+        top = logits.topk(r, dim=-1).indices  # (b, K, r)
         if vm is not None:
             top = vm[top]
         ok = t >= 0
         n += ok.sum(0)
-        for k in ks:
-            hits[k] += ((top[..., :k] == t[..., None]).any(-1) & ok).sum(0)
-    return {f"top{k}": (hits[k] / n.clamp_min(1)).tolist() for k in ks}
+        hits[:, :r] += ((top == t[..., None]) & ok[..., None]).sum(0)
+    return hits / n.clamp_min(1)[:, None]
 
 
 def rank_accuracy(heads: MedusaHeads, hidden: Tensor, targets: Tensor, max_rank: int = 10,
                   batch: int = 512) -> list[list[float]]:
     """acc[k][r] = P(the target is head k's rank-r candidate): the tree calibrator's input."""
-    K = heads.config.num_heads
-    hits = torch.zeros(K, max_rank)
-    n = torch.zeros(K)
-    vm = heads.vocab_map
-    with torch.no_grad():
-        for s in range(0, hidden.shape[0], batch):
-            t = targets[s : s + batch]
-            top = heads(hidden[s : s + batch].float()).topk(max_rank, dim=-1).indices
-            if vm is not None:
-                top = vm[top]
-            ok = t >= 0
-            n += ok.sum(0)
-            hits += ((top == t[..., None]) & ok[..., None]).sum(0)
-    return (hits / n.clamp_min(1)[:, None]).tolist()
+    return rank_hits(heads, hidden, targets, max_rank, batch).tolist()
+
+
+def evaluate(heads: MedusaHeads, hidden: Tensor, targets: Tensor, ks: tuple[int, ...] = (1, 5),
+             batch: int = 512) -> dict[str, list[float]]:
+    """Per-head top-k accuracy (over rows whose target exists, in the full vocabulary).
+
+    Top-k accuracy is the cumulative sum of the rank accuracies up to rank k (candidates are distinct).
+    """
+    cum = rank_hits(heads, hidden, targets, max(ks), batch).cumsum(-1)  # (K, kmax)
+    return {f"top{k}": cum[:, k - 1].tolist() for k in ks}
+
+
+# MedusaConfig / TrainConfig fields that a checkpoint must agree on to be resumed
+_SHAPE_KEYS = ("base_model", "hidden_size", "vocab_size", "num_heads", "num_layers", "shared_lm_head", "draft_vocab")
+_RUN_KEYS = ("epochs", "lr", "weight_decay", "batch_size", "decay", "heldout_frac", "seed", "warmup_steps")
+_FLAGS = {"num_heads": "--num-heads", "num_layers": "--num-layers", "shared_lm_head": "--projection",
+          "draft_vocab": "--draft-vocab", "base_model": "--model", "hidden_size": "--model", "vocab_size": "--model",
+          "epochs": "--epochs", "lr": "--lr", "batch_size": "--batch-size", "seed": "--seed"}
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint written for other heads, another training run or other data."""
+
+
+def medusa_config_dict(mcfg: MedusaConfig) -> dict:
+    """JSON-able dict of a MedusaConfig (as medusa.json stores it)."""
+    d = asdict(mcfg)
+    d["choices"] = [list(c) for c in mcfg.choices]
+    return d
+
+
+def check_checkpoint(st: dict, path: Path, mcfg: MedusaConfig, tcfg: TrainConfig, vocab_map: Tensor | None,
+                     rows: int) -> None:
+    """Refuse to resume ``st`` unless it was written for the same heads, run settings and data.
+
+    Checkpoints from before these keys were stored are accepted (unknown = no objection)."""
+    diffs = []
+    for name, keys, now in (("medusa_config", _SHAPE_KEYS, medusa_config_dict(mcfg)),
+                            ("train_config", _RUN_KEYS, asdict(tcfg))):
+        old = st.get(name)
+        if not isinstance(old, dict):
+            continue
+        for k in keys:
+            if k in old and old[k] != now[k]:
+                diffs.append(f"{k} {old[k]!r} (now {now[k]!r})" + (f" [{_FLAGS[k]}]" if k in _FLAGS else ""))
+    if "data_rows" in st and st["data_rows"] != rows:
+        diffs.append(f"training data rows {st['data_rows']} (now {rows}) [--train-data / --data-dir]")
+    elif not diffs and "vocab_map" in st:
+        old_vm = st["vocab_map"]
+        same = (old_vm is None and vocab_map is None) or (
+            old_vm is not None and vocab_map is not None and torch.equal(old_vm, vocab_map))
+        if not same:
+            diffs.append("the draft vocabulary (the training data changed) [--train-data / --data-dir]")
+    if diffs:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} was written by another training run: " + "; ".join(diffs)
+            + f". Delete {path} (or choose another --out) to start over, or change the option in [brackets] back.")
 
 
 def train_heads(data_dir: str | Path, lm_head_weight: Tensor, mcfg: MedusaConfig, tcfg: TrainConfig,
@@ -108,6 +156,8 @@ def train_heads(data_dir: str | Path, lm_head_weight: Tensor, mcfg: MedusaConfig
     from tqdm import tqdm
 
     torch.manual_seed(tcfg.seed)
+    if mcfg.draft_vocab < 0 or mcfg.draft_vocab > mcfg.vocab_size:
+        raise ValueError(f"draft_vocab must be in 0 .. {mcfg.vocab_size} (0 = full vocabulary), got {mcfg.draft_vocab}")
     tokens, hidden, seq = load_shards(data_dir)
     if hidden.shape[1] != mcfg.hidden_size:
         raise ValueError(f"{data_dir}: hidden size {hidden.shape[1]} does not match the model's {mcfg.hidden_size}")
@@ -126,7 +176,13 @@ def train_heads(data_dir: str | Path, lm_head_weight: Tensor, mcfg: MedusaConfig
     step = 0
     if resume and ckpt.is_file():
         st = torch.load(ckpt, weights_only=False)
-        heads.load_state_dict(st["heads"])
+        check_checkpoint(st, ckpt, mcfg, tcfg, vocab_map, len(tokens))
+        try:
+            heads.load_state_dict(st["heads"])
+        except RuntimeError as e:  # an old checkpoint without stored configs, for other heads
+            raise CheckpointMismatchError(f"checkpoint {ckpt} does not fit these heads (--num-heads, --num-layers, "
+                                          f"--projection, --draft-vocab changed?); delete it or choose another "
+                                          f"--out. ({str(e).splitlines()[0]})") from e
         opt.load_state_dict(st["opt"])
         step = st["step"]
     # remap targets into the draft vocabulary (-100 if outside it: that head cannot propose it anyway)
@@ -165,7 +221,9 @@ def train_heads(data_dir: str | Path, lm_head_weight: Tensor, mcfg: MedusaConfig
             bar.set_postfix(loss=f"{loss.item():.3f}", top1="/".join(f"{a:.2f}" for a in acc))
             bar.update(1)
             if step % tcfg.checkpoint_every == 0 or step == total:
-                torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+                torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step,
+                            "medusa_config": medusa_config_dict(mcfg), "train_config": asdict(tcfg),
+                            "vocab_map": vocab_map, "data_rows": len(tokens)}, ckpt)
             if step >= total:
                 break
     bar.close()

@@ -1,0 +1,356 @@
+"""Training plumbing: prompt files, data-cache meta, checkpoint resume, calibration budget, CLI checks."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from treedraft.drafters.medusa import MedusaConfig, MedusaHeads
+from treedraft.models.tiny import tiny_llama
+from treedraft.prompts import PromptFileError, read_prompt_file
+from treedraft.training import data as data_mod
+from treedraft.training.calibrate import choose_tree, grow_tree, latency_sizes
+from treedraft.training.data import DataCacheMismatchError, generate_dataset, load_shards, read_prompts
+from treedraft.training.train import (CheckpointMismatchError, TrainConfig, evaluate, head_targets, rank_accuracy,
+                                      train_heads)
+
+BOS = 1
+
+
+@dataclass
+class _Tok:
+    eos_token_ids: frozenset = frozenset()
+
+
+@dataclass
+class FakeLLM:
+    """What generate_dataset uses of api.LLM; encode_prompt adds a BOS like a raw Gemma model."""
+
+    model: object = field(default_factory=lambda: tiny_llama(seed=4))
+    tokenizer: _Tok = field(default_factory=_Tok)
+    model_name: str = "tiny-test-model"
+    encoded: list = field(default_factory=list)
+
+    def encode_prompt(self, p: str) -> list[int]:
+        ids = [BOS] + [2 + ord(c) % 60 for c in p]
+        self.encoded.append(ids)
+        return ids
+
+
+PROMPTS = ["ab", "cde", "f", "ghij"]
+
+
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# prompt files
+
+
+def test_reads_all_four_formats_first_user_turn(tmp_path) -> None:
+    f = _jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "plain"},
+        {"question_id": 7, "category": "math", "turns": ["first", "second"]},
+        {"id": "sg", "conversations": [{"from": "system", "value": "sys"}, {"from": "human", "value": "hi there"},
+                                       {"from": "gpt", "value": "hello"}, {"from": "human", "value": "later"}]},
+        {"messages": [{"role": "system", "content": "be nice"}, {"role": "user", "content": "question?"},
+                      {"role": "assistant", "content": "answer"}]},
+        "",
+    ])
+    assert read_prompts(f) == ["plain", "first", "hi there", "question?"]
+    ps = read_prompt_file(f)
+    assert [(p.id, p.category) for p in ps] == [("1", "general"), ("7", "math"), ("sg", "general"), ("4", "general")]
+
+
+@pytest.mark.parametrize("row, match", [
+    ({"conversations": [{"from": "gpt", "value": "only the model speaks"}]}, "conversations"),
+    ({"conversations": "not a list"}, "'conversations' must be a list"),
+    ({"messages": [{"role": "user", "content": ""}]}, "messages"),
+    ({"messages": [{"role": "assistant", "content": "x"}]}, "first 'role': 'user'"),
+    ({"text": "unknown key"}, "no prompt found; expected a 'prompt' string"),
+    (["a", "list"], "expected a JSON object"),
+    ("{broken", "not valid JSON"),
+])
+def test_bad_records_name_file_line_and_format(tmp_path, row, match) -> None:
+    f = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine"}, row])
+    with pytest.raises(PromptFileError, match=match) as e:
+        read_prompts(f)
+    assert "bad.jsonl:2" in str(e.value)
+
+
+def test_directory_and_missing_file_are_clear_errors(tmp_path) -> None:
+    with pytest.raises(PromptFileError, match="is a directory"):
+        read_prompts(tmp_path)
+    with pytest.raises(PromptFileError, match="does not exist"):
+        read_prompts(tmp_path / "nope.jsonl")
+
+
+def test_bench_uses_the_same_reader(tmp_path) -> None:
+    from treedraft.bench import BenchError, load_prompts
+
+    f = _jsonl(tmp_path / "p.jsonl", [{"id": "a", "conversations": [{"from": "human", "value": "hey"}]}])
+    assert [(p.id, p.text) for p in load_prompts(f)] == [("a", "hey")]
+    with pytest.raises(BenchError, match="p.jsonl:1"):
+        load_prompts(_jsonl(tmp_path / "p.jsonl", [{"messages": []}]))
+
+
+# ---------------------------------------------------------------------------------------------
+# data cache
+
+
+def test_dataset_uses_llm_encode_prompt_and_writes_meta_first(tmp_path, monkeypatch) -> None:
+    llm = FakeLLM()
+    seen = []
+    real = data_mod.batched_greedy
+
+    def spy(model, prompts, n, eos):  # noqa: ANN001, ANN202
+        meta = json.loads((tmp_path / "d" / "meta.json").read_text())  # already there before any shard
+        assert meta["complete"] is False and meta["max_new_tokens"] == 3
+        seen.extend(prompts)
+        return real(model, prompts, n, eos)
+
+    monkeypatch.setattr(data_mod, "batched_greedy", spy)
+    generate_dataset(llm, PROMPTS, tmp_path / "d", max_new_tokens=3, batch_size=2, shard_size=2, progress=False,
+                     prompt_file="prompts.jsonl")
+    assert sorted(map(tuple, seen)) == sorted(tuple(llm.encode_prompt(p)) for p in PROMPTS)
+    assert all(ids[0] == BOS for ids in seen)
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert meta["complete"] is True
+    assert {k: meta[k] for k in ("model", "max_new_tokens", "max_prompt_tokens", "prompts", "num_prompts",
+                                 "shard_size")} == {"model": "tiny-test-model", "max_new_tokens": 3,
+                                                    "max_prompt_tokens": 384, "prompts": 4, "num_prompts": 4,
+                                                    "shard_size": 2}
+    assert meta["prompt_file"].endswith("prompts.jsonl") and len(meta["prompts_sha1"]) == 40
+
+
+@pytest.mark.parametrize("change, flag", [({"max_new_tokens": 4}, "--max-new-tokens"),
+                                          ({"max_prompt_tokens": 3}, "--max-prompt-tokens"),
+                                          ({"prompts": ["ab", "cde", "f", "XYZ"]}, "--prompts"),
+                                          ({"model_name": "another-model"}, "--model")])
+def test_resume_with_other_settings_is_refused(tmp_path, change, flag) -> None:
+    d = tmp_path / "cache"
+    generate_dataset(FakeLLM(), PROMPTS, d, max_new_tokens=3, shard_size=2, progress=False)
+    before = sorted(p.name for p in d.iterdir())
+    kw = {"max_new_tokens": 3, "shard_size": 2, "progress": False, "max_prompt_tokens": 384}
+    prompts = change.pop("prompts", PROMPTS)
+    llm = FakeLLM(model_name=change.pop("model_name", "tiny-test-model"))
+    kw.update(change)
+    with pytest.raises(DataCacheMismatchError) as e:
+        generate_dataset(llm, prompts, d, **kw)
+    assert str(d) in str(e.value) and "Delete" in str(e.value) and flag in str(e.value)
+    assert sorted(p.name for p in d.iterdir()) == before  # nothing written
+
+
+def test_same_settings_resume_without_regenerating(tmp_path, monkeypatch) -> None:
+    d = tmp_path / "cache"
+    generate_dataset(FakeLLM(), PROMPTS, d, max_new_tokens=3, shard_size=2, progress=False)
+    monkeypatch.setattr(data_mod, "batched_greedy", lambda *a: pytest.fail("regenerated a cached shard"))
+    generate_dataset(FakeLLM(), PROMPTS, d, max_new_tokens=3, shard_size=2, progress=False)
+
+
+def test_legacy_directory_is_accepted_and_meta_completed(tmp_path, monkeypatch) -> None:
+    """A directory from the older code: meta.json only {model, prompts, max_new_tokens}, other shard size."""
+    d = tmp_path / "legacy"
+    generate_dataset(FakeLLM(), PROMPTS, d, max_new_tokens=3, shard_size=3, progress=False)
+    (d / "meta.json").write_text(json.dumps({"model": "tiny-test-model", "prompts": 4, "max_new_tokens": 3}))
+    tokens = load_shards(d)[0]
+    monkeypatch.setattr(data_mod, "batched_greedy", lambda *a: pytest.fail("regenerated a cached shard"))
+    generate_dataset(FakeLLM(), PROMPTS, d, max_new_tokens=3, progress=False)  # default shard_size 64
+    assert torch.equal(load_shards(d)[0], tokens)  # same shards, no duplicates
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["shard_size"] == 3 and meta["complete"] is True and "prompts_sha1" in meta
+    # the stored keys are still checked
+    with pytest.raises(DataCacheMismatchError, match="max_new_tokens 3"):
+        generate_dataset(FakeLLM(), PROMPTS, d, max_new_tokens=5, progress=False)
+
+
+def test_legacy_directory_without_meta_from_more_prompts_is_refused(tmp_path) -> None:
+    d = tmp_path / "legacy"
+    generate_dataset(FakeLLM(), PROMPTS, d, max_new_tokens=2, shard_size=2, progress=False)
+    (d / "meta.json").unlink()
+    with pytest.raises(DataCacheMismatchError, match="shard_00001"):
+        generate_dataset(FakeLLM(), PROMPTS[:2], d, max_new_tokens=2, shard_size=2, progress=False)
+    assert not (d / "meta.json").exists()  # a refused run claims nothing about the directory
+    with pytest.raises(DataCacheMismatchError, match="other prompts"):
+        generate_dataset(FakeLLM(), ["x" * 500] + PROMPTS, d, max_new_tokens=2, shard_size=2, max_prompt_tokens=100,
+                         progress=False)
+
+
+def test_cache_names_depend_on_model_and_limits() -> None:
+    from treedraft.training.cli import cache_name
+
+    a = cache_name("smollm2-135m-instruct", "../x/sharegpt_prompts.jsonl", 1280, 192, 384)
+    assert "smollm2-135m-instruct" in a and "1280" in a and "192" in a
+    assert a != cache_name("gemma-3-270m", "../x/sharegpt_prompts.jsonl", 1280, 192, 384)
+    assert a != cache_name("smollm2-135m-instruct", "../x/sharegpt_prompts.jsonl", 1280, 256, 384)
+    assert "/" not in cache_name("/models/my model.gguf", "p.jsonl", None, 8, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# training
+
+
+def _tiny_data(tmp_path: Path) -> tuple[object, Path]:
+    from treedraft.training.data import batched_greedy
+
+    m = tiny_llama(seed=2, vocab_size=32)
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 32, (3,), generator=g).tolist() for _ in range(8)]
+    toks, hids, seqs = [], [], []
+    for i, (ans, hid) in enumerate(batched_greedy(m, prompts, 8, frozenset())):
+        toks.append(torch.tensor(ans))
+        hids.append(hid.half())
+        seqs.append(torch.full((len(ans),), i))
+    d = tmp_path / "data"
+    d.mkdir()
+    save_file({"tokens": torch.cat(toks).int(), "hidden": torch.cat(hids), "seq": torch.cat(seqs).int()},
+              str(d / "shard_00000.safetensors"))
+    return m, d
+
+
+def _mcfg(m, **kw) -> MedusaConfig:  # noqa: ANN001
+    return MedusaConfig(base_model="tiny", hidden_size=m.hidden_size, vocab_size=m.vocab_size, **kw)
+
+
+TC = TrainConfig(epochs=1, batch_size=16, heldout_frac=0.0, checkpoint_every=1)
+
+
+@pytest.mark.parametrize("mkw, tcfg, match", [
+    ({"num_heads": 3}, TC, "num_heads 2 \\(now 3\\) \\[--num-heads\\]"),
+    ({"num_heads": 2, "draft_vocab": 8}, TC, "draft_vocab 0 \\(now 8\\) \\[--draft-vocab\\]"),
+    ({"num_heads": 2, "shared_lm_head": False}, TC, "shared_lm_head True \\(now False\\) \\[--projection\\]"),
+    ({"num_heads": 2, "num_layers": 2}, TC, "num_layers 1 \\(now 2\\)"),
+    ({"num_heads": 2}, TrainConfig(epochs=3, batch_size=16, heldout_frac=0.0), "epochs 1 \\(now 3\\) \\[--epochs\\]"),
+])
+def test_resume_with_other_heads_or_run_is_refused(tmp_path, mkw, tcfg, match) -> None:
+    m, d = _tiny_data(tmp_path)
+    train_heads(d, m.lm_head.weight, _mcfg(m, num_heads=2), TC, tmp_path / "o", progress=False)
+    ck = tmp_path / "o" / "checkpoint.pt"
+    st = torch.load(ck, weights_only=False)
+    assert st["medusa_config"]["num_heads"] == 2 and st["train_config"]["epochs"] == 1
+    json.dumps(st["medusa_config"])  # stored as a JSON-able dict
+    with pytest.raises(CheckpointMismatchError, match=match) as e:
+        train_heads(d, m.lm_head.weight, _mcfg(m, **mkw), tcfg, tmp_path / "o", progress=False)
+    assert str(ck) in str(e.value)
+    # the same run resumes (nothing left to do) and gives the same heads
+    h, _ = train_heads(d, m.lm_head.weight, _mcfg(m, num_heads=2), TC, tmp_path / "o", progress=False)
+    assert torch.equal(h.state_dict()["blocks.0.0.linear.weight"], st["heads"]["blocks.0.0.linear.weight"])
+
+
+def test_old_checkpoint_without_configs_gives_a_clear_error(tmp_path) -> None:
+    m, d = _tiny_data(tmp_path)
+    train_heads(d, m.lm_head.weight, _mcfg(m, num_heads=2), TC, tmp_path / "o", progress=False)
+    ck = tmp_path / "o" / "checkpoint.pt"
+    st = torch.load(ck, weights_only=False)
+    torch.save({k: st[k] for k in ("heads", "opt", "step")}, ck)  # the format before configs were stored
+    with pytest.raises(CheckpointMismatchError, match="--num-heads"):
+        train_heads(d, m.lm_head.weight, _mcfg(m, num_heads=3), TC, tmp_path / "o", progress=False)
+    train_heads(d, m.lm_head.weight, _mcfg(m, num_heads=2), TC, tmp_path / "o", progress=False)  # still resumes
+
+
+def test_topk_accuracy_is_cumulative_rank_accuracy() -> None:
+    m = tiny_llama(seed=5, vocab_size=32)
+    vm = torch.randperm(32, generator=torch.Generator().manual_seed(1))[:12]
+    heads = MedusaHeads(_mcfg(m, num_heads=3, draft_vocab=12), m.lm_head.weight, vm)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.5)
+    g = torch.Generator().manual_seed(2)
+    hid = torch.randn(200, m.hidden_size, generator=g)
+    tok = torch.randint(0, 32, (200,), generator=g)
+    seq = torch.arange(200) // 20
+    tg = head_targets(tok, seq, 3)
+    ev = evaluate(heads, hid, tg, ks=(1, 3, 5))
+    ra = torch.tensor(rank_accuracy(heads, hid, tg, max_rank=5))
+    for k in (1, 3, 5):
+        torch.testing.assert_close(torch.tensor(ev[f"top{k}"]), ra[:, :k].sum(-1))
+    # and both agree with a direct count
+    top = vm[heads(hid).topk(5, dim=-1).indices]  # (N, K, 5)
+    ok = tg >= 0
+    direct = ((top == tg[..., None]).any(-1) & ok).sum(0) / ok.sum(0)
+    torch.testing.assert_close(torch.tensor(ev["top5"]), direct.float())
+    # a rank beyond the draft vocabulary is simply never right
+    assert rank_accuracy(heads, hid, tg, max_rank=20)[0][12:] == [0.0] * 8
+
+
+# ---------------------------------------------------------------------------------------------
+# calibration
+
+
+ACC = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
+
+
+@pytest.mark.parametrize("max_nodes", [1, 2, 5, 16])
+def test_max_nodes_counts_the_root(max_nodes) -> None:
+    res = choose_tree(ACC, {1: 1.0, max_nodes: 1.0}, max_nodes=max_nodes)  # free tokens: take the whole budget
+    assert res["nodes"] == max_nodes - 1 == len(res["choices"])
+    assert res["tree_tokens"] == max_nodes
+    assert res["warnings"] == []
+    assert res["expected_len"] == pytest.approx(1 + sum(grow_tree(ACC, max_nodes - 1)[1]))
+
+
+def test_latency_beyond_the_measured_sizes_is_reported() -> None:
+    res = choose_tree(ACC, {1: 1.0, 2: 1.0, 4: 1.0}, max_nodes=8)
+    assert res["warnings"] and "extrapolated" in res["warnings"][0] and "8" in res["warnings"][0]
+    assert choose_tree(ACC, {1: 1.0, 2: 1.0, 4: 1.0}, max_nodes=4)["warnings"] == []
+
+
+def test_latency_sizes_reach_the_budget() -> None:
+    assert latency_sizes(64)[-1] == 64 and latency_sizes(64)[0] == 1
+    assert latency_sizes(20) == [1, 2, 4, 8, 12, 16, 20]
+    assert latency_sizes(100)[-1] == 100
+    assert latency_sizes(1) == [1]
+    with pytest.raises(ValueError, match="root"):
+        latency_sizes(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI argument checks (all fail before any model is loaded)
+
+
+def _main(argv: list[str], capsys) -> tuple[int, str]:  # noqa: ANN001
+    from treedraft.cli import main
+
+    rc = main(argv)
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--num-heads", "0"], "--num-heads must be >= 1"),
+    (["--num-layers", "0"], "--num-layers must be >= 1"),
+    (["--draft-vocab", "-1"], "--draft-vocab must be >= 0"),
+    (["--epochs", "0"], "--epochs must be >= 1"),
+    (["--lr", "0"], "--lr must be > 0"),
+    (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+])
+def test_train_heads_validates_arguments(tmp_path, capsys, args, match) -> None:
+    p = _jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
+    rc, err = _main(["train-heads", "--out", str(tmp_path / "o"), "--prompts", str(p), *args], capsys)
+    assert rc == 2 and match in err
+
+
+def test_train_heads_missing_prompt_file(tmp_path, capsys) -> None:
+    rc, err = _main(["train-heads", "--out", str(tmp_path / "o"), "--prompts", str(tmp_path / "none.jsonl")], capsys)
+    assert rc == 2 and "no such file" in err
+
+
+def test_calibrate_validates_arguments(tmp_path, capsys, monkeypatch) -> None:
+    rc, err = _main(["calibrate", "--max-nodes", "0"], capsys)
+    assert rc == 2 and "--max-nodes counts the root" in err
+    rc, err = _main(["calibrate", "--check-file", str(tmp_path)], capsys)  # a directory is not a prompt file
+    assert rc == 2 and "--check-file" in err
+    import treedraft.training.cli as tcli
+
+    monkeypatch.setattr(tcli, "find_shared_data", lambda name: None)  # no MT-Bench file next to the repo
+    rc, err = _main(["calibrate"], capsys)
+    assert rc == 2 and "--check-file FILE, or --check-prompts 0" in err
+    rc, err = _main(["calibrate", "--check-prompts", "0", "--eval-data", str(tmp_path / "nope")], capsys)
+    assert rc == 2 and "--eval-data" in err and "train-heads" in err
