@@ -83,6 +83,121 @@ def test_medusa_greedy_equals_plain_on_tiny_model() -> None:
     assert spec.token_ids == plain.token_ids
 
 
+class OracleHeads(MedusaHeads):
+    """Head k ranks first the target's own greedy token at i+k+2 (i found by matching the hidden state h_i),
+    then three wrong tokens that differ from head to head; records every call's logits."""
+
+    def __init__(self, cfg: MedusaConfig, lm_head_weight: torch.Tensor, full: list[int], table: torch.Tensor) -> None:
+        super().__init__(cfg, lm_head_weight)
+        self.full, self.table, self.calls = full, table, []
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        i = int((self.table - h.float()).norm(dim=-1).argmin())
+        K, V = self.config.num_heads, self.config.vocab_size
+        out = torch.full((K, V), -10.0)
+        for k in range(K):
+            right = self.full[i + k + 2] if i + k + 2 < len(self.full) else 0
+            for score, off in ((10.0, 0), (5.0, 1 + k), (4.0, 6 + k), (3.0, 11 + k)):
+                out[k, (right + off) % V] = score
+        self.calls.append(out)
+        return out
+
+
+def test_medusa_heads_predicting_the_future_are_accepted_depth_by_depth() -> None:
+    """Heads aligned with the target's own future tokens: long accepted runs, depth d drafted by head d-1."""
+    m = tiny_llama(seed=3)
+    eng = Engine(m)
+    prompt, cfg = [3, 1, 4, 1, 5], GenerationConfig(max_new_tokens=40)
+    plain = eng.generate(prompt, cfg, drafter=None).token_ids
+    full = prompt + plain
+    with torch.inference_mode():
+        _, table = m(torch.tensor([full]), torch.arange(len(full)))  # (1, L, H): h_i produced token i+1
+    heads = OracleHeads(_cfg(m), m.lm_head.weight, full, table[0])
+    drafter = MedusaDrafter(heads)
+    trees = []
+
+    class Recorder:
+        name = "medusa"
+
+        def propose(self, ctx: DraftContext):  # noqa: ANN202
+            trees.append(drafter.propose(ctx))
+            return trees[-1]
+
+    spec = eng.generate(prompt, cfg, Recorder())
+    assert spec.token_ids == plain
+    assert spec.stats.mean_accepted_length > 3.5  # 4 heads, all right: ~5 tokens per step
+    assert spec.stats.acceptance_per_depth()[:4] == [1.0] * 4
+    assert len(trees) == len(heads.calls) > 5
+    for tree, logits in zip(trees, heads.calls):
+        for node, d in enumerate(tree.depths()):
+            if d:  # depth d comes from head d-1's top-k (and not from any other head's)
+                assert tree.tokens[node] in logits[d - 1].topk(drafter.topk[d - 1]).indices.tolist()
+
+
+def test_medusa_load_refuses_unknown_keys_and_misshaped_tensors(tmp_path) -> None:  # noqa: ANN001
+    import json
+
+    m = tiny_llama()
+    MedusaHeads(_cfg(m, num_heads=2), m.lm_head.weight).save(tmp_path)
+    meta = json.loads((tmp_path / "medusa.json").read_text())
+
+    def load_with(**changes) -> MedusaHeads:  # noqa: ANN003
+        d = {k: v for k, v in {**meta, **changes}.items() if v is not None}
+        (tmp_path / "medusa.json").write_text(json.dumps(d))
+        return MedusaHeads.load(tmp_path, m.lm_head.weight)
+
+    assert load_with().config.num_heads == 2
+    with pytest.raises(HeadsMismatchError, match=r"unknown keys \['temperature'\]"):
+        load_with(temperature=0.7)
+    with pytest.raises(HeadsMismatchError, match=r"missing keys \['hidden_size'\]"):
+        load_with(hidden_size=None)
+    with pytest.raises(HeadsMismatchError, match="missing tensors"):
+        load_with(num_layers=2)
+    with pytest.raises(HeadsMismatchError, match="wrong shapes.*does not match|does not match.*wrong shapes"):
+        load_with(hidden_size=m.hidden_size * 2)
+    with pytest.raises(HeadsMismatchError, match="unexpected tensors"):
+        load_with(num_heads=1)
+    (tmp_path / "medusa.json").write_text("{not json")
+    with pytest.raises(HeadsMismatchError, match="not valid JSON"):
+        MedusaHeads.load(tmp_path, m.lm_head.weight)
+
+
+def test_base_weight_is_converted_once_and_follows_the_heads() -> None:
+    m = tiny_llama()
+    lm16 = m.lm_head.weight.to(torch.bfloat16)
+    heads = MedusaHeads(_cfg(m, num_heads=2), lm16)
+    assert heads.base_weight.dtype == torch.float32  # the heads' dtype, converted in set_base, not per forward
+    h = torch.randn(3, m.hidden_size)
+    torch.testing.assert_close(heads(h)[:, 0], h @ lm16.float().T)
+    assert "base_weight" not in heads.state_dict()  # never saved with the heads
+    heads.to(torch.bfloat16)
+    assert heads.base_weight.dtype == torch.bfloat16 and heads(h.bfloat16()).dtype == torch.bfloat16
+    sub = MedusaHeads(_cfg(m, draft_vocab=4), m.lm_head.weight, torch.tensor([5, 3, 9, 1])).to("meta")
+    assert sub.vocab_map.device.type == "meta" and sub.base_weight.device.type == "meta"
+
+
+def test_hybrid_refuses_sampled_trees() -> None:
+    from treedraft.drafters.callable import CallableDrafter
+    from treedraft.drafters.hybrid import HybridDrafter, merge_trees
+    from treedraft.drafters.prompt_lookup import PromptLookupDrafter
+    from treedraft.sampling import SamplingParams
+    from treedraft.tree import TokenTree, TreeError
+
+    sampled = TokenTree((9, 1, 2), (-1, 0, 0), {0: torch.full((16,), 1 / 16)})
+    with pytest.raises(TreeError, match="sampled"):
+        merge_trees([TokenTree.chain(9, [1]), sampled], 10)
+    m = tiny_llama()
+    drafter = CallableDrafter(lambda prefix: {t: 1.0 for t in range(8)}, m.vocab_size, mode="sample", seed=0,
+                              name="my-sampler")
+    hybrid = HybridDrafter([PromptLookupDrafter(), drafter])
+    cfg = GenerationConfig(max_new_tokens=8, sampling=SamplingParams(temperature=1.0, seed=0))
+    with pytest.raises(TreeError, match="'my-sampler' sampled"):
+        Engine(m).generate([1, 2, 3, 1, 2], cfg, hybrid)
+    drafter.close()
+    topk = CallableDrafter(lambda prefix: {t: 1.0 for t in range(8)}, m.vocab_size, mode="topk")
+    assert len(Engine(m).generate([1, 2, 3, 1, 2], cfg, HybridDrafter([PromptLookupDrafter(), topk])).token_ids) == 8
+
+
 def test_head_targets_do_not_cross_sequences() -> None:
     tok = torch.tensor([10, 11, 12, 20, 21])
     seq = torch.tensor([0, 0, 0, 1, 1])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,6 +45,8 @@ class LLM:
     tokenizer: Tokenizer
     model_name: str
     device: str
+    heads: str | None = "default"  # the heads argument of load(): used by drafters chosen by name later on
+    _drafters: dict[str, Drafter | None] = field(default_factory=dict, repr=False)  # built by name, reused
 
     @property
     def model(self):  # noqa: ANN201
@@ -74,9 +76,14 @@ class LLM:
                                 stop=tuple(stop), max_tree_nodes=max_tree_nodes)
 
     def _drafter(self, drafter: Drafter | str | None) -> Drafter | None:
-        if drafter == "default" or isinstance(drafter, str):
-            from .drafters import make_drafter
-            return self.engine.drafter if drafter == "default" else make_drafter(drafter, self)
+        """'default' -> the engine's drafter; a name -> that drafter (built once, with the heads given to load())."""
+        if drafter == "default":
+            return self.engine.drafter
+        if isinstance(drafter, str):
+            if drafter not in self._drafters:
+                from .drafters import make_drafter
+                self._drafters[drafter] = make_drafter(drafter, self, self.heads)
+            return self._drafters[drafter]
         return drafter
 
     def generate(self, prompt: str | list[dict], raw: bool = False, drafter: Drafter | str | None = "default",
@@ -119,10 +126,10 @@ def load(model: str = DEFAULT_MODEL, drafter: str | None = "default", heads: str
            else Tokenizer.from_dir(path))
     if arch == "gemma3" and tok.hf.bos_token_id is not None:
         tok.add_bos = True  # Gemma expects <bos> in front of raw text
-    llm = LLM(Engine(net, tok), tok, model if not Path(model).exists() else str(path), dev)
+    llm = LLM(Engine(net, tok), tok, model if not Path(model).exists() else str(path), dev, heads)
     if drafter is not None:
-        from .drafters import default_drafter, make_drafter
-        llm.engine.drafter = (default_drafter(llm, heads) if drafter == "default" else make_drafter(drafter, llm, heads))
+        from .drafters import default_drafter
+        llm.engine.drafter = default_drafter(llm, heads) if drafter == "default" else llm._drafter(drafter)
     return llm
 
 
@@ -137,7 +144,22 @@ _GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11:
 
 
 def _gguf_architecture(path: Path) -> str:
-    """general.architecture from the GGUF header; GGUFReader parses every field (~20 s for a 262k vocab)."""
+    """general.architecture from the GGUF header; a truncated or corrupt file raises ModelLoadError naming it."""
+    import struct
+
+    from .models.loaders import ModelLoadError
+
+    try:
+        return _read_gguf_architecture(path)
+    except (struct.error, ValueError, EOFError, IndexError) as e:
+        if isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{path}: not a readable GGUF file (empty, truncated or corrupt: {e}); "
+                             "re-download or re-convert it") from e
+
+
+def _read_gguf_architecture(path: Path) -> str:
+    """The header scan behind :func:`_gguf_architecture` (GGUFReader parses every field: ~20 s for a 262k vocab)."""
     import struct
 
     with open(path, "rb") as f:

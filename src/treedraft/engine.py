@@ -24,15 +24,32 @@ class GenerationError(ValueError):
 
 
 class TargetModel(Protocol):
-    """What the engine needs from a target: see models/llama.py for the reference implementation."""
+    """What the engine needs from a target: see models/llama.py for the reference implementation.
+
+    ``device`` is where the engine builds the inputs of ``forward`` (tokens, positions, mask).
+    """
 
     vocab_size: int
     max_seq_len: int
+    device: torch.device
 
     def new_cache(self, max_len: int | None = None): ...  # noqa: ANN201
 
     def forward(self, tokens: Tensor, positions: Tensor, cache=None, start: int | None = None,  # noqa: ANN001
                 mask: Tensor | None = None, logits_for=None) -> tuple[Tensor, Tensor]: ...  # noqa: ANN001
+
+
+def target_device(model: object) -> torch.device:
+    """The device a target wants its inputs on: its ``device`` attribute, else its first parameter's, else cpu."""
+    dev = getattr(model, "device", None)
+    if dev is not None:
+        return torch.device(dev)
+    params = getattr(model, "parameters", None)
+    if callable(params):
+        p = next(iter(params()), None)
+        if p is not None:
+            return p.device
+    return torch.device("cpu")
 
 
 @dataclass
@@ -198,12 +215,26 @@ class Engine:
             eos_token_ids = tokenizer.eos_token_ids
         self.eos_token_ids = frozenset(eos_token_ids or ())
         self._cache = None
+        self._cache_owner: object | None = None  # token of the stream that currently holds self._cache
 
-    def _cache_for(self) -> object:
+    @property
+    def device(self) -> torch.device:
+        """Where the target's inputs are built (read from the model each time: it may be moved)."""
+        return target_device(self.model)
+
+    def _cache_for(self, owner: object) -> object:
+        """Hand the (single, reused) KV cache to the stream ``owner``; any earlier stream loses it."""
         if self._cache is None:
             self._cache = self.model.new_cache(self.model.max_seq_len)
         self._cache.length = 0
+        self._cache_owner = owner
         return self._cache
+
+    def _check_owner(self, owner: object) -> None:
+        if self._cache_owner is not owner:
+            raise RuntimeError("this generation's KV cache was taken by another stream started on the same Engine "
+                               "(e.g. two interleaved stream() generators); an Engine runs one stream at a time: "
+                               "finish or close one stream before starting the next, or use one Engine per stream")
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """Raise GenerationError when the prompt cannot be served."""
@@ -239,15 +270,17 @@ class Engine:
         model, V = self.model, self.model.vocab_size
         prompt = [int(t) for t in prompt_ids]
         stats.prompt_tokens = len(prompt)
-        gen = cfg.sampling.generator()
-        cache = self._cache_for()
+        gen = cfg.sampling.generator()  # a CPU generator: sampling draws on CPU, identical on every device
+        dev = self.device
+        owner = object()  # ownership token: a stream resumed after another one took the cache must not run on
+        cache = self._cache_for(owner)
         decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
         stopper = _StopChecker(cfg.stop)
         max_new = min(cfg.max_new_tokens, model.max_seq_len - len(prompt))
 
         t0 = time.perf_counter()
-        logits, hidden = model.forward(torch.tensor([prompt]), torch.arange(len(prompt)), cache, 0,
-                                       logits_for=slice(-1, None))
+        logits, hidden = model.forward(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev),
+                                       cache, 0, logits_for=slice(-1, None))
         cache.keep(0, range(len(prompt)))
         root = self._pick(logits[0, -1], cfg.sampling, gen)
         last_hidden = None if hidden is None else hidden[0, -1]
@@ -283,6 +316,7 @@ class Engine:
             if final is not None:
                 yield final
                 return
+            self._check_owner(owner)
             ts = time.perf_counter()
             budget = min(cfg.max_tree_nodes, model.max_seq_len - cache.length)
             max_depth = max_new - len(out) - 1
@@ -300,8 +334,9 @@ class Engine:
             tv = time.perf_counter()
             start = cache.length
             n = len(tree)
-            mask = None if n == 1 else full_attention_mask(tree, start)
-            logits, hidden = model.forward(torch.tensor([tree.tokens]), tree_positions(tree, start), cache, start, mask)
+            mask = None if n == 1 else full_attention_mask(tree, start, dev)
+            logits, hidden = model.forward(torch.tensor([tree.tokens], device=dev), tree_positions(tree, start, dev),
+                                           cache, start, mask)
             tr = time.perf_counter()
             if n == 1:
                 acc_nodes, bonus = (0,), self._pick(logits[0, 0], cfg.sampling, gen)
@@ -324,6 +359,7 @@ class Engine:
             if final is not None:
                 yield final
                 return
+            self._check_owner(owner)
             root = bonus
 
     @staticmethod

@@ -30,6 +30,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def generator(self) -> torch.Generator:
+        """A seeded CPU generator; every draw (see :func:`sample`) happens on the CPU, whatever the model's device,
+        so a seed gives the same tokens on cpu and cuda (for the same logits)."""
         g = torch.Generator()
         if self.seed is not None:
             g.manual_seed(int(self.seed))
@@ -59,5 +61,5 @@ def target_probs(logits: Tensor, p: SamplingParams) -> Tensor:
 
 
 def sample(probs: Tensor, gen: torch.Generator) -> int:
-    """Draw one token id from a (V,) distribution."""
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    """Draw one token id from a (V,) distribution (on any device) with a CPU generator."""
+    return int(torch.multinomial(probs.to(device="cpu"), 1, generator=gen).item())

@@ -154,15 +154,18 @@ def tree_mask(tree: TokenTree) -> Tensor:
     return m
 
 
-def tree_positions(tree: TokenTree, start: int) -> Tensor:
-    """(N,) rotary positions: ``start + depth``."""
-    return torch.tensor(tree.depths(), dtype=torch.long) + start
+def tree_positions(tree: TokenTree, start: int, device: torch.device | str | None = None) -> Tensor:
+    """(N,) rotary positions: ``start + depth``, on ``device`` (default cpu)."""
+    return torch.tensor([start + d for d in tree.depths()], dtype=torch.long, device=device)
 
 
-def full_attention_mask(tree: TokenTree, start: int) -> Tensor:
-    """(N, start + N) bool: all of the committed prefix plus the tree mask."""
+def full_attention_mask(tree: TokenTree, start: int, device: torch.device | str | None = None) -> Tensor:
+    """(N, start + N) bool: all of the committed prefix plus the tree mask, on ``device`` (default cpu)."""
     n = len(tree)
-    return torch.cat([torch.ones(n, start, dtype=torch.bool), tree_mask(tree)], dim=1)
+    # the tree part is built row by row on the CPU, then copied over once
+    m = tree_mask(tree)
+    m = m if device is None else m.to(device)
+    return torch.cat([torch.ones(n, start, dtype=torch.bool, device=m.device), m], dim=1)
 
 
 def retrieve_indices(tree: TokenTree) -> Tensor:

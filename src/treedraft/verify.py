@@ -46,13 +46,15 @@ def accept_speculative(tree: TokenTree, probs: Tensor, gen: torch.Generator) -> 
     to norm(max(p - q_i, 0)). Deterministic children (top-k, lookup) are a point-mass
     q, so acceptance is p(x) and a rejection zeroes x and renormalises.
     The emitted token is thus distributed exactly as p, level by level.
+    Runs on the CPU (probs and q are moved there), like every draw from the CPU generator.
     """
+    probs = probs.to(device="cpu")
     kids = tree.children()
     node, path = 0, [0]
     while True:
         p = probs[node].double().clone()
         q = tree.child_q.get(node)
-        q = None if q is None else q.double()
+        q = None if q is None else q.to(device="cpu", dtype=torch.float64)
         moved = False
         for c in kids[node]:
             x = tree.tokens[c]

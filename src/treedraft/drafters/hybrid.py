@@ -3,6 +3,11 @@
 Trees are merged as tries (a shared prefix is verified once). The first drafter's
 tree keeps its node order; later drafters' nodes are appended while the budget
 allows, so the budget favours the first drafter.
+
+Only deterministic trees (no ``child_q``) can be merged: a node whose children were
+*sampled* would, in the union, also get other drafters' children (and lose its q),
+and the lossless rule would then verify it as if chosen deterministically, which
+changes the output distribution. Such trees are refused with a :class:`TreeError`.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..engine import DraftContext, Drafter
-from ..tree import TokenTree
+from ..tree import TokenTree, TreeError
 
 
 def merge_trees(trees: Sequence[TokenTree], max_nodes: int) -> TokenTree:
@@ -19,6 +24,11 @@ def merge_trees(trees: Sequence[TokenTree], max_nodes: int) -> TokenTree:
     root = trees[0].tokens[0]
     if any(t.tokens[0] != root for t in trees):
         raise ValueError("cannot merge trees with different roots")
+    sampled = [i for i, t in enumerate(trees) if t.child_q]
+    if sampled:
+        raise TreeError(f"cannot merge tree {sampled[0]}: its children were sampled (child_q is set), and merging "
+                        "would verify them as deterministic drafts, which is not lossless; "
+                        "use a sampling drafter on its own, or make it propose deterministic (top-k) children")
     tokens, parents = [root], [-1]
     index: dict[tuple[int, int], int] = {}
     for t in trees:
@@ -45,4 +55,10 @@ class HybridDrafter:
 
     def propose(self, ctx: DraftContext) -> TokenTree:
         trees = [d.propose(ctx) for d in self.drafters]
+        for d, t in zip(self.drafters, trees):
+            if isinstance(t, TokenTree) and t.child_q:
+                name = getattr(d, "name", type(d).__name__)
+                raise TreeError(f"drafter {name!r} sampled its tree's children (child_q is set); the hybrid drafter "
+                                "can only merge deterministic trees (merging would verify sampled children as "
+                                f"deterministic, which is not lossless): use {name!r} on its own, or in top-k mode")
         return merge_trees(trees, ctx.max_nodes)

@@ -10,7 +10,7 @@ either the base model's frozen lm_head (shared) or a projection of its own.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -46,6 +46,19 @@ class MedusaConfig:
 
     @staticmethod
     def from_json(d: dict) -> MedusaConfig:
+        """From a medusa.json dict; unknown or missing keys raise HeadsMismatchError naming them."""
+        if not isinstance(d, dict):
+            raise HeadsMismatchError(f"medusa.json must hold a JSON object, got {type(d).__name__}")
+        known = {f.name for f in fields(MedusaConfig)}
+        required = {f.name for f in fields(MedusaConfig) if f.default is f.default_factory is MISSING}
+        unknown, missing = sorted(set(d) - known), sorted(required - set(d))
+        if unknown or missing:
+            what = [f"unknown keys {unknown}"] if unknown else []
+            what += [f"missing keys {missing}"] if missing else []
+            raise HeadsMismatchError(
+                f"medusa.json does not match this version of treedraft: {'; '.join(what)} (expected keys: "
+                f"{sorted(known)}). Retrain the heads with `treedraft train-heads`, or use the treedraft version "
+                "that wrote them.")
         d = dict(d)
         d["choices"] = tuple(tuple(c) for c in d.get("choices", DEFAULT_CHOICES))
         return MedusaConfig(**d)
@@ -90,12 +103,18 @@ class MedusaHeads(nn.Module):
         """Attach the frozen base lm_head (not saved with the heads) and the draft-vocab subset."""
         if vocab_map is not None and self.config.draft_vocab:
             vocab_map = vocab_map[: self.config.draft_vocab]
-        self.vocab_map = vocab_map  # (V',) token ids or None = full vocabulary
+        # non-persistent buffers: .to(device / dtype) moves them with the heads, save() never writes them
+        self.register_buffer("vocab_map", vocab_map, persistent=False)  # (V',) token ids or None = full vocabulary
+        w = None
         if lm_head_weight is not None:
             w = lm_head_weight.detach()
-            self.base_weight = w if vocab_map is None else w[vocab_map].contiguous()  # (V', H)
-        else:
-            self.base_weight = None
+            if vocab_map is not None:
+                w = w[vocab_map.to(w.device)]
+            p = next(self.parameters(), None)
+            if p is not None:  # converted to the heads' dtype once here, not in every forward
+                w = w.to(dtype=p.dtype)
+            w = w.contiguous()  # (V', H)
+        self.register_buffer("base_weight", w, persistent=False)
 
     def hidden(self, h: Tensor) -> Tensor:
         """(..., H) -> (..., K, H) per-head features."""
@@ -105,7 +124,7 @@ class MedusaHeads(nn.Module):
         """(..., H) -> (..., K, V') logits."""
         z = self.hidden(h)
         if self.proj is None:
-            return z @ self.base_weight.T.to(z.dtype)
+            return z @ self.base_weight.T  # same dtype as the heads (see set_base)
         return torch.stack([p(z[..., k, :]) for k, p in enumerate(self.proj)], dim=-2)
 
     # ---- persistence ---------------------------------------------------
@@ -132,7 +151,18 @@ class MedusaHeads(nn.Module):
         d = Path(d)
         if not (d / "medusa.json").is_file():
             raise FileNotFoundError(f"{d}: no medusa.json; expected a directory written by `treedraft train-heads`")
-        cfg = MedusaConfig.from_json(json.loads((d / "medusa.json").read_text()))
+        try:
+            raw = json.loads((d / "medusa.json").read_text())
+        except json.JSONDecodeError as e:
+            raise HeadsMismatchError(f"{d / 'medusa.json'} is not valid JSON ({e}); rewrite it with "
+                                     "`treedraft train-heads`") from e
+        try:
+            cfg = MedusaConfig.from_json(raw)
+        except HeadsMismatchError as e:
+            raise HeadsMismatchError(f"{d / 'medusa.json'}: {e}") from None
+        except (TypeError, ValueError) as e:  # a value of the wrong type (e.g. choices not a list of lists)
+            raise HeadsMismatchError(f"{d / 'medusa.json'}: invalid value ({e}); rewrite it with "
+                                     "`treedraft train-heads`") from e
         problems = []
         if base_model is not None and cfg.base_model != base_model:
             problems.append(f"base model {cfg.base_model!r} != {base_model!r}")
@@ -145,7 +175,29 @@ class MedusaHeads(nn.Module):
                                      + ". Train heads for this model with `treedraft train-heads`.")
         sd = load_file(str(d / "heads.safetensors"))
         vocab_map = sd.pop("vocab_map", None)
+        where = d / "heads.safetensors"
+        if cfg.draft_vocab:
+            if vocab_map is None or vocab_map.dim() != 1 or len(vocab_map) < cfg.draft_vocab:
+                has = "no vocab_map" if vocab_map is None else f"a vocab_map of shape {tuple(vocab_map.shape)}"
+                raise HeadsMismatchError(f"{where}: medusa.json says draft_vocab={cfg.draft_vocab} but the file "
+                                         f"has {has}")
+            if int(vocab_map.min()) < 0 or int(vocab_map.max()) >= cfg.vocab_size:
+                raise HeadsMismatchError(f"{where}: vocab_map has token ids outside [0, {cfg.vocab_size})")
         heads = MedusaHeads(cfg, lm_head_weight, vocab_map)
+        want = {k: tuple(v.shape) for k, v in heads.state_dict().items()}
+        got = {k: tuple(v.shape) for k, v in sd.items()}
+        wrong = [f"{k}: {got[k]} (config needs {want[k]})" for k in sorted(want.keys() & got.keys())
+                 if got[k] != want[k]]
+        missing, unexpected = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+        if wrong or missing or unexpected:
+            details = "; ".join(([f"wrong shapes {wrong[:4]}"] if wrong else [])
+                                + ([f"missing tensors {missing[:4]}"] if missing else [])
+                                + ([f"unexpected tensors {unexpected[:4]}"] if unexpected else []))
+            raise HeadsMismatchError(
+                f"{where} does not match {d / 'medusa.json'} (hidden_size={cfg.hidden_size}, "
+                f"vocab_size={cfg.vocab_size}, num_heads={cfg.num_heads}, num_layers={cfg.num_layers}, "
+                f"shared_lm_head={cfg.shared_lm_head}): {details}. Both files must come from the same "
+                "`treedraft train-heads` run.")
         heads.load_state_dict(sd)
         return heads.eval().requires_grad_(False)
 

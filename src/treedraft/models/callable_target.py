@@ -78,6 +78,11 @@ class CallableTarget:
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
         self._pool: ThreadPoolExecutor | None = None
 
+    @property
+    def device(self) -> torch.device:
+        """The engine builds this target's inputs on the CPU (the callable reads them as Python ints)."""
+        return torch.device("cpu")
+
     # ---- lifecycle ------------------------------------------------------
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine import target_device
+
 
 def grow_tree(acc: Sequence[Sequence[float]], max_nodes: int) -> tuple[list[tuple[int, ...]], list[float]]:
     """Greedy tree of up to ``max_nodes`` draft nodes; returns (choices in insertion order, node values)."""
@@ -105,19 +107,23 @@ def choose_tree(acc: Sequence[Sequence[float]], latency: dict[int, float], draft
 def measure_latency(model, context: int = 512, sizes: Sequence[int] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64),
                     reps: int = 5) -> dict[int, float]:
     """Median seconds of one forward of n tree tokens on top of a ``context``-token cache."""
+    dev = target_device(model)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)  # CUDA runs async: time whole kernels
     cache = model.new_cache(context + max(sizes) + 1)
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.vocab_size, (1, context), generator=g)
-    model.forward(prompt, torch.arange(context), cache, 0, logits_for=slice(-1, None))
+    prompt = torch.randint(0, model.vocab_size, (1, context), generator=g).to(dev)
+    model.forward(prompt, torch.arange(context, device=dev), cache, 0, logits_for=slice(-1, None))
     cache.keep(0, range(context))
     out = {}
     for n in sizes:
-        toks = torch.randint(0, model.vocab_size, (1, n), generator=g)
-        mask = torch.ones(n, context + n, dtype=torch.bool).tril(context) if n > 1 else None
+        toks = torch.randint(0, model.vocab_size, (1, n), generator=g).to(dev)
+        mask = torch.ones(n, context + n, dtype=torch.bool, device=dev).tril(context) if n > 1 else None
         times = []
         for _ in range(reps + 1):
+            sync()
             t = time.perf_counter()
-            model.forward(toks, torch.arange(context, context + n), cache, context, mask)
+            model.forward(toks, torch.arange(context, context + n, device=dev), cache, context, mask)
+            sync()
             times.append(time.perf_counter() - t)
         out[n] = sorted(times[1:])[len(times[1:]) // 2]
     return out

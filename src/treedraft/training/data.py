@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..engine import target_device
 from ..prompts import read_prompt_file
 
 
@@ -36,20 +37,21 @@ def batched_greedy(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     hidden[j] is the final hidden state at the position whose lm_head chose answer[j]
     (hidden[0] = last prompt position).
     """
+    dev = target_device(model)  # inputs go where the model is
     B = len(prompts)
     L = max(len(p) for p in prompts)
     pad = [L - len(p) for p in prompts]
-    toks = torch.tensor([[0] * pad[b] + list(prompts[b]) for b in range(B)])  # (B, L)
-    valid = torch.tensor([[False] * pad[b] + [True] * len(prompts[b]) for b in range(B)])  # (B, L)
+    toks = torch.tensor([[0] * pad[b] + list(prompts[b]) for b in range(B)], device=dev)  # (B, L)
+    valid = torch.tensor([[False] * pad[b] + [True] * len(prompts[b]) for b in range(B)], device=dev)  # (B, L)
     positions = (valid.long().cumsum(-1) - 1).clamp_min(0)  # (B, L)
     total = L + max_new_tokens
     cache = model.new_cache(total, batch=B)
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
     mask = causal[None] & valid[:, None, :]  # (B, L, L)
-    mask |= torch.eye(L, dtype=torch.bool)[None]  # pad rows attend to themselves (no NaNs)
+    mask |= torch.eye(L, dtype=torch.bool, device=dev)[None]  # pad rows attend to themselves (no NaNs)
     logits, hidden = model(toks, positions, cache, 0, mask[:, None], logits_for=slice(-1, None))
     cache.keep(0, range(L))
-    valid_all = torch.zeros(B, total, dtype=torch.bool)
+    valid_all = torch.zeros(B, total, dtype=torch.bool, device=dev)
     valid_all[:, :L] = valid
     nxt = logits[:, -1].argmax(-1)  # (B,)
     answers: list[list[int]] = [[] for _ in range(B)]

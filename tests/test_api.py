@@ -1,0 +1,47 @@
+"""Python API: drafters chosen by name use load()'s heads and are built once; unreadable GGUF files."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+import treedraft
+from treedraft.api import LLM
+from treedraft.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
+from treedraft.drafters.prompt_lookup import PromptLookupDrafter
+from treedraft.engine import Engine
+from treedraft.models.loaders import ModelLoadError
+from treedraft.models.tiny import tiny_llama
+
+
+def test_named_drafters_use_the_heads_given_to_load_and_are_built_once(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    m = tiny_llama()
+    MedusaHeads(MedusaConfig("tiny", m.hidden_size, m.vocab_size), m.lm_head.weight).save(tmp_path)
+    llm = LLM(Engine(m), None, "tiny", "cpu", heads=str(tmp_path))  # no heads are shipped for "tiny"
+    loads = []
+    real_load = MedusaHeads.load
+    monkeypatch.setattr(MedusaHeads, "load", staticmethod(lambda *a, **k: loads.append(a) or real_load(*a, **k)))
+    d = llm._drafter("medusa")
+    assert isinstance(d, MedusaDrafter) and llm._drafter("medusa") is d
+    hybrid = llm._drafter("hybrid")
+    assert llm._drafter("hybrid") is hybrid
+    assert len(loads) == 2  # once for "medusa", once for "hybrid"; never again per call
+    assert isinstance(llm._drafter("prompt-lookup"), PromptLookupDrafter)
+    assert llm._drafter("none") is None
+    assert llm._drafter("default") is llm.engine.drafter
+    own = PromptLookupDrafter()
+    assert llm._drafter(own) is own
+    with pytest.raises(ValueError, match="unknown drafter"):
+        llm._drafter("no-such-drafter")
+
+
+@pytest.mark.parametrize("content", [b"", b"GGUF", b"GGUF" + struct.pack("<I", 3),
+                                     b"GGUF" + struct.pack("<IQQ", 3, 10, 5) + struct.pack("<Q", 20) + b"general.",
+                                     b"not a gguf file at all, just some text"],
+                         ids=["empty", "magic-only", "no-counts", "cut-in-a-key", "not-gguf"])
+def test_unreadable_gguf_raises_model_load_error_naming_the_file(tmp_path, content: bytes) -> None:  # noqa: ANN001
+    p = tmp_path / "broken.gguf"
+    p.write_bytes(content)
+    with pytest.raises(ModelLoadError, match=r"broken\.gguf.*not a readable GGUF file"):
+        treedraft.load(str(p), device="cpu")

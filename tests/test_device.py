@@ -1,0 +1,209 @@
+"""Devices and dtypes: inputs are built where the target lives, sampling draws on the CPU, RoPE stays fp32.
+
+The CUDA smoke test runs the same checks as the CPU one and is skipped where CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from spec_stats import one_thread  # noqa: F401 (fixture)
+
+from treedraft.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
+from treedraft.drafters.prompt_lookup import PromptLookupDrafter
+from treedraft.engine import DraftContext, Engine, GenerationConfig, target_device
+from treedraft.models.callable_target import CallableTarget
+from treedraft.models.llama import rope_frequencies
+from treedraft.models.loaders import load_hf_dir
+from treedraft.models.tiny import tiny_llama
+from treedraft.sampling import SamplingParams, sample
+from treedraft.training.calibrate import measure_latency
+from treedraft.training.data import batched_greedy
+from treedraft.tree import TokenTree, full_attention_mask, tree_mask, tree_positions
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="CUDA is not available"))]
+
+
+# ---- the engine builds every input on the target's device ----------------------------
+class _Cache:
+    def __init__(self) -> None:
+        self.length = 0
+
+    def keep(self, start: int, indices) -> None:  # noqa: ANN001
+        self.length = start + len(list(indices))
+
+
+class MetaTarget:
+    """Claims to live on the 'meta' device; records where its inputs were built; always predicts token 1."""
+
+    vocab_size, max_seq_len = 8, 64
+    device = torch.device("meta")
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, torch.device]] = []
+
+    def new_cache(self, max_len: int | None = None) -> _Cache:
+        return _Cache()
+
+    def forward(self, tokens, positions, cache=None, start=None, mask=None, logits_for=None):  # noqa: ANN001, ANN201
+        self.seen += [(name, t.device) for name, t in (("tokens", tokens), ("positions", positions), ("mask", mask))
+                      if t is not None]
+        T = tokens.shape[-1]
+        rows = len(range(T)[logits_for]) if logits_for is not None else T
+        logits = torch.zeros(1, rows, self.vocab_size)
+        logits[..., 1] = 5.0
+        return logits, None
+
+
+class Chain:
+    name = "chain"
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        return TokenTree.chain(ctx.root, [1] * min(3, ctx.max_depth))
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=0)],
+                         ids=["greedy", "sampled"])
+def test_engine_builds_tokens_positions_and_masks_on_the_target_device(sampling: SamplingParams) -> None:
+    target = MetaTarget()
+    r = Engine(target).generate([1, 2, 3], GenerationConfig(max_new_tokens=9, sampling=sampling), Chain())
+    assert len(r.token_ids) == 9 and r.stats.accepted_tokens > 0
+    names = {name for name, _ in target.seen}
+    assert names == {"tokens", "positions", "mask"}  # prefill and trees both went through
+    wrong = [(name, dev) for name, dev in target.seen if dev.type != "meta"]
+    assert not wrong, f"inputs built off the target's device: {wrong[:4]}"
+
+
+def test_targets_report_their_device() -> None:
+    m = tiny_llama()
+    assert m.device == torch.device("cpu") == target_device(m)
+    assert target_device(CallableTarget(lambda toks: {0: 1.0}, vocab_size=4)) == torch.device("cpu")
+    assert target_device(torch.nn.Linear(2, 2).to("meta")) == torch.device("meta")  # no attribute: parameters
+    assert target_device(object()) == torch.device("cpu")
+
+
+def test_tree_helpers_take_a_device() -> None:
+    tree = TokenTree.from_sequences(5, [[1, 2], [3]])
+    pos = tree_positions(tree, 7, "meta")
+    mask = full_attention_mask(tree, 7, "meta")
+    assert pos.device.type == "meta" and mask.device.type == "meta" and mask.shape == (4, 11)
+    # default: cpu, values unchanged
+    assert tree_positions(tree, 7).tolist() == [7, 8, 9, 8]
+    cpu = full_attention_mask(tree, 7)
+    assert cpu.device.type == "cpu" and cpu[:, :7].all() and torch.equal(cpu[:, 7:], tree_mask(tree))
+
+
+def test_sampling_draws_on_the_cpu_generator_for_any_input_device() -> None:
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    a = [sample(probs, SamplingParams(seed=s).generator()) for s in range(20)]
+    b = [sample(probs.double(), SamplingParams(seed=s).generator()) for s in range(20)]
+    assert a == b and len(set(a)) > 1
+    assert SamplingParams(seed=0).generator().device.type == "cpu"
+
+
+# ---- RoPE frequencies stay float32 in bf16/fp16 models -----------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model_keeps_fp32_rope(dtype: torch.dtype) -> None:
+    m32 = tiny_llama(seed=0, max_seq_len=8192)
+    m16 = copy.deepcopy(m32).to(dtype)
+    assert m16.embed.weight.dtype == dtype
+    assert m16.inv_freq.dtype == torch.float32
+    assert torch.equal(m16.inv_freq, rope_frequencies(m32.config))
+    assert m16.half().inv_freq.dtype == torch.float32
+    # far-apart positions: a rounded frequency turns into a large relative-angle error (0.54 vs 0.09 here)
+    toks = torch.randint(0, m32.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    pos = torch.tensor(list(range(6)) + list(range(4090, 4096)))
+    with torch.inference_mode():
+        ref, _ = m32(toks, pos)
+        low, _ = m16(toks, pos)
+    assert (ref - low).abs().max() < 0.25
+
+
+def test_loader_in_bf16_keeps_fp32_rope(tmp_path) -> None:  # noqa: ANN001
+    from safetensors.torch import save_file
+
+    m = tiny_llama(seed=1)
+    c = m.config
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "tie_word_embeddings": False,
+        "rope_theta": c.rope_theta, "max_position_embeddings": 8192}))
+    hd = c.head_dim
+    qo, kvo = c.num_heads * hd, c.num_kv_heads * hd
+    sd = {"model.embed_tokens.weight": m.embed.weight, "model.norm.weight": m.norm.weight,
+          "lm_head.weight": m.lm_head.weight}
+    for i, blk in enumerate(m.layers):
+        p = f"model.layers.{i}."
+        q, k, v = blk.attn.wqkv.weight.split((qo, kvo, kvo))
+        gate, up = blk.ffn.w13.weight.split(c.intermediate_size)
+        sd.update({p + "input_layernorm.weight": blk.attn_norm.weight, p + "post_attention_layernorm.weight":
+                   blk.ffn_norm.weight, p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                   p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": blk.attn.wo.weight,
+                   p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                   p + "mlp.down_proj.weight": blk.ffn.w2.weight})
+    save_file({k: v.detach().clone() for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
+    m16 = load_hf_dir(tmp_path, torch.bfloat16)
+    assert m16.embed.weight.dtype == torch.bfloat16 and m16.inv_freq.dtype == torch.float32
+    assert torch.equal(m16.inv_freq, rope_frequencies(m16.config))
+
+
+# ---- smoke test on each device (cuda: skipped without a GPU) -------------------------------
+class SampledChildren:
+    """Depth-1 children sampled without replacement from a fixed q (recorded in child_q)."""
+
+    name = "sampled"
+
+    def __init__(self, vocab: int) -> None:
+        self.q = torch.softmax(torch.linspace(0, 2, vocab, dtype=torch.float64), 0)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        rest, kids = self.q.clone(), []
+        for _ in range(3):
+            t = int(torch.multinomial(rest, 1, generator=self.gen))
+            kids.append(t)
+            rest[t] = 0.0
+        return TokenTree((ctx.root, *kids), (-1, 0, 0, 0), {0: self.q})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_smoke(device: str) -> None:
+    m = tiny_llama(seed=3).to(device)
+    assert target_device(m).type == device
+    eng = Engine(m)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4]
+    greedy = GenerationConfig(max_new_tokens=24)
+    plain = eng.generate(prompt, greedy, drafter=None).token_ids
+    assert eng.generate(prompt, greedy, PromptLookupDrafter()).token_ids == plain
+    heads = MedusaHeads(MedusaConfig("tiny", m.hidden_size, m.vocab_size), m.lm_head.weight).to(device)
+    assert heads.base_weight.device.type == device
+    assert eng.generate(prompt, greedy, MedusaDrafter(heads)).token_ids == plain
+    # same logits as on the CPU (fp32)
+    if device != "cpu":
+        cpu = tiny_llama(seed=3)
+        with torch.inference_mode():
+            a, _ = cpu(torch.tensor([prompt]), torch.arange(len(prompt)))
+            b, _ = m(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device))
+        torch.testing.assert_close(b.cpu(), a, atol=1e-3, rtol=1e-3)
+    # sampling: seeded, with sampled (child_q) and deterministic children, every rule
+    for rule in ("speculative", "typical"):
+        cfg = GenerationConfig(max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=5), rule=rule)
+        a = eng.generate(prompt, cfg, SampledChildren(m.vocab_size)).token_ids
+        b = eng.generate(prompt, cfg, SampledChildren(m.vocab_size)).token_ids
+        assert a == b and len(a) == 16
+        assert len(eng.generate(prompt, cfg, PromptLookupDrafter()).token_ids) == 16
+    # half precision: fp32 rope, generation runs
+    m16 = tiny_llama(seed=3).to(device=device, dtype=torch.bfloat16)
+    assert m16.inv_freq.dtype == torch.float32 and m16.inv_freq.device.type == device
+    assert len(Engine(m16).generate(prompt, greedy, PromptLookupDrafter()).token_ids) == 24
+    # training helpers run on the model's device
+    (ans, hid), = batched_greedy(m, [prompt], 6, frozenset())
+    assert ans == plain[:6] and hid.device.type == device
+    assert set(measure_latency(m, context=16, sizes=(1, 4), reps=1)) == {1, 4}
