@@ -91,7 +91,7 @@ class OracleHeads(MedusaHeads):
         super().__init__(cfg, lm_head_weight)
         self.full, self.table, self.calls = full, table, []
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, root: torch.Tensor | None = None) -> torch.Tensor:
         i = int((self.table - h.float()).norm(dim=-1).argmin())
         K, V = self.config.num_heads, self.config.vocab_size
         out = torch.full((K, V), -10.0)
@@ -278,3 +278,38 @@ def test_merge_trees_unions_paths_and_respects_budget() -> None:
     assert len(small) == 5 and small.tokens[:4] == a.tokens
     with pytest.raises(ValueError, match="roots"):
         merge_trees([a, TokenTree.chain(8, [1])], 10)
+
+
+def test_root_conditioned_heads_read_the_root_embedding() -> None:
+    m = tiny_llama(seed=6)
+    cfg = _cfg(m, num_heads=2, root_conditioned=True)
+    with pytest.raises(ValueError, match="embedding"):
+        MedusaHeads(cfg, m.lm_head.weight)
+    heads = MedusaHeads(cfg, m.lm_head.weight, embed_weight=m.embed.weight)
+    h = torch.randn(3, m.hidden_size)
+    roots = torch.tensor([1, 2, 3])
+    torch.testing.assert_close(heads(h, roots)[:, 0], m.lm_head(h))  # zero-init: plain lm_head at first
+    with pytest.raises(ValueError, match="root"):
+        heads(h)
+    with torch.no_grad():
+        heads.root_proj[1].weight.copy_(torch.eye(m.hidden_size))
+    x = h + m.embed.weight[roots]
+    expect = m.lm_head(heads.blocks[1](x))
+    torch.testing.assert_close(heads(h, roots)[:, 1], expect)
+    assert not torch.allclose(heads(h, torch.tensor([4, 4, 4]))[:, 1], expect)
+    # the drafter feeds the tree root: its depth-2 candidate is the head's top-1 given that root
+    d = MedusaDrafter(heads, ((0,), (0, 0)))
+    tree = d.propose(DraftContext([5, 9], h[0], max_nodes=8, max_depth=4))
+    assert tree.tokens[2] == int(heads(h[0], torch.tensor(9))[1].argmax())
+
+
+def test_root_conditioned_heads_roundtrip(tmp_path) -> None:
+    m = tiny_llama(seed=7)
+    heads = MedusaHeads(_cfg(m, root_conditioned=True), m.lm_head.weight, embed_weight=m.embed.weight)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.1)
+    heads.save(tmp_path)
+    back = MedusaHeads.load(tmp_path, m.lm_head.weight, "tiny", embed_weight=m.embed.weight)
+    h, r = torch.randn(2, m.hidden_size), torch.tensor([3, 4])
+    torch.testing.assert_close(back(h, r), heads(h, r))

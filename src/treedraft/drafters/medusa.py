@@ -42,6 +42,9 @@ class MedusaConfig:
     shared_lm_head: bool = True
     choices: tuple[tuple[int, ...], ...] = DEFAULT_CHOICES
     draft_vocab: int = 0  # >0: heads score only the first N ids of `vocab_map` (a frequency-ranked subset)
+    # True: each head also reads the root token's input embedding (h + P_k e(root), P_k zero-initialised).
+    # The root is known when drafting (the target chose it), so heads need not guess token t+1 first.
+    root_conditioned: bool = False
     extra: dict = field(default_factory=dict)  # training/eval facts (accuracy, data, calibration)
 
     @staticmethod
@@ -81,9 +84,19 @@ class MedusaHeads(nn.Module):
     """K heads; ``forward(h)`` -> logits (..., K, V') over the draft vocabulary."""
 
     def __init__(self, cfg: MedusaConfig, lm_head_weight: Tensor | None = None,
-                 vocab_map: Tensor | None = None) -> None:
+                 vocab_map: Tensor | None = None, embed_weight: Tensor | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.root_proj = None
+        if cfg.root_conditioned:
+            if embed_weight is None:
+                raise ValueError("root-conditioned heads need the base model's input embedding weight")
+            self.root_proj = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+                                           for _ in range(cfg.num_heads))
+            for lin in self.root_proj:
+                nn.init.zeros_(lin.weight)
+        self.register_buffer("embed_weight", None if embed_weight is None else embed_weight.detach(),
+                             persistent=False)
         # distinct modules per head and per block (no `[m] * n` weight sharing)
         self.blocks = nn.ModuleList(
             nn.Sequential(*[ResBlock(cfg.hidden_size) for _ in range(cfg.num_layers)]) for _ in range(cfg.num_heads))
@@ -116,13 +129,18 @@ class MedusaHeads(nn.Module):
             w = w.contiguous()  # (V', H)
         self.register_buffer("base_weight", w, persistent=False)
 
-    def hidden(self, h: Tensor) -> Tensor:
-        """(..., H) -> (..., K, H) per-head features."""
-        return torch.stack([blk(h) for blk in self.blocks], dim=-2)
+    def hidden(self, h: Tensor, root: Tensor | None = None) -> Tensor:
+        """(..., H) hidden states [+ (...,) root token ids] -> (..., K, H) per-head features."""
+        if self.root_proj is None:
+            return torch.stack([blk(h) for blk in self.blocks], dim=-2)
+        if root is None:
+            raise ValueError("these heads are root-conditioned: pass the root token ids")
+        e = self.embed_weight[root.to(self.embed_weight.device)].to(h.dtype)  # (..., H)
+        return torch.stack([blk(h + p(e)) for blk, p in zip(self.blocks, self.root_proj)], dim=-2)
 
-    def forward(self, h: Tensor) -> Tensor:
-        """(..., H) -> (..., K, V') logits."""
-        z = self.hidden(h)
+    def forward(self, h: Tensor, root: Tensor | None = None) -> Tensor:
+        """(..., H) [+ (...,) root ids] -> (..., K, V') logits."""
+        z = self.hidden(h, root)
         if self.proj is None:
             return z @ self.base_weight.T  # same dtype as the heads (see set_base)
         return torch.stack([p(z[..., k, :]) for k, p in enumerate(self.proj)], dim=-2)
@@ -144,7 +162,8 @@ class MedusaHeads(nn.Module):
 
     @staticmethod
     def load(d: str | Path, lm_head_weight: Tensor | None, base_model: str | None = None,
-             hidden_size: int | None = None, vocab_size: int | None = None) -> MedusaHeads:
+             hidden_size: int | None = None, vocab_size: int | None = None,
+             embed_weight: Tensor | None = None) -> MedusaHeads:
         """Load heads from a directory, refusing heads made for a different base model."""
         from safetensors.torch import load_file
 
@@ -183,7 +202,7 @@ class MedusaHeads(nn.Module):
                                          f"has {has}")
             if int(vocab_map.min()) < 0 or int(vocab_map.max()) >= cfg.vocab_size:
                 raise HeadsMismatchError(f"{where}: vocab_map has token ids outside [0, {cfg.vocab_size})")
-        heads = MedusaHeads(cfg, lm_head_weight, vocab_map)
+        heads = MedusaHeads(cfg, lm_head_weight, vocab_map, embed_weight)
         want = {k: tuple(v.shape) for k, v in heads.state_dict().items()}
         got = {k: tuple(v.shape) for k, v in sd.items()}
         wrong = [f"{k}: {got[k]} (config needs {want[k]})" for k in sorted(want.keys() & got.keys())
@@ -200,6 +219,16 @@ class MedusaHeads(nn.Module):
                 "`treedraft train-heads` run.")
         heads.load_state_dict(sd)
         return heads.eval().requires_grad_(False)
+
+
+def input_embedding_weight(model) -> Tensor | None:  # noqa: ANN001
+    """(V, H) input embedding of a target (own runtime or transformers adapter), if it exposes one."""
+    if hasattr(model, "embed"):
+        return model.embed.weight
+    hf = getattr(model, "hf", None)
+    if hf is not None and hasattr(hf, "get_input_embeddings"):
+        return hf.get_input_embeddings().weight
+    return None
 
 
 def shipped_heads_for(model_name: str) -> Path | None:
@@ -234,14 +263,16 @@ class MedusaDrafter:
         else:
             d = Path(heads)
         lm = llm.model.lm_head.weight if hasattr(llm.model, "lm_head") else llm.model.output_embeddings_weight()
-        h = MedusaHeads.load(d, lm, llm.model_name, llm.model.hidden_size, llm.model.vocab_size)
+        h = MedusaHeads.load(d, lm, llm.model_name, llm.model.hidden_size, llm.model.vocab_size,
+                             embed_weight=input_embedding_weight(llm.model))
         return MedusaDrafter(h.to(lm.device))
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> TokenTree:
         if ctx.hidden is None:
             raise ValueError("the medusa drafter needs the target's hidden state; this target does not provide it")
-        logits = self.heads(ctx.hidden.to(self.heads.blocks[0][0].linear.weight.dtype))  # (K, V')
+        root = torch.tensor(ctx.root)
+        logits = self.heads(ctx.hidden.to(self.heads.blocks[0][0].linear.weight.dtype), root)  # (K, V')
         cands = []
         for d, k in enumerate(self.topk):
             ids = logits[d].topk(k).indices

@@ -64,11 +64,12 @@ def split_by_sequence(seq: Tensor, frac: float, seed: int) -> Tensor:
 
 @torch.no_grad()
 def rank_hits(heads: MedusaHeads, hidden: Tensor, targets: Tensor, max_rank: int = 10,
-              batch: int = 512) -> Tensor:
+              batch: int = 512, roots: Tensor | None = None) -> Tensor:
     """(K, max_rank) tensor: P(the target is head k's rank-r candidate), over rows whose target exists.
 
     Ranks are in the heads' draft vocabulary mapped back to token ids, so a target outside it is a
     miss at every rank. Ranks beyond the draft vocabulary's size have probability 0.
+    roots: (N,) the token each row's lm_head chose (the tree root), for root-conditioned heads.
     """
     K = heads.config.num_heads
     hits = torch.zeros(K, max_rank)
@@ -76,7 +77,7 @@ def rank_hits(heads: MedusaHeads, hidden: Tensor, targets: Tensor, max_rank: int
     vm = heads.vocab_map
     for s in range(0, hidden.shape[0], batch):
         t = targets[s : s + batch]  # (b, K)
-        logits = heads(hidden[s : s + batch].float())  # (b, K, V')
+        logits = heads(hidden[s : s + batch].float(), None if roots is None else roots[s : s + batch])  # (b,K,V')
         r = min(max_rank, logits.shape[-1])
         top = logits.topk(r, dim=-1).indices  # (b, K, r)
         if vm is not None:
@@ -88,26 +89,27 @@ def rank_hits(heads: MedusaHeads, hidden: Tensor, targets: Tensor, max_rank: int
 
 
 def rank_accuracy(heads: MedusaHeads, hidden: Tensor, targets: Tensor, max_rank: int = 10,
-                  batch: int = 512) -> list[list[float]]:
+                  batch: int = 512, roots: Tensor | None = None) -> list[list[float]]:
     """acc[k][r] = P(the target is head k's rank-r candidate): the tree calibrator's input."""
-    return rank_hits(heads, hidden, targets, max_rank, batch).tolist()
+    return rank_hits(heads, hidden, targets, max_rank, batch, roots).tolist()
 
 
 def evaluate(heads: MedusaHeads, hidden: Tensor, targets: Tensor, ks: tuple[int, ...] = (1, 5),
-             batch: int = 512) -> dict[str, list[float]]:
+             batch: int = 512, roots: Tensor | None = None) -> dict[str, list[float]]:
     """Per-head top-k accuracy (over rows whose target exists, in the full vocabulary).
 
     Top-k accuracy is the cumulative sum of the rank accuracies up to rank k (candidates are distinct).
     """
-    cum = rank_hits(heads, hidden, targets, max(ks), batch).cumsum(-1)  # (K, kmax)
+    cum = rank_hits(heads, hidden, targets, max(ks), batch, roots).cumsum(-1)  # (K, kmax)
     return {f"top{k}": cum[:, k - 1].tolist() for k in ks}
 
 
 # MedusaConfig / TrainConfig fields that a checkpoint must agree on to be resumed
-_SHAPE_KEYS = ("base_model", "hidden_size", "vocab_size", "num_heads", "num_layers", "shared_lm_head", "draft_vocab")
+_SHAPE_KEYS = ("base_model", "hidden_size", "vocab_size", "num_heads", "num_layers", "shared_lm_head", "draft_vocab",
+               "root_conditioned")
 _RUN_KEYS = ("epochs", "lr", "weight_decay", "batch_size", "decay", "heldout_frac", "seed", "warmup_steps")
 _FLAGS = {"num_heads": "--num-heads", "num_layers": "--num-layers", "shared_lm_head": "--projection",
-          "draft_vocab": "--draft-vocab", "base_model": "--model", "hidden_size": "--model", "vocab_size": "--model",
+          "draft_vocab": "--draft-vocab", "root_conditioned": "--root-conditioned", "base_model": "--model", "hidden_size": "--model", "vocab_size": "--model",
           "epochs": "--epochs", "lr": "--lr", "batch_size": "--batch-size", "seed": "--seed"}
 
 
@@ -151,7 +153,8 @@ def check_checkpoint(st: dict, path: Path, mcfg: MedusaConfig, tcfg: TrainConfig
 
 
 def train_heads(data_dir: str | Path, lm_head_weight: Tensor, mcfg: MedusaConfig, tcfg: TrainConfig,
-                out_dir: str | Path, progress: bool = True, resume: bool = True) -> tuple[MedusaHeads, dict]:
+                out_dir: str | Path, progress: bool = True, resume: bool = True,
+                embed_weight: Tensor | None = None) -> tuple[MedusaHeads, dict]:
     """Train heads on shards in ``data_dir``; checkpoints and the final heads go to ``out_dir``."""
     from tqdm import tqdm
 
@@ -165,7 +168,7 @@ def train_heads(data_dir: str | Path, lm_head_weight: Tensor, mcfg: MedusaConfig
     held = split_by_sequence(seq, tcfg.heldout_frac, tcfg.seed)
     tr_idx = (~held).nonzero().squeeze(1)
     vocab_map = frequency_vocab(tokens[~held], mcfg.vocab_size, mcfg.draft_vocab) if mcfg.draft_vocab else None
-    heads = MedusaHeads(mcfg, lm_head_weight, vocab_map)
+    heads = MedusaHeads(mcfg, lm_head_weight, vocab_map, embed_weight)
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
     steps_per_epoch = math.ceil(len(tr_idx) / tcfg.batch_size)
@@ -205,7 +208,7 @@ def train_heads(data_dir: str | Path, lm_head_weight: Tensor, mcfg: MedusaConfig
             lr = tcfg.lr * min(1.0, (step + 1) / tcfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * step / total))
             for grp in opt.param_groups:
                 grp["lr"] = lr
-            logits = heads(hidden[idx].float())  # (b, K, V')
+            logits = heads(hidden[idx].float(), tokens[idx])  # (b, K, V'); row j's root is token j
             t = tgt_local[idx]  # (b, K)
             losses = torch.stack([F.cross_entropy(logits[:, k], t[:, k], ignore_index=-100)
                                   for k in range(mcfg.num_heads)])
@@ -231,7 +234,7 @@ def train_heads(data_dir: str | Path, lm_head_weight: Tensor, mcfg: MedusaConfig
     held_idx = held.nonzero().squeeze(1)
     report = {"train_rows": len(tr_idx), "heldout_rows": len(held_idx), "epochs": tcfg.epochs,
               "seconds": round(time.time() - t0, 1),
-              "heldout": evaluate(heads, hidden[held_idx], targets[held_idx]) if len(held_idx) else {}}
+              "heldout": evaluate(heads, hidden[held_idx], targets[held_idx], roots=tokens[held_idx]) if len(held_idx) else {}}
     heads.requires_grad_(False)
     heads.config = replace(mcfg, extra={**mcfg.extra, "training": report})
     return heads, report
