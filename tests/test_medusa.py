@@ -313,3 +313,16 @@ def test_root_conditioned_heads_roundtrip(tmp_path) -> None:
     back = MedusaHeads.load(tmp_path, m.lm_head.weight, "tiny", embed_weight=m.embed.weight)
     h, r = torch.randn(2, m.hidden_size), torch.tensor([3, 4])
     torch.testing.assert_close(back(h, r), heads(h, r))
+
+
+def test_fp16_saved_heads_load_back_close(tmp_path) -> None:
+    m = tiny_llama(seed=8)
+    heads = MedusaHeads(_cfg(m, draft_vocab=16), m.lm_head.weight, torch.arange(m.vocab_size))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.1)
+    heads.save(tmp_path, dtype=torch.float16)
+    back = MedusaHeads.load(tmp_path, m.lm_head.weight)
+    assert back.vocab_map.dtype == torch.long and next(back.parameters()).dtype == torch.float32
+    h = torch.randn(2, m.hidden_size)
+    torch.testing.assert_close(back(h), heads(h), atol=2e-2, rtol=1e-2)

@@ -146,15 +146,16 @@ class MedusaHeads(nn.Module):
         return torch.stack([p(z[..., k, :]) for k, p in enumerate(self.proj)], dim=-2)
 
     # ---- persistence ---------------------------------------------------
-    def save(self, d: str | Path) -> None:
-        """Write heads.safetensors + medusa.json into directory d."""
+    def save(self, d: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write heads.safetensors (weights in ``dtype`` if given, e.g. fp16 to halve a shipped file)
+        + medusa.json into directory d."""
         from safetensors.torch import save_file
 
         d = Path(d)
         d.mkdir(parents=True, exist_ok=True)
-        sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        sd = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         if self.vocab_map is not None:
-            sd["vocab_map"] = self.vocab_map.cpu()
+            sd["vocab_map"] = self.vocab_map.to(torch.int32).cpu()
         save_file(sd, str(d / "heads.safetensors"))
         cfg = asdict(self.config)
         cfg["choices"] = [list(c) for c in self.config.choices]
@@ -194,6 +195,7 @@ class MedusaHeads(nn.Module):
                                      + ". Train heads for this model with `treedraft train-heads`.")
         sd = load_file(str(d / "heads.safetensors"))
         vocab_map = sd.pop("vocab_map", None)
+        vocab_map = None if vocab_map is None else vocab_map.long()
         where = d / "heads.safetensors"
         if cfg.draft_vocab:
             if vocab_map is None or vocab_map.dim() != 1 or len(vocab_map) < cfg.draft_vocab:
