@@ -38,17 +38,40 @@ def test_parity_with_transformers_prefill_and_incremental(smollm, hf_smollm) -> 
             assert (lo[0, 0] - ref[pos]).abs().max() < 1e-3
 
 
-def test_packed_weights_give_the_same_logits() -> None:
+@pytest.mark.parametrize("strategy", ["linear", "xwt", "wxt"])
+def test_matmul_strategies_agree(strategy: str) -> None:
+    from treedraft.models.llama import matmul
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 16, generator=g)
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, 16, generator=g)
+        y = matmul(strategy, x, w, w.t().contiguous())
+        assert y.shape == (rows, 48) and y.is_contiguous()
+        torch.testing.assert_close(y, x @ w.t(), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_model_follows_its_plan_and_gives_the_same_logits() -> None:
+    from treedraft.models.llama import MATMUL_BUCKETS
+
     m = tiny_llama(seed=4)
-    cache = m.new_cache(32)
+    toks = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
     with torch.inference_mode():
-        m(torch.tensor([[1, 2, 3]]), torch.arange(3), cache, 0)
-        cache.keep(0, range(3))
-        a, _ = m(torch.tensor([[7]]), torch.tensor([3]), cache, 3)
-        m.pack()
-        b, _ = m(torch.tensor([[7]]), torch.tensor([3]), cache, 3)
+        ref, _ = m(toks, torch.arange(7))
+        for strategy in ("xwt", "wxt"):
+            m.pack({b: strategy for b in MATMUL_BUCKETS})
+            assert m.layers[0].attn.wqkv.plan[1] == strategy
+            got, _ = m(toks, torch.arange(7))
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+            cache = m.new_cache(16)
+            m(toks[:, :6], torch.arange(6), cache, 0)
+            cache.keep(0, range(6))
+            one, _ = m(toks[:, 6:], torch.tensor([6]), cache, 6)  # the single-row decode path
+            torch.testing.assert_close(one[0, 0], ref[0, 6], atol=1e-4, rtol=1e-4)
+        m.pack()  # measured plan: every bucket gets a known strategy
+        assert set(m.matmul_plan) == set(MATMUL_BUCKETS) and set(m.matmul_plan.values()) <= {"linear", "xwt", "wxt"}
         m.unpack()
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert m.layers[0].ffn.w2.plan is None
 
 
 def test_cache_keep_compacts_chosen_slots() -> None:

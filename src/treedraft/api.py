@@ -116,7 +116,7 @@ def load(model: str = DEFAULT_MODEL, drafter: str | None = "default", heads: str
     if runtime == "own":
         net, _meta = load_own(path, dt, dev, max_seq_len)
         if dev == "cpu":
-            net.pack()  # faster single-token decode on CPU (measured; see models/llama.Linear)
+            pack_tuned(net, path, dt)  # per-row-count matmul kernels, measured on this machine
     elif runtime == "hf":
         from .models.hf_adapter import HFTarget
         net = HFTarget.load(path, dt, dev, max_seq_len)
@@ -131,6 +131,35 @@ def load(model: str = DEFAULT_MODEL, drafter: str | None = "default", heads: str
         from .drafters import default_drafter
         llm.engine.drafter = default_drafter(llm, heads) if drafter == "default" else llm._drafter(drafter)
     return llm
+
+
+def pack_tuned(net, path: Path, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """``net.pack()`` with its measured kernel plan cached per machine, torch, threads, model and dtype.
+
+    Tuning takes a few seconds once; TREEDRAFT_RETUNE=1 forces a new measurement.
+    """
+    import hashlib
+    import json
+    import os
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    key = hashlib.sha1(f"{cpu}|{torch.__version__}|{torch.get_num_threads()}|{file_key(path)}|{dtype}".encode())
+    f = cache_dir() / "tune" / f"{key.hexdigest()[:16]}.json"
+    if f.is_file() and not os.environ.get("TREEDRAFT_RETUNE"):
+        try:
+            net.pack({int(k): v for k, v in json.loads(f.read_text()).items()})
+            return
+        except (ValueError, AttributeError):
+            pass  # unreadable plan: measure again
+    net.pack()
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(json.dumps(net.matmul_plan))
 
 
 def _architecture(path: Path) -> str:

@@ -118,23 +118,77 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-class Linear(nn.Linear):
-    """nn.Linear with an optional (in, out) copy of the weight for single-row inputs.
+MATMUL_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+MATMUL_STRATEGIES = ("linear", "xwt", "wxt")
 
-    Measured on this CPU (fp32, MKL): for one row, ``x @ W_t`` with a contiguous
-    (in, out) copy streams the weights ~1.5x faster than ``F.linear(x, W)``; for
-    multi-row inputs (tree verification, prefill) F.linear is as fast or faster.
-    :meth:`Transformer.pack` builds the copies (2x weight memory, not bandwidth).
+
+def _bucket(rows: int) -> int:
+    for b in MATMUL_BUCKETS:
+        if rows <= b:
+            return b
+    return 0  # larger than every bucket: plain F.linear
+
+
+def matmul(strategy: str, x: Tensor, w: Tensor, wt: Tensor | None) -> Tensor:
+    """x (M, K) times w (N, K)^T by one of three equivalent kernels (results differ by float rounding).
+
+    linear: F.linear(x, w); xwt: x @ wt with a contiguous (K, N) copy; wxt: (w @ x^T)^T, which BLAS
+    runs as a GEMM with a skinny right-hand side (one row is duplicated so it never degrades to GEMV).
+    """
+    if strategy == "xwt" and wt is not None:
+        return x @ wt
+    if strategy == "wxt":
+        # x^T as a column-major view of a row-major x: the layout MKL's skinny GEMM is fast on;
+        # the (M, N) result is made row-major again so attention/SDPA keep their fast kernels
+        xx = torch.cat((x, x)) if x.shape[0] == 1 else x.contiguous()
+        return torch.mm(w, xx.t()).t()[: x.shape[0]].contiguous()
+    return F.linear(x, w)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose matmul kernel is chosen per row count by a measured plan.
+
+    On this CPU (fp32, MKL) the three kernels of :func:`matmul` differ by up to 2x for the
+    skinny inputs of decoding and tree verification (1-32 rows), and which one wins depends on
+    the row count and the machine, so :meth:`Transformer.pack` times them and stores a plan.
+    Without a plan (tests, training) it is plain F.linear.
     """
 
     weight_t: Tensor | None = None
+    plan: dict[int, str] | None = None  # rows bucket -> strategy, shared by all Linear of a model
 
     def forward(self, x: Tensor) -> Tensor:
-        wt = self.weight_t
-        if wt is not None and x.numel() == x.shape[-1]:
-            y = x @ wt
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        if self.plan is None:
+            return F.linear(x, self.weight, self.bias)
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        strategy = self.plan.get(_bucket(x2.shape[0]), "linear")
+        y = matmul(strategy, x2, self.weight, self.weight_t)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def tune_matmul_plan(linears: list[Linear], reps: int = 2) -> dict[int, str]:
+    """Time each strategy on every weight of the model for each row bucket; return the fastest."""
+    import time
+
+    plan: dict[int, str] = {}
+    for rows in MATMUL_BUCKETS:
+        xs = {k: torch.randn(rows, k, dtype=linears[0].weight.dtype, device=linears[0].weight.device)
+              for k in {m.in_features for m in linears}}
+        best, best_t = "linear", float("inf")
+        for strategy in MATMUL_STRATEGIES:
+            t_min = float("inf")
+            for _ in range(reps):
+                t = time.perf_counter()
+                for m in linears:
+                    matmul(strategy, xs[m.in_features], m.weight, m.weight_t)
+                t_min = min(t_min, time.perf_counter() - t)
+            if t_min < best_t:
+                best, best_t = strategy, t_min
+        plan[rows] = best
+    return plan
 
 
 class RMSNorm(nn.Module):
@@ -249,20 +303,27 @@ class Transformer(nn.Module):
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
 
-    def pack(self) -> Transformer:
-        """Build (in, out) weight copies for the single-token decode path (see :class:`Linear`).
+    def pack(self, plan: dict[int, str] | None = None) -> Transformer:
+        """Prepare the CPU decode path: (in, out) weight copies + a per-row-count kernel plan.
 
-        Call again after changing weights; :meth:`unpack` drops the copies.
+        ``plan`` (rows bucket -> strategy) is measured with :func:`tune_matmul_plan` when not given.
+        Call again after changing weights; :meth:`unpack` restores plain F.linear.
         """
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.weight_t = m.weight.detach().t().contiguous()
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for m in linears:
+            m.weight_t = m.weight.detach().t().contiguous()
+        plan = dict(plan) if plan is not None else tune_matmul_plan(linears)
+        for m in linears:
+            m.plan = plan
+        self.matmul_plan = plan
         return self
 
     def unpack(self) -> Transformer:
         for m in self.modules():
             if isinstance(m, Linear):
                 m.weight_t = None
+                m.plan = None
+        self.matmul_plan = None
         return self
 
     def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
