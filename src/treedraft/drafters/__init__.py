@@ -25,7 +25,7 @@ def make_drafter(name: str, llm: LLM, heads: str | None = "default") -> Drafter 
     if name == "hybrid":  # Medusa tree + prompt-lookup branches, verified in one pass
         from .hybrid import HybridDrafter
         from .medusa import MedusaDrafter
-        return HybridDrafter([MedusaDrafter.for_model(llm, heads), PromptLookupDrafter(max_branches=2)])
+        return HybridDrafter([MedusaDrafter.for_model(llm, heads), PromptLookupDrafter()])
     raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
 
 
