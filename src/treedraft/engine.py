@@ -309,8 +309,13 @@ class Engine:
             return None
 
         pending: list[Chunk] = []
+        to_emit = [root]  # accepted drafts + the bonus token of the last step (the next root)
         while True:
-            final = emit(root)
+            final = None
+            for tok in to_emit:
+                final = emit(tok)
+                if final is not None:
+                    break
             yield from pending
             pending.clear()
             if final is not None:
@@ -350,16 +355,7 @@ class Engine:
             tokens.append(bonus)
             te = time.perf_counter()
             stats.steps.append(StepStats(n, max(tree.depths()), len(new), tv - ts, tr - tv, te - tr))
-            for tok in new:
-                final = emit(tok)
-                if final is not None:
-                    break
-            yield from pending
-            pending.clear()
-            if final is not None:
-                yield final
-                return
-            self._check_owner(owner)
+            to_emit = new + [bonus]
             root = bonus
 
     @staticmethod
