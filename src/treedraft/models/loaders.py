@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .llama import LlamaConfig, Transformer
+from .llama import LlamaConfig, Transformer, rope_frequencies
 
 LLAMA_ARCHS = {"llama", "qwen2", "mistral"}
 
@@ -171,11 +171,24 @@ def load_hf_dir(d: str | Path, dtype: torch.dtype = torch.float32, device: str =
     return _build(cfg, canon, str(d), dtype, device)
 
 
-def _build(cfg: LlamaConfig, canon: dict[str, np.ndarray], src: str, dtype: torch.dtype, device: str) -> Transformer:
-    """Fill a fresh Transformer from canonical names ``{i}.{q,k,v,o,...}.{weight,bias}``."""
+def from_state_dict(cfg: LlamaConfig, sd: dict[str, Tensor], src: str, dtype: torch.dtype,
+                    device: str) -> Transformer:
+    """A frozen Transformer from its own state dict (lm_head may be absent when embeddings are tied)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device="cpu")
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    real_missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
+    if real_missing or unexpected:
+        raise ModelLoadError(f"{src}: state dict mismatch, missing={real_missing[:8]} unexpected={unexpected[:8]}")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.inv_freq = rope_frequencies(cfg)  # to_empty left the buffer uninitialised
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def _build(cfg: LlamaConfig, canon: dict[str, np.ndarray], src: str, dtype: torch.dtype, device: str) -> Transformer:
+    """Fill a fresh Transformer from canonical names ``{i}.{q,k,v,o,...}.{weight,bias}``."""
     hd, H = cfg.head_dim, cfg.hidden_size
     sd: dict[str, Tensor] = {}
 
@@ -207,12 +220,4 @@ def _build(cfg: LlamaConfig, canon: dict[str, np.ndarray], src: str, dtype: torc
         sd[p + "ffn.w2.weight"] = take(f"{i}.down.weight", (H, cfg.intermediate_size))
     if canon:
         raise ModelLoadError(f"{src}: tensors not used by the model: {sorted(canon)[:8]}")
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    real_missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
-    if real_missing or unexpected:
-        raise ModelLoadError(f"{src}: state dict mismatch, missing={real_missing} unexpected={unexpected}")
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.embed.weight
-    from .llama import rope_frequencies
-    model.inv_freq = rope_frequencies(cfg)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return from_state_dict(cfg, sd, src, dtype, device)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .llama import LlamaConfig
-from .loaders import ModelLoadError, load_gguf, load_hf_dir
+from .loaders import ModelLoadError, from_state_dict, load_gguf, load_hf_dir
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,6 @@ def load_own(path: Path, dtype: torch.dtype, device: str, max_seq_len: int | Non
         return load_hf_dir(path, dtype, device, max_seq_len), None
     from safetensors.torch import load_file, save_file
 
-    from .llama import Transformer
     from .loaders import gguf_config
 
     cached = cache_dir() / "weights" / f"{file_key(path)}.safetensors"
@@ -103,20 +102,10 @@ def load_own(path: Path, dtype: torch.dtype, device: str, max_seq_len: int | Non
         if max_seq_len:
             cfg = dataclasses.replace(cfg, max_seq_len=min(max_seq_len, cfg.max_seq_len))
     if cached.is_file():
-        sd = load_file(str(cached))
-        with torch.device("meta"):
-            model = Transformer(cfg)
-        model = model.to_empty(device="cpu")
-        missing, unexpected = model.load_state_dict(sd, strict=False)
-        missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
-        if missing or unexpected:
-            raise ModelLoadError(f"{cached}: stale weight cache (missing={missing[:4]}, unexpected={unexpected[:4]}); "
-                                 "delete it to rebuild")
-        if cfg.tie_embeddings:
-            model.lm_head.weight = model.embed.weight
-        from .llama import rope_frequencies
-        model.inv_freq = rope_frequencies(cfg)
-        return model.to(device=device, dtype=dtype).eval().requires_grad_(False), meta
+        try:
+            return from_state_dict(cfg, load_file(str(cached)), str(cached), dtype, device), meta
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{e}; the weight cache is stale: delete {cached} to rebuild it") from e
     model, _ = load_gguf(path, torch.float32, "cpu", max_seq_len)
     cached.parent.mkdir(parents=True, exist_ok=True)
     sd = {k: v.contiguous() for k, v in model.state_dict().items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
