@@ -37,6 +37,12 @@ def test_separate_projection_and_draft_vocab() -> None:
     sub = MedusaHeads(_cfg(m, draft_vocab=4), m.lm_head.weight, vm)
     h = torch.randn(2, m.hidden_size)
     torch.testing.assert_close(sub(h)[:, 0], m.lm_head(h)[:, vm])
+    # a separate projection scores the same draft vocabulary (training targets index into it)
+    sep_sub = MedusaHeads(_cfg(m, shared_lm_head=False, draft_vocab=4), m.lm_head.weight, vm)
+    assert sep_sub(h).shape == (2, 4, 4)
+    torch.testing.assert_close(sep_sub(h)[:, 0], m.lm_head(h)[:, vm])
+    with pytest.raises(ValueError, match="vocab_map"):
+        MedusaHeads(_cfg(m, shared_lm_head=False, draft_vocab=4), m.lm_head.weight)
 
 
 def test_save_load_roundtrip_and_mismatch(tmp_path) -> None:

@@ -106,11 +106,17 @@ class MedusaHeads(nn.Module):
             if lm_head_weight is None:
                 raise ValueError("shared_lm_head heads need the base model's lm_head weight")
         else:
-            self.proj = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-                                      for _ in range(cfg.num_heads))
+            # one projection per head over the same vocabulary the shared variant scores (the draft
+            # vocabulary when there is one: training targets are indices into it), lm_head rows to start
+            if cfg.draft_vocab and (vocab_map is None or len(vocab_map) < cfg.draft_vocab):
+                raise ValueError(f"draft_vocab={cfg.draft_vocab} needs a vocab_map of at least that many token ids")
+            rows = vocab_map[: cfg.draft_vocab] if cfg.draft_vocab else None
+            self.proj = nn.ModuleList(nn.Linear(cfg.hidden_size, len(rows) if rows is not None else cfg.vocab_size,
+                                                bias=False) for _ in range(cfg.num_heads))
             if lm_head_weight is not None:
+                init = lm_head_weight.detach() if rows is None else lm_head_weight.detach()[rows.to(lm_head_weight.device)]
                 for p in self.proj:
-                    p.weight.data.copy_(lm_head_weight)
+                    p.weight.data.copy_(init)
         self.set_base(lm_head_weight, vocab_map)
 
     def set_base(self, lm_head_weight: Tensor | None, vocab_map: Tensor | None) -> None:
