@@ -99,7 +99,9 @@ def main() -> int:
     a.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# Shared vs separate projection for the Medusa heads", "",
              f"Trained on {a.shards or 'all'} shard(s) of `{a.train_data}`, {a.epochs} epoch(s), lr {a.lr}, "
-             f"draft vocabulary {a.draft_vocab}, root-conditioned; evaluated on `{a.eval_data}`.", "",
+             f"draft vocabulary {a.draft_vocab}, root-conditioned; evaluated on `{a.eval_data}`. "
+             f"torch threads: {torch.get_num_threads()}; one forward of k tokens (ms): "
+             + ", ".join(f"k={k} {v * 1e3:.1f}" for k, v in latency.items()) + ".", "",
              "| projection | trainable params | train s | MT-Bench top-1 (heads 1-4) | top-5 | draft ms/step "
              "| chosen tree nodes | expected len | expected tok/s |",
              "|---|---|---|---|---|---|---|---|---|"]
