@@ -7,6 +7,7 @@ import torch
 
 from treedraft.drafters.medusa import HeadsMismatchError, MedusaConfig, MedusaDrafter, MedusaHeads
 from treedraft.engine import DraftContext, Engine, GenerationConfig
+from treedraft.models.llama import bf16_gemm_available
 from treedraft.models.tiny import tiny_llama
 from treedraft.training.calibrate import choose_tree, grow_tree
 from treedraft.training.data import batched_greedy
@@ -76,6 +77,35 @@ def test_drafter_tree_follows_choices_and_head_ranks() -> None:
     assert max(d.propose(DraftContext([7], h, max_nodes=64, max_depth=1)).depths()) == 1
 
 
+def test_draft_logits_are_the_first_heads_and_bf16_only_rounds() -> None:
+    torch.manual_seed(0)
+    m = tiny_llama(seed=2)
+    vm = torch.randperm(m.vocab_size)
+    heads = MedusaHeads(_cfg(m, num_heads=3, draft_vocab=40, root_conditioned=True), m.lm_head.weight, vm,
+                        m.embed.weight)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    h, root = torch.randn(m.hidden_size), torch.tensor(5)
+    full = heads(h, root)  # (3, 40)
+    assert heads.pack_for_drafting() is bf16_gemm_available()
+    for n in (1, 2, 3):
+        got = heads.draft_logits(h, root, n)
+        assert got.shape == (n, 40)
+        if heads._draft_w is None:
+            torch.testing.assert_close(got, full[:n], rtol=1e-5, atol=1e-5)
+        else:  # bf16 inputs and weights, float32 sums, bf16 result: the float32 scores up to that rounding
+            z = heads.hidden(h, root, n)
+            want = z.bfloat16().float() @ heads.base_weight.bfloat16().float().T
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-4)
+            assert not torch.equal(got, full[:n])  # it really is the bf16 path
+    heads._draft_w = None
+    torch.testing.assert_close(heads.draft_logits(h, root, 2), full[:2], rtol=1e-5, atol=1e-5)
+    sep = MedusaHeads(_cfg(m, num_heads=2, shared_lm_head=False), m.lm_head.weight)
+    assert sep.pack_for_drafting() is False  # only the shared projection has a bf16 copy
+    torch.testing.assert_close(sep.draft_logits(h, None, 1), sep(h)[:1])
+
+
 def test_medusa_greedy_equals_plain_on_tiny_model() -> None:
     m = tiny_llama(seed=3)
     heads = MedusaHeads(_cfg(m), m.lm_head.weight)
@@ -107,6 +137,9 @@ class OracleHeads(MedusaHeads):
                 out[k, (right + off) % V] = score
         self.calls.append(out)
         return out
+
+    def draft_logits(self, h: torch.Tensor, root: torch.Tensor | None, num_heads: int) -> torch.Tensor:
+        return self.forward(h, root)[:num_heads]
 
 
 def test_medusa_heads_predicting_the_future_are_accepted_depth_by_depth() -> None:

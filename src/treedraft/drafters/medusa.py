@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..engine import DraftContext
-from ..models.llama import matmul
+from ..models.llama import bf16_gemm_available, linear_bf16, matmul, pack_bf16
 from ..tree import TokenTree
 
 HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
@@ -136,14 +136,42 @@ class MedusaHeads(nn.Module):
             w = w.contiguous()  # (V', H)
         self.register_buffer("base_weight", w, persistent=False)
 
-    def hidden(self, h: Tensor, root: Tensor | None = None) -> Tensor:
-        """(..., H) hidden states [+ (...,) root token ids] -> (..., K, H) per-head features."""
+    def hidden(self, h: Tensor, root: Tensor | None = None, num_heads: int | None = None) -> Tensor:
+        """(..., H) hidden states [+ (...,) root token ids] -> (..., K, H) per-head features.
+
+        ``num_heads``: only the first n heads (drafting a tree of depth n needs no more).
+        """
+        blocks = self.blocks[: num_heads or len(self.blocks)]
         if self.root_proj is None:
-            return torch.stack([blk(h) for blk in self.blocks], dim=-2)
+            return torch.stack([blk(h) for blk in blocks], dim=-2)
         if root is None:
             raise ValueError("these heads are root-conditioned: pass the root token ids")
         e = self.embed_weight[root.to(self.embed_weight.device)].to(h.dtype)  # (..., H)
-        return torch.stack([blk(h + p(e)) for blk, p in zip(self.blocks, self.root_proj)], dim=-2)
+        return torch.stack([blk(h + p(e)) for blk, p in zip(blocks, self.root_proj)], dim=-2)
+
+    def pack_for_drafting(self) -> bool:
+        """On a CPU with native bf16 GEMM, keep a oneDNN-packed bf16 copy of the shared projection.
+
+        Drafting streams the (draft vocabulary x hidden) projection every step; in bf16 that is half
+        the bytes. Draft scores only rank candidates (the target verifies every token), so rounding
+        them cannot change any output. Returns whether the bf16 path is on.
+        """
+        self._draft_w = None
+        w = self.base_weight
+        if self.proj is None and w is not None and w.device.type == "cpu" and bf16_gemm_available():
+            self._draft_w = pack_bf16(w)
+        return self._draft_w is not None
+
+    @torch.inference_mode()
+    def draft_logits(self, h: Tensor, root: Tensor | None, num_heads: int) -> Tensor:
+        """(H,) hidden state [+ root id] -> (num_heads, V') scores of the first ``num_heads`` heads."""
+        z = self.hidden(h, root, num_heads)  # (n, H)
+        packed = getattr(self, "_draft_w", None)
+        if packed is not None:
+            return linear_bf16(z, packed)
+        if self.proj is None:
+            return matmul("wxt", z, self.base_weight, None)  # the skinny-GEMM kernel (3x F.linear here)
+        return torch.stack([p(z[k]) for k, p in enumerate(self.proj[:num_heads])])
 
     def forward(self, h: Tensor, root: Tensor | None = None) -> Tensor:
         """(..., H) [+ (...,) root ids] -> (..., K, V') logits."""
@@ -278,14 +306,17 @@ class MedusaDrafter:
         lm = llm.model.lm_head.weight if hasattr(llm.model, "lm_head") else llm.model.output_embeddings_weight()
         h = MedusaHeads.load(d, lm, llm.model_name, llm.model.hidden_size, llm.model.vocab_size,
                              embed_weight=input_embedding_weight(llm.model))
-        return MedusaDrafter(h.to(lm.device))
+        h = h.to(lm.device)
+        h.pack_for_drafting()
+        return MedusaDrafter(h)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> TokenTree:
         if ctx.hidden is None:
             raise ValueError("the medusa drafter needs the target's hidden state; this target does not provide it")
         root = torch.tensor(ctx.root)
-        logits = self.heads(ctx.hidden.to(self.heads.blocks[0][0].linear.weight.dtype), root)  # (K, V')
+        h = ctx.hidden.to(self.heads.blocks[0][0].linear.weight.dtype)
+        logits = self.heads.draft_logits(h, root, len(self.topk))  # (depth, V')
         cands = []
         for d, k in enumerate(self.topk):
             ids = logits[d].topk(k).indices
