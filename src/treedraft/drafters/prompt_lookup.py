@@ -3,6 +3,14 @@
 Find earlier occurrences of the context's last n tokens (longest n first) in
 prompt + output and propose the tokens that followed them. Several distinct
 matches become branches of one tree instead of a single chain.
+
+Adaptive length (default): a branch is as long as its match already runs backwards
+(the number of tokens before the cursor that equal the tokens before the earlier
+occurrence), capped at ``max_tokens``. A text that has been copying an earlier
+passage for 10 tokens tends to go on copying it; a one-token match rarely pays for
+more than one draft. Simulated on the base model's greedy MT-Bench answers (80 x 256
+tokens) with the measured CPU latency curve, next to one Medusa node: mean accepted
+length 2.06 -> 2.24 and +13% tokens/s over a fixed 3 tokens.
 """
 
 from __future__ import annotations
@@ -19,18 +27,31 @@ class PromptLookupDrafter:
     min_ngram: int = 1
     # Sized for a 2-core CPU, where a 4-token forward costs ~1.5x a 1-token one and 9 tokens ~2x
     # (bench: 8 tokens x 4 branches ran at 0.64x plain decoding). Raise both where verify is cheap (GPU).
-    num_tokens: int = 3  # continuation length per branch
+    num_tokens: int = 3  # continuation length per branch when not adaptive
     max_branches: int = 1
+    adaptive: bool = True  # length = how far the match runs backwards, 1 .. max_tokens
+    max_tokens: int = 12
     name: str = "prompt-lookup"
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
-        if self.num_tokens < 1 or self.max_branches < 1:
-            raise ValueError("num_tokens and max_branches must be >= 1")
+        if self.num_tokens < 1 or self.max_branches < 1 or self.max_tokens < 1:
+            raise ValueError("num_tokens, max_tokens and max_branches must be >= 1")
+
+    @staticmethod
+    def match_length(tokens: list[int], s: int, n: int) -> int:
+        """How many tokens before the cursor equal those before the occurrence at ``s`` (n matched)."""
+        L, m = len(tokens), n
+        while s - 1 - (m - n) >= 0 and tokens[s - 1 - (m - n)] == tokens[L - 1 - m]:
+            m += 1
+        return m
 
     def candidates(self, tokens: list[int], depth: int) -> list[list[int]]:
-        """Continuations (after the root) of the most recent matches, longest n-gram first."""
+        """Continuations (after the root) of the most recent matches, longest n-gram first.
+
+        ``depth`` caps every continuation; adaptive branches are also cut to their match length.
+        """
         seqs: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
         L = len(tokens)
@@ -39,7 +60,8 @@ class PromptLookupDrafter:
             # scan backwards: recent matches are better predictors
             for s in range(L - n - 1, -1, -1):
                 if tokens[s : s + n] == pat:
-                    cont = tokens[s + n : s + n + depth]
+                    k = min(depth, self.match_length(tokens, s, n)) if self.adaptive else depth
+                    cont = tokens[s + n : s + n + k]
                     key = tuple(cont)
                     if cont and key not in seen and not any(k[: len(key)] == key for k in seen):
                         seen.add(key)
@@ -49,6 +71,6 @@ class PromptLookupDrafter:
         return seqs
 
     def propose(self, ctx: DraftContext) -> TokenTree:
-        depth = min(self.num_tokens, ctx.max_depth)
+        depth = min(self.max_tokens if self.adaptive else self.num_tokens, ctx.max_depth)
         seqs = self.candidates(ctx.tokens, depth)
         return TokenTree.from_sequences(ctx.root, seqs, max_nodes=ctx.max_nodes)
