@@ -101,7 +101,8 @@ def load(model: str = DEFAULT_MODEL, drafter: str | None = "default", heads: str
          device: str = "auto", dtype: str = "auto", runtime: str = "auto", max_seq_len: int | None = 4096) -> LLM:
     """Load a target model by registry name, GGUF path or HF directory.
 
-    drafter: 'default' (Medusa heads when shipped for this model, else prompt lookup), a drafter name
+    drafter: 'default' (hybrid: Medusa heads + prompt lookup when heads are shipped for this model, else
+    prompt lookup), a drafter name
     (see treedraft.drafters.DRAFTERS) or None for plain decoding.
     runtime: 'own' (compact Llama module), 'hf' (transformers adapter) or 'auto'.
     """

@@ -17,7 +17,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry name, .gguf file or HF directory")
     p.add_argument("--drafter", default="default",
-                   help="default (shipped Medusa heads, else prompt lookup), medusa, prompt-lookup, none")
+                   help="default (hybrid: shipped Medusa heads + prompt lookup; prompt lookup when no heads), hybrid, medusa, prompt-lookup, none")
     p.add_argument("--heads", default="default", help="Medusa heads directory (default: the shipped ones)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on cpu, bf16 on cuda), fp32, bf16, fp16")

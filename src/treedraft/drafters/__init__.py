@@ -30,13 +30,17 @@ def make_drafter(name: str, llm: LLM, heads: str | None = "default") -> Drafter 
 
 
 def default_drafter(llm: LLM, heads: str | None = "default") -> Drafter | None:
-    """Medusa heads when shipped/given for this model, else prompt lookup."""
+    """Hybrid (Medusa heads + prompt lookup in one tree) when heads are shipped/given, else prompt lookup.
+
+    Measured on the 80 MT-Bench first turns, 256 new tokens (benchmarks/results/bench-mtbench80):
+    hybrid 1.45x plain decoding against 1.18x for Medusa alone, with the same outputs.
+    """
     try:
-        from .medusa import MedusaDrafter, shipped_heads_for
+        from .medusa import shipped_heads_for
     except ImportError:
         return PromptLookupDrafter()
     if heads not in (None, "default") or shipped_heads_for(llm.model_name) is not None:
-        return MedusaDrafter.for_model(llm, heads)
+        return llm._drafter("hybrid") if heads == llm.heads else make_drafter("hybrid", llm, heads)
     return PromptLookupDrafter()
 
 
