@@ -8,9 +8,11 @@ Adaptive length (default): a branch is as long as its match already runs backwar
 (the number of tokens before the cursor that equal the tokens before the earlier
 occurrence), capped at ``max_tokens``. A text that has been copying an earlier
 passage for 10 tokens tends to go on copying it; a one-token match rarely pays for
-more than one draft. Simulated on the base model's greedy MT-Bench answers (80 x 256
-tokens) with the measured CPU latency curve, next to one Medusa node: mean accepted
-length 2.06 -> 2.24 and +13% tokens/s over a fixed 3 tokens.
+more than one draft. In the hybrid drafter on the 80 MT-Bench first turns x 256 tokens
+(benchmarks/results/bench-mtbench80 against -before): mean accepted length 2.06 -> 2.22 over a
+fixed 3 tokens, as an offline replay predicted (2.24); tokens/s unchanged within noise on this
+CPU (1.45x -> 1.43x plain), where each extra verified token costs ~0.15x a forward. The longer
+branches pay where verification is cheaper per token (a GPU): raise ``max_tokens`` there.
 """
 
 from __future__ import annotations
