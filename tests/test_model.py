@@ -58,7 +58,7 @@ def test_packed_model_follows_its_plan_and_gives_the_same_logits() -> None:
     toks = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
     with torch.inference_mode():
         ref, _ = m(toks, torch.arange(7))
-        for strategy in ("xwt", "wxt"):
+        for strategy in ("xwt", "wxt", "wxt@16", "linear@8"):  # "@p": rows zero-padded to p, then dropped
             m.pack({b: strategy for b in MATMUL_BUCKETS})
             assert m.layers[0].attn.wqkv.plan[1] == strategy
             got, _ = m(toks, torch.arange(7))
@@ -69,7 +69,10 @@ def test_packed_model_follows_its_plan_and_gives_the_same_logits() -> None:
             one, _ = m(toks[:, 6:], torch.tensor([6]), cache, 6)  # the single-row decode path
             torch.testing.assert_close(one[0, 0], ref[0, 6], atol=1e-4, rtol=1e-4)
         m.pack()  # measured plan: every bucket gets a known strategy
-        assert set(m.matmul_plan) == set(MATMUL_BUCKETS) and set(m.matmul_plan.values()) <= {"linear", "xwt", "wxt"}
+        assert set(m.matmul_plan) == set(MATMUL_BUCKETS)
+        for rows, strategy in m.matmul_plan.items():
+            name, _, pad = strategy.partition("@")
+            assert name in ("linear", "xwt", "wxt") and (not pad or int(pad) >= rows), (rows, strategy)
         m.unpack()
         assert m.layers[0].ffn.w2.plan is None
 

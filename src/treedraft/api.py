@@ -150,7 +150,8 @@ def pack_tuned(net, path: Path, dtype: torch.dtype) -> None:  # noqa: ANN001
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
-    key = hashlib.sha1(f"{cpu}|{torch.__version__}|{torch.get_num_threads()}|{file_key(path)}|{dtype}".encode())
+    # v2: one entry per row count up to 16 and padded kernels (a v1 plan lacks rows 5, 7, 9, ...)
+    key = hashlib.sha1(f"v2|{cpu}|{torch.__version__}|{torch.get_num_threads()}|{file_key(path)}|{dtype}".encode())
     f = cache_dir() / "tune" / f"{key.hexdigest()[:16]}.json"
     if f.is_file() and not os.environ.get("TREEDRAFT_RETUNE"):
         try:
