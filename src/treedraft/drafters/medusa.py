@@ -159,7 +159,10 @@ class MedusaHeads(nn.Module):
         self._draft_w = None
         w = self.base_weight
         if self.proj is None and w is not None and w.device.type == "cpu" and bf16_gemm_available():
-            self._draft_w = pack_bf16(w)
+            try:
+                self._draft_w = pack_bf16(w)
+            except RuntimeError:  # a oneDNN build that reports bf16 but cannot pack: keep float32
+                self._draft_w = None
         return self._draft_w is not None
 
     @torch.inference_mode()
