@@ -68,6 +68,17 @@ def test_packed_model_follows_its_plan_and_gives_the_same_logits() -> None:
             cache.keep(0, range(6))
             one, _ = m(toks[:, 6:], torch.tensor([6]), cache, 6)  # the single-row decode path
             torch.testing.assert_close(one[0, 0], ref[0, 6], atol=1e-4, rtol=1e-4)
+        # "@p" really pads: the kernel sees p rows, the caller gets its own
+        import treedraft.models.llama as llama
+        seen = []
+        real = llama.matmul
+        m.pack({b: "wxt@16" for b in MATMUL_BUCKETS})
+        llama.matmul = lambda s, x, w, wt: seen.append((s, x.shape[0])) or real(s, x, w, wt)
+        try:
+            out, _ = m(toks, torch.arange(7))
+        finally:
+            llama.matmul = real
+        assert out.shape[1] == 7 and seen and all(c == ("wxt", 16) for c in seen)
         m.pack()  # measured plan: every bucket gets a known strategy
         assert set(m.matmul_plan) == set(MATMUL_BUCKETS)
         for rows, strategy in m.matmul_plan.items():

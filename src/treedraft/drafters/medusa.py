@@ -84,6 +84,8 @@ class ResBlock(nn.Module):
 class MedusaHeads(nn.Module):
     """K heads; ``forward(h)`` -> logits (..., K, V') over the draft vocabulary."""
 
+    _draft_w: Tensor | None = None  # bf16 copy of the shared projection (pack_for_drafting)
+
     def __init__(self, cfg: MedusaConfig, lm_head_weight: Tensor | None = None,
                  vocab_map: Tensor | None = None, embed_weight: Tensor | None = None) -> None:
         super().__init__()
@@ -165,27 +167,30 @@ class MedusaHeads(nn.Module):
                 self._draft_w = None
         return self._draft_w is not None
 
+    def project(self, z: Tensor, draft_copy: bool = False) -> Tensor:
+        """(..., n, H) features of the first n heads -> (..., n, V') logits.
+
+        draft_copy: use the bf16 copy made by :meth:`pack_for_drafting` when there is one.
+        """
+        if self.proj is not None:
+            return torch.stack([p(z[..., k, :]) for k, p in enumerate(self.proj[: z.shape[-2]])], dim=-2)
+        rows = z.numel() // z.shape[-1]
+        if draft_copy and self._draft_w is not None:
+            y = linear_bf16(z.reshape(rows, -1), self._draft_w)
+        elif not torch.is_grad_enabled() and rows <= 64:  # drafting/eval: the skinny-GEMM kernel (3x here)
+            y = matmul("wxt", z.reshape(rows, -1), self.base_weight, None)
+        else:
+            return z @ self.base_weight.T  # same dtype as the heads (see set_base)
+        return y.reshape(*z.shape[:-1], y.shape[-1])
+
     @torch.inference_mode()
     def draft_logits(self, h: Tensor, root: Tensor | None, num_heads: int) -> Tensor:
         """(H,) hidden state [+ root id] -> (num_heads, V') scores of the first ``num_heads`` heads."""
-        z = self.hidden(h, root, num_heads)  # (n, H)
-        packed = getattr(self, "_draft_w", None)
-        if packed is not None:
-            return linear_bf16(z, packed)
-        if self.proj is None:
-            return matmul("wxt", z, self.base_weight, None)  # the skinny-GEMM kernel (3x F.linear here)
-        return torch.stack([p(z[k]) for k, p in enumerate(self.proj[:num_heads])])
+        return self.project(self.hidden(h, root, num_heads), draft_copy=True)
 
     def forward(self, h: Tensor, root: Tensor | None = None) -> Tensor:
-        """(..., H) [+ (...,) root ids] -> (..., K, V') logits."""
-        z = self.hidden(h, root)
-        if self.proj is None:
-            rows = z.numel() // z.shape[-1]
-            if not torch.is_grad_enabled() and rows <= 64:  # drafting: the skinny-GEMM kernel (3x here)
-                y = matmul("wxt", z.reshape(rows, -1), self.base_weight, None)
-                return y.reshape(*z.shape[:-1], y.shape[-1])
-            return z @ self.base_weight.T  # same dtype as the heads (see set_base)
-        return torch.stack([p(z[..., k, :]) for k, p in enumerate(self.proj)], dim=-2)
+        """(..., H) [+ (...,) root ids] -> (..., K, V') logits (float32 projection: training, calibration)."""
+        return self.project(self.hidden(h, root))
 
     # ---- persistence ---------------------------------------------------
     def save(self, d: str | Path, dtype: torch.dtype | None = None) -> None:

@@ -62,8 +62,8 @@ class PromptLookupDrafter:
             # scan backwards: recent matches are better predictors
             for s in range(L - n - 1, -1, -1):
                 if tokens[s : s + n] == pat:
-                    k = min(depth, self.match_length(tokens, s, n)) if self.adaptive else depth
-                    cont = tokens[s + n : s + n + k]
+                    length = min(depth, self.match_length(tokens, s, n)) if self.adaptive else depth
+                    cont = tokens[s + n : s + n + length]
                     key = tuple(cont)
                     if cont and key not in seen and not any(k[: len(key)] == key for k in seen):
                         seen.add(key)

@@ -162,6 +162,15 @@ def matmul(strategy: str, x: Tensor, w: Tensor, wt: Tensor | None) -> Tensor:
     return F.linear(x, w)
 
 
+def planned_matmul(candidate: str, x: Tensor, w: Tensor, wt: Tensor | None) -> Tensor:
+    """:func:`matmul` for a plan entry: ``name`` or ``name@p`` (x zero-padded to p rows, cut back after)."""
+    strategy, _, pad = candidate.partition("@")
+    rows = x.shape[0]
+    if pad and int(pad) > rows:
+        x = torch.cat((x, x.new_zeros(int(pad) - rows, x.shape[1])))
+    return matmul(strategy, x, w, wt)[:rows]
+
+
 def bf16_gemm_available() -> bool:
     """Whether oneDNN has native bf16 GEMM on this CPU (AVX512-BF16 or AMX); emulated bf16 is slow."""
     try:
@@ -199,13 +208,8 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self.plan is None:
             return F.linear(x, self.weight, self.bias)
-        k = x.shape[-1]
-        x2 = x.reshape(-1, k)
-        rows = x2.shape[0]
-        strategy, _, pad = self.plan.get(_bucket(rows), "linear").partition("@")
-        if pad and int(pad) > rows:
-            x2 = torch.cat((x2, x2.new_zeros(int(pad) - rows, k)))
-        y = matmul(strategy, x2, self.weight, self.weight_t)[:rows]
+        x2 = x.reshape(-1, x.shape[-1])
+        y = planned_matmul(self.plan.get(_bucket(x2.shape[0]), "linear"), x2, self.weight, self.weight_t)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -221,16 +225,11 @@ def tune_matmul_plan(linears: list[Linear], reps: int = 2) -> dict[int, str]:
               for k in {m.in_features for m in linears}}
         best, best_t = "linear", float("inf")
         for candidate in _padded_candidates(rows):
-            strategy, _, pad = candidate.partition("@")
-            extra = int(pad) - rows if pad else 0
             t_min = float("inf")
             for _ in range(reps):
                 t = time.perf_counter()
                 for m in linears:
-                    x = xs[m.in_features]
-                    if extra:
-                        x = torch.cat((x, x.new_zeros(extra, x.shape[1])))
-                    matmul(strategy, x, m.weight, m.weight_t)[:rows]
+                    planned_matmul(candidate, xs[m.in_features], m.weight, m.weight_t)
                 t_min = min(t_min, time.perf_counter() - t)
             if t_min < best_t:
                 best, best_t = candidate, t_min
