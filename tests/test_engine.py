@@ -1,6 +1,6 @@
 """The decode loop on tiny seeded models: greedy equality, sampling distribution, KV compaction,
-context overflow, bad drafters, stop handling, stats; plus streaming detokenization and one
-integration test on the real bundled model (slow)."""
+context overflow, bad drafters, stats; plus one integration test on the real bundled model (slow).
+Text, stop strings and EOS: test_text.py."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import pytest
 import torch
 from spec_stats import assert_fits, fits, goodness_of_fit, one_thread, reference_rule  # noqa: F401
 
-from treedraft.engine import DraftContext, Engine, GenerationConfig, GenerationStats, _StopChecker
+from treedraft.engine import Engine, GenerationConfig, GenerationStats
+from treedraft.interfaces import DraftContext
 from treedraft.models.tiny import tiny_llama
 from treedraft.sampling import SamplingParams, target_probs
-from treedraft.tokenizer import StreamDecoder
+from treedraft.text import StreamDetokenizer
 from treedraft.tree import TokenTree, TreeError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -134,8 +135,8 @@ def test_greedy_speculative_equals_plain_for_random_trees(model_seed: int) -> No
         for oracle in (prompt + ref, None):  # trees with right tokens, and purely random ones
             drafter = RandomTreeDrafter(16, seed=trial, oracle=oracle)
             stats = GenerationStats()
-            out = list(engine.stream(prompt, cfg(n, max_tree_nodes=rng.choice([4, 16, 64])), drafter, stats))
-            ids = [t for ch in out for t in ch.token_ids]
+            steps = engine.decode(prompt, cfg(n, max_tree_nodes=rng.choice([4, 16, 64])), drafter, stats)
+            ids = [t for step in steps for t in step]
             assert ids == ref, f"trial {trial}: speculative greedy diverged from plain greedy"
             accepted += stats.accepted_tokens
     assert accepted > 50  # the test really exercised accepted drafts
@@ -176,7 +177,7 @@ def test_kv_cache_matches_plain_prefill_after_each_step(sampling: SamplingParams
                                   q_of=lambda c: torch.full((16,), 1 / 16))
         checker = CacheChecker(inner, engine)
         stats = GenerationStats()
-        ids = [t for ch in engine.stream(prompt, cfg(30, sampling), checker, stats) for t in ch.token_ids]
+        ids = [t for step in engine.decode(prompt, cfg(30, sampling), checker, stats) for t in step]
         assert len(stats.steps) >= checker.checked >= 3  # (the last step may have no room to draft)
         checker.check((prompt + ids)[: engine._cache.length])  # and after the final step
         if sampling.greedy:
@@ -324,8 +325,8 @@ def test_tree_is_shrunk_to_the_remaining_context() -> None:
     cache.update = spy
     for cap in (64, 3):
         stats = GenerationStats()
-        ids = [t for ch in engine.stream(prompt, cfg(50, max_tree_nodes=cap), GreedyBigTreeDrafter(prompt + ref),
-                                         stats) for t in ch.token_ids]
+        ids = [t for step in engine.decode(prompt, cfg(50, max_tree_nodes=cap), GreedyBigTreeDrafter(prompt + ref),
+                                           stats) for t in step]
         assert ids == ref
         assert max(writes) <= 16
         assert all(s.tree_size <= cap for s in stats.steps)
@@ -333,6 +334,13 @@ def test_tree_is_shrunk_to_the_remaining_context() -> None:
 
 
 # ---- bad drafters ------------------------------------------------------------
+def _negative_q() -> torch.Tensor:
+    """Sums to 1 and gives the drafted child (token 2) probability, but is negative at token 5."""
+    q = torch.full((16,), 1 / 16)
+    q[5], q[6] = -0.05, 2 / 16 + 0.05
+    return q
+
+
 class BadDrafter:
     def __init__(self, name: str, make) -> None:  # noqa: ANN001
         self.name, self.make = name, make
@@ -349,7 +357,12 @@ class BadDrafter:
     (lambda c: TokenTree((c.root, 2, 2), (-1, 0, 0)), "malformed tree"),
     (lambda c: TokenTree((c.root, 2), (-1, 0), {0: torch.ones(5)}), "child_q"),
     (lambda c: TokenTree((c.root, 2), (-1, 0), {0: torch.eye(16)[3]}), "zero probability"),
-], ids=["oov", "negative", "not-a-tree", "wrong-root", "duplicate-siblings", "bad-q-shape", "q-zero"])
+    (lambda c: TokenTree((c.root, 2), (-1, 0), {0: torch.full((16,), 2 / 16)}), "not a probability distribution"),
+    (lambda c: TokenTree((c.root, 2), (-1, 0), {0: torch.full((16,), 0.9 / 16)}), "not a probability distribution"),
+    (lambda c: TokenTree((c.root, 2), (-1, 0), {0: _negative_q()}), "not a probability distribution"),
+    (lambda c: TokenTree((c.root, 2), (-1, 0), {0: torch.full((16,), float("nan"))}), "not a probability"),
+], ids=["oov", "negative", "not-a-tree", "wrong-root", "duplicate-siblings", "bad-q-shape", "q-zero", "q-sum-2",
+        "q-sum-0.9", "q-negative", "q-nan"])
 def test_bad_drafter_output_raises_tree_error_naming_it(make, match: str) -> None:  # noqa: ANN001
     engine = Engine(tiny(0))
     with pytest.raises(TreeError, match=match) as e:
@@ -357,75 +370,11 @@ def test_bad_drafter_output_raises_tree_error_naming_it(make, match: str) -> Non
     assert "my-drafter" in str(e.value)
 
 
-# ---- stop handling, EOS, max_new_tokens, stats --------------------------------
-ALPHABET = "abcdefghijklmnop"
-
-
-class CharTokenizer:
-    """One character per token; ``eos`` decodes to nothing."""
-
-    def __init__(self, eos: int | None = None) -> None:
-        self.eos_token_ids = frozenset() if eos is None else frozenset({eos})
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return "".join(ALPHABET[i] for i in ids if not (skip_special_tokens and i in self.eos_token_ids))
-
-    def stream_decoder(self) -> StreamDecoder:
-        return StreamDecoder(self)
-
-
+# ---- stats --------------------------------------------------------------------
 def reference_greedy(n: int = 30) -> tuple[torch.nn.Module, list[int], list[int]]:
     model = tiny(5)
     prompt = [4, 2, 4, 2, 9]
     return model, prompt, plain(Engine(model), prompt, cfg(n))
-
-
-def test_max_new_tokens_exact_with_speculation() -> None:
-    model, prompt, ref = reference_greedy()
-    engine = Engine(model, CharTokenizer())
-    for n in (1, 2, 3, 5, 8, 13, 30):
-        for depth in (1, 4, 9):
-            r = engine.generate(prompt, cfg(n), ChainDrafter(prompt + ref, depth))
-            assert r.token_ids == ref[:n] and r.finish_reason == "length" and r.stats.new_tokens == n
-            assert r.text == CharTokenizer().decode(ref[:n])
-
-
-def test_eos_stops_and_ignore_eos_continues() -> None:
-    model, prompt, ref = reference_greedy()
-    k = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i])
-    eos = ref[k]
-    engine = Engine(model, CharTokenizer(eos))
-    for drafter in (None, ChainDrafter(prompt + ref, 6), RandomTreeDrafter(16, 0, prompt + ref)):
-        r = engine.generate(prompt, cfg(30, ignore_eos=False), drafter)
-        assert r.token_ids == ref[: k + 1] and r.finish_reason == "stop"
-        assert r.text == CharTokenizer(eos).decode(ref[:k])
-        r = engine.generate(prompt, cfg(30, ignore_eos=True), drafter)
-        assert r.token_ids == ref and r.finish_reason == "length"
-
-
-def test_stop_strings() -> None:
-    model, prompt, ref = reference_greedy()
-    tok = CharTokenizer()
-    text = tok.decode(ref)
-    engine = Engine(model, tok)
-    for k in (2, 7, 15):
-        stop = text[k: k + 2]
-        idx = text.find(stop)
-        for drafter in (None, ChainDrafter(prompt + ref, 8)):
-            chunks = list(engine.stream(prompt, cfg(30, stop=("never-seen", stop)), drafter))
-            ids = [t for c in chunks for t in c.token_ids]
-            assert "".join(c.text for c in chunks) == text[:idx]
-            assert ids == ref[: idx + 2]  # stops at the token that completes the stop string
-            assert chunks[-1].finish_reason == "stop" and all(c.finish_reason is None for c in chunks[:-1])
-
-
-def test_stop_checker_cuts_at_earliest_stop_and_holds_partial_matches() -> None:
-    s = _StopChecker(["C", "AB"])
-    assert s.feed("xxABCyy") == ("xx", True)  # "AB" starts first although "C" is listed first
-    s = _StopChecker(["STOP"])
-    assert s.feed("abcST") == ("abc", False)  # "ST" might become STOP: held back
-    assert s.feed("x") == ("STx", False)
-    assert s.feed("ST") == ("", False) and s.feed("OP!") == ("", True)
 
 
 def test_mean_accepted_length_counts_the_bonus_token() -> None:
@@ -446,47 +395,21 @@ def test_interleaved_streams_on_one_engine_raise_instead_of_corrupting() -> None
     model, prompt, ref = reference_greedy()
     engine = Engine(model)
     other = [7, 7, 3, 1]
-    a = engine.stream(prompt, cfg(20), ChainDrafter(prompt + ref, 3))
-    b = engine.stream(other, cfg(20), None)
+    a = engine.decode(prompt, cfg(20), ChainDrafter(prompt + ref, 3))
+    b = engine.decode(other, cfg(20), None)
     first = next(a)
-    assert first.token_ids == ref[:1]
+    assert first == ref[:1]
     next(b)  # b takes the engine's KV cache
     with pytest.raises(RuntimeError, match="another stream"):
         list(a)
-    rest = [t for ch in b for t in ch.token_ids]  # the stream holding the cache is unaffected
-    assert [t for ch in engine.stream(other, cfg(20), None) for t in ch.token_ids][1:] == rest
+    rest = [t for step in b for t in step]  # the stream holding the cache is unaffected
+    assert [t for step in engine.decode(other, cfg(20), None) for t in step][1:] == rest
     # sequential use is fine, including after an abandoned stream
-    c = engine.stream(prompt, cfg(20), None)
+    c = engine.decode(prompt, cfg(20), None)
     next(c)
     assert engine.generate(prompt, cfg(20), ChainDrafter(prompt + ref, 3)).token_ids == ref[:20]
     with pytest.raises(RuntimeError, match="another stream"):
         next(c)
-
-
-# ---- streaming detokenization ---------------------------------------------------
-class ByteTokenizer:
-    """Each token is one UTF-8 byte, so multi-byte characters are split across tokens."""
-
-    eos_token_ids = frozenset()
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
-
-
-def test_stream_decoder_holds_split_multibyte_characters() -> None:
-    text = "a é 中文 😀!\n¿ok? 🎉🎉"
-    ids = list(text.encode("utf-8"))
-    dec = StreamDecoder(ByteTokenizer())
-    pieces = [dec.push(t) for t in ids]
-    assert "".join(pieces) + dec.flush() == text
-    assert all("\ufffd" not in p for p in pieces)
-    # the 4 bytes of 😀: nothing until the last one, then the whole character
-    start = text.encode("utf-8").index("😀".encode("utf-8"))
-    assert pieces[start: start + 4] == ["", "", "", "😀"]
-    # a truncated character at the end comes out of flush (as the replacement character)
-    dec = StreamDecoder(ByteTokenizer())
-    assert "".join(dec.push(t) for t in "x中".encode("utf-8")[:-1]) == "x"
-    assert dec.flush() == "\ufffd"
 
 
 # ---- the real bundled model -------------------------------------------------------
@@ -528,9 +451,9 @@ def test_real_model_greedy_and_streaming(llm) -> None:  # noqa: ANN001
     assert non_ascii, "no prompt made the model emit multi-byte UTF-8; the streaming check lost its point"
     # the repetitive prompts must give prompt lookup something to accept, else the equality above proves little
     assert max(accepted.values()) > 0, f"prompt lookup accepted no draft token on any prompt: {accepted}"
-    # StreamDecoder on real tokens that split multi-byte characters
+    # the streaming detokenizer on real tokens that split multi-byte characters
     ids = tok.encode("日本語のテキスト 😀🎉 ok")
-    dec = tok.stream_decoder()
+    dec = StreamDetokenizer(tok.backend)
     pieces = [dec.push(t) for t in ids]
     assert "".join(pieces) + dec.flush() == tok.decode(ids)
     assert "" in pieces and all("\ufffd" not in p for p in pieces)

@@ -70,7 +70,8 @@ def test_attributes(llama_pair) -> None:  # noqa: ANN001
     assert (target.vocab_size, target.hidden_size, target.max_seq_len) == (VOCAB, 32, 256)
     cache = target.new_cache(64)
     assert (cache.length, cache.max_len) == (0, 64)
-    assert target.output_embeddings_weight().shape == (VOCAB, 32)
+    assert target.output_projection_weight().shape == (VOCAB, 32)
+    assert target.input_embedding_weight().shape == (VOCAB, 32)
     assert target.dtype == torch.float32 and target.device.type == "cpu"
 
 

@@ -145,11 +145,12 @@ def run(rule: Rule, shape: tuple, n: int, seed: int) -> tuple[Counter, Counter]:
 
 
 N = 3000
+SEEDS = {shape: 101 + 17 * i for i, shape in enumerate(TREES)}  # fixed per shape (str hash() changes per process)
 
 
 @pytest.mark.parametrize("shape", list(TREES), ids=list(TREES))
 def test_speculative_emits_target_distribution(shape: str) -> None:
-    c1, c2 = run(accept_speculative, TREES[shape], N, seed=hash(shape) % 1000)
+    c1, c2 = run(accept_speculative, TREES[shape], N, seed=SEEDS[shape])
     assert_fits(c1, EXPECTED_1, f"{shape}: first token")
     assert_fits(c2, EXPECTED_2, f"{shape}: first two tokens")
 

@@ -1,4 +1,8 @@
-"""Python API: ``treedraft.load(...)`` -> :class:`LLM` with ``generate`` and ``stream``."""
+"""Python API: ``treedraft.load(...)`` -> :class:`LLM` with ``generate`` and ``stream``.
+
+A thin facade: the models layer loads the target, the drafter registry builds drafters by name,
+the engine decodes token ids and the text layer turns them into text.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,12 @@ from pathlib import Path
 
 import torch
 
-from .engine import Chunk, Drafter, Engine, GenerationConfig, GenerationError, GenerationResult
+from .drafters.registry import DEFAULT, DrafterCache, DrafterOptions
+from .engine import Engine, GenerationConfig, GenerationStats
+from .interfaces import Drafter, GenerationError
 from .models.registry import DEFAULT_MODEL, cache_dir, file_key, load_own, resolve
 from .sampling import SamplingParams
+from .text import Chunk, GenerationResult, TextGenerator
 from .tokenizer import Tokenizer
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -42,14 +49,20 @@ class LLM:
     """A loaded target model + tokenizer + default drafter, ready to generate."""
 
     engine: Engine
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None
     model_name: str
     device: str
-    heads: str | None = "default"  # the heads argument of load(): used by drafters chosen by name later on
-    _drafters: dict[str, Drafter | None] = field(default_factory=dict, repr=False)  # built by name, reused
+    heads: str | None = DEFAULT  # the heads argument of load(): used by drafters chosen by name later on
+    drafters: DrafterCache = field(init=False, repr=False)  # drafters built by name, reused
+    text: TextGenerator = field(init=False, repr=False)  # the engine wrapped with detokenization, stop, EOS
+
+    def __post_init__(self) -> None:
+        self.drafters = DrafterCache(self.engine.model, self.tokenizer, DrafterOptions(self.model_name, self.heads))
+        self.text = TextGenerator(self.engine, self.tokenizer)
 
     @property
     def model(self):  # noqa: ANN201
+        """The target model."""
         return self.engine.model
 
     def encode_prompt(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
@@ -71,39 +84,39 @@ class LLM:
     def config(self, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int | None = None, stop: list[str] | tuple[str, ...] = (), rule: str = "speculative",
                max_tree_nodes: int = 64) -> GenerationConfig:
+        """A :class:`GenerationConfig` from keyword arguments."""
         return GenerationConfig(max_new_tokens=max_new_tokens,
                                 sampling=SamplingParams(temperature, top_k, top_p, seed), rule=rule,
                                 stop=tuple(stop), max_tree_nodes=max_tree_nodes)
 
-    def _drafter(self, drafter: Drafter | str | None) -> Drafter | None:
-        """'default' -> the engine's drafter; a name -> that drafter (built once, with the heads given to load())."""
-        if drafter == "default":
+    def get_drafter(self, drafter: Drafter | str | None = DEFAULT, heads: str | None | object = ...,
+                    ) -> Drafter | None:
+        """'default' -> the engine's drafter; a registry name -> that drafter (built once, with load()'s heads
+        unless ``heads`` is given); a drafter object -> itself; None -> plain decoding."""
+        if drafter == DEFAULT:
             return self.engine.drafter
         if isinstance(drafter, str):
-            if drafter not in self._drafters:
-                from .drafters import make_drafter
-                self._drafters[drafter] = make_drafter(drafter, self, self.heads)
-            return self._drafters[drafter]
+            return self.drafters.get(drafter, heads)
         return drafter
 
-    def generate(self, prompt: str | list[dict], raw: bool = False, drafter: Drafter | str | None = "default",
+    def generate(self, prompt: str | list[dict], raw: bool = False, drafter: Drafter | str | None = DEFAULT,
                  **kw) -> GenerationResult:
         """Generate a whole answer. kw: see :meth:`config`."""
-        return self.engine.generate(self.encode_prompt(prompt, raw), self.config(**kw), self._drafter(drafter))
+        return self.text.generate(self.encode_prompt(prompt, raw), self.config(**kw), self.get_drafter(drafter))
 
-    def stream(self, prompt: str | list[dict], raw: bool = False, drafter: Drafter | str | None = "default",
-               stats=None, **kw) -> Iterator[Chunk]:  # noqa: ANN001
+    def stream(self, prompt: str | list[dict], raw: bool = False, drafter: Drafter | str | None = DEFAULT,
+               stats: GenerationStats | None = None, **kw) -> Iterator[Chunk]:
         """Yield chunks of text as they are produced."""
-        return self.engine.stream(self.encode_prompt(prompt, raw), self.config(**kw), self._drafter(drafter), stats)
+        return self.text.stream(self.encode_prompt(prompt, raw), self.config(**kw), self.get_drafter(drafter), stats)
 
 
-def load(model: str = DEFAULT_MODEL, drafter: str | None = "default", heads: str | None = "default",
+def load(model: str = DEFAULT_MODEL, drafter: str | None = DEFAULT, heads: str | None = DEFAULT,
          device: str = "auto", dtype: str = "auto", runtime: str = "auto", max_seq_len: int | None = 4096) -> LLM:
     """Load a target model by registry name, GGUF path or HF directory.
 
-    drafter: 'default' (hybrid: Medusa heads + prompt lookup when heads are shipped for this model, else
-    prompt lookup), a drafter name
-    (see treedraft.drafters.DRAFTERS) or None for plain decoding.
+    drafter: 'default' (hybrid: Medusa heads + prompt lookup when heads are shipped for this model or
+    given, else prompt lookup), a drafter name (see ``treedraft.drafters.names()``), or None / 'none'
+    for plain decoding.
     runtime: 'own' (compact Llama module), 'hf' (transformers adapter) or 'auto'.
     """
     dev = pick_device(device)
@@ -127,10 +140,9 @@ def load(model: str = DEFAULT_MODEL, drafter: str | None = "default", heads: str
            else Tokenizer.from_dir(path))
     if arch == "gemma3" and tok.hf.bos_token_id is not None:
         tok.add_bos = True  # Gemma expects <bos> in front of raw text
-    llm = LLM(Engine(net, tok), tok, model if not Path(model).exists() else str(path), dev, heads)
+    llm = LLM(Engine(net), tok, model if not Path(model).exists() else str(path), dev, heads)
     if drafter is not None:
-        from .drafters import default_drafter
-        llm.engine.drafter = default_drafter(llm, heads) if drafter == "default" else llm._drafter(drafter)
+        llm.engine.drafter = llm.drafters.get(drafter)
     return llm
 
 

@@ -135,9 +135,9 @@ Method = Callable[[list[int]], "MethodOutput | tuple[list[int], Any]"]
 
 @dataclass
 class EngineMethod:
-    """treedraft's one decode loop with a given drafter (None = plain decoding)."""
+    """treedraft's one decode loop (with EOS handling) and a given drafter (None = plain decoding)."""
 
-    engine: Any  # treedraft.engine.Engine
+    engine: Any  # treedraft.text.TextGenerator (the engine wrapped by the text layer: EOS ends a generation)
     config: Any  # treedraft.engine.GenerationConfig
     drafter: Any = None
 
@@ -637,9 +637,9 @@ def write_report(result: BenchResult, out_dir: str | Path, decode: Callable[[lis
 
 def known_methods() -> list[str]:
     """Every method name: the baselines plus every registered drafter."""
-    from .drafters import DRAFTERS
+    from .drafters.registry import names
 
-    return ["hf", "hf-pld", "plain"] + [d for d in DRAFTERS if d != "none"] + ["llama.cpp", "llama.cpp-pld"]
+    return ["hf", "hf-pld", "plain"] + [d for d in names() if d != "none"] + ["llama.cpp", "llama.cpp-pld"]
 
 
 def parse_methods(spec: str) -> list[str]:
@@ -683,12 +683,9 @@ def build_methods(names: Sequence[str], llm: Any, model_path: Path, config: Any,
             elif name in ("llama.cpp", "llama.cpp-pld"):
                 methods[name] = _llama_cpp_method(name, model_path, config, pld_tokens, llama_cpp)
             elif name == "plain":
-                methods[name] = EngineMethod(llm.engine, config, None)
+                methods[name] = EngineMethod(llm.text, config, None)
             else:
-                from .drafters import make_drafter
-
-                d = make_drafter(name, llm, heads)
-                methods[name] = EngineMethod(llm.engine, config, d)
+                methods[name] = EngineMethod(llm.text, config, llm.get_drafter(name, heads=heads))
         except Exception as e:  # noqa: BLE001 - reported as skipped with the reason
             skipped[name] = f"{type(e).__name__}: {e}"
     return methods, skipped

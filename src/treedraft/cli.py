@@ -16,8 +16,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     from .models.registry import DEFAULT_MODEL
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry name, .gguf file or HF directory")
-    p.add_argument("--drafter", default="default",
-                   help="default (hybrid: shipped Medusa heads + prompt lookup; prompt lookup when no heads), hybrid, medusa, prompt-lookup, none")
+    from .drafters.registry import describe
+
+    p.add_argument("--drafter", default="default", help=describe())
     p.add_argument("--heads", default="default", help="Medusa heads directory (default: the shipped ones)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on cpu, bf16 on cuda), fp32, bf16, fp16")
@@ -39,8 +40,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def load_from_args(a: argparse.Namespace):  # noqa: ANN201
     from . import load
 
-    drafter = None if a.drafter in ("none", "plain") else a.drafter
-    return load(a.model, drafter=drafter, heads=a.heads, device=a.device, dtype=a.dtype, runtime=a.runtime)
+    return load(a.model, drafter=a.drafter, heads=a.heads, device=a.device, dtype=a.dtype, runtime=a.runtime)
 
 
 def _gen_kwargs(a: argparse.Namespace) -> dict:

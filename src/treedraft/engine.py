@@ -1,7 +1,9 @@
-"""The one decode loop: prefill -> propose -> verify -> accept -> stream.
+"""The one decode loop: prefill -> propose -> verify -> accept, in token ids.
 
-Plain decoding is the same loop with an empty tree (root only). The CLI, the
-server, the benchmark and the tests all drive :meth:`Engine.stream`.
+Plain decoding is the same loop with an empty tree (root only). :meth:`Engine.decode` yields the
+token ids each step commits and records step stats; it stops only at the token budget.
+Detokenization, stop strings and EOS live in :mod:`treedraft.text`, which wraps this loop for the
+CLI, the API and the server.
 """
 
 from __future__ import annotations
@@ -9,74 +11,25 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from .interfaces import DraftContext, Drafter, GenerationError, TargetModel, target_device
 from .sampling import SamplingParams, sample, target_probs
 from .tree import TokenTree, TreeError, full_attention_mask, tree_positions
 from .verify import RULES, accept
 
+__all__ = ["DecodeResult", "DraftContext", "Drafter", "Engine", "GenerationConfig", "GenerationError",
+           "GenerationStats", "StepStats", "TargetModel", "acceptance_per_depth", "target_device"]
 
-class GenerationError(ValueError):
-    """Invalid generation request (empty prompt, too long, bad limits); the message names the limit."""
-
-
-class TargetModel(Protocol):
-    """What the engine needs from a target: see models/llama.py for the reference implementation.
-
-    ``device`` is where the engine builds the inputs of ``forward`` (tokens, positions, mask).
-    """
-
-    vocab_size: int
-    max_seq_len: int
-    device: torch.device
-
-    def new_cache(self, max_len: int | None = None): ...  # noqa: ANN201
-
-    def forward(self, tokens: Tensor, positions: Tensor, cache=None, start: int | None = None,  # noqa: ANN001
-                mask: Tensor | None = None, logits_for=None) -> tuple[Tensor, Tensor]: ...  # noqa: ANN001
-
-
-def target_device(model: object) -> torch.device:
-    """The device a target wants its inputs on: its ``device`` attribute, else its first parameter's, else cpu."""
-    dev = getattr(model, "device", None)
-    if dev is not None:
-        return torch.device(dev)
-    params = getattr(model, "parameters", None)
-    if callable(params):
-        p = next(iter(params()), None)
-        if p is not None:
-            return p.device
-    return torch.device("cpu")
-
-
-@dataclass
-class DraftContext:
-    """What a drafter sees each step."""
-
-    tokens: list[int]  # prompt + generated so far; tokens[-1] is the root (chosen, not yet verified)
-    hidden: Tensor | None  # (H,) target's final hidden state at the position that produced the root
-    max_nodes: int  # tree size budget, root included
-    max_depth: int  # deepest useful draft depth
-    prompt_len: int = 0
-
-    @property
-    def root(self) -> int:
-        return self.tokens[-1]
-
-
-class Drafter(Protocol):
-    """Proposes a tree rooted at ``ctx.root``. Never verifies."""
-
-    name: str
-
-    def propose(self, ctx: DraftContext) -> TokenTree: ...
+Q_SUM_TOLERANCE = 1e-3  # |sum(child_q) - 1| allowed for a drafter's draft distribution (float32 over a large vocab)
 
 
 @dataclass(frozen=True)
 class GenerationConfig:
+    """One generation request. ``stop`` and ``ignore_eos`` are read by the text layer (:mod:`treedraft.text`)."""
+
     max_new_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
     rule: str = "speculative"  # greedy params always verify greedily; see verify.RULES
@@ -114,9 +67,11 @@ def acceptance_per_depth(steps: Iterable[tuple[int, int]]) -> list[float]:
 
 @dataclass
 class StepStats:
+    """One verify step."""
+
     tree_size: int  # nodes verified, root included
     tree_depth: int
-    accepted: int  # draft tokens accepted (bonus not counted)
+    accepted: int  # draft tokens accepted and delivered (bonus not counted)
     t_draft: float
     t_verify: float
     t_rest: float
@@ -124,6 +79,8 @@ class StepStats:
 
 @dataclass
 class GenerationStats:
+    """Counts and timings of one generation (filled in by :meth:`Engine.decode`)."""
+
     prompt_tokens: int = 0
     new_tokens: int = 0
     t_prefill: float = 0.0
@@ -137,10 +94,12 @@ class GenerationStats:
 
     @property
     def drafted_tokens(self) -> int:
+        """Draft tokens verified (tree nodes other than the roots)."""
         return sum(s.tree_size - 1 for s in self.steps)
 
     @property
     def accepted_tokens(self) -> int:
+        """Draft tokens accepted and delivered."""
         return sum(s.accepted for s in self.steps)
 
     def acceptance_per_depth(self) -> list[float]:
@@ -149,71 +108,39 @@ class GenerationStats:
 
     @property
     def tokens_per_s(self) -> float:
+        """New tokens per second of decoding (prefill excluded)."""
         return self.new_tokens / self.t_decode if self.t_decode > 0 else 0.0
 
-    def time_split(self) -> dict[str, float]:
-        return {"draft": sum(s.t_draft for s in self.steps), "verify": sum(s.t_verify for s in self.steps),
-                "rest": sum(s.t_rest for s in self.steps)}
+    def cut(self, delivered: int) -> None:
+        """Only the first ``delivered`` new tokens reached the user (EOS, stop string): forget the rest.
+
+        The cut tokens all come from the last step yielded; its ``accepted`` is capped at the draft
+        tokens of that step that were delivered, so cut drafts never count as accepted.
+        """
+        excess = self.new_tokens - delivered
+        if excess <= 0:
+            return
+        self.new_tokens = delivered
+        if self.steps:
+            last = self.steps[-1]
+            last.accepted = max(0, min(last.accepted, last.accepted + 1 - excess))
 
 
 @dataclass
-class Chunk:
-    """One streamed piece: new text (possibly empty) and the token ids behind it."""
+class DecodeResult:
+    """Token ids of a finished :meth:`Engine.generate` (stopped by the token budget) and its stats."""
 
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None  # "stop" (eos / stop string) or "length" on the last chunk
-
-
-@dataclass
-class GenerationResult:
-    text: str
     token_ids: list[int]
     finish_reason: str
     stats: GenerationStats
 
 
-class _StopChecker:
-    """Streams text while holding back any suffix that could still become a stop string."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = list(stops)
-        self.pending = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Return (text safe to emit, stop string hit)."""
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:  # cut at the earliest stop string, whichever of them it is
-            out = self.pending[: min(hits)]
-            self.pending = ""
-            return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        cut = len(self.pending) - hold
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
 class Engine:
-    """Runs generation for one target model, optionally with a drafter."""
+    """Runs the decode loop for one target model, optionally with a default drafter."""
 
-    def __init__(self, model: TargetModel, tokenizer=None, drafter: Drafter | None = None,  # noqa: ANN001
-                 eos_token_ids: Sequence[int] | None = None) -> None:
+    def __init__(self, model: TargetModel, drafter: Drafter | None = None) -> None:
         self.model = model
-        self.tokenizer = tokenizer
         self.drafter = drafter
-        if eos_token_ids is None and tokenizer is not None:
-            eos_token_ids = tokenizer.eos_token_ids
-        self.eos_token_ids = frozenset(eos_token_ids or ())
         self._cache = None
         self._cache_owner: object | None = None  # token of the stream that currently holds self._cache
 
@@ -248,21 +175,27 @@ class Engine:
         if bad:
             raise GenerationError(f"prompt token ids out of range [0, {self.model.vocab_size}): {bad[:5]}")
 
+    def token_budget(self, prompt_len: int, config: GenerationConfig) -> int:
+        """How many new tokens :meth:`decode` produces at most: max_new_tokens capped by the context left."""
+        return min(config.max_new_tokens, self.model.max_seq_len - prompt_len)
+
     def generate(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None,
-                 drafter: Drafter | None | str = "default") -> GenerationResult:
-        """Run to completion; see :meth:`stream`."""
+                 drafter: Drafter | None | str = "default") -> DecodeResult:
+        """Decode to the token budget (no EOS, no stop strings: see :class:`treedraft.text.TextGenerator`)."""
         stats = GenerationStats()
-        texts, ids, reason = [], [], "length"
-        for ch in self.stream(prompt_ids, config, drafter, stats):
-            texts.append(ch.text)
-            ids.extend(ch.token_ids)
-            reason = ch.finish_reason or reason
-        return GenerationResult("".join(texts), ids, reason, stats)
+        ids = [t for step in self.decode(prompt_ids, config, drafter, stats) for t in step]
+        return DecodeResult(ids, "length", stats)
 
     @torch.inference_mode()
-    def stream(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None,
-               drafter: Drafter | None | str = "default", stats: GenerationStats | None = None) -> Iterator[Chunk]:
-        """Yield :class:`Chunk` s as tokens are committed. ``drafter=None`` is plain decoding."""
+    def decode(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None,
+               drafter: Drafter | None | str = "default", stats: GenerationStats | None = None,
+               ) -> Iterator[list[int]]:
+        """Yield the token ids each step commits: the prefill's token, then accepted drafts + bonus per step.
+
+        ``drafter``: "default" (the engine's), None (plain decoding) or a drafter. Stops after
+        :meth:`token_budget` tokens; a consumer that stops earlier (EOS, stop string) closes the
+        generator and calls ``stats.cut``. ``stats`` is updated before each yield.
+        """
         cfg = config or GenerationConfig()
         drafter = self.drafter if drafter == "default" else drafter
         self.check_prompt(prompt_ids)
@@ -274,9 +207,7 @@ class Engine:
         dev = self.device
         owner = object()  # ownership token: a stream resumed after another one took the cache must not run on
         cache = self._cache_for(owner)
-        decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
-        stopper = _StopChecker(cfg.stop)
-        max_new = min(cfg.max_new_tokens, model.max_seq_len - len(prompt))
+        max_new = self.token_budget(len(prompt), cfg)
 
         t0 = time.perf_counter()
         logits, hidden = model.forward(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev),
@@ -287,44 +218,14 @@ class Engine:
         stats.t_prefill = time.perf_counter() - t0
         t_start = time.perf_counter()
         tokens = prompt + [root]
-        out: list[int] = []
-
-        def emit(tok: int) -> Chunk | None:
-            """Commit one output token; return the final chunk when generation ends here."""
-            out.append(tok)
-            stats.new_tokens = len(out)
-            stats.t_decode = time.perf_counter() - t_start
-            if tok in self.eos_token_ids and not cfg.ignore_eos:
-                safe, hit = stopper.feed(decoder.flush() if decoder is not None else "")
-                return Chunk(safe + ("" if hit else stopper.flush()), [tok], "stop")
-            text = decoder.push(tok) if decoder is not None else ""
-            safe, hit = stopper.feed(text)
-            if hit:
-                return Chunk(safe, [tok], "stop")
-            if len(out) >= max_new:
-                tail = decoder.flush() if decoder is not None else ""
-                safe2, hit2 = stopper.feed(tail)
-                return Chunk(safe + safe2 + ("" if hit2 else stopper.flush()), [tok], "stop" if hit2 else "length")
-            pending.append(Chunk(safe, [tok]))
-            return None
-
-        pending: list[Chunk] = []
-        to_emit = [root]  # accepted drafts + the bonus token of the last step (the next root)
-        while True:
-            final = None
-            for tok in to_emit:
-                final = emit(tok)
-                if final is not None:
-                    break
-            yield from pending
-            pending.clear()
-            if final is not None:
-                yield final
-                return
+        n_out = 1
+        stats.new_tokens, stats.t_decode = n_out, time.perf_counter() - t_start
+        yield [root]
+        while n_out < max_new:
             self._check_owner(owner)
             ts = time.perf_counter()
             budget = min(cfg.max_tree_nodes, model.max_seq_len - cache.length)
-            max_depth = max_new - len(out) - 1
+            max_depth = max_new - n_out - 1  # the bonus token takes one slot of the budget
             if drafter is not None and budget > 1 and max_depth > 0:
                 ctx = DraftContext(tokens, last_hidden, budget, max_depth, len(prompt))
                 name = getattr(drafter, "name", type(drafter).__name__)
@@ -350,13 +251,14 @@ class Engine:
                 acc_nodes, bonus = a.nodes, a.bonus
             cache.keep(start, list(acc_nodes))
             last_hidden = None if hidden is None else hidden[0, acc_nodes[-1]]
-            new = [tree.tokens[i] for i in acc_nodes[1:]]
+            new = [tree.tokens[i] for i in acc_nodes[1:]] + [bonus]  # accepted drafts + the next root
             tokens.extend(new)
-            tokens.append(bonus)
             te = time.perf_counter()
-            stats.steps.append(StepStats(n, max(tree.depths()), len(new), tv - ts, tr - tv, te - tr))
-            to_emit = new + [bonus]
+            stats.steps.append(StepStats(n, max(tree.depths()), len(new) - 1, tv - ts, tr - tv, te - tr))
+            n_out += len(new)
+            stats.new_tokens, stats.t_decode = n_out, time.perf_counter() - t_start
             root = bonus
+            yield new
 
     @staticmethod
     def _pick(logits: Tensor, p: SamplingParams, gen: torch.Generator) -> int:
@@ -366,6 +268,7 @@ class Engine:
 
     @staticmethod
     def _check_tree(tree: TokenTree, root: int, vocab: int, name: str) -> None:
+        """Reject a drafter's tree the acceptance rules cannot verify soundly, naming the drafter."""
         if not isinstance(tree, TokenTree):
             raise TreeError(f"drafter {name!r} returned {type(tree).__name__}, expected a TokenTree")
         if tree.tokens[0] != root:
@@ -380,6 +283,14 @@ class Engine:
                     or tuple(q.shape) != (vocab,):
                 raise TreeError(f"drafter {name!r} gave child_q[{node!r}] that is not a ({vocab},) tensor "
                                 f"for a node of its {len(tree)}-node tree")
+            # the lossless multi-draft rule divides by q: an unnormalised q biases the output distribution
+            qd = q.detach().double()
+            total = float(qd.sum())
+            if not bool(torch.isfinite(qd).all()) or bool((qd < 0).any()) or abs(total - 1.0) > Q_SUM_TOLERANCE:
+                raise TreeError(f"drafter {name!r} gave child_q[{node}] that is not a probability distribution "
+                                f"(min {float(qd.min()):.3g}, sum {total:.6g}); it must be the normalised "
+                                f"distribution the children were sampled from (q >= 0, sum 1 within "
+                                f"{Q_SUM_TOLERANCE})")
             if any(float(q[tree.tokens[c]]) <= 0.0 for c in kids[node]):
                 raise TreeError(f"drafter {name!r} sampled children of node {node} that have zero probability "
                                 "under its own child_q; its q must be the distribution it sampled from")

@@ -31,22 +31,24 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import Chunk, GenerationConfig, GenerationError, GenerationStats
+from .engine import GenerationConfig, GenerationStats
+from .interfaces import GenerationError
+from .text import Chunk
 from .tree import TreeError
 from .verify import RULES as _RULES
 
 if TYPE_CHECKING:
     from .api import LLM
-    from .engine import Drafter
+    from .interfaces import Drafter
 
 log = logging.getLogger("treedraft.server")
 
 
 def _request_drafters() -> tuple[str, ...]:
-    """Drafter names a request may pick: the registry's, plus 'default' (the server's own) and 'plain'."""
-    from .drafters import DRAFTERS
+    """Drafter names a request may pick: 'default' (the server's own), the registry's names and aliases."""
+    from .drafters.registry import choices
 
-    return ("default", *DRAFTERS, *(() if "plain" in DRAFTERS else ("plain",)))
+    return choices()
 
 
 MAX_TREE_NODES_LIMIT = 512
@@ -505,7 +507,6 @@ class Worker:
         self.llm, self.settings, self.metrics = llm, settings, metrics
         self.queue = JobQueue(settings.max_queue)
         self.running: Job | None = None
-        self._drafters: dict[str, Drafter | None] = {}
         self._thread = threading.Thread(target=self._loop, name="treedraft-worker", daemon=True)
 
     def start(self) -> None:
@@ -526,18 +527,13 @@ class Worker:
         return self._thread.is_alive()
 
     def _drafter(self, name: str) -> Drafter | None:
-        if name == "default":
-            return self.llm.engine.drafter
-        if name not in self._drafters:
-            from .drafters import make_drafter
-            try:
-                self._drafters[name] = make_drafter(name, self.llm, self.settings.heads)
-            except (ImportError, FileNotFoundError, ValueError) as e:
-                # the name is valid (checked in prepare) but this server cannot build it (e.g. no heads)
-                log.warning("drafter %r is not available: %s: %s", name, type(e).__name__, e)
-                raise APIError(400, f"drafter {name!r} is not available on this server: {e}",
-                               param="treedraft.drafter", code="drafter_unavailable") from None
-        return self._drafters[name]
+        try:  # built once per name by the LLM's drafter cache
+            return self.llm.get_drafter(name, heads=self.settings.heads)
+        except (ImportError, FileNotFoundError, ValueError) as e:
+            # the name is valid (checked in prepare) but this server cannot build it (e.g. no heads)
+            log.warning("drafter %r is not available: %s: %s", name, type(e).__name__, e)
+            raise APIError(400, f"drafter {name!r} is not available on this server: {e}",
+                           param="treedraft.drafter", code="drafter_unavailable") from None
 
     def _loop(self) -> None:
         while True:
@@ -563,7 +559,7 @@ class Worker:
         gen = None
         try:
             drafter = self._drafter(job.drafter)
-            gen = self.llm.engine.stream(job.prompt_ids, job.config, drafter, stats)
+            gen = self.llm.text.stream(job.prompt_ids, job.config, drafter, stats)
             finish = "length"
             for chunk in gen:
                 if job.cancelled.is_set():

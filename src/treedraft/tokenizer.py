@@ -1,4 +1,4 @@
-"""Tokenizer wrapper: encode/decode, chat template, incremental detokenization."""
+"""Tokenizer wrapper: encode/decode, chat template; streaming detokenization is in :mod:`treedraft.text`."""
 
 from __future__ import annotations
 
@@ -40,6 +40,11 @@ class Tokenizer:
         return cls(AutoTokenizer.from_pretrained(str(d)))
 
     @property
+    def backend(self):  # noqa: ANN201 - a tokenizers.Tokenizer
+        """The ``tokenizers.Tokenizer`` behind the transformers tokenizer (used for streaming decode)."""
+        return self.hf.backend_tokenizer
+
+    @property
     def vocab_size(self) -> int:
         return len(self.hf)
 
@@ -63,40 +68,3 @@ class Tokenizer:
         text = self.hf.apply_chat_template(messages, chat_template=self.chat_template,
                                            add_generation_prompt=True, tokenize=False)
         return self.encode(text)
-
-    def stream_decoder(self) -> StreamDecoder:
-        return StreamDecoder(self)
-
-
-class StreamDecoder:
-    """Incremental detokenizer: emits text only once it is stable.
-
-    Decodes a short window of tokens and emits the new suffix, holding back an
-    incomplete UTF-8 sequence (shown as U+FFFD) until its last byte arrives, and
-    keeping leading spaces that per-token decoding would lose.
-    """
-
-    def __init__(self, tok: Tokenizer) -> None:
-        self.tok = tok
-        self.ids: list[int] = []
-        self.prefix_offset = 0  # start of the decode window
-        self.read_offset = 0  # tokens before this are already emitted
-
-    def push(self, token: int) -> str:
-        """Add one token, return the newly stable text (may be empty)."""
-        self.ids.append(int(token))
-        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.tok.decode(self.ids[self.prefix_offset :])
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
-            return ""
-        new = full[len(prefix) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
-        return new
-
-    def flush(self) -> str:
-        """Whatever is still held back (e.g. a truncated multi-byte character)."""
-        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.tok.decode(self.ids[self.prefix_offset :])
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return full[len(prefix) :]

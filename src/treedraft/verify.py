@@ -36,7 +36,13 @@ def accept_greedy(tree: TokenTree, logits: Tensor) -> Acceptance:
 
 
 def accept_speculative(tree: TokenTree, probs: Tensor, gen: torch.Generator) -> Acceptance:
-    """Lossless multi-draft speculative sampling over a tree (SpecInfer, Miao et al. 2023).
+    """Lossless multi-draft speculative sampling over a tree: recursive rejection sampling.
+
+    The rule for several sampled siblings is recursive rejection sampling *without replacement*
+    (Jeon et al. 2024, "Recursive Speculative Decoding", arXiv:2402.14160; Yang et al. 2024,
+    "Multi-Candidate Speculative Decoding", arXiv:2401.06706). SpecInfer (Miao et al. 2023)
+    verifies a token tree too, but treats sibling drafts as independent draws from q; here q is
+    updated after every rejected sibling, which is what makes distinct draws lossless.
 
     probs: (N, V) target distributions (after temperature/top-k/top-p) at every node.
     At each node the children are tried in order. Sampled children (tree.child_q
@@ -94,6 +100,16 @@ def accept_typical(tree: TokenTree, logits: Tensor, params: SamplingParams, gen:
 
     Picks the longest accepted path; the bonus token is sampled from p at its end.
     Under greedy params it is the greedy rule.
+
+    Where this differs from Medusa's reference ``evaluate_posterior`` (typical branch) and the
+    ``generate_candidates`` that follows it:
+    - tie-break: among paths of the longest accepted length, the one whose last node comes first in
+      tree order (parents before children, siblings in draft order) wins; Medusa takes the first
+      candidate path in its own ``retrieve_indices`` order (argmax over accept lengths);
+    - bonus token: sampled here from p (temperature, top-k, top-p) at the last accepted node;
+      Medusa's default (``fast=True``) takes the argmax of the target's logits there;
+    - p: here the same temperature/top-k/top-p distribution the other rules use, for both the
+      threshold and the bonus; Medusa thresholds softmax(logits / temperature).
     """
     if params.greedy:
         return accept_greedy(tree, logits)

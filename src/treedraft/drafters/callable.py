@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from ..engine import DraftContext
+from ..interfaces import DraftContext
 from ..tree import TokenTree
 
 DraftFn = Callable[[list[int]], Mapping[int, float]]

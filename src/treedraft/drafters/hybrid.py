@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..engine import DraftContext, Drafter
+from ..interfaces import DraftContext, Drafter
 from ..tree import TokenTree, TreeError
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..engine import DraftContext
+from ..interfaces import DraftContext, TargetModel
 from ..models.llama import bf16_gemm_available, linear_bf16, matmul, pack_bf16
 from ..tree import TokenTree
 
@@ -270,16 +270,6 @@ class MedusaHeads(nn.Module):
         return heads.eval().requires_grad_(False)
 
 
-def input_embedding_weight(model) -> Tensor | None:  # noqa: ANN001
-    """(V, H) input embedding of a target (own runtime or transformers adapter), if it exposes one."""
-    if hasattr(model, "embed"):
-        return model.embed.weight
-    hf = getattr(model, "hf", None)
-    if hf is not None and hasattr(hf, "get_input_embeddings"):
-        return hf.get_input_embeddings().weight
-    return None
-
-
 def shipped_heads_for(model_name: str) -> Path | None:
     """Directory of heads shipped in the package for a registry model name, if any."""
     d = HEADS_DIR / model_name
@@ -296,24 +286,28 @@ class MedusaDrafter:
 
     def __post_init__(self) -> None:
         self.choices = tuple(tuple(c) for c in (self.choices or self.heads.config.choices))
+        given = set(self.choices)
+        orphans = [list(c) for c in self.choices if not c or (len(c) > 1 and c[:-1] not in given)]
+        if orphans:
+            raise ValueError(f"tree choices must be non-empty and prefix-closed (each choice's parent is a choice "
+                             f"too); these are not: {orphans[:4]}")
         depth = max(len(c) for c in self.choices)
         if depth > self.heads.config.num_heads:
             raise ValueError(f"tree depth {depth} needs {depth} heads; these heads have {self.heads.config.num_heads}")
         self.topk = [1 + max((c[d] for c in self.choices if len(c) > d), default=0) for d in range(depth)]
 
     @staticmethod
-    def for_model(llm, heads: str | Path | None = "default") -> MedusaDrafter:  # noqa: ANN001
-        """Heads for a loaded LLM: the shipped ones by default, or a directory."""
-        if heads in (None, "default"):
-            d = shipped_heads_for(llm.model_name)
-            if d is None:
-                raise FileNotFoundError(f"no Medusa heads are shipped for {llm.model_name!r}; "
-                                        "train some with `treedraft train-heads` and pass --heads DIR")
-        else:
-            d = Path(heads)
-        lm = llm.model.lm_head.weight if hasattr(llm.model, "lm_head") else llm.model.output_embeddings_weight()
-        h = MedusaHeads.load(d, lm, llm.model_name, llm.model.hidden_size, llm.model.vocab_size,
-                             embed_weight=input_embedding_weight(llm.model))
+    def for_target(target: TargetModel, heads_dir: str | Path, model_name: str | None = None) -> MedusaDrafter:
+        """Load the heads in ``heads_dir`` for ``target``, refusing heads trained for another model.
+
+        model_name: the target's registry name, checked against the heads' base model when given.
+        """
+        lm = target.output_projection_weight()
+        if lm is None:
+            raise ValueError(f"the medusa drafter needs the target's output projection; {type(target).__name__} "
+                             "has none (use prompt-lookup or a callable drafter with this target)")
+        h = MedusaHeads.load(heads_dir, lm, model_name, target.hidden_size, target.vocab_size,
+                             embed_weight=target.input_embedding_weight())
         h = h.to(lm.device)
         h.pack_for_drafting()
         return MedusaDrafter(h)
@@ -331,6 +325,6 @@ class MedusaDrafter:
             if self.heads.vocab_map is not None:
                 ids = self.heads.vocab_map[ids]
             cands.append(ids.tolist())
+        # prefix-closed choices always include a depth-1 one, and the engine asks for max_depth >= 1
         choices = [c for c in self.choices if len(c) <= ctx.max_depth]
-        tree = TokenTree.from_choices(ctx.root, choices, cands) if choices else TokenTree.chain(ctx.root)
-        return tree.truncated(ctx.max_nodes)
+        return TokenTree.from_choices(ctx.root, choices, cands).truncated(ctx.max_nodes)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine import DraftContext
+from ..interfaces import DraftContext
 from ..tree import TokenTree
 
 

@@ -74,6 +74,7 @@ class CallableTarget:
         self.fn = fn
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
+        self.hidden_size = 0  # no hidden states: forward returns None for them
         self.max_workers = max_workers
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
         self._pool: ThreadPoolExecutor | None = None
@@ -82,6 +83,14 @@ class CallableTarget:
     def device(self) -> torch.device:
         """The engine builds this target's inputs on the CPU (the callable reads them as Python ints)."""
         return torch.device("cpu")
+
+    def input_embedding_weight(self) -> None:
+        """A callable has no embedding matrix (drafters that need one refuse this target)."""
+        return None
+
+    def output_projection_weight(self) -> None:
+        """A callable has no output projection (drafters that need one refuse this target)."""
+        return None
 
     # ---- lifecycle ------------------------------------------------------
     def _executor(self) -> ThreadPoolExecutor:

@@ -166,7 +166,11 @@ class HFTarget:
         """The output projection (hidden -> vocab), e.g. for Medusa heads that reuse it."""
         return self.hf.get_output_embeddings()
 
-    def output_embeddings_weight(self) -> Tensor:
+    def input_embedding_weight(self) -> Tensor:
+        """(V, H) input embedding matrix of the wrapped model."""
+        return self.hf.get_input_embeddings().weight
+
+    def output_projection_weight(self) -> Tensor:
         """(V, H) weight of the output projection."""
         return self.lm_head.weight
 

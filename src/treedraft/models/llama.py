@@ -349,6 +349,14 @@ class Transformer(nn.Module):
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
 
+    def input_embedding_weight(self) -> Tensor:
+        """(V, H) input embedding matrix."""
+        return self.embed.weight
+
+    def output_projection_weight(self) -> Tensor:
+        """(V, H) lm_head weight (the embedding itself when tied)."""
+        return self.lm_head.weight
+
     def pack(self, plan: dict[int, str] | None = None) -> Transformer:
         """Prepare the CPU decode path: (in, out) weight copies + a per-row-count kernel plan.
 

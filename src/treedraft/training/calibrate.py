@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..engine import target_device
+from ..interfaces import target_device
 
 
 def grow_tree(acc: Sequence[Sequence[float]], max_nodes: int) -> tuple[list[tuple[int, ...]], list[float]]:

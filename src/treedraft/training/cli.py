@@ -114,7 +114,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     import torch
 
     from .. import load
-    from ..drafters.medusa import MedusaConfig, input_embedding_weight
+    from ..drafters.medusa import MedusaConfig
     from .data import generate_dataset, load_shards, read_prompts
     from .train import TrainConfig, evaluate, head_targets, train_heads
 
@@ -142,14 +142,14 @@ def cmd_train(a: argparse.Namespace) -> int:
         eval_dir = generate_dataset(llm, read_prompts(a.eval_prompts), eval_dir, max_new_tokens=a.eval_max_new_tokens,
                                     batch_size=a.gen_batch_size, max_prompt_tokens=a.max_prompt_tokens,
                                     prompt_file=a.eval_prompts)
-    lm = llm.model.lm_head.weight
+    lm = llm.model.output_projection_weight()
     mcfg = MedusaConfig(base_model=llm.model_name, hidden_size=llm.model.hidden_size,
                         vocab_size=vocab, num_heads=a.num_heads, num_layers=a.num_layers,
                         shared_lm_head=a.projection == "shared", draft_vocab=a.draft_vocab,
                         root_conditioned=a.root_conditioned)
     tcfg = TrainConfig(epochs=a.epochs, lr=a.lr, batch_size=a.batch_size, seed=a.seed)
     heads, report = train_heads(train_dir, lm, mcfg, tcfg, Path(a.out) / "ckpt",
-                                embed_weight=input_embedding_weight(llm.model))
+                                embed_weight=llm.model.input_embedding_weight())
     if eval_dir is not None:
         tok, hid, seq = load_shards(eval_dir)
         report["mt_bench"] = evaluate(heads, hid, head_targets(tok, seq, a.num_heads), roots=tok)
@@ -185,7 +185,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
     from .. import load
     from ..drafters.medusa import MedusaDrafter
-    from ..engine import DraftContext, GenerationStats
+    from ..engine import GenerationStats
+    from ..interfaces import DraftContext
     from .calibrate import choose_tree, latency_sizes, measure_latency
     from .data import load_shards, read_prompts
     from .train import head_targets, rank_accuracy

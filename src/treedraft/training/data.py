@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..engine import target_device
+from ..interfaces import target_device
 from ..prompts import read_prompt_file
 
 

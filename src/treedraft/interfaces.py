@@ -1,0 +1,112 @@
+"""What every layer codes against: the target model, its cache, drafters and their context.
+
+Nothing here imports the engine, the API or a model implementation, so drafters, training and
+the models can depend on this module without depending on each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from .tree import TokenTree
+
+
+class GenerationError(ValueError):
+    """Invalid generation request (empty prompt, too long, bad limits); the message names the limit."""
+
+
+@runtime_checkable
+class Cache(Protocol):
+    """Per-sequence state a target writes during ``forward`` (a KV cache, or token slots).
+
+    ``length`` counts committed positions; :meth:`keep` compacts the accepted tree path in place.
+    """
+
+    length: int
+
+    def keep(self, start: int, indices: Tensor | Sequence[int]) -> None:
+        """Keep slots ``start + indices`` (in order) at ``start ...``; set ``length`` accordingly."""
+        ...
+
+    def truncate(self, length: int) -> None:
+        """Forget every slot at or after ``length``."""
+        ...
+
+
+@runtime_checkable
+class TargetModel(Protocol):
+    """What the engine and the drafters need from a target (reference: models/llama.py ``Transformer``).
+
+    ``device`` is where the engine builds the inputs of ``forward`` (tokens, positions, mask).
+    The weight accessors return None for a target that has no such weight (e.g. a callable target);
+    drafters that need one say so in their error.
+    """
+
+    vocab_size: int
+    max_seq_len: int
+    hidden_size: int
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def new_cache(self, max_len: int | None = None) -> Cache:
+        """An empty cache for up to ``max_len`` positions (default: ``max_seq_len``)."""
+        ...
+
+    def forward(self, tokens: Tensor, positions: Tensor, cache: Cache | None = None, start: int | None = None,
+                mask: Tensor | None = None, logits_for: Tensor | slice | None = None,
+                ) -> tuple[Tensor, Tensor | None]:
+        """(B, T) tokens at (T,) positions [+ (T, start+T) tree mask] -> (B, T', V) logits, (B, T, H) hidden."""
+        ...
+
+    def input_embedding_weight(self) -> Tensor | None:
+        """(V, H) input embedding matrix, or None."""
+        ...
+
+    def output_projection_weight(self) -> Tensor | None:
+        """(V, H) output projection (lm_head) weight, or None."""
+        ...
+
+
+def target_device(model: object) -> torch.device:
+    """The device a target wants its inputs on: its ``device`` attribute, else its first parameter's, else cpu."""
+    dev = getattr(model, "device", None)
+    if dev is not None:
+        return torch.device(dev)
+    params = getattr(model, "parameters", None)
+    if callable(params):
+        p = next(iter(params()), None)
+        if p is not None:
+            return p.device
+    return torch.device("cpu")
+
+
+@dataclass
+class DraftContext:
+    """What a drafter sees each step."""
+
+    tokens: list[int]  # prompt + generated so far; tokens[-1] is the root (chosen, not yet verified)
+    hidden: Tensor | None  # (H,) target's final hidden state at the position that produced the root
+    max_nodes: int  # tree size budget, root included
+    max_depth: int  # deepest useful draft depth
+    prompt_len: int = 0
+
+    @property
+    def root(self) -> int:
+        """The token the tree is rooted at (the target's own choice, not a draft)."""
+        return self.tokens[-1]
+
+
+class Drafter(Protocol):
+    """Proposes a tree rooted at ``ctx.root``. Never verifies."""
+
+    name: str
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        """A token tree rooted at ``ctx.root`` of at most ``ctx.max_nodes`` nodes."""
+        ...
