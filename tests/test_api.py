@@ -22,18 +22,18 @@ def test_named_drafters_use_the_heads_given_to_load_and_are_built_once(tmp_path,
     loads = []
     real_load = MedusaHeads.load
     monkeypatch.setattr(MedusaHeads, "load", staticmethod(lambda *a, **k: loads.append(a) or real_load(*a, **k)))
-    d = llm._drafter("medusa")
-    assert isinstance(d, MedusaDrafter) and llm._drafter("medusa") is d
-    hybrid = llm._drafter("hybrid")
-    assert llm._drafter("hybrid") is hybrid
+    d = llm.get_drafter("medusa")
+    assert isinstance(d, MedusaDrafter) and llm.get_drafter("medusa") is d
+    hybrid = llm.get_drafter("hybrid")
+    assert llm.get_drafter("hybrid") is hybrid
     assert len(loads) == 2  # once for "medusa", once for "hybrid"; never again per call
-    assert isinstance(llm._drafter("prompt-lookup"), PromptLookupDrafter)
-    assert llm._drafter("none") is None
-    assert llm._drafter("default") is llm.engine.drafter
+    assert isinstance(llm.get_drafter("prompt-lookup"), PromptLookupDrafter)
+    assert llm.get_drafter("none") is None
+    assert llm.get_drafter("default") is llm.engine.drafter
     own = PromptLookupDrafter()
-    assert llm._drafter(own) is own
+    assert llm.get_drafter(own) is own
     with pytest.raises(ValueError, match="unknown drafter"):
-        llm._drafter("no-such-drafter")
+        llm.get_drafter("no-such-drafter")
 
 
 @pytest.mark.parametrize("content", [b"", b"GGUF", b"GGUF" + struct.pack("<I", 3),

@@ -14,6 +14,7 @@ from treedraft.bench import (BenchError, BenchPrompt, EngineMethod, MethodOutput
                              run_bench, select_prompts, summarize, write_report)
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter
 from treedraft.engine import Engine, GenerationConfig
+from treedraft.text import TextGenerator
 from treedraft.models.tiny import tiny_llama
 
 MAX_NEW = 12
@@ -34,8 +35,8 @@ def one_thread():  # noqa: ANN201
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(tiny_llama(seed=1, scale=2.0))  # no tokenizer, no EOS
+def engine() -> TextGenerator:
+    return TextGenerator(Engine(tiny_llama(seed=1, scale=2.0)))  # no tokenizer, no EOS
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +82,14 @@ def first_eos_cut(toks: list[int], eos: frozenset[int]) -> int:
 
 
 @pytest.fixture(scope="module")
-def eos_id(engine: Engine, dataset: Path) -> int:
+def eos_id(engine: TextGenerator, dataset: Path) -> int:
     """An id the plain output of prompt 1 holds at index 3: an EOS for the HF-like method."""
     ids = fake_encode(load_prompts(dataset)[0].text)
     return engine.generate(ids, GenerationConfig(max_new_tokens=MAX_NEW), None).token_ids[3]
 
 
 @pytest.fixture(scope="module")
-def result(engine: Engine, dataset: Path, eos_id: int) -> bench.BenchResult:
+def result(engine: TextGenerator, dataset: Path, eos_id: int) -> bench.BenchResult:
     prompts = [(p, fake_encode(p.text)) for p in load_prompts(dataset)]
     cfg = GenerationConfig(max_new_tokens=MAX_NEW)
     plain = EngineMethod(engine, cfg, None)
@@ -219,10 +220,10 @@ def test_compare_outputs_length_rules() -> None:
     assert cmp([1, 2, 7], [1, 2, 7], reference_eos={7}, other_eos={7}) == (True, None, None)
 
 
-def test_methods_declare_the_eos_ids_they_stop_at(engine: Engine) -> None:
+def test_methods_declare_the_eos_ids_they_stop_at(engine: TextGenerator) -> None:
     from types import SimpleNamespace
 
-    eng = Engine(engine.model, eos_token_ids=[5, 6])
+    eng = TextGenerator(engine.engine, eos_token_ids=[5, 6])
     assert EngineMethod(eng, GenerationConfig(max_new_tokens=2)).eos_token_ids == {5, 6}
     assert EngineMethod(eng, GenerationConfig(max_new_tokens=2, ignore_eos=True)).eos_token_ids == frozenset()
     hf = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[2, 3]), config=SimpleNamespace(eos_token_id=9))
@@ -254,7 +255,7 @@ def test_report_files_are_written(result: bench.BenchResult, tmp_path: Path) -> 
         ("truncated", "truncated")] * 2 + [("wrong", "differs")] * 2
 
 
-def test_failing_method_is_dropped_and_reported(engine: Engine, dataset: Path) -> None:
+def test_failing_method_is_dropped_and_reported(engine: TextGenerator, dataset: Path) -> None:
     calls = {"n": 0}
 
     def flaky(ids: list[int]) -> MethodOutput:
@@ -271,7 +272,7 @@ def test_failing_method_is_dropped_and_reported(engine: Engine, dataset: Path) -
     assert {r.method for r in res.records} == {"plain"} and len(res.records) == 2
 
 
-def test_sampling_runs_skip_the_equality_check(engine: Engine, dataset: Path) -> None:
+def test_sampling_runs_skip_the_equality_check(engine: TextGenerator, dataset: Path) -> None:
     prompts = [(p, fake_encode(p.text)) for p in load_prompts(dataset)]
     plain = EngineMethod(engine, GenerationConfig(max_new_tokens=4), None)
     res = run_bench(prompts, {"plain": plain, "wrong": wrong_after(plain, 1)}, greedy=False, warmup=0,
@@ -280,19 +281,18 @@ def test_sampling_runs_skip_the_equality_check(engine: Engine, dataset: Path) ->
     assert bench.mismatches(res) == []
 
 
-def test_method_names_and_unavailable_methods_are_skipped_with_reason(engine: Engine) -> None:
+def test_method_names_and_unavailable_methods_are_skipped_with_reason(engine: TextGenerator) -> None:
     assert bench.parse_methods("plain,none,prompt-lookup") == ["plain", "prompt-lookup"]
     with pytest.raises(BenchError, match="unknown method.*typo"):
         bench.parse_methods("plain,typo")
     names = bench.parse_methods("all")
     assert {"hf", "hf-pld", "plain", "prompt-lookup", "medusa"} <= set(names)
 
-    class FakeLLM:
-        def __init__(self) -> None:
-            self.engine, self.model, self.device, self.model_name = engine, engine.model, "cpu", "tiny"
+    from treedraft.api import LLM
 
     cfg = GenerationConfig(max_new_tokens=4)
-    methods, skipped = bench.build_methods(["plain", "prompt-lookup", "medusa", "llama.cpp"], FakeLLM(),
+    llm = LLM(engine.engine, None, "tiny", "cpu")
+    methods, skipped = bench.build_methods(["plain", "prompt-lookup", "medusa", "llama.cpp"], llm,
                                            Path("/nonexistent.gguf"), cfg)
     assert set(methods) >= {"plain", "prompt-lookup"}
     assert set(methods) | set(skipped) == {"plain", "prompt-lookup", "medusa", "llama.cpp"}
@@ -309,7 +309,7 @@ def test_method_names_and_unavailable_methods_are_skipped_with_reason(engine: En
     assert pl.stats.new_tokens == 4 and 1 + sum(s.accepted + 1 for s in pl.stats.steps) == 4
 
 
-def test_bench_cli_end_to_end_on_the_tiny_model(engine: Engine, dataset: Path, tmp_path: Path,
+def test_bench_cli_end_to_end_on_the_tiny_model(engine: TextGenerator, dataset: Path, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """`treedraft bench` through the real parser and cmd_bench (model loading stubbed with the tiny engine):
     the report matches the run, and the recorded command reproduces the same arguments."""
@@ -325,8 +325,11 @@ def test_bench_cli_end_to_end_on_the_tiny_model(engine: Engine, dataset: Path, t
         def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
             return fake_encode(prompt)
 
-    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: " ".join(map(str, ids)))
-    monkeypatch.setattr(treedraft, "load", lambda *a, **k: TinyLLM(engine, tok, "tiny", "cpu"))
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: " ".join(map(str, ids)),
+                          eos_token_ids=frozenset())
+    llm = TinyLLM(engine.engine, tok, "tiny", "cpu")
+    llm.text = engine  # token ids only: this stub tokenizer cannot stream text
+    monkeypatch.setattr(treedraft, "load", lambda *a, **k: llm)
     monkeypatch.setattr(registry, "resolve", lambda model: Path("/nonexistent.gguf"))
     out = tmp_path / "out"
     argv = ["bench", "--dataset", str(dataset), "--methods", "plain,prompt-lookup", "--max-new-tokens", "6",

@@ -11,7 +11,8 @@ import torch
 from spec_stats import assert_fits, one_thread  # noqa: F401 (fixture)
 
 from treedraft.drafters.callable import CallableDrafter
-from treedraft.engine import DraftContext, Engine, GenerationConfig, GenerationStats
+from treedraft.engine import Engine, GenerationConfig, GenerationStats
+from treedraft.interfaces import DraftContext
 from treedraft.models.callable_target import CallableTarget, TokenCache
 from treedraft.sampling import SamplingParams, target_probs
 from treedraft.tree import TokenTree, full_attention_mask, tree_positions
@@ -167,7 +168,7 @@ def test_engine_runs_concurrently_over_a_slow_target() -> None:
         drafter = CallableDrafter(bigram(DRAFT), V, branching=(3, 2), mode="topk")
         stats = GenerationStats()
         ids = Engine(target).generate([1, 2], cfg(12), drafter).token_ids
-        list(Engine(target).stream([1, 2], cfg(12), drafter, stats))
+        list(Engine(target).decode([1, 2], cfg(12), drafter, stats))
         drafter.close()
     assert ids == direct_greedy(bigram(TARGET), [1, 2], 12)
     assert peak[0] >= 3

@@ -14,7 +14,8 @@ from spec_stats import one_thread  # noqa: F401 (fixture)
 
 from treedraft.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter
-from treedraft.engine import DraftContext, Engine, GenerationConfig, target_device
+from treedraft.engine import Engine, GenerationConfig
+from treedraft.interfaces import DraftContext, target_device
 from treedraft.models.callable_target import CallableTarget
 from treedraft.models.llama import rope_frequencies
 from treedraft.models.loaders import load_hf_dir

@@ -166,14 +166,14 @@ def test_greedy_speculative_equals_plain_greedy(llama_pair) -> None:  # noqa: AN
     base = torch.randint(0, VOCAB, (10,), generator=g).tolist()
     prompt = base + base[:6]
     cfg = GenerationConfig(max_new_tokens=48, ignore_eos=True)
-    plain = Engine(target, eos_token_ids=()).generate(prompt, cfg, drafter=None)
-    spec = Engine(target, eos_token_ids=()).generate(prompt, cfg, drafter=PromptLookupDrafter())
+    plain = Engine(target).generate(prompt, cfg, drafter=None)
+    spec = Engine(target).generate(prompt, cfg, drafter=PromptLookupDrafter())
     assert len(plain.token_ids) == 48
     assert spec.token_ids == plain.token_ids
     assert spec.stats.accepted_tokens > 0, "the drafter never got a token accepted: the tree path went untested"
     assert any(s.tree_size > 1 + s.accepted + 1 for s in spec.stats.steps), "no step rejected part of a tree"
     # and the same weights in the own runtime decode the same way
-    assert Engine(own, eos_token_ids=()).generate(prompt, cfg, drafter=None).token_ids == plain.token_ids
+    assert Engine(own).generate(prompt, cfg, drafter=None).token_ids == plain.token_ids
 
 
 def test_bad_input_gives_clear_errors(llama_pair, tmp_path) -> None:  # noqa: ANN001

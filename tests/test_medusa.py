@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from treedraft.drafters.medusa import HeadsMismatchError, MedusaConfig, MedusaDrafter, MedusaHeads
-from treedraft.engine import DraftContext, Engine, GenerationConfig
+from treedraft.engine import Engine, GenerationConfig
+from treedraft.interfaces import DraftContext
 from treedraft.models.llama import bf16_gemm_available
 from treedraft.models.tiny import tiny_llama
 from treedraft.training.calibrate import choose_tree, grow_tree
@@ -88,7 +89,10 @@ def test_draft_logits_are_the_first_heads_and_bf16_only_rounds() -> None:
             p.normal_(0, 0.3)
     h, root = torch.randn(m.hidden_size), torch.tensor(5)
     full = heads(h, root)  # (3, 40)
-    assert heads.pack_for_drafting() is bf16_gemm_available()
+    on = heads.pack_for_drafting()
+    assert on is (heads._draft_w is not None)
+    if not bf16_gemm_available():
+        assert on is False  # no native bf16 GEMM: never the (slow, emulated) bf16 path
     for n in (1, 2, 3):
         got = heads.draft_logits(h, root, n)
         assert got.shape == (n, 40)
@@ -104,6 +108,38 @@ def test_draft_logits_are_the_first_heads_and_bf16_only_rounds() -> None:
     sep = MedusaHeads(_cfg(m, num_heads=2, shared_lm_head=False), m.lm_head.weight)
     assert sep.pack_for_drafting() is False  # only the shared projection has a bf16 copy
     torch.testing.assert_close(sep.draft_logits(h, None, 1), sep(h)[:1])
+
+
+def test_bf16_pack_failure_falls_back_to_float32_drafting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A oneDNN build that reports bf16 GEMM but cannot pack: drafting stays float32 and gives the same tree."""
+    import treedraft.drafters.medusa as medusa_mod
+
+    torch.manual_seed(0)
+    m = tiny_llama(seed=2)
+    heads = MedusaHeads(_cfg(m, num_heads=2), m.lm_head.weight)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    h = torch.randn(m.hidden_size)
+    ctx = DraftContext([1, 2, 7], h, max_nodes=64, max_depth=8)
+    want = MedusaDrafter(heads, ((0,), (1,), (0, 0), (0, 1), (1, 0))).propose(ctx)  # never packed: float32
+
+    def cannot_pack(w: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("could not create a primitive descriptor for a reorder primitive")
+
+    monkeypatch.setattr(medusa_mod, "bf16_gemm_available", lambda: True)
+    monkeypatch.setattr(medusa_mod, "pack_bf16", cannot_pack)
+    assert heads.pack_for_drafting() is False and heads._draft_w is None
+    torch.testing.assert_close(heads.draft_logits(h, None, 2), heads(h)[:2], rtol=0, atol=0)
+    got = MedusaDrafter(heads, ((0,), (1,), (0, 0), (0, 1), (1, 0))).propose(ctx)
+    assert got.tokens == want.tokens and got.parents == want.parents
+
+
+def test_drafter_refuses_choices_that_are_not_prefix_closed() -> None:
+    m = tiny_llama()
+    heads = MedusaHeads(_cfg(m, num_heads=2), m.lm_head.weight)
+    with pytest.raises(ValueError, match="prefix-closed"):
+        MedusaDrafter(heads, ((0,), (1, 0)))
 
 
 def test_medusa_greedy_equals_plain_on_tiny_model() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import treedraft
-from treedraft.engine import GenerationError
+from treedraft.interfaces import GenerationError
 from treedraft.models.llama import Transformer
 from treedraft.models.loaders import ModelLoadError, load_hf_dir
 from treedraft.models.registry import resolve

@@ -318,9 +318,9 @@ def test_nulls_mean_defaults_and_drafter_names_pass_through(server: LiveServer, 
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 2
     # every registered drafter name is passed through: it either serves or is a clean 400 (e.g. no heads shipped)
-    from treedraft.drafters import DRAFTERS
+    from treedraft.drafters import names
 
-    for name in DRAFTERS:
+    for name in names():
         body = {"model": llm.model_name, "messages": CHAT, "max_tokens": 2, "temperature": 0,
                 "treedraft": {"drafter": name}}
         for stream in (False, True):
@@ -444,15 +444,18 @@ def test_internal_errors_are_500_logged_and_the_server_keeps_serving(
     """A bug during generation (here broken drafters; a ValueError too, like a cache overflow or an
     inconsistent q) is the server's fault: 500 + OpenAI error body + a logged traceback, never a 400;
     the worker survives and the next request is served normally."""
-    from treedraft import drafters
+    from treedraft.drafters import registry
     from treedraft.tree import TreeError
 
     broken = {"medusa": RuntimeError("boom: a drafter bug"),
               "hybrid": ValueError("draft token 7 has zero draft probability; the drafter's q is inconsistent"),
               "prompt-lookup": TreeError("parents must come before their children")}
-    real = drafters.make_drafter
-    monkeypatch.setattr(drafters, "make_drafter", lambda name, *a, **k: (
-        _BrokenDrafter(name, broken[name]) if name in broken else real(name, *a, **k)))
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the registrations below are undone
+    for name in broken:
+        registry.register(name, lambda target, tok, opts, name=name: _BrokenDrafter(name, broken[name]), "broken",
+                          replace=True)
+    # a fresh drafter cache: drafters the shared fixture built earlier must not be reused
+    monkeypatch.setattr(llm, "drafters", registry.DrafterCache(llm.model, llm.tokenizer, llm.drafters.options))
     body = {"model": llm.model_name, "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0}
     app = create_app(llm, ServerSettings(poll_interval_s=0.05))
     with caplog.at_level(logging.ERROR, logger="treedraft.server"), LiveServer(app) as s:

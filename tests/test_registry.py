@@ -1,0 +1,107 @@
+"""The drafter registry: names and aliases, the default-drafter choice, registration, one cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from treedraft.drafters import medusa, registry
+from treedraft.drafters.hybrid import HybridDrafter
+from treedraft.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
+from treedraft.drafters.prompt_lookup import PromptLookupDrafter
+from treedraft.drafters.registry import DrafterCache, DrafterOptions
+from treedraft.models.callable_target import CallableTarget
+from treedraft.models.tiny import tiny_llama
+
+
+def _save_heads(m, d: Path) -> Path:  # noqa: ANN001
+    MedusaHeads(MedusaConfig("tiny", m.hidden_size, m.vocab_size), m.lm_head.weight).save(d)
+    return d
+
+
+@pytest.fixture
+def clean_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registrations made by a test are undone after it."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+
+
+def test_default_is_prompt_lookup_without_heads_and_hybrid_with_them(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    m = tiny_llama()
+    none_shipped = DrafterOptions("tiny")
+    assert registry.default_name(none_shipped) == "prompt-lookup"
+    assert isinstance(registry.build("default", m, None, none_shipped), PromptLookupDrafter)
+    # heads given explicitly
+    given = DrafterOptions("tiny", heads=str(_save_heads(m, tmp_path / "given")))
+    assert registry.default_name(given) == "hybrid"
+    d = registry.build("default", m, None, given)
+    assert isinstance(d, HybridDrafter) and isinstance(d.drafters[0], MedusaDrafter)
+    assert isinstance(d.drafters[1], PromptLookupDrafter)
+    # heads shipped in the package for this model name
+    _save_heads(m, tmp_path / "shipped" / "tiny")
+    monkeypatch.setattr(medusa, "HEADS_DIR", tmp_path / "shipped")
+    assert registry.default_name(DrafterOptions("tiny")) == "hybrid"
+    assert registry.default_name(DrafterOptions("tiny", heads=None)) == "hybrid"
+    assert registry.default_name(DrafterOptions("other-model")) == "prompt-lookup"
+
+
+def test_the_bundled_model_defaults_to_hybrid() -> None:
+    assert (medusa.HEADS_DIR / "smollm2-135m-instruct" / "medusa.json").is_file()
+    assert registry.default_name(DrafterOptions("smollm2-135m-instruct")) == "hybrid"
+
+
+def test_aliases_none_and_unknown_names() -> None:
+    m = tiny_llama()
+    assert registry.build("none", m) is None and registry.build("plain", m) is None
+    assert set(registry.choices()) >= {"default", "none", "plain", "prompt-lookup", "medusa", "hybrid"}
+    assert "plain" not in registry.names() and "default" not in registry.names()
+    with pytest.raises(ValueError, match="unknown drafter 'nope'; choose one of default, none"):
+        registry.build("nope", m)
+    with pytest.raises(FileNotFoundError, match="no Medusa heads are shipped for 'tiny'"):
+        registry.build("medusa", m, None, DrafterOptions("tiny"))
+    with pytest.raises(ValueError, match="output projection"):  # a target without weights: a clear refusal
+        MedusaDrafter.for_target(CallableTarget(lambda t: {0: 1.0}, vocab_size=4), Path("unused"))
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_register_adds_a_drafter_that_every_caller_can_build() -> None:
+    m = tiny_llama()
+    seen = []
+
+    def factory(target, tokenizer, options):  # noqa: ANN001, ANN202
+        seen.append((target, tokenizer, options))
+        return PromptLookupDrafter(max_branches=2, name="my-drafter")
+
+    registry.register("my-drafter", factory, "a test drafter")
+    assert "my-drafter" in registry.names() and "my-drafter" in registry.choices()
+    assert "my-drafter: a test drafter" in registry.describe()
+    opts = DrafterOptions("tiny")
+    d = registry.build("my-drafter", m, "tok", opts)
+    assert d.name == "my-drafter" and seen == [(m, "tok", opts)]
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("my-drafter", factory, "again")
+    registry.register("my-drafter", factory, "again", replace=True)
+    for reserved in ("default", "plain", ""):
+        with pytest.raises(ValueError, match="reserved"):
+            registry.register(reserved, factory, "x")
+
+
+def test_cache_builds_each_drafter_once_and_default_shares_its_entry(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    m = tiny_llama()
+    cache = DrafterCache(m, None, DrafterOptions("tiny", heads=str(_save_heads(m, tmp_path / "h"))))
+    loads = []
+    real_load = MedusaHeads.load
+    monkeypatch.setattr(MedusaHeads, "load", staticmethod(lambda *a, **k: loads.append(a) or real_load(*a, **k)))
+    hybrid = cache.get("default")
+    assert isinstance(hybrid, HybridDrafter) and cache.get("hybrid") is hybrid and cache.get("default") is hybrid
+    assert cache.get("medusa") is cache.get("medusa")
+    assert len(loads) == 2  # once for hybrid, once for medusa; never again per call
+    assert cache.get("prompt-lookup") is cache.get("prompt-lookup")
+    assert cache.get("plain") is None
+    # other heads: another entry; heads=None means the shipped ones (none for "tiny")
+    other = cache.get("medusa", heads=str(_save_heads(m, tmp_path / "h2")))
+    assert isinstance(other, MedusaDrafter) and other is not cache.get("medusa")
+    with pytest.raises(FileNotFoundError):
+        cache.get("medusa", heads=None)
