@@ -22,7 +22,7 @@ import random
 from pathlib import Path
 
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter
-from treedraft.engine import DraftContext
+from treedraft.interfaces import DraftContext
 
 # one forward of k tokens on a 512-token cache, ms (treedraft calibrate on this 2-core CPU, fp32)
 LATENCY_MS = {1: 26.0, 2: 28.2, 4: 40.2, 8: 58.7, 16: 83.5, 32: 121.4, 64: 215.1}

@@ -63,7 +63,7 @@ def main() -> int:
         torch.set_num_threads(a.threads)
 
     import treedraft
-    from treedraft.drafters.medusa import MedusaConfig, input_embedding_weight
+    from treedraft.drafters.medusa import MedusaConfig
     from treedraft.training.calibrate import choose_tree, measure_latency
     from treedraft.training.data import load_shards
     from treedraft.training.train import TrainConfig, evaluate, head_targets, rank_accuracy, train_heads
@@ -82,7 +82,7 @@ def main() -> int:
                                 root_conditioned=True)
             tcfg = TrainConfig(epochs=a.epochs, lr=a.lr, seed=0)
             heads, report = train_heads(data, net.lm_head.weight, mcfg, tcfg, Path(tmp) / f"ckpt-{projection}",
-                                        resume=False, embed_weight=input_embedding_weight(net))
+                                        resume=False, embed_weight=net.input_embedding_weight())
             acc = evaluate(heads, hid, targets, roots=tok)
             ranks = rank_accuracy(heads, hid, targets, roots=tok)
             cost = draft_ms(heads, hid.float(), tok)
