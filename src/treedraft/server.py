@@ -3,7 +3,7 @@
 One worker thread owns the model (the engine reuses one KV cache and torch is not
 re-entrant here); HTTP handlers validate a request on the event loop, tokenize it
 on a side thread, and hand a :class:`Job` to a bounded FIFO :class:`JobQueue`.
-The worker streams :class:`~treedraft.engine.Chunk` s back through the event loop
+The worker streams :class:`~treedraft.text.Chunk` s back through the event loop
 (``call_soon_threadsafe``), checks between chunks whether the client went away,
 and records Prometheus metrics. A full queue is answered with 429 + Retry-After.
 """
