@@ -357,3 +357,77 @@ def test_record_mean_accepted_length() -> None:
     r = Record("m", "1", "c", 3, 5, 1.0, 5.0, "length", [1] * 5, accepted_lengths=[1, 3])
     assert r.mean_accepted_length == 2.0
     assert Record("m", "1", "c", 3, 5, 1.0, 5.0, "length", [1] * 5).mean_accepted_length is None
+
+
+CPUINFO_X86 = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse2 avx avx2 avx512f avx512bw avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8
+
+processor\t: 1
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse2
+"""
+
+
+def test_machine_info_reads_the_cpu_model_and_speed_flags() -> None:
+    """Only the first CPU's lines count; flags come in SPEED_FLAGS order; 'none' / 'unknown' are told apart."""
+    assert bench.machine_info(CPUINFO_X86) == {
+        "cpu": "Intel(R) Xeon(R) Platinum 8480+",
+        "cpu_flags": "avx2 avx512f avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8"}
+    assert bench.machine_info("model name\t: Old CPU\nflags\t: fpu sse2 avx\n") == {"cpu": "Old CPU",
+                                                                                    "cpu_flags": "none"}
+    assert bench.machine_info("")["cpu_flags"] == "unknown" and bench.machine_info("")["cpu"]
+    here = bench.machine_info()  # this machine: whatever it is, both fields are filled
+    assert here["cpu"] and here["cpu_flags"]
+
+
+def test_bench_writes_to_a_fresh_cache_folder_by_default_and_records_the_machine(
+        engine: Engine, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --out the report goes under $TREEDRAFT_CACHE/bench/<date-time> (never into the repo), a second
+    run gets its own folder, the printed path is where it wrote, and the report names the CPU it ran on."""
+    import shlex
+    from types import SimpleNamespace
+
+    import treedraft
+    from treedraft.api import LLM
+    from treedraft.cli import build_parser
+    from treedraft.models import registry
+
+    class TinyLLM(LLM):
+        def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
+            return fake_encode(prompt)
+
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: " ".join(map(str, ids)))
+    monkeypatch.setattr(treedraft, "load", lambda *a, **k: TinyLLM(engine, tok, "tiny", "cpu"))
+    monkeypatch.setattr(registry, "resolve", lambda model: Path("/nonexistent.gguf"))
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", "--dataset", str(dataset), "--methods", "plain", "--max-new-tokens", "2", "--warmup", "0",
+            "--no-progress", "--model", "tiny"]
+    a = build_parser().parse_args(argv)
+    assert a.out is None
+    assert a.func(a) == 0 and a.func(build_parser().parse_args(argv)) == 0
+    runs = sorted((tmp_path / "cache" / "bench").iterdir())
+    assert len(runs) == 2 and all((r / "records.json").is_file() for r in runs)
+    assert [p.name for p in tmp_path.iterdir()] == ["cache"]  # nothing written relative to the cwd
+    wrote = capsys.readouterr().err
+    assert all(str(r / "report.md") in wrote for r in runs)
+    doc = json.loads((runs[0] / "records.json").read_text())
+    assert doc["config"]["cpu"] == bench.machine_info()["cpu"] and doc["config"]["cpu_flags"]
+    assert "--out" not in shlex.split(doc["config"]["command"])  # a rerun gets a fresh folder too
+    md = (runs[0] / "report.md").read_text()
+    assert f"- cpu: `{bench.machine_info()['cpu']}`" in md and "- cpu_flags: `" in md
+
+
+def test_default_out_dir_never_reuses_a_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path))
+    first = bench.default_out_dir("20260101-000000")
+    assert first == tmp_path / "bench" / "20260101-000000"
+    first.mkdir(parents=True)
+    second = bench.default_out_dir("20260101-000000")
+    assert second == tmp_path / "bench" / "20260101-000000-2"
+    second.mkdir()
+    assert bench.default_out_dir("20260101-000000").name == "20260101-000000-3"
+    assert bench.default_out_dir().parent == tmp_path / "bench"
