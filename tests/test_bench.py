@@ -5,17 +5,19 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from treedraft import bench
+from treedraft.api import LLM
 from treedraft.bench import (BenchError, BenchPrompt, EngineMethod, MethodOutput, Record, load_prompts,
                              run_bench, select_prompts, summarize, write_report)
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter
 from treedraft.engine import Engine, GenerationConfig
-from treedraft.text import TextGenerator
 from treedraft.models.tiny import tiny_llama
+from treedraft.text import TextGenerator
 
 MAX_NEW = 12
 
@@ -37,6 +39,20 @@ def one_thread():  # noqa: ANN201
 @pytest.fixture(scope="module")
 def engine() -> TextGenerator:
     return TextGenerator(Engine(tiny_llama(seed=1, scale=2.0)))  # no tokenizer, no EOS
+
+
+def tiny_llm(engine: TextGenerator) -> LLM:
+    """An LLM over the tiny engine: prompts are fake-encoded, the text layer yields token ids only."""
+
+    class TinyLLM(LLM):
+        def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
+            return fake_encode(prompt)
+
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: " ".join(map(str, ids)),
+                          eos_token_ids=frozenset())
+    llm = TinyLLM(engine.engine, tok, "tiny", "cpu")
+    llm.text = engine  # this stub tokenizer cannot stream text
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +237,6 @@ def test_compare_outputs_length_rules() -> None:
 
 
 def test_methods_declare_the_eos_ids_they_stop_at(engine: TextGenerator) -> None:
-    from types import SimpleNamespace
 
     eng = TextGenerator(engine.engine, eos_token_ids=[5, 6])
     assert EngineMethod(eng, GenerationConfig(max_new_tokens=2)).eos_token_ids == {5, 6}
@@ -288,8 +303,6 @@ def test_method_names_and_unavailable_methods_are_skipped_with_reason(engine: Te
     names = bench.parse_methods("all")
     assert {"hf", "hf-pld", "plain", "prompt-lookup", "medusa"} <= set(names)
 
-    from treedraft.api import LLM
-
     cfg = GenerationConfig(max_new_tokens=4)
     llm = LLM(engine.engine, None, "tiny", "cpu")
     methods, skipped = bench.build_methods(["plain", "prompt-lookup", "medusa", "llama.cpp"], llm,
@@ -314,21 +327,12 @@ def test_bench_cli_end_to_end_on_the_tiny_model(engine: TextGenerator, dataset: 
     """`treedraft bench` through the real parser and cmd_bench (model loading stubbed with the tiny engine):
     the report matches the run, and the recorded command reproduces the same arguments."""
     import shlex
-    from types import SimpleNamespace
 
     import treedraft
-    from treedraft.api import LLM
     from treedraft.cli import build_parser
     from treedraft.models import registry
 
-    class TinyLLM(LLM):
-        def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
-            return fake_encode(prompt)
-
-    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: " ".join(map(str, ids)),
-                          eos_token_ids=frozenset())
-    llm = TinyLLM(engine.engine, tok, "tiny", "cpu")
-    llm.text = engine  # token ids only: this stub tokenizer cannot stream text
+    llm = tiny_llm(engine)
     monkeypatch.setattr(treedraft, "load", lambda *a, **k: llm)
     monkeypatch.setattr(registry, "resolve", lambda model: Path("/nonexistent.gguf"))
     out = tmp_path / "out"
@@ -360,3 +364,71 @@ def test_record_mean_accepted_length() -> None:
     r = Record("m", "1", "c", 3, 5, 1.0, 5.0, "length", [1] * 5, accepted_lengths=[1, 3])
     assert r.mean_accepted_length == 2.0
     assert Record("m", "1", "c", 3, 5, 1.0, 5.0, "length", [1] * 5).mean_accepted_length is None
+
+
+CPUINFO_X86 = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse2 avx avx2 avx512f avx512bw avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8
+
+processor\t: 1
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse2
+"""
+
+
+def test_machine_info_reads_the_cpu_model_and_speed_flags() -> None:
+    """Only the first CPU's lines count; flags come in SPEED_FLAGS order; 'none' / 'unknown' are told apart."""
+    assert bench.machine_info(CPUINFO_X86) == {
+        "cpu": "Intel(R) Xeon(R) Platinum 8480+",
+        "cpu_flags": "avx2 avx512f avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8"}
+    assert bench.machine_info("model name\t: Old CPU\nflags\t: fpu sse2 avx\n") == {"cpu": "Old CPU",
+                                                                                    "cpu_flags": "none"}
+    assert bench.machine_info("")["cpu_flags"] == "unknown" and bench.machine_info("")["cpu"]
+    here = bench.machine_info()  # this machine: whatever it is, both fields are filled
+    assert here["cpu"] and here["cpu_flags"]
+
+
+def test_bench_writes_to_a_fresh_cache_folder_by_default_and_records_the_machine(
+        engine: TextGenerator, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --out the report goes under $TREEDRAFT_CACHE/bench/<date-time> (never into the repo), a second
+    run gets its own folder, the printed path is where it wrote, and the report names the CPU it ran on."""
+    import shlex
+
+    import treedraft
+    from treedraft.cli import build_parser
+    from treedraft.models import registry
+
+    llm = tiny_llm(engine)
+    monkeypatch.setattr(treedraft, "load", lambda *a, **k: llm)
+    monkeypatch.setattr(registry, "resolve", lambda model: Path("/nonexistent.gguf"))
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", "--dataset", str(dataset), "--methods", "plain", "--max-new-tokens", "2", "--warmup", "0",
+            "--no-progress", "--model", "tiny"]
+    a = build_parser().parse_args(argv)
+    assert a.out is None
+    assert a.func(a) == 0 and a.func(build_parser().parse_args(argv)) == 0
+    runs = sorted((tmp_path / "cache" / "bench").iterdir())
+    assert len(runs) == 2 and all((r / "records.json").is_file() for r in runs)
+    assert [p.name for p in tmp_path.iterdir()] == ["cache"]  # nothing written relative to the cwd
+    wrote = capsys.readouterr().err
+    assert all(str(r / "report.md") in wrote for r in runs)
+    doc = json.loads((runs[0] / "records.json").read_text())
+    assert doc["config"]["cpu"] == bench.machine_info()["cpu"] and doc["config"]["cpu_flags"]
+    assert "--out" not in shlex.split(doc["config"]["command"])  # a rerun gets a fresh folder too
+    md = (runs[0] / "report.md").read_text()
+    assert f"- cpu: `{bench.machine_info()['cpu']}`" in md and "- cpu_flags: `" in md
+
+
+def test_default_out_dir_never_reuses_a_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path))
+    first = bench.default_out_dir("20260101-000000")
+    assert first == tmp_path / "bench" / "20260101-000000"
+    first.mkdir(parents=True)
+    second = bench.default_out_dir("20260101-000000")
+    assert second == tmp_path / "bench" / "20260101-000000-2"
+    second.mkdir()
+    assert bench.default_out_dir("20260101-000000").name == "20260101-000000-3"
+    assert bench.default_out_dir().parent == tmp_path / "bench"

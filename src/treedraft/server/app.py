@@ -1,0 +1,417 @@
+"""The HTTP application: OpenAI routes, request preparation, responses and server-sent events.
+
+One worker thread owns the model (the engine reuses one KV cache and torch is not
+re-entrant here); HTTP handlers validate a request on the event loop, tokenize it
+on a side thread, and hand a :class:`Job` to a bounded FIFO :class:`JobQueue`.
+The worker streams :class:`~treedraft.text.Chunk` s back through the event loop
+(``call_soon_threadsafe``), checks between chunks whether the client went away,
+and records Prometheus metrics. A full queue is answered with 429 + Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import GenerationConfig, GenerationStats
+from ..interfaces import GenerationError
+from ..text import Chunk
+from ..verify import RULES as _RULES
+from .metrics import Metrics
+from .protocol import (APIError, ChatCompletionRequest, CommonRequest, CompletionRequest, ServerSettings,
+                       TreedraftOptions, parse_body, reject_unsupported, request_drafters)
+from .worker import Done, Failed, Job, Worker
+
+if TYPE_CHECKING:
+    from ..api import LLM
+
+log = logging.getLogger("treedraft.server")
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _spec_info(drafter: str, stats: GenerationStats) -> dict:
+    return {"drafter": drafter, "mean_accepted_length": round(stats.mean_accepted_length, 4),
+            "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
+            "steps": len(stats.steps), "acceptance_per_depth": [round(a, 4) for a in stats.acceptance_per_depth()]}
+
+
+def _sse(obj: dict | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+class _JobStreamingResponse(StreamingResponse):
+    """A streaming response that cancels its job however the response ends (done, error, disconnect)."""
+
+    def __init__(self, content: AsyncIterator[bytes], job: Job) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+
+
+@dataclass
+class _Prepared:
+    """A validated request ready for the worker."""
+
+    prompt_ids: list[int]
+    config: GenerationConfig
+    drafter: str
+    stream: bool
+    include_usage: bool
+    model: str
+
+
+class OpenAIServer:
+    """Request handling behind the routes: validation, queueing, response shaping."""
+
+    def __init__(self, llm: LLM, settings: ServerSettings | None = None) -> None:
+        self.llm = llm
+        self.settings = settings = settings or ServerSettings()
+        self.names = settings.served_model_names or (llm.model_name,)
+        self.metrics = Metrics(self.names[0])
+        self.worker = Worker(llm, settings, self.metrics)
+        self.context = llm.model.max_seq_len
+        self.tokens_limit = min(settings.max_tokens_limit or self.context - 1, self.context - 1)
+        self.tok_pool = ThreadPoolExecutor(1, "treedraft-tokenize")  # keeps tokenizing off the event loop
+        m = self.metrics
+        m.gauge_fn("treedraft:num_requests_running", "Requests being generated now (0 or 1).",
+                   lambda: float(self.worker.running is not None))
+        m.gauge_fn("treedraft:num_requests_waiting", "Requests waiting in the queue.",
+                   lambda: float(len(self.worker.queue)))
+        m.gauge_fn("treedraft:max_queue_size", "Waiting requests allowed before 429.",
+                   lambda: float(settings.max_queue))
+
+    def start(self) -> None:
+        """Start the worker (app startup)."""
+        self.worker.start()
+
+    def stop(self) -> None:
+        """Stop the worker and the tokenizer thread (app shutdown)."""
+        self.worker.stop()
+        self.tok_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- validation
+
+    async def read(self, request: Request, model: type[BaseModel]) -> Any:  # noqa: ANN401
+        """The request body validated against ``model``."""
+        body = await request.body()
+        if len(body) > self.settings.max_body_bytes:
+            raise APIError(413, f"the request body has {len(body)} bytes; the limit is {self.settings.max_body_bytes}")
+        return parse_body(model, body)
+
+    def check_model(self, name: str | None) -> str:
+        """The served name a request asked for (404 when unknown)."""
+        if name is None:
+            return self.names[0]
+        if name not in self.names:
+            raise APIError(404, f"the model {name!r} does not exist on this server; available: "
+                                f"{', '.join(self.names)}", param="model", code="model_not_found")
+        return name
+
+    def encode(self, req: CommonRequest) -> list[int]:
+        """Request -> prompt ids (runs on the tokenizer thread; user errors -> APIError 400)."""
+        chat = isinstance(req, ChatCompletionRequest)
+        try:
+            if chat:
+                if not req.messages:
+                    raise APIError(400, "messages must contain at least one message", param="messages")
+                msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in req.messages]
+                if not any(m["content"].strip() for m in msgs):
+                    raise APIError(400, "all messages are empty; give some text", param="messages")
+                return self.llm.encode_prompt(msgs)
+            p = req.prompt
+            if isinstance(p, list) and p and isinstance(p[0], str):
+                if len(p) != 1:
+                    raise APIError(400, f"got {len(p)} prompts; this server takes exactly one per request",
+                                   param="prompt")
+                p = p[0]
+            if isinstance(p, list):
+                if not p:
+                    raise APIError(400, "prompt is empty; give text or token ids", param="prompt")
+                return list(p)
+            return self.llm.encode_prompt(p, raw=True)
+        except APIError:
+            raise
+        except ValueError as e:  # GenerationError or tokenizer/template complaints
+            raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+        except Exception as e:  # noqa: BLE001 - e.g. a chat template raising on odd input
+            raise APIError(400, f"could not tokenize the input: {type(e).__name__}: {e}",
+                           param="messages" if chat else "prompt") from None
+
+    async def prepare(self, req: CommonRequest) -> _Prepared:
+        """Validate everything that can be checked before queueing; tokenize off the event loop."""
+        model = self.check_model(req.model)
+        reject_unsupported(req)
+        chat = isinstance(req, ChatCompletionRequest)
+        pname = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = getattr(req, pname)
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"{pname} must be at least 1, got {max_tokens}", param=pname)
+        if max_tokens is not None and max_tokens > self.tokens_limit:
+            raise APIError(400, f"{pname}={max_tokens} is above this server's limit of {self.tokens_limit}",
+                           param=pname)
+        opts = req.treedraft or TreedraftOptions()
+        drafter = opts.drafter or "default"
+        if drafter not in request_drafters():
+            raise APIError(400, f"unknown drafter {drafter!r}; choose one of {', '.join(request_drafters())}",
+                           param="treedraft.drafter")
+        if opts.rule is not None and opts.rule not in _RULES:
+            raise APIError(400, f"unknown acceptance rule {opts.rule!r}; choose one of {', '.join(_RULES)}",
+                           param="treedraft.rule")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if any(not x for x in stop):
+            raise APIError(400, f"stop strings must be non-empty, got {stop!r}", param="stop")
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.encode, req)
+        try:
+            self.llm.engine.check_prompt(prompt_ids)
+        except GenerationError as e:
+            raise APIError(400, str(e), param="messages" if chat else "prompt",
+                           code="context_length_exceeded" if len(prompt_ids) >= self.context else None) from None
+        room = self.context - len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = min(self.settings.default_max_tokens, self.tokens_limit, room)
+        elif max_tokens > room:
+            raise APIError(400, f"this model's context window is {self.context} tokens; the prompt has "
+                                f"{len(prompt_ids)} and {pname}={max_tokens} asks for more than the {room} left; "
+                                f"lower {pname} or shorten the prompt", param=pname, code="context_length_exceeded")
+        try:
+            cfg = self.llm.config(max_new_tokens=max_tokens,
+                                  temperature=1.0 if req.temperature is None else req.temperature,
+                                  top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+                                  seed=req.seed, stop=stop, rule=opts.rule or "speculative",
+                                  max_tree_nodes=opts.max_tree_nodes or 64)
+            cfg = replace(cfg, ignore_eos=bool(req.ignore_eos))
+        except ValueError as e:  # e.g. rule 'greedy' with temperature > 0
+            raise APIError(400, str(e), param="treedraft.rule" if "rule" in str(e) else None) from None
+        inc = bool(req.stream_options and req.stream_options.include_usage)
+        return _Prepared(prompt_ids, cfg, drafter, bool(req.stream), inc, model)
+
+    def drafter_name(self, requested: str) -> str:
+        """The name reported back: what 'default' resolves to, 'none' for plain decoding."""
+        if requested == "default":
+            d = self.llm.engine.drafter
+            return "none" if d is None else getattr(d, "name", type(d).__name__)
+        return "none" if requested == "plain" else requested
+
+    # -- queueing
+
+    def submit(self, p: _Prepared) -> Job:
+        """Queue a job, or 429 + Retry-After when the queue is full."""
+        if not self.worker.alive():
+            raise APIError(503, "the model worker is not running; restart the server", "server_error")
+        job = Job(p.prompt_ids, p.config, p.drafter, asyncio.get_running_loop())
+        if not self.worker.queue.put_nowait(job):
+            s = self.settings
+            raise APIError(429, f"the server is busy: {s.max_queue} requests are already waiting; retry after "
+                                f"{s.retry_after_s}s", "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(s.retry_after_s)})
+        with self.metrics.lock:
+            self.metrics.requests.inc()
+        return job
+
+    async def next_or_disconnect(self, job: Job, request: Request) -> Chunk | Done | Failed | None:
+        """The worker's next item; None (and the job cancelled) once the client has gone."""
+        while True:
+            item = await job.next(self.settings.poll_interval_s)
+            if item is not None:
+                return item
+            if await request.is_disconnected():
+                if job.cancel():  # it never reached the worker, which counts the others
+                    with self.metrics.lock:
+                        self.metrics.aborted.inc()
+                return None
+
+    async def serve(self, request: Request, p: _Prepared, chat: bool) -> Response:
+        """Queue the request, wait for its first output (or error), then answer or start streaming."""
+        job = self.submit(p)
+        try:
+            first = await self.next_or_disconnect(job, request)
+        except BaseException:
+            job.cancel()
+            raise
+        if first is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        if isinstance(first, Failed):
+            raise first.error
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if p.stream:
+            return _JobStreamingResponse(self.stream_events(job, first, p, rid, created, chat), job)
+        return await self.collect(request, job, first, p, rid, created, chat)
+
+    # -- responses
+
+    async def collect(self, request: Request, job: Job, item: Chunk | Done | Failed, p: _Prepared, rid: str,
+                      created: int, chat: bool) -> Response:
+        """A whole (non-streamed) completion."""
+        texts: list[str] = []
+        n = 0
+        try:
+            while not isinstance(item, Done):
+                if isinstance(item, Failed):
+                    raise item.error
+                texts.append(item.text)
+                n += len(item.token_ids)
+                nxt = await self.next_or_disconnect(job, request)
+                if nxt is None:
+                    return Response(status_code=499)
+                item = nxt
+        finally:
+            job.cancel()  # a no-op once done; frees the worker on any other exit
+        text = "".join(texts)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": item.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": item.finish_reason}
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": created, "model": p.model, "system_fingerprint": None, "choices": [choice],
+                             "usage": _usage(len(p.prompt_ids), n),
+                             "treedraft": _spec_info(self.drafter_name(p.drafter), item.stats)})
+
+    async def stream_events(self, job: Job, item: Chunk | Done | Failed, p: _Prepared, rid: str, created: int,
+                            chat: bool) -> AsyncIterator[bytes]:
+        """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``."""
+        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": p.model, "system_fingerprint": None}
+        extra = {"usage": None} if p.include_usage else {}
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {**base, "choices": [choice], **extra}
+
+        n = 0
+        try:
+            if chat:
+                yield _sse(chunk(None, None, role=True))
+            while True:
+                if isinstance(item, Failed):  # headers are already sent: report in-band, like vLLM
+                    self.metrics.error(item.error.status)
+                    yield _sse(item.error.body())
+                    break
+                if isinstance(item, Done):
+                    yield _sse(chunk(None if chat else "", item.finish_reason))
+                    if p.include_usage:
+                        yield _sse({**base, "choices": [], "usage": _usage(len(p.prompt_ids), n),
+                                    "treedraft": _spec_info(self.drafter_name(p.drafter), item.stats)})
+                    break
+                n += len(item.token_ids)
+                if item.text:
+                    yield _sse(chunk(item.text, None))
+                nxt = await job.next(3600.0)
+                while nxt is None:  # a disconnect cancels this generator, so there is nothing else to watch
+                    nxt = await job.next(3600.0)
+                item = nxt
+            yield _sse("[DONE]")
+        finally:
+            job.cancel()
+
+    def models(self) -> dict:
+        """The /v1/models listing."""
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "treedraft",
+                                            "root": self.llm.model_name, "max_model_len": self.context}
+                                           for n in self.names]}
+
+
+def create_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
+    """The FastAPI application serving ``llm``; the worker starts and stops with the app's lifespan."""
+    srv = OpenAIServer(llm, settings)
+    metrics = srv.metrics
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        srv.start()
+        try:
+            yield
+        finally:
+            srv.stop()
+
+    app = FastAPI(title="treedraft", version=_version(), lifespan=lifespan)
+    app.state.treedraft = srv
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req: Request, e: APIError) -> JSONResponse:
+        metrics.error(e.status)
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req: Request, e: StarletteHTTPException) -> JSONResponse:
+        metrics.error(e.status_code)
+        err = APIError(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
+        return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_req: Request, e: RequestValidationError) -> JSONResponse:
+        metrics.error(400)
+        return APIError(400, f"invalid request: {e.errors()[:1]}").response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_req: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        metrics.error(500)
+        return APIError(500, f"internal server error: {type(e).__name__}", "server_error").response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        """OpenAI chat completions (stream or not)."""
+        req = await srv.read(request, ChatCompletionRequest)
+        return await srv.serve(request, await srv.prepare(req), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        """OpenAI text completions on a raw prompt (no chat template)."""
+        req = await srv.read(request, CompletionRequest)
+        return await srv.serve(request, await srv.prepare(req), chat=False)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        """The served model (and its aliases)."""
+        return srv.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the worker thread is alive, else 503."""
+        if not srv.worker.alive():
+            return APIError(503, "the model worker is not running", "server_error").response()
+        return JSONResponse({"status": "ok", "model": srv.names[0], "waiting": len(srv.worker.queue),
+                             "running": int(srv.worker.running is not None)})
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        """Prometheus text-format metrics."""
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def _version() -> str:
+    from .. import __version__
+    return __version__

@@ -1,0 +1,203 @@
+"""The OpenAI wire protocol: server limits, request models, body parsing and validation, errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+def request_drafters() -> tuple[str, ...]:
+    """Drafter names a request may pick: the registry's, plus 'default' (the server's own) and 'plain'."""
+    from ..drafters.registry import choices
+
+    return choices()
+
+
+MAX_TREE_NODES_LIMIT = 512
+
+
+# ----------------------------------------------------------------------------- settings + errors
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Limits and names of one server instance."""
+
+    max_queue: int = 64  # requests allowed to wait behind the running one; more -> 429
+    max_tokens_limit: int | None = None  # largest max_tokens accepted (None: context window - 1)
+    default_max_tokens: int = 256  # when a request gives none (capped by what the context leaves)
+    served_model_names: tuple[str, ...] = ()  # names accepted in "model" (empty: the loaded model's name)
+    heads: str | None = "default"  # Medusa heads for requests that pick drafter "medusa"
+    retry_after_s: int = 1  # Retry-After header on 429
+    poll_interval_s: float = 0.25  # how often a waiting handler checks for a client disconnect
+    max_body_bytes: int = 8 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
+
+
+class APIError(Exception):
+    """An error answered as OpenAI-style JSON: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        """The JSON body of this error."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        """This error as an HTTP response."""
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# ----------------------------------------------------------------------------- request schemas
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message content as one string."""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class TreedraftOptions(BaseModel):
+    """The ``"treedraft"`` extension field: per-request drafter, tree budget and acceptance rule."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    drafter: str | None = None
+    rule: str | None = None
+    max_tree_nodes: int | None = Field(None, ge=1, le=MAX_TREE_NODES_LIMIT)
+
+
+class CommonRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    max_tokens: int | None = None
+    # explicit JSON null means "default" for every optional field, as with OpenAI's API
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None -> 1.0, OpenAI's default
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)  # vLLM-style extra; 0 disables
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None  # vLLM-style extra
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    treedraft: TreedraftOptions | None = None
+
+
+class ChatCompletionRequest(CommonRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(CommonRequest):
+    prompt: str | list[str] | list[int]
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+# pydantic tags each member of a union field in an error's location; say what the union accepts instead
+_UNION_TAGS = {"str", "list[str]", "list[int]", "list[TextPart]"}
+_UNION_HELP = {
+    "stop": "should be a string or a list of strings",
+    "prompt": "should be a string, a list with one string, or a list of token ids",
+    "content": "should be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+}
+
+
+def _error_location(loc: tuple) -> tuple[tuple, bool]:
+    """Error location without union-member tags; True when a tag was cut."""
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and part in _UNION_TAGS:
+            return loc[:i], True
+    return loc, False
+
+
+def parse_body(model: type[BaseModel], body: bytes) -> Any:  # noqa: ANN401
+    """Validate a JSON body; any problem -> a 400 APIError naming the field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        errs = e.errors(include_url=False)
+        first = errs[0]
+        if first["type"] == "json_invalid":
+            raise APIError(400, f"the request body is not valid JSON: {first['msg']}") from None
+        if first["type"] == "model_type" and not first["loc"]:
+            raise APIError(400, "the request body must be a JSON object") from None
+        loc, in_union = _error_location(first["loc"])
+        msg = _UNION_HELP.get(str(loc[-1]) if loc else "", first["msg"]) if in_union else first["msg"]
+        others = {_error_location(x["loc"])[0] for x in errs} - {loc}
+        more = f" (and {len(others)} more problem{'s' if len(others) > 1 else ''})" if others else ""
+        param = ".".join(str(p) for p in loc)
+        raise APIError(400, f"{param or 'body'}: {msg}{more}", param=param or None) from None
+
+
+def reject_unsupported(req: CommonRequest) -> None:
+    """400 for OpenAI parameters this server does not implement (never silently ignored)."""
+    if req.n not in (None, 1):
+        raise APIError(400, f"n={req.n} is not supported; this server returns exactly one choice (n=1)", param="n")
+    if req.presence_penalty or req.frequency_penalty:
+        raise APIError(400, "presence_penalty and frequency_penalty are not supported; leave them at 0",
+                       param="presence_penalty" if req.presence_penalty else "frequency_penalty")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed together with stream=true", param="stream_options")
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs or req.top_logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if req.tools or req.tool_choice not in (None, "none"):
+            raise APIError(400, "tools / tool_choice are not supported", param="tools")
+        if req.response_format is not None and req.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+    if isinstance(req, CompletionRequest):
+        if req.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if req.best_of not in (None, 1):
+            raise APIError(400, f"best_of={req.best_of} is not supported; use 1", param="best_of")
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+
