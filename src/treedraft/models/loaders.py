@@ -105,6 +105,15 @@ def hf_config(d: Path, max_seq_len: int | None = None) -> LlamaConfig:
         raise ModelLoadError(f"{d}: model_type {arch!r} not supported by the own runtime "
                              f"(supported: {sorted(LLAMA_ARCHS)}); use runtime='hf'")
     ctx = int(c.get("max_position_embeddings", 2048))
+    # rope scaling: "rope_scaling" (transformers < 5) or "rope_parameters" (what transformers 5 writes)
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ModelLoadError(f"{d}: rope scaling {rope_type!r} is not supported by the own runtime "
+                             "(default and llama3 are); use runtime='hf'")
+    window = c.get("sliding_window") if (arch == "mistral" or c.get("use_sliding_window")) else None
+    if window:  # no sliding-window attention here: within the window it is plain causal attention
+        ctx = min(ctx, int(window))
     return LlamaConfig(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
         num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
@@ -113,7 +122,7 @@ def hf_config(d: Path, max_seq_len: int | None = None) -> LlamaConfig:
         rope_theta=float(c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
         rms_eps=float(c.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
-        head_dim_override=c.get("head_dim"), rope_scaling=c.get("rope_scaling"),
+        head_dim_override=c.get("head_dim"), rope_scaling=dict(rope) if rope_type == "llama3" else None,
     )
 
 
