@@ -15,6 +15,8 @@ import torch
 from .drafters.registry import DEFAULT, DrafterCache, DrafterOptions
 from .engine import Engine, GenerationConfig, GenerationStats
 from .interfaces import Drafter, GenerationError
+from .models.gguf_meta import model_architecture
+from .models.plan import pack_tuned
 from .models.registry import DEFAULT_MODEL, cache_dir, file_key, load_own, resolve
 from .sampling import SamplingParams
 from .text import Chunk, GenerationResult, TextGenerator
@@ -124,7 +126,7 @@ def load(model: str = DEFAULT_MODEL, drafter: str | None = DEFAULT, heads: str |
     path = resolve(model)
     from .models.loaders import LLAMA_ARCHS, ModelLoadError
 
-    arch = _architecture(path)
+    arch = model_architecture(path)
     if runtime == "auto":
         runtime = "own" if arch in LLAMA_ARCHS else "hf"
     if runtime == "own":
@@ -144,82 +146,3 @@ def load(model: str = DEFAULT_MODEL, drafter: str | None = DEFAULT, heads: str |
     if drafter is not None:
         llm.engine.drafter = llm.drafters.get(drafter)
     return llm
-
-
-def pack_tuned(net, path: Path, dtype: torch.dtype) -> None:  # noqa: ANN001
-    """``net.pack()`` with its measured kernel plan cached per machine, torch, threads, model and dtype.
-
-    Tuning takes a few seconds once; TREEDRAFT_RETUNE=1 forces a new measurement.
-    """
-    import hashlib
-    import json
-    import os
-    import platform
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    # v2: one entry per row count up to 16 and padded kernels (a v1 plan lacks rows 5, 7, 9, ...)
-    key = hashlib.sha1(f"v2|{cpu}|{torch.__version__}|{torch.get_num_threads()}|{file_key(path)}|{dtype}".encode())
-    f = cache_dir() / "tune" / f"{key.hexdigest()[:16]}.json"
-    if f.is_file() and not os.environ.get("TREEDRAFT_RETUNE"):
-        try:
-            net.pack({int(k): v for k, v in json.loads(f.read_text()).items()})
-            return
-        except (ValueError, AttributeError):
-            pass  # unreadable plan: measure again
-    net.pack()
-    f.parent.mkdir(parents=True, exist_ok=True)
-    f.write_text(json.dumps(net.matmul_plan))
-
-
-def _architecture(path: Path) -> str:
-    if path.is_dir():
-        import json
-        return json.loads((path / "config.json").read_text()).get("model_type", "?")
-    return _gguf_architecture(path)
-
-
-_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
-
-
-def _gguf_architecture(path: Path) -> str:
-    """general.architecture from the GGUF header; a truncated or corrupt file raises ModelLoadError naming it."""
-    import struct
-
-    from .models.loaders import ModelLoadError
-
-    try:
-        return _read_gguf_architecture(path)
-    except (struct.error, ValueError, EOFError, IndexError) as e:
-        if isinstance(e, ModelLoadError):
-            raise
-        raise ModelLoadError(f"{path}: not a readable GGUF file (empty, truncated or corrupt: {e}); "
-                             "re-download or re-convert it") from e
-
-
-def _read_gguf_architecture(path: Path) -> str:
-    """The header scan behind :func:`_gguf_architecture` (GGUFReader parses every field: ~20 s for a 262k vocab)."""
-    import struct
-
-    with open(path, "rb") as f:
-        magic, version = f.read(4), struct.unpack("<I", f.read(4))[0]
-        if magic == b"GGUF" and version >= 2:
-            _n_tensors, n_kv = struct.unpack("<QQ", f.read(16))
-            for _ in range(min(n_kv, 32)):  # general.* keys come first; stop at the first array
-                key = f.read(struct.unpack("<Q", f.read(8))[0]).decode("utf-8", "replace")
-                vtype = struct.unpack("<I", f.read(4))[0]
-                if vtype == 8:  # string
-                    val = f.read(struct.unpack("<Q", f.read(8))[0])
-                    if key == "general.architecture":
-                        return val.decode("utf-8", "replace")
-                elif vtype in _GGUF_SCALAR_SIZES:
-                    f.read(_GGUF_SCALAR_SIZES[vtype])
-                else:
-                    break
-    import gguf
-    fld = gguf.GGUFReader(str(path)).fields.get("general.architecture")
-    return fld.contents() if fld is not None else "?"

@@ -22,7 +22,8 @@ from ..models.llama import bf16_gemm_available, linear_bf16, matmul, pack_bf16
 from ..tree import TokenTree
 
 HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
-# A small default tree (Medusa-style choices) used until `treedraft calibrate` stores a measured one.
+# A small default tree (Medusa-style choices) for heads that carry neither choices nor rank accuracies;
+# shipped heads carry accuracies, and the tree is chosen per machine (training/calibrate.machine_tree).
 DEFAULT_CHOICES: tuple[tuple[int, ...], ...] = (
     (0,), (1,), (2,), (0, 0), (1, 0), (0, 1), (0, 0, 0), (2, 0), (0, 2), (1, 1), (0, 0, 1), (0, 1, 0),
     (0, 0, 0, 0), (3,), (1, 0, 0),
@@ -41,7 +42,7 @@ class MedusaConfig:
     num_heads: int = 4
     num_layers: int = 1
     shared_lm_head: bool = True
-    choices: tuple[tuple[int, ...], ...] = DEFAULT_CHOICES
+    choices: tuple[tuple[int, ...], ...] = ()  # a fixed tree; () = chosen per machine (see machine_tree)
     draft_vocab: int = 0  # >0: heads score only the first N ids of `vocab_map` (a frequency-ranked subset)
     # True: each head also reads the root token's input embedding (h + P_k e(root), P_k zero-initialised).
     # The root is known when drafting (the target chose it), so heads need not guess token t+1 first.
@@ -64,7 +65,7 @@ class MedusaConfig:
                 f"{sorted(known)}). Retrain the heads with `treedraft train-heads`, or use the treedraft version "
                 "that wrote them.")
         d = dict(d)
-        d["choices"] = tuple(tuple(c) for c in d.get("choices", DEFAULT_CHOICES))
+        d["choices"] = tuple(tuple(c) for c in d.get("choices", ()))
         return MedusaConfig(**d)
 
 
@@ -206,6 +207,8 @@ class MedusaHeads(nn.Module):
         save_file(sd, str(d / "heads.safetensors"))
         cfg = asdict(self.config)
         cfg["choices"] = [list(c) for c in self.config.choices]
+        if not cfg["choices"]:
+            del cfg["choices"]  # no fixed tree: each machine chooses its own
         (d / "medusa.json").write_text(json.dumps(cfg, indent=1))
 
     @staticmethod
@@ -285,7 +288,7 @@ class MedusaDrafter:
     name: str = "medusa"
 
     def __post_init__(self) -> None:
-        self.choices = tuple(tuple(c) for c in (self.choices or self.heads.config.choices))
+        self.choices = tuple(tuple(c) for c in (self.choices or self.heads.config.choices or DEFAULT_CHOICES))
         given = set(self.choices)
         orphans = [list(c) for c in self.choices if not c or (len(c) > 1 and c[:-1] not in given)]
         if orphans:
@@ -310,7 +313,8 @@ class MedusaDrafter:
                              embed_weight=target.input_embedding_weight())
         h = h.to(lm.device)
         h.pack_for_drafting()
-        return MedusaDrafter(h)
+        from ..training.calibrate import machine_tree
+        return MedusaDrafter(h, machine_tree(target, h, Path(heads_dir), model_name or ""))
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> TokenTree:

@@ -13,63 +13,51 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .errors import ModelLoadError
+from .gguf_meta import read_gguf_meta
 from .llama import LlamaConfig, Transformer, rope_frequencies
 
 LLAMA_ARCHS = {"llama", "qwen2", "mistral"}
-
-
-class ModelLoadError(ValueError):
-    """A model file or directory cannot be loaded; the message says what to change."""
-
-
-def _field(reader, key: str, default=None):  # noqa: ANN001
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
-
-
-def _opt_int(v) -> int | None:  # noqa: ANN001
-    return None if v is None else int(v)
+__all__ = ["LLAMA_ARCHS", "ModelLoadError", "from_state_dict", "gguf_config", "hf_config", "load_gguf", "load_hf_dir"]
 
 
 def gguf_config(path: str | Path, max_seq_len: int | None = None) -> tuple[LlamaConfig, dict]:
-    """Read a :class:`LlamaConfig` and tokenizer metadata from a GGUF header."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
+    """Read a :class:`LlamaConfig` and tokenizer metadata from a GGUF header (cached: see gguf_meta)."""
+    h = read_gguf_meta(path)
+    arch = h.architecture
     if arch not in LLAMA_ARCHS:
         raise ModelLoadError(
             f"{path}: GGUF architecture {arch!r} is not supported by the own runtime "
             f"(supported: {sorted(LLAMA_ARCHS)}); use runtime='hf' to load it through transformers"
         )
-    names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    ctx = int(_field(reader, f"{arch}.context_length", 2048))
+
+    def need(name: str) -> int:
+        v = h.arch_get(name)
+        if v is None:
+            raise ModelLoadError(f"{path}: the GGUF header lacks {arch}.{name}; re-convert the model")
+        return int(v)
+
+    names = {t.name for t in h.tensors}
+    n_heads = need("attention.head_count")
+    ctx = h.context_length or 2048
+    if h.vocab_size is None:
+        raise ModelLoadError(f"{path}: the GGUF header has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     cfg = LlamaConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        vocab_size=h.vocab_size,
+        hidden_size=need("embedding_length"),
+        intermediate_size=need("feed_forward_length"),
+        num_layers=need("block_count"),
         num_heads=n_heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
+        num_kv_heads=int(h.arch_get("attention.head_count_kv", n_heads)),
         max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(h.arch_get("rope.freq_base", 10000.0)),
+        rms_eps=float(h.arch_get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
     )
-    meta = {
-        "architecture": arch,
-        "name": _field(reader, "general.name"),
-        "chat_template": _field(reader, "tokenizer.chat_template"),
-        "bos_token_id": _opt_int(_field(reader, "tokenizer.ggml.bos_token_id")),
-        "eos_token_id": _opt_int(_field(reader, "tokenizer.ggml.eos_token_id")),
-    }
+    tok = h.tokenizer
+    meta = {"architecture": arch, "name": h.get("general.name"), "chat_template": tok["chat_template"],
+            "bos_token_id": tok["bos_token_id"], "eos_token_id": tok["eos_token_id"]}
     return cfg, meta
 
 
@@ -82,17 +70,9 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
               max_seq_len: int | None = None) -> tuple[Transformer, dict]:
     """Dequantize a Llama-family GGUF file into the own :class:`Transformer`."""
-    import gguf
-
     path = Path(path)
-    if not path.is_file():
-        raise ModelLoadError(f"GGUF file not found: {path}")
     cfg, meta = gguf_config(path, max_seq_len)
-    reader = gguf.GGUFReader(str(path))
-    raw: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
-        a = gguf.dequantize(t.data, t.tensor_type)
-        raw[t.name] = np.asarray(a, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+    raw = {t.name: a for t, a in read_gguf_meta(path).dequantized()}  # name -> float32 (rows, cols)
     if meta["architecture"] == "llama":  # only llama-arch GGUFs carry permuted q/k rows
         for i in range(cfg.num_layers):
             raw[f"blk.{i}.attn_q.weight"] = _unpermute_rope(raw[f"blk.{i}.attn_q.weight"], cfg.num_heads)
@@ -125,6 +105,15 @@ def hf_config(d: Path, max_seq_len: int | None = None) -> LlamaConfig:
         raise ModelLoadError(f"{d}: model_type {arch!r} not supported by the own runtime "
                              f"(supported: {sorted(LLAMA_ARCHS)}); use runtime='hf'")
     ctx = int(c.get("max_position_embeddings", 2048))
+    # rope scaling: "rope_scaling" (transformers < 5) or "rope_parameters" (what transformers 5 writes)
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ModelLoadError(f"{d}: rope scaling {rope_type!r} is not supported by the own runtime "
+                             "(default and llama3 are); use runtime='hf'")
+    window = c.get("sliding_window") if (arch == "mistral" or c.get("use_sliding_window")) else None
+    if window:  # no sliding-window attention here: within the window it is plain causal attention
+        ctx = min(ctx, int(window))
     return LlamaConfig(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
         num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
@@ -133,7 +122,7 @@ def hf_config(d: Path, max_seq_len: int | None = None) -> LlamaConfig:
         rope_theta=float(c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
         rms_eps=float(c.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
-        head_dim_override=c.get("head_dim"), rope_scaling=c.get("rope_scaling"),
+        head_dim_override=c.get("head_dim"), rope_scaling=dict(rope) if rope_type == "llama3" else None,
     )
 
 

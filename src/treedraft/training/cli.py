@@ -90,7 +90,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--check-prompts", type=int, default=4, help="MT-Bench prompts to measure the chosen tree on")
     c.add_argument("--check-file", default=_default_eval(),
                    help=f"prompts for the measured check (default: {SHARED_DATA / MT_BENCH_FILE} when present)")
-    c.add_argument("--write", action="store_true", help="store the chosen tree in the heads' medusa.json")
+    c.add_argument("--write", action="store_true",
+                   help="store the chosen tree for this machine in the user cache (where drafters look first)")
     c.set_defaults(func=cmd_calibrate)
 
 
@@ -116,7 +117,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     from .. import load
     from ..drafters.medusa import MedusaConfig
     from .data import generate_dataset, load_shards, read_prompts
-    from .train import TrainConfig, evaluate, head_targets, train_heads
+    from .train import TrainConfig, evaluate, head_targets, rank_accuracy, train_heads
 
     validate_train_args(a)
     if a.threads:
@@ -150,14 +151,19 @@ def cmd_train(a: argparse.Namespace) -> int:
     tcfg = TrainConfig(epochs=a.epochs, lr=a.lr, batch_size=a.batch_size, seed=a.seed)
     heads, report = train_heads(train_dir, lm, mcfg, tcfg, Path(a.out) / "ckpt",
                                 embed_weight=llm.model.input_embedding_weight())
+    acc_extra = {}
     if eval_dir is not None:
         tok, hid, seq = load_shards(eval_dir)
-        report["mt_bench"] = evaluate(heads, hid, head_targets(tok, seq, a.num_heads), roots=tok)
+        targets = head_targets(tok, seq, a.num_heads)
+        report["mt_bench"] = evaluate(heads, hid, targets, roots=tok)
+        # what each machine builds its tree from at first use (training/calibrate.machine_tree)
+        acc_extra = {"rank_accuracy": rank_accuracy(heads, hid.float(), targets, roots=tok),
+                     "rank_accuracy_data": str(eval_dir)}
     from dataclasses import replace
     heads.config = replace(heads.config, extra={**heads.config.extra, "training": report,
                                                  "prompts": a.prompts, "num_prompts": a.num_prompts,
                                                  "train_data": str(train_dir),
-                                                 "eval_data": str(eval_dir) if eval_dir else None})
+                                                 "eval_data": str(eval_dir) if eval_dir else None, **acc_extra})
     heads.save(a.out)
     print(json.dumps(report, indent=1))
     return 0
@@ -187,7 +193,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     from ..drafters.medusa import MedusaDrafter
     from ..engine import GenerationStats
     from ..interfaces import DraftContext
-    from .calibrate import choose_tree, latency_sizes, measure_latency
+    from .calibrate import (choose_tree, latency_sizes, measure_latency, shipped_accuracies, store_machine_tree,
+                            tree_record)
     from .data import load_shards, read_prompts
     from .train import head_targets, rank_accuracy
 
@@ -198,15 +205,24 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
            f"--context {a.context} + --max-nodes {a.max_nodes} exceeds the model's {max_len} positions")
     eval_data = Path(a.eval_data) if a.eval_data else Path("data-cache") / cache_name(
         llm.model_name, MT_BENCH_FILE, None, EVAL_MAX_NEW_TOKENS, MAX_PROMPT_TOKENS)
-    _check(eval_data.is_dir(), f"no evaluation answers at {eval_data}; run `treedraft train-heads` first or pass "
-                               "--eval-data DIR")
     drafter = llm.engine.drafter
     heads = drafter.heads
-    tok, hid, seq = load_shards(eval_data)
-    acc = rank_accuracy(heads, hid.float(), head_targets(tok, seq, heads.config.num_heads), roots=tok)
+    shipped = shipped_accuracies(heads.config)
+    _check(eval_data.is_dir() or shipped is not None,
+           f"no evaluation answers at {eval_data} and the heads record no rank accuracies; run `treedraft "
+           "train-heads` first or pass --eval-data DIR")
+    if eval_data.is_dir():
+        tok, hid, seq = load_shards(eval_data)
+        acc = rank_accuracy(heads, hid.float(), head_targets(tok, seq, heads.config.num_heads), roots=tok)
+    else:
+        print(f"no evaluation answers at {eval_data}: using the rank accuracies recorded with the heads",
+              file=sys.stderr)
+        acc, tok, hid = shipped, None, None
     lat = measure_latency(llm.model, a.context, sizes=latency_sizes(a.max_nodes))
     p0 = next(heads.parameters())
-    ctx = DraftContext([int(tok[0])], hid[0].to(device=p0.device, dtype=p0.dtype), a.max_nodes, 8)
+    h0 = hid[0] if hid is not None else torch.zeros(heads.config.hidden_size)
+    ctx = DraftContext([int(tok[0]) if tok is not None else 0], h0.to(device=p0.device, dtype=p0.dtype),
+                       a.max_nodes, 8)
     drafter.propose(ctx)  # warm-up
     t = time.perf_counter()
     for _ in range(10):
@@ -235,20 +251,14 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
               f"{measured['mean_accepted_length']:.2f} (expected {res['expected_len']:.2f}), "
               f"{measured['tok_per_s']:.1f} tok/s (expected {res['expected_tok_per_s']:.1f})")
     if a.write and not res["choices"]:
-        print("plain decoding is expected to be fastest here; medusa.json left unchanged", file=sys.stderr)
+        print("plain decoding is expected to be fastest here; no tree stored", file=sys.stderr)
     elif a.write:
         d = Path(a.heads) if a.heads not in (None, "default") else None
         if d is None:
             from ..drafters.medusa import shipped_heads_for
             d = shipped_heads_for(llm.model_name)
-        cfg_path = d / "medusa.json"
-        cfg = json.loads(cfg_path.read_text())
-        cfg["choices"] = res["choices"]
-        cfg.setdefault("extra", {})["calibration"] = {
-            "latency_ms": {str(k): round(v * 1000, 2) for k, v in lat.items()}, "rank_accuracy": acc,
-            "max_nodes": a.max_nodes, "draft_cost_ms": round(draft_cost * 1000, 2),
-            "expected_len": res["expected_len"], "expected_tok_per_s": res["expected_tok_per_s"],
-            "measured": measured}
-        cfg_path.write_text(json.dumps(cfg, indent=1))
-        print(f"wrote tree to {cfg_path}", file=sys.stderr)
+        rec = tree_record(res, lat, a.max_nodes, a.context, rank_accuracy=acc,
+                          draft_cost_ms=round(draft_cost * 1000, 2), measured=measured)
+        f = store_machine_tree(llm.model, d, llm.model_name, rec)
+        print(f"wrote this machine's tree to {f}", file=sys.stderr)
     return 0

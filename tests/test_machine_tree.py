@@ -1,0 +1,126 @@
+"""The Medusa tree is chosen per machine at first use (shipped accuracies + measured latency) and cached."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from treedraft.api import LLM
+from treedraft.drafters import make_drafter
+from treedraft.drafters.medusa import DEFAULT_CHOICES, HEADS_DIR, MedusaConfig, MedusaDrafter, MedusaHeads
+from treedraft.engine import Engine
+from treedraft.models.tiny import tiny_llama
+from treedraft.training import calibrate
+
+ACC = [[0.7, 0.2, 0.05], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
+# flat up to 8 tokens, then steep: the best tree fills 7 draft nodes, not the whole budget
+LATENCY = {1: 0.010, 2: 0.010, 4: 0.010, 8: 0.010, 12: 0.030, 16: 0.040, 24: 0.060, 32: 0.080, 48: 0.120,
+           64: 0.160}
+
+
+@pytest.fixture()
+def setup(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
+    """Tiny target, heads with accuracies and no tree, a private cache, counted latency measurements."""
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TREEDRAFT_RETUNE", raising=False)
+    m = tiny_llama()
+    cfg = MedusaConfig("tiny", m.hidden_size, m.vocab_size, num_heads=3, extra={"rank_accuracy": ACC})
+    heads_dir = tmp_path / "heads"
+    MedusaHeads(cfg, m.lm_head.weight).save(heads_dir)
+    calls = []
+
+    def fake_latency(model, context, sizes, reps=5):  # noqa: ANN001, ANN202
+        calls.append((context, tuple(sizes)))
+        return {n: LATENCY[n] for n in sizes}
+
+    monkeypatch.setattr(calibrate, "measure_latency", fake_latency)
+    monkeypatch.setattr(calibrate, "measure_draft_cost", lambda heads, reps=10: 0.0)
+    return m, heads_dir, calls
+
+
+def _build(m, heads_dir) -> MedusaDrafter:  # noqa: ANN001
+    return make_drafter("medusa", LLM(Engine(m), None, "tiny", "cpu"), str(heads_dir))  # a fresh LLM each time
+
+
+def test_tree_is_measured_once_per_machine_and_then_read_from_the_cache(setup, capsys, tmp_path) -> None:  # noqa: ANN001
+    m, heads_dir, calls = setup
+    d = _build(m, heads_dir)
+    assert len(calls) == 1 and calls[0][1][-1] == calibrate.TREE_MAX_NODES
+    want = calibrate.choose_tree(ACC, LATENCY, 0.0, calibrate.TREE_MAX_NODES, min_nodes=1)["choices"]
+    assert len(want) == 7 and d.choices == tuple(tuple(c) for c in want)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "measuring this machine's latency" in err and "7 draft nodes" in err
+    d2 = _build(m, heads_dir)
+    hybrid = make_drafter("hybrid", LLM(Engine(m), None, "tiny", "cpu"), str(heads_dir))
+    assert len(calls) == 1 and d2.choices == d.choices == hybrid.drafters[0].choices  # no measurement
+    assert capsys.readouterr().err == ""
+    (f,) = (tmp_path / "cache" / "tune").glob("medusa-tree-*.json")
+    assert json.loads(f.read_text())["value"]["choices"] == want
+    assert not (heads_dir / "medusa.json").read_text().count("choices")  # nothing written next to the heads
+
+
+def test_retune_corrupt_cache_and_other_heads_measure_again(setup, monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    m, heads_dir, calls = setup
+    _build(m, heads_dir)
+    (f,) = (tmp_path / "cache" / "tune").glob("medusa-tree-*.json")
+    f.write_text('{"key": {}, "value": ')
+    _build(m, heads_dir)
+    assert len(calls) == 2
+    d = json.loads(f.read_text())
+    d["value"]["choices"] = [[0, 0, 0, 0, 0]]  # deeper than the 3 heads: unusable, measured again
+    f.write_text(json.dumps(d))
+    _build(m, heads_dir)
+    assert len(calls) == 3
+    monkeypatch.setenv("TREEDRAFT_RETUNE", "1")
+    _build(m, heads_dir)
+    assert len(calls) == 4
+    monkeypatch.delenv("TREEDRAFT_RETUNE")
+    (heads_dir / "medusa.json").touch()  # other heads file (new mtime): another cache entry
+    import os
+    st = (heads_dir / "medusa.json").stat()
+    os.utime(heads_dir / "medusa.json", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    _build(m, heads_dir)
+    assert len(calls) == 5
+
+
+def test_stored_tree_is_used_without_measuring(setup) -> None:  # noqa: ANN001
+    """What `treedraft calibrate --write` stores is what the next drafter uses."""
+    m, heads_dir, calls = setup
+    res = calibrate.choose_tree(ACC, {1: 0.01, 64: 0.01}, 0.0, 5)
+    calibrate.store_machine_tree(m, heads_dir, "tiny", calibrate.tree_record(res, {1: 0.01, 64: 0.01}, 5, 16))
+    d = _build(m, heads_dir)
+    assert calls == [] and d.choices == tuple(tuple(c) for c in res["choices"]) and len(d.choices) == 4
+
+
+def test_heads_with_a_fixed_tree_or_without_accuracies_measure_nothing(setup, tmp_path) -> None:  # noqa: ANN001
+    m, _, calls = setup
+    fixed = tmp_path / "fixed"
+    MedusaHeads(MedusaConfig("tiny", m.hidden_size, m.vocab_size, num_heads=3, choices=((0,), (0, 0)),
+                             extra={"rank_accuracy": ACC}), m.lm_head.weight).save(fixed)
+    assert _build(m, fixed).choices == ((0,), (0, 0))
+    bare = tmp_path / "bare"
+    MedusaHeads(MedusaConfig("tiny", m.hidden_size, m.vocab_size), m.lm_head.weight).save(bare)
+    assert "choices" not in json.loads((bare / "medusa.json").read_text())
+    assert _build(m, bare).choices == DEFAULT_CHOICES
+    assert calls == []
+
+
+def test_bad_accuracies_are_refused_with_a_clear_error(setup, tmp_path) -> None:  # noqa: ANN001
+    m, _, _ = setup
+    bad = tmp_path / "bad"
+    MedusaHeads(MedusaConfig("tiny", m.hidden_size, m.vocab_size, num_heads=3, extra={"rank_accuracy": ACC[:2]}),
+                m.lm_head.weight).save(bad)
+    with pytest.raises(ValueError, match="rank_accuracy must be 3 lists"):
+        _build(m, bad)
+
+
+def test_shipped_heads_carry_accuracies_not_a_tree() -> None:
+    raw = json.loads((HEADS_DIR / "smollm2-135m-instruct" / "medusa.json").read_text())
+    assert "choices" not in raw and "calibration" not in raw["extra"]
+    assert "latency" not in json.dumps(raw)  # nothing measured on one machine
+    cfg = MedusaConfig.from_json(raw)
+    acc = calibrate.shipped_accuracies(cfg)
+    assert cfg.choices == () and len(acc) == cfg.num_heads and all(len(row) == 10 for row in acc)
+    # rank-0 accuracy is the heads' MT-Bench top-1 accuracy recorded at training time
+    assert [row[0] for row in acc] == pytest.approx(raw["extra"]["training"]["mt_bench"]["top1"])

@@ -1,0 +1,282 @@
+"""The models layer: cached GGUF metadata, the per-machine measurement cache, rope scaling, HF-dir loading."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from treedraft.models import gguf_meta, llama, plan
+from treedraft.models.errors import ModelLoadError
+from treedraft.models.llama import LlamaConfig, rope_frequencies
+from treedraft.models.loaders import gguf_config, load_gguf, load_hf_dir
+from treedraft.models.tiny import tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TREEDRAFT_RETUNE", raising=False)
+    gguf_meta._read_cached.cache_clear()  # the in-process memo would hide the disk cache
+
+
+# ---- GGUF metadata ------------------------------------------------------------------------------------
+
+
+def _write_gguf(path, arch: str = "qwen2", seed: int = 0) -> dict[str, np.ndarray]:  # noqa: ANN001
+    """A tiny Llama-family GGUF (F32, F16 and Q8_0 tensors); returns the float32 tensors written."""
+    import gguf
+
+    g = np.random.default_rng(seed)
+    H, F, V, nh, nkv, hd = 32, 64, 100, 4, 2, 8
+    w = gguf.GGUFWriter(str(path), arch)
+    for k, v in {"context_length": 128, "embedding_length": H, "feed_forward_length": F, "block_count": 1,
+                 "attention.head_count": nh, "attention.head_count_kv": nkv}.items():
+        w.add_uint32(f"{arch}.{k}", v)
+    w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_token_list([f"t{i}" for i in range(V)])  # longer than SHORT_ARRAY: only its length is cached
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template("{{ messages }}")
+    shapes = {"token_embd.weight": (V, H), "output_norm.weight": (H,), "output.weight": (V, H),
+              "blk.0.attn_norm.weight": (H,), "blk.0.ffn_norm.weight": (H,), "blk.0.attn_q.weight": (nh * hd, H),
+              "blk.0.attn_k.weight": (nkv * hd, H), "blk.0.attn_v.weight": (nkv * hd, H),
+              "blk.0.attn_q.bias": (nh * hd,), "blk.0.attn_k.bias": (nkv * hd,), "blk.0.attn_v.bias": (nkv * hd,),
+              "blk.0.attn_output.weight": (H, nh * hd), "blk.0.ffn_gate.weight": (F, H),
+              "blk.0.ffn_up.weight": (F, H), "blk.0.ffn_down.weight": (H, F)}
+    out = {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        a = g.standard_normal(shape).astype(np.float32) * 0.1
+        if len(shape) == 2 and i % 3 == 1:  # some matrices quantized to Q8_0, some F16, the rest F32
+            q = gguf.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            a = gguf.dequantize(q, gguf.GGMLQuantizationType.Q8_0).reshape(shape)
+        elif len(shape) == 2 and i % 3 == 2:
+            w.add_tensor(name, a.astype(np.float16))
+            a = a.astype(np.float16).astype(np.float32)
+        else:
+            w.add_tensor(name, a)
+        out[name] = a
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_gguf_header_is_parsed_once_and_cached_on_disk(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    import gguf
+
+    p = tmp_path / "m.gguf"
+    _write_gguf(p)
+    parses = []
+    real = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parses.append(a) or real(*a, **k))
+    m = gguf_meta.read_gguf_meta(p)
+    assert len(parses) == 1
+    assert m.architecture == "qwen2" and m.context_length == 128 and m.vocab_size == 100
+    assert m.tokenizer["bos_token_id"] == 1 and m.tokenizer["eos_token_id"] == 2
+    assert m.tokenizer["chat_template"] == "{{ messages }}"
+    assert "tokenizer.ggml.tokens" not in m.fields and m.array_lengths["tokenizer.ggml.tokens"] == 100
+    types = {t.name: t.type for t in m.tensors}
+    assert {"F32", "F16", "Q8_0"} <= set(types.values())
+    gguf_meta._read_cached.cache_clear()
+    again = gguf_meta.read_gguf_meta(p)
+    assert again == m and len(parses) == 1  # from the disk cache, no second parse
+    cfg, meta = gguf_config(p)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_kv_heads, cfg.qkv_bias) == (100, 32, 2, True)
+    assert meta["architecture"] == "qwen2" and len(parses) == 1
+    # a damaged cache entry is parsed again (and rewritten), not trusted
+    (f,) = (tmp_path / "cache" / "gguf").glob("*.json")
+    f.write_text("{not json")
+    gguf_meta._read_cached.cache_clear()
+    assert gguf_meta.read_gguf_meta(p) == m and len(parses) == 2
+    assert json.loads(f.read_text())["version"] == gguf_meta.CACHE_VERSION
+
+
+def test_gguf_tensors_come_through_the_cached_table(tmp_path) -> None:  # noqa: ANN001
+    """Tensor data read by offset from the cached table equals what was written (F32, F16, Q8_0)."""
+    p = tmp_path / "m.gguf"
+    written = _write_gguf(p)
+    m = gguf_meta.read_gguf_meta(p)
+    got = dict((t.name, a) for t, a in m.dequantized())
+    assert set(got) == set(written)
+    for name, a in written.items():
+        np.testing.assert_array_equal(got[name], a, err_msg=name)
+    model, _ = load_gguf(p)
+    assert torch.equal(model.embed.weight, torch.from_numpy(written["token_embd.weight"]))
+    assert torch.equal(model.layers[0].attn.wqkv.bias[:32], torch.from_numpy(written["blk.0.attn_q.bias"]))
+
+
+@pytest.mark.parametrize("cut", [0.5, 0.99])
+def test_truncated_gguf_raises_model_load_error_naming_the_file(tmp_path, cut: float) -> None:  # noqa: ANN001
+    p = tmp_path / "whole.gguf"
+    _write_gguf(p)
+    data = p.read_bytes()
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(data[: int(len(data) * cut)])
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf.*not a readable GGUF file.*re-download"):
+        gguf_meta.read_gguf_meta(bad)
+    assert not list((tmp_path / "cache").glob("gguf/*.json"))  # nothing cached for a broken file
+
+
+# ---- per-machine measurements ----------------------------------------------------------------------
+
+
+def test_machine_key_names_cpu_isa_torch_and_threads(monkeypatch) -> None:  # noqa: ANN001
+    k = plan.machine_key()
+    assert k["cpu"] and k["torch"] == torch.__version__ and k["threads"] == torch.get_num_threads()
+    assert isinstance(k["isa"], list) and set(k["isa"]) <= plan._ISA
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 977)
+    assert plan.machine_key()["threads"] == 977
+    assert plan.measurement_path("x", {})[0] != plan.measurement_path("x", {"a": 1})[0]
+
+
+def test_cached_measurement_measures_once_and_again_when_corrupt_or_retune(monkeypatch) -> None:  # noqa: ANN001
+    calls = []
+
+    def measure() -> dict:
+        calls.append(1)
+        return {"v": len(calls)}
+
+    assert plan.cached_measurement("k", {"m": 1}, measure) == {"v": 1}
+    assert plan.cached_measurement("k", {"m": 1}, measure) == {"v": 1} and len(calls) == 1
+    assert plan.cached_measurement("k", {"m": 2}, measure) == {"v": 2}  # another key: its own entry
+    f, _ = plan.measurement_path("k", {"m": 1})
+    f.write_text('{"key": ')  # corrupt file
+    assert plan.cached_measurement("k", {"m": 1}, measure) == {"v": 3}
+    monkeypatch.setenv("TREEDRAFT_RETUNE", "1")
+    assert plan.cached_measurement("k", {"m": 1}, measure) == {"v": 4}
+    monkeypatch.setenv("TREEDRAFT_RETUNE", "0")
+    assert plan.cached_measurement("k", {"m": 1}, measure) == {"v": 4}
+
+    def load(v: dict) -> int:
+        if v["v"] < 5:
+            raise ValueError("unusable")
+        return v["v"]
+
+    assert plan.cached_measurement("k", {"m": 1}, measure, load) == 5  # an unusable value is measured again
+
+
+def test_pack_tuned_caches_the_kernel_plan(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    tunes = []
+    real = llama.tune_matmul_plan
+    monkeypatch.setattr(llama, "tune_matmul_plan", lambda lin, *a: tunes.append(1) or real(lin, reps=1))
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"stand-in for the model file the plan is keyed by")
+    m = tiny_llama()
+    plan.pack_tuned(m, weights, torch.float32)
+    first = dict(m.matmul_plan)
+    assert len(tunes) == 1 and set(first) == set(llama.MATMUL_BUCKETS)
+    m2 = tiny_llama()
+    plan.pack_tuned(m2, weights, torch.float32)
+    assert len(tunes) == 1 and m2.matmul_plan == first  # read from the cache
+    (f,) = (tmp_path / "cache" / "tune").glob("matmul-plan-*.json")
+    d = json.loads(f.read_text())
+    d["value"]["1"] = "no-such-kernel"
+    f.write_text(json.dumps(d))
+    plan.pack_tuned(tiny_llama(), weights, torch.float32)
+    assert len(tunes) == 2  # an invalid plan entry is measured again
+    f.write_text("garbage")
+    plan.pack_tuned(tiny_llama(), weights, torch.float32)
+    assert len(tunes) == 3
+    monkeypatch.setenv("TREEDRAFT_RETUNE", "1")
+    plan.pack_tuned(tiny_llama(), weights, torch.float32)
+    assert len(tunes) == 4
+
+
+# ---- Llama-3 rope scaling ---------------------------------------------------------------------------
+
+
+def test_llama3_rope_scaling_matches_the_reference_formula() -> None:
+    """Llama 3.1 frequency scaling, computed per frequency from its definition (Meta's llama-models
+    ``apply_scaling``; Dubey et al. 2024): wavelengths shorter than old/high keep their frequency,
+    longer than old/low are divided by ``factor``, and in between the frequency is interpolated
+    linearly in ``old / wavelength`` between the two."""
+    rs = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+    cfg = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=4, num_kv_heads=4,
+                      max_seq_len=512, rope_theta=10000.0, rope_scaling=rs)  # head_dim 16: 8 frequencies
+    expected, regimes = [], set()
+    for i in range(0, 16, 2):
+        f = 10000.0 ** (-i / 16)
+        wavelen = 2 * math.pi / f
+        if wavelen < 64 / 4.0:
+            expected.append(f)
+            regimes.add("high")
+        elif wavelen > 64 / 1.0:
+            expected.append(f / 8.0)
+            regimes.add("low")
+        else:
+            s = (64 / wavelen - 1.0) / (4.0 - 1.0)
+            expected.append((1 - s) * f / 8.0 + s * f)
+            regimes.add("mid")
+    assert regimes == {"high", "mid", "low"}  # the config exercises every branch
+    got = rope_frequencies(cfg)
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float32), rtol=1e-6, atol=0)
+    plain = rope_frequencies(LlamaConfig(**{**cfg.__dict__, "rope_scaling": None}))
+    assert not torch.allclose(got, plain)
+
+
+# ---- Hugging Face directories: Llama-3 scaling, Qwen2 (qkv bias), Mistral ---------------------------------
+
+_TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def _hf_model(kind: str):  # noqa: ANN202
+    from transformers import LlamaConfig as HFLlama
+    from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if kind == "llama3-scaled":
+        cfg = HFLlama(**_TINY, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        cls = LlamaForCausalLM
+    elif kind == "qwen2":
+        cfg, cls = Qwen2Config(**_TINY), Qwen2ForCausalLM
+    else:
+        cfg, cls = MistralConfig(**_TINY, sliding_window=None), MistralForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # random everything, biases and norms included
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.5 / p.shape[-1] ** 0.5) + (1.0 if "norm" in name else 0.0))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama3-scaled", "qwen2", "mistral"])
+def test_hf_dir_loading_matches_transformers(tmp_path, kind: str) -> None:  # noqa: ANN001
+    ref = _hf_model(kind)
+    ref.save_pretrained(str(tmp_path))
+    ours = load_hf_dir(tmp_path)
+    if kind == "qwen2":
+        assert ours.config.qkv_bias and ref.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
+    if kind == "llama3-scaled":
+        assert ours.config.rope_scaling and ours.config.rope_scaling["rope_type"] == "llama3"
+    toks = torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(1))  # past the 32-token original
+    with torch.no_grad():
+        want = ref(toks).logits
+        got, _ = ours.forward(toks, torch.arange(80))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_hf_dir_with_rope_scaling_in_the_old_key_and_unsupported_types(tmp_path) -> None:  # noqa: ANN001
+    """transformers < 5 wrote "rope_scaling"; 5 writes "rope_parameters": both load the same; yarn is refused."""
+    ref = _hf_model("llama3-scaled")
+    ref.save_pretrained(str(tmp_path))
+    new = load_hf_dir(tmp_path)
+    c = json.loads((tmp_path / "config.json").read_text())
+    rp = c.pop("rope_parameters")
+    c["rope_theta"] = rp.pop("rope_theta")
+    c["rope_scaling"] = rp
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    old = load_hf_dir(tmp_path)
+    assert torch.equal(old.inv_freq, new.inv_freq)
+    c["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ModelLoadError, match="yarn.*runtime='hf'"):
+        load_hf_dir(tmp_path)
