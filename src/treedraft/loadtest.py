@@ -312,11 +312,12 @@ def _ms(v: float | None) -> str:
 def report_markdown(result: dict) -> str:
     """A markdown report: the run's settings and one table row per concurrency level."""
     cfg = result["config"]
-    lines = [f"# treedraft loadtest: {result['model']} at {result['url']}", "",
-             f"{result['time']}; {cfg['requests']} requests per level, max_tokens {cfg['max_tokens']}, "
-             f"temperature {cfg['temperature']}, ignore_eos {cfg['ignore_eos']}, {cfg['num_prompts']} prompts.", "",
-             "| concurrency | tok/s | vs c=1 | req/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) "
-             "| e2e p50 / p99 (s) | errors |", "|---|---|---|---|---|---|---|---|---|"]
+    settings = (f"{result['time']}; {cfg['requests']} requests per level, max_tokens {cfg['max_tokens']}, "
+                f"temperature {cfg['temperature']}, ignore_eos {cfg['ignore_eos']}, {cfg['num_prompts']} prompts.")
+    header = ("| concurrency | tok/s | vs c=1 | req/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
+              "| ITL p50 / p99 (ms) | e2e p50 / p99 (s) | errors |")
+    lines = [f"# treedraft loadtest: {result['model']} at {result['url']}", "", settings, "", header,
+             "|---|---|---|---|---|---|---|---|---|"]
     base = next((lv["tokens_per_s"] for lv in result["levels"] if lv["concurrency"] == 1), None)
     for lv in result["levels"]:
         lat = lv["latency"]
@@ -327,9 +328,9 @@ def report_markdown(result: dict) -> str:
         lines.append(f"| {lv['concurrency']} | {lv['tokens_per_s']:.1f} | {speed} | {lv['requests_per_s']:.2f} | "
                      + " | ".join(f"{_ms(lat[k + '_p50'])} / {_ms(lat[k + '_p99'])}" for k in ("ttft", "tpot", "itl"))
                      + f" | {e2e} | {errs} |")
-    lines += ["", "Throughput = completion tokens of successful requests / wall time of the level. TTFT: send to "
-              "first content; TPOT: per request, (end - first content) / (tokens - 1); ITL: gaps between streamed "
-              "content events.", ""]
+    lines += ["", ("Throughput = completion tokens of successful requests / wall time of the level. TTFT: send to "
+                   "first content; TPOT: per request, (end - first content) / (tokens - 1); ITL: gaps between "
+                   "streamed content events."), ""]
     return "\n".join(lines)
 
 

@@ -22,6 +22,6 @@ from .protocol import (MAX_TREE_NODES_LIMIT, APIError, ChatCompletionRequest, Ch
                        ServerSettings, TreedraftOptions)
 from .worker import Job, JobQueue, Worker
 
-__all__ = ["MAX_TREE_NODES_LIMIT", "APIError", "APIKeys", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "Job",
-           "JobQueue", "Metrics", "OpenAIServer", "ServerSettings", "TreedraftOptions", "Worker", "cmd_serve",
+__all__ = ["MAX_TREE_NODES_LIMIT", "APIError", "APIKeys", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
+           "Job", "JobQueue", "Metrics", "OpenAIServer", "ServerSettings", "TreedraftOptions", "Worker", "cmd_serve",
            "create_app", "register", "tenant_id"]
