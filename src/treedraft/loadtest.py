@@ -349,12 +349,16 @@ def plot(result: dict, path: Path) -> Path | None:
     a1.plot(cs, [x["tokens_per_s"] for x in lv], "o-", label="tokens/s")
     a1.set(xlabel="concurrency", ylabel="tokens/s (aggregate)", title="Throughput", xscale="log")
     a1.set_ylim(bottom=0)
+    positive = False
     for key, style in (("ttft", "o-"), ("itl", "s--"), ("tpot", "^:")):
         for q, alpha in (("p50", 1.0), ("p99", 0.5)):
             ys = [x["latency"][f"{key}_{q}"] for x in lv]
             ys = [float("nan") if y is None else y * 1000 for y in ys]
+            positive |= any(y > 0 for y in ys)  # NaN compares False
             a2.plot(cs, ys, style, alpha=alpha, label=f"{key.upper()} {q}")
-    a2.set(xlabel="concurrency", ylabel="ms (log scale)", title="Latency", xscale="log", yscale="log")
+    # log scale spans TTFT (queueing) and ITL; it needs a positive value (a level of only errors has none)
+    a2.set(xlabel="concurrency", ylabel="ms (log scale)" if positive else "ms", title="Latency", xscale="log",
+           yscale="log" if positive else "linear")
     a2.legend(fontsize=8)
     for ax in (a1, a2):
         ax.minorticks_off()
