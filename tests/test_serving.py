@@ -405,7 +405,8 @@ def test_bad_requests_get_openai_errors(server: LiveServer, path: str, body: obj
     assert err["type"] == "invalid_request_error"
 
 
-_ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+_ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                         | st.text(max_size=8),
                          lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
                                                                                       max_size=3), max_leaves=8)
 _FIELD_VALUES = {
