@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,11 +22,14 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 import torch  # noqa: E402
-import uvicorn  # noqa: E402
+from server_utils import LiveServer, scrape  # noqa: E402
+from server_utils import assert_error as _assert_error  # noqa: E402
+from server_utils import metric as _metric  # noqa: E402
+from server_utils import wait_for as _wait_for  # noqa: E402
 
 import treedraft  # noqa: E402
-from treedraft.engine import GenerationConfig, GenerationStats, StepStats  # noqa: E402
-from treedraft.server import Job, JobQueue, Metrics, ServerSettings, create_app  # noqa: E402
+from treedraft.engine import GenerationConfig  # noqa: E402
+from treedraft.server import Job, JobQueue, ServerSettings, create_app  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -36,34 +37,6 @@ MAX_TOKENS = 12
 CHAT = [{"role": "user", "content": "Name three colours."}]
 COMPLETION_PROMPT = "The capital of France is"
 REQUEST_TIMEOUT = 120.0
-
-
-class LiveServer:
-    """uvicorn serving an app in a daemon thread on a free loopback port."""
-
-    def __init__(self, app) -> None:  # noqa: ANN001
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive(), "uvicorn thread died during startup"
-            assert time.monotonic() < deadline, "uvicorn did not start within 30 s"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
-        assert not self.thread.is_alive(), "uvicorn did not shut down within 30 s"
 
 
 @pytest.fixture(scope="module")
@@ -97,44 +70,7 @@ def client(server: LiveServer) -> openai.OpenAI:
 
 
 def _metrics(url: str) -> dict[tuple[str, frozenset], float]:
-    """Scrape /metrics into {(name, labels without model_name): value}."""
-    r = httpx.get(f"{url}/metrics", timeout=10)
-    assert r.status_code == 200
-    assert r.headers["content-type"].startswith("text/plain")
-    out = {}
-    for line in r.text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)", line)
-        assert m, f"not Prometheus text format: {line!r}"
-        labels = frozenset(kv for kv in re.findall(r'(\w+)="([^"]*)"', m.group(2) or "") if kv[0] != "model_name")
-        out[(m.group(1), labels)] = float(m.group(3))
-    return out
-
-
-def _metric(ms: dict, name: str, **labels: str) -> float:
-    return ms.get((name, frozenset(labels.items())), 0.0)
-
-
-def _wait_for(pred, what: str, timeout: float = 30.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.05)
-
-
-def _assert_error(r: httpx.Response, status: int | tuple[int, ...], param: str | None = "any") -> dict:
-    statuses = status if isinstance(status, tuple) else (status,)
-    assert r.status_code in statuses, (r.status_code, r.text)
-    body = r.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"], err
-    assert isinstance(err["type"], str) and err["type"], err
-    if param != "any":
-        assert err["param"] == param, err
-    return err
+    return scrape(url)
 
 
 # ----------------------------------------------------------------------------- pieces, no model needed
@@ -158,40 +94,7 @@ def test_job_queue_is_bounded_fifo_with_removal() -> None:
         loop.close()
 
 
-def test_metrics_record_and_render() -> None:
-    m = Metrics("tiny")
-    st = GenerationStats(prompt_tokens=5, new_tokens=6, t_decode=0.5)
-    st.steps = [StepStats(4, 3, 2, 0, 0, 0), StepStats(1, 0, 0, 0, 0, 0), StepStats(3, 2, 0, 0, 0, 0)]
-    m.record(st, 0.0, 0.25, 1.0, 2.0, 6, "stop")
-    m.record(GenerationStats(), 0.0, None, None, 0.1, 0, "aborted")
-    text = m.render()
-    assert text.endswith("\n")
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            assert re.fullmatch(r"# (HELP|TYPE) treedraft:\w+ .+", line), line
-            continue
-        name, value = line.rsplit(" ", 1)
-        samples[name] = float(value)
-    lab = 'model_name="tiny"'
-    assert samples[f"treedraft:spec_decode_num_drafts_total{{{lab}}}"] == 2
-    assert samples[f"treedraft:spec_decode_num_draft_tokens_total{{{lab}}}"] == 3 + 2
-    assert samples[f"treedraft:spec_decode_num_accepted_tokens_total{{{lab}}}"] == 2
-    assert samples[f"treedraft:spec_decode_num_verify_steps_total{{{lab}}}"] == 3
-    assert samples[f'treedraft:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="1"}}'] == 1
-    assert f'treedraft:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="2"}}' not in samples
-    assert samples[f'treedraft:spec_decode_num_drafts_per_pos_total{{{lab},position="2"}}'] == 1
-    assert samples[f'treedraft:spec_decode_num_drafts_per_pos_total{{{lab},position="1"}}'] == 2
-    assert samples[f"treedraft:generation_tokens_total{{{lab}}}"] == 6
-    assert samples[f"treedraft:prompt_tokens_total{{{lab}}}"] == 5
-    assert samples[f"treedraft:generation_tokens_per_second{{{lab}}}"] == 12
-    assert samples[f'treedraft:request_success_total{{{lab},finished_reason="stop"}}'] == 1
-    assert samples[f"treedraft:request_aborted_total{{{lab}}}"] == 1
-    assert samples[f'treedraft:time_to_first_token_seconds_bucket{{{lab},le="0.75"}}'] == 0
-    assert samples[f'treedraft:time_to_first_token_seconds_bucket{{{lab},le="1.0"}}'] == 1
-    assert samples[f'treedraft:time_to_first_token_seconds_bucket{{{lab},le="+Inf"}}'] == 1
-    assert samples[f"treedraft:time_to_first_token_seconds_count{{{lab}}}"] == 1
-    assert samples[f"treedraft:e2e_request_latency_seconds_sum{{{lab}}}"] == 2.0
+# test_metrics_record_and_render lives in test_serving.py (no model needed).
 
 
 # ----------------------------------------------------------------------------- happy paths (openai client)
@@ -331,80 +234,7 @@ def test_nulls_mean_defaults_and_drafter_names_pass_through(server: LiveServer, 
 
 
 # ----------------------------------------------------------------------------- bad input (raw httpx)
-
-_LONG_IDS = [100] * 5000  # longer than the 4096-token context
-
-BAD_REQUESTS = [
-    # (path, body: bytes or JSON-able, expected status, expected param or "any")
-    ("chat", b'{"messages": [{"role": "user", "content": "hi"}', 400, None),
-    ("chat", b"not json at all", 400, None),
-    ("chat", b"", 400, None),
-    ("chat", [1, 2, 3], 400, "any"),
-    ("chat", {"max_tokens": 4}, 400, "messages"),
-    ("chat", {"messages": []}, 400, "messages"),
-    ("chat", {"messages": "hello"}, 400, "messages"),
-    ("chat", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
-    ("chat", {"messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]}]}, 400, "any"),
-    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "any"),
-    ("chat", {"messages": [{"content": "hi"}]}, 400, "any"),
-    ("chat", {"messages": [{"role": "user", "content": "   "}]}, 400, "messages"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, 400, "max_tokens"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**7}, 400, "max_tokens"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4090}, 400, "max_tokens"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}, 400, "max_tokens"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2.5}, 400, "max_tokens"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400,
-     "max_completion_tokens"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stop": 5}, 400, "stop"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "stop"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stop": ["a", 3]}, 400, "stop"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "seed": "x"}, 400, "seed"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, 400,
-     "stream_options"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "treedraft": {"drafter": "bogus"}}, 400,
-     "treedraft.drafter"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "treedraft": {"rule": "bogus"}}, 400,
-     "treedraft.rule"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "treedraft": {"max_tree_nodes": 0}}, 400,
-     "treedraft.max_tree_nodes"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "treedraft": {"colour": "red"}}, 400,
-     "treedraft.colour"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "treedraft": "fast"}, 400, "treedraft"),
-    ("chat", {"messages": [{"role": "user", "content": "hello " * 5000}]}, 400, "messages"),
-    ("completions", {"prompt": _LONG_IDS}, 400, "prompt"),
-    ("completions", {"prompt": "word " * 6000, "max_tokens": 4}, 400, "prompt"),
-    ("completions", {"prompt": [10**9]}, 400, "prompt"),
-    ("completions", {"prompt": []}, 400, "prompt"),
-    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
-    ("completions", {"prompt": ""}, 400, "prompt"),
-    ("completions", {"prompt": None}, 400, "prompt"),
-    ("completions", {"prompt": [1, "a"]}, 400, "prompt"),
-    ("completions", {"max_tokens": 3}, 400, "prompt"),
-    ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
-    ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
-    ("completions", {"prompt": "hello there my good friend", "max_tokens": 4095}, 400, "max_tokens"),
-]
-
-
-@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS, ids=[f"{i}-{b[0]}" for i, b in
-                                                                      enumerate(BAD_REQUESTS)])
-def test_bad_requests_get_openai_errors(server: LiveServer, llm: treedraft.LLM, path: str, body: object,
-                                        status: int, param: str | None) -> None:
-    url = f"{server.url}/v1/{'chat/completions' if path == 'chat' else 'completions'}"
-    if isinstance(body, dict):
-        body = {"model": llm.model_name, **body}
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(url, content=content, headers={"Content-Type": "application/json"}, timeout=60)
-    err = _assert_error(r, status, param)
-    assert err["type"] == "invalid_request_error"
+# The parametrized bad-input battery runs on the tiny model in test_serving.py (same server code, fast).
 
 
 def test_unknown_model_routes_and_methods(server: LiveServer) -> None:

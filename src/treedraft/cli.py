@@ -8,7 +8,7 @@ import sys
 import time
 
 # module -> name of its `register(subparsers)` function; loaded only if the module imports
-_PLUGINS = ("treedraft.bench", "treedraft.server", "treedraft.training.cli")
+_PLUGINS = ("treedraft.bench", "treedraft.server", "treedraft.training.cli", "treedraft.loadtest")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

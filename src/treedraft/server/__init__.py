@@ -5,7 +5,8 @@ on a side thread, and hand a :class:`Job` to a bounded FIFO :class:`JobQueue`. A
 answered with 429 + Retry-After. Modules, one concern each:
 
 - :mod:`.protocol`: server limits, request models, body parsing and validation, :class:`APIError`;
-- :mod:`.metrics`: the Prometheus metrics registry and its text exposition;
+- :mod:`.auth`: API keys (Bearer, constant-time compare) as an ASGI middleware; tenant ids;
+- :mod:`.metrics`: Prometheus metrics (``prometheus_client``, one registry per app);
 - :mod:`.worker`: :class:`Job`, :class:`JobQueue` and the model :class:`Worker` thread;
 - :mod:`.app`: :class:`OpenAIServer` (request preparation, responses, SSE) and :func:`create_app`;
 - :mod:`.cli`: ``treedraft serve`` (:func:`cmd_serve`, :func:`register`).
@@ -14,12 +15,13 @@ answered with 429 + Retry-After. Modules, one concern each:
 from __future__ import annotations
 
 from .app import OpenAIServer, create_app
+from .auth import APIKeys, tenant_id
 from .cli import cmd_serve, register
 from .metrics import Metrics
 from .protocol import (MAX_TREE_NODES_LIMIT, APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                        ServerSettings, TreedraftOptions)
 from .worker import Job, JobQueue, Worker
 
-__all__ = ["MAX_TREE_NODES_LIMIT", "APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "Job",
-           "JobQueue", "Metrics", "OpenAIServer", "ServerSettings", "TreedraftOptions", "Worker", "cmd_serve",
-           "create_app", "register"]
+__all__ = ["MAX_TREE_NODES_LIMIT", "APIError", "APIKeys", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
+           "Job", "JobQueue", "Metrics", "OpenAIServer", "ServerSettings", "TreedraftOptions", "Worker", "cmd_serve",
+           "create_app", "register", "tenant_id"]

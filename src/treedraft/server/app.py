@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -31,6 +31,7 @@ from ..engine import GenerationConfig, GenerationStats
 from ..interfaces import GenerationError
 from ..text import Chunk
 from ..verify import RULES as _RULES
+from .auth import APIKeys, AuthMiddleware
 from .metrics import Metrics
 from .protocol import (APIError, ChatCompletionRequest, CommonRequest, CompletionRequest, ServerSettings,
                        TreedraftOptions, parse_body, reject_unsupported, request_drafters)
@@ -82,6 +83,7 @@ class _Prepared:
     stream: bool
     include_usage: bool
     model: str
+    tenant: str | None = None
 
 
 class OpenAIServer:
@@ -162,7 +164,15 @@ class OpenAIServer:
             raise APIError(400, f"could not tokenize the input: {type(e).__name__}: {e}",
                            param="messages" if chat else "prompt") from None
 
-    async def prepare(self, req: CommonRequest) -> _Prepared:
+    @staticmethod
+    def tenant(request: Request, req: CommonRequest) -> str | None:
+        """Who is asking: the API key's tenant id when keys are configured, else the request's ``user`` field."""
+        key_tenant = getattr(request.state, "tenant", None)
+        if key_tenant is not None:
+            return key_tenant
+        return f"user-{req.user}" if req.user else None
+
+    async def prepare(self, req: CommonRequest, tenant: str | None = None) -> _Prepared:
         """Validate everything that can be checked before queueing; tokenize off the event loop."""
         model = self.check_model(req.model)
         reject_unsupported(req)
@@ -208,7 +218,7 @@ class OpenAIServer:
         except ValueError as e:  # e.g. rule 'greedy' with temperature > 0
             raise APIError(400, str(e), param="treedraft.rule" if "rule" in str(e) else None) from None
         inc = bool(req.stream_options and req.stream_options.include_usage)
-        return _Prepared(prompt_ids, cfg, drafter, bool(req.stream), inc, model)
+        return _Prepared(prompt_ids, cfg, drafter, bool(req.stream), inc, model, tenant)
 
     def drafter_name(self, requested: str) -> str:
         """The name reported back: what 'default' resolves to, 'none' for plain decoding."""
@@ -223,14 +233,13 @@ class OpenAIServer:
         """Queue a job, or 429 + Retry-After when the queue is full."""
         if not self.worker.alive():
             raise APIError(503, "the model worker is not running; restart the server", "server_error")
-        job = Job(p.prompt_ids, p.config, p.drafter, asyncio.get_running_loop())
+        job = Job(p.prompt_ids, p.config, p.drafter, asyncio.get_running_loop(), tenant=p.tenant)
         if not self.worker.queue.put_nowait(job):
             s = self.settings
             raise APIError(429, f"the server is busy: {s.max_queue} requests are already waiting; retry after "
                                 f"{s.retry_after_s}s", "rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(s.retry_after_s)})
-        with self.metrics.lock:
-            self.metrics.requests.inc()
+        self.metrics.requests.inc()
         return job
 
     async def next_or_disconnect(self, job: Job, request: Request) -> Chunk | Done | Failed | None:
@@ -241,8 +250,7 @@ class OpenAIServer:
                 return item
             if await request.is_disconnected():
                 if job.cancel():  # it never reached the worker, which counts the others
-                    with self.metrics.lock:
-                        self.metrics.aborted.inc()
+                    self.metrics.aborted.inc()
                 return None
 
     async def serve(self, request: Request, p: _Prepared, chat: bool) -> Response:
@@ -383,13 +391,13 @@ def create_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         """OpenAI chat completions (stream or not)."""
         req = await srv.read(request, ChatCompletionRequest)
-        return await srv.serve(request, await srv.prepare(req), chat=True)
+        return await srv.serve(request, await srv.prepare(req, srv.tenant(request, req)), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         """OpenAI text completions on a raw prompt (no chat template)."""
         req = await srv.read(request, CompletionRequest)
-        return await srv.serve(request, await srv.prepare(req), chat=False)
+        return await srv.serve(request, await srv.prepare(req, srv.tenant(request, req)), chat=False)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -405,9 +413,14 @@ def create_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
                              "running": int(srv.worker.running is not None)})
 
     @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
-        """Prometheus text-format metrics."""
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def prometheus(request: Request) -> Response:
+        """Prometheus metrics (text format; OpenMetrics when the scraper asks for it)."""
+        body, content_type = metrics.exposition(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+    if srv.settings.api_keys:  # outermost, so that unknown paths are 401 too, not 404
+        app.add_middleware(AuthMiddleware, keys=APIKeys(srv.settings.api_keys),
+                           protect_open_paths=srv.settings.protect_health_metrics, on_reject=metrics.error)
 
     return app
 

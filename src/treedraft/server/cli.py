@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from .app import create_app
+from .auth import ENV_KEYS, keys_from_env
 from .protocol import ServerSettings
 
 log = logging.getLogger("treedraft.server")
@@ -22,10 +23,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     settings = ServerSettings(max_queue=a.max_queue, max_tokens_limit=a.max_tokens_limit,
                               default_max_tokens=a.default_max_tokens,
                               served_model_names=tuple(a.served_model_name or ()), heads=a.heads,
-                              retry_after_s=a.retry_after)
+                              retry_after_s=a.retry_after, api_keys=(*(a.api_key or ()), *keys_from_env()),
+                              protect_health_metrics=a.protect_health_metrics)
+    if a.protect_health_metrics and not settings.api_keys:
+        raise ValueError(f"--protect-health-metrics needs at least one key: give --api-key or set ${ENV_KEYS}")
     t = time.perf_counter()
     llm = load_from_args(a)
-    log.warning("loaded %s in %.1fs; serving on http://%s:%d", llm.model_name, time.perf_counter() - t, a.host, a.port)
+    log.warning("loaded %s in %.1fs; serving on http://%s:%d (%s)", llm.model_name, time.perf_counter() - t, a.host,
+                a.port, f"{len(set(settings.api_keys))} API key(s)" if settings.api_keys else "no API key required")
     uvicorn.run(create_app(llm, settings), host=a.host, port=a.port, log_level=a.log_level,
                 timeout_graceful_shutdown=5)
     return 0
@@ -47,5 +52,10 @@ def register(subparsers: Any) -> None:  # noqa: ANN401 - argparse's private _Sub
     p.add_argument("--served-model-name", action="append", default=None,
                    help="name(s) clients use in 'model' (repeatable; default: the model's name)")
     p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds sent with 429")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' (repeatable; keys in ${ENV_KEYS}, comma-separated, "
+                        "are added and stay out of the process list)")
+    p.add_argument("--protect-health-metrics", action="store_true",
+                   help="with API keys: /health and /metrics need a key too (default: open, for probes and scrapers)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
     p.set_defaults(func=cmd_serve)

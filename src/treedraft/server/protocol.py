@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -34,8 +34,13 @@ class ServerSettings:
     retry_after_s: int = 1  # Retry-After header on 429
     poll_interval_s: float = 0.25  # how often a waiting handler checks for a client disconnect
     max_body_bytes: int = 8 * 1024 * 1024
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # Bearer keys; empty: no authentication
+    protect_health_metrics: bool = False  # with api_keys: /health and /metrics need a key too
 
     def __post_init__(self) -> None:
+        from .auth import APIKeys
+
+        APIKeys(self.api_keys)  # raises ValueError naming what to fix
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.default_max_tokens < 1:

@@ -48,8 +48,9 @@ class Job:
     """One generation request travelling from an HTTP handler to the worker and back."""
 
     def __init__(self, prompt_ids: list[int], config: GenerationConfig, drafter: str,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, tenant: str | None = None) -> None:
         self.prompt_ids, self.config, self.drafter = prompt_ids, config, drafter
+        self.tenant = tenant  # who asked: "key-<hash>" (API key) or "user-<user field>"; None when anonymous
         self.loop = loop
         self.t_arrival = time.perf_counter()
         self.cancelled = threading.Event()
@@ -191,6 +192,8 @@ class Worker:
         stats = GenerationStats()
         t_start = time.perf_counter()
         t_first: float | None = None
+        t_last = 0.0
+        gaps: list[float] = []  # seconds between consecutive generated tokens, as delivered
         n_tokens, outcome = 0, "error"
         gen = None
         try:
@@ -200,8 +203,14 @@ class Worker:
             for chunk in gen:
                 if job.cancelled.is_set():
                     break
-                if t_first is None and chunk.token_ids:
-                    t_first = time.perf_counter()
+                if chunk.token_ids:
+                    now = time.perf_counter()
+                    if t_first is None:
+                        t_first = now
+                    else:
+                        gaps.append(now - t_last)
+                    gaps += [0.0] * (len(chunk.token_ids) - 1)  # tokens that arrived together
+                    t_last = now
                 n_tokens += len(chunk.token_ids)
                 job.deliver(chunk)
                 finish = chunk.finish_reason or finish
@@ -225,4 +234,6 @@ class Worker:
         finally:
             if gen is not None:
                 gen.close()
-            self.metrics.record(stats, job.t_arrival, t_start, t_first, time.perf_counter(), n_tokens, outcome)
+            self.metrics.record(stats, job.t_arrival, t_start, t_first, time.perf_counter(), n_tokens, outcome,
+                                gaps)
+            self.metrics.observe_steps(1, len(stats.steps) + (t_first is not None))  # serial: 1 request per step

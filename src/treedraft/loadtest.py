@@ -1,0 +1,436 @@
+"""`treedraft loadtest`: concurrent streaming clients against an OpenAI-compatible server on this machine.
+
+For each concurrency level C, ``--requests`` chat completions (``stream: true`` with usage) are sent
+by C client tasks, each starting its next request when its previous one ends (closed loop, like
+vLLM's ``benchmark_serving`` at max concurrency). Reported per level, in the style of that tool:
+
+- throughput: completion tokens (the server's usage counts) of successful requests / wall time of the level;
+- requests/s: successful requests / wall time;
+- TTFT: send -> first streamed content; TPOT: (end - first content) / (completion tokens - 1), per request;
+- ITL: gaps between consecutive streamed content events (tokens of one speculative step arrive together,
+  so many gaps are ~0 and the tail shows the verify steps);
+- errors by kind (HTTP status, in-band stream error, timeout, connection).
+
+Bounded: ``--requests`` per level, ``--request-timeout`` per request, ``--max-seconds`` per level (what
+is unfinished then is cancelled and counted as an error). Only loopback servers are accepted
+(127.0.0.0/8, ``localhost``, ``::1``); proxies from the environment are ignored, so nothing leaves
+this machine. Results: ``loadtest.json``, ``report.md`` and ``loadtest.png`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+BUILTIN_PROMPTS = ("Explain in three sentences why the sky is blue.", "Write a haiku about autumn leaves.",
+                   "List five uses of a paperclip.", "What is the difference between a list and a tuple in Python?",
+                   "Summarise the plot of Romeo and Juliet in two sentences.", "Give me three tips for better sleep.",
+                   "Translate 'good morning, how are you?' into French and Spanish.",
+                   "Write a Python function that reverses a string.")
+MAX_CONCURRENCY = 1024
+MAX_REQUESTS = 100_000
+
+
+class LoadTestError(ValueError):
+    """A load test that cannot run as asked; the message says what to change."""
+
+
+def check_loopback(url: str) -> str:
+    """The server's base URL (scheme://host:port, no path) if ``url`` points at this machine; else LoadTestError."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https"):
+        raise LoadTestError(f"--url must start with http:// or https://, got {url!r}")
+    host = parts.hostname
+    if not host:
+        raise LoadTestError(f"--url has no host: {url!r}")
+    try:
+        loopback = host.lower() == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: never resolved, so never contacted
+        loopback = False
+    if not loopback:
+        raise LoadTestError(f"refusing to load-test {host!r}: only servers on this machine may be targeted "
+                            f"(127.0.0.0/8, localhost, ::1); e.g. --url http://127.0.0.1:8000")
+    try:
+        port = parts.port
+    except ValueError as e:
+        raise LoadTestError(f"--url has an invalid port: {url!r} ({e})") from None
+    netloc = f"[{host}]" if ":" in host else host
+    path = parts.path.rstrip("/")
+    if path not in ("", "/v1"):
+        raise LoadTestError(f"--url should be the server root (e.g. http://127.0.0.1:8000), got path {parts.path!r}")
+    return f"{parts.scheme}://{netloc}{f':{port}' if port else ''}"
+
+
+def parse_concurrency(text: str) -> list[int]:
+    """'1,2,4,8' -> [1, 2, 4, 8] (each 1..MAX_CONCURRENCY, in the order given)."""
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise LoadTestError(f"--concurrency must be a comma list of integers like 1,2,4,8, got {text!r}") from None
+    if not levels or any(not 1 <= c <= MAX_CONCURRENCY for c in levels):
+        raise LoadTestError(f"--concurrency levels must be between 1 and {MAX_CONCURRENCY}, got {text!r}")
+    return levels
+
+
+def load_prompts(path: str | None) -> list[str]:
+    """Prompt texts: the jsonl file given (any format treedraft reads), else MT-Bench when present, else built-ins."""
+    from .prompts import MT_BENCH_FILE, find_shared_data, read_prompt_file
+
+    p = path or find_shared_data(MT_BENCH_FILE)
+    if p is None:
+        return list(BUILTIN_PROMPTS)
+    return [x.text for x in read_prompt_file(p)]
+
+
+@dataclass
+class RequestResult:
+    """One streamed request as the client saw it (times in seconds, relative to its send)."""
+
+    ok: bool
+    error: str | None = None  # kind: "http 429", "stream error", "timeout", "connection", ...
+    ttft: float | None = None
+    e2e: float = 0.0
+    completion_tokens: int = 0
+    gaps: list[float] = field(default_factory=list)  # between consecutive content events
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.ttft is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.completion_tokens - 1)
+
+
+@dataclass
+class LevelResult:
+    """Aggregates of one concurrency level."""
+
+    concurrency: int
+    requests: int
+    completed: int
+    errors: int
+    error_kinds: dict[str, int]
+    wall_s: float
+    output_tokens: int
+    tokens_per_s: float
+    requests_per_s: float
+    latency: dict[str, float | None]  # {ttft,tpot,itl,e2e}_{p50,p99} in seconds
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if xs else None
+
+
+def summarize(concurrency: int, results: list[RequestResult], wall_s: float) -> LevelResult:
+    """Throughput and latency percentiles of one level's requests."""
+    good = [r for r in results if r.ok]
+    kinds: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            kinds[r.error or "unknown"] = kinds.get(r.error or "unknown", 0) + 1
+    tokens = sum(r.completion_tokens for r in good)
+    series = {"ttft": [r.ttft for r in good if r.ttft is not None],
+              "tpot": [t for r in good if (t := r.tpot) is not None],
+              "itl": [g for r in good for g in r.gaps], "e2e": [r.e2e for r in good]}
+    lat = {f"{k}_{name}": _pct(v, q) for k, v in series.items() for name, q in (("p50", 50), ("p99", 99))}
+    return LevelResult(concurrency, len(results), len(good), len(results) - len(good), kinds, wall_s, tokens,
+                       tokens / wall_s if wall_s > 0 else 0.0, len(good) / wall_s if wall_s > 0 else 0.0, lat)
+
+
+async def stream_one(client: Any, url: str, body: dict, headers: dict[str, str]) -> RequestResult:  # noqa: ANN401
+    """Send one streaming chat completion and time its events."""
+    import httpx
+
+    t0 = time.perf_counter()
+    res = RequestResult(ok=False)
+    last: float | None = None
+    events = 0
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                await r.aread()
+                res.error = f"http {r.status_code}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    res.ok = res.error is None
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = "stream error"
+                    continue
+                if obj.get("usage"):
+                    res.completion_tokens = int(obj["usage"]["completion_tokens"])
+                for ch in obj.get("choices", ()):
+                    if (ch.get("delta") or {}).get("content") or ch.get("text"):
+                        now = time.perf_counter()
+                        if last is None:
+                            res.ttft = now - t0
+                        else:
+                            res.gaps.append(now - last)
+                        last = now
+                        events += 1
+            else:
+                res.error = res.error or "stream ended without [DONE]"
+    except httpx.TimeoutException:
+        res.error = "timeout"
+    except httpx.HTTPError as e:
+        res.error = f"connection: {type(e).__name__}"
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not OpenAI's chunk shape
+        res.error = "invalid event"
+    res.ok = res.ok and res.error is None
+    if res.ok and not res.completion_tokens:
+        res.completion_tokens = events  # a server that does not send usage: count content events
+    res.e2e = time.perf_counter() - t0
+    return res
+
+
+@dataclass
+class LoadTestConfig:
+    """Everything one load test run needs."""
+
+    url: str
+    concurrency: list[int]
+    requests: int
+    max_tokens: int
+    prompts: list[str]
+    api_key: str | None = None
+    model: str | None = None
+    temperature: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    drafter: str | None = None
+    request_timeout: float = 300.0
+    max_seconds: float = 600.0
+    warmup: int = 1
+
+    def __post_init__(self) -> None:
+        self.url = check_loopback(self.url)
+        if not 1 <= self.requests <= MAX_REQUESTS:
+            raise LoadTestError(f"--requests must be between 1 and {MAX_REQUESTS}, got {self.requests}")
+        if self.max_tokens < 1:
+            raise LoadTestError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+        if not self.prompts:
+            raise LoadTestError("no prompts to send; give --prompts with at least one prompt")
+        if self.request_timeout <= 0 or self.max_seconds <= 0:
+            raise LoadTestError("--request-timeout and --max-seconds must be positive")
+
+
+def _body(cfg: LoadTestConfig, model: str, i: int) -> dict:
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": cfg.prompts[i % len(cfg.prompts)]}],
+                            "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if cfg.seed is not None:
+        body["seed"] = cfg.seed + i
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    if cfg.drafter:
+        body["treedraft"] = {"drafter": cfg.drafter}
+    return body
+
+
+async def _level(client: Any, cfg: LoadTestConfig, model: str, headers: dict[str, str],  # noqa: ANN401
+                 concurrency: int) -> LevelResult:
+    url = f"{cfg.url}/v1/chat/completions"
+    results: list[RequestResult] = []
+    next_i = iter(range(cfg.requests))
+
+    async def client_task() -> None:
+        for i in next_i:  # shared iterator: each request is taken by exactly one task
+            results.append(await stream_one(client, url, _body(cfg, model, i), headers))
+
+    t0 = time.perf_counter()
+    tasks = [asyncio.create_task(client_task()) for _ in range(min(concurrency, cfg.requests))]
+    done, pending = await asyncio.wait(tasks, timeout=cfg.max_seconds)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    wall = time.perf_counter() - t0
+    for t in done:
+        if t.exception() is not None:
+            raise t.exception()  # a bug in this tool, not a server error
+    unfinished = cfg.requests - len(results)  # cancelled mid-flight or never sent
+    results += [RequestResult(ok=False, error=f"unfinished after --max-seconds {cfg.max_seconds:g}")] * unfinished
+    return summarize(concurrency, results, wall)
+
+
+async def run_loadtest(cfg: LoadTestConfig, log: Any = None) -> dict:  # noqa: ANN401
+    """Run every concurrency level in order; the JSON-able result."""
+    import httpx
+
+    say = log or (lambda msg: print(msg, file=sys.stderr))
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=max(cfg.concurrency) + 2, max_keepalive_connections=max(cfg.concurrency))
+    timeout = httpx.Timeout(cfg.request_timeout, connect=10.0)
+    # trust_env=False: no proxy from the environment may carry this traffic off the machine
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, follow_redirects=False) as client:
+        model = cfg.model
+        if model is None:
+            r = await client.get(f"{cfg.url}/v1/models", headers=headers)
+            if r.status_code != 200:
+                raise LoadTestError(f"GET {cfg.url}/v1/models answered {r.status_code}: {r.text[:200]}"
+                                    + (" (give --api-key)" if r.status_code == 401 else ""))
+            model = r.json()["data"][0]["id"]
+        for i in range(cfg.warmup):
+            w = await stream_one(client, f"{cfg.url}/v1/chat/completions", _body(cfg, model, i), headers)
+            if not w.ok:
+                say(f"warning: warm-up request failed ({w.error})")
+        levels = []
+        for c in cfg.concurrency:
+            lv = await _level(client, cfg, model, headers, c)
+            lat = lv.latency
+            say(f"concurrency {c:4d}: {lv.tokens_per_s:8.1f} tok/s, {lv.requests_per_s:6.2f} req/s, "
+                f"TTFT p50/p99 {_ms(lat['ttft_p50'])}/{_ms(lat['ttft_p99'])} ms, "
+                f"ITL p50/p99 {_ms(lat['itl_p50'])}/{_ms(lat['itl_p99'])} ms, errors {lv.errors}/{lv.requests}")
+            levels.append(asdict(lv))
+    return {"url": cfg.url, "model": model, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "config": {k: v for k, v in asdict(cfg).items() if k not in ("api_key", "prompts")}
+            | {"num_prompts": len(cfg.prompts), "api_key": bool(cfg.api_key)}, "levels": levels}
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def report_markdown(result: dict) -> str:
+    """A markdown report: the run's settings and one table row per concurrency level."""
+    cfg = result["config"]
+    settings = (f"{result['time']}; {cfg['requests']} requests per level, max_tokens {cfg['max_tokens']}, "
+                f"temperature {cfg['temperature']}, ignore_eos {cfg['ignore_eos']}, {cfg['num_prompts']} prompts.")
+    header = ("| concurrency | tok/s | vs c=1 | req/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
+              "| ITL p50 / p99 (ms) | e2e p50 / p99 (s) | errors |")
+    lines = [f"# treedraft loadtest: {result['model']} at {result['url']}", "", settings, "", header,
+             "|---|---|---|---|---|---|---|---|---|"]
+    base = next((lv["tokens_per_s"] for lv in result["levels"] if lv["concurrency"] == 1), None)
+    for lv in result["levels"]:
+        lat = lv["latency"]
+        speed = f"{lv['tokens_per_s'] / base:.2f}x" if base else "-"
+        e2e = " / ".join("-" if lat[k] is None else f"{lat[k]:.2f}" for k in ("e2e_p50", "e2e_p99"))
+        errs = f"{lv['errors']}/{lv['requests']}" + (
+            f" ({', '.join(f'{k}: {n}' for k, n in sorted(lv['error_kinds'].items()))})" if lv["errors"] else "")
+        lines.append(f"| {lv['concurrency']} | {lv['tokens_per_s']:.1f} | {speed} | {lv['requests_per_s']:.2f} | "
+                     + " | ".join(f"{_ms(lat[k + '_p50'])} / {_ms(lat[k + '_p99'])}" for k in ("ttft", "tpot", "itl"))
+                     + f" | {e2e} | {errs} |")
+    lines += ["", ("Throughput = completion tokens of successful requests / wall time of the level. TTFT: send to "
+                   "first content; TPOT: per request, (end - first content) / (tokens - 1); ITL: gaps between "
+                   "streamed content events."), ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> Path | None:
+    """Throughput and latency against concurrency (PNG); None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    lv = result["levels"]
+    cs = [x["concurrency"] for x in lv]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.plot(cs, [x["tokens_per_s"] for x in lv], "o-", label="tokens/s")
+    a1.set(xlabel="concurrency", ylabel="tokens/s (aggregate)", title="Throughput", xscale="log")
+    a1.set_ylim(bottom=0)
+    positive = False
+    for key, style in (("ttft", "o-"), ("itl", "s--"), ("tpot", "^:")):
+        for q, alpha in (("p50", 1.0), ("p99", 0.5)):
+            ys = [x["latency"][f"{key}_{q}"] for x in lv]
+            ys = [float("nan") if y is None else y * 1000 for y in ys]
+            positive |= any(y > 0 for y in ys)  # NaN compares False
+            a2.plot(cs, ys, style, alpha=alpha, label=f"{key.upper()} {q}")
+    # log scale spans TTFT (queueing) and ITL; it needs a positive value (a level of only errors has none)
+    a2.set(xlabel="concurrency", ylabel="ms (log scale)" if positive else "ms", title="Latency", xscale="log",
+           yscale="log" if positive else "linear")
+    a2.legend(fontsize=8)
+    for ax in (a1, a2):
+        ax.minorticks_off()
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"treedraft loadtest: {result['model']}, max_tokens {result['config']['max_tokens']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(result: dict, out: Path) -> dict[str, Path]:
+    """loadtest.json, report.md and loadtest.png (when matplotlib is installed) in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "loadtest.json", "markdown": out / "report.md"}
+    paths["json"].write_text(json.dumps(result, indent=2) + "\n")
+    paths["markdown"].write_text(report_markdown(result))
+    png = plot(result, out / "loadtest.png")
+    if png is not None:
+        paths["plot"] = png
+    return paths
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def default_out_dir() -> Path:
+    """A fresh folder under the user cache: <cache>/loadtest/<YYYYmmdd-HHMMSS>[-N]."""
+    from .models.registry import cache_dir
+
+    base = cache_dir() / "loadtest" / time.strftime("%Y%m%d-%H%M%S")
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out
+
+
+def cmd_loadtest(a: argparse.Namespace) -> int:
+    """`treedraft loadtest`: run the levels, print a summary, write the report files."""
+    cfg = LoadTestConfig(url=a.url, concurrency=parse_concurrency(a.concurrency), requests=a.requests,
+                         max_tokens=a.max_tokens, prompts=load_prompts(a.prompts),
+                         api_key=a.api_key or os.environ.get("TREEDRAFT_API_KEY") or None, model=a.model,
+                         temperature=a.temperature, seed=a.seed, ignore_eos=a.ignore_eos, drafter=a.drafter,
+                         request_timeout=a.request_timeout, max_seconds=a.max_seconds, warmup=a.warmup)
+    result = asyncio.run(run_loadtest(cfg))
+    paths = write_outputs(result, Path(a.out) if a.out else default_out_dir())
+    print(report_markdown(result))
+    print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    return 1 if any(lv["errors"] for lv in result["levels"]) else 0
+
+
+def register(subparsers: Any) -> None:  # noqa: ANN401 - argparse's private _SubParsersAction
+    """Add `treedraft loadtest` to the CLI."""
+    p = subparsers.add_parser("loadtest", help="load-test a treedraft (or any OpenAI-compatible) server on this machine",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server root; loopback only")
+    p.add_argument("--concurrency", default="1,2,4,8", help="comma list of concurrent clients, one level each")
+    p.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--api-key", default=None, help="Bearer key (default: $TREEDRAFT_API_KEY)")
+    p.add_argument("--prompts", default=None,
+                   help="jsonl prompt file (prompt/turns/conversations/messages; default: MT-Bench when "
+                        "../shared/data has it, else built-in prompts)")
+    p.add_argument("--out", default=None, help="output folder (default: a new one under ~/.cache/treedraft/loadtest)")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="request i gets seed + i")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens (vLLM-style extra)")
+    p.add_argument("--drafter", default=None, help="per-request treedraft drafter (default: the server's)")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--max-seconds", type=float, default=600.0, help="time limit per level")
+    p.add_argument("--warmup", type=int, default=1, help="untimed requests before the first level")
+    p.set_defaults(func=cmd_loadtest)

@@ -1,0 +1,560 @@
+"""The server around the worker, on a tiny seeded model (fast): API keys and tenants, Prometheus
+metrics, the bad-input battery (4xx, never 5xx), client disconnects, and `treedraft loadtest`.
+
+Servers run on 127.0.0.1 in a background thread; every wait is bounded in time and every loop in count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from server_utils import LiveServer, assert_error, metric, parse_metrics, scrape, tiny_llm, wait_for  # noqa: E402
+
+from treedraft import loadtest  # noqa: E402
+from treedraft.api import LLM  # noqa: E402
+from treedraft.cli import main  # noqa: E402
+from treedraft.engine import GenerationStats, StepStats  # noqa: E402
+from treedraft.server import APIKeys, Metrics, ServerSettings, create_app, tenant_id  # noqa: E402
+from treedraft.server import auth as auth_mod  # noqa: E402
+
+KEYS = ("key-one-0123456789", "key-two-abcdefghij")
+CHAT = [{"role": "user", "content": "abc abc abc abc"}]
+TIMEOUT = 120.0
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: extra threads only add contention on a shared CPU
+    try:
+        yield tiny_llm()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def server(llm: LLM) -> Iterator[LiveServer]:
+    with LiveServer(create_app(llm, ServerSettings(poll_interval_s=0.05, max_body_bytes=64 * 1024))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def key_server(llm: LLM) -> Iterator[LiveServer]:
+    with LiveServer(create_app(llm, ServerSettings(poll_interval_s=0.05, api_keys=KEYS))) as s:
+        yield s
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def capture_tenants(s: LiveServer) -> list[str | None]:
+    """Record the tenant of every job the app queues (wraps its submit)."""
+    srv = s.app.state.treedraft
+    seen: list[str | None] = []
+    real = srv.submit
+
+    def submit(p):  # noqa: ANN001, ANN202
+        job = real(p)
+        seen.append(job.tenant)
+        return job
+
+    srv.submit = submit
+    return seen
+
+
+# ----------------------------------------------------------------------------- API keys
+
+
+AUTH_CASES = [
+    # (method, path, headers, status, error code or None)
+    ("GET", "/v1/models", {}, 401, "missing_api_key"),
+    ("GET", "/v1/models", bearer("wrong"), 401, "invalid_api_key"),
+    ("GET", "/v1/models", bearer(KEYS[0][:-1]), 401, "invalid_api_key"),  # a prefix of a real key
+    ("GET", "/v1/models", bearer(KEYS[0] + "x"), 401, "invalid_api_key"),
+    ("GET", "/v1/models", bearer(KEYS[0].upper()), 401, "invalid_api_key"),
+    ("GET", "/v1/models", {"Authorization": f"Basic {KEYS[0]}"}, 401, "invalid_api_key"),
+    ("GET", "/v1/models", {"Authorization": "Bearer"}, 401, "invalid_api_key"),
+    ("GET", "/v1/models", {"Authorization": KEYS[0]}, 401, "invalid_api_key"),
+    ("GET", "/v1/models", {"X-API-Key": KEYS[0]}, 401, "missing_api_key"),
+    ("POST", "/v1/chat/completions", {}, 401, "missing_api_key"),
+    ("POST", "/v1/completions", bearer("nope"), 401, "invalid_api_key"),
+    ("GET", "/v1/no-such-route", {}, 401, "missing_api_key"),  # no route probing without a key
+    ("GET", "/docs", {}, 401, "missing_api_key"),
+    ("GET", "/v1/no-such-route", bearer(KEYS[0]), 404, None),
+    ("GET", "/v1/models", bearer(KEYS[0]), 200, None),
+    ("GET", "/v1/models", bearer(KEYS[1]), 200, None),
+    ("GET", "/v1/models", {"Authorization": f"bearer   {KEYS[1]}"}, 200, None),
+    ("GET", "/health", {}, 200, None),
+    ("GET", "/metrics", {}, 200, None),
+    ("GET", "/health", bearer("wrong"), 200, None),  # open paths ignore the header
+]
+
+
+@pytest.mark.parametrize("method,path,headers,status,code", AUTH_CASES,
+                         ids=[f"{i}-{c[1]}-{c[3]}" for i, c in enumerate(AUTH_CASES)])
+def test_api_keys(key_server: LiveServer, method: str, path: str, headers: dict, status: int,
+                  code: str | None) -> None:
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 2} if method == "POST" else None
+    r = httpx.request(method, f"{key_server.url}{path}", headers=headers, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    if status == 401:
+        err = assert_error(r, 401, None)
+        assert err["type"] == "invalid_request_error" and err["code"] == code, err
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert all(k not in r.text for k in KEYS)
+
+
+def test_api_keys_with_the_openai_client_and_metrics(key_server: LiveServer) -> None:
+    before = scrape(key_server.url)
+    bad = openai.OpenAI(base_url=f"{key_server.url}/v1", api_key="sk-wrong", max_retries=0, timeout=TIMEOUT)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2)
+    good = openai.OpenAI(base_url=f"{key_server.url}/v1", api_key=KEYS[1], max_retries=0, timeout=TIMEOUT)
+    r = good.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens >= 1
+    after = scrape(key_server.url)
+    assert metric(after, "treedraft:request_errors_total", status="401") - \
+        metric(before, "treedraft:request_errors_total", status="401") == 1
+    assert metric(after, "treedraft:num_requests_total") - metric(before, "treedraft:num_requests_total") == 1
+
+
+def test_tenant_is_the_key_hash_else_the_user_field(key_server: LiveServer, server: LiveServer) -> None:
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 1}
+    seen = capture_tenants(key_server)
+    for key, user in ((KEYS[0], None), (KEYS[1], "alice"), (KEYS[0], "bob")):
+        r = httpx.post(f"{key_server.url}/v1/chat/completions", json={**body, **({"user": user} if user else {})},
+                       headers=bearer(key), timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+    assert seen == [tenant_id(KEYS[0]), tenant_id(KEYS[1]), tenant_id(KEYS[0])]  # the key wins over "user"
+    assert tenant_id(KEYS[0]) != tenant_id(KEYS[1]) and all(k not in t for k in KEYS for t in seen)
+    seen = capture_tenants(server)  # no keys configured: the request's "user" field, else anonymous
+    for extra in ({"user": "alice"}, {}, {"user": "alice"}):
+        assert httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 1,
+                                                               **extra}, timeout=TIMEOUT).status_code == 200
+    assert seen == ["user-alice", None, "user-alice"]
+
+
+def test_protect_health_metrics(llm: LLM) -> None:
+    app = create_app(llm, ServerSettings(api_keys=KEYS[:1], protect_health_metrics=True))
+    with LiveServer(app) as s:
+        for path in ("/health", "/metrics"):
+            err = assert_error(httpx.get(f"{s.url}{path}", timeout=10), 401, None)
+            assert err["code"] == "missing_api_key"
+            assert httpx.get(f"{s.url}{path}", headers=bearer(KEYS[0]), timeout=10).status_code == 200
+        assert metric(scrape(s.url, bearer(KEYS[0])), "treedraft:request_errors_total", status="401") == 2
+
+
+def test_every_key_is_compared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Constant time across keys: the compare runs once per configured key, even when the first matches."""
+    calls = []
+    real = auth_mod.hmac.compare_digest
+    monkeypatch.setattr(auth_mod.hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
+    keys = APIKeys(["a1", "b2", "c3"])
+    assert keys.tenant("Bearer a1") == tenant_id("a1")
+    assert len(calls) == 3
+    with pytest.raises(Exception, match="incorrect API key"):
+        keys.tenant("Bearer zz")
+    assert len(calls) == 6
+    for bad in ([""], [" a"], "abc"):
+        with pytest.raises(ValueError, match="API key"):
+            APIKeys(bad)
+
+
+def test_serve_cli_takes_keys_from_flags_and_env(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    import uvicorn
+
+    import treedraft.cli
+    import treedraft.server.cli as serve_cli
+
+    got = {}
+    monkeypatch.setattr(treedraft.cli, "load_from_args", lambda a: tiny_llm())
+    monkeypatch.setattr(serve_cli, "create_app", lambda llm, settings: got.setdefault("settings", settings))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.setdefault("run", kw))
+    monkeypatch.setenv("TREEDRAFT_API_KEYS", "env-key-1, env-key-2,")
+    assert main(["serve", "--api-key", "flag-key", "--protect-health-metrics"]) == 0
+    s = got["settings"]
+    assert s.api_keys == ("flag-key", "env-key-1", "env-key-2") and s.protect_health_metrics
+    assert "flag-key" not in repr(s), "keys must not show up in logs of the settings"
+    assert got["run"]["host"] == "127.0.0.1"
+    monkeypatch.delenv("TREEDRAFT_API_KEYS")
+    got.clear()
+    assert main(["serve", "--protect-health-metrics"]) == 2
+    assert "--api-key" in capsys.readouterr().err and not got
+    assert main(["serve", "--api-key", " padded "]) == 2
+    assert "whitespace" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_metrics_record_and_render() -> None:
+    m = Metrics("tiny")
+    st = GenerationStats(prompt_tokens=5, new_tokens=6, t_decode=0.5)
+    st.steps = [StepStats(4, 3, 2, 0, 0, 0), StepStats(1, 0, 0, 0, 0, 0), StepStats(3, 2, 0, 0, 0, 0)]
+    m.record(st, 0.0, 0.25, 1.0, 2.0, 6, "stop", token_gaps=[0.003, 0.0, 0.0, 0.2, 0.05])
+    m.record(GenerationStats(), 0.0, None, None, 0.1, 0, "aborted")
+    m.observe_steps(1, 4)
+    m.observe_steps(3)
+    text = m.render()
+    assert text.endswith("\n")
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.fullmatch(r"# (HELP|TYPE) treedraft:\w+ .+", line), line
+        else:
+            assert 'model_name="tiny"' in line, line
+    s = parse_metrics(text)
+
+    def v(name: str, **labels: str) -> float:
+        assert (name, frozenset(labels.items())) in s, (name, labels)
+        return s[(name, frozenset(labels.items()))]
+
+    assert v("treedraft:spec_decode_num_drafts_total") == 2
+    assert v("treedraft:spec_decode_num_draft_tokens_total") == 3 + 2
+    assert v("treedraft:spec_decode_num_accepted_tokens_total") == 2
+    assert v("treedraft:spec_decode_num_verify_steps_total") == 3
+    assert v("treedraft:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 1
+    assert ("treedraft:spec_decode_num_accepted_tokens_per_pos_total", frozenset({("position", "2")})) not in s
+    assert v("treedraft:spec_decode_num_drafts_per_pos_total", position="2") == 1
+    assert v("treedraft:spec_decode_num_drafts_per_pos_total", position="1") == 2
+    assert v("treedraft:generation_tokens_total") == 6
+    assert v("treedraft:prompt_tokens_total") == 5
+    assert v("treedraft:generation_tokens_per_second") == 12
+    assert v("treedraft:request_success_total", finished_reason="stop") == 1
+    assert v("treedraft:request_aborted_total") == 1
+    assert v("treedraft:time_to_first_token_seconds_bucket", le="0.75") == 0
+    assert v("treedraft:time_to_first_token_seconds_bucket", le="1.0") == 1
+    assert v("treedraft:time_to_first_token_seconds_bucket", le="+Inf") == 1
+    assert v("treedraft:time_to_first_token_seconds_count") == 1
+    assert v("treedraft:e2e_request_latency_seconds_sum") == 2.0
+    assert v("treedraft:request_queue_time_seconds_sum") == 0.25
+    assert v("treedraft:inter_token_latency_seconds_count") == 5
+    assert v("treedraft:inter_token_latency_seconds_bucket", le="0.001") == 2
+    assert v("treedraft:inter_token_latency_seconds_bucket", le="0.0025") == 2
+    assert v("treedraft:inter_token_latency_seconds_bucket", le="0.005") == 3
+    assert v("treedraft:inter_token_latency_seconds_bucket", le="0.06") == 4
+    assert v("treedraft:inter_token_latency_seconds_sum") == pytest.approx(0.253)
+    assert v("treedraft:request_mean_accepted_length_count") == 1  # the aborted request had no steps
+    assert v("treedraft:request_mean_accepted_length_sum") == pytest.approx((3 + 1 + 1) / 3)
+    assert v("treedraft:batch_size_count") == 5 and v("treedraft:batch_size_sum") == 4 + 3
+    assert v("treedraft:batch_size_bucket", le="2.0") == 4 and v("treedraft:batch_size_bucket", le="4.0") == 5
+
+
+def test_metrics_registries_are_per_app() -> None:
+    a, b = Metrics("tiny"), Metrics("tiny")  # one global registry would refuse the second
+    a.error(400)
+    assert metric(parse_metrics(a.render()), "treedraft:request_errors_total", status="400") == 1
+    assert metric(parse_metrics(b.render()), "treedraft:request_errors_total", status="400") == 0
+
+
+def test_prometheus_metrics_after_a_stream(server: LiveServer) -> None:
+    before = scrape(server.url)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "xyz xyz xyz xyz xyz"}], "max_tokens": 24,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "treedraft": {"drafter": "prompt-lookup"}}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200
+    events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+    usage, info = events[-1]["usage"], events[-1]["treedraft"]
+    assert usage["completion_tokens"] == 24
+    after = scrape(server.url)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("treedraft:num_requests_total") == 1
+    assert delta("treedraft:request_success_total", finished_reason="length") == 1
+    assert delta("treedraft:generation_tokens_total") == 24
+    assert delta("treedraft:prompt_tokens_total") == usage["prompt_tokens"]
+    assert delta("treedraft:inter_token_latency_seconds_count") == 24 - 1
+    assert delta("treedraft:time_to_first_token_seconds_count") == 1
+    assert delta("treedraft:request_queue_time_seconds_count") == 1
+    assert delta("treedraft:e2e_request_latency_seconds_count") == 1
+    assert delta("treedraft:batch_size_count") == info["steps"] + 1  # prefill + verify steps, one request each
+    assert delta("treedraft:batch_size_bucket", le="1.0") == info["steps"] + 1
+    assert delta("treedraft:request_mean_accepted_length_count") == 1
+    assert delta("treedraft:request_mean_accepted_length_sum") == pytest.approx(info["mean_accepted_length"],
+                                                                               abs=1e-4)
+    assert delta("treedraft:spec_decode_num_accepted_tokens_total") == info["accepted_tokens"]
+    assert delta("treedraft:spec_decode_num_draft_tokens_total") == info["drafted_tokens"]
+    assert metric(after, "treedraft:num_requests_running") == 0
+    assert metric(after, "treedraft:num_requests_waiting") == 0
+    assert ("treedraft:num_requests_created", frozenset()) in after
+    # a scraper that asks for OpenMetrics gets it
+    r = httpx.get(f"{server.url}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"},
+                  timeout=10)
+    assert r.headers["content-type"].startswith("application/openmetrics-text") and r.text.endswith("# EOF\n")
+
+
+# ----------------------------------------------------------------------------- bad input: 4xx, never 5xx
+
+_LONG_IDS = [10] * 5000  # longer than the 4096-token context
+_HI = [{"role": "user", "content": "hi"}]
+
+BAD_REQUESTS = [
+    # (path, body: bytes or JSON-able, expected status, expected param or "any")
+    ("chat", b'{"messages": [{"role": "user", "content": "hi"}', 400, None),
+    ("chat", b"not json at all", 400, None),
+    ("chat", b"", 400, None),
+    ("chat", b'{"messages": "\xff\xfe"}', 400, None),
+    ("chat", b'{"messages": [{"role": "user", "content": "hi"}]} trailing', 400, None),
+    ("chat", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
+    ("chat", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": Infinity}', 400, "max_tokens"),
+    ("chat", b"[" * 5000 + b"]" * 5000, 400, "any"),
+    ("chat", b'{"messages": [{"role": "user", "content": "' + b"a" * 70000 + b'"}]}', 413, None),
+    ("chat", [1, 2, 3], 400, "any"),
+    ("chat", {"max_tokens": 4}, 400, "messages"),
+    ("chat", {"messages": []}, 400, "messages"),
+    ("chat", {"messages": "hello"}, 400, "messages"),
+    ("chat", {"messages": {"role": "user", "content": "hi"}}, 400, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ("chat", {"messages": [{"role": "user", "content": None}]}, 400, "messages.0.content"),
+    ("chat", {"messages": [{"role": 3, "content": "hi"}]}, 400, "messages.0.role"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]}]}, 400, "any"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "any"),
+    ("chat", {"messages": [{"content": "hi"}]}, 400, "any"),
+    ("chat", {"messages": [{"role": "user", "content": "   "}]}, 400, "messages"),
+    ("chat", {"messages": _HI, "model": "gpt-17"}, 404, "model"),
+    ("chat", {"messages": _HI, "model": 5}, 400, "model"),
+    ("chat", {"messages": _HI, "max_tokens": 0}, 400, "max_tokens"),
+    ("chat", {"messages": _HI, "max_tokens": -3}, 400, "max_tokens"),
+    ("chat", {"messages": _HI, "max_tokens": 10**7}, 400, "max_tokens"),
+    ("chat", {"messages": _HI, "max_tokens": 2**70}, 400, "max_tokens"),
+    ("chat", {"messages": _HI, "max_tokens": 4090}, 400, "max_tokens"),
+    ("chat", {"messages": _HI, "max_tokens": "5"}, 400, "max_tokens"),
+    ("chat", {"messages": _HI, "max_tokens": 2.5}, 400, "max_tokens"),
+    ("chat", {"messages": _HI, "max_tokens": True}, 400, "max_tokens"),
+    ("chat", {"messages": _HI, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("chat", {"messages": _HI, "temperature": "hot"}, 400, "temperature"),
+    ("chat", {"messages": _HI, "temperature": -1}, 400, "temperature"),
+    ("chat", {"messages": _HI, "temperature": 2.5}, 400, "temperature"),
+    ("chat", {"messages": _HI, "temperature": True}, 400, "temperature"),
+    ("chat", {"messages": _HI, "top_p": 0}, 400, "top_p"),
+    ("chat", {"messages": _HI, "top_p": 1.5}, 400, "top_p"),
+    ("chat", {"messages": _HI, "top_p": "all"}, 400, "top_p"),
+    ("chat", {"messages": _HI, "top_k": -1}, 400, "top_k"),
+    ("chat", {"messages": _HI, "n": 2}, 400, "n"),
+    ("chat", {"messages": _HI, "n": 0}, 400, "n"),
+    ("chat", {"messages": _HI, "stream": "yes"}, 400, "stream"),
+    ("chat", {"messages": _HI, "stop": 5}, 400, "stop"),
+    ("chat", {"messages": _HI, "stop": [""]}, 400, "stop"),
+    ("chat", {"messages": _HI, "stop": ""}, 400, "stop"),
+    ("chat", {"messages": _HI, "stop": ["a", 3]}, 400, "stop"),
+    ("chat", {"messages": _HI, "stop": {"a": 1}}, 400, "stop"),
+    ("chat", {"messages": _HI, "stop": [["x"]]}, 400, "stop"),
+    ("chat", {"messages": _HI, "seed": "x"}, 400, "seed"),
+    ("chat", {"messages": _HI, "seed": 2**70}, 400, "seed"),
+    ("chat", {"messages": _HI, "logprobs": True}, 400, "logprobs"),
+    ("chat", {"messages": _HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("chat", {"messages": _HI, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat", {"messages": _HI, "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    ("chat", {"messages": _HI, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("chat", {"messages": _HI, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("chat", {"messages": _HI, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "stream_options.include_usage"),
+    ("chat", {"messages": _HI, "treedraft": {"drafter": "bogus"}}, 400, "treedraft.drafter"),
+    ("chat", {"messages": _HI, "treedraft": {"rule": "bogus"}}, 400, "treedraft.rule"),
+    ("chat", {"messages": _HI, "treedraft": {"max_tree_nodes": 0}}, 400, "treedraft.max_tree_nodes"),
+    ("chat", {"messages": _HI, "treedraft": {"colour": "red"}}, 400, "treedraft.colour"),
+    ("chat", {"messages": _HI, "treedraft": "fast"}, 400, "treedraft"),
+    ("chat", {"messages": _HI, "treedraft": {"drafter": "medusa"}}, 400, "treedraft.drafter"),  # no heads here
+    ("chat", {"messages": [{"role": "user", "content": "hello " * 5000}]}, 400, "messages"),
+    ("completions", {"prompt": _LONG_IDS}, 400, "prompt"),
+    ("completions", {"prompt": "word " * 6000, "max_tokens": 4}, 400, "prompt"),
+    ("completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("completions", {"prompt": [-1]}, 400, "prompt"),
+    ("completions", {"prompt": [[1, 2]]}, 400, "prompt"),
+    ("completions", {"prompt": []}, 400, "prompt"),
+    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": None}, 400, "prompt"),
+    ("completions", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("completions", {"max_tokens": 3}, 400, "prompt"),
+    ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ("completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"prompt": "hello there my good friend", "max_tokens": 4095}, 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS,
+                         ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD_REQUESTS)])
+def test_bad_requests_get_openai_errors(server: LiveServer, path: str, body: object, status: int,
+                                        param: str | None) -> None:
+    url = f"{server.url}/v1/{'chat/completions' if path == 'chat' else 'completions'}"
+    if isinstance(body, dict):
+        body = {"model": "tiny", **body}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(url, content=content, headers={"Content-Type": "application/json"}, timeout=60)
+    err = assert_error(r, status, param)
+    assert err["type"] == "invalid_request_error"
+
+
+_ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                         | st.text(max_size=8),
+                         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                      max_size=3), max_leaves=8)
+_FIELD_VALUES = {
+    "model": st.sampled_from(["tiny", "other"]) | _ANY_JSON,
+    "messages": st.lists(st.fixed_dictionaries({}, optional={
+        "role": st.sampled_from(["user", "system", "assistant", "developer", "tool", ""]) | _ANY_JSON,
+        "content": st.text(max_size=20) | _ANY_JSON}), max_size=3) | _ANY_JSON,
+    "prompt": st.text(max_size=20) | st.lists(st.integers(-5, 200), max_size=5) | _ANY_JSON,
+    "max_tokens": st.integers(-3, 12) | st.integers() | _ANY_JSON,
+    "temperature": st.floats(-1, 3) | _ANY_JSON,
+    "top_p": st.floats(-0.5, 1.5) | _ANY_JSON,
+    "top_k": st.integers(-2, 50) | _ANY_JSON,
+    "seed": st.integers() | _ANY_JSON,
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3) | _ANY_JSON,
+    "n": st.integers(-1, 3) | _ANY_JSON,
+    "stream": st.booleans() | _ANY_JSON,
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | _ANY_JSON,
+    "ignore_eos": st.booleans() | _ANY_JSON,
+    "treedraft": st.fixed_dictionaries({}, optional={"drafter": st.sampled_from(["none", "prompt-lookup", "x"]),
+                                                     "rule": st.sampled_from(["typical", "greedy", "y"]),
+                                                     "max_tree_nodes": st.integers(-1, 600)}) | _ANY_JSON,
+}
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(chat=st.booleans(), body=st.fixed_dictionaries({}, optional=_FIELD_VALUES))
+def test_random_bodies_never_get_5xx(server: LiveServer, chat: bool, body: dict) -> None:
+    """Fuzzed requests (valid and not) are answered 200 or a 4xx OpenAI error, never a 5xx."""
+    url = f"{server.url}/v1/{'chat/completions' if chat else 'completions'}"
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 12:
+        body["max_tokens"] = 10**9  # a large valid-looking value stays a 400, not a long generation
+    body.setdefault("max_tokens", 4)
+    r = httpx.post(url, json=body, timeout=TIMEOUT)
+    assert r.status_code < 500, (body, r.status_code, r.text)
+    if r.status_code != 200:
+        assert_error(r, r.status_code)
+
+
+# ----------------------------------------------------------------------------- disconnects
+
+
+def test_a_client_leaving_mid_stream_frees_its_slot(server: LiveServer) -> None:
+    before = scrape(server.url)
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+            "stream": True, "treedraft": {"drafter": "none"}}
+    with httpx.Client(timeout=TIMEOUT) as c, c.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept referenced: closing this generator would close the connection
+        got = 0
+        for line in lines:
+            got += line.startswith('data: {"id"') and '"content": "' in line and '"content": ""' not in line
+            if got >= 3:
+                break
+        assert got == 3
+        assert metric(scrape(server.url), "treedraft:num_requests_running") == 1
+    wait_for(lambda: metric(scrape(server.url), "treedraft:num_requests_running") == 0,
+             "the abandoned stream to leave the worker", 30)
+    after = scrape(server.url)
+    assert metric(after, "treedraft:request_aborted_total") - metric(before, "treedraft:request_aborted_total") == 1
+    gen = metric(after, "treedraft:generation_tokens_total") - metric(before, "treedraft:generation_tokens_total")
+    assert 3 <= gen < 4000, gen
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2},
+                   timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+# ----------------------------------------------------------------------------- loadtest
+
+
+@pytest.mark.parametrize("url,base", [("http://127.0.0.1:8000", "http://127.0.0.1:8000"),
+                                      ("http://127.9.8.7:1/", "http://127.9.8.7:1"),
+                                      ("http://localhost:8000/v1", "http://localhost:8000"),
+                                      ("http://[::1]:8080", "http://[::1]:8080"),
+                                      ("https://LOCALHOST", "https://localhost")])
+def test_loopback_urls_are_accepted(url: str, base: str) -> None:
+    assert loadtest.check_loopback(url) == base
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "http://192.168.1.10", "http://172.16.0.1:80",
+                                 "http://8.8.8.8", "http://example.com:8000", "http://127.0.0.1.nip.io:8000",
+                                 "http://localhost.example.org", "http://[::2]:80", "http://0.0.0.0:8000",
+                                 "http://[::ffff:10.0.0.1]:80", "http://2130706433:80", "ftp://127.0.0.1",
+                                 "127.0.0.1:8000"])
+def test_loadtest_refuses_other_hosts_before_any_connection(url: str, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    def no_client(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a client was created for a refused URL")
+
+    monkeypatch.setattr(httpx, "AsyncClient", no_client)
+    monkeypatch.setattr(httpx, "Client", no_client)
+    with pytest.raises(loadtest.LoadTestError):
+        loadtest.check_loopback(url)
+    assert main(["loadtest", "--url", url, "--requests", "1", "--concurrency", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and ("only servers on this machine" in err or "http://" in err), err
+
+
+def test_loadtest_summary_arithmetic() -> None:
+    R = loadtest.RequestResult
+    rs = [R(True, ttft=0.1, e2e=1.1, completion_tokens=11, gaps=[0.1] * 10),
+          R(True, ttft=0.3, e2e=0.3, completion_tokens=1), R(False, error="http 429"), R(False, error="http 429")]
+    lv = loadtest.summarize(2, rs, wall_s=2.0)
+    assert (lv.requests, lv.completed, lv.errors, lv.error_kinds) == (4, 2, 2, {"http 429": 2})
+    assert lv.output_tokens == 12 and lv.tokens_per_s == 6.0 and lv.requests_per_s == 1.0
+    assert lv.latency["ttft_p50"] == pytest.approx(0.2) and lv.latency["ttft_p99"] == pytest.approx(0.298)
+    assert lv.latency["tpot_p50"] == pytest.approx(0.1)  # (1.1 - 0.1) / 10; one token has no TPOT
+    assert lv.latency["itl_p99"] == pytest.approx(0.1)
+    empty = loadtest.summarize(1, [R(False, error="timeout")], wall_s=1.0)
+    assert empty.tokens_per_s == 0 and empty.latency["ttft_p50"] is None
+
+
+def test_loadtest_end_to_end_on_the_tiny_server(key_server: LiveServer, tmp_path, capsys) -> None:  # noqa: ANN001
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"abc {i} abc {i}"}) + "\n" for i in range(3)))
+    before = scrape(key_server.url)
+    out = tmp_path / "out"
+    argv = ["loadtest", "--url", key_server.url, "--concurrency", "1,3", "--requests", "4", "--max-tokens", "6",
+            "--ignore-eos", "--prompts", str(prompts), "--warmup", "0", "--out", str(out)]
+    assert main([*argv, "--api-key", KEYS[0]]) == 0
+    res = json.loads((out / "loadtest.json").read_text())
+    assert [lv["concurrency"] for lv in res["levels"]] == [1, 3] and res["model"] == "tiny"
+    for lv in res["levels"]:
+        assert (lv["completed"], lv["errors"], lv["output_tokens"]) == (4, 0, 24), lv
+        assert lv["tokens_per_s"] > 0 and lv["latency"]["ttft_p99"] >= lv["latency"]["ttft_p50"] > 0
+        assert lv["latency"]["itl_p50"] is not None
+    assert res["config"]["api_key"] is True and KEYS[0] not in (out / "loadtest.json").read_text()
+    after = scrape(key_server.url)
+    assert metric(after, "treedraft:generation_tokens_total") - metric(before, "treedraft:generation_tokens_total") \
+        == 48  # what the server counted equals what the client reported
+    md = (out / "report.md").read_text()
+    assert md.count("\n| 1 |") == 1 and md.count("\n| 3 |") == 1
+    assert (out / "loadtest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| concurrency |" in capsys.readouterr().out
+    # a wrong key: the model lookup fails with a hint; with --model given, every request is an error
+    assert main([*argv, "--api-key", "wrong"]) == 2
+    assert "--api-key" in capsys.readouterr().err
+    assert main([*argv, "--api-key", "wrong", "--model", "tiny", "--concurrency", "2"]) == 1
+    lv = json.loads((out / "loadtest.json").read_text())["levels"][0]
+    assert (lv["completed"], lv["errors"], lv["error_kinds"]) == (0, 4, {"http 401": 4})
+
+
+def test_loadtest_time_limit_cancels_what_is_left(server: LiveServer) -> None:
+    cfg = loadtest.LoadTestConfig(url=server.url, concurrency=[2], requests=6, max_tokens=3000, prompts=["abc"],
+                                  ignore_eos=True, max_seconds=1.0, warmup=0, model="tiny")
+    res = asyncio.run(loadtest.run_loadtest(cfg, log=lambda m: None))
+    lv = res["levels"][0]
+    assert lv["completed"] == 0 and lv["errors"] == 6 and lv["wall_s"] < 30
+    assert list(lv["error_kinds"]) == ["unfinished after --max-seconds 1"]
+    wait_for(lambda: metric(scrape(server.url), "treedraft:num_requests_running") == 0
+             and metric(scrape(server.url), "treedraft:num_requests_waiting") == 0,
+             "the cancelled load-test requests to leave the server", 60)
