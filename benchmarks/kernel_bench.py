@@ -45,7 +45,7 @@ SHAPES = [  # (name, N, K, kind, count per forward)
     ("down 576x1536", H, I, "q4_1", LAYERS),
     ("lm_head 49152x576", V, H, "q8_0", 1),
 ]
-L3_BYTES = 64 << 20  # rotate through at least this many weight bytes per shape
+L3_BYTES = 48 << 20  # rotate through at least this many weight bytes per shape (L3 is 35.8 MB here)
 
 
 def machine() -> str:
@@ -96,15 +96,20 @@ def weight_bytes(method: str, w) -> int:
     return w.numel() * 4
 
 
+CPU_TIMES: list[float] = []  # process CPU seconds per call of the last time_calls (all threads)
+
+
 def time_calls(fn, reps: int, inner: int) -> float:
-    """Min over reps of the mean time of `inner` calls (seconds)."""
+    """Min over reps of the mean wall time of `inner` calls (seconds); CPU time kept in CPU_TIMES."""
     fn()
-    best = float("inf")
+    best, best_cpu = float("inf"), float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(inner):
             fn()
         best = min(best, (time.perf_counter() - t0) / inner)
+        best_cpu = min(best_cpu, (time.process_time() - c0) / inner)
+    CPU_TIMES[:] = [best_cpu]
     return best
 
 
@@ -125,16 +130,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and row counts")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--busy", action="store_true", help="keep one core busy with a spinning process")
-    ap.add_argument("--rows", default="1,2,4,8,16,32")
+    ap.add_argument("--rows", default="1,2,4,8,16,32", help="row counts of the forward sweep")
+    ap.add_argument("--shape-rows", default="1,4,16", help="row counts of the per-shape table")
     ap.add_argument("--methods", default="ours,int4pack,fp32")
+    ap.add_argument("--out", default="", help="result name under benchmarks/results/ (default kernel_bench[_busy])")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not tk.available():
         sys.exit(f"native kernel unavailable: {tk.unavailable_reason()}")
     tk.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
+    shape_rows = [int(r) for r in args.shape_rows.split(",")]
     methods = args.methods.split(",")
-    reps = 3 if args.quick else 7
+    reps = 2 if args.quick else 5
     busy = None
     if args.busy:
         busy = mp.get_context("spawn").Process(target=spin, daemon=True)
@@ -150,7 +158,7 @@ def main() -> None:
             one = random_weight(N, K, kind, g)
             ncopy = max(2, -(-L3_BYTES // one["ours"].nbytes))
             copies = [one] + [random_weight(N, K, kind, g) for _ in range(ncopy - 1)]
-            for M in rows:
+            for M in shape_rows:
                 x = torch.randn(M, K, generator=g)
                 xs = {"f32": x, "bf16": x.to(torch.bfloat16)}
                 row = {"shape": name, "N": N, "K": K, "kind": kind, "M": M}
@@ -164,7 +172,6 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
             del copies, one
         # 2. all linears of one forward, in order, distinct weights
-        layer = [(N, K, kind) for _, N, K, kind, c in SHAPES if c == 2 * LAYERS for _ in (0, 1)]
         layer = [(H, H, "q4_1"), (KV, H, "q4_1"), (KV, H, "q4_1"), (H, H, "q4_1"),
                  (I, H, "q4_1"), (I, H, "q4_1"), (H, I, "q4_1")]
         ws = [random_weight(N, K, kind, g) for _ in range(LAYERS) for N, K, kind in layer]
@@ -181,13 +188,14 @@ def main() -> None:
                         call(meth, xin[K], wm)
                 t = time_calls(fwd, reps, 1)
                 row[f"{meth}_ms"] = t * 1e3
+                row[f"{meth}_cpu_ms"] = CPU_TIMES[0] * 1e3
                 row[f"{meth}_GBs"] = sum(weight_bytes(meth, w[meth]) for w in ws) / t / 1e9
             res["forward"].append(row)
             print(json.dumps(row), flush=True)
     finally:
         if busy is not None:
             busy.terminate()
-    out = ROOT / "benchmarks" / "results" / ("kernel_bench_busy" if args.busy else "kernel_bench")
+    out = ROOT / "benchmarks" / "results" / (args.out or ("kernel_bench_busy" if args.busy else "kernel_bench"))
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     out.with_suffix(".md").write_text(report(res, methods))
     print(f"wrote {out}.md/.json")
@@ -209,6 +217,11 @@ def report(res: dict, methods: list[str]) -> str:
         s.append(f"| {r['M']} | " + " | ".join(f"{r[f'{m}_ms']:.2f}" for m in methods) + " | " +
                  " | ".join(f"{r[f'{m}_GBs']:.1f}" for m in methods) + " | " +
                  " | ".join(f"{r[f'{m}_ms'] / r['ours_ms']:.2f}" for m in methods if m != "ours") + " |")
+    s += ["", "Process CPU time per forward (ms, all threads; less sensitive to other processes "
+          "taking the cores than wall time):", "",
+          "| rows | " + " | ".join(f"{m} CPU ms" for m in methods) + " |", "|" + "---|" * (1 + len(methods))]
+    for r in res["forward"]:
+        s.append(f"| {r['M']} | " + " | ".join(f"{r[f'{m}_cpu_ms']:.2f}" for m in methods) + " |")
     if 1 in base:
         s += ["", "Cost of M rows relative to 1 row: " + ", ".join(
             f"{m}: " + " ".join(f"{r['M']}:{r[f'{m}_ms'] / base[1][f'{m}_ms']:.2f}x" for r in res["forward"])

@@ -78,6 +78,16 @@ def _build(out: Path, name: str) -> ModuleType:
     from torch.utils import cpp_extension
 
     out.mkdir(parents=True, exist_ok=True)
+    # cpp_extension runs `ninja` from PATH: add the pip `ninja` package's and this Python's bin dirs
+    # (a venv that is not activated is not on PATH)
+    extra = [str(Path(sys.executable).parent)]
+    try:
+        import ninja  # type: ignore[import-not-found]
+
+        extra.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    os.environ["PATH"] = os.pathsep.join(extra + [os.environ.get("PATH", "")])
     print(f"treedraft: building the quantized CPU kernel into {out} (one time, about a minute)...",
           file=sys.stderr, flush=True)
     return cpp_extension.load(
@@ -88,6 +98,8 @@ def _build(out: Path, name: str) -> ModuleType:
 
 def load_extension(reload: bool = False) -> ModuleType | None:
     """The extension module (built at first use), or None with the reason in build_info()."""
+    if _state["loaded"] and not reload:  # fast path of every mm call
+        return _state["module"]
     with _lock:
         if _state["loaded"] and not reload:
             return _state["module"]

@@ -60,34 +60,30 @@ template <int RB>
 void tile_q8_0_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo,
                          int ncols) {
   __m512 acc[RB];
-  _Pragma("GCC unroll 8")
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
-  const int16_t* x0 = a.q16 + (int64_t)r0 * kQK;
-  const float* d0 = a.d + r0;
   for (int b = 0; b < a.B; ++b, w += kQ80Bytes) {
     for (int l = 0; l < kQ80Bytes; l += 64)
       _mm_prefetch((const char*)(w + 4 * kQ80Bytes + l), _MM_HINT_T0);
-    __m512i s32[RB];
-    _Pragma("GCC unroll 8")
-    for (int r = 0; r < RB; ++r) s32[r] = _mm512_setzero_si512();
-    _Pragma("GCC unroll 16")
-    for (int p = 0; p < 16; ++p) {
-      const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + 32 * p)));
-      _Pragma("GCC unroll 8")
-      for (int r = 0; r < RB; ++r) {
-        const __m512i xp =
-            _mm512_set1_epi32(load_i32(x0 + ((int64_t)b * a.M + r) * kQK + 2 * p));
-        s32[r] = _mm512_add_epi32(s32[r], _mm512_madd_epi16(v, xp));
-      }
-    }
+    // the block's weights widened once (wv[p]: k = 2p, 2p+1 of all 16 columns), kept in
+    // registers for all RB rows
+    __m512i wv[16];
+    for (int p = 0; p < 16; ++p)
+      wv[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + 32 * p)));
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + 512)));
-    _Pragma("GCC unroll 8")
+    const int16_t* xb = a.q16 + ((int64_t)b * a.M + r0) * kQK;  // row r at xb + 32 r
+    const float* db = a.d + (int64_t)b * a.M + r0;
     for (int r = 0; r < RB; ++r) {
-      const __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(d0[(int64_t)b * a.M + r]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[r]), sc, acc[r]);
+      const int16_t* xr = xb + r * kQK;
+      __m512i s0 = _mm512_madd_epi16(wv[0], _mm512_set1_epi32(load_i32(xr)));
+      __m512i s1 = _mm512_madd_epi16(wv[1], _mm512_set1_epi32(load_i32(xr + 2)));
+      for (int p = 2; p < 16; p += 2) {
+        s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(wv[p], _mm512_set1_epi32(load_i32(xr + 2 * p))));
+        s1 = _mm512_add_epi32(s1, _mm512_madd_epi16(wv[p + 1], _mm512_set1_epi32(load_i32(xr + 2 * p + 2))));
+      }
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));  // exact integer sum
+      acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(db[r])), acc[r]);
     }
   }
-  _Pragma("GCC unroll 8")
   for (int r = 0; r < RB; ++r) store16(out + (int64_t)(r0 + r) * ldo, acc[r], ncols);
 }
 
