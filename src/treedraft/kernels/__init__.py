@@ -1,0 +1,185 @@
+"""Native quantized (Q4_1 / Q8_0) CPU matmul for weight-only-quantized linears.
+
+``mm(x, pack_q4_1(...))`` computes ``x @ W.T`` with W kept in llama.cpp's block formats; the
+activations are quantized per row and 32-block to int8 inside the kernel (as llama.cpp does), so
+each output row depends only on its own input row: rows are bitwise identical whatever the number
+of rows or their order (what exact speculative decoding needs).
+
+The C++ source is compiled at first use with ``torch.utils.cpp_extension`` into
+``cache_dir()/kernels/<key>`` (key = CPU model and flags, compiler flags, torch version, source
+hash); later processes load the built module directly. ``TREEDRAFT_NO_EXT=1`` disables it; when
+it is disabled or the build fails, ``available()`` is False, ``unavailable_reason()`` says why and
+``mm`` falls back to a dequantized float32 matmul.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from treedraft.kernels._build import build_info, load_extension
+
+__all__ = [
+    "PackedWeight", "available", "unavailable_reason", "pack_q4_1", "pack_q8_0", "mm",
+    "set_num_threads", "get_num_threads", "paths", "build_info",
+]
+
+TILE = 16   # output columns per packed tile
+QK = 32     # weights per quantization block
+Q4_1, Q8_0 = 0, 1
+_BLOCK_BYTES = {Q4_1: 320, Q8_0: 544}
+_KIND_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
+
+
+def _ext() -> ModuleType | None:
+    """The loaded extension, or None (reason in unavailable_reason())."""
+    return load_extension()
+
+
+def available() -> bool:
+    """True when the native kernel is built and loaded on this machine."""
+    return _ext() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernel is not available (None when it is)."""
+    return None if available() else build_info().get("reason")
+
+
+def paths() -> list[str]:
+    """Compiled code paths, fastest first (e.g. ['avx512', 'avx2', 'scalar'])."""
+    ext = _ext()
+    return list(ext.paths()) if ext is not None else []
+
+
+def set_num_threads(n: int) -> None:
+    """Threads used by mm (the calling thread included)."""
+    ext = _ext()
+    if ext is not None:
+        ext.set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    """Threads used by mm (1 when the extension is unavailable)."""
+    ext = _ext()
+    return int(ext.get_num_threads()) if ext is not None else 1
+
+
+@dataclass(eq=False)
+class PackedWeight:
+    """A (N, K) weight repacked for the kernel: tiles of 16 output columns, fp16 block scales."""
+
+    data: torch.Tensor          # uint8 (ceil(N/16) * K/32 * block_bytes,)
+    N: int
+    K: int
+    kind: int                   # Q4_1 or Q8_0
+    _dequantized: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernel streams per call (padding included)."""
+        return self.data.numel()
+
+    @property
+    def kind_name(self) -> str:
+        """'Q4_1' or 'Q8_0'."""
+        return _KIND_NAMES[self.kind]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 (N, K) weight this packs (exact: the same fp16 scales the kernel uses)."""
+        T, B = -(-self.N // TILE), self.K // QK
+        blocks = self.data.view(T, B, _BLOCK_BYTES[self.kind])
+        if self.kind == Q4_1:
+            nib = blocks[:, :, :256].reshape(T, B, 4, TILE, 4)          # (T, B, i, c, j)
+            lo, hi = nib & 0xF, nib >> 4
+            q = torch.stack([lo, hi], dim=2)                              # (T, B, h, i, c, j)
+            q = q.permute(0, 4, 1, 2, 3, 5).reshape(T * TILE, self.K)     # k = 16h + 4i + j
+            d = blocks[:, :, 256:288].contiguous().view(torch.float16)    # (T, B, 16)
+            m = blocks[:, :, 288:320].contiguous().view(torch.float16)
+            d = d.permute(0, 2, 1).reshape(T * TILE, B).float()
+            m = m.permute(0, 2, 1).reshape(T * TILE, B).float()
+            w = q.float().view(-1, B, QK) * d[..., None] + m[..., None]
+        else:
+            qs = blocks[:, :, :512].contiguous().view(torch.int8).reshape(T, B, 16, TILE, 2)
+            q = qs.permute(0, 3, 1, 2, 4).reshape(T * TILE, self.K)      # k = 2p + j
+            d = blocks[:, :, 512:544].contiguous().view(torch.float16)
+            d = d.permute(0, 2, 1).reshape(T * TILE, B).float()
+            w = q.float().view(-1, B, QK) * d[..., None]
+        return w.reshape(T * TILE, self.K)[: self.N].contiguous()
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple[int, int], dtypes: tuple[torch.dtype, ...]) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected one of {dtypes}")
+
+
+def _fp16_scales(name: str, t: torch.Tensor, T: int) -> torch.Tensor:
+    """(N, B) f32 -> (T, B, 16) fp16 as uint8 bytes (T, B, 32); warns if fp16 changes values."""
+    N, B = t.shape
+    h = t.to(torch.float16)
+    if not torch.equal(h.float(), t.float()):
+        err = (h.float() - t.float()).abs().max().item()
+        warnings.warn(f"pack: {name} is stored as fp16 (as in GGUF); rounding changed it by up to "
+                      f"{err:.3g}. Round it to fp16 before packing to keep exact weights.", stacklevel=3)
+    h = torch.nn.functional.pad(h, (0, 0, 0, T * TILE - N))
+    return h.view(T, TILE, B).permute(0, 2, 1).contiguous().view(torch.uint8).view(T, B, 2 * TILE)
+
+
+def pack_q4_1(scale: torch.Tensor, minv: torch.Tensor, q: torch.Tensor) -> PackedWeight:
+    """Pack Q4_1 weights w = scale * q + minv (groups of 32 along K; q in 0..15)."""
+    N, K = q.shape
+    if K % QK:
+        raise ValueError(f"pack_q4_1: K={K} must be a multiple of {QK}")
+    B, T = K // QK, -(-N // TILE)
+    _check("q", q, (N, K), (torch.uint8,))
+    _check("scale", scale, (N, B), (torch.float32, torch.float16))
+    _check("minv", minv, (N, B), (torch.float32, torch.float16))
+    if int(q.max()) > 15:
+        raise ValueError("pack_q4_1: q must hold 4-bit values 0..15")
+    qp = torch.nn.functional.pad(q, (0, 0, 0, T * TILE - N)).view(T, TILE, B, 2, 4, 4)  # c, b, h, i, j
+    qp = qp.permute(0, 2, 3, 4, 1, 5)                                                     # (T, B, h, i, c, j)
+    nib = (qp[:, :, 0] | (qp[:, :, 1] << 4)).reshape(T, B, 256)
+    blocks = torch.cat([nib, _fp16_scales("scale", scale, T), _fp16_scales("minv", minv, T)], dim=2)
+    return PackedWeight(blocks.reshape(-1).contiguous(), N, K, Q4_1)
+
+
+def pack_q8_0(scale: torch.Tensor, q: torch.Tensor) -> PackedWeight:
+    """Pack Q8_0 weights w = scale * q (groups of 32 along K; q int8)."""
+    N, K = q.shape
+    if K % QK:
+        raise ValueError(f"pack_q8_0: K={K} must be a multiple of {QK}")
+    B, T = K // QK, -(-N // TILE)
+    _check("q", q, (N, K), (torch.int8,))
+    _check("scale", scale, (N, B), (torch.float32, torch.float16))
+    qp = torch.nn.functional.pad(q, (0, 0, 0, T * TILE - N)).view(T, TILE, B, 16, 2)     # c, b, p, j
+    qs = qp.permute(0, 2, 3, 1, 4).reshape(T, B, 512).view(torch.uint8)
+    blocks = torch.cat([qs, _fp16_scales("scale", scale, T)], dim=2)
+    return PackedWeight(blocks.reshape(-1).contiguous(), N, K, Q8_0)
+
+
+_warned_fallback = False
+
+
+def mm(x: torch.Tensor, w: PackedWeight, *, path: str = "") -> torch.Tensor:
+    """y (M, N) = x (M, K) float32 @ W^T for a packed weight (path: force 'avx2'/'scalar'/...)."""
+    if x.dim() != 2 or x.shape[1] != w.K:
+        raise ValueError(f"mm: x must be (M, {w.K}), got {tuple(x.shape)}")
+    ext = _ext()
+    if ext is None:
+        global _warned_fallback
+        if not _warned_fallback:
+            warnings.warn(f"treedraft.kernels: native kernel unavailable ({unavailable_reason()}); "
+                          "using a dequantized float32 matmul", stacklevel=2)
+            _warned_fallback = True
+        if w._dequantized is None:
+            w._dequantized = w.dequantize()
+        return x.float() @ w._dequantized.T
+    return ext.mm(x.float().contiguous(), w.data, w.N, w.kind, path)

@@ -1,0 +1,133 @@
+"""Build-once, load-fast handling of the qgemm C++ extension (cached per machine and source)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+_SRC_DIR = Path(__file__).resolve().parent
+_SOURCES = ["qgemm.cpp"]
+_HEADERS = ["common.h", "pool.h", "kern_scalar.h", "kern_avx512.h", "kern_avx2.h"]
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17"]
+LDFLAGS: list[str] = []
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"loaded": False, "module": None, "reason": None, "path": None,
+                          "built": False, "seconds": None}
+
+
+def _cpu_signature() -> str:
+    """CPU model name and feature flags (the build uses -march=native)."""
+    model, flags = platform.processor() or platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, val = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model in ("", platform.processor(), platform.machine()):
+                model = val.strip()
+            elif key == "flags" and not flags:
+                flags = " ".join(sorted(val.split()))
+    except OSError:
+        pass
+    return f"{model}|{flags}"
+
+
+def build_key() -> str:
+    """Hash of everything the built module depends on."""
+    h = hashlib.sha256()
+    for name in _SOURCES + _HEADERS:
+        h.update(name.encode())
+        h.update((_SRC_DIR / name).read_bytes())
+    for part in (_cpu_signature(), " ".join(CFLAGS + LDFLAGS), torch.__version__,
+                 sys.version.split()[0], platform.machine()):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """cache_dir()/kernels/<key>."""
+    from treedraft.models.registry import cache_dir
+
+    return cache_dir() / "kernels" / build_key()
+
+
+def _module_name() -> str:
+    return f"treedraft_qgemm_{build_key()}"
+
+
+def _import_built(so: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, so)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {so}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _build(out: Path, name: str) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    out.mkdir(parents=True, exist_ok=True)
+    # cpp_extension runs `ninja` from PATH: add the pip `ninja` package's and this Python's bin dirs
+    # (a venv that is not activated is not on PATH)
+    extra = [str(Path(sys.executable).parent)]
+    try:
+        import ninja  # type: ignore[import-not-found]
+
+        extra.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    os.environ["PATH"] = os.pathsep.join(extra + [os.environ.get("PATH", "")])
+    print(f"treedraft: building the quantized CPU kernel into {out} (one time, about a minute)...",
+          file=sys.stderr, flush=True)
+    return cpp_extension.load(
+        name=name, sources=[str(_SRC_DIR / s) for s in _SOURCES], extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS, extra_include_paths=[str(_SRC_DIR)], build_directory=str(out),
+        verbose=False)
+
+
+def load_extension(reload: bool = False) -> ModuleType | None:
+    """The extension module (built at first use), or None with the reason in build_info()."""
+    if _state["loaded"] and not reload:  # fast path of every mm call
+        return _state["module"]
+    with _lock:
+        if _state["loaded"] and not reload:
+            return _state["module"]
+        _state.update(loaded=True, module=None, reason=None, built=False, seconds=None)
+        if os.environ.get("TREEDRAFT_NO_EXT", "") not in ("", "0"):
+            _state["reason"] = "disabled by TREEDRAFT_NO_EXT"
+            return None
+        t0 = time.perf_counter()
+        try:
+            out, name = build_dir(), _module_name()
+            so = out / f"{name}.so"
+            _state["path"] = str(so)
+            if so.is_file():
+                mod = _import_built(so, name) if name not in sys.modules else sys.modules[name]
+            else:
+                mod = _build(out, name)
+                _state["built"] = True
+            mod.set_num_threads(max(1, torch.get_num_threads()))
+        except Exception as e:  # noqa: BLE001 - any build/import failure means "use the fallback"
+            _state["reason"] = f"build or load failed: {type(e).__name__}: {str(e).strip()[-800:]}"
+            return None
+        _state["module"] = mod
+        _state["seconds"] = time.perf_counter() - t0
+        return mod
+
+
+def build_info() -> dict[str, Any]:
+    """Where the module lives, whether this process built it, how long loading took, and why not."""
+    load_extension()
+    return {k: _state[k] for k in ("path", "built", "seconds", "reason")} | {
+        "available": _state["module"] is not None}

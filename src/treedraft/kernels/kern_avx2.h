@@ -1,0 +1,127 @@
+// AVX2 kernels (e.g. AMD Zen 2/3): the same packed layout, processed as two halves of 8 columns
+// (bytes 0..31 / 32..63 of each 64-byte group), 4 activation rows per pass (16 ymm registers).
+#pragma once
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#include "common.h"
+
+namespace td {
+
+inline void store8(float* dst, __m256 v, int ncols) {
+  if (ncols >= 8) {
+    _mm256_storeu_ps(dst, v);
+  } else if (ncols > 0) {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    for (int c = 0; c < ncols; ++c) dst[c] = tmp[c];
+  }
+}
+
+template <int RB>
+void tile_q4_1_avx2_rb(const uint8_t* w0, const Act& a, int r0, float* out, int ldo, int ncols) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* x0 = a.q + (int64_t)r0 * kQK;
+  const float* d0 = a.d + r0;
+  const float* s0 = a.s + r0;
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[RB];
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+    const uint8_t* w = w0;
+    for (int b = 0; b < a.B; ++b, w += kQ41Bytes) {
+      __m256i s16[RB];
+      _Pragma("GCC unroll 8")
+      for (int r = 0; r < RB; ++r) s16[r] = _mm256_setzero_si256();
+      _Pragma("GCC unroll 4")
+      for (int i = 0; i < 4; ++i) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * i + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < RB; ++r) {
+          const int8_t* xr = x0 + ((int64_t)b * a.M + r) * kQK;  // constant offset per r
+          const __m256i xl = _mm256_set1_epi32(load_i32(xr + 4 * i));
+          const __m256i xh = _mm256_set1_epi32(load_i32(xr + 16 + 4 * i));
+          s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, xl));
+          s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, xh));
+        }
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 256 + 16 * h)));
+      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 288 + 16 * h)));
+      _Pragma("GCC unroll 8")
+      for (int r = 0; r < RB; ++r) {
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
+        const __m256 sc = _mm256_mul_ps(dw, _mm256_set1_ps(d0[(int64_t)b * a.M + r]));
+        acc[r] = _mm256_fmadd_ps(f, sc, acc[r]);
+        acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(s0[(int64_t)b * a.M + r]), acc[r]);
+      }
+    }
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < RB; ++r)
+      store8(out + (int64_t)(r0 + r) * ldo + 8 * h, acc[r], ncols - 8 * h);
+  }
+}
+
+template <int RB>
+void tile_q8_0_avx2_rb(const uint8_t* w0, const Act& a, int r0, float* out, int ldo, int ncols) {
+  const int16_t* x0 = a.q16 + (int64_t)r0 * kQK;
+  const float* d0 = a.d + r0;
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[RB];
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+    const uint8_t* w = w0;
+    for (int b = 0; b < a.B; ++b, w += kQ80Bytes) {
+      __m256i s32[RB];
+      _Pragma("GCC unroll 8")
+      for (int r = 0; r < RB; ++r) s32[r] = _mm256_setzero_si256();
+      _Pragma("GCC unroll 16")
+      for (int p = 0; p < 16; ++p) {
+        const __m256i v =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 32 * p + 16 * h)));
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < RB; ++r) {
+          const __m256i xp =
+              _mm256_set1_epi32(load_i32(x0 + ((int64_t)b * a.M + r) * kQK + 2 * p));
+          s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(v, xp));
+        }
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 512 + 16 * h)));
+      _Pragma("GCC unroll 8")
+      for (int r = 0; r < RB; ++r) {
+        const __m256 sc = _mm256_mul_ps(dw, _mm256_set1_ps(d0[(int64_t)b * a.M + r]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), sc, acc[r]);
+      }
+    }
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < RB; ++r)
+      store8(out + (int64_t)(r0 + r) * ldo + 8 * h, acc[r], ncols - 8 * h);
+  }
+}
+
+constexpr int kRowBlockAvx2 = 4;
+
+inline void tile_q4_1_avx2(const uint8_t* w, const Act& a, int r0, int rb, float* out, int ldo,
+                           int ncols) {
+  switch (rb) {
+    case 1: tile_q4_1_avx2_rb<1>(w, a, r0, out, ldo, ncols); break;
+    case 2: tile_q4_1_avx2_rb<2>(w, a, r0, out, ldo, ncols); break;
+    case 3: tile_q4_1_avx2_rb<3>(w, a, r0, out, ldo, ncols); break;
+    default: tile_q4_1_avx2_rb<4>(w, a, r0, out, ldo, ncols); break;
+  }
+}
+
+inline void tile_q8_0_avx2(const uint8_t* w, const Act& a, int r0, int rb, float* out, int ldo,
+                           int ncols) {
+  switch (rb) {
+    case 1: tile_q8_0_avx2_rb<1>(w, a, r0, out, ldo, ncols); break;
+    case 2: tile_q8_0_avx2_rb<2>(w, a, r0, out, ldo, ncols); break;
+    case 3: tile_q8_0_avx2_rb<3>(w, a, r0, out, ldo, ncols); break;
+    default: tile_q8_0_avx2_rb<4>(w, a, r0, out, ldo, ncols); break;
+  }
+}
+
+}  // namespace td
+#endif

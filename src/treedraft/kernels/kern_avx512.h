@@ -1,0 +1,115 @@
+// AVX-512BW kernels: one zmm holds 16 output columns; a weight tile is unpacked once per block
+// and applied to RB activation rows held in registers (integer dot products as llama.cpp's
+// ggml_vec_dot_q4_1_q8_1: vpmaddubsw unsigned nibbles x signed int8, vpmaddwd with ones).
+#pragma once
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#include "common.h"
+
+namespace td {
+
+inline void store16(float* dst, __m512 v, int ncols) {
+  if (ncols >= kTile)
+    _mm512_storeu_ps(dst, v);
+  else
+    _mm512_mask_storeu_ps(dst, (__mmask16)((1u << ncols) - 1), v);
+}
+
+// Q4_1: per (row, block) 8 vpmaddubsw summed in int16 (|sum| <= 8 * 2 * 15 * 127 = 30480, no
+// saturation since activations are clamped to [-127, 127]), one vpmaddwd, then the fp32 update.
+template <int RB>
+void tile_q4_1_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo,
+                         int ncols) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i ones = _mm512_set1_epi16(1);
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int b = 0; b < a.B; ++b, w += kQ41Bytes) {
+    for (int l = 0; l < kQ41Bytes; l += 64)
+      _mm_prefetch((const char*)(w + 4 * kQ41Bytes + l), _MM_HINT_T0);
+    // the block's 16 x 32 weights, unpacked once: wv[i] holds k = 4i..4i+3 (i < 4) and
+    // 16+4(i-4).. (i >= 4) of all 16 columns; they stay in registers for all RB rows
+    __m512i wv[8];
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = _mm512_loadu_si512((const void*)(w + 64 * i));
+      wv[i] = _mm512_and_si512(v, low4);
+      wv[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + 256)));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + 288)));
+    const int8_t* xb = a.q + ((int64_t)b * a.M + r0) * kQK;  // row r at xb + 32 r
+    const float* db = a.d + (int64_t)b * a.M + r0;
+    const float* sb = a.s + (int64_t)b * a.M + r0;
+    for (int r = 0; r < RB; ++r) {
+      const int8_t* xr = xb + r * kQK;
+      __m512i s16 = _mm512_maddubs_epi16(wv[0], _mm512_set1_epi32(load_i32(xr)));
+      for (int i = 1; i < 8; ++i)
+        s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(wv[i], _mm512_set1_epi32(load_i32(xr + 4 * i))));
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_madd_epi16(s16, ones));
+      acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(db[r])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sb[r]), acc[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) store16(out + (int64_t)(r0 + r) * ldo, acc[r], ncols);
+}
+
+// Q8_0: weights sign-extended to int16 (vpmovsxbw), activation pairs broadcast as int16,
+// vpmaddwd + vpaddd per 2 k (int8 x int8 has no unsigned operand for vpmaddubsw).
+template <int RB>
+void tile_q8_0_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo,
+                         int ncols) {
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int b = 0; b < a.B; ++b, w += kQ80Bytes) {
+    for (int l = 0; l < kQ80Bytes; l += 64)
+      _mm_prefetch((const char*)(w + 4 * kQ80Bytes + l), _MM_HINT_T0);
+    // the block's weights widened once (wv[p]: k = 2p, 2p+1 of all 16 columns), kept in
+    // registers for all RB rows
+    __m512i wv[16];
+    for (int p = 0; p < 16; ++p)
+      wv[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + 32 * p)));
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + 512)));
+    const int16_t* xb = a.q16 + ((int64_t)b * a.M + r0) * kQK;  // row r at xb + 32 r
+    const float* db = a.d + (int64_t)b * a.M + r0;
+    for (int r = 0; r < RB; ++r) {
+      const int16_t* xr = xb + r * kQK;
+      __m512i s0 = _mm512_madd_epi16(wv[0], _mm512_set1_epi32(load_i32(xr)));
+      __m512i s1 = _mm512_madd_epi16(wv[1], _mm512_set1_epi32(load_i32(xr + 2)));
+      for (int p = 2; p < 16; p += 2) {
+        s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(wv[p], _mm512_set1_epi32(load_i32(xr + 2 * p))));
+        s1 = _mm512_add_epi32(s1, _mm512_madd_epi16(wv[p + 1], _mm512_set1_epi32(load_i32(xr + 2 * p + 2))));
+      }
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));  // exact integer sum
+      acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(db[r])), acc[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) store16(out + (int64_t)(r0 + r) * ldo, acc[r], ncols);
+}
+
+constexpr int kRowBlockAvx512 = 8;
+
+#define TD_RB_SWITCH(NAME)                                    \
+  switch (rb) {                                               \
+    case 1: NAME<1>(w, a, r0, out, ldo, ncols); break;        \
+    case 2: NAME<2>(w, a, r0, out, ldo, ncols); break;        \
+    case 3: NAME<3>(w, a, r0, out, ldo, ncols); break;        \
+    case 4: NAME<4>(w, a, r0, out, ldo, ncols); break;        \
+    case 5: NAME<5>(w, a, r0, out, ldo, ncols); break;        \
+    case 6: NAME<6>(w, a, r0, out, ldo, ncols); break;        \
+    case 7: NAME<7>(w, a, r0, out, ldo, ncols); break;        \
+    default: NAME<8>(w, a, r0, out, ldo, ncols); break;       \
+  }
+
+inline void tile_q4_1_avx512(const uint8_t* w, const Act& a, int r0, int rb, float* out, int ldo,
+                             int ncols) {
+  TD_RB_SWITCH(tile_q4_1_avx512_rb)
+}
+
+inline void tile_q8_0_avx512(const uint8_t* w, const Act& a, int r0, int rb, float* out, int ldo,
+                             int ncols) {
+  TD_RB_SWITCH(tile_q8_0_avx512_rb)
+}
+
+}  // namespace td
+#endif

