@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import socket
 import threading
@@ -10,12 +11,12 @@ from collections.abc import Callable, Sequence
 
 import httpx
 import uvicorn
+from tokenizers import AddedToken, Tokenizer, decoders, models
 
 from treedraft.api import LLM
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter
 from treedraft.engine import Engine
 from treedraft.models.tiny import tiny_llama
-from treedraft.tokenizer import StreamDecoder
 
 
 class LiveServer:
@@ -121,12 +122,17 @@ class CharTokenizer:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
 
-    def stream_decoder(self) -> StreamDecoder:
-        return StreamDecoder(self)  # type: ignore[arg-type]
+    @functools.cached_property
+    def backend(self) -> Tokenizer:
+        """The same mapping as a ``tokenizers`` backend, which the text layer streams through."""
+        t = Tokenizer(models.WordLevel({chr(32 + i): i for i in range(95)} | {"<eos>": 95}, unk_token="?"))
+        t.decoder = decoders.Fuse()
+        t.add_special_tokens([AddedToken("<eos>", special=True)])
+        return t
 
 
 def tiny_llm(seed: int = 0) -> LLM:
     """A random 2-layer Llama (4096-token context, like the real model) with prompt lookup, named "tiny"."""
     tok = CharTokenizer()
     model = tiny_llama(seed=seed, vocab_size=tok.vocab_size, max_seq_len=4096, scale=2.0)
-    return LLM(Engine(model, tok, PromptLookupDrafter()), tok, "tiny", "cpu", heads=None)  # type: ignore[arg-type]
+    return LLM(Engine(model, PromptLookupDrafter()), tok, "tiny", "cpu", heads=None)  # type: ignore[arg-type]
