@@ -94,7 +94,7 @@ class Int4PackLinear(QuantLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xs, self.packed, GROUP, self.scales_and_zeros).float()
 
     def dequantized(self) -> Tensor:
-        """The weights (N, K) this module multiplies by, as float32 (through the kernel itself)."""
+        """The weights (N, K) as the kernel returns them for a unit input (bf16 scales: rounded to bf16)."""
         eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros).float().t()
 
