@@ -259,3 +259,49 @@ def _write_tiny_gguf(path, down_type) -> None:  # noqa: ANN001
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+@pytest.mark.slow
+def test_real_file_blocks_and_int4_weights_equal_the_dequantized_file() -> None:
+    """Every Q4_1/Q8_0 tensor of the bundled GGUF unpacks to gguf's own dequantization bit for bit, and
+    the int4 kernel (float32 scales) multiplies by exactly those weights."""
+    from treedraft.models.registry import resolve
+
+    reader = gguf.GGUFReader(str(resolve("smollm2-135m-instruct")))
+    seen = set()
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if int(t.tensor_type) not in (gb.Q4_1, gb.Q8_0):
+            continue
+        ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        if int(t.tensor_type) == gb.Q8_0:
+            np.testing.assert_array_equal(_bits(gb.dequantize_q8(*gb.unpack_q8_0(t.data, shape))), _bits(ref))
+            continue
+        parts = gb.unpack_q4_1(t.data, shape)
+        np.testing.assert_array_equal(_bits(gb.dequantize_q4(*parts)), _bits(ref), err_msg=t.name)
+        kind = t.name.split(".")[2]
+        if kind not in seen:  # one tensor of each kind through the kernel (the identity product is slow)
+            seen.add(kind)
+            mod = Int4PackLinear(*parts, scale_dtype=torch.float32)
+            np.testing.assert_array_equal(_bits(mod.dequantized()), _bits(ref), err_msg=t.name)
+    assert len(seen) == 7
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_speculative_equals_plain_on_the_real_model(weights: str) -> None:
+    """Greedy output with the default drafter equals plain greedy output of the same quantized weights."""
+    import treedraft
+    from treedraft.engine import GenerationConfig
+    from treedraft.models.quant import QuantLinear
+
+    llm = treedraft.load(weights=weights)
+    assert llm.model.weights_info["resolved"] == weights
+    assert isinstance(llm.model.layers[0].attn.wqkv, QuantLinear) and isinstance(llm.model.lm_head, QuantLinear)
+    cfg = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    for prompt in ("Write a haiku about the sea.", "List three uses of a paperclip and explain each one."):
+        ids = llm.encode_prompt(prompt)
+        plain = llm.engine.generate(ids, cfg, None)
+        spec = llm.engine.generate(ids, cfg, llm.engine.drafter)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.mean_accepted_length > 1.0  # the drafter did get tokens accepted
