@@ -305,3 +305,24 @@ def test_speculative_equals_plain_on_the_real_model(weights: str) -> None:
         spec = llm.engine.generate(ids, cfg, llm.engine.drafter)
         assert spec.token_ids == plain.token_ids
         assert spec.stats.mean_accepted_length > 1.0  # the drafter did get tokens accepted
+
+
+def test_auto_measures_once_then_reuses_the_cached_choice(tmp_path, monkeypatch) -> None:
+    from treedraft.models import quant_load
+
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path))
+    monkeypatch.delenv("TREEDRAFT_RETUNE", raising=False)
+    info = quant_load.apply_weights(_tiny(), None, "auto", probe_ids=list(range(1, 20)))
+    assert info["chosen"] in ("fp32", "int4", "int8")
+    assert set(info["top1_agreement"]) == {"fp32", "int4", "int8"}
+    assert list((tmp_path / "tune").glob("quant-*.json"))
+
+    def boom(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(quant_load, "_measure_auto", boom)
+    again = quant_load.apply_weights(_tiny(), None, "auto")
+    assert again["chosen"] == info["chosen"]
+    monkeypatch.setenv("TREEDRAFT_RETUNE", "1")
+    with pytest.raises(AssertionError, match="measured again"):
+        quant_load.apply_weights(_tiny(), None, "auto")
