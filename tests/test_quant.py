@@ -326,3 +326,16 @@ def test_auto_measures_once_then_reuses_the_cached_choice(tmp_path, monkeypatch)
     monkeypatch.setenv("TREEDRAFT_RETUNE", "1")
     with pytest.raises(AssertionError, match="measured again"):
         quant_load.apply_weights(_tiny(), None, "auto")
+
+
+def test_read_tensors_matches_gguf_reader(tmp_path) -> None:
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path, down_type=gguf.GGMLQuantizationType.Q8_0)
+    meta, tensors = gb.read_tensors(path)
+    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == 1
+    reader = gguf.GGUFReader(str(path))
+    assert set(tensors) == {t.name for t in reader.tensors}
+    for t in reader.tensors:
+        mine = tensors[t.name]
+        assert mine.qtype == int(t.tensor_type) and mine.shape == (int(t.shape[1]), int(t.shape[0]))
+        np.testing.assert_array_equal(mine.data, np.asarray(t.data).view(np.uint8).reshape(mine.data.shape))

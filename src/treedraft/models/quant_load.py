@@ -76,18 +76,15 @@ def gguf_weights(path: str | Path, num_layers: int, num_heads: int, num_kv_heads
     int4 keeps Q4_0/Q4_1/Q4_K blocks exactly; Q8_0 stays Q8_0; any other quantized type is dequantized
     and re-quantized to int8 with one warning per type that names its tensors.
     """
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    arch = reader.fields["general.architecture"].contents()
-    tensors = {t.name: t for t in reader.tensors}
+    meta, tensors = gb.read_tensors(path)
+    arch = meta["general.architecture"]
     want = "q4" if weights == "int4" else "q8"
     inexact: dict[str, list[str]] = {}
 
     def one(name: str, n_head: int | None = None) -> QWeight:
         t = tensors[name]
-        shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists dims innermost first
-        qw = _tensor_qweight(name, int(t.tensor_type), t.data, shape, want, inexact)
+        shape = t.shape
+        qw = _tensor_qweight(name, t.qtype, t.data, shape, want, inexact)
         if n_head and arch == "llama":  # undo llama.cpp's q/k row permutation (see loaders._unpermute_rope)
             rows = shape[0]
             perm = torch.arange(rows).view(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(rows)  # new <- old
