@@ -6,6 +6,9 @@
    (EOS ignored by both so the lengths match), interleaved, and the own/HF ratio.
 
     python benchmarks/forward_latency.py            # writes benchmarks/results/forward_latency.{md,json}
+    python benchmarks/forward_latency.py --weights fp32,int4,int8   # per weight format (issue 11), own runtime:
+        1-token and 16-token-tree forward on a 512-token cache, weight bytes / measured read bandwidth, and a
+        per-op profile of one 1-token step -> benchmarks/results/forward_latency_weights.{md,json}
 
 Timings live here, never in unit-test asserts. On a shared machine the absolute numbers are noisy;
 the ratios (measured in the same run, interleaved) are what to read.
@@ -173,6 +176,87 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def read_bandwidth(mb: int = 512, reps: int = 5) -> float:
+    """Bytes/s of a streaming read (sum of a ``mb``-MB float32 tensor, best of ``reps``)."""
+    x = torch.ones(mb * 2**20 // 4)
+    x.sum()
+    best = min(time_call(x.sum) for _ in range(reps))
+    return x.numel() * 4 / best
+
+
+@torch.inference_mode()
+def profile_step(model, context: int, top: int = 12) -> list[dict]:  # noqa: ANN001
+    """Per-op self CPU time of one 1-token forward on a ``context``-token cache (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = model.new_cache(context + 2)
+    ctx = torch.randint(0, model.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    model.forward(ctx, torch.arange(context), cache, 0, logits_for=slice(-1, None))
+    tok, pos = ctx[:, :1], torch.tensor([context])
+    model.forward(tok, pos, cache, context)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        model.forward(tok, pos, cache, context)
+        wall = time.perf_counter() - t
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in rows)
+    out = [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3} for e in rows[:top]]
+    return [{"op": "(all ops, profiled)", "calls": sum(e.count for e in rows), "self_ms": total / 1e3},
+            {"op": "(wall, profiled)", "calls": 1, "self_ms": wall * 1e3}] + out
+
+
+def weights_table(model_name: str, formats: list[str], context: int, reps: int) -> dict:
+    """Per weight format: 1- and 16-token forward latency, weight bytes, bandwidth bound, one-step profile."""
+    import treedraft
+    from treedraft.models.quant import weight_bytes
+    from treedraft.training.calibrate import measure_latency
+
+    bw = read_bandwidth()
+    llms = {f: treedraft.load(model_name, drafter=None, weights=f, max_seq_len=context + 64) for f in formats}
+    lat: dict[str, dict[int, list[float]]] = {f: {1: [], 16: []} for f in formats}
+    for r in range(reps):  # interleaved, order alternating
+        for f in (formats if r % 2 == 0 else formats[::-1]):
+            for k, t in measure_latency(llms[f].model, context, (1, 16), reps=1).items():
+                lat[f][k].append(t)
+    rows = {}
+    for f, llm in llms.items():
+        nbytes = weight_bytes(llm.model)
+        t1, t16 = (statistics.median(lat[f][k]) for k in (1, 16))
+        rows[f] = {"ms_1": t1 * 1e3, "ms_16": t16 * 1e3, "tree16_over_1": t16 / t1, "weight_bytes": nbytes,
+                   "bound_ms": nbytes / bw * 1e3, "ms_1_over_bound": t1 / (nbytes / bw),
+                   "info": getattr(llm.model, "weights_info", {"weights": f}),
+                   "profile_1_token": profile_step(llm.model, context)}
+    return {"context": context, "reps": reps, "read_bandwidth_GBps": bw / 1e9, "formats": rows}
+
+
+def weights_markdown(res: dict, env: dict) -> str:
+    """The per-format report."""
+    lines = ["# Forward latency per weight format (own runtime, cpu)", "", f"- command: `{env['command']}`",
+             f"- {env['cpu']}; torch {env['torch']}, {env['threads']} thread(s); date {env['date']}",
+             f"- measured read bandwidth (sum of a 512 MB tensor): {res['read_bandwidth_GBps']:.1f} GB/s", "",
+             f"Median of {res['reps']} interleaved repetitions on a {res['context']}-token cache; 16 = a 16-token "
+             "tree forward (tree mask). Bound = weight bytes / read bandwidth.", "",
+             "| weights | kernels | 1-token ms | 16-token ms | 16 / 1 | weight MB | bound ms | 1-token / bound |",
+             "|---|---|---|---|---|---|---|---|"]
+    for f, r in res["formats"].items():
+        k = ", ".join(f"{a}: {b}" for a, b in r["info"].get("kernels", {}).items()) or "fp32 plan"
+        lines.append(f"| {f} | {k} | {r['ms_1']:.1f} | {r['ms_16']:.1f} | {r['tree16_over_1']:.2f} | "
+                     f"{r['weight_bytes'] / 1e6:.0f} | {r['bound_ms']:.1f} | {r['ms_1_over_bound']:.1f} |")
+    for f, r in res["formats"].items():
+        lines += ["", f"## Where one 1-token step goes: {f} (torch.profiler, self CPU time)", "",
+                  "| op | calls | self ms |", "|---|---|---|"]
+        lines += [f"| `{p['op']}` | {p['calls']} | {p['self_ms']:.2f} |" for p in r["profile_1_token"]]
+    return "\n".join(lines) + "\n"
+
+
+def _cpu_line() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run both measurements and write the report."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,9 +268,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--weights", default=None,
+                    help="comma list of weight formats (fp32,int4,int8): per-format table instead of own vs HF")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.weights:
+        from treedraft.models.quant_load import check_weights
+
+        formats = [check_weights(f) for f in a.weights.split(",") if f]
+        res = weights_table(a.model, formats, a.context, a.reps)
+        env = {"command": "python benchmarks/forward_latency.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               "cpu": _cpu_line(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "forward_latency_weights.json").write_text(json.dumps({"environment": env, **res}, indent=1) + "\n")
+        md = weights_markdown(res, env)
+        (out / "forward_latency_weights.md").write_text(md)
+        print(md)
+        return 0
     ks = [int(k) for k in a.ks.split(",")]
     import transformers
 

@@ -11,7 +11,7 @@ def smollm():  # noqa: ANN201
     """The bundled SmolLM2 (own runtime, packed for CPU decode), no drafter."""
     import treedraft
 
-    return treedraft.load(drafter=None)
+    return treedraft.load(drafter=None, weights="fp32")  # the float reference; quantized runs: test_quant
 
 
 @pytest.fixture(scope="session")

@@ -113,13 +113,16 @@ class LLM:
 
 
 def load(model: str = DEFAULT_MODEL, drafter: str | None = DEFAULT, heads: str | None = DEFAULT,
-         device: str = "auto", dtype: str = "auto", runtime: str = "auto", max_seq_len: int | None = 4096) -> LLM:
+         device: str = "auto", dtype: str = "auto", runtime: str = "auto", max_seq_len: int | None = 4096,
+         weights: str = "auto") -> LLM:
     """Load a target model by registry name, GGUF path or HF directory.
 
     drafter: 'default' (hybrid: Medusa heads + prompt lookup when heads are shipped for this model or
     given, else prompt lookup), a drafter name (see ``treedraft.drafters.names()``), or None / 'none'
     for plain decoding.
     runtime: 'own' (compact Llama module), 'hf' (transformers adapter) or 'auto'.
+    weights: 'fp32', 'int8', 'int4' (the GGUF's own 4-bit blocks) or 'auto' (the fastest measured on this
+    machine whose quality check passes; see treedraft.models.quant_load). int4/int8: own runtime, cpu, fp32.
     """
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
@@ -129,9 +132,11 @@ def load(model: str = DEFAULT_MODEL, drafter: str | None = DEFAULT, heads: str |
     arch = model_architecture(path)
     if runtime == "auto":
         runtime = "own" if arch in LLAMA_ARCHS else "hf"
+    from .models.quant_load import resolve_weights  # --weights (issue 11): begin
+    weights = resolve_weights(weights, runtime, dev, dt)  # end
     if runtime == "own":
         net, _meta = load_own(path, dt, dev, max_seq_len)
-        if dev == "cpu":
+        if dev == "cpu" and weights in ("fp32", "auto"):  # int4/int8 replace every Linear (issue 11)
             pack_tuned(net, path, dt)  # per-row-count matmul kernels, measured on this machine
     elif runtime == "hf":
         from .models.hf_adapter import HFTarget
@@ -142,6 +147,9 @@ def load(model: str = DEFAULT_MODEL, drafter: str | None = DEFAULT, heads: str |
            else Tokenizer.from_dir(path))
     if arch == "gemma3" and tok.hf.bos_token_id is not None:
         tok.add_bos = True  # Gemma expects <bos> in front of raw text
+    if weights != "fp32":  # --weights (issue 11): swap in quantized linears; begin
+        from .models.quant_load import PROBE_TEXT, apply_weights, log_stderr
+        net.weights_info = apply_weights(net, path, weights, tok.encode(PROBE_TEXT), log=log_stderr)  # end
     llm = LLM(Engine(net), tok, model if not Path(model).exists() else str(path), dev, heads)
     if drafter is not None:
         llm.engine.drafter = llm.drafters.get(drafter)

@@ -114,7 +114,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise BenchError(f"--max-new-tokens must be positive, got {a.max_new_tokens}")
 
     t = time.perf_counter()
-    llm = load(a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime)
+    llm = load(a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights)
     cfg = llm.config(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                      seed=a.seed, max_tree_nodes=a.max_tree_nodes)
     encoded = [(p, llm.encode_prompt(p.text, raw=a.raw)) for p in prompts]
@@ -164,7 +164,7 @@ def _command_line(a: argparse.Namespace, dataset: Path | None) -> str:
         parts += ["--dataset", a.dataset]
     if a.num_prompts is not None:
         parts += ["--num-prompts", str(a.num_prompts)]
-    for opt, default in (("model", None), ("device", "auto"), ("dtype", "fp32"), ("runtime", "auto"),
+    for opt, default in (("model", None), ("device", "auto"), ("dtype", "fp32"), ("runtime", "auto"), ("weights", "auto"),
                          ("temperature", 0.0), ("seed", 0), ("top_p", 1.0), ("top_k", 0), ("warmup", 1),
                          ("max_tree_nodes", 64), ("pld_tokens", 10), ("heads", "default"), ("baselines", "hf,plain")):
         v = getattr(a, opt)
@@ -204,6 +204,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     b.add_argument("--dtype", default="fp32", help="fp32 (default, as the HF baseline), bf16, fp16, auto")
     b.add_argument("--runtime", default="auto", help="own, hf or auto (treedraft's target runtime)")
+    b.add_argument("--weights", default="auto", choices=("auto", "fp32", "int8", "int4"),
+                   help="target linear weights on cpu (see `treedraft generate --help`)")
     b.add_argument("--raw", action="store_true", help="no chat template")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     b.add_argument("--top-p", type=float, default=1.0)

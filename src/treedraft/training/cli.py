@@ -122,7 +122,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     validate_train_args(a)
     if a.threads:
         torch.set_num_threads(a.threads)
-    llm = load(a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime)
+    llm = load(a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights)
     vocab = llm.model.vocab_size
     _check(a.draft_vocab <= vocab, f"--draft-vocab must be <= the model's vocabulary ({vocab}), got {a.draft_vocab}")
     prompts = read_prompts(a.prompts)[: a.num_prompts]
@@ -199,7 +199,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     from .train import head_targets, rank_accuracy
 
     validate_calibrate_args(a)
-    llm = load(a.model, drafter="medusa", heads=a.heads, device=a.device, dtype=a.dtype, runtime=a.runtime)
+    llm = load(a.model, drafter="medusa", heads=a.heads, device=a.device, dtype=a.dtype, runtime=a.runtime,
+               weights=a.weights)
     max_len = getattr(llm.model, "max_seq_len", None)
     _check(max_len is None or a.context + a.max_nodes <= max_len,
            f"--context {a.context} + --max-nodes {a.max_nodes} exceeds the model's {max_len} positions")

@@ -1,0 +1,192 @@
+"""A GGUF tensor's quantized blocks, unpacked into plain tensors without dequantizing.
+
+Layouts follow ggml (``ggml-quants.c`` / the ``gguf`` package's ``quants.py``); every unpacker here is
+checked bit-exactly against ``gguf.quants.dequantize`` (tests/test_gguf_blocks.py):
+
+- Q4_1 (32 weights, 20 bytes): d fp16, m fp16, qs[16]; low nibble of qs[j] = element j, high = j + 16;
+  ``w = d * q + m``.
+- Q4_0 (18 bytes): d fp16, qs[16] as Q4_1; ``w = d * (q - 8)``, written here as Q4_1 with ``m = -8 d``
+  (``d*q`` and ``8d`` are exact in float32, so ``d*q + (-8d)`` rounds to the same value).
+- Q4_K (256 weights, 144 bytes): d, dmin fp16, 12 bytes of 6-bit (scale, min) for 8 sub-blocks of 32,
+  qs[128] (each 64-weight chunk: low nibbles = first 32, high nibbles = next 32);
+  ``w = (d * sc) * q - dmin * mn``: Q4_1 with group 32, ``scale = d*sc``, ``minv = -(dmin*mn)``.
+- Q8_0 (32 weights, 34 bytes): d fp16, qs int8[32]; ``w = d * q``.
+
+Q6_K (and every other type) has no exact mapping onto the int4/int8 kernels: callers dequantize it and
+re-quantize with a warning naming the tensor (see :mod:`treedraft.models.quant`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+# ggml type ids (gguf.GGMLQuantizationType) of the formats unpacked here
+F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 0, 1, 2, 3, 8, 12, 14
+# types that map exactly onto the (scale, minv, 4-bit q) group-32 form
+Q4_FAMILY = (Q4_0, Q4_1, Q4_K)
+_BLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144)}  # (weights, bytes) per block
+
+
+def _blocks(raw: np.ndarray, shape: tuple[int, int], qtype: int) -> np.ndarray:
+    """raw (N, bytes per row) uint8 -> (N, K / block, bytes per block), checking the sizes."""
+    n, k = shape
+    per, size = _BLOCK[qtype]
+    if k % per:
+        raise ValueError(f"row length {k} is not a multiple of the block size {per} of ggml type {qtype}")
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if raw.size != n * (k // per) * size:
+        raise ValueError(f"{raw.size} bytes of ggml type {qtype} do not hold a {n}x{k} tensor "
+                         f"({n * (k // per) * size} expected)")
+    return raw.reshape(n, k // per, size)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """(..., 2) uint8 little-endian fp16 -> (...) float32 (exact)."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles32(qs: np.ndarray) -> np.ndarray:
+    """(..., 16) packed bytes -> (..., 32) uint8: element j = low nibble of byte j, j + 16 = high nibble."""
+    return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
+
+
+def unpack_q4_1(raw: np.ndarray, shape: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_1 blocks -> (scale (N, K/32) f32, minv (N, K/32) f32, q (N, K) uint8 in 0..15); w = scale*q + minv."""
+    b = _blocks(raw, shape, Q4_1)  # (N, K/32, 20)
+    d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    q = _nibbles32(b[..., 4:20]).reshape(shape)
+    return torch.from_numpy(d), torch.from_numpy(m), torch.from_numpy(q)
+
+
+def unpack_q4_0(raw: np.ndarray, shape: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_0 blocks in Q4_1 form: (scale, minv = -8 * scale, q in 0..15); exact (see module doc)."""
+    b = _blocks(raw, shape, Q4_0)  # (N, K/32, 18)
+    d = _f16(b[..., 0:2])
+    q = _nibbles32(b[..., 2:18]).reshape(shape)
+    return torch.from_numpy(d), torch.from_numpy(d * np.float32(-8.0)), torch.from_numpy(q)
+
+
+def _q4k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(..., 12) packed 6-bit scales and mins -> (sc (..., 8), mn (..., 8)) as float32."""
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate((lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)), axis=-1)
+    mn = np.concatenate((mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)), axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def unpack_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_K super-blocks in group-32 Q4_1 form: (scale = d*sc, minv = -(dmin*mn), q in 0..15); exact."""
+    n, k = shape
+    b = _blocks(raw, shape, Q4_K)  # (N, K/256, 144)
+    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]  # (N, K/256, 1)
+    sc, mn = _q4k_scale_min(b[..., 4:16])  # (N, K/256, 8)
+    qs = b[..., 16:144].reshape(n, k // 256, 4, 32)  # 4 chunks of 64 weights
+    q = np.stack((qs & 0x0F, qs >> 4), axis=3).reshape(shape)  # chunk c: sub-blocks 2c (low), 2c+1 (high)
+    scale = (d * sc).reshape(n, k // 32)
+    minv = -(dmin * mn).reshape(n, k // 32)
+    return torch.from_numpy(scale), torch.from_numpy(minv), torch.from_numpy(np.ascontiguousarray(q))
+
+
+def unpack_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """Q8_0 blocks -> (scale (N, K/32) f32, q (N, K) int8); w = scale * q."""
+    b = _blocks(raw, shape, Q8_0)  # (N, K/32, 34)
+    d = _f16(b[..., 0:2])
+    q = np.ascontiguousarray(b[..., 2:34]).view(np.int8).reshape(shape)
+    return torch.from_numpy(d), torch.from_numpy(q)
+
+
+UNPACK_Q4 = {Q4_0: unpack_q4_0, Q4_1: unpack_q4_1, Q4_K: unpack_q4_k}
+
+
+def dequantize_q4(scale: Tensor, minv: Tensor, q: Tensor, group: int = 32) -> Tensor:
+    """(scale, minv, q) -> float32 weights (N, K): w = scale * q + minv, per group of ``group`` columns."""
+    n, k = q.shape
+    qf = q.float().view(n, k // group, group)
+    return (scale[..., None] * qf + minv[..., None]).view(n, k)
+
+
+def dequantize_q8(scale: Tensor, q: Tensor, group: int = 32) -> Tensor:
+    """(scale, q) -> float32 weights (N, K): w = scale * q per group of ``group`` columns."""
+    n, k = q.shape
+    return (q.float().view(n, k // group, group) * scale[..., None]).view(n, k)
+
+
+# GGUF metadata value types -> struct format of a scalar (8 = string, 9 = array)
+_KV_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """One tensor of a GGUF file: ggml type, (rows, cols) and its bytes (memory-mapped, (rows, bytes/row))."""
+
+    qtype: int
+    shape: tuple[int, int]
+    data: np.ndarray
+
+
+def read_tensors(path: str | Path) -> tuple[dict[str, str | int | float], dict[str, RawTensor]]:
+    """Scalar metadata and 2-D tensors of a GGUF file without parsing its metadata arrays.
+
+    ``gguf.GGUFReader`` builds every array entry (the tokenizer's 49k-262k strings) as numpy objects,
+    seconds to a minute on a busy CPU; here arrays are skipped and tensors memory-mapped.
+    """
+    import struct
+
+    from gguf import GGML_QUANT_SIZES
+
+    meta: dict[str, str | int | float] = {}
+    with open(path, "rb") as f:
+
+        def rd(fmt: str):  # noqa: ANN202
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+        def rstr() -> str:
+            return f.read(rd("<Q")).decode("utf-8", "replace")
+
+        def skip(vtype: int) -> None:
+            if vtype == 8:
+                f.seek(rd("<Q"), 1)
+            elif vtype == 9:
+                etype, n = rd("<I"), rd("<Q")
+                if etype in _KV_SCALAR:
+                    f.seek(n * struct.calcsize(_KV_SCALAR[etype]), 1)
+                else:
+                    for _ in range(n):
+                        skip(etype)
+            else:
+                f.seek(struct.calcsize(_KV_SCALAR[vtype]), 1)
+
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        version, n_tensors, n_kv = rd("<I"), rd("<Q"), rd("<Q")
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is too old")
+        for _ in range(n_kv):
+            key, vtype = rstr(), rd("<I")
+            if vtype == 8:
+                meta[key] = rstr()
+            elif vtype in _KV_SCALAR:
+                meta[key] = rd(_KV_SCALAR[vtype])
+            else:
+                skip(vtype)
+        infos = []
+        for _ in range(n_tensors):
+            name = rstr()
+            dims = [rd("<Q") for _ in range(rd("<I"))]
+            infos.append((name, dims, rd("<I"), rd("<Q")))
+        align = int(meta.get("general.alignment", 32))
+        start = -(-f.tell() // align) * align
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors: dict[str, RawTensor] = {}
+    for name, dims, qtype, off in infos:
+        cols, rows = dims[0], int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+        per, size = GGML_QUANT_SIZES[qtype]
+        row_bytes = cols // per * size
+        data = mm[start + off : start + off + rows * row_bytes].reshape(rows, row_bytes)
+        tensors[name] = RawTensor(qtype, (rows, cols), data)
+    return meta, tensors

@@ -1,0 +1,257 @@
+"""``--weights {auto,fp32,int8,int4}``: the GGUF's own quantized blocks -> quantized linears of the model.
+
+:func:`gguf_weights` maps each GGUF linear tensor onto the model's fused modules (q|k|v -> ``wqkv``,
+gate|up -> ``w13``), keeping the file's quantized values where an exact mapping exists
+(:mod:`.gguf_blocks`); :func:`apply_weights` chooses the kernels by measurement, swaps the modules and
+caches the per-machine choice next to the fp32 kernel plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import gguf_blocks as gb
+from .quant import (WEIGHTS, QWeight, choose_kernels, native_kernels, quantize_q4_rtn, quantize_q8_rtn,
+                    swap_linears, time_modules)
+
+_PARTS = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "w13": ("ffn_gate", "ffn_up"),
+          "w2": ("ffn_down",)}
+_OWNER = {"wqkv": "attn", "wo": "attn", "w13": "ffn", "w2": "ffn"}
+TYPE_NAMES = {gb.F32: "F32", gb.F16: "F16", gb.Q4_0: "Q4_0", gb.Q4_1: "Q4_1", gb.Q8_0: "Q8_0", gb.Q4_K: "Q4_K",
+              gb.Q6_K: "Q6_K"}
+
+
+def check_weights(weights: str) -> str:
+    """``weights`` if it is one of :data:`WEIGHTS`, else a ValueError listing them."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")
+    return weights
+
+
+def _type_name(t: int) -> str:
+    return TYPE_NAMES.get(t, f"ggml type {t}")
+
+
+def _tensor_qweight(name: str, qtype: int, data: np.ndarray, shape: tuple[int, int], want: str,
+                    inexact: dict[str, list[str]]) -> QWeight:
+    """One GGUF tensor as a QWeight in the format ``want`` asks ('q4' or 'q8')."""
+    if want == "q4" and qtype in gb.UNPACK_Q4:
+        return QWeight("q4", gb.UNPACK_Q4[qtype](data, shape), f"gguf {_type_name(qtype)}")
+    if qtype == gb.Q8_0:
+        return QWeight("q8", gb.unpack_q8_0(data, shape), "gguf Q8_0")
+    import gguf
+
+    w = torch.from_numpy(np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32).reshape(shape))
+    if qtype in (gb.F32, gb.F16):  # float tensors: round-to-nearest in the asked format
+        return (quantize_q4_rtn if want == "q4" else quantize_q8_rtn)(w)
+    if want == "q4":  # a quantized type with no exact 4-bit mapping (Q6_K, Q5_*, ...): int8 with a warning
+        inexact.setdefault(_type_name(qtype), []).append(name)
+    return quantize_q8_rtn(w)
+
+
+def _concat(parts: list[QWeight]) -> QWeight:
+    """Row-wise concatenation of same-format weights (a fused q|k|v or gate|up)."""
+    if len(parts) == 1:
+        return parts[0]
+    if len({p.fmt for p in parts}) > 1:  # mixed formats in one fused matmul: all int8
+        parts = [p if p.fmt == "q8" else quantize_q8_rtn(p.dequantize()) for p in parts]
+    cat = tuple(torch.cat([p.parts[i] for p in parts]) for i in range(len(parts[0].parts)))
+    return QWeight(parts[0].fmt, cat, "+".join(sorted({p.source for p in parts})))
+
+
+def gguf_weights(path: str | Path, num_layers: int, num_heads: int, num_kv_heads: int, weights: str,
+                 tied: bool) -> dict[str, QWeight]:
+    """Module name -> QWeight for every linear of a Llama-family GGUF (``weights``: 'int4' or 'int8').
+
+    int4 keeps Q4_0/Q4_1/Q4_K blocks exactly; Q8_0 stays Q8_0; any other quantized type is dequantized
+    and re-quantized to int8 with one warning per type that names its tensors.
+    """
+    meta, tensors = gb.read_tensors(path)
+    arch = meta["general.architecture"]
+    want = "q4" if weights == "int4" else "q8"
+    inexact: dict[str, list[str]] = {}
+
+    def one(name: str, n_head: int | None = None) -> QWeight:
+        t = tensors[name]
+        shape = t.shape
+        qw = _tensor_qweight(name, t.qtype, t.data, shape, want, inexact)
+        if n_head and arch == "llama":  # undo llama.cpp's q/k row permutation (see loaders._unpermute_rope)
+            rows = shape[0]
+            perm = torch.arange(rows).view(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(rows)  # new <- old
+            qw = QWeight(qw.fmt, tuple(p[perm] for p in qw.parts), qw.source)
+        return qw
+
+    out: dict[str, QWeight] = {}
+    for i in range(num_layers):
+        for mod, names in _PARTS.items():
+            heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
+            out[f"layers.{i}.{_OWNER[mod]}.{mod}"] = _concat([one(f"blk.{i}.{n}.weight", heads.get(n))
+                                                               for n in names])
+    out["lm_head"] = one("token_embd.weight" if tied else "output.weight")
+    for tname, names in inexact.items():
+        warnings.warn(f"{path}: no exact 4-bit mapping for GGUF type {tname}: tensors {', '.join(names)} are "
+                      "dequantized and re-quantized to int8 (group 32)", stacklevel=2)
+    return out
+
+
+def float_weights(model: torch.nn.Module, weights: str) -> dict[str, QWeight]:
+    """Round-to-nearest quantization of the model's own float linears (HF directories, tiny models)."""
+    from .llama import Linear
+
+    rtn = quantize_q4_rtn if weights == "int4" else quantize_q8_rtn
+    return {n: rtn(m.weight.detach()) for n, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def _machine_key(path: Path | None, extra: str) -> str:
+    from .registry import file_key
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    fk = file_key(path) if path is not None and path.is_file() else str(path)
+    return hashlib.sha1(f"quant-v1|{cpu}|{torch.__version__}|{torch.get_num_threads()}|{fk}|{extra}".encode()
+                        ).hexdigest()[:16]
+
+
+def _top1_agreement(model: torch.nn.Module, ids: Tensor, ref: Tensor) -> float:
+    with torch.inference_mode():
+        logits = model.forward(ids[None], torch.arange(len(ids)))[0][0]
+    return float((logits.argmax(-1) == ref).float().mean())
+
+
+def apply_weights(model: torch.nn.Module, path: Path | None, weights: str, probe_ids: list[int] | None = None,
+                  min_agreement: float = 0.9, log=None) -> dict:  # noqa: ANN001
+    """Swap the model's linears for ``weights`` ('fp32' leaves them); return what was chosen and measured.
+
+    'auto' measures fp32 (the model's packed plan) against int4 and int8 on this machine (all linears,
+    1 and 16 rows) and keeps the fastest whose next-token top-1 agreement with fp32 on ``probe_ids`` is at
+    least ``min_agreement``; the choice and the per-format kernels are cached per machine, torch version,
+    thread count and model file (TREEDRAFT_RETUNE=1 measures again).
+    """
+    from .registry import cache_dir
+
+    check_weights(weights)
+    info: dict = {"weights": weights}
+    if weights == "fp32":
+        return info
+    natives = native_kernels()
+    key = _machine_key(path, f"{weights}|native={natives is not None}")
+    f = cache_dir() / "tune" / f"quant-{key}.json"
+    cached = json.loads(f.read_text()) if f.is_file() and not os.environ.get("TREEDRAFT_RETUNE") else None
+    is_gguf = path is not None and path.is_file() and path.suffix == ".gguf"
+    cfg = getattr(model, "config", None)
+
+    def qweights(w: str) -> dict[str, QWeight]:
+        if is_gguf:
+            return gguf_weights(path, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, w, cfg.tie_embeddings)
+        return float_weights(model, w)
+
+    if weights == "auto":
+        if cached is None:
+            cached = _measure_auto(model, qweights, natives, probe_ids, min_agreement, log)
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(json.dumps(cached))
+        info.update(cached)
+        weights = cached["chosen"]
+        if weights == "fp32":
+            return info
+        qw = qweights(weights)
+    else:
+        qw = qweights(weights)
+        if cached is None:
+            cached = {"kernels": choose_kernels(qw, natives, log)}
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(json.dumps(cached))
+        info["kernels"] = cached["kernels"]
+    swap_linears(model, qw, info["kernels"], natives)
+    info["resolved"] = weights
+    info["sources"] = sorted({q.source for q in qw.values()})
+    return info
+
+
+def _measure_auto(model, qweights, natives, probe_ids, min_agreement, log) -> dict:  # noqa: ANN001
+    """fp32 vs int4 vs int8 on this machine: linear time (1 + 16 rows) and top-1 agreement with fp32."""
+    from .llama import Linear
+
+    fp32_mods = [m for m in model.modules() if isinstance(m, Linear)]
+    times = {"fp32": sum(time_modules(fp32_mods, r) for r in (1, 16))}
+    agree = {"fp32": 1.0}
+    ids = torch.tensor(probe_ids) if probe_ids else None
+    ref = None
+    if ids is not None:
+        with torch.inference_mode():
+            ref = model.forward(ids[None], torch.arange(len(ids)))[0][0].argmax(-1)
+    plans = {}
+    for w in ("int4", "int8"):
+        qw = qweights(w)
+        plans[w] = choose_kernels(qw, natives, log)
+        trial = _trial_model(model, qw, plans[w], natives)
+        mods = [m for n, m in trial.named_modules() if n in qw]
+        times[w] = sum(time_modules(mods, r) for r in (1, 16))
+        agree[w] = _top1_agreement(trial, ids, ref) if ref is not None else 1.0
+        del trial
+    ok = [w for w in times if agree[w] >= min_agreement]
+    chosen = min(ok, key=times.get)
+    if log:
+        log(f"auto -> {chosen}; linears ms (1 + 16 rows): "
+            + ", ".join(f"{w} {t * 1e3:.1f} (top-1 {agree[w]:.2f})" for w, t in times.items()))
+    return {"chosen": chosen, "kernels": plans.get(chosen, {}), "top1_agreement": agree,
+            "linear_ms_rows_1_16": {w: t * 1e3 for w, t in times.items()}}
+
+
+def _trial_model(model: torch.nn.Module, qw: dict[str, QWeight], kernels: dict[str, str], natives):  # noqa: ANN001, ANN202
+    """A shallow copy of ``model`` with quantized linears (the float model stays as it is)."""
+    import copy
+
+    trial = copy.copy(model)
+    trial._modules = dict(model._modules)
+    # copy the module tree down to the linears so the swap does not touch the original
+    trial.layers = torch.nn.ModuleList(copy.copy(b) for b in model.layers)
+    for b in trial.layers:
+        b._modules = dict(b._modules)
+        b.attn = copy.copy(b.attn)
+        b.attn._modules = dict(b.attn._modules)
+        b.ffn = copy.copy(b.ffn)
+        b.ffn._modules = dict(b.ffn._modules)
+    swap_linears(trial, qw, kernels, natives)
+    return trial
+
+
+def log_stderr(msg: str) -> None:
+    """Progress lines of the kernel choice."""
+    print(f"[weights] {msg}", file=sys.stderr)
+
+
+def resolve_weights(weights: str, runtime: str, device: str, dtype: torch.dtype) -> str:
+    """Validate ``weights`` for a load: int4/int8 need the own runtime on CPU in float32; auto falls back to fp32."""
+    check_weights(weights)
+    where = None
+    if runtime != "own":
+        where = f"runtime {runtime!r}"
+    elif not str(device).startswith("cpu"):
+        where = f"device {device!r}"
+    elif dtype != torch.float32:
+        where = f"dtype {str(dtype).removeprefix('torch.')}"
+    if where is None:
+        return weights
+    if weights in ("int4", "int8"):
+        raise ValueError(f"weights {weights!r} run on the own runtime on cpu in float32, not with {where}; "
+                         "use --weights fp32 or auto, or --device cpu --dtype fp32")
+    return "fp32"
+
+
+PROBE_TEXT = ("The printing press, invented by Johannes Gutenberg around 1440, changed how ideas spread across "
+              "Europe. Books became cheaper, literacy rose, and scientists could share results quickly.")
