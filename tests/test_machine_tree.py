@@ -6,10 +6,8 @@ import json
 
 import pytest
 
-from treedraft.api import LLM
-from treedraft.drafters import make_drafter
+from treedraft.drafters.registry import DrafterOptions, build
 from treedraft.drafters.medusa import DEFAULT_CHOICES, HEADS_DIR, MedusaConfig, MedusaDrafter, MedusaHeads
-from treedraft.engine import Engine
 from treedraft.models.tiny import tiny_llama
 from treedraft.training import calibrate
 
@@ -40,7 +38,7 @@ def setup(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
 
 
 def _build(m, heads_dir) -> MedusaDrafter:  # noqa: ANN001
-    return make_drafter("medusa", LLM(Engine(m), None, "tiny", "cpu"), str(heads_dir))  # a fresh LLM each time
+    return build("medusa", m, None, DrafterOptions("tiny", str(heads_dir)))  # a fresh drafter each time
 
 
 def test_tree_is_measured_once_per_machine_and_then_read_from_the_cache(setup, capsys, tmp_path) -> None:  # noqa: ANN001
@@ -52,7 +50,7 @@ def test_tree_is_measured_once_per_machine_and_then_read_from_the_cache(setup, c
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "measuring this machine's latency" in err and "7 draft nodes" in err
     d2 = _build(m, heads_dir)
-    hybrid = make_drafter("hybrid", LLM(Engine(m), None, "tiny", "cpu"), str(heads_dir))
+    hybrid = build("hybrid", m, None, DrafterOptions("tiny", str(heads_dir)))
     assert len(calls) == 1 and d2.choices == d.choices == hybrid.drafters[0].choices  # no measurement
     assert capsys.readouterr().err == ""
     (f,) = (tmp_path / "cache" / "tune").glob("medusa-tree-*.json")
@@ -124,3 +122,18 @@ def test_shipped_heads_carry_accuracies_not_a_tree() -> None:
     assert cfg.choices == () and len(acc) == cfg.num_heads and all(len(row) == 10 for row in acc)
     # rank-0 accuracy is the heads' MT-Bench top-1 accuracy recorded at training time
     assert [row[0] for row in acc] == pytest.approx(raw["extra"]["training"]["mt_bench"]["top1"])
+
+
+def test_tree_cache_is_keyed_by_the_linear_kernels(setup) -> None:  # noqa: ANN001
+    """A model whose linears were swapped (int4/int8/native kernels) has another latency curve: another tree."""
+    import torch
+
+    m, heads_dir, _ = setup
+    before = calibrate.tree_key(m, heads_dir, "tiny")
+
+    class Int4PackLinear(torch.nn.Linear):  # stands in for a swapped-in quantized module
+        pass
+
+    m.layers[0].ffn.w2 = Int4PackLinear(m.layers[0].ffn.w2.in_features, m.layers[0].ffn.w2.out_features, bias=False)
+    after = calibrate.tree_key(m, heads_dir, "tiny")
+    assert before != after and "Int4PackLinear" in after["linears"]

@@ -159,7 +159,10 @@ def shipped_accuracies(cfg: MedusaConfig) -> list[list[float]] | None:
 def _target_facts(target: object) -> dict[str, Any]:
     """What about a target changes its latency: class, size, dtype, device."""
     params = list(target.parameters()) if callable(getattr(target, "parameters", None)) else []
-    return {"target": type(target).__name__, "params": sum(p.numel() for p in params),
+    modules = target.modules() if callable(getattr(target, "modules", None)) else ()
+    # the linear kernels (fp32 plan, int4/int8 pack, native) change the latency curve as much as the size does
+    linears = sorted({type(m).__name__ for m in modules if "Linear" in type(m).__name__})
+    return {"target": type(target).__name__, "params": sum(p.numel() for p in params), "linears": linears,
             "dtype": str(params[0].dtype) if params else "?", "device": str(target_device(target)),
             "hidden": getattr(target, "hidden_size", None), "vocab": getattr(target, "vocab_size", None)}
 
