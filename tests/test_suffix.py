@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from treedraft.drafters.hybrid import HybridDrafter
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter
-from treedraft.drafters.suffix import SuffixDrafter, make_suffix_drafter, open_suffix_store
+from treedraft.drafters.suffix import SuffixDrafter, make_suffix_drafter, open_suffix_store, tenant_id
 from treedraft.drafters.suffix_index import SEP, SuffixIndex, brute_force_continuations
 from treedraft.drafters.suffix_store import SuffixStore, encode_record
 from treedraft.engine import DraftContext, GenerationStats
@@ -196,6 +196,7 @@ def test_truncated_and_garbage_files_never_crash(tmp_path: Path) -> None:
 # ---- bound and tenancy ------------------------------------------------------------------------------------
 def test_eviction_keeps_the_bound_and_drops_the_oldest(tmp_path: Path) -> None:
     st_ = SuffixStore(tmp_path, max_tokens=100)
+    st_.index_for("a")  # built before the adds: appends and evictions must keep it in step
     for i in range(40):
         st_.add([i] * 7, "a")
         assert st_.num_tokens <= 100
@@ -218,6 +219,27 @@ def test_tenants_are_isolated_unless_shared(tmp_path: Path) -> None:
     shared = open_suffix_store(tmp_path, share=True)
     assert shared.index_for("bob").continuations([1]) == {2: 1}
     assert len(SuffixDrafter(shared, "bob").propose(ctx)) > 1
+
+
+def test_requests_are_recorded_once_under_the_tenant_they_ran_for() -> None:
+    store = SuffixStore()
+    d = SuffixDrafter(store, "alice", prompt_context=2)
+    req = [1, 2, 3, 4, 5]  # prompt [1, 2, 3], then the engine appends verified tokens
+    d.propose(DraftContext(req, None, 8, 8, 3))
+    req += [6, 7]
+    d.propose(DraftContext(req, None, 8, 8, 3))
+    d.tenant = "bob"  # switched for the next request: the one in progress still belongs to alice
+    d.propose(DraftContext([9, 9], None, 8, 8, 1))  # a new request: the previous one is recorded (auto_record)
+    assert [(r.tenant, list(r.tokens)) for r in store.records()] == [("alice", [2, 3, 4, 5, 6, 7])]
+    HybridDrafter([PromptLookupDrafter(), d]).finish([9], [9, 8])  # the explicit end, through the hybrid
+    d.flush()  # nothing in progress any more: no second record
+    assert [(r.tenant, list(r.tokens)) for r in store.records()] == [("alice", [2, 3, 4, 5, 6, 7]), ("bob", [9, 9, 8])]
+
+
+def test_tenant_id_hashes_the_key_and_separates_users() -> None:
+    a, b = tenant_id("sk-secret", "u1"), tenant_id("sk-secret", "u2")
+    assert a != b and "sk-secret" not in a and tenant_id("sk-secret", "u1") == a
+    assert tenant_id("other", "u1") != a and tenant_id() == ""
 
 
 # ---- the real model -----------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ class SuffixDrafter:
     name: str = "suffix"
     _cur: list[int] | None = field(default=None, repr=False)
     _cur_prompt_len: int = field(default=0, repr=False)
+    _cur_tenant: str = field(default="", repr=False)  # the tenant when the request began (recorded under it)
     _local: SuffixIndex = field(default_factory=SuffixIndex, repr=False)
 
     def __post_init__(self) -> None:
@@ -77,23 +78,25 @@ class SuffixDrafter:
         return [int(t) for t in tail] + [int(t) for t in output_ids]
 
     def finish(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
-        """Record a finished request in the store (for this drafter's tenant)."""
+        """Record a finished request in the store, under the tenant it ran for (ends the request in progress)."""
+        tenant = self._cur_tenant if self._cur is not None else self.tenant
         self._cur = None
         if self.store is not None and len(output_ids):
-            self.store.add(self.record_tokens(prompt_ids, output_ids), self.tenant)
+            self.store.add(self.record_tokens(prompt_ids, output_ids), tenant)
 
     def flush(self) -> None:
         """Record the request in progress, if any (auto_record), e.g. before shutting down."""
-        cur, self._cur = self._cur, None
+        cur = self._cur
         if cur is not None and self.auto_record and self.store is not None:
             self.finish(cur[: self._cur_prompt_len], cur[self._cur_prompt_len :])
+        self._cur = None
 
     def _sync(self, ctx: DraftContext) -> None:
         """Point the request index at ctx.tokens, extending it with the tokens verified since last step."""
         toks = ctx.tokens
         if toks is not self._cur or len(toks) < len(self._local):
             self.flush()
-            self._cur, self._cur_prompt_len = toks, ctx.prompt_len
+            self._cur, self._cur_prompt_len, self._cur_tenant = toks, ctx.prompt_len, self.tenant
             self._local = SuffixIndex()
         if self.use_local and len(toks) > len(self._local):
             self._local.extend(toks[len(self._local) :])
@@ -120,6 +123,18 @@ class SuffixDrafter:
                 if g.score > best.score:
                     best = g
         return TokenTree((int(ctx.root), *best.tokens), (-1, *(p + 1 for p in best.parents)))
+
+
+def tenant_id(api_key: str | None = None, user: str | None = None) -> str:
+    """The server's tenant key: a hash of the API key (never the key itself: it is written to disk), then ``user``.
+
+    Requests with the same key and user share an index; a different key, or a different ``user`` under
+    one key, gets its own. Without either, everyone is the anonymous tenant "".
+    """
+    import hashlib
+
+    key = "" if not api_key else "k:" + hashlib.sha256(api_key.encode("utf-8")).hexdigest()[:24]
+    return key + ("" if not user else f"/u:{user}")
 
 
 def open_suffix_store(path: str | os.PathLike | None = None, max_tokens: int = 1_000_000,

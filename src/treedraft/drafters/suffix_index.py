@@ -206,12 +206,14 @@ class SuffixIndex:
             pos, nt = pos[live], nt[live]
             if pos.size == 0:
                 return
-            toks, counts = np.unique(nt, return_counts=True)
-            for t, c in zip(toks.tolist(), counts.tolist()):
+            order = np.argsort(nt, kind="stable")  # groups by token, positions ascending within a group
+            _, first, counts = np.unique(nt[order], return_index=True, return_counts=True)
+            spos = pos[order]
+            for a, c in zip(first.tolist(), counts.tolist()):
                 p = prob * c / total
                 if p >= min_prob:
                     tick += 1
-                    heapq.heappush(heap, (-p, tick, parent, depth + 1, pos[nt == t] + 1))
+                    heapq.heappush(heap, (-p, tick, parent, depth + 1, spos[a : a + c] + 1))
 
         push_children(nxt, -1, 0, 1.0)
         while heap and len(tokens) < max_nodes:
