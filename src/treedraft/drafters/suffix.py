@@ -24,6 +24,7 @@ starts (or on :meth:`flush`), from the engine's token list: prompt tail + everyt
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -48,14 +49,14 @@ class SuffixDrafter:
     min_prob: float = 0.1  # drop continuations rarer than this (empirical path probability)
     max_match: int = 64  # longest context suffix that is matched
     min_match: int = 1
-    prompt_context: int = 32  # prompt tokens recorded ahead of the output (None = the whole prompt)
+    prompt_context: int | None = 32  # prompt tokens recorded ahead of the output (None = the whole prompt)
     use_local: bool = True
     auto_record: bool = True
     name: str = "suffix"
-    _cur: list[int] | None = field(default=None, repr=False)
-    _cur_prompt_len: int = field(default=0, repr=False)
-    _cur_tenant: str = field(default="", repr=False)  # the tenant when the request began (recorded under it)
-    _local: SuffixIndex = field(default_factory=SuffixIndex, repr=False)
+    _cur: list[int] | None = field(default=None, init=False, repr=False)  # the engine's token list
+    _cur_prompt_len: int = field(default=0, init=False, repr=False)
+    _cur_tenant: str = field(default="", init=False, repr=False)  # the tenant when the request began
+    _local: SuffixIndex = field(default_factory=SuffixIndex, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.alpha <= 0 or self.max_spec_tokens < 1 or self.max_depth < 1 or self.max_match < 1:
@@ -66,15 +67,12 @@ class SuffixDrafter:
     # ---- requests --------------------------------------------------------------
     def for_tenant(self, tenant: str) -> SuffixDrafter:
         """A drafter with the same store and settings for another tenant (its own request state)."""
-        return SuffixDrafter(self.store, tenant, self.alpha, self.max_spec_tokens, self.max_depth, self.min_prob,
-                             self.max_match, self.min_match, self.prompt_context, self.use_local, self.auto_record,
-                             self.name)
+        return dataclasses.replace(self, tenant=tenant)
 
     def record_tokens(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> list[int]:
         """What is indexed for a finished request: the prompt's tail, then the output."""
-        tail = list(prompt_ids) if self.prompt_context is None else list(prompt_ids)[len(prompt_ids)
-                                                                                   - min(len(prompt_ids),
-                                                                                         self.prompt_context):]
+        keep = len(prompt_ids) if self.prompt_context is None else min(len(prompt_ids), self.prompt_context)
+        tail = list(prompt_ids)[len(prompt_ids) - keep :]
         return [int(t) for t in tail] + [int(t) for t in output_ids]
 
     def finish(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
@@ -119,7 +117,7 @@ class SuffixDrafter:
             if self.use_local:
                 best = self.paths(self._local, ctx.tokens, budget, depth)
             if self.store is not None:
-                g = self.paths(self.store.index_for(self.tenant), ctx.tokens, budget, depth)
+                g = self.paths(self.store.index_for(self._cur_tenant), ctx.tokens, budget, depth)
                 if g.score > best.score:
                     best = g
         return TokenTree((int(ctx.root), *best.tokens), (-1, *(p + 1 for p in best.parents)))
