@@ -46,13 +46,13 @@ _MAX_PAYLOAD = 1 << 30
 SHARED = "\x00shared"  # the index key used when share=True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Record:
     """One finished request: tenant id and the token ids that were indexed."""
 
     seq: int
     tenant: str
-    tokens: tuple[int, ...]
+    tokens: np.ndarray  # (n,) int32, read-only
 
 
 def encode_record(seq: int, tenant: str, tokens: Sequence[int]) -> bytes:
@@ -109,8 +109,9 @@ def _parse_at(data: bytes, off: int) -> tuple[Record | None, int]:
         tenant = payload[2 : 2 + tl].decode("utf-8")
     except UnicodeDecodeError:
         return None, off
-    toks = np.frombuffer(payload, dtype="<i4", offset=2 + tl)
-    return Record(seq, tenant, tuple(toks.tolist())), body + ln
+    toks = np.frombuffer(payload, dtype="<i4", offset=2 + tl).astype(np.int32)
+    toks.flags.writeable = False
+    return Record(seq, tenant, toks), body + ln
 
 
 def _fsync_dir(path: Path) -> None:
@@ -170,9 +171,13 @@ class SuffixStore:
 
     def add(self, tokens: Sequence[int], tenant: str = "") -> int:
         """Record a finished request; durable (fsynced) when this returns with a store dir. Returns its seq."""
-        toks = tuple(int(t) for t in tokens)
-        if not toks:
+        toks = np.array(tokens, dtype=np.int64)
+        if toks.size == 0:
             return -1
+        if toks.min() < 0 or toks.max() > np.iinfo(np.int32).max:
+            raise ValueError(f"token ids must be in [0, 2^31), got {int(toks.min())}..{int(toks.max())}")
+        toks = toks.astype(np.int32)
+        toks.flags.writeable = False
         with self._lock:
             self._seq += 1
             rec = Record(self._seq, tenant, toks)
