@@ -73,6 +73,7 @@ def main() -> None:
                 t[3] += sum(s.accepted + 1 for s in st.steps)
             for r in recorders:
                 r.finish(ids, ref)
+            print(f"pass {p}: prompt {prompts.index(prompt) + 1}/{len(prompts)} done", flush=True)
         base = tot["plain"][0] / tot["plain"][1]
         pl = tot["prompt-lookup"][0] / tot["prompt-lookup"][1]
         lines += [f"## pass {p} ({'cold index' if p == 1 else 'index warmed by the earlier passes'})", "",
