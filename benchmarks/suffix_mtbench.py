@@ -33,9 +33,13 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--no-hybrid", action="store_true", help="skip the Medusa-based methods")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave torch's default)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     prompts = [json.loads(ln)["turns"][0] for ln in DATA.read_text().splitlines()[: a.prompts]]
+    if a.threads:
+        import torch
+        torch.set_num_threads(a.threads)
     llm = treedraft.load(drafter=None)
     suffix = SuffixDrafter(SuffixStore())
     methods: dict[str, object] = {"plain": None, "prompt-lookup": PromptLookupDrafter(), "suffix": suffix}
@@ -51,7 +55,10 @@ def main() -> None:
         llm.generate("Hello", drafter=d, max_new_tokens=8)
     for r in recorders:
         r._cur = None  # noqa: SLF001  the warm-up request is not recorded
+    import os
     lines = [f"# suffix drafter, MT-Bench first turns ({a.prompts} prompts x {a.max_new} tokens, greedy)", "",
+             f"load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: tok/s are only comparable "
+             "within a pass (methods interleaved per prompt)", "",
              f"`{' '.join(__import__('sys').argv)}`  ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", ""]
     for p in range(1, a.passes + 1):
         tot = {k: [0, 0.0, 0, 0] for k in methods}  # new tokens, decode s, steps, committed
