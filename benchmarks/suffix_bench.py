@@ -31,12 +31,11 @@ import numpy as np
 from treedraft.drafters.suffix import SuffixDrafter
 from treedraft.drafters.suffix_index import SuffixIndex
 from treedraft.drafters.suffix_store import SuffixStore
-from treedraft.engine import DraftContext
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 
 
-def tokenizer():  # noqa: ANN201
+def tokenizer():
     """The default model's tokenizer without loading the model."""
     from treedraft.models.registry import DEFAULT_MODEL, cache_dir, file_key, resolve
     from treedraft.tokenizer import Tokenizer
@@ -46,7 +45,7 @@ def tokenizer():  # noqa: ANN201
         else Tokenizer.from_dir(path)
 
 
-def corpus(tok, total: int, data: Path) -> tuple[list[list[int]], list[list[int]]]:  # noqa: ANN001
+def corpus(tok, total: int, data: Path) -> tuple[list[list[int]], list[list[int]]]:
     """(requests tiled to ``total`` tokens, held-out query texts)."""
     reqs = []
     for line in (data / "sharegpt_prompts.jsonl").read_text().splitlines():
@@ -113,7 +112,7 @@ class SuffixAutomaton:
         return {c: self.cnt[t] for c, t in self.next[s].items()}
 
 
-def per_step_ms(fn, queries: list[list[int]], steps: int) -> tuple[float, float]:  # noqa: ANN001
+def per_step_ms(fn, queries: list[list[int]], steps: int) -> tuple[float, float]:
     """(median, p90) ms of ``fn(context)`` over ``steps`` contexts cut from the queries.
 
     Each context is timed 3 times and the fastest kept: on a shared machine the slower runs measure
@@ -200,14 +199,14 @@ def main() -> None:
         idx = SuffixIndex.from_sequences(arrs)
         t_build = time.perf_counter() - t
         def lookup(c: list[int]) -> None:
-            m, nxt = idx.match(c)
-            np.unique(idx.text[nxt], return_counts=True)
+            _, nxt = idx.match(c)  # noqa: B023  (called inside this iteration)
+            np.unique(idx.text[nxt], return_counts=True)  # noqa: B023
 
         med, p90 = per_step_ms(lookup, queries, a.steps)
         d = SuffixDrafter(None)
 
         def draft(c: list[int]) -> None:
-            d.paths(idx, c, 63, 24)
+            d.paths(idx, c, 63, 24)  # noqa: B023
 
         dmed, dp90 = per_step_ms(draft, queries, a.steps)
         log(f"{label}  {ntok:>8} tokens: build {t_build:6.2f} s, {mem / ntok:7.1f} B/token, "

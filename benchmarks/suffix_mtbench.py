@@ -45,7 +45,7 @@ def main() -> None:
     methods: dict[str, object] = {"plain": None, "prompt-lookup": PromptLookupDrafter(), "suffix": suffix}
     recorders = [suffix]
     if not a.no_hybrid:
-        medusa = llm._drafter("medusa")  # noqa: SLF001
+        medusa = llm._drafter("medusa")
         hs = SuffixDrafter(SuffixStore())
         methods["hybrid"] = HybridDrafter([medusa, PromptLookupDrafter()])
         methods["hybrid+suffix"] = HybridDrafter([medusa, PromptLookupDrafter(), hs])
@@ -54,11 +54,11 @@ def main() -> None:
     for d in methods.values():
         llm.generate("Hello", drafter=d, max_new_tokens=8)
     for r in recorders:
-        r._cur = None  # noqa: SLF001  the warm-up request is not recorded
+        r._cur = None
     import os
     lines = [f"# suffix drafter, MT-Bench first turns ({a.prompts} prompts x {a.max_new} tokens, greedy)", "",
-             f"load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: tok/s are only comparable "
-             "within a pass (methods interleaved per prompt)", "",
+             (f"load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: tok/s are only "
+              "comparable within a pass (methods interleaved per prompt)"), "",
              f"`{' '.join(__import__('sys').argv)}`  ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", ""]
     for p in range(1, a.passes + 1):
         tot = {k: [0, 0.0, 0, 0] for k in methods}  # new tokens, decode s, steps, committed

@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 
 from treedraft.drafters.hybrid import HybridDrafter
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter
-from treedraft.drafters.suffix import SuffixDrafter, make_suffix_drafter, open_suffix_store, tenant_id
+from treedraft.drafters.suffix import (
+    SuffixDrafter,
+    make_suffix_drafter,
+    open_suffix_store,
+    tenant_id,
+)
 from treedraft.drafters.suffix_index import SEP, SuffixIndex, brute_force_continuations
 from treedraft.drafters.suffix_store import SuffixStore, encode_record
 from treedraft.engine import DraftContext, GenerationStats
@@ -77,7 +82,7 @@ def test_matches_do_not_cross_sequences() -> None:
 @settings(max_examples=80, deadline=None)
 @given(seqs=seqs_st, ctx=st.lists(st.integers(0, 4), min_size=1, max_size=20),
        max_nodes=st.integers(1, 12), max_depth=st.integers(1, 6), alpha=st.sampled_from([0.5, 1.0, 4.0]))
-def test_proposed_tree_is_a_valid_trie_within_budget(seqs, ctx, max_nodes, max_depth, alpha) -> None:  # noqa: ANN001
+def test_proposed_tree_is_a_valid_trie_within_budget(seqs, ctx, max_nodes, max_depth, alpha) -> None:
     store = SuffixStore()
     for s in seqs:
         store.add(s)
@@ -144,7 +149,7 @@ def test_stale_log_records_after_a_snapshot_are_not_doubled(tmp_path: Path) -> N
     assert [list(r.tokens) for r in again.records()] == [[1, 2], [3, 4]]
 
 
-def _two_records_then(tmp_path: Path, damage) -> tuple[SuffixStore, list[warnings.WarningMessage]]:  # noqa: ANN001
+def _two_records_then(tmp_path: Path, damage) -> tuple[SuffixStore, list[warnings.WarningMessage]]:
     st_ = SuffixStore(tmp_path, snapshot_every=10**6)
     st_.add([1, 2, 3], "a")
     st_.add([4, 5, 6], "a")
@@ -244,7 +249,7 @@ def test_tenant_id_hashes_the_key_and_separates_users() -> None:
 
 # ---- the real model -----------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_real_model_greedy_equal_plain_and_warm_index_accepts(smollm, tmp_path: Path) -> None:  # noqa: ANN001
+def test_real_model_greedy_equal_plain_and_warm_index_accepts(smollm, tmp_path: Path) -> None:
     store = SuffixStore(tmp_path)
     d = SuffixDrafter(store, "t1")
     prompt = "Explain in three sentences why the sky is blue."
