@@ -117,7 +117,9 @@ class SuffixDrafter:
             if self.use_local:
                 best = self.paths(self._local, ctx.tokens, budget, depth)
             if self.store is not None:
-                g = self.paths(self.store.index_for(self._cur_tenant), ctx.tokens, budget, depth)
+                index = self.store.index_for(self._cur_tenant)
+                with self.store.lock:  # another thread's add() may be growing this index
+                    g = self.paths(index, ctx.tokens, budget, depth)
                 if g.score > best.score:
                     best = g
         return TokenTree((int(ctx.root), *best.tokens), (-1, *(p + 1 for p in best.parents)))

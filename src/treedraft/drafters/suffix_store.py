@@ -149,6 +149,11 @@ class SuffixStore:
 
     # ---- public ------------------------------------------------------------
     @property
+    def lock(self) -> threading.Lock:
+        """Held by every change; hold it while reading an index another thread may add to."""
+        return self._lock
+
+    @property
     def num_tokens(self) -> int:
         """Tokens held (all tenants)."""
         return self._tokens
