@@ -62,3 +62,10 @@ class HybridDrafter:
                                 "can only merge deterministic trees (merging would verify sampled children as "
                                 f"deterministic, which is not lossless): use {name!r} on its own, or in top-k mode")
         return merge_trees(trees, ctx.max_nodes)
+
+    def finish(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """Tell every member drafter that keeps per-request state (e.g. ``suffix``) that a request ended."""
+        for d in self.drafters:
+            fin = getattr(d, "finish", None)
+            if callable(fin):
+                fin(prompt_ids, output_ids)

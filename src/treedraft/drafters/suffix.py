@@ -1,0 +1,153 @@
+"""Suffix drafter: trees of frequent continuations from this request and from earlier outputs.
+
+SuffixDecoding (Oliaro et al., "SuffixDecoding: Extreme Speculative Decoding for Emerging AI
+Applications", NeurIPS 2025; in vLLM through Snowflake's Arctic Inference). Two suffix indexes answer
+"what followed the last tokens before?": one over the current request (prompt + output so far,
+extended every step) and one over earlier requests' outputs (a :class:`SuffixStore`, per tenant,
+optionally persistent). Each step, in each index:
+
+1. match: the longest suffix of the context (up to ``max_match`` tokens) that occurs there;
+2. expand: a best-first tree of its continuations, a node's score being the empirical probability of
+   its path (product of count(child) / count(parent)), nodes below ``min_prob`` dropped;
+3. size (SuffixDecoding's adaptive rule): at most ``alpha * match length`` nodes, capped by the
+   engine's node budget, ``max_spec_tokens`` and depth. A long match is a passage being repeated and
+   earns a big tree; a one-token match earns a node or two.
+
+The tree with the higher score (the expected number of accepted tokens under the empirical model)
+is proposed, as in the paper. Trees are deterministic (no ``child_q``), so the hybrid drafter can merge
+this one with Medusa / prompt-lookup trees and the greedy output equals plain decoding.
+
+Recording: call :meth:`SuffixDrafter.finish` with a request's prompt and output when it ends. With
+``auto_record`` (default), a request that was not finished that way is recorded when the next one
+starts (or on :meth:`flush`), from the engine's token list: prompt tail + everything verified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..tree import TokenTree
+from .suffix_index import DraftPaths, SuffixIndex
+from .suffix_store import SuffixStore
+
+if TYPE_CHECKING:
+    from ..engine import DraftContext
+
+
+@dataclass
+class SuffixDrafter:
+    store: SuffixStore | None = None  # earlier requests; None = this request only
+    tenant: str = ""
+    alpha: float = 1.0  # tree nodes per matched token (SuffixDecoding's max_spec_factor)
+    max_spec_tokens: int = 32  # absolute cap on the tree size (root excluded)
+    max_depth: int = 24
+    min_prob: float = 0.1  # drop continuations rarer than this (empirical path probability)
+    max_match: int = 64  # longest context suffix that is matched
+    min_match: int = 1
+    prompt_context: int | None = 32  # prompt tokens recorded ahead of the output (None = the whole prompt)
+    use_local: bool = True
+    auto_record: bool = True
+    name: str = "suffix"
+    _cur: list[int] | None = field(default=None, init=False, repr=False)  # the engine's token list
+    _cur_prompt_len: int = field(default=0, init=False, repr=False)
+    _cur_tenant: str = field(default="", init=False, repr=False)  # the tenant when the request began
+    _local: SuffixIndex = field(default_factory=SuffixIndex, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.alpha <= 0 or self.max_spec_tokens < 1 or self.max_depth < 1 or self.max_match < 1:
+            raise ValueError("alpha must be > 0 and max_spec_tokens, max_depth, max_match >= 1")
+        if not 0.0 <= self.min_prob <= 1.0:
+            raise ValueError(f"min_prob must be in [0, 1], got {self.min_prob}")
+
+    # ---- requests --------------------------------------------------------------
+    def for_tenant(self, tenant: str) -> SuffixDrafter:
+        """A drafter with the same store and settings for another tenant (its own request state)."""
+        return dataclasses.replace(self, tenant=tenant)
+
+    def record_tokens(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> list[int]:
+        """What is indexed for a finished request: the prompt's tail, then the output."""
+        keep = len(prompt_ids) if self.prompt_context is None else min(len(prompt_ids), self.prompt_context)
+        tail = list(prompt_ids)[len(prompt_ids) - keep :]
+        return [int(t) for t in tail] + [int(t) for t in output_ids]
+
+    def finish(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """Record a finished request in the store, under the tenant it ran for (ends the request in progress)."""
+        tenant = self._cur_tenant if self._cur is not None else self.tenant
+        self._cur = None
+        if self.store is not None and len(output_ids):
+            self.store.add(self.record_tokens(prompt_ids, output_ids), tenant)
+
+    def flush(self) -> None:
+        """Record the request in progress, if any (auto_record), e.g. before shutting down."""
+        cur = self._cur
+        if cur is not None and self.auto_record and self.store is not None:
+            self.finish(cur[: self._cur_prompt_len], cur[self._cur_prompt_len :])
+        self._cur = None
+
+    def _sync(self, ctx: DraftContext) -> None:
+        """Point the request index at ctx.tokens, extending it with the tokens verified since last step."""
+        toks = ctx.tokens
+        if toks is not self._cur or len(toks) < len(self._local):
+            self.flush()
+            self._cur, self._cur_prompt_len, self._cur_tenant = toks, ctx.prompt_len, self.tenant
+            self._local = SuffixIndex()
+        if self.use_local and len(toks) > len(self._local):
+            self._local.extend(toks[len(self._local) :])
+
+    # ---- drafting --------------------------------------------------------------
+    def paths(self, index: SuffixIndex, context: Sequence[int], max_nodes: int, max_depth: int) -> DraftPaths:
+        """Match ``context`` in ``index`` and expand a tree sized by the match length."""
+        m, nxt = index.match(context, self.max_match)
+        if m < self.min_match:
+            return DraftPaths([], [], [], m)
+        size = min(max_nodes, self.max_spec_tokens, max(1, math.floor(self.alpha * m)))
+        return index.expand(nxt, m, size, min(max_depth, self.max_depth), self.min_prob)
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        """A tree rooted at ctx.root: the better of the request's and the store's continuation trees."""
+        self._sync(ctx)
+        budget, depth = ctx.max_nodes - 1, ctx.max_depth
+        best = DraftPaths([], [], [], 0)
+        if budget >= 1 and depth >= 1:
+            if self.use_local:
+                best = self.paths(self._local, ctx.tokens, budget, depth)
+            if self.store is not None:
+                index = self.store.index_for(self._cur_tenant)
+                with self.store.lock:  # another thread's add() may be growing this index
+                    g = self.paths(index, ctx.tokens, budget, depth)
+                if g.score > best.score:
+                    best = g
+        return TokenTree((int(ctx.root), *best.tokens), (-1, *(p + 1 for p in best.parents)))
+
+
+def tenant_id(api_key: str | None = None, user: str | None = None) -> str:
+    """The server's tenant key: a hash of the API key (never the key itself: it is written to disk), then ``user``.
+
+    Requests with the same key and user share an index; a different key, or a different ``user`` under
+    one key, gets its own. Without either, everyone is the anonymous tenant "".
+    """
+    import hashlib
+
+    key = "" if not api_key else "k:" + hashlib.sha256(api_key.encode("utf-8")).hexdigest()[:24]
+    return key + ("" if not user else f"/u:{user}")
+
+
+def open_suffix_store(path: str | os.PathLike | None = None, max_tokens: int = 1_000_000,
+                      share: bool = False) -> SuffixStore:
+    """The store behind ``--suffix-store DIR --suffix-max-tokens N --suffix-share`` (None = in memory)."""
+    return SuffixStore(path, max_tokens=max_tokens, share=share)
+
+
+def make_suffix_drafter(store: SuffixStore | None = None, tenant: str = "", **options: object) -> SuffixDrafter:
+    """Registry factory for ``suffix``: a drafter over ``store`` for ``tenant`` (options: SuffixDrafter fields)."""
+    unknown = set(options) - set(SuffixDrafter.__dataclass_fields__) - {"store", "tenant"}
+    bad = sorted(k for k in unknown | {k for k in options if k.startswith("_")})
+    if bad:
+        raise ValueError(f"unknown suffix drafter option(s) {bad}; choose from "
+                         f"{sorted(k for k in SuffixDrafter.__dataclass_fields__ if not k.startswith('_'))}")
+    return SuffixDrafter(store if store is not None else SuffixStore(), tenant, **options)  # type: ignore[arg-type]

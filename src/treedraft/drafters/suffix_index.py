@@ -1,0 +1,238 @@
+"""A suffix index over token ids: longest match of a context and exact continuation counts.
+
+Structure (chosen by measurement, see benchmarks/suffix_bench.py and benchmarks/results/suffix_bench.md):
+the indexed sequences are concatenated into one int32 array with a separator (-1) after each, plus
+one growable array of positions per token id. A lookup takes the positions of the context's last
+token and narrows them, one token further back at a time, with vectorised comparisons: what is left
+after ``m`` steps is exactly the set of occurrences of the context's last ``m`` tokens. The tokens
+after those occurrences give the continuations and their counts, and following them grows a tree
+of continuations, i.e. a walk down the (implicit) suffix tree of SuffixDecoding (Oliaro et al.,
+"SuffixDecoding: Extreme Speculative Decoding for Emerging AI Applications", NeurIPS 2025).
+
+Against a pure-Python suffix automaton (the other candidate) this holds ~12 bytes per token at 10^6
+tokens instead of ~415, builds 10x faster (0.35 s against 3.4 s for 10^5 tokens), appends in O(1) per
+token (the automaton's occurrence counts would need a pass over its suffix links after each batch), and
+a lookup costs O(occurrences of the last token), vectorised: median 0.16 ms, a whole draft (match +
+tree) median 0.47 ms at 10^6 tokens on a 2-core machine at load 14 (benchmarks/results/suffix_bench.md).
+Matches never cross a separator, so one sequence's end never continues into the next one.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+SEP = -1  # separator after every indexed sequence; never a token id
+
+
+@dataclass(frozen=True)
+class DraftPaths:
+    """A tree of continuations: ``tokens[i]`` under ``parents[i]`` (-1 = under the root), ``probs[i]`` its path prob."""
+
+    tokens: list[int]
+    parents: list[int]
+    probs: list[float]
+    match_len: int
+
+    @property
+    def score(self) -> float:
+        """Expected number of accepted tokens under the empirical model (sum of path probabilities)."""
+        return float(sum(self.probs))
+
+
+class SuffixIndex:
+    """Token sequences indexed for longest-suffix matching with exact occurrence counts."""
+
+    def __init__(self) -> None:
+        self._text = np.empty(1024, dtype=np.int32)
+        self._n = 0
+        self._pos: dict[int, np.ndarray] = {}  # token -> positions (capacity-padded)
+        self._cnt: dict[int, int] = {}  # token -> number of valid entries in _pos[token]
+
+    # ---- building -------------------------------------------------------
+    def __len__(self) -> int:
+        """Indexed positions, separators included."""
+        return self._n
+
+    @property
+    def text(self) -> np.ndarray:
+        """(n,) int32 view of the indexed tokens with SEP after each finished sequence."""
+        return self._text[: self._n]
+
+    def _reserve(self, extra: int) -> None:
+        need = self._n + extra
+        if need > len(self._text):
+            cap = max(need, 2 * len(self._text))
+            buf = np.empty(cap, dtype=np.int32)
+            buf[: self._n] = self._text[: self._n]
+            self._text = buf
+
+    def extend(self, tokens: Sequence[int], end: bool = False) -> None:
+        """Append tokens to the open sequence (``end=True`` closes it with a separator)."""
+        arr = np.asarray(tokens, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+            raise ValueError(f"token ids must be in [0, 2^31), got {int(arr.min())}..{int(arr.max())}")
+        k = int(arr.size) + (1 if end else 0)
+        self._reserve(k)
+        start = self._n
+        self._text[start : start + arr.size] = arr
+        if end:
+            self._text[start + arr.size] = SEP
+        self._n += k
+        if arr.size == 0:
+            return
+        if arr.size <= 8:  # per-step updates of a request's own index
+            for i, t in enumerate(arr.tolist()):
+                self._push(t, np.array([start + i], dtype=np.int32))
+            return
+        order = np.argsort(arr, kind="stable")
+        toks = arr[order]
+        cuts = np.flatnonzero(np.diff(toks)) + 1
+        for grp in np.split(order, cuts):
+            self._push(int(arr[grp[0]]), (grp + start).astype(np.int32))
+
+    def add_sequence(self, tokens: Sequence[int]) -> None:
+        """Index one finished sequence."""
+        self.extend(tokens, end=True)
+
+    def _push(self, tok: int, positions: np.ndarray) -> None:
+        buf, c = self._pos.get(tok), self._cnt.get(tok, 0)
+        if buf is None or c + len(positions) > len(buf):
+            cap = max(4, c + len(positions), 2 * (len(buf) if buf is not None else 0))
+            nb = np.empty(cap, dtype=np.int32)
+            if buf is not None:
+                nb[:c] = buf[:c]
+            self._pos[tok] = buf = nb
+        buf[c : c + len(positions)] = positions
+        self._cnt[tok] = c + len(positions)
+
+    @classmethod
+    def from_sequences(cls, seqs: Iterable[Sequence[int]]) -> SuffixIndex:
+        """Bulk build (one sort) from finished sequences."""
+        parts: list[np.ndarray] = []
+        for s in seqs:
+            parts.append(np.asarray(s, dtype=np.int32))
+            parts.append(np.array([SEP], dtype=np.int32))
+        idx = cls()
+        if not parts:
+            return idx
+        text = np.concatenate(parts)
+        idx._text, idx._n = text, len(text)
+        order = np.argsort(text, kind="stable").astype(np.int32)
+        toks = text[order]
+        first = int(np.searchsorted(toks, 0))  # skip separators
+        order, toks = order[first:], toks[first:]
+        cuts = np.flatnonzero(np.diff(toks)) + 1
+        starts = np.concatenate([[0], cuts]).tolist()
+        ends = np.concatenate([cuts, [len(toks)]]).tolist()
+        for a, b in zip(starts, ends):
+            if a < b:
+                t = int(toks[a])
+                idx._pos[t] = order[a:b]  # a view: copied on the first append to this token
+                idx._cnt[t] = b - a
+        return idx
+
+    # ---- queries --------------------------------------------------------
+    def positions(self, tok: int) -> np.ndarray:
+        """(k,) int32 ascending positions where ``tok`` occurs."""
+        buf = self._pos.get(int(tok))
+        return buf[: self._cnt[int(tok)]] if buf is not None else np.empty(0, dtype=np.int32)
+
+    def match(self, context: Sequence[int], max_len: int = 64) -> tuple[int, np.ndarray]:
+        """Longest suffix of ``context`` (<= max_len tokens) that occurs followed by a token.
+
+        Returns (m, nxt): m = its length (0 if even the last token never occurs with a successor) and
+        nxt = (k,) ascending positions right after each of its occurrences (where the continuation starts).
+        """
+        if not context or max_len < 1:
+            return 0, np.empty(0, dtype=np.int64)
+        text = self.text
+        nxt = self.positions(context[-1]).astype(np.int64) + 1
+        nxt = nxt[nxt < self._n]
+        nxt = nxt[text[nxt] != SEP]
+        if nxt.size == 0:
+            return 0, nxt
+        m = 1
+        limit = min(max_len, len(context))
+        while m < limit:
+            back = nxt - 1 - m  # the token m+1 places before the continuation
+            ok = back >= 0
+            ok[ok] = text[back[ok]] == context[-1 - m]
+            if not ok.any():
+                break
+            nxt = nxt[ok]
+            m += 1
+        return m, nxt
+
+    def continuations(self, pattern: Sequence[int]) -> dict[int, int]:
+        """{next token: count} over every occurrence of ``pattern`` (empty if it never occurs)."""
+        if not pattern:
+            raise ValueError("pattern must have at least one token")
+        m, nxt = self.match(pattern, max_len=len(pattern))
+        if m < len(pattern):
+            return {}
+        toks, counts = np.unique(self.text[nxt], return_counts=True)
+        return {int(t): int(c) for t, c in zip(toks, counts)}
+
+    def expand(self, nxt: np.ndarray, match_len: int, max_nodes: int, max_depth: int,
+               min_prob: float = 0.0, max_occurrences: int = 1024) -> DraftPaths:
+        """Best-first tree of the most probable continuations after the occurrences ``nxt``.
+
+        A node's probability is the product along its path of count(child) / count(parent): the
+        empirical probability of that continuation (SuffixDecoding's score). At most ``max_nodes`` nodes
+        (root excluded), ``max_depth`` deep, none below ``min_prob``. Only the most recent
+        ``max_occurrences`` occurrences are counted (all of them unless a match is very frequent).
+        """
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[float] = []
+        if max_nodes < 1 or max_depth < 1 or nxt.size == 0:
+            return DraftPaths(tokens, parents, probs, match_len)
+        text = self.text
+        heap: list[tuple[float, int, int, int, np.ndarray]] = []  # (-prob, tiebreak, parent, depth, positions)
+        tick = 0
+
+        def push_children(pos: np.ndarray, parent: int, depth: int, prob: float) -> None:
+            nonlocal tick
+            pos = pos[-max_occurrences:]
+            pos = pos[pos < self._n]
+            if pos.size == 0 or depth >= max_depth:
+                return
+            nt = text[pos]
+            total = pos.size  # occurrences that end here (SEP) keep their share: they continue nowhere
+            live = nt != SEP
+            pos, nt = pos[live], nt[live]
+            if pos.size == 0:
+                return
+            order = np.argsort(nt, kind="stable")  # groups by token, positions ascending within a group
+            _, first, counts = np.unique(nt[order], return_index=True, return_counts=True)
+            spos = pos[order]
+            for a, c in zip(first.tolist(), counts.tolist()):
+                p = prob * c / total
+                if p >= min_prob:
+                    tick += 1
+                    heapq.heappush(heap, (-p, tick, parent, depth + 1, spos[a : a + c] + 1))
+
+        push_children(nxt, -1, 0, 1.0)
+        while heap and len(tokens) < max_nodes:
+            negp, _, parent, depth, pos = heapq.heappop(heap)
+            me = len(tokens)
+            tokens.append(int(text[pos[0] - 1]))
+            parents.append(parent)
+            probs.append(-negp)
+            push_children(pos, me, depth, -negp)
+        return DraftPaths(tokens, parents, probs, match_len)
+
+
+def brute_force_continuations(seqs: Sequence[Sequence[int]], pattern: Sequence[int]) -> dict[int, int]:
+    """{next token: count} by scanning every sequence (the reference the index is tested against)."""
+    out: dict[int, int] = {}
+    m = len(pattern)
+    for s in seqs:
+        for i in range(len(s) - m):
+            if list(s[i : i + m]) == list(pattern):
+                out[s[i + m]] = out.get(s[i + m], 0) + 1
+    return out

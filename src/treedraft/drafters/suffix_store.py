@@ -1,0 +1,282 @@
+"""Persistent, bounded, per-tenant store of finished requests' tokens for the suffix drafter.
+
+On disk (a directory):
+  log.bin        append-only; one framed record per finished request, fsynced before ``add`` returns
+  snapshot.bin   every live record at some point, written to snapshot.tmp, fsynced, then renamed over
+
+Record frame: ``<4s magic "SXR1"><u32 payload length><u32 crc32(seq, payload)><u64 seq>`` then the payload
+``<u16 tenant length><tenant utf-8><int32 tokens...>``. Sequence numbers grow by one per record; a
+snapshot's header names the last sequence number it holds, so log records at or below it (left by a
+crash between writing a snapshot and emptying the log) are skipped. A torn or corrupt record is
+reported with ``warnings.warn`` (file and byte offset) and skipped; reading resumes at the next valid
+frame, so records fsynced after a damaged one are kept. A load that found damage writes a fresh
+snapshot at once, so the damage is reported once.
+
+Tenancy: every record carries a tenant id, and :meth:`SuffixStore.index_for` gives each tenant an index
+of its own records only, unless the store was opened with ``share=True``. Drafting never changes what
+is generated (verification is exact), but it changes how fast: a tenant who sees a continuation come
+out unusually fast learns that someone else generated it before, a timing side channel. So sharing
+across tenants is an operator's explicit choice.
+
+Bound: at most ``max_tokens`` tokens are kept across all tenants; beyond that the oldest requests are
+evicted (down to 90% of the bound, so eviction and the index rebuild it needs are amortised).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import warnings
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .suffix_index import SuffixIndex
+
+MAGIC = b"SXR1"
+_HEAD = struct.Struct("<4sIIQ")  # magic, payload length, crc32, seq
+_SNAP_HEAD = struct.Struct("<8sQ")  # b"SXSNAP01", last seq included
+_SNAP_MAGIC = b"SXSNAP01"
+_MAX_PAYLOAD = 1 << 30
+SHARED = "\x00shared"  # the index key used when share=True
+
+
+@dataclass(frozen=True, eq=False)
+class Record:
+    """One finished request: tenant id and the token ids that were indexed."""
+
+    seq: int
+    tenant: str
+    tokens: np.ndarray  # (n,) int32, read-only
+
+
+def encode_record(seq: int, tenant: str, tokens: Sequence[int]) -> bytes:
+    """Frame one record (header + payload)."""
+    t = tenant.encode("utf-8")
+    if len(t) > 0xFFFF:
+        raise ValueError(f"tenant id is {len(t)} bytes; at most 65535")
+    payload = struct.pack("<H", len(t)) + t + np.asarray(tokens, dtype="<i4").tobytes()
+    crc = zlib.crc32(payload, zlib.crc32(struct.pack("<Q", seq)))
+    return _HEAD.pack(MAGIC, len(payload), crc, seq) + payload
+
+
+def decode_records(data: bytes, name: str, start: int = 0) -> tuple[list[Record], bool]:
+    """Parse framed records from ``data[start:]``; warn (naming ``name`` and the offset) on damage.
+
+    Returns (records, damaged). A bad frame is skipped up to the next frame that parses and checks out.
+    """
+    out: list[Record] = []
+    off, damaged, n = start, False, len(data)
+    while off < n:
+        rec, end = _parse_at(data, off)
+        if rec is not None:
+            out.append(rec)
+            off = end
+            continue
+        damaged = True
+        nxt = data.find(MAGIC, off + 1)
+        while nxt >= 0 and _parse_at(data, nxt)[0] is None:
+            nxt = data.find(MAGIC, nxt + 1)
+        if nxt < 0:
+            warnings.warn(f"suffix store {name}: torn or corrupt tail at byte offset {off} "
+                          f"({n - off} bytes) dropped", stacklevel=3)
+            break
+        warnings.warn(f"suffix store {name}: corrupt record at byte offset {off} skipped "
+                      f"({nxt - off} bytes); reading resumes at offset {nxt}", stacklevel=3)
+        off = nxt
+    return out, damaged
+
+
+def _parse_at(data: bytes, off: int) -> tuple[Record | None, int]:
+    if off + _HEAD.size > len(data):
+        return None, off
+    magic, ln, crc, seq = _HEAD.unpack_from(data, off)
+    body = off + _HEAD.size
+    if magic != MAGIC or ln < 2 or ln > _MAX_PAYLOAD or body + ln > len(data):
+        return None, off
+    payload = data[body : body + ln]
+    if zlib.crc32(payload, zlib.crc32(struct.pack("<Q", seq))) != crc:
+        return None, off
+    (tl,) = struct.unpack_from("<H", payload, 0)
+    if 2 + tl > ln or (ln - 2 - tl) % 4:
+        return None, off
+    try:
+        tenant = payload[2 : 2 + tl].decode("utf-8")
+    except UnicodeDecodeError:
+        return None, off
+    toks = np.frombuffer(payload, dtype="<i4", offset=2 + tl).astype(np.int32)
+    toks.flags.writeable = False
+    return Record(seq, tenant, toks), body + ln
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class SuffixStore:
+    """Finished requests of every tenant, on disk (optional) and as one suffix index per tenant."""
+
+    def __init__(self, path: str | os.PathLike | None = None, max_tokens: int = 1_000_000, share: bool = False,
+                 snapshot_every: int = 256, fsync: bool = True) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens} (--suffix-max-tokens)")
+        self.path = Path(path) if path is not None else None
+        self.max_tokens, self.share, self.fsync = max_tokens, share, fsync
+        self.snapshot_every = snapshot_every
+        self._records: deque[Record] = deque()
+        self._tokens = 0
+        self._seq = 0
+        self._since_snapshot = 0
+        self._indices: dict[str, SuffixIndex] = {}
+        self._lock = threading.Lock()
+        self._log = None
+        if self.path is not None:
+            self._load()
+
+    # ---- public ------------------------------------------------------------
+    @property
+    def lock(self) -> threading.Lock:
+        """Held by every change; hold it while reading an index another thread may add to."""
+        return self._lock
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held (all tenants)."""
+        return self._tokens
+
+    def records(self, tenant: str | None = None) -> list[Record]:
+        """Live records, oldest first (of one tenant, or all)."""
+        return [r for r in self._records if tenant is None or r.tenant == tenant]
+
+    def index_for(self, tenant: str = "") -> SuffixIndex:
+        """The index a request of ``tenant`` drafts from: its own records, or everyone's when shared."""
+        key = SHARED if self.share else tenant
+        with self._lock:
+            idx = self._indices.get(key)
+            if idx is None:
+                idx = SuffixIndex.from_sequences(r.tokens for r in self._records if self.share or r.tenant == key)
+                self._indices[key] = idx
+            return idx
+
+    for_tenant = index_for
+
+    def add(self, tokens: Sequence[int], tenant: str = "") -> int:
+        """Record a finished request; durable (fsynced) when this returns with a store dir. Returns its seq."""
+        toks = np.array(tokens, dtype=np.int64)
+        if toks.size == 0:
+            return -1
+        if toks.min() < 0 or toks.max() > np.iinfo(np.int32).max:
+            raise ValueError(f"token ids must be in [0, 2^31), got {int(toks.min())}..{int(toks.max())}")
+        toks = toks.astype(np.int32)
+        toks.flags.writeable = False
+        with self._lock:
+            self._seq += 1
+            rec = Record(self._seq, tenant, toks)
+            if self.path is not None:
+                self._log.write(encode_record(rec.seq, tenant, toks))
+                self._log.flush()
+                if self.fsync:
+                    os.fsync(self._log.fileno())
+            self._records.append(rec)
+            self._tokens += len(toks)
+            idx = self._indices.get(SHARED if self.share else tenant)
+            if idx is not None:
+                idx.add_sequence(toks)
+            evicted = self._evict()
+            self._since_snapshot += 1
+            if self.path is not None and (evicted or self._since_snapshot >= self.snapshot_every):
+                self._snapshot()
+            return rec.seq
+
+    def snapshot(self) -> None:
+        """Write every live record to snapshot.bin (atomically) and empty the log."""
+        if self.path is None:
+            return
+        with self._lock:
+            self._snapshot()
+
+    def close(self) -> None:
+        """Close the log file (records are already durable)."""
+        with self._lock:
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+
+    # ---- internals --------------------------------------------------------
+    def _evict(self) -> bool:
+        if self._tokens <= self.max_tokens:
+            return False
+        low = int(self.max_tokens * 0.9)
+        while self._records and self._tokens > low:
+            self._tokens -= len(self._records.popleft().tokens)
+        self._indices.clear()  # rebuilt lazily from the remaining records
+        return True
+
+    def _snapshot(self) -> None:
+        assert self.path is not None
+        tmp, snap = self.path / "snapshot.tmp", self.path / "snapshot.bin"
+        with open(tmp, "wb") as f:
+            f.write(_SNAP_HEAD.pack(_SNAP_MAGIC, self._seq))
+            f.writelines(encode_record(r.seq, r.tenant, r.tokens) for r in self._records)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, snap)
+        _fsync_dir(self.path)
+        # the snapshot now holds everything up to self._seq: start an empty log the same way
+        if self._log is not None:
+            self._log.close()
+        ltmp = self.path / "log.tmp"
+        with open(ltmp, "wb") as f:
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(ltmp, self.path / "log.bin")
+        _fsync_dir(self.path)
+        self._log = open(self.path / "log.bin", "ab")  # noqa: SIM115  (held open: the append-only log)
+        self._since_snapshot = 0
+
+    def _load(self) -> None:
+        assert self.path is not None
+        self.path.mkdir(parents=True, exist_ok=True)
+        snap, log = self.path / "snapshot.bin", self.path / "log.bin"
+        recs: list[Record] = []
+        damaged, last_snap = False, 0
+        if snap.is_file():
+            data = snap.read_bytes()
+            if len(data) >= _SNAP_HEAD.size and data[:8] == _SNAP_MAGIC:
+                last_snap = _SNAP_HEAD.unpack_from(data, 0)[1]
+                recs, damaged = decode_records(data, str(snap), _SNAP_HEAD.size)
+            else:
+                warnings.warn(f"suffix store {snap}: bad snapshot header at byte offset 0; "
+                              "trying its records anyway", stacklevel=2)
+                recs, damaged = decode_records(data, str(snap), 0)
+                damaged = True
+        if log.is_file():
+            more, bad = decode_records(log.read_bytes(), str(log))
+            damaged |= bad
+            recs.extend(r for r in more if r.seq > last_snap)
+        seen: set[int] = set()
+        for r in sorted(recs, key=lambda r: r.seq):
+            if r.seq not in seen:
+                seen.add(r.seq)
+                self._records.append(r)
+                self._tokens += len(r.tokens)
+        self._seq = max([last_snap, *seen]) if seen else last_snap
+        evicted = self._evict()
+        if damaged or evicted or not log.is_file():
+            self._snapshot()  # rewrite clean files so damage is reported once
+        else:
+            self._log = open(log, "ab")  # noqa: SIM115  (held open: the append-only log)

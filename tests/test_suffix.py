@@ -1,0 +1,272 @@
+"""Suffix drafter: index exactness, persistence and crash safety, eviction, tenancy, trees, real model."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treedraft.drafters.hybrid import HybridDrafter
+from treedraft.drafters.prompt_lookup import PromptLookupDrafter
+from treedraft.drafters.suffix import (
+    SuffixDrafter,
+    make_suffix_drafter,
+    open_suffix_store,
+    tenant_id,
+)
+from treedraft.drafters.suffix_index import SEP, SuffixIndex, brute_force_continuations
+from treedraft.drafters.suffix_store import SuffixStore, encode_record
+from treedraft.engine import DraftContext, GenerationStats
+
+seqs_st = st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=30), min_size=1, max_size=6)
+
+
+def brute_longest(seqs: list[list[int]], ctx: list[int], max_len: int) -> int:
+    """Longest suffix of ctx (<= max_len) that occurs with a following token, by scanning."""
+    best = 0
+    for m in range(1, min(max_len, len(ctx)) + 1):
+        if brute_force_continuations(seqs, ctx[-m:]):
+            best = m
+    return best
+
+
+# ---- index ----------------------------------------------------------------------------------------------
+@settings(max_examples=150, deadline=None)
+@given(seqs=seqs_st, pattern=st.lists(st.integers(0, 4), min_size=1, max_size=4), bulk=st.booleans())
+def test_index_continuations_equal_brute_force(seqs: list[list[int]], pattern: list[int], bulk: bool) -> None:
+    if bulk:
+        idx = SuffixIndex.from_sequences(seqs)
+    else:  # incremental: token by token, then closed (the per-request path and the store's append path)
+        idx = SuffixIndex()
+        for s in seqs:
+            for i in range(0, len(s), 3):
+                idx.extend(s[i : i + 3])
+            idx.extend([], end=True)
+    assert idx.continuations(pattern) == brute_force_continuations(seqs, pattern)
+
+
+@settings(max_examples=150, deadline=None)
+@given(seqs=seqs_st, ctx=st.lists(st.integers(0, 4), min_size=1, max_size=12), max_len=st.integers(1, 8))
+def test_index_longest_match_and_tree_counts(seqs: list[list[int]], ctx: list[int], max_len: int) -> None:
+    idx = SuffixIndex.from_sequences(seqs)
+    m, nxt = idx.match(ctx, max_len)
+    assert m == brute_longest(seqs, ctx, max_len)
+    if m == 0:
+        return
+    # every node's path probability is the empirical one: count(pattern + path) / count(pattern)
+    paths = idx.expand(nxt, m, max_nodes=50, max_depth=4)
+    occurrences = len(nxt)
+    for i in range(len(paths.tokens)):
+        path, j = [], i
+        while j >= 0:
+            path.append(paths.tokens[j])
+            j = paths.parents[j]
+        path.reverse()
+        full = ctx[len(ctx) - m :] + path
+        count = brute_force_continuations(seqs, full[:-1]).get(full[-1], 0)
+        assert paths.probs[i] == pytest.approx(count / occurrences), (path, paths)
+
+
+def test_matches_do_not_cross_sequences() -> None:
+    idx = SuffixIndex.from_sequences([[1, 2], [3, 4]])
+    assert idx.continuations([2]) == {}  # 2 ends its sequence: the separator is no continuation
+    assert idx.match([2, 3], 8)[0] == 1  # [2, 3] spans the boundary: only [3] matches
+    assert int(idx.text[2]) == SEP
+
+
+# ---- drafter trees -------------------------------------------------------------------------------------
+@settings(max_examples=80, deadline=None)
+@given(seqs=seqs_st, ctx=st.lists(st.integers(0, 4), min_size=1, max_size=20),
+       max_nodes=st.integers(1, 12), max_depth=st.integers(1, 6), alpha=st.sampled_from([0.5, 1.0, 4.0]))
+def test_proposed_tree_is_a_valid_trie_within_budget(seqs, ctx, max_nodes, max_depth, alpha) -> None:
+    store = SuffixStore()
+    for s in seqs:
+        store.add(s)
+    d = SuffixDrafter(store, alpha=alpha, min_prob=0.0)
+    tree = d.propose(DraftContext(list(ctx), None, max_nodes, max_depth, 1))  # TokenTree checks the trie rules
+    assert tree.tokens[0] == ctx[-1]
+    assert len(tree) <= max_nodes
+    assert max(tree.depths()) <= max_depth
+    # SuffixDecoding's adaptive size: at most alpha * (the longer of the two match lengths) nodes
+    m = max(SuffixIndex.from_sequences(seqs).match(ctx, d.max_match)[0],
+            SuffixIndex.from_sequences([ctx]).match(ctx, d.max_match)[0])
+    assert len(tree) - 1 <= max(1, int(alpha * m)) if m else len(tree) == 1
+
+
+def test_drafter_follows_a_repeated_passage_and_the_request_grows() -> None:
+    d = SuffixDrafter(None)  # request-local only
+    toks = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7]
+    tree = d.propose(DraftContext(toks, None, 16, 8, 2))
+    assert tree.tokens == (7, 8, 9, 10)  # match [5, 6, 7] (3 tokens) -> 3 nodes along the passage
+    toks += [8, 9]  # the engine extends the same list; the index follows
+    tree = d.propose(DraftContext(toks, None, 16, 8, 2))
+    assert tree.tokens[:3] == (9, 10, 11)
+
+
+def test_hybrid_merges_suffix_with_prompt_lookup() -> None:
+    store = SuffixStore()
+    store.add([1, 2, 3, 4, 5, 6])
+    h = HybridDrafter([PromptLookupDrafter(), SuffixDrafter(store)])
+    tree = h.propose(DraftContext([9, 1, 2, 3], None, 8, 8, 1))
+    assert tree.tokens[:4] == (3, 4, 5, 6)
+
+
+def test_make_suffix_drafter_rejects_unknown_options() -> None:
+    with pytest.raises(ValueError, match="unknown suffix drafter option"):
+        make_suffix_drafter(None, "", alfa=2.0)
+    assert make_suffix_drafter(None, "x", alpha=2.0).alpha == 2.0
+
+
+# ---- persistence ----------------------------------------------------------------------------------------
+def test_store_round_trip(tmp_path: Path) -> None:
+    st_ = SuffixStore(tmp_path, snapshot_every=3)
+    data = [([1, 2, 3], "a"), ([4, 5], "b"), ([6, 7, 8, 9], "a"), ([10], "a"), ([11, 12], "b")]
+    for toks, ten in data:
+        st_.add(toks, ten)
+    st_.close()  # 3 records went to the snapshot, 2 are in the log
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = SuffixStore(tmp_path)
+    assert [(list(r.tokens), r.tenant) for r in again.records()] == data
+    assert again.index_for("a").continuations([6]) == {7: 1}
+    # seqs keep growing after a reload
+    assert again.add([13], "a") == 6
+
+
+def test_stale_log_records_after_a_snapshot_are_not_doubled(tmp_path: Path) -> None:
+    st_ = SuffixStore(tmp_path, snapshot_every=10**6)
+    st_.add([1, 2], "a")
+    st_.add([3, 4], "a")
+    log = (tmp_path / "log.bin").read_bytes()
+    st_.snapshot()
+    st_.close()
+    (tmp_path / "log.bin").write_bytes(log)  # a crash between the snapshot's rename and the log's reset
+    again = SuffixStore(tmp_path)
+    assert [list(r.tokens) for r in again.records()] == [[1, 2], [3, 4]]
+
+
+def _two_records_then(tmp_path: Path, damage) -> tuple[SuffixStore, list[warnings.WarningMessage]]:
+    st_ = SuffixStore(tmp_path, snapshot_every=10**6)
+    st_.add([1, 2, 3], "a")
+    st_.add([4, 5, 6], "a")
+    st_.close()
+    log = tmp_path / "log.bin"
+    log.write_bytes(damage(log.read_bytes()))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        again = SuffixStore(tmp_path)
+    return again, w
+
+
+def test_torn_tail_is_reported_and_dropped(tmp_path: Path) -> None:
+    torn = encode_record(3, "a", [7, 8, 9])[:-5]  # a crash in the middle of an append (never acknowledged)
+    again, w = _two_records_then(tmp_path, lambda b: b + torn)
+    ends = len(encode_record(1, "a", [1, 2, 3])) * 2
+    assert [list(r.tokens) for r in again.records()] == [[1, 2, 3], [4, 5, 6]]
+    assert len(w) == 1 and "log.bin" in str(w[0].message) and f"byte offset {ends}" in str(w[0].message)
+    again.add([7], "a")
+    again.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the damage was cleaned up: reported once
+        assert [list(r.tokens) for r in SuffixStore(tmp_path).records()] == [[1, 2, 3], [4, 5, 6], [7]]
+
+
+def test_corrupt_record_is_skipped_and_later_acknowledged_ones_kept(tmp_path: Path) -> None:
+    def flip(b: bytes) -> bytes:
+        b = bytearray(b)
+        b[30] ^= 0xFF  # inside the first record's payload
+        return bytes(b)
+
+    again, w = _two_records_then(tmp_path, flip)
+    assert [list(r.tokens) for r in again.records()] == [[4, 5, 6]]
+    assert len(w) == 1 and "byte offset 0" in str(w[0].message)
+
+
+def test_truncated_and_garbage_files_never_crash(tmp_path: Path) -> None:
+    st_ = SuffixStore(tmp_path, snapshot_every=1)
+    st_.add([1, 2, 3], "a")
+    st_.close()
+    snap = tmp_path / "snapshot.bin"
+    snap.write_bytes(snap.read_bytes()[:-2])
+    (tmp_path / "log.bin").write_bytes(os.urandom(64))
+    with pytest.warns(UserWarning, match="snapshot.bin"):
+        again = SuffixStore(tmp_path)
+    assert again.records() == []
+
+
+# ---- bound and tenancy ------------------------------------------------------------------------------------
+def test_eviction_keeps_the_bound_and_drops_the_oldest(tmp_path: Path) -> None:
+    st_ = SuffixStore(tmp_path, max_tokens=100)
+    st_.index_for("a")  # built before the adds: appends and evictions must keep it in step
+    for i in range(40):
+        st_.add([i] * 7, "a")
+        assert st_.num_tokens <= 100
+    kept = [r.tokens[0] for r in st_.records()]
+    assert kept == list(range(40 - len(kept), 40)) and st_.num_tokens > 80
+    assert st_.index_for("a").continuations([0]) == {}  # evicted from the index too
+    st_.close()
+    assert [r.tokens[0] for r in SuffixStore(tmp_path, max_tokens=100).records()] == kept
+    assert SuffixStore(tmp_path, max_tokens=30).num_tokens <= 30  # a smaller bound applies on load
+
+
+def test_tenants_are_isolated_unless_shared(tmp_path: Path) -> None:
+    st_ = SuffixStore(tmp_path)
+    st_.add([1, 2, 3, 4, 5], "alice")
+    ctx = DraftContext([9, 1, 2, 3], None, 16, 8, 1)
+    assert len(SuffixDrafter(st_, "alice").propose(ctx)) > 1
+    assert len(SuffixDrafter(st_, "bob").propose(ctx)) == 1
+    assert st_.index_for("bob").continuations([1]) == {}
+    st_.close()
+    shared = open_suffix_store(tmp_path, share=True)
+    assert shared.index_for("bob").continuations([1]) == {2: 1}
+    assert len(SuffixDrafter(shared, "bob").propose(ctx)) > 1
+
+
+def test_requests_are_recorded_once_under_the_tenant_they_ran_for() -> None:
+    store = SuffixStore()
+    d = SuffixDrafter(store, "alice", prompt_context=2)
+    req = [1, 2, 3, 4, 5]  # prompt [1, 2, 3], then the engine appends verified tokens
+    d.propose(DraftContext(req, None, 8, 8, 3))
+    req += [6, 7]
+    d.propose(DraftContext(req, None, 8, 8, 3))
+    d.tenant = "bob"  # switched for the next request: the one in progress still belongs to alice
+    d.propose(DraftContext([9, 9], None, 8, 8, 1))  # a new request: the previous one is recorded (auto_record)
+    assert [(r.tenant, list(r.tokens)) for r in store.records()] == [("alice", [2, 3, 4, 5, 6, 7])]
+    HybridDrafter([PromptLookupDrafter(), d]).finish([9], [9, 8])  # the explicit end, through the hybrid
+    d.flush()  # nothing in progress any more: no second record
+    assert [(r.tenant, list(r.tokens)) for r in store.records()] == [("alice", [2, 3, 4, 5, 6, 7]), ("bob", [9, 9, 8])]
+
+
+def test_tenant_id_hashes_the_key_and_separates_users() -> None:
+    a, b = tenant_id("sk-secret", "u1"), tenant_id("sk-secret", "u2")
+    assert a != b and "sk-secret" not in a and tenant_id("sk-secret", "u1") == a
+    assert tenant_id("other", "u1") != a and tenant_id() == ""
+
+
+# ---- the real model -----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_real_model_greedy_equal_plain_and_warm_index_accepts(smollm, tmp_path: Path) -> None:
+    store = SuffixStore(tmp_path)
+    d = SuffixDrafter(store, "t1")
+    prompt = "Explain in three sentences why the sky is blue."
+    plain = smollm.generate(prompt, drafter=None, max_new_tokens=64)
+    cold_stats, warm_stats, other_stats = GenerationStats(), GenerationStats(), GenerationStats()
+    cold = [t for c in smollm.stream(prompt, drafter=d, stats=cold_stats, max_new_tokens=64) for t in c.token_ids]
+    assert cold == plain.token_ids
+    d.finish(smollm.encode_prompt(prompt), cold)
+    warm = [t for c in smollm.stream(prompt, drafter=d, stats=warm_stats, max_new_tokens=64) for t in c.token_ids]
+    assert warm == plain.token_ids
+    assert warm_stats.mean_accepted_length > 1.5 > cold_stats.mean_accepted_length, \
+        (warm_stats.mean_accepted_length, cold_stats.mean_accepted_length)
+    # another tenant gets nothing from t1's output (it drafts from its own request only)
+    other = d.for_tenant("t2")
+    out = [t for c in smollm.stream(prompt, drafter=other, stats=other_stats, max_new_tokens=64) for t in c.token_ids]
+    assert out == plain.token_ids
+    assert other_stats.accepted_tokens == cold_stats.accepted_tokens
+    # and the store survives a restart
+    store.close()
+    assert SuffixStore(tmp_path).index_for("t1").continuations(plain.token_ids[:3]) != {}
