@@ -26,19 +26,24 @@ def _own_cache(tmp_path, monkeypatch) -> None:  # noqa: ANN001
 # ---- GGUF metadata ------------------------------------------------------------------------------------
 
 
-def _write_gguf(path, arch: str = "qwen2", seed: int = 0) -> dict[str, np.ndarray]:  # noqa: ANN001
+def _write_gguf(path, arch: str = "qwen2", seed: int = 0, alignment: int | None = None) -> dict[str, np.ndarray]:  # noqa: ANN001
     """A tiny Llama-family GGUF (F32, F16 and Q8_0 tensors); returns the float32 tensors written."""
     import gguf
 
     g = np.random.default_rng(seed)
     H, F, V, nh, nkv, hd = 32, 64, 100, 4, 2, 8
     w = gguf.GGUFWriter(str(path), arch)
+    if alignment is not None:  # a non-default general.alignment moves every tensor offset
+        w.add_custom_alignment(alignment)
     for k, v in {"context_length": 128, "embedding_length": H, "feed_forward_length": F, "block_count": 1,
                  "attention.head_count": nh, "attention.head_count_kv": nkv}.items():
         w.add_uint32(f"{arch}.{k}", v)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_token_list([f"t{i}" for i in range(V)])  # longer than SHORT_ARRAY: only its length is cached
+    w.add_token_scores([float(i) for i in range(V)])  # a long numeric array: skipped in one step
+    w.add_array("general.tags", ["tiny", "test"])  # short arrays are kept whole
+    w.add_array(f"{arch}.short_ints", [3, 1, 4])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template("{{ messages }}")
@@ -69,19 +74,18 @@ def _write_gguf(path, arch: str = "qwen2", seed: int = 0) -> dict[str, np.ndarra
 
 
 def test_gguf_header_is_parsed_once_and_cached_on_disk(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    import gguf
-
     p = tmp_path / "m.gguf"
     _write_gguf(p)
     parses = []
-    real = gguf.GGUFReader
-    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parses.append(a) or real(*a, **k))
+    real = gguf_meta.parse_gguf
+    monkeypatch.setattr(gguf_meta, "parse_gguf", lambda *a, **k: parses.append(a) or real(*a, **k))
     m = gguf_meta.read_gguf_meta(p)
     assert len(parses) == 1
     assert m.architecture == "qwen2" and m.context_length == 128 and m.vocab_size == 100
     assert m.tokenizer["bos_token_id"] == 1 and m.tokenizer["eos_token_id"] == 2
     assert m.tokenizer["chat_template"] == "{{ messages }}"
     assert "tokenizer.ggml.tokens" not in m.fields and m.array_lengths["tokenizer.ggml.tokens"] == 100
+    assert m.get("general.tags") == ["tiny", "test"] and m.arch_get("short_ints") == [3, 1, 4]
     types = {t.name: t.type for t in m.tensors}
     assert {"F32", "F16", "Q8_0"} <= set(types.values())
     gguf_meta._read_cached.cache_clear()
@@ -110,6 +114,54 @@ def test_gguf_tensors_come_through_the_cached_table(tmp_path) -> None:  # noqa: 
     model, _ = load_gguf(p)
     assert torch.equal(model.embed.weight, torch.from_numpy(written["token_embd.weight"]))
     assert torch.equal(model.layers[0].attn.wqkv.bias[:32], torch.from_numpy(written["blk.0.attn_q.bias"]))
+
+
+def _reader_header(path) -> tuple[dict, dict, list]:  # noqa: ANN001
+    """The header as ``gguf.GGUFReader`` (the reference implementation, slow on real vocabularies) sees it."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    fields, lengths = {}, {}
+    for key, f in r.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            lengths[key] = len(f.data)
+            if len(f.data) <= gguf_meta.SHORT_ARRAY:
+                fields[key] = f.contents()
+        else:
+            fields[key] = f.contents()
+    tensors = [(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())), int(t.data_offset),
+                int(t.n_bytes)) for t in r.tensors]
+    return fields, lengths, tensors
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_header_parse_equals_gguf_reader(tmp_path, alignment: int | None) -> None:  # noqa: ANN001
+    """Fields, array lengths and the tensor table (offsets included) match gguf.GGUFReader's."""
+    p = tmp_path / "m.gguf"
+    _write_gguf(p, alignment=alignment)
+    m = gguf_meta.parse_gguf(p)
+    fields, lengths, tensors = _reader_header(p)
+    assert m.fields == fields and m.array_lengths == lengths
+    assert [(t.name, t.type, t.shape, t.offset, t.n_bytes) for t in m.tensors] == tensors
+    assert m.get("general.alignment") == alignment
+
+
+def test_corrupt_gguf_header_raises_model_load_error(tmp_path) -> None:  # noqa: ANN001
+    """A wrong magic, or a string length pointing past the end, is reported with the file and the fix."""
+    p = tmp_path / "m.gguf"
+    _write_gguf(p)
+    data = bytearray(p.read_bytes())
+    bad = tmp_path / "magic.gguf"
+    bad.write_bytes(b"GGUX" + data[4:])
+    with pytest.raises(ModelLoadError, match=r"magic\.gguf.*not a readable GGUF file.*no GGUF magic.*re-download"):
+        gguf_meta.read_gguf_meta(bad)
+    data[24:32] = (1 << 40).to_bytes(8, "little")  # the first key's length: 1 TiB
+    bad = tmp_path / "len.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=r"len\.gguf.*not a readable GGUF file.*past the end"):
+        gguf_meta.read_gguf_meta(bad)
 
 
 @pytest.mark.parametrize("cut", [0.5, 0.99])

@@ -330,14 +330,18 @@ def test_auto_measures_once_then_reuses_the_cached_choice(tmp_path, monkeypatch)
         quant_load.apply_weights(_tiny(), None, "auto")
 
 
-def test_read_tensors_matches_gguf_reader(tmp_path) -> None:
+def test_gguf_meta_tensor_bytes_match_gguf_reader(tmp_path) -> None:
+    """The cached tensor table feeds quant_load: every tensor's bytes equal gguf.GGUFReader's."""
+    from treedraft.models import gguf_meta
+
     path = tmp_path / "tiny.gguf"
     _write_tiny_gguf(path, down_type=gguf.GGMLQuantizationType.Q8_0)
-    meta, tensors = gb.read_tensors(path)
-    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == 1
+    meta = gguf_meta.read_gguf_meta(path)
+    assert meta.architecture == "llama" and meta.arch_get("block_count") == 1
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
     reader = gguf.GGUFReader(str(path))
-    assert set(tensors) == {t.name for t in reader.tensors}
+    assert [t.name for t in meta.tensors] == [t.name for t in reader.tensors]
     for t in reader.tensors:
-        mine = tensors[t.name]
-        assert mine.qtype == int(t.tensor_type) and mine.shape == (int(t.shape[1]), int(t.shape[0]))
-        np.testing.assert_array_equal(mine.data, np.asarray(t.data).view(np.uint8).reshape(mine.data.shape))
+        mine = meta.tensor(t.name)
+        assert mine.type == t.tensor_type.name and mine.shape == tuple(int(d) for d in reversed(t.shape))
+        np.testing.assert_array_equal(meta.tensor_raw(mm, mine), t.data, err_msg=t.name)

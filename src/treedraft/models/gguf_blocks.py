@@ -1,7 +1,8 @@
 """A GGUF tensor's quantized blocks, unpacked into plain tensors without dequantizing.
 
 Layouts follow ggml (``ggml-quants.c`` / the ``gguf`` package's ``quants.py``); every unpacker here is
-checked bit-exactly against ``gguf.quants.dequantize`` (tests/test_gguf_blocks.py):
+checked bit-exactly against ``gguf.quants.dequantize`` (tests/test_quant.py); the file's
+header and tensor table come from :mod:`.gguf_meta`:
 
 - Q4_1 (32 weights, 20 bytes): d fp16, m fp16, qs[16]; low nibble of qs[j] = element j, high = j + 16;
   ``w = d * q + m``.
@@ -17,9 +18,6 @@ re-quantize with a warning naming the tensor (see :mod:`treedraft.models.quant`)
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -114,79 +112,3 @@ def dequantize_q8(scale: Tensor, q: Tensor, group: int = 32) -> Tensor:
     """(scale, q) -> float32 weights (N, K): w = scale * q per group of ``group`` columns."""
     n, k = q.shape
     return (q.float().view(n, k // group, group) * scale[..., None]).view(n, k)
-
-
-# GGUF metadata value types -> struct format of a scalar (8 = string, 9 = array)
-_KV_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
-@dataclass(frozen=True)
-class RawTensor:
-    """One tensor of a GGUF file: ggml type, (rows, cols) and its bytes (memory-mapped, (rows, bytes/row))."""
-
-    qtype: int
-    shape: tuple[int, int]
-    data: np.ndarray
-
-
-def read_tensors(path: str | Path) -> tuple[dict[str, str | int | float], dict[str, RawTensor]]:
-    """Scalar metadata and 2-D tensors of a GGUF file without parsing its metadata arrays.
-
-    ``gguf.GGUFReader`` builds every array entry (the tokenizer's 49k-262k strings) as numpy objects,
-    seconds to a minute on a busy CPU; here arrays are skipped and tensors memory-mapped.
-    """
-    import struct
-
-    from gguf import GGML_QUANT_SIZES
-
-    meta: dict[str, str | int | float] = {}
-    with open(path, "rb") as f:
-
-        def rd(fmt: str):  # noqa: ANN202
-            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-
-        def rstr() -> str:
-            return f.read(rd("<Q")).decode("utf-8", "replace")
-
-        def skip(vtype: int) -> None:
-            if vtype == 8:
-                f.seek(rd("<Q"), 1)
-            elif vtype == 9:
-                etype, n = rd("<I"), rd("<Q")
-                if etype in _KV_SCALAR:
-                    f.seek(n * struct.calcsize(_KV_SCALAR[etype]), 1)
-                else:
-                    for _ in range(n):
-                        skip(etype)
-            else:
-                f.seek(struct.calcsize(_KV_SCALAR[vtype]), 1)
-
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path}: not a GGUF file")
-        version, n_tensors, n_kv = rd("<I"), rd("<Q"), rd("<Q")
-        if version < 2:
-            raise ValueError(f"{path}: GGUF version {version} is too old")
-        for _ in range(n_kv):
-            key, vtype = rstr(), rd("<I")
-            if vtype == 8:
-                meta[key] = rstr()
-            elif vtype in _KV_SCALAR:
-                meta[key] = rd(_KV_SCALAR[vtype])
-            else:
-                skip(vtype)
-        infos = []
-        for _ in range(n_tensors):
-            name = rstr()
-            dims = [rd("<Q") for _ in range(rd("<I"))]
-            infos.append((name, dims, rd("<I"), rd("<Q")))
-        align = int(meta.get("general.alignment", 32))
-        start = -(-f.tell() // align) * align
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    tensors: dict[str, RawTensor] = {}
-    for name, dims, qtype, off in infos:
-        cols, rows = dims[0], int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
-        per, size = GGML_QUANT_SIZES[qtype]
-        row_bytes = cols // per * size
-        data = mm[start + off : start + off + rows * row_bytes].reshape(rows, row_bytes)
-        tensors[name] = RawTensor(qtype, (rows, cols), data)
-    return meta, tensors

@@ -1,16 +1,20 @@
-"""The one GGUF metadata reader: parsed once per file with the ``gguf`` package, cached on disk.
+"""The one GGUF metadata reader: a header parse that skips long arrays, cached on disk.
 
-``gguf.GGUFReader`` builds a numpy view for every element of every metadata array, so opening a
-file costs seconds (10 s for SmolLM2's 49k vocabulary, 27 s for Gemma 3's 262k on this CPU). The
-header is therefore parsed once per file (identity: :func:`~treedraft.models.cache.file_key`) and
-its scalars, short arrays, array lengths and tensor table are stored as JSON under
-``cache_dir()/gguf/``. Tensor data is then read straight from a memory map through that table, so
-loading weights needs no second parse either.
+The header is walked once per file (identity: :func:`~treedraft.models.cache.file_key`) by
+:func:`parse_gguf`: scalars, strings and arrays of up to ``SHORT_ARRAY`` items are kept, longer
+arrays (the tokenizer's 49k-262k tokens, scores, merges) only by length, and the tensor table
+(name, ggml type, shape, absolute offset, byte size) is stored as JSON under ``cache_dir()/gguf/``.
+Tensor data is read straight from a memory map through that table. ``gguf.GGUFReader`` builds a
+numpy view for every array item (6-16 s for SmolLM2, 27-77 s for Gemma 3's 262k vocabulary on a busy
+CPU), so it is not used here; the tokenizer's arrays are read by transformers' GGUF converter in
+:meth:`treedraft.tokenizer.Tokenizer.from_gguf` (once per file, then cached as tokenizer.json).
+Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -141,33 +145,105 @@ def _unreadable(path: Path, why: object) -> ModelLoadError:
                           "re-download or re-convert it")
 
 
+# GGUF metadata value types -> struct format of a scalar (8 = string, 9 = array)
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Header:
+    """A cursor over the file's bytes (a memory map): every read checks that the bytes exist."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf, self.pos = buf, 0
+
+    def scalar(self, fmt: str) -> Any:
+        v = struct.unpack_from(fmt, self.buf, self.pos)[0]  # struct.error past the end
+        self.pos += struct.calcsize(fmt)
+        return v
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        if self.pos + n > len(self.buf):
+            raise EOFError(f"a {n}-byte string at byte {self.pos} runs past the end of the file")
+        s = self.buf[self.pos: self.pos + n].decode("utf-8")  # UnicodeDecodeError is a ValueError
+        self.pos += n
+        return s
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self.string()
+        if vtype in _SCALAR:
+            return self.scalar(_SCALAR[vtype])
+        raise ValueError(f"unknown metadata value type {vtype}")
+
+    def skip(self, vtype: int, n: int) -> None:
+        """Step over ``n`` values of ``vtype`` without building them (strings: one length read each)."""
+        if vtype in _SCALAR:
+            self.pos += n * struct.calcsize(_SCALAR[vtype])
+        elif vtype == _STRING:
+            buf, pos, unpack = self.buf, self.pos, struct.Struct("<Q").unpack_from
+            for _ in range(n):  # a u64 length, then that many bytes
+                pos += 8 + unpack(buf, pos)[0]
+            self.pos = pos
+        elif vtype == _ARRAY:
+            for _ in range(n):
+                etype, m = self.scalar("<I"), self.scalar("<Q")
+                self.skip(etype, m)
+        else:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        if self.pos > len(self.buf):
+            raise EOFError(f"an array runs past the end of the file (byte {self.pos})")
+
+
 def parse_gguf(path: Path) -> GGUFMeta:
-    """Parse the header with ``gguf.GGUFReader`` (slow: seconds; use :func:`read_gguf_meta`)."""
-    import gguf
+    """Parse the header (long arrays skipped; use :func:`read_gguf_meta`, which caches the result)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     try:
-        reader = gguf.GGUFReader(str(path))
-        if reader.byte_order != "I":
-            raise ModelLoadError(f"{path}: a big-endian GGUF file; convert it for this machine's byte order")
-        fields: dict[str, Any] = {}
-        lengths: dict[str, int] = {}
-        for key, f in reader.fields.items():
-            if key.startswith("GGUF."):
-                continue  # version / counts: the reader's own bookkeeping
-            if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
-                lengths[key] = len(f.data)
-                if len(f.data) <= SHORT_ARRAY:
-                    fields[key] = f.contents()
-            else:
-                fields[key] = f.contents()
-        size = path.stat().st_size
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            h = _Header(buf)
+            if bytes(buf[:4]) != b"GGUF":
+                raise ValueError("no GGUF magic at the start")
+            h.pos = 4
+            version = h.scalar("<I")
+            if version & 0xFFFF == 0:
+                raise ModelLoadError(f"{path}: a big-endian GGUF file; convert it for this machine's byte order")
+            if version not in (2, 3):
+                raise ModelLoadError(f"{path}: GGUF version {version} is not supported (2 and 3 are); "
+                                     "re-convert it with a current llama.cpp")
+            n_tensors, n_kv = h.scalar("<Q"), h.scalar("<Q")
+            fields: dict[str, Any] = {}
+            lengths: dict[str, int] = {}
+            for _ in range(n_kv):
+                key, vtype = h.string(), h.scalar("<I")
+                if vtype != _ARRAY:
+                    fields[key] = h.value(vtype)
+                    continue
+                etype, n = h.scalar("<I"), h.scalar("<Q")
+                lengths[key] = n
+                if n <= SHORT_ARRAY and etype != _ARRAY:
+                    fields[key] = [h.value(etype) for _ in range(n)]
+                else:
+                    h.skip(etype, n)
+            infos = []
+            for _ in range(n_tensors):
+                name = h.string()
+                dims = [h.scalar("<Q") for _ in range(h.scalar("<I"))]  # GGUF order: fastest-varying first
+                infos.append((name, dims, h.scalar("<I"), h.scalar("<Q")))
+            align = int(fields.get("general.alignment", 32))
+            start = -(-h.pos // align) * align  # tensor data begins at the next multiple of the alignment
+            size = len(buf)
         tensors = []
-        for t in reader.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
+        for name, dims, qtype, off in infos:
+            if qtype not in GGML_QUANT_SIZES:
+                raise ValueError(f"tensor {name!r} has unknown ggml type {qtype}")
+            per, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+            n_bytes = int(np.prod(dims, dtype=np.int64)) * type_size // per
+            end = start + off + n_bytes
             if end > size:
-                raise _unreadable(path, f"tensor {t.name!r} ends at byte {end} but the file has {size} bytes")
-            tensors.append(GGUFTensor(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())),
-                                      int(t.data_offset), int(t.n_bytes)))
+                raise _unreadable(path, f"tensor {name!r} ends at byte {end} but the file has {size} bytes")
+            tensors.append(GGUFTensor(name, GGMLQuantizationType(qtype).name, tuple(int(d) for d in reversed(dims)),
+                                      start + off, n_bytes))
     except ModelLoadError:
         raise
     except (ValueError, KeyError, IndexError, TypeError, OverflowError, struct.error, EOFError) as e:

@@ -21,6 +21,8 @@ import torch
 from torch import Tensor
 
 from . import gguf_blocks as gb
+from .errors import ModelLoadError
+from .gguf_meta import read_gguf_meta
 from .quant import (WEIGHTS, QWeight, choose_kernels, native_kernels, quantize_q4_rtn, quantize_q8_rtn,
                     swap_linears, time_modules)
 
@@ -76,15 +78,24 @@ def gguf_weights(path: str | Path, num_layers: int, num_heads: int, num_kv_heads
     int4 keeps Q4_0/Q4_1/Q4_K blocks exactly; Q8_0 stays Q8_0; any other quantized type is dequantized
     and re-quantized to int8 with one warning per type that names its tensors.
     """
-    meta, tensors = gb.read_tensors(path)
-    arch = meta["general.architecture"]
+    import gguf
+
+    meta = read_gguf_meta(path)  # cached header: tensor table with offsets, no second parse
+    mm = np.memmap(meta.path, dtype=np.uint8, mode="r")
+    tensors = {t.name: t for t in meta.tensors}
+    arch = meta.architecture
     want = "q4" if weights == "int4" else "q8"
     inexact: dict[str, list[str]] = {}
 
     def one(name: str, n_head: int | None = None) -> QWeight:
-        t = tensors[name]
-        shape = t.shape
-        qw = _tensor_qweight(name, t.qtype, t.data, shape, want, inexact)
+        t = tensors.get(name)
+        if t is None or len(t.shape) != 2:
+            raise ModelLoadError(f"{path}: no 2-D tensor {name!r} (found {t.shape if t else 'none'}); "
+                                 "re-convert the model from its Hugging Face checkpoint")
+        shape = (t.shape[0], t.shape[1])
+        qtype = int(gguf.GGMLQuantizationType[t.type])
+        data = meta.tensor_raw(mm, t)  # quantized: (rows, bytes per row) uint8; F32/F16: typed (rows, cols)
+        qw = _tensor_qweight(name, qtype, data, shape, want, inexact)
         if n_head and arch == "llama":  # undo llama.cpp's q/k row permutation (see loaders._unpermute_rope)
             rows = shape[0]
             perm = torch.arange(rows).view(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(rows)  # new <- old
