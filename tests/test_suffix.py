@@ -20,7 +20,8 @@ from treedraft.drafters.suffix import (
 )
 from treedraft.drafters.suffix_index import SEP, SuffixIndex, brute_force_continuations
 from treedraft.drafters.suffix_store import SuffixStore, encode_record
-from treedraft.engine import DraftContext, GenerationStats
+from treedraft.engine import GenerationStats
+from treedraft.interfaces import DraftContext
 
 seqs_st = st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=30), min_size=1, max_size=6)
 
