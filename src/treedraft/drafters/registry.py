@@ -121,6 +121,10 @@ class DrafterCache:
         self.options = options or DrafterOptions()
         self._built: dict[tuple[str, DrafterOptions], Drafter | None] = {}
 
+    def built(self) -> list[Drafter]:
+        """Every drafter built so far (None for plain decoding left out)."""
+        return [d for d in self._built.values() if d is not None]
+
     def get(self, name: str, heads: str | None | object = ...) -> Drafter | None:
         """The drafter called ``name`` (built once per name and heads); ``heads``: override the options' heads."""
         opts = self.options if heads is ... else dataclasses.replace(self.options, heads=heads)
