@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,7 +53,7 @@ def test_bad_suffix_max_tokens_is_reported_before_loading() -> None:
 
 
 @pytest.mark.slow
-def test_suffix_drafter_learns_across_runs_through_its_store(tmp_path) -> None:  # noqa: ANN001
+def test_suffix_drafter_learns_across_runs_through_its_store(tmp_path: Path) -> None:
     import re
 
     args = ("generate", "Name three primary colors.", "--max-new-tokens", "24", "--drafter", "suffix",
