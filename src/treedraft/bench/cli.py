@@ -217,7 +217,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="target linear weights on cpu (see `treedraft generate --help`)")
     from ..cli import add_suffix_args
 
-    add_suffix_args(b)  # method "suffix": it learns from every run, warm-ups included (see README)
+    add_suffix_args(b)  # method "suffix" learns from every run, the warm-up (first prompt) included: see README
     b.add_argument("--raw", action="store_true", help="no chat template")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     b.add_argument("--top-p", type=float, default=1.0)
