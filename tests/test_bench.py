@@ -337,7 +337,8 @@ def test_bench_cli_end_to_end_on_the_tiny_model(engine: TextGenerator, dataset: 
     monkeypatch.setattr(registry, "resolve", lambda model: Path("/nonexistent.gguf"))
     out = tmp_path / "out"
     argv = ["bench", "--dataset", str(dataset), "--methods", "plain,prompt-lookup", "--max-new-tokens", "6",
-            "--warmup", "0", "--threads", "1", "--no-progress", "--model", "tiny", "--out", str(out)]
+            "--warmup", "0", "--threads", "1", "--no-progress", "--model", "tiny", "--out", str(out),
+            "--suffix-max-tokens", "5000", "--suffix-share"]
     a = build_parser().parse_args(argv)
     assert a.func is bench.cmd_bench and a.max_new_tokens == 6
     assert a.func(a) == 0
@@ -356,7 +357,8 @@ def test_bench_cli_end_to_end_on_the_tiny_model(engine: TextGenerator, dataset: 
     cmd = shlex.split(doc["config"]["command"])
     assert cmd[:2] == ["treedraft", "bench"]
     b = build_parser().parse_args(cmd[1:])
-    keys = ("dataset", "methods", "max_new_tokens", "warmup", "threads", "model", "out", "temperature", "raw")
+    keys = ("dataset", "methods", "max_new_tokens", "warmup", "threads", "model", "out", "temperature", "raw",
+            "suffix_store", "suffix_max_tokens", "suffix_share")
     assert {k: getattr(b, k) for k in keys} == {k: getattr(a, k) for k in keys}
 
 

@@ -105,3 +105,16 @@ def test_cache_builds_each_drafter_once_and_default_shares_its_entry(tmp_path: P
     assert isinstance(other, MedusaDrafter) and other is not cache.get("medusa")
     with pytest.raises(FileNotFoundError):
         cache.get("medusa", heads=None)
+
+
+def test_suffix_is_registered_and_uses_the_options_store_and_tenant() -> None:
+    from treedraft.drafters.suffix import SuffixDrafter, open_suffix_store
+
+    store = open_suffix_store()
+    cache = registry.DrafterCache(object(), None, registry.DrafterOptions(suffix_store=store, tenant="t"))  # type: ignore[arg-type]
+    d = cache.get("suffix")
+    assert isinstance(d, SuffixDrafter) and d.store is store and d.tenant == "t"
+    assert cache.get("suffix") is d  # built once per name and options
+    # without a store each build gets its own in-memory one (one per LLM through its DrafterCache)
+    a, b = registry.build("suffix", object()), registry.build("suffix", object())  # type: ignore[arg-type]
+    assert a.store is not None and b.store is not None and a.store is not b.store

@@ -558,3 +558,29 @@ def test_loadtest_time_limit_cancels_what_is_left(server: LiveServer) -> None:
     wait_for(lambda: metric(scrape(server.url), "treedraft:num_requests_running") == 0
              and metric(scrape(server.url), "treedraft:num_requests_waiting") == 0,
              "the cancelled load-test requests to leave the server", 60)
+
+
+# ----------------------------------------------------------------------------- suffix drafter tenancy
+@pytest.mark.parametrize("share", [False, True])
+def test_suffix_drafts_stay_within_a_tenant_unless_shared(share: bool) -> None:
+    from treedraft.drafters.suffix import open_suffix_store
+
+    llm = tiny_llm()
+    llm = LLM(llm.engine, llm.tokenizer, "tiny", "cpu", heads=None, suffix_store=open_suffix_store(share=share))
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 48, "temperature": 0,
+            "ignore_eos": True, "treedraft": {"drafter": "suffix"}}
+
+    def accepted(key: str) -> tuple[int, str]:
+        r = httpx.post(f"{s.url}/v1/completions", json=body, headers=bearer(key), timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        return out["treedraft"]["accepted_tokens"], out["choices"][0]["text"]
+
+    with LiveServer(create_app(llm, ServerSettings(poll_interval_s=0.05, api_keys=KEYS))) as s:
+        cold, text = accepted(KEYS[0])
+        warm, text_warm = accepted(KEYS[0])  # key A again: its first answer is in its index now
+        other, text_other = accepted(KEYS[1])  # key B: a cold index of its own, unless the operator shares
+    assert text == text_warm == text_other  # drafts never change the greedy output
+    assert warm >= cold + 20, (cold, warm)  # nearly the whole 48-token answer comes from A's first pass
+    assert other == (warm if share else cold), (cold, warm, other)
+    assert {r.tenant for r in llm.suffix_store.records()} == {tenant_id(KEYS[0]), tenant_id(KEYS[1])}

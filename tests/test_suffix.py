@@ -20,7 +20,8 @@ from treedraft.drafters.suffix import (
 )
 from treedraft.drafters.suffix_index import SEP, SuffixIndex, brute_force_continuations
 from treedraft.drafters.suffix_store import SuffixStore, encode_record
-from treedraft.engine import DraftContext, GenerationStats
+from treedraft.engine import GenerationStats
+from treedraft.interfaces import DraftContext
 
 seqs_st = st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=30), min_size=1, max_size=6)
 
@@ -257,7 +258,8 @@ def test_real_model_greedy_equal_plain_and_warm_index_accepts(smollm, tmp_path: 
     cold_stats, warm_stats, other_stats = GenerationStats(), GenerationStats(), GenerationStats()
     cold = [t for c in smollm.stream(prompt, drafter=d, stats=cold_stats, max_new_tokens=64) for t in c.token_ids]
     assert cold == plain.token_ids
-    d.finish(smollm.encode_prompt(prompt), cold)
+    # the engine recorded the finished request itself (finish), once, under t1
+    assert [(r.tenant, len(r.tokens)) for r in store.records()] == [("t1", len(d.record_tokens(smollm.encode_prompt(prompt), cold)))]
     warm = [t for c in smollm.stream(prompt, drafter=d, stats=warm_stats, max_new_tokens=64) for t in c.token_ids]
     assert warm == plain.token_ids
     assert warm_stats.mean_accepted_length > 1.5 > cold_stats.mean_accepted_length, \
@@ -267,6 +269,10 @@ def test_real_model_greedy_equal_plain_and_warm_index_accepts(smollm, tmp_path: 
     out = [t for c in smollm.stream(prompt, drafter=other, stats=other_stats, max_new_tokens=64) for t in c.token_ids]
     assert out == plain.token_ids
     assert other_stats.accepted_tokens == cold_stats.accepted_tokens
+    # by name through the registry (load() opened the LLM's in-memory store): equal to plain, cold and warmed
+    for _ in range(2):
+        assert smollm.generate(prompt, drafter="suffix", max_new_tokens=64).token_ids == plain.token_ids
+    assert smollm.get_drafter("suffix").store is smollm.suffix_store and len(smollm.suffix_store.records()) == 2
     # and the store survives a restart
     store.close()
     assert SuffixStore(tmp_path).index_for("t1").continuations(plain.token_ids[:3]) != {}

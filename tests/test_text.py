@@ -172,3 +172,38 @@ def test_generated_multibyte_characters_stream_whole(drafter: str | None) -> Non
     r = gen.generate([1, 2], cfg(len(answer), stop=("文",)), d)
     assert r.text == "ok 中" and r.finish_reason == "stop"
     assert bytes(r.token_ids) == "ok 中文".encode("utf-8")
+
+
+# ---- the drafter hears when a request ends, with only the delivered tokens -----------------
+class RecordingChain(ChainDrafter):
+    """A chain drafter that keeps what ``finish`` was told."""
+
+    def __init__(self, oracle: Sequence[int], depth: int) -> None:
+        super().__init__(oracle, depth)
+        self.finished: list[tuple[list[int], list[int]]] = []
+
+    def finish(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        self.finished.append((list(prompt_ids), list(output_ids)))
+
+
+@pytest.mark.parametrize("how", ["eos", "stop", "length", "hybrid"])
+def test_finish_gets_exactly_the_delivered_tokens(how: str) -> None:
+    from treedraft.drafters.hybrid import HybridDrafter
+
+    model, prompt, ref = reference_greedy()
+    depth = 6  # the stop falls inside a step's accepted drafts: the drafts after it were never delivered
+    k = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i] and (i - 1) % (depth + 1) < depth - 1)
+    tok = char_tokenizer(ref[k] if how in ("eos", "hybrid") else None)
+    config = {"eos": cfg(30, ignore_eos=False), "hybrid": cfg(30, ignore_eos=False), "length": cfg(30),
+              "stop": cfg(30, stop=(tok.decode(ref[k - 1: k + 1]),))}[how]
+    d = RecordingChain(prompt + ref, depth)
+    gen = TextGenerator(Engine(model), tok)
+    r = gen.generate(prompt, config, HybridDrafter([d]) if how == "hybrid" else d)
+    want = ref if how == "length" else ref[: k + 1]
+    assert r.token_ids == want and d.finished == [(prompt, want)]
+    # a consumer that walks away mid-stream: what it took is recorded, once
+    d.finished.clear()
+    s = gen.stream(prompt, cfg(30), d)
+    took = [t for _, c in zip(range(3), s) for t in c.token_ids]
+    s.close()
+    assert d.finished == [(prompt, took)]

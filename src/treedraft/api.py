@@ -6,9 +6,12 @@ the engine decodes token ids and the text layer turns them into text.
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,17 +58,30 @@ class LLM:
     model_name: str
     device: str
     heads: str | None = DEFAULT  # the heads argument of load(): used by drafters chosen by name later on
+    suffix_store: Any = None  # the SuffixStore of drafter "suffix" (None: each built one keeps its own, in memory)
     drafters: DrafterCache = field(init=False, repr=False)  # drafters built by name, reused
     text: TextGenerator = field(init=False, repr=False)  # the engine wrapped with detokenization, stop, EOS
 
     def __post_init__(self) -> None:
-        self.drafters = DrafterCache(self.engine.model, self.tokenizer, DrafterOptions(self.model_name, self.heads))
+        self.drafters = DrafterCache(self.engine.model, self.tokenizer,
+                                     DrafterOptions(self.model_name, self.heads, suffix_store=self.suffix_store))
         self.text = TextGenerator(self.engine, self.tokenizer)
 
     @property
     def model(self):  # noqa: ANN201
         """The target model."""
         return self.engine.model
+
+    def close(self) -> None:
+        """Record any request still in progress with drafters that keep state (``flush``), then close the suffix
+        store. Idempotent; :func:`load` also runs it at interpreter exit."""
+        for d in (self.engine.drafter, *self.drafters.built()):
+            for member in (d, *getattr(d, "drafters", ())):  # a hybrid's members too
+                flush = getattr(member, "flush", None)
+                if callable(flush):
+                    flush()
+        if self.suffix_store is not None:
+            self.suffix_store.close()
 
     def encode_prompt(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
         """Chat messages or a user string -> ids (chat template unless raw or no template)."""
@@ -112,9 +128,16 @@ class LLM:
         return self.text.stream(self.encode_prompt(prompt, raw), self.config(**kw), self.get_drafter(drafter), stats)
 
 
+def _close_at_exit(ref: weakref.ref) -> None:
+    llm = ref()
+    if llm is not None:
+        llm.close()
+
+
 def load(model: str = DEFAULT_MODEL, drafter: str | None = DEFAULT, heads: str | None = DEFAULT,
          device: str = "auto", dtype: str = "auto", runtime: str = "auto", max_seq_len: int | None = 4096,
-         weights: str = "auto") -> LLM:
+         weights: str = "auto", suffix_store: str | None = None, suffix_max_tokens: int = 1_000_000,
+         suffix_share: bool = False) -> LLM:
     """Load a target model by registry name, GGUF path or HF directory.
 
     drafter: 'default' (hybrid: Medusa heads + prompt lookup when heads are shipped for this model or
@@ -123,7 +146,13 @@ def load(model: str = DEFAULT_MODEL, drafter: str | None = DEFAULT, heads: str |
     runtime: 'own' (compact Llama module), 'hf' (transformers adapter) or 'auto'.
     weights: 'fp32', 'int8', 'int4' (the GGUF's own 4-bit blocks) or 'auto' (the fastest measured on this
     machine whose quality check passes; see treedraft.models.quant_load). int4/int8: own runtime, cpu, fp32.
+    suffix_store: directory where drafter ``suffix`` keeps earlier outputs across restarts (None: in memory,
+    for this LLM's lifetime); suffix_max_tokens bounds it (oldest requests evicted); suffix_share lets every
+    tenant draft from every other tenant's outputs (default: each tenant only from its own, see README).
     """
+    from .drafters.suffix import open_suffix_store
+
+    store = open_suffix_store(suffix_store, suffix_max_tokens, suffix_share)  # before the slow model load
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     path = resolve(model)
@@ -150,7 +179,8 @@ def load(model: str = DEFAULT_MODEL, drafter: str | None = DEFAULT, heads: str |
     if weights != "fp32":  # --weights (issue 11): swap in quantized linears; begin
         from .models.quant_load import PROBE_TEXT, apply_weights, log_stderr
         net.weights_info = apply_weights(net, path, weights, tok.encode(PROBE_TEXT), log=log_stderr)  # end
-    llm = LLM(Engine(net), tok, model if not Path(model).exists() else str(path), dev, heads)
+    llm = LLM(Engine(net), tok, model if not Path(model).exists() else str(path), dev, heads, store)
+    atexit.register(_close_at_exit, weakref.ref(llm))  # flush + close the store (a weakref: llm may die first)
     if drafter is not None:
         llm.engine.drafter = llm.drafters.get(drafter)
     return llm

@@ -26,6 +26,23 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto", choices=("auto", "fp32", "int8", "int4"),
                    help="linear weights on cpu: int4 (the GGUF's own 4-bit blocks), int8, fp32, or auto "
                         "(fastest measured here whose quality check passes)")
+    add_suffix_args(p)
+
+
+def add_suffix_args(p: argparse.ArgumentParser) -> None:
+    """--suffix-store / --suffix-max-tokens / --suffix-share (drafter ``suffix``), shared with bench and serve."""
+    p.add_argument("--suffix-store", default=None, metavar="DIR",
+                   help="drafter suffix: keep earlier outputs in DIR across restarts (default: in memory)")
+    p.add_argument("--suffix-max-tokens", type=int, default=1_000_000, metavar="N",
+                   help="drafter suffix: tokens kept at most, oldest requests evicted first")
+    p.add_argument("--suffix-share", action="store_true",
+                   help="drafter suffix: every tenant drafts from every tenant's outputs (default: its own only; "
+                        "outputs stay exact, but speed would reveal what others generated)")
+
+
+def suffix_kwargs(a: argparse.Namespace) -> dict:
+    """load() keyword arguments from the --suffix-* flags."""
+    return dict(suffix_store=a.suffix_store, suffix_max_tokens=a.suffix_max_tokens, suffix_share=a.suffix_share)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -44,7 +61,7 @@ def load_from_args(a: argparse.Namespace):  # noqa: ANN201
     from . import load
 
     return load(a.model, drafter=a.drafter, heads=a.heads, device=a.device, dtype=a.dtype, runtime=a.runtime,
-                weights=a.weights)
+                weights=a.weights, **suffix_kwargs(a))
 
 
 def _gen_kwargs(a: argparse.Namespace) -> dict:

@@ -8,6 +8,7 @@ CLI, the API and the server.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from .verify import RULES, accept
 
 __all__ = ["DecodeResult", "DraftContext", "Drafter", "Engine", "GenerationConfig", "GenerationError",
            "GenerationStats", "StepStats", "TargetModel", "acceptance_per_depth", "target_device"]
+
+log = logging.getLogger("treedraft.engine")
 
 Q_SUM_TOLERANCE = 1e-3  # |sum(child_q) - 1| allowed for a drafter's draft distribution (float32 over a large vocab)
 
@@ -194,7 +197,8 @@ class Engine:
 
         ``drafter``: "default" (the engine's), None (plain decoding) or a drafter. Stops after
         :meth:`token_budget` tokens; a consumer that stops earlier (EOS, stop string) closes the
-        generator and calls ``stats.cut``. ``stats`` is updated before each yield.
+        generator and calls ``stats.cut``. ``stats`` is updated before each yield. When the generation
+        ends (either way), a drafter with ``finish(prompt_ids, output_ids)`` gets the delivered tokens.
         """
         cfg = config or GenerationConfig()
         drafter = self.drafter if drafter == "default" else drafter
@@ -220,45 +224,61 @@ class Engine:
         tokens = prompt + [root]
         n_out = 1
         stats.new_tokens, stats.t_decode = n_out, time.perf_counter() - t_start
-        yield [root]
-        while n_out < max_new:
-            self._check_owner(owner)
-            ts = time.perf_counter()
-            budget = min(cfg.max_tree_nodes, model.max_seq_len - cache.length)
-            max_depth = max_new - n_out - 1  # the bonus token takes one slot of the budget
-            if drafter is not None and budget > 1 and max_depth > 0:
-                ctx = DraftContext(tokens, last_hidden, budget, max_depth, len(prompt))
-                name = getattr(drafter, "name", type(drafter).__name__)
-                try:
-                    tree = drafter.propose(ctx)
-                except TreeError as e:
-                    raise TreeError(f"drafter {name!r} built a malformed tree: {e}") from e
-                self._check_tree(tree, root, V, name)
-                tree = tree.pruned_depth(max_depth).truncated(budget)
-            else:
-                tree = TokenTree((root,), (-1,))
-            tv = time.perf_counter()
-            start = cache.length
-            n = len(tree)
-            mask = None if n == 1 else full_attention_mask(tree, start, dev)
-            logits, hidden = model.forward(torch.tensor([tree.tokens], device=dev), tree_positions(tree, start, dev),
-                                           cache, start, mask)
-            tr = time.perf_counter()
-            if n == 1:
-                acc_nodes, bonus = (0,), self._pick(logits[0, 0], cfg.sampling, gen)
-            else:
-                a = accept(cfg.rule, tree, logits[0], cfg.sampling, gen)
-                acc_nodes, bonus = a.nodes, a.bonus
-            cache.keep(start, list(acc_nodes))
-            last_hidden = None if hidden is None else hidden[0, acc_nodes[-1]]
-            new = [tree.tokens[i] for i in acc_nodes[1:]] + [bonus]  # accepted drafts + the next root
-            tokens.extend(new)
-            te = time.perf_counter()
-            stats.steps.append(StepStats(n, max(tree.depths()), len(new) - 1, tv - ts, tr - tv, te - tr))
-            n_out += len(new)
-            stats.new_tokens, stats.t_decode = n_out, time.perf_counter() - t_start
-            root = bonus
-            yield new
+        try:
+            yield [root]
+            while n_out < max_new:
+                self._check_owner(owner)
+                ts = time.perf_counter()
+                budget = min(cfg.max_tree_nodes, model.max_seq_len - cache.length)
+                max_depth = max_new - n_out - 1  # the bonus token takes one slot of the budget
+                if drafter is not None and budget > 1 and max_depth > 0:
+                    ctx = DraftContext(tokens, last_hidden, budget, max_depth, len(prompt))
+                    name = getattr(drafter, "name", type(drafter).__name__)
+                    try:
+                        tree = drafter.propose(ctx)
+                    except TreeError as e:
+                        raise TreeError(f"drafter {name!r} built a malformed tree: {e}") from e
+                    self._check_tree(tree, root, V, name)
+                    tree = tree.pruned_depth(max_depth).truncated(budget)
+                else:
+                    tree = TokenTree((root,), (-1,))
+                tv = time.perf_counter()
+                start = cache.length
+                n = len(tree)
+                mask = None if n == 1 else full_attention_mask(tree, start, dev)
+                logits, hidden = model.forward(torch.tensor([tree.tokens], device=dev),
+                                               tree_positions(tree, start, dev), cache, start, mask)
+                tr = time.perf_counter()
+                if n == 1:
+                    acc_nodes, bonus = (0,), self._pick(logits[0, 0], cfg.sampling, gen)
+                else:
+                    a = accept(cfg.rule, tree, logits[0], cfg.sampling, gen)
+                    acc_nodes, bonus = a.nodes, a.bonus
+                cache.keep(start, list(acc_nodes))
+                last_hidden = None if hidden is None else hidden[0, acc_nodes[-1]]
+                new = [tree.tokens[i] for i in acc_nodes[1:]] + [bonus]  # accepted drafts + the next root
+                tokens.extend(new)
+                te = time.perf_counter()
+                stats.steps.append(StepStats(n, max(tree.depths()), len(new) - 1, tv - ts, tr - tv, te - tr))
+                n_out += len(new)
+                stats.new_tokens, stats.t_decode = n_out, time.perf_counter() - t_start
+                root = bonus
+                yield new
+        finally:  # exhausted, or closed by a consumer that stopped early (EOS, stop string, client gone)
+            # stats.cut() has already capped new_tokens at what was delivered: only those are recorded
+            self._finish(drafter, prompt, tokens[len(prompt) : len(prompt) + stats.new_tokens])
+
+    @staticmethod
+    def _finish(drafter: Drafter | None, prompt: list[int], output: list[int]) -> None:
+        """Tell a drafter that keeps state across requests (``finish``, e.g. ``suffix``) that this one ended."""
+        fin = getattr(drafter, "finish", None)
+        if not callable(fin):
+            return
+        try:
+            fin(prompt, output)
+        except Exception:  # the tokens are already delivered: log it, never fail the request
+            log.exception("drafter %r failed to record a finished request",
+                          getattr(drafter, "name", type(drafter).__name__))
 
     @staticmethod
     def _pick(logits: Tensor, p: SamplingParams, gen: torch.Generator) -> int:

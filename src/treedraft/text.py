@@ -151,7 +151,8 @@ class TextGenerator:
 
         Ends at an EOS token ("stop", the EOS id is in the chunk but not its text), at a stop string
         ("stop", text cut before it, the id that completed it included) or at the token budget
-        ("length"). ``drafter``: "default" (the engine's), None (plain decoding) or a drafter.
+        ("length"). ``drafter``: "default" (the engine's), None (plain decoding) or a drafter; one with
+        ``finish`` is told the prompt and the tokens delivered when the stream ends or is closed.
         """
         cfg = config or GenerationConfig()
         stats = stats if stats is not None else GenerationStats()
@@ -160,7 +161,8 @@ class TextGenerator:
         stopper = StopChecker(cfg.stop)
         budget = self.engine.token_budget(len(prompt_ids), cfg)
         steps = self.engine.decode(prompt_ids, cfg, drafter, stats)
-        n = 0
+        n = 0  # tokens taken from the engine
+        delivered = 0  # tokens handed to our consumer
         try:
             for new in steps:
                 pending: list[Chunk] = []
@@ -183,11 +185,17 @@ class TextGenerator:
                     pending.append(Chunk(safe, [tok]))
                 if final is not None:
                     stats.cut(n)  # drafts of this step after the final token were never delivered
-                yield from pending
+                for ch in pending:
+                    delivered += 1
+                    yield ch
                 if final is not None:
+                    delivered += 1
                     yield final
                     return
         finally:
+            # a consumer that stops taking chunks mid-step (closes us) got only ``delivered`` tokens: the stats
+            # and the drafter's record of this request (the engine's finish, run as it closes) cover only those
+            stats.cut(delivered)
             steps.close()
         tail = (detok.flush() if detok is not None else "")  # not reached: the engine stops at the budget
         yield Chunk(stopper.feed(tail)[0] + stopper.flush(), [], "length")

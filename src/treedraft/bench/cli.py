@@ -114,7 +114,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise BenchError(f"--max-new-tokens must be positive, got {a.max_new_tokens}")
 
     t = time.perf_counter()
-    llm = load(a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights)
+    from ..cli import suffix_kwargs
+
+    llm = load(a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights,
+               **suffix_kwargs(a))
     cfg = llm.config(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                      seed=a.seed, max_tree_nodes=a.max_tree_nodes)
     encoded = [(p, llm.encode_prompt(p.text, raw=a.raw)) for p in prompts]
@@ -170,6 +173,12 @@ def _command_line(a: argparse.Namespace, dataset: Path | None) -> str:
         v = getattr(a, opt)
         if opt == "model" or v != default:
             parts += ["--" + opt.replace("_", "-"), str(v)]
+    if a.suffix_store is not None:
+        parts += ["--suffix-store", a.suffix_store]
+    if a.suffix_max_tokens != 1_000_000:
+        parts += ["--suffix-max-tokens", str(a.suffix_max_tokens)]
+    if a.suffix_share:
+        parts.append("--suffix-share")
     if a.threads is not None:
         parts += ["--threads", str(a.threads)]
     if a.raw:
@@ -206,6 +215,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--runtime", default="auto", help="own, hf or auto (treedraft's target runtime)")
     b.add_argument("--weights", default="auto", choices=("auto", "fp32", "int8", "int4"),
                    help="target linear weights on cpu (see `treedraft generate --help`)")
+    from ..cli import add_suffix_args
+
+    add_suffix_args(b)  # method "suffix" learns from every run, the warm-up (first prompt) included: see README
     b.add_argument("--raw", action="store_true", help="no chat template")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     b.add_argument("--top-p", type=float, default=1.0)

@@ -12,6 +12,7 @@ changes the output distribution. Such trees are refused with a :class:`TreeError
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -62,6 +63,11 @@ class HybridDrafter:
                                 "can only merge deterministic trees (merging would verify sampled children as "
                                 f"deterministic, which is not lossless): use {name!r} on its own, or in top-k mode")
         return merge_trees(trees, ctx.max_nodes)
+
+    def for_tenant(self, tenant: str) -> HybridDrafter:
+        """The same union with every member that keeps per-tenant state (e.g. ``suffix``) bound to ``tenant``."""
+        bound = [d.for_tenant(tenant) if callable(getattr(d, "for_tenant", None)) else d for d in self.drafters]
+        return dataclasses.replace(self, drafters=bound)
 
     def finish(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         """Tell every member drafter that keeps per-request state (e.g. ``suffix``) that a request ended."""

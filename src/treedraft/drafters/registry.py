@@ -26,6 +26,10 @@ class DrafterOptions:
 
     model_name: str = ""  # the target's registry name (shipped Medusa heads are found by it)
     heads: str | None = DEFAULT  # Medusa heads directory; "default"/None = the heads shipped for model_name
+    # ``suffix``: an opened SuffixStore (see drafters.suffix.open_suffix_store), hashed by identity; None = a
+    # fresh in-memory store per built drafter (DrafterCache builds one per name, so one per LLM)
+    suffix_store: Any = None
+    tenant: str = ""  # whose earlier outputs ``suffix`` drafts from (the server binds one per request)
 
 
 DrafterFactory = Callable[[TargetModel, Any, DrafterOptions], "Drafter | None"]
@@ -117,6 +121,10 @@ class DrafterCache:
         self.options = options or DrafterOptions()
         self._built: dict[tuple[str, DrafterOptions], Drafter | None] = {}
 
+    def built(self) -> list[Drafter]:
+        """Every drafter built so far (None for plain decoding left out)."""
+        return [d for d in self._built.values() if d is not None]
+
     def get(self, name: str, heads: str | None | object = ...) -> Drafter | None:
         """The drafter called ``name`` (built once per name and heads); ``heads``: override the options' heads."""
         opts = self.options if heads is ... else dataclasses.replace(self.options, heads=heads)
@@ -158,7 +166,15 @@ def _hybrid(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Dra
     return HybridDrafter([_medusa(target, tokenizer, options), _prompt_lookup(target, tokenizer, options)])
 
 
+def _suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:  # noqa: ANN401
+    from .suffix import make_suffix_drafter
+
+    return make_suffix_drafter(options.suffix_store, options.tenant)
+
+
 register(NONE, _none, "plain decoding, no drafts")
 register("prompt-lookup", _prompt_lookup, "continuations of earlier n-gram matches in the context")
 register("medusa", _medusa, "Medusa heads on the target's hidden state (--heads, or the shipped ones)")
 register("hybrid", _hybrid, "Medusa tree + prompt-lookup branches, verified in one pass")
+register("suffix", _suffix, "frequent continuations from this request and earlier outputs "
+                            "(SuffixDecoding; --suffix-store DIR keeps them across restarts)")

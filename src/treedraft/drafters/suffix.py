@@ -29,14 +29,11 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from ..interfaces import DraftContext
 from ..tree import TokenTree
 from .suffix_index import DraftPaths, SuffixIndex
 from .suffix_store import SuffixStore
-
-if TYPE_CHECKING:
-    from ..engine import DraftContext
 
 
 @dataclass

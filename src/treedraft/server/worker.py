@@ -172,6 +172,14 @@ class Worker:
             raise APIError(400, f"drafter {name!r} is not available on this server: {e}",
                            param="treedraft.drafter", code="drafter_unavailable") from None
 
+    @staticmethod
+    def _for_tenant(drafter: Drafter | None, tenant: str | None) -> Drafter | None:
+        """This request's drafter: one that keeps earlier outputs (``suffix``, or a hybrid holding it) is bound
+        to the job's tenant, so it drafts from (and records into) that tenant's index only (unless the
+        store is shared, --suffix-share); "" = anonymous."""
+        bind = getattr(drafter, "for_tenant", None)
+        return bind(tenant or "") if callable(bind) else drafter
+
     def _loop(self) -> None:
         while True:
             job = self.queue.get()
@@ -197,7 +205,7 @@ class Worker:
         n_tokens, outcome = 0, "error"
         gen = None
         try:
-            drafter = self._drafter(job.drafter)
+            drafter = self._for_tenant(self._drafter(job.drafter), job.tenant)
             gen = self.llm.text.stream(job.prompt_ids, job.config, drafter, stats)
             finish = "length"
             for chunk in gen:
