@@ -31,6 +31,16 @@ constexpr int kChunk = 16;  // allowed keys per online-softmax step
 
 enum Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
+#if defined(__AVX2__)
+// Lanes l of lo (0..7) and hi (8..15) reduced as the scalar tree: l += l+8, l += l+4, l += l+2, l += l+1.
+inline float tree8(__m256 lo, __m256 hi) {
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+#endif
+
 // The 16 lane sums of q[16i+l]*k[16i+l] (fma, i ascending), tail hd%16 into lanes 0.., reduced
 // as a fixed tree.
 template <int I>
@@ -41,6 +51,9 @@ inline float dot(const float* q, const float* k, int hd) {
   if constexpr (I == kAvx512) {
     __m512 a = _mm512_setzero_ps();
     for (int i = 0; i < nv; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), _mm512_loadu_ps(k + 16 * i), a);
+    if (hd % 16 == 0)  // the lane tree in registers: the same additions of the same operands
+      return tree8(_mm512_castps512_ps256(a),
+                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
     _mm512_store_ps(lane, a);
   }
 #endif
@@ -51,6 +64,7 @@ inline float dot(const float* q, const float* k, int hd) {
       a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * i), _mm256_loadu_ps(k + 16 * i), a0);
       a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * i + 8), _mm256_loadu_ps(k + 16 * i + 8), a1);
     }
+    if (hd % 16 == 0) return tree8(a0, a1);
     _mm256_store_ps(lane, a0);
     _mm256_store_ps(lane + 8, a1);
   }
