@@ -99,9 +99,9 @@ def test_attend_rejects_bad_shapes() -> None:
         kernels.attend(q.double(), k.double(), k.double(), None, 0.125)
 
 
-def _tiny_native():  # noqa: ANN202
+def _tiny_native():
     """A tiny seeded model with every linear swapped for a native q4 linear (as load(weights='int4') does)."""
-    from treedraft.models.llama import LlamaConfig, Linear, Transformer
+    from treedraft.models.llama import Linear, LlamaConfig, Transformer
     from treedraft.models.quant import quantize_q4_rtn, swap_linears
 
     torch.manual_seed(0)
