@@ -5,6 +5,10 @@ activations are quantized per row and 32-block to int8 inside the kernel (as lla
 each output row depends only on its own input row: rows are bitwise identical whatever the number
 of rows or their order (what exact speculative decoding needs).
 
+``attend(q, k, v, allowed, scale)`` is a decode attention with the same property for tree rows:
+each row reduces over its allowed keys in an order that depends only on their rank, so a tree node
+gets the bits of the plain one-token step at its position (see attn.h).
+
 The C++ source is compiled at first use with ``torch.utils.cpp_extension`` into
 ``cache_dir()/kernels/<key>`` (key = CPU model and flags, compiler flags, torch version, source
 hash); later processes load the built module directly. ``TREEDRAFT_NO_EXT=1`` disables it; when
