@@ -22,7 +22,7 @@ ids = torch.randint(0, 1000, (P,))
 with torch.inference_mode():
     m(ids[None], torch.arange(P), cache, start=0)
     res = {}
-    for rep in range(7):
+    for _rep in range(7):
         for exact in (False, True):
             m.exact_attention = exact
             for T in (1, 16):
@@ -32,7 +32,8 @@ with torch.inference_mode():
                     m(toks, torch.arange(P, P + T), cache, start=P)
                 res.setdefault((exact, T), []).append((time.perf_counter() - t0) / 5 * 1e3)
     # attention alone: one layer's shapes
-    q = torch.randn(16, 9, 64); k = cache.k[0][0, :, : P + 16]; v = cache.v[0][0, :, : P + 16]
+    q = torch.randn(16, 9, 64)
+    k, v = cache.k[0][0, :, : P + 16], cache.v[0][0, :, : P + 16]
     mask = torch.ones(16, P + 16, dtype=torch.bool).tril(P)
     import torch.nn.functional as F
 
@@ -44,7 +45,8 @@ with torch.inference_mode():
         ts = []
         for _ in range(7):
             t0 = time.perf_counter()
-            for _ in range(20): fn()
+            for _ in range(20):
+                fn()
             ts.append((time.perf_counter() - t0) / 20 * 1e6)
         print(f"one layer {name}: median {statistics.median(ts):.0f} us")
 for (exact, T), ts in sorted(res.items()):
