@@ -5,6 +5,10 @@ activations are quantized per row and 32-block to int8 inside the kernel (as lla
 each output row depends only on its own input row: rows are bitwise identical whatever the number
 of rows or their order (what exact speculative decoding needs).
 
+``attend(q, k, v, allowed, scale)`` is a decode attention with the same property for tree rows:
+each row reduces over its allowed keys in an order that depends only on their rank, so a tree node
+gets the bits of the plain one-token step at its position (see attn.h).
+
 The C++ source is compiled at first use with ``torch.utils.cpp_extension`` into
 ``cache_dir()/kernels/<key>`` (key = CPU model and flags, compiler flags, torch version, source
 hash); later processes load the built module directly. ``TREEDRAFT_NO_EXT=1`` disables it; when
@@ -27,7 +31,7 @@ from treedraft.kernels._build import build_info, load_extension
 
 __all__ = [
     "PackedWeight", "available", "unavailable_reason", "pack_q4_1", "pack_q8_0", "mm",
-    "set_num_threads", "get_num_threads", "paths", "build_info",
+    "set_num_threads", "get_num_threads", "paths", "build_info", "attend",
 ]
 
 TILE = 16   # output columns per packed tile
@@ -183,3 +187,22 @@ def mm(x: torch.Tensor, w: PackedWeight, *, path: str = "") -> torch.Tensor:
             w._dequantized = w.dequantize()
         return x.float() @ w._dequantized.T
     return ext.mm(x.float().contiguous(), w.data, w.N, w.kind, path)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float,
+           *, path: str = "") -> torch.Tensor:
+    """Row-invariant attention: q (T, nh, hd), k/v (nkv, L, hd), allowed bool (T, L) or None -> (T, nh, hd).
+
+    Each row attends to its allowed keys in increasing slot order with a reduction order that depends
+    only on a key's rank in that list, so a row's result equals the one-row call over the same keys
+    stored contiguously (bitwise). GQA: head h uses kv head h // (nh // nkv). Needs the extension
+    (check ``available()``); path forces 'avx512'/'avx2'/'scalar' (all give the same bits).
+    """
+    ext = _ext()
+    if ext is None:
+        raise RuntimeError(f"treedraft.kernels.attend needs the native extension ({unavailable_reason()})")
+    if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
+        raise ValueError(f"attend: q, k, v must be float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    empty = torch.empty(0, dtype=torch.bool)
+    return ext.attend(q, k, v, empty if allowed is None else allowed.to(torch.bool), float(scale), path)

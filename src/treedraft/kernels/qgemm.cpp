@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "attn.h"
 #include "common.h"
 #include "kern_avx2.h"
 #include "kern_avx512.h"
@@ -188,12 +189,91 @@ void set_spin_us(int64_t us) {
   g_pool.reset();  // re-created with the new setting at the next call
 }
 
+// Row-invariant decode attention (see attn.h): q (T, nh, hd), k/v (nkv, L, hd) float32 with unit
+// last stride, allowed bool (T, L) or empty for "all L keys" -> (T, nh, hd).
+torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor allowed,
+                     double scale, const std::string& path_name) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q must be (T, nh, hd), k and v (nkv, L, hd)");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+                  v.scalar_type() == torch::kFloat32, "attend: q, k and v must be float32");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+              "attend: the last dimension of q, k and v must be contiguous");
+  const int64_t T = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k.size(0), L = k.size(1);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == hd, "attend: k and v must both be (nkv, L, ", hd, ")");
+  TORCH_CHECK(nkv > 0 && nh % nkv == 0, "attend: nh=", nh, " is not a multiple of nkv=", nkv);
+  const bool all = allowed.numel() == 0;
+  if (!all)
+    TORCH_CHECK(allowed.dim() == 2 && allowed.size(0) == T && allowed.size(1) == L &&
+                    allowed.scalar_type() == torch::kBool,
+                "attend: allowed must be a bool (T, L) = (", T, ", ", L, ") tensor or None");
+  int isa = attn::kScalar;
+  if (path_name.empty()) {
+#if defined(__AVX512F__)
+    isa = attn::kAvx512;
+#elif defined(__AVX2__) && defined(__FMA__)
+    isa = attn::kAvx2;
+#endif
+  } else if (path_name == "avx512") {
+#if defined(__AVX512F__)
+    isa = attn::kAvx512;
+#else
+    TORCH_CHECK(false, "attend: path 'avx512' is not compiled");
+#endif
+  } else if (path_name == "avx2") {
+#if defined(__AVX2__) && defined(__FMA__)
+    isa = attn::kAvx2;
+#else
+    TORCH_CHECK(false, "attend: path 'avx2' is not compiled");
+#endif
+  } else {
+    TORCH_CHECK(path_name == "scalar", "attend: unknown path '", path_name, "'");
+  }
+  auto out = torch::empty({T, nh, hd}, q.options());
+  if (T == 0 || nh == 0) return out;
+  // each row's allowed slots in increasing order
+  std::vector<int32_t> idx;
+  std::vector<int64_t> off(T + 1, 0);
+  if (!all) {
+    auto am = allowed.contiguous();
+    const bool* ap = am.data_ptr<bool>();
+    idx.reserve(T * L);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t s = 0; s < L; ++s)
+        if (ap[t * L + s]) idx.push_back((int32_t)s);
+      off[t + 1] = (int64_t)idx.size();
+    }
+  }
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = nh / nkv;
+  const float sc = (float)scale;
+  auto work = [&](int u) {
+    const int64_t t = u / nh, h = u % nh, g = h / group;
+    const int32_t* ix = all ? nullptr : idx.data() + off[t];
+    const int n = all ? (int)L : (int)(off[t + 1] - off[t]);
+    const float* qr = qp + t * q.stride(0) + h * q.stride(1);
+    const float* kr = kp + g * k.stride(0);
+    const float* vr = vp + g * v.stride(0);
+    float* o = op + (t * nh + h) * hd;
+    if (isa == attn::kAvx512) attn::attend_one<attn::kAvx512>(qr, kr, k.stride(1), vr, v.stride(1), ix, n, hd, sc, o);
+    else if (isa == attn::kAvx2) attn::attend_one<attn::kAvx2>(qr, kr, k.stride(1), vr, v.stride(1), ix, n, hd, sc, o);
+    else attn::attend_one<attn::kScalar>(qr, kr, k.stride(1), vr, v.stride(1), ix, n, hd, sc, o);
+  };
+  TORCH_CHECK(T * nh <= Pool::kMaxUnits, "attend: too many (row, head) pairs");
+  pool().run(work, (int)(T * nh));
+  return out;
+}
+
 }  // namespace td
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "treedraft quantized (Q4_1 / Q8_0) CPU GEMM";
   m.def("mm", &td::mm, "y = x @ W^T for a packed weight", py::arg("x"), py::arg("packed"),
         py::arg("N"), py::arg("kind"), py::arg("path") = "");
+  m.def("attend", &td::attend, "row-invariant decode attention", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("allowed"), py::arg("scale"), py::arg("path") = "");
   m.def("paths", &td::paths, "compiled code paths, fastest first");
   m.def("set_num_threads", &td::set_num_threads, "threads used by mm (caller included)");
   m.def("get_num_threads", &td::get_num_threads, "threads used by mm");

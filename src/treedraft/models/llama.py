@@ -250,6 +250,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # True: decode steps (cache, start > 0, T <= EXACT_MAX_T) use treedraft.kernels.attend, whose tree rows
+    # equal the plain one-token step bitwise (set by quant.swap_linears with the native int8-activation
+    # linears, which turn SDPA's ~1e-7 masked/unmasked differences into different tokens)
+    exact_attention: bool = False
+    EXACT_MAX_T = 64
+
     def __init__(self, cfg: LlamaConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -272,7 +278,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, start, k, v)  # (B, nkv, start+T, hd)
-        if mask is None and T == 1:
+        if self.exact_attention and cache is not None and start > 0 and T <= self.EXACT_MAX_T:
+            y = self._exact(q, k, v, mask)
+        elif mask is None and T == 1:
             y = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.nkv != self.nh)
         elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nkv != self.nh)
@@ -280,6 +288,19 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
         y = y.transpose(1, 2).reshape(B, T, self.nh * self.hd)
         return self.wo(y)
+
+    def _exact(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Row-invariant attention per batch row: q (B, nh, T, hd), k/v (B, nkv, L, hd) -> (B, nh, T, hd)."""
+        from treedraft import kernels
+
+        if q.dtype != torch.float32 or q.device.type != "cpu":
+            raise RuntimeError(f"exact_attention needs float32 on CPU, got {q.dtype} on {q.device}; "
+                               "set exact_attention = False for this model")
+        out = []
+        for b in range(q.shape[0]):
+            m = None if mask is None else mask[b if mask.shape[0] > 1 else 0, 0]  # (T, L)
+            out.append(kernels.attend(q[b].transpose(0, 1), k[b], v[b], m, self.hd**-0.5).transpose(0, 1))
+        return torch.stack(out)
 
 
 class FeedForward(nn.Module):
@@ -331,6 +352,16 @@ class Transformer(nn.Module):
         if self.inv_freq.dtype != torch.float32:
             self.inv_freq = rope_frequencies(self.config, self.inv_freq.device)
         return out
+
+    @property
+    def exact_attention(self) -> bool:
+        """Whether decode steps use the row-invariant native attention (see Attention.exact_attention)."""
+        return all(b.attn.exact_attention for b in self.layers)
+
+    @exact_attention.setter
+    def exact_attention(self, on: bool) -> None:
+        for b in self.layers:
+            b.attn.exact_attention = bool(on)
 
     @property
     def device(self) -> torch.device:

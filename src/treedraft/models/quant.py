@@ -297,6 +297,12 @@ def swap_linears(model: nn.Module, weights: dict[str, QWeight], kernels: dict[st
         if name == "lm_head":
             new.weight = old.weight.detach()  # float reference for drafters that project with it
         setattr(parent, attr, new)
+    if any(isinstance(m, NativeLinear) for m in model.modules()):
+        # int8 activations amplify SDPA's tree-vs-plain rounding differences into different tokens:
+        # decode steps switch to the row-invariant native attention
+        for m in model.modules():
+            if isinstance(getattr(type(m), "exact_attention", None), bool):
+                m.exact_attention = True
 
 
 def weight_bytes(model: nn.Module) -> int:

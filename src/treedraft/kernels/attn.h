@@ -1,0 +1,230 @@
+// Row-invariant decode attention: out (T, nh, hd) = softmax(q k^T * scale) v over each row's
+// allowed keys, for exact speculative decoding.
+//
+// Every (row, head) walks its allowed keys in increasing slot order and reduces with an order
+// that depends only on a key's *rank* in that list: online softmax (Milakov & Gimelshein 2018,
+// "Online normalizer calculation for softmax") over consecutive chunks of kChunk allowed keys,
+// keys of a chunk summed one after another. A tree node whose allowed list is (prefix slots,
+// ancestor slots, own slot) therefore sees the same key/value sequence as the plain one-token
+// step at that position (cache slots 0..pos) and gets the same bits, whatever T, L or the slots.
+//
+// Fixed arithmetic on every code path (so avx512 / avx2 / scalar give identical bits):
+//   dot(q, k): 16 lane accumulators, lane l sums q[16i+l]*k[16i+l] over i with fma (tail
+//              elements hd % 16 go to lanes 0.. with fma), then the lanes are added as a tree
+//              (l += l+8, l += l+4, l += l+2, l += l+1); score = dot * scale
+//   chunk:     m' = max(m, max score); a = exp(m - m'); l = l*a; acc[d] = acc[d]*a;
+//              per key j in order: p = exp(s_j - m'); l = l + p; acc[d] = fma(p, v_j[d], acc[d])
+//              (exp = exp_fixed below, vectorized over the chunk with the same operations)
+//   output:    acc[d] / l      (a row with no allowed key gives zeros)
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+namespace td {
+namespace attn {
+
+constexpr int kChunk = 16;  // allowed keys per online-softmax step
+
+enum Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// exp(x) with fixed operations so the scalar and vector forms give the same bits (range reduction
+// x = n ln2 + r, degree-6 Taylor polynomial of e^r by Horner with fma, times 2^n; x < kExpMin -> 0,
+// so exp(-inf) = 0). About 2 ulp; softmax weights only need to be the same on every path.
+constexpr float kExpMin = -87.0f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kC[7] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+
+inline float exp_fixed(float x) {
+  if (!(x >= kExpMin)) return 0.f;
+  const float xc = x < 88.f ? x : 88.f;
+  const float n = std::nearbyint(xc * kLog2e);
+  float r = std::fma(n, -kLn2Hi, xc);
+  r = std::fma(n, -kLn2Lo, r);
+  float p = kC[0];
+  for (int i = 1; i < 7; ++i) p = std::fma(p, r, kC[i]);
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, 4);
+  return p * two_n;
+}
+
+#if defined(__AVX512F__)
+inline __m512 exp_fixed16(__m512 x) {
+  const __mmask16 ok = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpMin), _CMP_GE_OQ);
+  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpMin)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), xc);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kC[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC[i]));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(ok, p, _mm512_castsi512_ps(e));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp_fixed8(__m256 x) {
+  const __m256 ok = _mm256_cmp_ps(x, _mm256_set1_ps(kExpMin), _CMP_GE_OQ);
+  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpMin)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), xc);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kC[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kC[i]));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(ok, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
+// p[j] = exp_fixed(s[j] - m) for j < 16 (s padded by the caller)
+template <int I>
+inline void exp_chunk(const float* s, float m, float* p) {
+#if defined(__AVX512F__)
+  if constexpr (I == kAvx512) {
+    _mm512_storeu_ps(p, exp_fixed16(_mm512_sub_ps(_mm512_loadu_ps(s), _mm512_set1_ps(m))));
+    return;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (I == kAvx2) {
+    const __m256 vm = _mm256_set1_ps(m);
+    _mm256_storeu_ps(p, exp_fixed8(_mm256_sub_ps(_mm256_loadu_ps(s), vm)));
+    _mm256_storeu_ps(p + 8, exp_fixed8(_mm256_sub_ps(_mm256_loadu_ps(s + 8), vm)));
+    return;
+  }
+#endif
+  for (int j = 0; j < kChunk; ++j) p[j] = exp_fixed(s[j] - m);
+}
+
+#if defined(__AVX2__)
+// Lanes l of lo (0..7) and hi (8..15) reduced as the scalar tree: l += l+8, l += l+4, l += l+2, l += l+1.
+inline float tree8(__m256 lo, __m256 hi) {
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+#endif
+
+// The 16 lane sums of q[16i+l]*k[16i+l] (fma, i ascending), tail hd%16 into lanes 0.., reduced
+// as a fixed tree.
+template <int I>
+inline float dot(const float* q, const float* k, int hd) {
+  alignas(64) float lane[16];
+  const int nv = hd / 16;
+#if defined(__AVX512F__)
+  if constexpr (I == kAvx512) {
+    __m512 a = _mm512_setzero_ps();
+    for (int i = 0; i < nv; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), _mm512_loadu_ps(k + 16 * i), a);
+    if (hd % 16 == 0)  // the lane tree in registers: the same additions of the same operands
+      return tree8(_mm512_castps512_ps256(a),
+                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    _mm512_store_ps(lane, a);
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (I == kAvx2) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int i = 0; i < nv; ++i) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * i), _mm256_loadu_ps(k + 16 * i), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * i + 8), _mm256_loadu_ps(k + 16 * i + 8), a1);
+    }
+    if (hd % 16 == 0) return tree8(a0, a1);
+    _mm256_store_ps(lane, a0);
+    _mm256_store_ps(lane + 8, a1);
+  }
+#endif
+  if constexpr (I == kScalar) {
+    for (int l = 0; l < 16; ++l) lane[l] = 0.f;
+    for (int i = 0; i < nv; ++i)
+      for (int l = 0; l < 16; ++l) lane[l] = std::fma(q[16 * i + l], k[16 * i + l], lane[l]);
+  }
+  for (int t = 16 * nv; t < hd; ++t) lane[t - 16 * nv] = std::fma(q[t], k[t], lane[t - 16 * nv]);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lane[l] = lane[l] + lane[l + w];
+  return lane[0];
+}
+
+// acc[d] = acc[d] * a (elementwise, identical on every path)
+template <int I>
+inline void scale_acc(float* acc, float a, int hd) {
+  int d = 0;
+#if defined(__AVX512F__)
+  if constexpr (I == kAvx512) {
+    const __m512 va = _mm512_set1_ps(a);
+    for (; d + 16 <= hd; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), va));
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (I == kAvx2) {
+    const __m256 va = _mm256_set1_ps(a);
+    for (; d + 8 <= hd; d += 8) _mm256_storeu_ps(acc + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), va));
+  }
+#endif
+  for (; d < hd; ++d) acc[d] = acc[d] * a;
+}
+
+// acc[d] = fma(p, v[d], acc[d])
+template <int I>
+inline void axpy(float* acc, float p, const float* v, int hd) {
+  int d = 0;
+#if defined(__AVX512F__)
+  if constexpr (I == kAvx512) {
+    const __m512 vp = _mm512_set1_ps(p);
+    for (; d + 16 <= hd; d += 16)
+      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(vp, _mm512_loadu_ps(v + d), _mm512_loadu_ps(acc + d)));
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (I == kAvx2) {
+    const __m256 vp = _mm256_set1_ps(p);
+    for (; d + 8 <= hd; d += 8)
+      _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(vp, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
+  }
+#endif
+  for (; d < hd; ++d) acc[d] = std::fma(p, v[d], acc[d]);
+}
+
+// One (row, head): keys are slots idx[0..n) (or 0..n-1 when idx is null) of k/v with row stride
+// ks/vs floats; writes out[0..hd).
+template <int I>
+void attend_one(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
+                const int32_t* idx, int n, int hd, float scale, float* out) {
+  thread_local std::vector<float> acc_buf;
+  acc_buf.assign(hd, 0.f);
+  float* acc = acc_buf.data();
+  float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+  alignas(64) float s[kChunk], p[kChunk];
+  for (int c0 = 0; c0 < n; c0 += kChunk) {
+    const int cn = n - c0 < kChunk ? n - c0 : kChunk;
+    float mc = m;
+    for (int j = 0; j < cn; ++j) {
+      const int64_t slot = idx ? idx[c0 + j] : c0 + j;
+      s[j] = dot<I>(q, k + slot * ks, hd) * scale;
+      mc = s[j] > mc ? s[j] : mc;
+    }
+    for (int j = cn; j < kChunk; ++j) s[j] = mc;  // padding lanes (unused)
+    const float a = exp_fixed(m - mc);  // exp(-inf) = 0 on the first chunk
+    l = l * a;
+    scale_acc<I>(acc, a, hd);
+    exp_chunk<I>(s, mc, p);
+    for (int j = 0; j < cn; ++j) {
+      const int64_t slot = idx ? idx[c0 + j] : c0 + j;
+      l = l + p[j];
+      axpy<I>(acc, p[j], v + slot * vs, hd);
+    }
+    m = mc;
+  }
+  for (int d = 0; d < hd; ++d) out[d] = n > 0 ? acc[d] / l : 0.f;
+}
+
+}  // namespace attn
+}  // namespace td

@@ -1,0 +1,136 @@
+"""Row-invariant decode attention (treedraft.kernels.attend) and its use by the model's decode steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from treedraft import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    m = None if allowed is None else allowed[None, None]
+    y = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=m, enable_gqa=True)
+    return y[0].transpose(0, 1)
+
+
+def _random_tree(T: int, g: torch.Generator) -> list[int]:
+    """Parent of each node (-1 = root child of the prefix); parents come before children."""
+    return [-1 if i == 0 else int(torch.randint(-1, i, (1,), generator=g)) for i in range(T)]
+
+
+def _tree_allowed(parents: list[int], prefix: int) -> torch.Tensor:
+    T = len(parents)
+    allowed = torch.zeros(T, prefix + T, dtype=torch.bool)
+    allowed[:, :prefix] = True
+    for i in range(T):
+        j = i
+        while j >= 0:
+            allowed[i, prefix + j] = True
+            j = parents[j]
+    return allowed
+
+
+@pytest.mark.parametrize("path", kernels.paths())
+@pytest.mark.parametrize("hd", [64, 40])
+def test_attend_matches_sdpa(path: str, hd: int) -> None:
+    g = torch.Generator().manual_seed(hd)
+    T, nh, nkv, L = 7, 9, 3, 53
+    q, k, v = (torch.randn(s, generator=g) for s in ((T, nh, hd), (nkv, L, hd), (nkv, L, hd)))
+    allowed = torch.rand(T, L, generator=g) < 0.5
+    allowed[:, 3] = True
+    torch.testing.assert_close(kernels.attend(q, k, v, allowed, hd**-0.5, path=path), _sdpa(q, k, v, allowed),
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(kernels.attend(q, k, v, None, hd**-0.5, path=path), _sdpa(q, k, v, None),
+                               atol=1e-5, rtol=0)
+
+
+def test_all_paths_give_the_same_bits() -> None:
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(5, 6, 64, generator=g), torch.randn(2, 70, 64, generator=g), torch.randn(2, 70, 64, generator=g)
+    allowed = torch.rand(5, 70, generator=g) < 0.7
+    outs = [kernels.attend(q, k, v, allowed, 0.125, path=p) for p in kernels.paths()]
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 16, 20])
+def test_tree_rows_equal_the_plain_step_bitwise(T: int) -> None:
+    """Each tree row == the 1-row call over its allowed keys stored contiguously (what the plain step sees)."""
+    g = torch.Generator().manual_seed(T)
+    nh, nkv, hd, prefix = 9, 3, 64, 37 + T  # prefix not a multiple of the 16-key chunk
+    L = prefix + T
+    q = torch.randn(T, nh, hd, generator=g)
+    k, v = torch.randn(nkv, L, hd, generator=g) * 3, torch.randn(nkv, L, hd, generator=g)
+    allowed = _tree_allowed(_random_tree(T, g), prefix)
+    tree = kernels.attend(q, k, v, allowed, hd**-0.5)
+    for i in range(T):
+        slots = allowed[i].nonzero()[:, 0]
+        plain = kernels.attend(q[i : i + 1], k[:, slots].contiguous(), v[:, slots].contiguous(), None, hd**-0.5)
+        assert torch.equal(tree[i], plain[0]), f"row {i} of {T}"
+
+
+def test_sdpa_is_not_row_invariant_here() -> None:
+    """The property the kernel exists for is not free: SDPA's masked tree rows differ from the 1-row call."""
+    g = torch.Generator().manual_seed(0)
+    differs = 0
+    for _ in range(20):
+        T, nh, nkv, hd, prefix = 12, 9, 3, 64, 300
+        q = torch.randn(T, nh, hd, generator=g)
+        k, v = torch.randn(nkv, prefix + T, hd, generator=g) * 3, torch.randn(nkv, prefix + T, hd, generator=g)
+        allowed = _tree_allowed(_random_tree(T, g), prefix)
+        tree = _sdpa(q, k, v, allowed)
+        for i in range(T):
+            slots = allowed[i].nonzero()[:, 0]
+            differs += not torch.equal(tree[i], _sdpa(q[i : i + 1], k[:, slots], v[:, slots], None)[0])
+    assert differs > 0
+
+
+def test_attend_rejects_bad_shapes() -> None:
+    q, k = torch.randn(2, 4, 64), torch.randn(3, 10, 64)
+    with pytest.raises(RuntimeError, match="multiple of nkv"):
+        kernels.attend(q, k, k, None, 0.125)
+    with pytest.raises(RuntimeError, match="allowed"):
+        kernels.attend(torch.randn(2, 6, 64), k, k, torch.ones(3, 10, dtype=torch.bool), 0.125)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.attend(q.double(), k.double(), k.double(), None, 0.125)
+
+
+def _tiny_native():
+    """A tiny seeded model with every linear swapped for a native q4 linear (as load(weights='int4') does)."""
+    from treedraft.models.llama import Linear, LlamaConfig, Transformer
+    from treedraft.models.quant import quantize_q4_rtn, swap_linears
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, max_seq_len=64)
+    model = Transformer(cfg).eval()
+    qw = {n: quantize_q4_rtn(m.weight.detach()) for n, m in model.named_modules() if isinstance(m, Linear)}
+    swap_linears(model, qw, {"q4": "native"}, kernels)
+    return model
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_tiny_native_model_tree_step_equals_plain_steps(exact: bool) -> None:
+    """Native linears switch on exact attention; then a chain verified as one T=6 step equals six 1-token steps."""
+    model = _tiny_native()
+    assert model.exact_attention  # set by swap_linears
+    model.exact_attention = exact
+    g = torch.Generator().manual_seed(3)
+    same = 0
+    for _ in range(5):
+        prompt, chain = torch.randint(0, 64, (21,), generator=g), torch.randint(0, 64, (6,), generator=g)
+        with torch.inference_mode():
+            c1 = model.new_cache(max_len=64)
+            model(prompt[None], torch.arange(21), c1, start=0)
+            plain = torch.stack([model(chain[i : i + 1][None], torch.tensor([21 + i]), c1, start=21 + i)[1][0, 0] for i in range(6)])
+            c2 = model.new_cache(max_len=64)
+            model(prompt[None], torch.arange(21), c2, start=0)
+            tree = model(chain[None], torch.arange(21, 27), c2, start=21)[1][0]
+        torch.testing.assert_close(tree, plain, atol=1e-4, rtol=1e-4)
+        same += torch.equal(tree, plain)
+    # SDPA (exact=False) is expected to differ somewhere; the native attention never
+    assert same == 5 if exact else same < 5
