@@ -23,6 +23,8 @@ demo: $(STAMP)
 	$(VENV)/bin/treedraft generate "$(PROMPT)" --max-new-tokens 128
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(PY) -m pytest -q -x --durations=10
 
 bench: $(STAMP)

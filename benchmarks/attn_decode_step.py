@@ -2,6 +2,7 @@
 
 Run: PYTHONPATH=src python benchmarks/attn_decode_step.py  (prints medians of 7 interleaved reps x 5 steps)
 """
+
 import statistics
 import time
 
@@ -38,10 +39,23 @@ with torch.inference_mode():
     import torch.nn.functional as F
 
     from treedraft import kernels
-    for name, fn in [("sdpa16", lambda: F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask[None, None], enable_gqa=True)),
-                     ("attend16", lambda: kernels.attend(q, k, v, mask, 0.125)),
-                     ("sdpa1", lambda: F.scaled_dot_product_attention(q[:1].transpose(0, 1)[None], k[None, :, :P+1], v[None, :, :P+1], enable_gqa=True)),
-                     ("attend1", lambda: kernels.attend(q[:1], k[:, :P+1], v[:, :P+1], None, 0.125))]:
+
+    for name, fn in [
+        (
+            "sdpa16",
+            lambda: F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask[None, None], enable_gqa=True
+            ),
+        ),
+        ("attend16", lambda: kernels.attend(q, k, v, mask, 0.125)),
+        (
+            "sdpa1",
+            lambda: F.scaled_dot_product_attention(
+                q[:1].transpose(0, 1)[None], k[None, :, : P + 1], v[None, :, : P + 1], enable_gqa=True
+            ),
+        ),
+        ("attend1", lambda: kernels.attend(q[:1], k[:, : P + 1], v[:, : P + 1], None, 0.125)),
+    ]:
         ts = []
         for _ in range(7):
             t0 = time.perf_counter()

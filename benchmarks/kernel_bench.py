@@ -53,7 +53,7 @@ def machine() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
         model = next(l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name"))
-    except Exception:  # noqa: BLE001
+    except Exception:
         model = platform.processor()
     return f"{model}, {torch.get_num_threads()} threads, torch {torch.__version__}, paths {tk.paths()}"
 
@@ -148,9 +148,15 @@ def main() -> None:
         busy = mp.get_context("spawn").Process(target=spin, daemon=True)
         busy.start()
     g = torch.Generator().manual_seed(0)
-    res: dict = {"machine": machine(), "threads": args.threads, "busy": args.busy,
-                 "command": "python benchmarks/kernel_bench.py " + " ".join(sys.argv[1:]),
-                 "read_bandwidth_GBs": read_bandwidth(), "shapes": [], "forward": []}
+    res: dict = {
+        "machine": machine(),
+        "threads": args.threads,
+        "busy": args.busy,
+        "command": "python benchmarks/kernel_bench.py " + " ".join(sys.argv[1:]),
+        "read_bandwidth_GBs": read_bandwidth(),
+        "shapes": [],
+        "forward": [],
+    }
     print(res["machine"], f"read bandwidth {res['read_bandwidth_GBs']:.1f} GB/s", flush=True)
     try:
         # 1. per shape, weights streamed from memory (rotating copies)
@@ -165,28 +171,35 @@ def main() -> None:
                 for meth in methods:
                     it = iter(range(1 << 62))
                     # each call takes the next copy (cold); at most 24 calls per repetition
-                    t = time_calls(lambda: call(meth, xs, copies[next(it) % ncopy][meth]),
-                                   reps, min(ncopy, 24))
+                    t = time_calls(lambda: call(meth, xs, copies[next(it) % ncopy][meth]), reps, min(ncopy, 24))
                     row[f"{meth}_us"] = t * 1e6
                     row[f"{meth}_GBs"] = weight_bytes(meth, one[meth]) / t / 1e9
                 res["shapes"].append(row)
                 print(json.dumps(row), flush=True)
-            del copies, one
+            copies = one = None  # free before the next shape (the timed closures are done with them)
         # 2. all linears of one forward, in order, distinct weights
-        layer = [(H, H, "q4_1"), (KV, H, "q4_1"), (KV, H, "q4_1"), (H, H, "q4_1"),
-                 (I, H, "q4_1"), (I, H, "q4_1"), (H, I, "q4_1")]
+        layer = [
+            (H, H, "q4_1"),
+            (KV, H, "q4_1"),
+            (KV, H, "q4_1"),
+            (H, H, "q4_1"),
+            (I, H, "q4_1"),
+            (I, H, "q4_1"),
+            (H, I, "q4_1"),
+        ]
         ws = [random_weight(N, K, kind, g) for _ in range(LAYERS) for N, K, kind in layer]
         ws.append(random_weight(V, H, "q8_0", g))
         for M in rows:
-            xin = {K: {"f32": (x := torch.randn(M, K, generator=g)), "bf16": x.to(torch.bfloat16)}
-                   for K in (H, I)}
+            xin = {K: {"f32": (x := torch.randn(M, K, generator=g)), "bf16": x.to(torch.bfloat16)} for K in (H, I)}
             row = {"M": M}
             for meth in methods:
+
                 def fwd(meth=meth):
                     for w in ws:
                         wm = w[meth]
                         K = w["ours"].K
                         call(meth, xin[K], wm)
+
                 t = time_calls(fwd, reps, 1)
                 row[f"{meth}_ms"] = t * 1e3
                 row[f"{meth}_cpu_ms"] = CPU_TIMES[0] * 1e3
@@ -204,34 +217,68 @@ def main() -> None:
 
 def report(res: dict, methods: list[str]) -> str:
     """Markdown tables of the results."""
-    s = [f"# Quantized linear kernels{' (one core kept busy)' if res['busy'] else ''}", "",
-         f"- command: `{res['command']}`", f"- machine: {res['machine']}",
-         f"- measured read bandwidth (256 MB float32 sum): {res['read_bandwidth_GBs']:.1f} GB/s",
-         "- times: min over repetitions; weights streamed from memory (not cache-hot)", "",
-         "## All linears of one forward (30 layers + lm_head), ms", "",
-         "| rows | " + " | ".join(f"{m} ms" for m in methods) + " | " +
-         " | ".join(f"{m} GB/s" for m in methods) + " | " +
-         " | ".join(f"{m} / ours" for m in methods if m != "ours") + " |",
-         "|" + "---|" * (1 + 2 * len(methods) + len(methods) - 1)]
+    s = [
+        f"# Quantized linear kernels{' (one core kept busy)' if res['busy'] else ''}",
+        "",
+        f"- command: `{res['command']}`",
+        f"- machine: {res['machine']}",
+        f"- measured read bandwidth (256 MB float32 sum): {res['read_bandwidth_GBs']:.1f} GB/s",
+        "- times: min over repetitions; weights streamed from memory (not cache-hot)",
+        "",
+        "## All linears of one forward (30 layers + lm_head), ms",
+        "",
+        "| rows | "
+        + " | ".join(f"{m} ms" for m in methods)
+        + " | "
+        + " | ".join(f"{m} GB/s" for m in methods)
+        + " | "
+        + " | ".join(f"{m} / ours" for m in methods if m != "ours")
+        + " |",
+        "|" + "---|" * (1 + 2 * len(methods) + len(methods) - 1),
+    ]
     base = {r["M"]: r for r in res["forward"]}
     for r in res["forward"]:
-        s.append(f"| {r['M']} | " + " | ".join(f"{r[f'{m}_ms']:.2f}" for m in methods) + " | " +
-                 " | ".join(f"{r[f'{m}_GBs']:.1f}" for m in methods) + " | " +
-                 " | ".join(f"{r[f'{m}_ms'] / r['ours_ms']:.2f}" for m in methods if m != "ours") + " |")
-    s += ["", "Process CPU time per forward (ms, all threads; less sensitive to other processes "
-          "taking the cores than wall time):", "",
-          "| rows | " + " | ".join(f"{m} CPU ms" for m in methods) + " |", "|" + "---|" * (1 + len(methods))]
+        s.append(
+            f"| {r['M']} | "
+            + " | ".join(f"{r[f'{m}_ms']:.2f}" for m in methods)
+            + " | "
+            + " | ".join(f"{r[f'{m}_GBs']:.1f}" for m in methods)
+            + " | "
+            + " | ".join(f"{r[f'{m}_ms'] / r['ours_ms']:.2f}" for m in methods if m != "ours")
+            + " |"
+        )
+    s += [
+        "",
+        "Process CPU time per forward (ms, all threads; less sensitive to other processes "
+        "taking the cores than wall time):",
+        "",
+        "| rows | " + " | ".join(f"{m} CPU ms" for m in methods) + " |",
+        "|" + "---|" * (1 + len(methods)),
+    ]
     for r in res["forward"]:
         s.append(f"| {r['M']} | " + " | ".join(f"{r[f'{m}_cpu_ms']:.2f}" for m in methods) + " |")
     if 1 in base:
-        s += ["", "Cost of M rows relative to 1 row: " + ", ".join(
-            f"{m}: " + " ".join(f"{r['M']}:{r[f'{m}_ms'] / base[1][f'{m}_ms']:.2f}x" for r in res["forward"])
-            for m in methods)]
-    s += ["", "## Per shape, us per call (GB/s of weight bytes)", "",
-          "| shape | rows | " + " | ".join(methods) + " |", "|" + "---|" * (2 + len(methods))]
+        s += [
+            "",
+            "Cost of M rows relative to 1 row: "
+            + ", ".join(
+                f"{m}: " + " ".join(f"{r['M']}:{r[f'{m}_ms'] / base[1][f'{m}_ms']:.2f}x" for r in res["forward"])
+                for m in methods
+            ),
+        ]
+    s += [
+        "",
+        "## Per shape, us per call (GB/s of weight bytes)",
+        "",
+        "| shape | rows | " + " | ".join(methods) + " |",
+        "|" + "---|" * (2 + len(methods)),
+    ]
     for r in res["shapes"]:
-        s.append(f"| {r['shape']} ({r['kind']}) | {r['M']} | " + " | ".join(
-            f"{r[f'{m}_us']:.0f} ({r[f'{m}_GBs']:.1f})" for m in methods) + " |")
+        s.append(
+            f"| {r['shape']} ({r['kind']}) | {r['M']} | "
+            + " | ".join(f"{r[f'{m}_us']:.0f} ({r[f'{m}_GBs']:.1f})" for m in methods)
+            + " |"
+        )
     return "\n".join(s) + "\n"
 
 

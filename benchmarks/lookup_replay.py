@@ -36,8 +36,13 @@ def latency(n: int, table: dict[int, float]) -> float:
     return table[lo] if lo == hi else table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
 
 
-def replay(data: list[tuple[list[int], list[int]]], drafter: PromptLookupDrafter, medusa_accept: float,
-           draft_ms: float, step_ms: float) -> tuple[float, float]:
+def replay(
+    data: list[tuple[list[int], list[int]]],
+    drafter: PromptLookupDrafter,
+    medusa_accept: float,
+    draft_ms: float,
+    step_ms: float,
+) -> tuple[float, float]:
     """(tokens/s, mean accepted length incl. bonus) of the drafter over (prompt, output) pairs."""
     rnd = random.Random(0)
     tokens = steps = 0
@@ -67,8 +72,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("records", type=Path, help="records.json of a treedraft bench run with a 'plain' method")
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--questions", type=Path,
-                   default=Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl")
+    p.add_argument(
+        "--questions",
+        type=Path,
+        default=Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl",
+    )
     p.add_argument("--medusa-accept", type=float, default=0.33, help="0 = prompt lookup alone")
     p.add_argument("--draft-ms", type=float, default=1.1)
     p.add_argument("--step-ms", type=float, default=1.5, help="per-step overhead outside the forward")
@@ -81,11 +89,13 @@ def main() -> int:
     recs = [r for r in json.loads(a.records.read_text())["records"] if r["method"] == "plain"]
     data = [(llm.encode_prompt(turns[r["prompt_id"]]), r["token_ids"]) for r in recs]
     plain = 1e3 / (LATENCY_MS[1] + a.step_ms)
-    settings = {"fixed 2": PromptLookupDrafter(adaptive=False, num_tokens=2),
-                "fixed 3": PromptLookupDrafter(adaptive=False, num_tokens=3),
-                "fixed 6": PromptLookupDrafter(adaptive=False, num_tokens=6),
-                "adaptive, max 6": PromptLookupDrafter(max_tokens=6),
-                "adaptive, max 12 (default)": PromptLookupDrafter()}
+    settings = {
+        "fixed 2": PromptLookupDrafter(adaptive=False, num_tokens=2),
+        "fixed 3": PromptLookupDrafter(adaptive=False, num_tokens=3),
+        "fixed 6": PromptLookupDrafter(adaptive=False, num_tokens=6),
+        "adaptive, max 6": PromptLookupDrafter(max_tokens=6),
+        "adaptive, max 12 (default)": PromptLookupDrafter(),
+    }
     print(f"{len(data)} answers; plain {plain:.1f} tok/s (model)")
     print("| setting | tok/s | x plain | mean accepted |\n|---|---|---|---|")
     for name, d in settings.items():

@@ -35,7 +35,7 @@ def subset(train_data: Path, shards: int, tmp: Path) -> Path:
 
 
 @torch.inference_mode()
-def draft_ms(heads, hidden: torch.Tensor, root: torch.Tensor, reps: int = 200) -> float:  # noqa: ANN001
+def draft_ms(heads, hidden: torch.Tensor, root: torch.Tensor, reps: int = 200) -> float:
     """Median ms of one drafting call (all heads, one row, top-10 per head)."""
     times = []
     for i in range(reps + 10):
@@ -77,39 +77,66 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data = subset(a.train_data, a.shards, Path(tmp))
         for projection in ("shared", "separate"):
-            mcfg = MedusaConfig(base_model=llm.model_name, hidden_size=net.hidden_size, vocab_size=net.vocab_size,
-                                shared_lm_head=projection == "shared", draft_vocab=a.draft_vocab,
-                                root_conditioned=True)
+            mcfg = MedusaConfig(
+                base_model=llm.model_name,
+                hidden_size=net.hidden_size,
+                vocab_size=net.vocab_size,
+                shared_lm_head=projection == "shared",
+                draft_vocab=a.draft_vocab,
+                root_conditioned=True,
+            )
             tcfg = TrainConfig(epochs=a.epochs, lr=a.lr, seed=0)
-            heads, report = train_heads(data, net.lm_head.weight, mcfg, tcfg, Path(tmp) / f"ckpt-{projection}",
-                                        resume=False, embed_weight=net.input_embedding_weight())
+            heads, report = train_heads(
+                data,
+                net.lm_head.weight,
+                mcfg,
+                tcfg,
+                Path(tmp) / f"ckpt-{projection}",
+                resume=False,
+                embed_weight=net.input_embedding_weight(),
+            )
             acc = evaluate(heads, hid, targets, roots=tok)
             ranks = rank_accuracy(heads, hid, targets, roots=tok)
             cost = draft_ms(heads, hid.float(), tok)
             tree = choose_tree(ranks, latency, draft_cost=cost / 1e3)
-            rows[projection] = {"train_rows": report["train_rows"], "train_seconds": report["seconds"],
-                                "mt_bench": acc, "draft_ms": round(cost, 3),
-                                "trainable_params": sum(p.numel() for p in heads.parameters()),  # frozen lm_head is a buffer
-                                "tree_nodes": tree["nodes"], "expected_len": round(tree["expected_len"], 3),
-                                "expected_tok_per_s": round(tree["expected_tok_per_s"], 2)}
+            rows[projection] = {
+                "train_rows": report["train_rows"],
+                "train_seconds": report["seconds"],
+                "mt_bench": acc,
+                "draft_ms": round(cost, 3),
+                "trainable_params": sum(p.numel() for p in heads.parameters()),  # frozen lm_head is a buffer
+                "tree_nodes": tree["nodes"],
+                "expected_len": round(tree["expected_len"], 3),
+                "expected_tok_per_s": round(tree["expected_tok_per_s"], 2),
+            }
             print(projection, json.dumps(rows[projection]), flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"args": {k: str(v) for k, v in vars(a).items()},
-              "latency_ms": {k: round(v * 1e3, 2) for k, v in latency.items()}, "variants": rows}
+    result = {
+        "args": {k: str(v) for k, v in vars(a).items()},
+        "latency_ms": {k: round(v * 1e3, 2) for k, v in latency.items()},
+        "variants": rows,
+    }
     a.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = ["# Shared vs separate projection for the Medusa heads", "",
-             f"Trained on {a.shards or 'all'} shard(s) of `{a.train_data}`, {a.epochs} epoch(s), lr {a.lr}, "
-             f"draft vocabulary {a.draft_vocab}, root-conditioned; evaluated on `{a.eval_data}`. "
-             f"torch threads: {torch.get_num_threads()}; one forward of k tokens (ms): "
-             + ", ".join(f"k={k} {v * 1e3:.1f}" for k, v in latency.items()) + ".", "",
-             "| projection | trainable params | train s | MT-Bench top-1 (heads 1-4) | top-5 | draft ms/step "
-             "| chosen tree nodes | expected len | expected tok/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Shared vs separate projection for the Medusa heads",
+        "",
+        f"Trained on {a.shards or 'all'} shard(s) of `{a.train_data}`, {a.epochs} epoch(s), lr {a.lr}, "
+        f"draft vocabulary {a.draft_vocab}, root-conditioned; evaluated on `{a.eval_data}`. "
+        f"torch threads: {torch.get_num_threads()}; one forward of k tokens (ms): "
+        + ", ".join(f"k={k} {v * 1e3:.1f}" for k, v in latency.items())
+        + ".",
+        "",
+        "| projection | trainable params | train s | MT-Bench top-1 (heads 1-4) | top-5 | draft ms/step "
+        "| chosen tree nodes | expected len | expected tok/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in rows.items():
         t1 = " / ".join(f"{x:.3f}" for x in r["mt_bench"]["top1"])
         t5 = " / ".join(f"{x:.3f}" for x in r["mt_bench"]["top5"])
-        lines.append(f"| {name} | {r['trainable_params']:,} | {r['train_seconds']} | {t1} | {t5} | {r['draft_ms']} "
-                     f"| {r['tree_nodes']} | {r['expected_len']} | {r['expected_tok_per_s']} |")
+        lines.append(
+            f"| {name} | {r['trainable_params']:,} | {r['train_seconds']} | {t1} | {t5} | {r['draft_ms']} "
+            f"| {r['tree_nodes']} | {r['expected_len']} | {r['expected_tok_per_s']} |"
+        )
     a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

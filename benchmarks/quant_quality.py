@@ -21,16 +21,18 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
-        "movable metal type, oil-based ink and a wooden screw press into a system that could produce books "
-        "far faster than scribes. Within fifty years, presses were operating in more than two hundred cities "
-        "across Europe. The cost of books fell sharply, and pamphlets, newspapers and scientific journals "
-        "followed. Historians argue that the press accelerated the Reformation, standardized languages, and "
-        "made it possible for scientists to build on each other's work instead of rediscovering it.")
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a wooden screw press into a system that could produce books "
+    "far faster than scribes. Within fifty years, presses were operating in more than two hundred cities "
+    "across Europe. The cost of books fell sharply, and pamphlets, newspapers and scientific journals "
+    "followed. Historians argue that the press accelerated the Reformation, standardized languages, and "
+    "made it possible for scientists to build on each other's work instead of rediscovering it."
+)
 
 
 @torch.inference_mode()
-def logits_of(llm, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
+def logits_of(llm, ids: list[int]) -> torch.Tensor:
     """(T, V) float32 next-token logits for every position of ``ids`` (one prefill)."""
     x = torch.tensor([ids])
     return llm.model.forward(x, torch.arange(len(ids)))[0][0].float()
@@ -77,34 +79,58 @@ def main(argv: list[str] | None = None) -> int:
     text_ids = ref.tokenizer.encode(TEXT)
     ref_text = logits_of(ref, text_ids)
     ref_logits = [logits_of(ref, s)[len(p) - 1 : -1] for p, s in seqs]  # rows that predict answer tokens
-    rows = {"fp32": {"top1_agreement": 1.0, "mean_kl": 0.0, "perplexity": perplexity(ref_text, text_ids),
-                     "info": {"weights": "fp32"}}}
+    rows = {
+        "fp32": {
+            "top1_agreement": 1.0,
+            "mean_kl": 0.0,
+            "perplexity": perplexity(ref_text, text_ids),
+            "info": {"weights": "fp32"},
+        }
+    }
     for f, llm in llms.items():
         tot, agree_sum, kl_sum = 0, 0.0, 0.0
         for (p, s), r in zip(seqs, ref_logits):
             ag, kl, n = compare(r, logits_of(llm, s)[len(p) - 1 : -1])
             agree_sum, kl_sum, tot = agree_sum + ag * n, kl_sum + kl * n, tot + n
-        rows[f] = {"top1_agreement": agree_sum / tot, "mean_kl": kl_sum / tot,
-                   "perplexity": perplexity(logits_of(llm, text_ids), text_ids),
-                   "info": getattr(llm.model, "weights_info", {})}
-    env = {"command": "python benchmarks/quant_quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "model": a.model, "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "prompts": len(seqs), "scored_tokens": sum(len(s) - len(p) for p, s in seqs),
-           "text_tokens": len(text_ids), "seconds": round(time.perf_counter() - t0, 1)}
+        rows[f] = {
+            "top1_agreement": agree_sum / tot,
+            "mean_kl": kl_sum / tot,
+            "perplexity": perplexity(logits_of(llm, text_ids), text_ids),
+            "info": getattr(llm.model, "weights_info", {}),
+        }
+    env = {
+        "command": "python benchmarks/quant_quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "model": a.model,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "prompts": len(seqs),
+        "scored_tokens": sum(len(s) - len(p) for p, s in seqs),
+        "text_tokens": len(text_ids),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     res = {"environment": env, "formats": rows}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "quant_quality.json").write_text(json.dumps(res, indent=1) + "\n")
-    lines = ["# Weight formats vs the fp32 reference", "", f"- command: `{env['command']}`",
-             f"- model `{a.model}`, torch {env['torch']}, {env['threads']} threads, {env['platform']}",
-             f"- teacher-forced: {env['prompts']} MT-Bench first turns + the fp32 model's greedy answers "
-             f"({env['scored_tokens']} scored tokens); perplexity text: {env['text_tokens']} tokens", "",
-             "| weights | top-1 agreement | mean KL (nats) | perplexity | kernels |", "|---|---|---|---|---|"]
+    lines = [
+        "# Weight formats vs the fp32 reference",
+        "",
+        f"- command: `{env['command']}`",
+        f"- model `{a.model}`, torch {env['torch']}, {env['threads']} threads, {env['platform']}",
+        f"- teacher-forced: {env['prompts']} MT-Bench first turns + the fp32 model's greedy answers "
+        f"({env['scored_tokens']} scored tokens); perplexity text: {env['text_tokens']} tokens",
+        "",
+        "| weights | top-1 agreement | mean KL (nats) | perplexity | kernels |",
+        "|---|---|---|---|---|",
+    ]
     for f, r in rows.items():
         k = r["info"].get("kernels", {})
-        lines.append(f"| {f} | {r['top1_agreement']:.4f} | {r['mean_kl']:.5f} | {r['perplexity']:.3f} | "
-                     f"{', '.join(f'{a}: {b}' for a, b in k.items()) or '-'} |")
+        lines.append(
+            f"| {f} | {r['top1_agreement']:.4f} | {r['mean_kl']:.5f} | {r['perplexity']:.3f} | "
+            f"{', '.join(f'{a}: {b}' for a, b in k.items()) or '-'} |"
+        )
     md = "\n".join(lines) + "\n"
     (out / "quant_quality.md").write_text(md)
     print(md)

@@ -64,12 +64,17 @@ def attention() -> None:
         return out
 
     # plain decoding of row i's path: keys prefix + path in order, one query row, no mask
-    plain = torch.cat([F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, keys(i)], v[:, :, keys(i)],
-                                                      enable_gqa=True) for i in range(T)], 2)
+    plain = torch.cat(
+        [
+            F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, keys(i)], v[:, :, keys(i)], enable_gqa=True)
+            for i in range(T)
+        ],
+        2,
+    )
     print(f"attention: masked tree vs plain rows: max |diff| {(tree_masked() - plain).abs().max().item():.1e}")
     print(f"attention: per-row gathered vs plain rows: bitwise equal {torch.equal(tree_rowwise(), plain)}")
 
-    def ms(fn) -> float:  # noqa: ANN001
+    def ms(fn) -> float:
         fn()
         t = time.perf_counter()
         for _ in range(10):

@@ -41,8 +41,11 @@ def tokenizer():
     from treedraft.tokenizer import Tokenizer
 
     path = resolve(DEFAULT_MODEL)
-    return Tokenizer.from_gguf(path, cache_dir() / "tokenizers" / file_key(path)) if path.is_file() \
+    return (
+        Tokenizer.from_gguf(path, cache_dir() / "tokenizers" / file_key(path))
+        if path.is_file()
         else Tokenizer.from_dir(path)
+    )
 
 
 def corpus(tok, total: int, data: Path) -> tuple[list[list[int]], list[list[int]]]:
@@ -52,8 +55,11 @@ def corpus(tok, total: int, data: Path) -> tuple[list[list[int]], list[list[int]
         ids = tok.encode(json.loads(line)["prompt"])[:512]
         if len(ids) > 8:
             reqs.append(ids)
-    queries = [tok.encode(t) for line in (data / "mt_bench_questions.jsonl").read_text().splitlines()
-               for t in json.loads(line)["turns"]]
+    queries = [
+        tok.encode(t)
+        for line in (data / "mt_bench_questions.jsonl").read_text().splitlines()
+        for t in json.loads(line)["turns"]
+    ]
     out, n, i = [], 0, 0
     while n < total:
         r = reqs[i % len(reqs)][: total - n]
@@ -74,7 +80,10 @@ class SuffixAutomaton:
     def add(self, c: int) -> None:
         """Online extension by one token (counts are fixed up in :meth:`finish`)."""
         cur = len(self.len)
-        self.next.append({}); self.len.append(self.len[self.last] + 1); self.link.append(-1); self.cnt.append(1)
+        self.next.append({})
+        self.len.append(self.len[self.last] + 1)
+        self.link.append(-1)
+        self.cnt.append(1)
         p = self.last
         while p != -1 and c not in self.next[p]:
             self.next[p][c] = cur
@@ -87,8 +96,10 @@ class SuffixAutomaton:
                 self.link[cur] = q
             else:
                 cl = len(self.len)
-                self.next.append(dict(self.next[q])); self.len.append(self.len[p] + 1)
-                self.link.append(self.link[q]); self.cnt.append(0)
+                self.next.append(dict(self.next[q]))
+                self.len.append(self.len[p] + 1)
+                self.link.append(self.link[q])
+                self.cnt.append(0)
                 while p != -1 and self.next[p].get(c) == q:
                     self.next[p][c] = cl
                     p = self.link[p]
@@ -147,8 +158,12 @@ def main() -> None:
     a = ap.parse_args()
     tok = tokenizer()
     reqs, queries = corpus(tok, a.tokens, a.data)
-    lines = [f"load average at start: {__import__('os').getloadavg()[0]:.1f} on {__import__('os').cpu_count()} cores", "",
-             f"# suffix index bench ({a.tokens} tokens, {len(reqs)} requests; `{' '.join(__import__('sys').argv)}`)", ""]
+    lines = [
+        f"load average at start: {__import__('os').getloadavg()[0]:.1f} on {__import__('os').cpu_count()} cores",
+        "",
+        f"# suffix index bench ({a.tokens} tokens, {len(reqs)} requests; `{' '.join(__import__('sys').argv)}`)",
+        "",
+    ]
 
     def log(s: str) -> None:
         print(s, flush=True)
@@ -162,6 +177,7 @@ def main() -> None:
             break
         small.append(r)
         n += len(r)
+
     def build_sam(rs: list[list[int]]) -> SuffixAutomaton:
         sam = SuffixAutomaton()
         for r in rs:
@@ -181,8 +197,10 @@ def main() -> None:
     sam = build_sam(small)
     t_sam = time.perf_counter() - t
     med, p90 = per_step_ms(sam.lookup, queries, a.steps)
-    log(f"automaton  {n:>8} tokens: build {t_sam:6.2f} s, {mem_sam / n:7.1f} B/token, "
-        f"lookup median {med:.3f} ms p90 {p90:.3f} ms (match + next-token counts only)")
+    log(
+        f"automaton  {n:>8} tokens: build {t_sam:6.2f} s, {mem_sam / n:7.1f} B/token, "
+        f"lookup median {med:.3f} ms p90 {p90:.3f} ms (match + next-token counts only)"
+    )
     del sam
     gc.collect()
 
@@ -198,26 +216,31 @@ def main() -> None:
         t = time.perf_counter()
         idx = SuffixIndex.from_sequences(arrs)
         t_build = time.perf_counter() - t
+
         def lookup(c: list[int]) -> None:
-            _, nxt = idx.match(c)  # noqa: B023  (called inside this iteration)
-            np.unique(idx.text[nxt], return_counts=True)  # noqa: B023
+            _, nxt = idx.match(c)
+            np.unique(idx.text[nxt], return_counts=True)
 
         med, p90 = per_step_ms(lookup, queries, a.steps)
         d = SuffixDrafter(None)
 
         def draft(c: list[int]) -> None:
-            d.paths(idx, c, 63, 24)  # noqa: B023
+            d.paths(idx, c, 63, 24)
 
         dmed, dp90 = per_step_ms(draft, queries, a.steps)
-        log(f"{label}  {ntok:>8} tokens: build {t_build:6.2f} s, {mem / ntok:7.1f} B/token, "
+        log(
+            f"{label}  {ntok:>8} tokens: build {t_build:6.2f} s, {mem / ntok:7.1f} B/token, "
             f"lookup median {med:.3f} ms p90 {p90:.3f} ms; full draft (match + expand) "
-            f"median {dmed:.3f} ms p90 {dp90:.3f} ms")
+            f"median {dmed:.3f} ms p90 {dp90:.3f} ms"
+        )
     # incremental: one request appended to a 10^6-token index
     t = time.perf_counter()
     for r in reqs[:200]:
         idx.add_sequence(r)
-    log(f"append: {(time.perf_counter() - t) / 200 * 1e3:.3f} ms per request "
-        f"({sum(map(len, reqs[:200])) / 200:.0f} tokens each) into the {a.tokens}-token index")
+    log(
+        f"append: {(time.perf_counter() - t) / 200 * 1e3:.3f} ms per request "
+        f"({sum(map(len, reqs[:200])) / 200:.0f} tokens each) into the {a.tokens}-token index"
+    )
 
     # --- persistence: write a store of `tokens` tokens, reload it ---
     with tempfile.TemporaryDirectory() as tmp:

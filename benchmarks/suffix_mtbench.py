@@ -39,6 +39,7 @@ def main() -> None:
     prompts = [json.loads(ln)["turns"][0] for ln in DATA.read_text().splitlines()[: a.prompts]]
     if a.threads:
         import torch
+
         torch.set_num_threads(a.threads)
     llm = treedraft.load(drafter=None)
     suffix = SuffixDrafter(SuffixStore())
@@ -56,10 +57,18 @@ def main() -> None:
     for r in recorders:
         r._cur = None
     import os
-    lines = [f"# suffix drafter, MT-Bench first turns ({a.prompts} prompts x {a.max_new} tokens, greedy)", "",
-             (f"load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: tok/s are only "
-              "comparable within a pass (methods interleaved per prompt)"), "",
-             f"`{' '.join(__import__('sys').argv)}`  ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", ""]
+
+    lines = [
+        f"# suffix drafter, MT-Bench first turns ({a.prompts} prompts x {a.max_new} tokens, greedy)",
+        "",
+        (
+            f"load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: tok/s are only "
+            "comparable within a pass (methods interleaved per prompt)"
+        ),
+        "",
+        f"`{' '.join(__import__('sys').argv)}`  ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        "",
+    ]
     for p in range(1, a.passes + 1):
         tot = {k: [0, 0.0, 0, 0] for k in methods}  # new tokens, decode s, steps, committed
         same = {k: 0 for k in methods}
@@ -68,8 +77,9 @@ def main() -> None:
             ref = None
             for name, d in methods.items():
                 st = GenerationStats()
-                out = [t for c in llm.stream(prompt, drafter=d, stats=st, max_new_tokens=a.max_new)
-                       for t in c.token_ids]
+                out = [
+                    t for c in llm.stream(prompt, drafter=d, stats=st, max_new_tokens=a.max_new) for t in c.token_ids
+                ]
                 if name == "plain":
                     ref = out
                 same[name] += out == ref
@@ -83,13 +93,18 @@ def main() -> None:
             print(f"pass {p}: prompt {prompts.index(prompt) + 1}/{len(prompts)} done", flush=True)
         base = tot["plain"][0] / tot["plain"][1]
         pl = tot["prompt-lookup"][0] / tot["prompt-lookup"][1]
-        lines += [f"## pass {p} ({'cold index' if p == 1 else 'index warmed by the earlier passes'})", "",
-                  "| method | mean accepted | tok/s | x plain | x prompt-lookup | output = plain |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            f"## pass {p} ({'cold index' if p == 1 else 'index warmed by the earlier passes'})",
+            "",
+            "| method | mean accepted | tok/s | x plain | x prompt-lookup | output = plain |",
+            "|---|---|---|---|---|---|",
+        ]
         for name, (n, s, steps, committed) in tot.items():
             tps = n / s
-            lines.append(f"| {name} | {committed / max(1, steps):.2f} | {tps:.1f} | {tps / base:.2f} | "
-                         f"{tps / pl:.2f} | {same[name]}/{len(prompts)} |")
+            lines.append(
+                f"| {name} | {committed / max(1, steps):.2f} | {tps:.1f} | {tps / base:.2f} | "
+                f"{tps / pl:.2f} | {same[name]}/{len(prompts)} |"
+            )
         lines.append("")
         print("\n".join(lines[-len(tot) - 4 :]), flush=True)
     text = "\n".join(lines) + "\n"

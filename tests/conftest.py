@@ -7,7 +7,7 @@ import torch
 
 
 @pytest.fixture(scope="session")
-def smollm():  # noqa: ANN201
+def smollm():
     """The bundled SmolLM2 (own runtime, packed for CPU decode), no drafter."""
     import treedraft
 
@@ -15,7 +15,7 @@ def smollm():  # noqa: ANN201
 
 
 @pytest.fixture(scope="session")
-def hf_smollm():  # noqa: ANN201
+def hf_smollm():
     """transformers' own LlamaForCausalLM on the same GGUF weights (the parity reference)."""
     from transformers import AutoModelForCausalLM
 

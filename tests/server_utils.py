@@ -22,7 +22,7 @@ from treedraft.models.tiny import tiny_llama
 class LiveServer:
     """uvicorn serving an app in a daemon thread on a free loopback port."""
 
-    def __init__(self, app) -> None:  # noqa: ANN001
+    def __init__(self, app) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]

@@ -15,7 +15,7 @@ from treedraft.models.loaders import ModelLoadError
 from treedraft.models.tiny import tiny_llama
 
 
-def test_named_drafters_use_the_heads_given_to_load_and_are_built_once(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_named_drafters_use_the_heads_given_to_load_and_are_built_once(tmp_path, monkeypatch) -> None:
     m = tiny_llama()
     MedusaHeads(MedusaConfig("tiny", m.hidden_size, m.vocab_size), m.lm_head.weight).save(tmp_path)
     llm = LLM(Engine(m), None, "tiny", "cpu", heads=str(tmp_path))  # no heads are shipped for "tiny"
@@ -36,11 +36,18 @@ def test_named_drafters_use_the_heads_given_to_load_and_are_built_once(tmp_path,
         llm.get_drafter("no-such-drafter")
 
 
-@pytest.mark.parametrize("content", [b"", b"GGUF", b"GGUF" + struct.pack("<I", 3),
-                                     b"GGUF" + struct.pack("<IQQ", 3, 10, 5) + struct.pack("<Q", 20) + b"general.",
-                                     b"not a gguf file at all, just some text"],
-                         ids=["empty", "magic-only", "no-counts", "cut-in-a-key", "not-gguf"])
-def test_unreadable_gguf_raises_model_load_error_naming_the_file(tmp_path, content: bytes) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"GGUF",
+        b"GGUF" + struct.pack("<I", 3),
+        b"GGUF" + struct.pack("<IQQ", 3, 10, 5) + struct.pack("<Q", 20) + b"general.",
+        b"not a gguf file at all, just some text",
+    ],
+    ids=["empty", "magic-only", "no-counts", "cut-in-a-key", "not-gguf"],
+)
+def test_unreadable_gguf_raises_model_load_error_naming_the_file(tmp_path, content: bytes) -> None:
     p = tmp_path / "broken.gguf"
     p.write_bytes(content)
     with pytest.raises(ModelLoadError, match=r"broken\.gguf.*not a readable GGUF file"):

@@ -42,15 +42,21 @@ def test_attend_matches_sdpa(path: str, hd: int) -> None:
     q, k, v = (torch.randn(s, generator=g) for s in ((T, nh, hd), (nkv, L, hd), (nkv, L, hd)))
     allowed = torch.rand(T, L, generator=g) < 0.5
     allowed[:, 3] = True
-    torch.testing.assert_close(kernels.attend(q, k, v, allowed, hd**-0.5, path=path), _sdpa(q, k, v, allowed),
-                               atol=1e-5, rtol=0)
-    torch.testing.assert_close(kernels.attend(q, k, v, None, hd**-0.5, path=path), _sdpa(q, k, v, None),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        kernels.attend(q, k, v, allowed, hd**-0.5, path=path), _sdpa(q, k, v, allowed), atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(
+        kernels.attend(q, k, v, None, hd**-0.5, path=path), _sdpa(q, k, v, None), atol=1e-5, rtol=0
+    )
 
 
 def test_all_paths_give_the_same_bits() -> None:
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(5, 6, 64, generator=g), torch.randn(2, 70, 64, generator=g), torch.randn(2, 70, 64, generator=g)
+    q, k, v = (
+        torch.randn(5, 6, 64, generator=g),
+        torch.randn(2, 70, 64, generator=g),
+        torch.randn(2, 70, 64, generator=g),
+    )
     allowed = torch.rand(5, 70, generator=g) < 0.7
     outs = [kernels.attend(q, k, v, allowed, 0.125, path=p) for p in kernels.paths()]
     for o in outs[1:]:
@@ -105,8 +111,9 @@ def _tiny_native():
     from treedraft.models.quant import quantize_q4_rtn, swap_linears
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, max_seq_len=64)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64
+    )
     model = Transformer(cfg).eval()
     qw = {n: quantize_q4_rtn(m.weight.detach()) for n, m in model.named_modules() if isinstance(m, Linear)}
     swap_linears(model, qw, {"q4": "native"}, kernels)
@@ -126,7 +133,9 @@ def test_tiny_native_model_tree_step_equals_plain_steps(exact: bool) -> None:
         with torch.inference_mode():
             c1 = model.new_cache(max_len=64)
             model(prompt[None], torch.arange(21), c1, start=0)
-            plain = torch.stack([model(chain[i : i + 1][None], torch.tensor([21 + i]), c1, start=21 + i)[1][0, 0] for i in range(6)])
+            plain = torch.stack(
+                [model(chain[i : i + 1][None], torch.tensor([21 + i]), c1, start=21 + i)[1][0, 0] for i in range(6)]
+            )
             c2 = model.new_cache(max_len=64)
             model(prompt[None], torch.arange(21), c2, start=0)
             tree = model(chain[None], torch.arange(21, 27), c2, start=21)[1][0]

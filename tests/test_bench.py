@@ -12,8 +12,18 @@ import torch
 
 from treedraft import bench
 from treedraft.api import LLM
-from treedraft.bench import (BenchError, BenchPrompt, EngineMethod, MethodOutput, Record, load_prompts,
-                             run_bench, select_prompts, summarize, write_report)
+from treedraft.bench import (
+    BenchError,
+    BenchPrompt,
+    EngineMethod,
+    MethodOutput,
+    Record,
+    load_prompts,
+    run_bench,
+    select_prompts,
+    summarize,
+    write_report,
+)
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter
 from treedraft.engine import Engine, GenerationConfig
 from treedraft.models.tiny import tiny_llama
@@ -28,7 +38,7 @@ def fake_encode(text: str, vocab: int = 64) -> list[int]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():  # noqa: ANN201
+def one_thread():
     """Tiny matmuls are ~30x slower with several threads on a busy machine."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -48,8 +58,9 @@ def tiny_llm(engine: TextGenerator) -> LLM:
         def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
             return fake_encode(prompt)
 
-    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: " ".join(map(str, ids)),
-                          eos_token_ids=frozenset())
+    tok = SimpleNamespace(
+        decode=lambda ids, skip_special_tokens=False: " ".join(map(str, ids)), eos_token_ids=frozenset()
+    )
     llm = TinyLLM(engine.engine, tok, "tiny", "cpu")
     llm.text = engine  # this stub tokenizer cannot stream text
     return llm
@@ -57,27 +68,33 @@ def tiny_llm(engine: TextGenerator) -> LLM:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    rows = [{"question_id": 1, "category": "writing", "turns": ["abcabcabcabc abcabc", "second turn ignored"]},
-            {"prompt": "xyz xyz xyz xyzxyz", "category": "math"}]
+    rows = [
+        {"question_id": 1, "category": "writing", "turns": ["abcabcabcabc abcabc", "second turn ignored"]},
+        {"prompt": "xyz xyz xyz xyzxyz", "category": "math"},
+    ]
     p = tmp_path_factory.mktemp("data") / "q.jsonl"
     p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return p
 
 
-def wrong_after(method, position: int = 3):  # noqa: ANN001, ANN201
+def wrong_after(method, position: int = 3):
     """A deliberately wrong method: a correct one with one output token changed."""
+
     def run(ids: list[int]) -> MethodOutput:
         out = method(ids)
         toks = list(out.token_ids)
         toks[position] = (toks[position] + 1) % 64
         return MethodOutput(toks, out.stats, out.finish_reason)
+
     return run
 
 
-def truncate(method, n: int = 5):  # noqa: ANN001, ANN201
+def truncate(method, n: int = 5):
     """A deliberately wrong method: a correct prefix cut off without EOS, no stats, returned as a tuple."""
+
     def run(ids: list[int]) -> tuple[list[int], None]:
         return method(ids).token_ids[:n], None
+
     return run
 
 
@@ -85,12 +102,12 @@ class StopsAtEOS:
     """Like the transformers baseline: the correct tokens up to and including the first of its EOS ids
     (which the tiny engine, having none, runs past); no stats, returned as a tuple."""
 
-    def __init__(self, method, eos: set[int]) -> None:  # noqa: ANN001
+    def __init__(self, method, eos: set[int]) -> None:
         self.method, self.eos_token_ids = method, frozenset(eos)
 
     def __call__(self, ids: list[int]) -> tuple[list[int], None]:
         toks = self.method(ids).token_ids
-        return toks[:first_eos_cut(toks, self.eos_token_ids)], None
+        return toks[: first_eos_cut(toks, self.eos_token_ids)], None
 
 
 def first_eos_cut(toks: list[int], eos: frozenset[int]) -> int:
@@ -109,16 +126,22 @@ def result(engine: TextGenerator, dataset: Path, eos_id: int) -> bench.BenchResu
     prompts = [(p, fake_encode(p.text)) for p in load_prompts(dataset)]
     cfg = GenerationConfig(max_new_tokens=MAX_NEW)
     plain = EngineMethod(engine, cfg, None)
-    methods = {"hf": StopsAtEOS(plain, {eos_id}), "plain": plain,
-               "prompt-lookup": EngineMethod(engine, cfg, PromptLookupDrafter()),
-               "wrong": wrong_after(plain), "truncated": truncate(plain, 5)}
+    methods = {
+        "hf": StopsAtEOS(plain, {eos_id}),
+        "plain": plain,
+        "prompt-lookup": EngineMethod(engine, cfg, PromptLookupDrafter()),
+        "wrong": wrong_after(plain),
+        "truncated": truncate(plain, 5),
+    }
     return run_bench(prompts, methods, warmup=1, baselines=("hf", "plain"), progress=False)
 
 
 def test_load_prompts_reads_both_formats_first_turn(dataset: Path) -> None:
     ps = load_prompts(dataset)
-    assert [(p.id, p.category, p.text) for p in ps] == [("1", "writing", "abcabcabcabc abcabc"),
-                                                         ("2", "math", "xyz xyz xyz xyzxyz")]
+    assert [(p.id, p.category, p.text) for p in ps] == [
+        ("1", "writing", "abcabcabcabc abcabc"),
+        ("2", "math", "xyz xyz xyz xyzxyz"),
+    ]
 
 
 def test_load_prompts_rejects_bad_lines(tmp_path: Path) -> None:
@@ -140,7 +163,8 @@ def test_records_are_complete(result: bench.BenchResult, eos_id: int) -> None:
     assert result.methods == ["hf", "plain", "prompt-lookup", "wrong", "truncated"]
     assert result.skipped == {}
     assert sorted((r.method, r.prompt_id) for r in result.records) == sorted(
-        (m, q) for m in result.methods for q in ("1", "2"))
+        (m, q) for m in result.methods for q in ("1", "2")
+    )
     for r in result.records:
         assert r.new_tokens == len(r.token_ids) > 0
         assert r.wall_s > 0 and r.tokens_per_s == pytest.approx(r.new_tokens / r.wall_s)
@@ -182,8 +206,10 @@ def test_speedups_are_computed_from_the_records(result: bench.BenchResult) -> No
     assert s["all"]["plain"]["mean_accepted_length"] == 1.0
     assert s["all"]["hf"]["mean_accepted_length"] is None and s["all"]["hf"]["time_split"] is None
     steps = [(d, a - 1) for r in pl for d, a in zip(r.tree_depths, r.accepted_lengths)]
-    want = [sum(a >= d for dd, a in steps if dd >= d) / sum(dd >= d for dd, _ in steps)
-            for d in range(1, max(dd for dd, _ in steps) + 1)]
+    want = [
+        sum(a >= d for dd, a in steps if dd >= d) / sum(dd >= d for dd, _ in steps)
+        for d in range(1, max(dd for dd, _ in steps) + 1)
+    ]
     assert s["all"]["prompt-lookup"]["acceptance_per_depth"] == pytest.approx(want)
     split = s["all"]["prompt-lookup"]["time_split"]
     wall = sum(r.wall_s for r in pl)
@@ -199,18 +225,28 @@ def test_wrong_and_truncating_methods_are_detected_as_mismatches(result: bench.B
         assert by[("prompt-lookup", q)].equal_to_reference is True  # greedy speculative = plain
         # shorter, but it ended at its own EOS where plain (no EOS) has the same token and runs on
         assert by[("hf", q)].equal_to_reference is True and by[("hf", q)].mismatch is None
-        assert (by[("wrong", q)].equal_to_reference, by[("wrong", q)].first_mismatch,
-                by[("wrong", q)].mismatch) == (False, 3, "differs")
+        assert (by[("wrong", q)].equal_to_reference, by[("wrong", q)].first_mismatch, by[("wrong", q)].mismatch) == (
+            False,
+            3,
+            "differs",
+        )
         # a correct prefix cut off without EOS is not hidden by the shorter length
-        assert (by[("truncated", q)].equal_to_reference, by[("truncated", q)].first_mismatch,
-                by[("truncated", q)].mismatch) == (False, 5, "truncated")
+        assert (
+            by[("truncated", q)].equal_to_reference,
+            by[("truncated", q)].first_mismatch,
+            by[("truncated", q)].mismatch,
+        ) == (False, 5, "truncated")
     mism = bench.mismatches(result)
     assert sorted((m["method"], m["prompt_id"], m["position"], m["kind"]) for m in mism) == [
-        ("truncated", "1", 5, "truncated"), ("truncated", "2", 5, "truncated"),
-        ("wrong", "1", 3, "differs"), ("wrong", "2", 3, "differs")]
+        ("truncated", "1", 5, "truncated"),
+        ("truncated", "2", 5, "truncated"),
+        ("wrong", "1", 3, "differs"),
+        ("wrong", "2", 3, "differs"),
+    ]
     t = next(m for m in mism if m["method"] == "truncated")
     assert (t["reference_length"], t["method_length"]) == (MAX_NEW, 5) and len(t["method_tokens"]) < len(
-        t["reference_tokens"])
+        t["reference_tokens"]
+    )
     s = summarize(result)["all"]
     assert (s["wrong"]["equal"], s["wrong"]["compared"]) == (0, 2)
     assert (s["truncated"]["equal"], s["truncated"]["compared"]) == (0, 2)
@@ -263,11 +299,23 @@ def test_report_files_are_written(result: bench.BenchResult, tmp_path: Path) -> 
     assert len(doc["records"]) == len(result.records) == 10
     assert doc["reference"] == "plain" and doc["baselines"] == ["hf", "plain"]
     rec = doc["records"][0]
-    assert set(rec) >= {"method", "prompt_id", "category", "new_tokens", "wall_s", "token_ids",
-                        "accepted_lengths", "equal_to_reference", "mismatch", "mean_accepted_length"}
+    assert set(rec) >= {
+        "method",
+        "prompt_id",
+        "category",
+        "new_tokens",
+        "wall_s",
+        "token_ids",
+        "accepted_lengths",
+        "equal_to_reference",
+        "mismatch",
+        "mean_accepted_length",
+    }
     assert doc["summary"]["all"]["wrong"]["equal"] == 0
-    assert sorted((m["method"], m["kind"]) for m in doc["mismatches"]) == [
-        ("truncated", "truncated")] * 2 + [("wrong", "differs")] * 2
+    assert (
+        sorted((m["method"], m["kind"]) for m in doc["mismatches"])
+        == [("truncated", "truncated")] * 2 + [("wrong", "differs")] * 2
+    )
 
 
 def test_failing_method_is_dropped_and_reported(engine: TextGenerator, dataset: Path) -> None:
@@ -290,8 +338,7 @@ def test_failing_method_is_dropped_and_reported(engine: TextGenerator, dataset: 
 def test_sampling_runs_skip_the_equality_check(engine: TextGenerator, dataset: Path) -> None:
     prompts = [(p, fake_encode(p.text)) for p in load_prompts(dataset)]
     plain = EngineMethod(engine, GenerationConfig(max_new_tokens=4), None)
-    res = run_bench(prompts, {"plain": plain, "wrong": wrong_after(plain, 1)}, greedy=False, warmup=0,
-                    progress=False)
+    res = run_bench(prompts, {"plain": plain, "wrong": wrong_after(plain, 1)}, greedy=False, warmup=0, progress=False)
     assert all(r.equal_to_reference is None for r in res.records)
     assert bench.mismatches(res) == []
 
@@ -305,8 +352,9 @@ def test_method_names_and_unavailable_methods_are_skipped_with_reason(engine: Te
 
     cfg = GenerationConfig(max_new_tokens=4)
     llm = LLM(engine.engine, None, "tiny", "cpu")
-    methods, skipped = bench.build_methods(["plain", "prompt-lookup", "medusa", "llama.cpp"], llm,
-                                           Path("/nonexistent.gguf"), cfg)
+    methods, skipped = bench.build_methods(
+        ["plain", "prompt-lookup", "medusa", "llama.cpp"], llm, Path("/nonexistent.gguf"), cfg
+    )
     assert set(methods) >= {"plain", "prompt-lookup"}
     assert set(methods) | set(skipped) == {"plain", "prompt-lookup", "medusa", "llama.cpp"}
     # the tiny model ships no heads: medusa is skipped with the loader's reason, not a generic one
@@ -322,8 +370,9 @@ def test_method_names_and_unavailable_methods_are_skipped_with_reason(engine: Te
     assert pl.stats.new_tokens == 4 and 1 + sum(s.accepted + 1 for s in pl.stats.steps) == 4
 
 
-def test_bench_cli_end_to_end_on_the_tiny_model(engine: TextGenerator, dataset: Path, tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bench_cli_end_to_end_on_the_tiny_model(
+    engine: TextGenerator, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`treedraft bench` through the real parser and cmd_bench (model loading stubbed with the tiny engine):
     the report matches the run, and the recorded command reproduces the same arguments."""
     import shlex
@@ -336,9 +385,27 @@ def test_bench_cli_end_to_end_on_the_tiny_model(engine: TextGenerator, dataset: 
     monkeypatch.setattr(treedraft, "load", lambda *a, **k: llm)
     monkeypatch.setattr(registry, "resolve", lambda model: Path("/nonexistent.gguf"))
     out = tmp_path / "out"
-    argv = ["bench", "--dataset", str(dataset), "--methods", "plain,prompt-lookup", "--max-new-tokens", "6",
-            "--warmup", "0", "--threads", "1", "--no-progress", "--model", "tiny", "--out", str(out),
-            "--suffix-max-tokens", "5000", "--suffix-share"]
+    argv = [
+        "bench",
+        "--dataset",
+        str(dataset),
+        "--methods",
+        "plain,prompt-lookup",
+        "--max-new-tokens",
+        "6",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--model",
+        "tiny",
+        "--out",
+        str(out),
+        "--suffix-max-tokens",
+        "5000",
+        "--suffix-share",
+    ]
     a = build_parser().parse_args(argv)
     assert a.func is bench.cmd_bench and a.max_new_tokens == 6
     assert a.func(a) == 0
@@ -346,10 +413,17 @@ def test_bench_cli_end_to_end_on_the_tiny_model(engine: TextGenerator, dataset: 
     assert doc["methods"] == ["plain", "prompt-lookup"] and doc["reference"] == "plain"
     assert doc["baselines"] == ["plain"]  # hf was not run, so it is no baseline
     assert sorted((r["method"], r["prompt_id"], r["new_tokens"]) for r in doc["records"]) == [
-        ("plain", "1", 6), ("plain", "2", 6), ("prompt-lookup", "1", 6), ("prompt-lookup", "2", 6)]
+        ("plain", "1", 6),
+        ("plain", "2", 6),
+        ("prompt-lookup", "1", 6),
+        ("prompt-lookup", "2", 6),
+    ]
     for r in doc["records"]:
-        want = engine.generate(fake_encode({"1": "abcabcabcabc abcabc", "2": "xyz xyz xyz xyzxyz"}[r["prompt_id"]]),
-                               GenerationConfig(max_new_tokens=6), None).token_ids
+        want = engine.generate(
+            fake_encode({"1": "abcabcabcabc abcabc", "2": "xyz xyz xyz xyzxyz"}[r["prompt_id"]]),
+            GenerationConfig(max_new_tokens=6),
+            None,
+        ).token_ids
         assert r["token_ids"] == want and r["equal_to_reference"] is True
     assert doc["mismatches"] == [] and doc["config"]["max_new_tokens"] == 6 and doc["config"]["prompts"] == 2
     assert "| `prompt-lookup` |" in (out / "report.md").read_text()
@@ -357,8 +431,20 @@ def test_bench_cli_end_to_end_on_the_tiny_model(engine: TextGenerator, dataset: 
     cmd = shlex.split(doc["config"]["command"])
     assert cmd[:2] == ["treedraft", "bench"]
     b = build_parser().parse_args(cmd[1:])
-    keys = ("dataset", "methods", "max_new_tokens", "warmup", "threads", "model", "out", "temperature", "raw",
-            "suffix_store", "suffix_max_tokens", "suffix_share")
+    keys = (
+        "dataset",
+        "methods",
+        "max_new_tokens",
+        "warmup",
+        "threads",
+        "model",
+        "out",
+        "temperature",
+        "raw",
+        "suffix_store",
+        "suffix_max_tokens",
+        "suffix_share",
+    )
     assert {k: getattr(b, k) for k in keys} == {k: getattr(a, k) for k in keys}
 
 
@@ -383,17 +469,24 @@ def test_machine_info_reads_the_cpu_model_and_speed_flags() -> None:
     """Only the first CPU's lines count; flags come in SPEED_FLAGS order; 'none' / 'unknown' are told apart."""
     assert bench.machine_info(CPUINFO_X86) == {
         "cpu": "Intel(R) Xeon(R) Platinum 8480+",
-        "cpu_flags": "avx2 avx512f avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8"}
-    assert bench.machine_info("model name\t: Old CPU\nflags\t: fpu sse2 avx\n") == {"cpu": "Old CPU",
-                                                                                    "cpu_flags": "none"}
+        "cpu_flags": "avx2 avx512f avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8",
+    }
+    assert bench.machine_info("model name\t: Old CPU\nflags\t: fpu sse2 avx\n") == {
+        "cpu": "Old CPU",
+        "cpu_flags": "none",
+    }
     assert bench.machine_info("")["cpu_flags"] == "unknown" and bench.machine_info("")["cpu"]
     here = bench.machine_info()  # this machine: whatever it is, both fields are filled
     assert here["cpu"] and here["cpu_flags"]
 
 
 def test_bench_writes_to_a_fresh_cache_folder_by_default_and_records_the_machine(
-        engine: TextGenerator, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    engine: TextGenerator,
+    dataset: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """Without --out the report goes under $TREEDRAFT_CACHE/bench/<date-time> (never into the repo), a second
     run gets its own folder, the printed path is where it wrote, and the report names the CPU it ran on."""
     import shlex
@@ -407,8 +500,20 @@ def test_bench_writes_to_a_fresh_cache_folder_by_default_and_records_the_machine
     monkeypatch.setattr(registry, "resolve", lambda model: Path("/nonexistent.gguf"))
     monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
-    argv = ["bench", "--dataset", str(dataset), "--methods", "plain", "--max-new-tokens", "2", "--warmup", "0",
-            "--no-progress", "--model", "tiny"]
+    argv = [
+        "bench",
+        "--dataset",
+        str(dataset),
+        "--methods",
+        "plain",
+        "--max-new-tokens",
+        "2",
+        "--warmup",
+        "0",
+        "--no-progress",
+        "--model",
+        "tiny",
+    ]
     a = build_parser().parse_args(argv)
     assert a.out is None
     assert a.func(a) == 0 and a.func(build_parser().parse_args(argv)) == 0

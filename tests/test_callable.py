@@ -32,7 +32,7 @@ TARGET = table(0, 2.0)
 DRAFT = table(1, 2.0) * 0.5 + TARGET * 0.5  # related but different
 
 
-def bigram(tab: torch.Tensor):  # noqa: ANN201
+def bigram(tab: torch.Tensor):
     """A toy model: next-token distribution from the last token and the context length's parity."""
 
     def fn(tokens: list[int]) -> dict[int, float]:
@@ -46,12 +46,12 @@ def cfg(n: int, sampling: SamplingParams = SamplingParams()) -> GenerationConfig
     return GenerationConfig(max_new_tokens=n, sampling=sampling, ignore_eos=True)
 
 
-def direct_greedy(fn, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
+def direct_greedy(fn, prompt: list[int], n: int) -> list[int]:
     toks = list(prompt)
     for _ in range(n):
         d = fn(toks)
         toks.append(max(sorted(d), key=lambda t: d[t]))  # ties -> smallest id, like argmax
-    return toks[len(prompt):]
+    return toks[len(prompt) :]
 
 
 @pytest.mark.parametrize("mode", ["topk", "sample"])
@@ -68,7 +68,7 @@ def test_greedy_equals_plain(mode: str) -> None:
             drafter.close()
 
 
-def exact_sequences(fn, params: SamplingParams, prompt: list[int], n: int) -> dict:  # noqa: ANN001
+def exact_sequences(fn, params: SamplingParams, prompt: list[int], n: int) -> dict:
     """Plain sampling's exact sequence distribution, straight from the callable."""
     out = {}
 
@@ -87,10 +87,14 @@ def exact_sequences(fn, params: SamplingParams, prompt: list[int], n: int) -> di
     return out
 
 
-@pytest.mark.parametrize("mode, params, draft", [
-    ("sample", SamplingParams(temperature=1.0, top_k=4), table(3, 2.0)),
-    ("topk", SamplingParams(temperature=0.9, top_p=0.85), DRAFT),
-], ids=["sampled-children-topk4", "topk-children-top_p"])
+@pytest.mark.parametrize(
+    "mode, params, draft",
+    [
+        ("sample", SamplingParams(temperature=1.0, top_k=4), table(3, 2.0)),
+        ("topk", SamplingParams(temperature=0.9, top_p=0.85), DRAFT),
+    ],
+    ids=["sampled-children-topk4", "topk-children-top_p"],
+)
 def test_sampling_distribution_matches_plain(mode: str, params: SamplingParams, draft: torch.Tensor) -> None:
     prompt, n, trials = [3, 6], 3, 2000
     expected = exact_sequences(bigram(TARGET), params, prompt, n)
@@ -132,8 +136,9 @@ def test_tree_nodes_are_evaluated_concurrently_with_their_own_contexts() -> None
     seen.clear()
     tree = TokenTree.from_sequences(4, [[5, 6, 7], [5, 1], [6, 2, 3], [0], [1], [2], [3, 3]])
     t0 = time.perf_counter()
-    logits, hidden = target.forward(torch.tensor([tree.tokens]), tree_positions(tree, 3), cache, 3,
-                                    full_attention_mask(tree, 3))
+    logits, hidden = target.forward(
+        torch.tensor([tree.tokens]), tree_positions(tree, 3), cache, 3, full_attention_mask(tree, 3)
+    )
     elapsed = time.perf_counter() - t0
     n = len(tree)
     assert logits.shape == (1, n, V) and hidden is None
@@ -188,13 +193,16 @@ def test_token_cache() -> None:
     assert c.tokens == [1, 2]
 
 
-@pytest.mark.parametrize("bad, err, match", [
-    (lambda toks: {V: 1.0}, ValueError, "outside the vocabulary"),
-    (lambda toks: {0: -1.0, 1: 1.0}, ValueError, "probability"),
-    (lambda toks: {}, ValueError, "no probability mass"),
-    (lambda toks: [0.5, 0.5], TypeError, "expected a dict"),
-])
-def test_bad_target_output_is_reported(bad, err: type, match: str) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(
+    "bad, err, match",
+    [
+        (lambda toks: {V: 1.0}, ValueError, "outside the vocabulary"),
+        (lambda toks: {0: -1.0, 1: 1.0}, ValueError, "probability"),
+        (lambda toks: {}, ValueError, "no probability mass"),
+        (lambda toks: [0.5, 0.5], TypeError, "expected a dict"),
+    ],
+)
+def test_bad_target_output_is_reported(bad, err: type, match: str) -> None:
     target = CallableTarget(bad, V, name="remote-llm")
     with pytest.raises(err, match=match) as e:
         Engine(target).generate([1, 2], cfg(3), drafter=None)

@@ -10,8 +10,9 @@ import pytest
 
 
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "treedraft.cli", *args], capture_output=True, text=True,
-                          input=stdin, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "treedraft.cli", *args], capture_output=True, text=True, input=stdin, timeout=300
+    )
 
 
 def test_unknown_model_lists_names() -> None:
@@ -22,8 +23,14 @@ def test_unknown_model_lists_names() -> None:
 
 @pytest.mark.slow
 def test_generate_prints_text_and_speed() -> None:
-    r = run("generate", "What is the capital of France? Answer in one word.", "--max-new-tokens", "16",
-            "--drafter", "prompt-lookup")
+    r = run(
+        "generate",
+        "What is the capital of France? Answer in one word.",
+        "--max-new-tokens",
+        "16",
+        "--drafter",
+        "prompt-lookup",
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "tok/s" in r.stderr
@@ -39,8 +46,14 @@ def test_bad_limits_are_reported_cleanly() -> None:
 
 @pytest.mark.slow
 def test_chat_keeps_the_conversation() -> None:
-    r = run("chat", "--max-new-tokens", "24", "--drafter", "none",
-            stdin="My name is Zorblax. Remember it.\nWhat is my name?\n\n")
+    r = run(
+        "chat",
+        "--max-new-tokens",
+        "24",
+        "--drafter",
+        "none",
+        stdin="My name is Zorblax. Remember it.\nWhat is my name?\n\n",
+    )
     assert r.returncode == 0, r.stderr
     replies = r.stdout.split("> ")[1:]  # one prompt marker per turn; the input itself is not echoed
     assert len(replies) >= 2
@@ -56,8 +69,16 @@ def test_bad_suffix_max_tokens_is_reported_before_loading() -> None:
 def test_suffix_drafter_learns_across_runs_through_its_store(tmp_path: Path) -> None:
     import re
 
-    args = ("generate", "Name three primary colors.", "--max-new-tokens", "24", "--drafter", "suffix",
-            "--suffix-store", str(tmp_path / "store"))
+    args = (
+        "generate",
+        "Name three primary colors.",
+        "--max-new-tokens",
+        "24",
+        "--drafter",
+        "suffix",
+        "--suffix-store",
+        str(tmp_path / "store"),
+    )
     first, second = run(*args), run(*args)  # the second process reloads what the first one recorded
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert first.stdout == second.stdout  # drafts never change the greedy output

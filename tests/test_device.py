@@ -27,8 +27,10 @@ from treedraft.tree import TokenTree, full_attention_mask, tree_mask, tree_posit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="CUDA is not available"))]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")),
+]
 
 
 # ---- the engine builds every input on the target's device ----------------------------
@@ -36,7 +38,7 @@ class _Cache:
     def __init__(self) -> None:
         self.length = 0
 
-    def keep(self, start: int, indices) -> None:  # noqa: ANN001
+    def keep(self, start: int, indices) -> None:
         self.length = start + len(list(indices))
 
 
@@ -52,9 +54,12 @@ class MetaTarget:
     def new_cache(self, max_len: int | None = None) -> _Cache:
         return _Cache()
 
-    def forward(self, tokens, positions, cache=None, start=None, mask=None, logits_for=None):  # noqa: ANN001, ANN201
-        self.seen += [(name, t.device) for name, t in (("tokens", tokens), ("positions", positions), ("mask", mask))
-                      if t is not None]
+    def forward(self, tokens, positions, cache=None, start=None, mask=None, logits_for=None):
+        self.seen += [
+            (name, t.device)
+            for name, t in (("tokens", tokens), ("positions", positions), ("mask", mask))
+            if t is not None
+        ]
         T = tokens.shape[-1]
         rows = len(range(T)[logits_for]) if logits_for is not None else T
         logits = torch.zeros(1, rows, self.vocab_size)
@@ -69,8 +74,9 @@ class Chain:
         return TokenTree.chain(ctx.root, [1] * min(3, ctx.max_depth))
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=0)],
-                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=0)], ids=["greedy", "sampled"]
+)
 def test_engine_builds_tokens_positions_and_masks_on_the_target_device(sampling: SamplingParams) -> None:
     target = MetaTarget()
     r = Engine(target).generate([1, 2, 3], GenerationConfig(max_new_tokens=9, sampling=sampling), Chain())
@@ -126,29 +132,51 @@ def test_half_precision_model_keeps_fp32_rope(dtype: torch.dtype) -> None:
     assert (ref - low).abs().max() < 0.25
 
 
-def test_loader_in_bf16_keeps_fp32_rope(tmp_path) -> None:  # noqa: ANN001
+def test_loader_in_bf16_keeps_fp32_rope(tmp_path) -> None:
     from safetensors.torch import save_file
 
     m = tiny_llama(seed=1)
     c = m.config
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "tie_word_embeddings": False,
-        "rope_theta": c.rope_theta, "max_position_embeddings": 8192}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": c.vocab_size,
+                "hidden_size": c.hidden_size,
+                "intermediate_size": c.intermediate_size,
+                "num_hidden_layers": c.num_layers,
+                "num_attention_heads": c.num_heads,
+                "num_key_value_heads": c.num_kv_heads,
+                "tie_word_embeddings": False,
+                "rope_theta": c.rope_theta,
+                "max_position_embeddings": 8192,
+            }
+        )
+    )
     hd = c.head_dim
     qo, kvo = c.num_heads * hd, c.num_kv_heads * hd
-    sd = {"model.embed_tokens.weight": m.embed.weight, "model.norm.weight": m.norm.weight,
-          "lm_head.weight": m.lm_head.weight}
+    sd = {
+        "model.embed_tokens.weight": m.embed.weight,
+        "model.norm.weight": m.norm.weight,
+        "lm_head.weight": m.lm_head.weight,
+    }
     for i, blk in enumerate(m.layers):
         p = f"model.layers.{i}."
         q, k, v = blk.attn.wqkv.weight.split((qo, kvo, kvo))
         gate, up = blk.ffn.w13.weight.split(c.intermediate_size)
-        sd.update({p + "input_layernorm.weight": blk.attn_norm.weight, p + "post_attention_layernorm.weight":
-                   blk.ffn_norm.weight, p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
-                   p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": blk.attn.wo.weight,
-                   p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                   p + "mlp.down_proj.weight": blk.ffn.w2.weight})
+        sd.update(
+            {
+                p + "input_layernorm.weight": blk.attn_norm.weight,
+                p + "post_attention_layernorm.weight": blk.ffn_norm.weight,
+                p + "self_attn.q_proj.weight": q,
+                p + "self_attn.k_proj.weight": k,
+                p + "self_attn.v_proj.weight": v,
+                p + "self_attn.o_proj.weight": blk.attn.wo.weight,
+                p + "mlp.gate_proj.weight": gate,
+                p + "mlp.up_proj.weight": up,
+                p + "mlp.down_proj.weight": blk.ffn.w2.weight,
+            }
+        )
     save_file({k: v.detach().clone() for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
     m16 = load_hf_dir(tmp_path, torch.bfloat16)
     assert m16.embed.weight.dtype == torch.bfloat16 and m16.inv_freq.dtype == torch.float32
@@ -205,6 +233,6 @@ def test_device_smoke(device: str) -> None:
     assert m16.inv_freq.dtype == torch.float32 and m16.inv_freq.device.type == device
     assert len(Engine(m16).generate(prompt, greedy, PromptLookupDrafter()).token_ids) == 24
     # training helpers run on the model's device
-    (ans, hid), = batched_greedy(m, [prompt], 6, frozenset())
+    ((ans, hid),) = batched_greedy(m, [prompt], 6, frozenset())
     assert ans == plain[:6] and hid.device.type == device
     assert set(measure_latency(m, context=16, sizes=(1, 4), reps=1)) == {1, 4}

@@ -25,8 +25,9 @@ GREEDY = SamplingParams()
 
 
 def tiny(seed: int = 0, vocab: int = 16, max_seq_len: int = 96, scale: float = 1.0) -> torch.nn.Module:
-    return tiny_llama(seed=seed, vocab_size=vocab, hidden=32, layers=2, heads=4, kv_heads=2,
-                      max_seq_len=max_seq_len, scale=scale)
+    return tiny_llama(
+        seed=seed, vocab_size=vocab, hidden=32, layers=2, heads=4, kv_heads=2, max_seq_len=max_seq_len, scale=scale
+    )
 
 
 def cfg(n: int, sampling: SamplingParams = GREEDY, **kw) -> GenerationConfig:
@@ -43,9 +44,19 @@ class RandomTreeDrafter:
 
     name = "random-tree"
 
-    def __init__(self, vocab: int, seed: int, oracle: Sequence[int] | None = None, p_right: float = 0.6,
-                 max_children: int = 3, max_depth: int = 5, max_nodes: int = 40, p_sample: float = 0.0,
-                 q_of=None, min_children: int = 0) -> None:  # noqa: ANN001 - q_of(context) -> (V,) draft dist.
+    def __init__(
+        self,
+        vocab: int,
+        seed: int,
+        oracle: Sequence[int] | None = None,
+        p_right: float = 0.6,
+        max_children: int = 3,
+        max_depth: int = 5,
+        max_nodes: int = 40,
+        p_sample: float = 0.0,
+        q_of=None,
+        min_children: int = 0,
+    ) -> None:
         self.vocab, self.rng, self.oracle = vocab, random.Random(seed), oracle
         self.gen = torch.Generator().manual_seed(seed)
         self.p_right, self.max_children, self.max_depth, self.max_nodes = p_right, max_children, max_depth, max_nodes
@@ -56,7 +67,7 @@ class RandomTreeDrafter:
         if self.oracle is None:
             return None
         n = len(ctx.tokens)
-        if list(self.oracle[n: n + len(path)]) != path or n + len(path) >= len(self.oracle):
+        if list(self.oracle[n : n + len(path)]) != path or n + len(path) >= len(self.oracle):
             return None
         return int(self.oracle[n + len(path)])
 
@@ -113,7 +124,7 @@ class ChainDrafter:
 
     def propose(self, ctx: DraftContext) -> TokenTree:
         n = len(ctx.tokens)
-        return TokenTree.chain(ctx.root, self.oracle[n: n + min(self.depth, ctx.max_depth)])
+        return TokenTree.chain(ctx.root, self.oracle[n : n + min(self.depth, ctx.max_depth)])
 
 
 def plain(engine: Engine, prompt: list[int], config: GenerationConfig) -> list[int]:
@@ -146,7 +157,7 @@ def test_greedy_speculative_equals_plain_for_random_trees(model_seed: int) -> No
 class CacheChecker:
     """Wraps a drafter; at every step compares the engine's cache with a fresh prefill."""
 
-    def __init__(self, inner, engine: Engine) -> None:  # noqa: ANN001
+    def __init__(self, inner, engine: Engine) -> None:
         self.inner, self.engine, self.name, self.checked = inner, engine, "cache-checker", 0
 
     def propose(self, ctx: DraftContext) -> TokenTree:
@@ -173,8 +184,9 @@ def test_kv_cache_matches_plain_prefill_after_each_step(sampling: SamplingParams
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     ref = plain(engine, prompt, cfg(30))
     for seed in range(3):
-        inner = RandomTreeDrafter(16, seed=seed, oracle=prompt + ref, p_sample=0.5,
-                                  q_of=lambda c: torch.full((16,), 1 / 16))
+        inner = RandomTreeDrafter(
+            16, seed=seed, oracle=prompt + ref, p_sample=0.5, q_of=lambda c: torch.full((16,), 1 / 16)
+        )
         checker = CacheChecker(inner, engine)
         stats = GenerationStats()
         ids = [t for step in engine.decode(prompt, cfg(30, sampling), checker, stats) for t in step]
@@ -222,7 +234,7 @@ class Exact:
 class DraftFromQ(RandomTreeDrafter):
     """Random trees whose children are sampled from q_of (child_q) or are q's top tokens."""
 
-    def __init__(self, q_of, p_top: float, **kw) -> None:  # noqa: ANN001
+    def __init__(self, q_of, p_top: float, **kw) -> None:
         super().__init__(q_of=q_of, **kw)
         self.p_top = p_top
 
@@ -237,11 +249,19 @@ class DraftFromQ(RandomTreeDrafter):
 
 SEQ_CASES = {
     # random trees: sampled and deterministic children, 1-3 per node, depth <= 3
-    "mixed-top_p0.8-T0.8-4tokens": (SamplingParams(temperature=0.8, top_p=0.8), 4, 1500,
-                             dict(p_top=0.3, p_sample=0.6, max_children=3, max_depth=3)),
+    "mixed-top_p0.8-T0.8-4tokens": (
+        SamplingParams(temperature=0.8, top_p=0.8),
+        4,
+        1500,
+        dict(p_top=0.3, p_sample=0.6, max_children=3, max_depth=3),
+    ),
     # every node gets 3 children sampled (without replacement) from the draft model's q
-    "sampled3-top_k3-3tokens": (SamplingParams(temperature=1.0, top_k=3), 3, 1500,
-                                       dict(p_top=0.0, p_sample=1.0, min_children=3, max_children=3, max_depth=2)),
+    "sampled3-top_k3-3tokens": (
+        SamplingParams(temperature=1.0, top_k=3),
+        3,
+        1500,
+        dict(p_top=0.0, p_sample=1.0, min_children=3, max_children=3, max_depth=2),
+    ),
 }
 
 
@@ -286,8 +306,9 @@ def test_sequence_check_catches_the_iid_rule(monkeypatch: pytest.MonkeyPatch) ->
     import treedraft.engine as engine_mod
 
     wrong = reference_rule(update_q=False)
-    monkeypatch.setattr(engine_mod, "accept",
-                        lambda rule, tree, logits, params, gen: wrong(tree, target_probs(logits, params), gen))
+    monkeypatch.setattr(
+        engine_mod, "accept", lambda rule, tree, logits, params, gen: wrong(tree, target_probs(logits, params), gen)
+    )
     counts, expected, _, _ = sequence_counts("sampled3-top_k3-3tokens")
     assert not fits(counts, expected), goodness_of_fit(counts, expected)
 
@@ -303,7 +324,7 @@ class GreedyBigTreeDrafter:
 
     def propose(self, ctx: DraftContext) -> TokenTree:
         n = len(ctx.tokens)
-        right = self.oracle[n: n + 20]
+        right = self.oracle[n : n + 20]
         wrong = [[(t + 1 + j) % 16 for t in right] for j in range(3)]
         return TokenTree.from_sequences(ctx.root, [right] + wrong)
 
@@ -318,15 +339,18 @@ def test_tree_is_shrunk_to_the_remaining_context() -> None:
     cache = engine._cache
     orig = cache.update
 
-    def spy(layer: int, start: int, k: torch.Tensor, v: torch.Tensor):  # noqa: ANN202
+    def spy(layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
         writes.append(start + k.shape[2])
         return orig(layer, start, k, v)
 
     cache.update = spy
     for cap in (64, 3):
         stats = GenerationStats()
-        ids = [t for step in engine.decode(prompt, cfg(50, max_tree_nodes=cap), GreedyBigTreeDrafter(prompt + ref),
-                                           stats) for t in step]
+        ids = [
+            t
+            for step in engine.decode(prompt, cfg(50, max_tree_nodes=cap), GreedyBigTreeDrafter(prompt + ref), stats)
+            for t in step
+        ]
         assert ids == ref
         assert max(writes) <= 16
         assert all(s.tree_size <= cap for s in stats.steps)
@@ -342,28 +366,43 @@ def _negative_q() -> torch.Tensor:
 
 
 class BadDrafter:
-    def __init__(self, name: str, make) -> None:  # noqa: ANN001
+    def __init__(self, name: str, make) -> None:
         self.name, self.make = name, make
 
-    def propose(self, ctx: DraftContext):  # noqa: ANN201
+    def propose(self, ctx: DraftContext):
         return self.make(ctx)
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda c: TokenTree((c.root, 16), (-1, 0)), "outside the vocabulary"),
-    (lambda c: TokenTree((c.root, 3, -1), (-1, 0, 1)), "outside the vocabulary"),
-    (lambda c: [c.root, 1, 2], "expected a TokenTree"),
-    (lambda c: TokenTree(((c.root + 1) % 16, 2), (-1, 0)), "rooted at"),
-    (lambda c: TokenTree((c.root, 2, 2), (-1, 0, 0)), "malformed tree"),
-    (lambda c: TokenTree((c.root, 2), (-1, 0), {0: torch.ones(5)}), "child_q"),
-    (lambda c: TokenTree((c.root, 2), (-1, 0), {0: torch.eye(16)[3]}), "zero probability"),
-    (lambda c: TokenTree((c.root, 2), (-1, 0), {0: torch.full((16,), 2 / 16)}), "not a probability distribution"),
-    (lambda c: TokenTree((c.root, 2), (-1, 0), {0: torch.full((16,), 0.9 / 16)}), "not a probability distribution"),
-    (lambda c: TokenTree((c.root, 2), (-1, 0), {0: _negative_q()}), "not a probability distribution"),
-    (lambda c: TokenTree((c.root, 2), (-1, 0), {0: torch.full((16,), float("nan"))}), "not a probability"),
-], ids=["oov", "negative", "not-a-tree", "wrong-root", "duplicate-siblings", "bad-q-shape", "q-zero", "q-sum-2",
-        "q-sum-0.9", "q-negative", "q-nan"])
-def test_bad_drafter_output_raises_tree_error_naming_it(make, match: str) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda c: TokenTree((c.root, 16), (-1, 0)), "outside the vocabulary"),
+        (lambda c: TokenTree((c.root, 3, -1), (-1, 0, 1)), "outside the vocabulary"),
+        (lambda c: [c.root, 1, 2], "expected a TokenTree"),
+        (lambda c: TokenTree(((c.root + 1) % 16, 2), (-1, 0)), "rooted at"),
+        (lambda c: TokenTree((c.root, 2, 2), (-1, 0, 0)), "malformed tree"),
+        (lambda c: TokenTree((c.root, 2), (-1, 0), {0: torch.ones(5)}), "child_q"),
+        (lambda c: TokenTree((c.root, 2), (-1, 0), {0: torch.eye(16)[3]}), "zero probability"),
+        (lambda c: TokenTree((c.root, 2), (-1, 0), {0: torch.full((16,), 2 / 16)}), "not a probability distribution"),
+        (lambda c: TokenTree((c.root, 2), (-1, 0), {0: torch.full((16,), 0.9 / 16)}), "not a probability distribution"),
+        (lambda c: TokenTree((c.root, 2), (-1, 0), {0: _negative_q()}), "not a probability distribution"),
+        (lambda c: TokenTree((c.root, 2), (-1, 0), {0: torch.full((16,), float("nan"))}), "not a probability"),
+    ],
+    ids=[
+        "oov",
+        "negative",
+        "not-a-tree",
+        "wrong-root",
+        "duplicate-siblings",
+        "bad-q-shape",
+        "q-zero",
+        "q-sum-2",
+        "q-sum-0.9",
+        "q-negative",
+        "q-nan",
+    ],
+)
+def test_bad_drafter_output_raises_tree_error_naming_it(make, match: str) -> None:
     engine = Engine(tiny(0))
     with pytest.raises(TreeError, match=match) as e:
         engine.generate([1, 2, 3], cfg(5, SamplingParams(temperature=1.0, seed=0)), BadDrafter("my-drafter", make))
@@ -414,7 +453,7 @@ def test_interleaved_streams_on_one_engine_raise_instead_of_corrupting() -> None
 
 # ---- the real bundled model -------------------------------------------------------
 @pytest.fixture(scope="module")
-def llm():  # noqa: ANN201
+def llm():
     """The bundled model; skipped only when its weight package is not installed, any load error fails."""
     from importlib.util import find_spec
 
@@ -434,7 +473,7 @@ PROMPTS = [
 
 
 @pytest.mark.slow
-def test_real_model_greedy_and_streaming(llm) -> None:  # noqa: ANN001
+def test_real_model_greedy_and_streaming(llm) -> None:
     tok = llm.tokenizer
     non_ascii = False
     accepted = {}

@@ -24,20 +24,38 @@ ATOL = 2e-4
 
 
 def _tiny_llama() -> transformers.LlamaForCausalLM:
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-                                   initializer_range=0.25)  # peaky logits: no near-ties for greedy
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        initializer_range=0.25,
+    )  # peaky logits: no near-ties for greedy
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
 def _tiny_gemma3(window: int, attn: str = "sdpa") -> transformers.Gemma3ForCausalLM:
-    cfg = transformers.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                        query_pre_attn_scalar=16, sliding_window=window,
-                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                                        max_position_embeddings=256, initializer_range=0.25)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=256,
+        initializer_range=0.25,
+    )
     torch.manual_seed(1)
     model = transformers.Gemma3ForCausalLM(cfg).eval()
     model.set_attn_implementation(attn)
@@ -45,7 +63,7 @@ def _tiny_gemma3(window: int, attn: str = "sdpa") -> transformers.Gemma3ForCausa
 
 
 @pytest.fixture(scope="module")
-def llama_pair(tmp_path_factory):  # noqa: ANN001, ANN201
+def llama_pair(tmp_path_factory):
     """The same tiny random Llama as an HFTarget and as the own Transformer (via save_pretrained)."""
     hf = _tiny_llama()
     d = tmp_path_factory.mktemp("tiny_llama")
@@ -54,7 +72,7 @@ def llama_pair(tmp_path_factory):  # noqa: ANN001, ANN201
     return HFTarget.from_model(hf), own
 
 
-def _reference(hf, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
+def _reference(hf, ids: list[int]) -> torch.Tensor:
     """transformers' own no-cache forward (its own causal / sliding masks): logits (T, V)."""
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float()
@@ -65,7 +83,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert err < ATOL, f"{what}: max abs diff {err:.2e}"
 
 
-def test_attributes(llama_pair) -> None:  # noqa: ANN001
+def test_attributes(llama_pair) -> None:
     target, own = llama_pair
     assert (target.vocab_size, target.hidden_size, target.max_seq_len) == (VOCAB, 32, 256)
     cache = target.new_cache(64)
@@ -76,7 +94,7 @@ def test_attributes(llama_pair) -> None:  # noqa: ANN001
 
 
 @torch.inference_mode()
-def test_logits_match_own_runtime_through_tree_and_compaction(llama_pair) -> None:  # noqa: ANN001
+def test_logits_match_own_runtime_through_tree_and_compaction(llama_pair) -> None:
     target, own = llama_pair
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, VOCAB, (20,), generator=g).tolist()
@@ -151,8 +169,9 @@ def test_sliding_window_layers_follow_positions(attn: str) -> None:
         decoy = [(t + 1) % VOCAB for t in true[1:]]
         tree = TokenTree.from_sequences(true[0], [decoy, true[1:]])
         start = cache.length
-        lt, _ = target.forward(torch.tensor([tree.tokens]), tree_positions(tree, start), cache, start,
-                               full_attention_mask(tree, start))
+        lt, _ = target.forward(
+            torch.tensor([tree.tokens]), tree_positions(tree, start), cache, start, full_attention_mask(tree, start)
+        )
         path = tree.path_to(len(tree) - 1)
         _close(lt[0, path], ref[n : n + len(path)], f"tree at {n} vs transformers")
         cache.keep(start, path)
@@ -160,7 +179,7 @@ def test_sliding_window_layers_follow_positions(attn: str) -> None:
     assert cache.length == len(seq)
 
 
-def test_greedy_speculative_equals_plain_greedy(llama_pair) -> None:  # noqa: ANN001
+def test_greedy_speculative_equals_plain_greedy(llama_pair) -> None:
     target, own = llama_pair
     g = torch.Generator().manual_seed(5)
     base = torch.randint(0, VOCAB, (10,), generator=g).tolist()
@@ -176,7 +195,7 @@ def test_greedy_speculative_equals_plain_greedy(llama_pair) -> None:  # noqa: AN
     assert Engine(own).generate(prompt, cfg, drafter=None).token_ids == plain.token_ids
 
 
-def test_bad_input_gives_clear_errors(llama_pair, tmp_path) -> None:  # noqa: ANN001
+def test_bad_input_gives_clear_errors(llama_pair, tmp_path) -> None:
     target, _ = llama_pair
     cache = target.new_cache(16)
     with pytest.raises(ValueError, match="mask has shape"):
@@ -203,16 +222,22 @@ def test_gemma3_speculative_equals_plain_and_transformers_generate() -> None:
 
     llm = treedraft.load("gemma-3-270m", drafter="prompt-lookup", device="cpu", dtype="fp32")
     assert isinstance(llm.model, HFTarget)
-    prompt = ("Roses are red, violets are blue. Roses are red, violets are blue. "
-              "One, two, three, four, five. One, two, three,")
+    prompt = (
+        "Roses are red, violets are blue. Roses are red, violets are blue. "
+        "One, two, three, four, five. One, two, three,"
+    )
     ids = llm.encode_prompt(prompt, raw=True)
     assert ids[0] == llm.tokenizer.hf.bos_token_id == 2  # Gemma wants <bos> in front of raw text
     spec = llm.generate(prompt, raw=True, max_new_tokens=32)
     plain = llm.generate(prompt, raw=True, drafter=None, max_new_tokens=32)
     with torch.inference_mode():
-        ref = llm.model.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                    do_sample=False, max_new_tokens=32)
-    ref_ids = ref[0, len(ids):].tolist()
+        ref = llm.model.hf.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=32,
+        )
+    ref_ids = ref[0, len(ids) :].tolist()
     assert plain.token_ids == ref_ids, (plain.text, llm.tokenizer.decode(ref_ids))
     assert spec.token_ids == plain.token_ids
     assert spec.stats.accepted_tokens > 0

@@ -50,9 +50,9 @@ def quantize_act(x: torch.Tensor):
     """The kernel's activation quantization, replayed in float32 torch ops (IEEE, ties to even)."""
     M, K = x.shape
     xb = x.view(M, K // 32, 32)
-    d = xb.abs().amax(-1) / 127.0                                   # (M, B) float32
+    d = xb.abs().amax(-1) / 127.0  # (M, B) float32
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(xb * inv[..., None]).clamp(-127, 127)           # (M, B, 32)
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127)  # (M, B, 32)
     return q, d
 
 
@@ -93,16 +93,16 @@ def test_matches_reference_within_derived_bounds(kind: str, N: int, K: int) -> N
     pw, w, parts = packed(kind, N, K, seed=N + K)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(9, K, generator=g) * torch.linspace(0.1, 3, K)  # uneven magnitudes per block
-    x[3, :32] = 0.0                                                    # an all-zero block
+    x[3, :32] = 0.0  # an all-zero block
     B = K // 32
-    q, dx = quantize_act(x)                                            # (M, B, 32), (M, B)
+    q, dx = quantize_act(x)  # (M, B, 32), (M, B)
     d = parts[0].double()
     qw = (parts[2] if kind == "q4_1" else parts[1]).double().view(N, B, 32)
-    isum = torch.einsum("mbk,nbk->mnb", q.double(), qw)                # exact integers
-    terms = d[None] * dx.double()[:, None] * isum                       # (M, N, B)
+    isum = torch.einsum("mbk,nbk->mnb", q.double(), qw)  # exact integers
+    terms = d[None] * dx.double()[:, None] * isum  # (M, N, B)
     mag = terms.abs()
     if kind == "q4_1":
-        s = (dx * q.sum(-1)).double()                                  # d * sum(q) per block
+        s = (dx * q.sum(-1)).double()  # d * sum(q) per block
         mt = parts[1].double()[None] * s[:, None]
         terms, mag = terms + mt, mag + mt.abs()
     y64 = terms.sum(-1)
@@ -111,8 +111,7 @@ def test_matches_reference_within_derived_bounds(kind: str, N: int, K: int) -> N
         y = tk.mm(x, pw, path=path)
         assert y.shape == (9, N) and y.dtype == torch.float32
         assert ((y.double() - y64).abs() <= fp_bound).all(), path
-        act_bound = torch.einsum("mb,nb->mn", dx.double() / 2 * (1 + 1e-5),
-                                 w.double().abs().view(N, B, 32).sum(-1))
+        act_bound = torch.einsum("mb,nb->mn", dx.double() / 2 * (1 + 1e-5), w.double().abs().view(N, B, 32).sum(-1))
         err = (y.double() - x.double() @ w.double().T).abs()
         assert (err <= act_bound + fp_bound).all(), path
 
@@ -143,7 +142,7 @@ def test_rows_bitwise_invariant(kind: str, threads: int) -> None:
         for M in range(1, 21):
             for path in tk.paths()[:2]:
                 assert torch.equal(tk.mm(X[:M].contiguous(), pw, path=path), full[:M]), (M, path)
-            assert torch.equal(tk.mm(X[20 - M:].contiguous(), pw), full[20 - M:]), M
+            assert torch.equal(tk.mm(X[20 - M :].contiguous(), pw), full[20 - M :]), M
         perm = torch.randperm(20, generator=torch.Generator().manual_seed(6))
         assert torch.equal(tk.mm(X[perm].contiguous(), pw), full[perm])
     finally:
@@ -171,8 +170,12 @@ def test_build_cache_reused() -> None:
     assert mod is not None and info["built"] is False and info["available"]
     assert so.stat().st_mtime_ns == mtime
     # a fresh process also loads it without building (and prints no build line)
-    r = subprocess.run([sys.executable, "-c", "import treedraft.kernels as k; i = k.build_info(); "
-                        "print(i['built'], i['available'])"], capture_output=True, text=True, env=os.environ)
+    r = subprocess.run(
+        [sys.executable, "-c", "import treedraft.kernels as k; i = k.build_info(); print(i['built'], i['available'])"],
+        capture_output=True,
+        text=True,
+        env=os.environ,
+    )
     assert r.stdout.split() == ["False", "True"], r.stderr
     assert "building" not in r.stderr
 
@@ -215,8 +218,11 @@ def test_real_gguf_tensor_exact() -> None:
     import numpy as np
 
     reader = gguf.GGUFReader(str(GGUF))
-    t = next(t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_1
-             and t.name.endswith("attn_k.weight"))
+    t = next(
+        t
+        for t in reader.tensors
+        if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 and t.name.endswith("attn_k.weight")
+    )
     K, N = (int(v) for v in t.shape)
     ref = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)).view(N, K)
     pw = tk.pack_q4_1(*gguf_q4_1_parts(torch.from_numpy(np.ascontiguousarray(t.data)), N, K))

@@ -6,19 +6,18 @@ import json
 
 import pytest
 
-from treedraft.drafters.registry import DrafterOptions, build
 from treedraft.drafters.medusa import DEFAULT_CHOICES, HEADS_DIR, MedusaConfig, MedusaDrafter, MedusaHeads
+from treedraft.drafters.registry import DrafterOptions, build
 from treedraft.models.tiny import tiny_llama
 from treedraft.training import calibrate
 
 ACC = [[0.7, 0.2, 0.05], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
 # flat up to 8 tokens, then steep: the best tree fills 7 draft nodes, not the whole budget
-LATENCY = {1: 0.010, 2: 0.010, 4: 0.010, 8: 0.010, 12: 0.030, 16: 0.040, 24: 0.060, 32: 0.080, 48: 0.120,
-           64: 0.160}
+LATENCY = {1: 0.010, 2: 0.010, 4: 0.010, 8: 0.010, 12: 0.030, 16: 0.040, 24: 0.060, 32: 0.080, 48: 0.120, 64: 0.160}
 
 
 @pytest.fixture()
-def setup(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
+def setup(tmp_path, monkeypatch):
     """Tiny target, heads with accuracies and no tree, a private cache, counted latency measurements."""
     monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("TREEDRAFT_RETUNE", raising=False)
@@ -28,7 +27,7 @@ def setup(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
     MedusaHeads(cfg, m.lm_head.weight).save(heads_dir)
     calls = []
 
-    def fake_latency(model, context, sizes, reps=5):  # noqa: ANN001, ANN202
+    def fake_latency(model, context, sizes, reps=5):
         calls.append((context, tuple(sizes)))
         return {n: LATENCY[n] for n in sizes}
 
@@ -37,11 +36,11 @@ def setup(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
     return m, heads_dir, calls
 
 
-def _build(m, heads_dir) -> MedusaDrafter:  # noqa: ANN001
+def _build(m, heads_dir) -> MedusaDrafter:
     return build("medusa", m, None, DrafterOptions("tiny", str(heads_dir)))  # a fresh drafter each time
 
 
-def test_tree_is_measured_once_per_machine_and_then_read_from_the_cache(setup, capsys, tmp_path) -> None:  # noqa: ANN001
+def test_tree_is_measured_once_per_machine_and_then_read_from_the_cache(setup, capsys, tmp_path) -> None:
     m, heads_dir, calls = setup
     d = _build(m, heads_dir)
     assert len(calls) == 1 and calls[0][1][-1] == calibrate.TREE_MAX_NODES
@@ -58,7 +57,7 @@ def test_tree_is_measured_once_per_machine_and_then_read_from_the_cache(setup, c
     assert not (heads_dir / "medusa.json").read_text().count("choices")  # nothing written next to the heads
 
 
-def test_retune_corrupt_cache_and_other_heads_measure_again(setup, monkeypatch, tmp_path) -> None:  # noqa: ANN001
+def test_retune_corrupt_cache_and_other_heads_measure_again(setup, monkeypatch, tmp_path) -> None:
     m, heads_dir, calls = setup
     _build(m, heads_dir)
     (f,) = (tmp_path / "cache" / "tune").glob("medusa-tree-*.json")
@@ -76,13 +75,14 @@ def test_retune_corrupt_cache_and_other_heads_measure_again(setup, monkeypatch, 
     monkeypatch.delenv("TREEDRAFT_RETUNE")
     (heads_dir / "medusa.json").touch()  # other heads file (new mtime): another cache entry
     import os
+
     st = (heads_dir / "medusa.json").stat()
     os.utime(heads_dir / "medusa.json", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     _build(m, heads_dir)
     assert len(calls) == 5
 
 
-def test_stored_tree_is_used_without_measuring(setup) -> None:  # noqa: ANN001
+def test_stored_tree_is_used_without_measuring(setup) -> None:
     """What `treedraft calibrate --write` stores is what the next drafter uses."""
     m, heads_dir, calls = setup
     res = calibrate.choose_tree(ACC, {1: 0.01, 64: 0.01}, 0.0, 5)
@@ -91,11 +91,15 @@ def test_stored_tree_is_used_without_measuring(setup) -> None:  # noqa: ANN001
     assert calls == [] and d.choices == tuple(tuple(c) for c in res["choices"]) and len(d.choices) == 4
 
 
-def test_heads_with_a_fixed_tree_or_without_accuracies_measure_nothing(setup, tmp_path) -> None:  # noqa: ANN001
+def test_heads_with_a_fixed_tree_or_without_accuracies_measure_nothing(setup, tmp_path) -> None:
     m, _, calls = setup
     fixed = tmp_path / "fixed"
-    MedusaHeads(MedusaConfig("tiny", m.hidden_size, m.vocab_size, num_heads=3, choices=((0,), (0, 0)),
-                             extra={"rank_accuracy": ACC}), m.lm_head.weight).save(fixed)
+    MedusaHeads(
+        MedusaConfig(
+            "tiny", m.hidden_size, m.vocab_size, num_heads=3, choices=((0,), (0, 0)), extra={"rank_accuracy": ACC}
+        ),
+        m.lm_head.weight,
+    ).save(fixed)
     assert _build(m, fixed).choices == ((0,), (0, 0))
     bare = tmp_path / "bare"
     MedusaHeads(MedusaConfig("tiny", m.hidden_size, m.vocab_size), m.lm_head.weight).save(bare)
@@ -104,11 +108,13 @@ def test_heads_with_a_fixed_tree_or_without_accuracies_measure_nothing(setup, tm
     assert calls == []
 
 
-def test_bad_accuracies_are_refused_with_a_clear_error(setup, tmp_path) -> None:  # noqa: ANN001
+def test_bad_accuracies_are_refused_with_a_clear_error(setup, tmp_path) -> None:
     m, _, _ = setup
     bad = tmp_path / "bad"
-    MedusaHeads(MedusaConfig("tiny", m.hidden_size, m.vocab_size, num_heads=3, extra={"rank_accuracy": ACC[:2]}),
-                m.lm_head.weight).save(bad)
+    MedusaHeads(
+        MedusaConfig("tiny", m.hidden_size, m.vocab_size, num_heads=3, extra={"rank_accuracy": ACC[:2]}),
+        m.lm_head.weight,
+    ).save(bad)
     with pytest.raises(ValueError, match="rank_accuracy must be 3 lists"):
         _build(m, bad)
 
@@ -124,7 +130,7 @@ def test_shipped_heads_carry_accuracies_not_a_tree() -> None:
     assert [row[0] for row in acc] == pytest.approx(raw["extra"]["training"]["mt_bench"]["top1"])
 
 
-def test_tree_cache_is_keyed_by_the_linear_kernels(setup) -> None:  # noqa: ANN001
+def test_tree_cache_is_keyed_by_the_linear_kernels(setup) -> None:
     """A model whose linears were swapped (int4/int8/native kernels) has another latency curve: another tree."""
     import torch
 

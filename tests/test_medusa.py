@@ -82,8 +82,9 @@ def test_draft_logits_are_the_first_heads_and_bf16_only_rounds() -> None:
     torch.manual_seed(0)
     m = tiny_llama(seed=2)
     vm = torch.randperm(m.vocab_size)
-    heads = MedusaHeads(_cfg(m, num_heads=3, draft_vocab=40, root_conditioned=True), m.lm_head.weight, vm,
-                        m.embed.weight)
+    heads = MedusaHeads(
+        _cfg(m, num_heads=3, draft_vocab=40, root_conditioned=True), m.lm_head.weight, vm, m.embed.weight
+    )
     with torch.no_grad():
         for p in heads.parameters():
             p.normal_(0, 0.3)
@@ -194,7 +195,7 @@ def test_medusa_heads_predicting_the_future_are_accepted_depth_by_depth() -> Non
     class Recorder:
         name = "medusa"
 
-        def propose(self, ctx: DraftContext):  # noqa: ANN202
+        def propose(self, ctx: DraftContext):
             trees.append(drafter.propose(ctx))
             return trees[-1]
 
@@ -209,14 +210,14 @@ def test_medusa_heads_predicting_the_future_are_accepted_depth_by_depth() -> Non
                 assert tree.tokens[node] in logits[d - 1].topk(drafter.topk[d - 1]).indices.tolist()
 
 
-def test_medusa_load_refuses_unknown_keys_and_misshaped_tensors(tmp_path) -> None:  # noqa: ANN001
+def test_medusa_load_refuses_unknown_keys_and_misshaped_tensors(tmp_path) -> None:
     import json
 
     m = tiny_llama()
     MedusaHeads(_cfg(m, num_heads=2), m.lm_head.weight).save(tmp_path)
     meta = json.loads((tmp_path / "medusa.json").read_text())
 
-    def load_with(**changes) -> MedusaHeads:  # noqa: ANN003
+    def load_with(**changes) -> MedusaHeads:
         d = {k: v for k, v in {**meta, **changes}.items() if v is not None}
         (tmp_path / "medusa.json").write_text(json.dumps(d))
         return MedusaHeads.load(tmp_path, m.lm_head.weight)
@@ -262,8 +263,9 @@ def test_hybrid_refuses_sampled_trees() -> None:
     with pytest.raises(TreeError, match="sampled"):
         merge_trees([TokenTree.chain(9, [1]), sampled], 10)
     m = tiny_llama()
-    drafter = CallableDrafter(lambda prefix: {t: 1.0 for t in range(8)}, m.vocab_size, mode="sample", seed=0,
-                              name="my-sampler")
+    drafter = CallableDrafter(
+        lambda prefix: {t: 1.0 for t in range(8)}, m.vocab_size, mode="sample", seed=0, name="my-sampler"
+    )
     hybrid = HybridDrafter([PromptLookupDrafter(), drafter])
     cfg = GenerationConfig(max_new_tokens=8, sampling=SamplingParams(temperature=1.0, seed=0))
     with pytest.raises(TreeError, match="'my-sampler' sampled"):
@@ -302,14 +304,22 @@ def test_training_learns_the_base_models_continuations(tmp_path) -> None:
         toks.append(torch.tensor(ans))
         hids.append(hid.half())
         seqs.append(torch.full((len(ans),), i))
-    save_file({"tokens": torch.cat(toks).int(), "hidden": torch.cat(hids), "seq": torch.cat(seqs).int()},
-              str(tmp_path / "shard_00000.safetensors"))
+    save_file(
+        {"tokens": torch.cat(toks).int(), "hidden": torch.cat(hids), "seq": torch.cat(seqs).int()},
+        str(tmp_path / "shard_00000.safetensors"),
+    )
     mcfg = _cfg(m, num_heads=2)
-    before = evaluate(MedusaHeads(mcfg, m.lm_head.weight), torch.cat(hids).float(),
-                      head_targets(torch.cat(toks), torch.cat(seqs), 2))
-    heads, report = train_heads(tmp_path, m.lm_head.weight, mcfg,
-                                TrainConfig(epochs=30, lr=3e-3, batch_size=64, heldout_frac=0.0), tmp_path / "o",
-                                progress=False)
+    before = evaluate(
+        MedusaHeads(mcfg, m.lm_head.weight), torch.cat(hids).float(), head_targets(torch.cat(toks), torch.cat(seqs), 2)
+    )
+    heads, report = train_heads(
+        tmp_path,
+        m.lm_head.weight,
+        mcfg,
+        TrainConfig(epochs=30, lr=3e-3, batch_size=64, heldout_frac=0.0),
+        tmp_path / "o",
+        progress=False,
+    )
     after = evaluate(heads, torch.cat(hids).float(), head_targets(torch.cat(toks), torch.cat(seqs), 2))
     assert after["top1"][0] > before["top1"][0] + 0.2
     assert (tmp_path / "o" / "checkpoint.pt").is_file()

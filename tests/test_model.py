@@ -19,8 +19,10 @@ from treedraft.models.tiny import tiny_llama
 def test_parity_with_transformers_prefill_and_incremental(smollm, hf_smollm) -> None:
     """Logits of the own module equal LlamaForCausalLM's: a 60-token prompt, then 5 cached steps."""
     model: Transformer = smollm.model
-    ids = smollm.encode_prompt("Explain, in detail, how a hash map handles collisions and resizing. "
-                               "Give an example in Python and discuss the complexity of each operation.")
+    ids = smollm.encode_prompt(
+        "Explain, in detail, how a hash map handles collisions and resizing. "
+        "Give an example in Python and discuss the complexity of each operation."
+    )
     assert len(ids) >= 50
     g = torch.Generator().manual_seed(0)
     steps = torch.randint(0, model.vocab_size, (5,), generator=g).tolist()
@@ -70,6 +72,7 @@ def test_packed_model_follows_its_plan_and_gives_the_same_logits() -> None:
             torch.testing.assert_close(one[0, 0], ref[0, 6], atol=1e-4, rtol=1e-4)
         # "@p" really pads: the kernel sees p rows, the caller gets its own
         import treedraft.models.llama as llama
+
         seen = []
         real = llama.matmul
         m.pack({b: "wxt@16" for b in MATMUL_BUCKETS})
@@ -106,19 +109,33 @@ def test_cache_keep_compacts_chosen_slots() -> None:
 def test_hf_dir_loader_refuses_unknown_and_misshaped_tensors(tmp_path) -> None:
     from safetensors.torch import save_file
 
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 16, "hidden_size": 8, "intermediate_size": 16,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "tie_word_embeddings": True}))
-    good = {"model.embed_tokens.weight": torch.zeros(16, 8), "model.norm.weight": torch.ones(8),
-            "model.layers.0.input_layernorm.weight": torch.ones(8),
-            "model.layers.0.post_attention_layernorm.weight": torch.ones(8),
-            "model.layers.0.self_attn.q_proj.weight": torch.zeros(8, 8),
-            "model.layers.0.self_attn.k_proj.weight": torch.zeros(4, 8),
-            "model.layers.0.self_attn.v_proj.weight": torch.zeros(4, 8),
-            "model.layers.0.self_attn.o_proj.weight": torch.zeros(8, 8),
-            "model.layers.0.mlp.gate_proj.weight": torch.zeros(16, 8),
-            "model.layers.0.mlp.up_proj.weight": torch.zeros(16, 8),
-            "model.layers.0.mlp.down_proj.weight": torch.zeros(8, 16)}
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 16,
+                "hidden_size": 8,
+                "intermediate_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
+    good = {
+        "model.embed_tokens.weight": torch.zeros(16, 8),
+        "model.norm.weight": torch.ones(8),
+        "model.layers.0.input_layernorm.weight": torch.ones(8),
+        "model.layers.0.post_attention_layernorm.weight": torch.ones(8),
+        "model.layers.0.self_attn.q_proj.weight": torch.zeros(8, 8),
+        "model.layers.0.self_attn.k_proj.weight": torch.zeros(4, 8),
+        "model.layers.0.self_attn.v_proj.weight": torch.zeros(4, 8),
+        "model.layers.0.self_attn.o_proj.weight": torch.zeros(8, 8),
+        "model.layers.0.mlp.gate_proj.weight": torch.zeros(16, 8),
+        "model.layers.0.mlp.up_proj.weight": torch.zeros(16, 8),
+        "model.layers.0.mlp.down_proj.weight": torch.zeros(8, 16),
+    }
     save_file(good, str(tmp_path / "model.safetensors"))
     assert load_hf_dir(tmp_path).config.num_layers == 1
     bad = dict(good, **{"model.layers.0.self_attn.k_proj.weight": torch.zeros(8, 8)})

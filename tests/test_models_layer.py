@@ -17,7 +17,7 @@ from treedraft.models.tiny import tiny_llama
 
 
 @pytest.fixture(autouse=True)
-def _own_cache(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def _own_cache(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("TREEDRAFT_RETUNE", raising=False)
     gguf_meta._read_cached.cache_clear()  # the in-process memo would hide the disk cache
@@ -26,7 +26,7 @@ def _own_cache(tmp_path, monkeypatch) -> None:  # noqa: ANN001
 # ---- GGUF metadata ------------------------------------------------------------------------------------
 
 
-def _write_gguf(path, arch: str = "qwen2", seed: int = 0, alignment: int | None = None) -> dict[str, np.ndarray]:  # noqa: ANN001
+def _write_gguf(path, arch: str = "qwen2", seed: int = 0, alignment: int | None = None) -> dict[str, np.ndarray]:
     """A tiny Llama-family GGUF (F32, F16 and Q8_0 tensors); returns the float32 tensors written."""
     import gguf
 
@@ -35,8 +35,14 @@ def _write_gguf(path, arch: str = "qwen2", seed: int = 0, alignment: int | None 
     w = gguf.GGUFWriter(str(path), arch)
     if alignment is not None:  # a non-default general.alignment moves every tensor offset
         w.add_custom_alignment(alignment)
-    for k, v in {"context_length": 128, "embedding_length": H, "feed_forward_length": F, "block_count": 1,
-                 "attention.head_count": nh, "attention.head_count_kv": nkv}.items():
+    for k, v in {
+        "context_length": 128,
+        "embedding_length": H,
+        "feed_forward_length": F,
+        "block_count": 1,
+        "attention.head_count": nh,
+        "attention.head_count_kv": nkv,
+    }.items():
         w.add_uint32(f"{arch}.{k}", v)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
@@ -47,12 +53,23 @@ def _write_gguf(path, arch: str = "qwen2", seed: int = 0, alignment: int | None 
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template("{{ messages }}")
-    shapes = {"token_embd.weight": (V, H), "output_norm.weight": (H,), "output.weight": (V, H),
-              "blk.0.attn_norm.weight": (H,), "blk.0.ffn_norm.weight": (H,), "blk.0.attn_q.weight": (nh * hd, H),
-              "blk.0.attn_k.weight": (nkv * hd, H), "blk.0.attn_v.weight": (nkv * hd, H),
-              "blk.0.attn_q.bias": (nh * hd,), "blk.0.attn_k.bias": (nkv * hd,), "blk.0.attn_v.bias": (nkv * hd,),
-              "blk.0.attn_output.weight": (H, nh * hd), "blk.0.ffn_gate.weight": (F, H),
-              "blk.0.ffn_up.weight": (F, H), "blk.0.ffn_down.weight": (H, F)}
+    shapes = {
+        "token_embd.weight": (V, H),
+        "output_norm.weight": (H,),
+        "output.weight": (V, H),
+        "blk.0.attn_norm.weight": (H,),
+        "blk.0.ffn_norm.weight": (H,),
+        "blk.0.attn_q.weight": (nh * hd, H),
+        "blk.0.attn_k.weight": (nkv * hd, H),
+        "blk.0.attn_v.weight": (nkv * hd, H),
+        "blk.0.attn_q.bias": (nh * hd,),
+        "blk.0.attn_k.bias": (nkv * hd,),
+        "blk.0.attn_v.bias": (nkv * hd,),
+        "blk.0.attn_output.weight": (H, nh * hd),
+        "blk.0.ffn_gate.weight": (F, H),
+        "blk.0.ffn_up.weight": (F, H),
+        "blk.0.ffn_down.weight": (H, F),
+    }
     out = {}
     for i, (name, shape) in enumerate(shapes.items()):
         a = g.standard_normal(shape).astype(np.float32) * 0.1
@@ -73,7 +90,7 @@ def _write_gguf(path, arch: str = "qwen2", seed: int = 0, alignment: int | None 
     return out
 
 
-def test_gguf_header_is_parsed_once_and_cached_on_disk(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_gguf_header_is_parsed_once_and_cached_on_disk(tmp_path, monkeypatch) -> None:
     p = tmp_path / "m.gguf"
     _write_gguf(p)
     parses = []
@@ -102,7 +119,7 @@ def test_gguf_header_is_parsed_once_and_cached_on_disk(tmp_path, monkeypatch) ->
     assert json.loads(f.read_text())["version"] == gguf_meta.CACHE_VERSION
 
 
-def test_gguf_tensors_come_through_the_cached_table(tmp_path) -> None:  # noqa: ANN001
+def test_gguf_tensors_come_through_the_cached_table(tmp_path) -> None:
     """Tensor data read by offset from the cached table equals what was written (F32, F16, Q8_0)."""
     p = tmp_path / "m.gguf"
     written = _write_gguf(p)
@@ -116,7 +133,7 @@ def test_gguf_tensors_come_through_the_cached_table(tmp_path) -> None:  # noqa: 
     assert torch.equal(model.layers[0].attn.wqkv.bias[:32], torch.from_numpy(written["blk.0.attn_q.bias"]))
 
 
-def _reader_header(path) -> tuple[dict, dict, list]:  # noqa: ANN001
+def _reader_header(path) -> tuple[dict, dict, list]:
     """The header as ``gguf.GGUFReader`` (the reference implementation, slow on real vocabularies) sees it."""
     import gguf
 
@@ -131,13 +148,21 @@ def _reader_header(path) -> tuple[dict, dict, list]:  # noqa: ANN001
                 fields[key] = f.contents()
         else:
             fields[key] = f.contents()
-    tensors = [(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())), int(t.data_offset),
-                int(t.n_bytes)) for t in r.tensors]
+    tensors = [
+        (
+            t.name,
+            t.tensor_type.name,
+            tuple(int(d) for d in reversed(t.shape.tolist())),
+            int(t.data_offset),
+            int(t.n_bytes),
+        )
+        for t in r.tensors
+    ]
     return fields, lengths, tensors
 
 
 @pytest.mark.parametrize("alignment", [None, 64])
-def test_header_parse_equals_gguf_reader(tmp_path, alignment: int | None) -> None:  # noqa: ANN001
+def test_header_parse_equals_gguf_reader(tmp_path, alignment: int | None) -> None:
     """Fields, array lengths and the tensor table (offsets included) match gguf.GGUFReader's."""
     p = tmp_path / "m.gguf"
     _write_gguf(p, alignment=alignment)
@@ -148,7 +173,7 @@ def test_header_parse_equals_gguf_reader(tmp_path, alignment: int | None) -> Non
     assert m.get("general.alignment") == alignment
 
 
-def test_corrupt_gguf_header_raises_model_load_error(tmp_path) -> None:  # noqa: ANN001
+def test_corrupt_gguf_header_raises_model_load_error(tmp_path) -> None:
     """A wrong magic, or a string length pointing past the end, is reported with the file and the fix."""
     p = tmp_path / "m.gguf"
     _write_gguf(p)
@@ -165,7 +190,7 @@ def test_corrupt_gguf_header_raises_model_load_error(tmp_path) -> None:  # noqa:
 
 
 @pytest.mark.parametrize("cut", [0.5, 0.99])
-def test_truncated_gguf_raises_model_load_error_naming_the_file(tmp_path, cut: float) -> None:  # noqa: ANN001
+def test_truncated_gguf_raises_model_load_error_naming_the_file(tmp_path, cut: float) -> None:
     p = tmp_path / "whole.gguf"
     _write_gguf(p)
     data = p.read_bytes()
@@ -179,7 +204,7 @@ def test_truncated_gguf_raises_model_load_error_naming_the_file(tmp_path, cut: f
 # ---- per-machine measurements ----------------------------------------------------------------------
 
 
-def test_machine_key_names_cpu_isa_torch_and_threads(monkeypatch) -> None:  # noqa: ANN001
+def test_machine_key_names_cpu_isa_torch_and_threads(monkeypatch) -> None:
     k = plan.machine_key()
     assert k["cpu"] and k["torch"] == torch.__version__ and k["threads"] == torch.get_num_threads()
     assert isinstance(k["isa"], list) and set(k["isa"]) <= plan._ISA
@@ -188,7 +213,7 @@ def test_machine_key_names_cpu_isa_torch_and_threads(monkeypatch) -> None:  # no
     assert plan.measurement_path("x", {})[0] != plan.measurement_path("x", {"a": 1})[0]
 
 
-def test_cached_measurement_measures_once_and_again_when_corrupt_or_retune(monkeypatch) -> None:  # noqa: ANN001
+def test_cached_measurement_measures_once_and_again_when_corrupt_or_retune(monkeypatch) -> None:
     calls = []
 
     def measure() -> dict:
@@ -214,7 +239,7 @@ def test_cached_measurement_measures_once_and_again_when_corrupt_or_retune(monke
     assert plan.cached_measurement("k", {"m": 1}, measure, load) == 5  # an unusable value is measured again
 
 
-def test_pack_tuned_caches_the_kernel_plan(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_pack_tuned_caches_the_kernel_plan(tmp_path, monkeypatch) -> None:
     tunes = []
     real = llama.tune_matmul_plan
     monkeypatch.setattr(llama, "tune_matmul_plan", lambda lin, *a: tunes.append(1) or real(lin, reps=1))
@@ -249,10 +274,24 @@ def test_llama3_rope_scaling_matches_the_reference_formula() -> None:
     ``apply_scaling``; Dubey et al. 2024): wavelengths shorter than old/high keep their frequency,
     longer than old/low are divided by ``factor``, and in between the frequency is interpolated
     linearly in ``old / wavelength`` between the two."""
-    rs = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}
-    cfg = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=4, num_kv_heads=4,
-                      max_seq_len=512, rope_theta=10000.0, rope_scaling=rs)  # head_dim 16: 8 frequencies
+    rs = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    cfg = LlamaConfig(
+        vocab_size=8,
+        hidden_size=64,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=4,
+        max_seq_len=512,
+        rope_theta=10000.0,
+        rope_scaling=rs,
+    )  # head_dim 16: 8 frequencies
     expected, regimes = [], set()
     for i in range(0, 16, 2):
         f = 10000.0 ** (-i / 16)
@@ -276,17 +315,34 @@ def test_llama3_rope_scaling_matches_the_reference_formula() -> None:
 
 # ---- Hugging Face directories: Llama-3 scaling, Qwen2 (qkv bias), Mistral ---------------------------------
 
-_TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+_TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 
 
-def _hf_model(kind: str):  # noqa: ANN202
+def _hf_model(kind: str):
     from transformers import LlamaConfig as HFLlama
     from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     if kind == "llama3-scaled":
-        cfg = HFLlama(**_TINY, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        cfg = HFLlama(
+            **_TINY,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
         cls = LlamaForCausalLM
     elif kind == "qwen2":
         cfg, cls = Qwen2Config(**_TINY), Qwen2ForCausalLM
@@ -296,12 +352,15 @@ def _hf_model(kind: str):  # noqa: ANN202
     model = cls(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():  # random everything, biases and norms included
-            p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.5 / p.shape[-1] ** 0.5) + (1.0 if "norm" in name else 0.0))
+            p.copy_(
+                torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.5 / p.shape[-1] ** 0.5)
+                + (1.0 if "norm" in name else 0.0)
+            )
     return model
 
 
 @pytest.mark.parametrize("kind", ["llama3-scaled", "qwen2", "mistral"])
-def test_hf_dir_loading_matches_transformers(tmp_path, kind: str) -> None:  # noqa: ANN001
+def test_hf_dir_loading_matches_transformers(tmp_path, kind: str) -> None:
     ref = _hf_model(kind)
     ref.save_pretrained(str(tmp_path))
     ours = load_hf_dir(tmp_path)
@@ -316,7 +375,7 @@ def test_hf_dir_loading_matches_transformers(tmp_path, kind: str) -> None:  # no
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_hf_dir_with_rope_scaling_in_the_old_key_and_unsupported_types(tmp_path) -> None:  # noqa: ANN001
+def test_hf_dir_with_rope_scaling_in_the_old_key_and_unsupported_types(tmp_path) -> None:
     """transformers < 5 wrote "rope_scaling"; 5 writes "rope_parameters": both load the same; yarn is refused."""
     ref = _hf_model("llama3-scaled")
     ref.save_pretrained(str(tmp_path))

@@ -11,8 +11,16 @@ import pytest
 import torch
 
 from treedraft.models import gguf_blocks as gb
-from treedraft.models.quant import (Int4PackLinear, Int8PackLinear, QWeight, build_linear, choose_kernels,
-                                    quantize_q4_rtn, rows_match, swap_linears)
+from treedraft.models.quant import (
+    Int4PackLinear,
+    Int8PackLinear,
+    QWeight,
+    build_linear,
+    choose_kernels,
+    quantize_q4_rtn,
+    rows_match,
+    swap_linears,
+)
 
 gguf = pytest.importorskip("gguf")
 RNG = np.random.default_rng(0)
@@ -128,7 +136,10 @@ def _fake_kernels(row_dependent: bool = False) -> types.ModuleType:
 
 
 def test_native_kernel_is_a_measured_candidate_and_refused_when_rows_vary(monkeypatch) -> None:
-    qw = {"a": QWeight("q4", _q4(64, 128), "t"), "b": QWeight("q8", gb.unpack_q8_0(_random_blocks(64, 128, gb.Q8_0), (64, 128)), "t")}
+    qw = {
+        "a": QWeight("q4", _q4(64, 128), "t"),
+        "b": QWeight("q8", gb.unpack_q8_0(_random_blocks(64, 128, gb.Q8_0), (64, 128)), "t"),
+    }
     logs: list[str] = []
     good = choose_kernels(qw, _fake_kernels(), logs.append)
     assert set(good) == {"q4", "q8"} and all(v in ("native", "int4pack", "int8pack") for v in good.values())
@@ -148,12 +159,13 @@ def test_missing_native_package_means_stock_kernels(monkeypatch) -> None:
     assert quant.native_kernels() is not None
 
 
-def _tiny():  # noqa: ANN202
+def _tiny():
     from treedraft.models.llama import LlamaConfig, Transformer
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, max_seq_len=64)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64
+    )
     return Transformer(cfg).eval()
 
 
@@ -232,7 +244,7 @@ def test_gguf_type_without_exact_mapping_is_named_in_the_warning(tmp_path) -> No
         gguf_weights(path, 1, 2, 2, "int8", tied=True)  # int8 asked: no 4-bit mapping expected, no warning
 
 
-def _write_tiny_gguf(path, down_type) -> None:  # noqa: ANN001
+def _write_tiny_gguf(path, down_type) -> None:
     """One-layer Llama GGUF: linears Q4_1, ffn_down ``down_type``, token_embd Q8_0."""
     H, I, V = 64, 128, 96
     w = gguf.GGUFWriter(str(path), "llama")
@@ -244,15 +256,21 @@ def _write_tiny_gguf(path, down_type) -> None:  # noqa: ANN001
     w.add_context_length(64)
     rng = np.random.default_rng(1)
 
-    def add(name: str, shape: tuple[int, int], qt) -> None:  # noqa: ANN001
+    def add(name: str, shape: tuple[int, int], qt) -> None:
         x = rng.standard_normal(shape).astype(np.float32) * 0.05
         raw = gguf.quants.quantize(x, qt)
         w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qt)
 
     Q41 = gguf.GGMLQuantizationType.Q4_1
     add("token_embd.weight", (V, H), gguf.GGMLQuantizationType.Q8_0)
-    for n, s in (("attn_q", (H, H)), ("attn_k", (H, H)), ("attn_v", (H, H)), ("attn_output", (H, H)),
-                 ("ffn_gate", (I, H)), ("ffn_up", (I, H))):
+    for n, s in (
+        ("attn_q", (H, H)),
+        ("attn_k", (H, H)),
+        ("attn_v", (H, H)),
+        ("attn_output", (H, H)),
+        ("ffn_gate", (I, H)),
+        ("ffn_up", (I, H)),
+    ):
         add(f"blk.0.{n}.weight", s, Q41)
     add("blk.0.ffn_down.weight", (H, I), down_type)
     w.write_header_to_file()
@@ -307,15 +325,20 @@ def test_speculative_equals_plain_on_the_real_model(weights: str, monkeypatch) -
             pytest.skip("native kernels unavailable")
         key = quant_load._machine_key
         monkeypatch.setattr(quant_load, "_machine_key", lambda path, extra: key(path, extra + "|test-native"))
-        monkeypatch.setattr(quant_load, "choose_kernels", lambda qw, natives, log=None: {"q4": "native", "q8": "native"})
+        monkeypatch.setattr(
+            quant_load, "choose_kernels", lambda qw, natives, log=None: {"q4": "native", "q8": "native"}
+        )
     llm = treedraft.load(weights=weights)
     assert llm.model.weights_info["resolved"] == weights
     assert isinstance(llm.model.layers[0].attn.wqkv, QuantLinear) and isinstance(llm.model.lm_head, QuantLinear)
     if native:
         assert isinstance(llm.model.layers[0].attn.wqkv, NativeLinear) and llm.model.exact_attention
     cfg = GenerationConfig(max_new_tokens=64, ignore_eos=True)
-    for prompt in ("Write a haiku about the sea.", "List three uses of a paperclip and explain each one.",
-                   "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox"):
+    for prompt in (
+        "Write a haiku about the sea.",
+        "List three uses of a paperclip and explain each one.",
+        "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+    ):
         ids = llm.encode_prompt(prompt)
         plain = llm.engine.generate(ids, cfg, None)
         spec = llm.engine.generate(ids, cfg, llm.engine.drafter)
@@ -333,7 +356,7 @@ def test_auto_measures_once_then_reuses_the_cached_choice(tmp_path, monkeypatch)
     assert set(info["top1_agreement"]) == {"fp32", "int4", "int8"}
     assert list((tmp_path / "tune").glob("quant-*.json"))
 
-    def boom(*a, **k):  # noqa: ANN002, ANN003, ANN202
+    def boom(*a, **k):
         raise AssertionError("measured again")
 
     monkeypatch.setattr(quant_load, "_measure_auto", boom)

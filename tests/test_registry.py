@@ -15,7 +15,7 @@ from treedraft.models.callable_target import CallableTarget
 from treedraft.models.tiny import tiny_llama
 
 
-def _save_heads(m, d: Path) -> Path:  # noqa: ANN001
+def _save_heads(m, d: Path) -> Path:
     MedusaHeads(MedusaConfig("tiny", m.hidden_size, m.vocab_size), m.lm_head.weight).save(d)
     return d
 
@@ -26,8 +26,9 @@ def clean_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
 
 
-def test_default_is_prompt_lookup_without_heads_and_hybrid_with_them(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_is_prompt_lookup_without_heads_and_hybrid_with_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     m = tiny_llama()
     none_shipped = DrafterOptions("tiny")
     assert registry.default_name(none_shipped) == "prompt-lookup"
@@ -69,7 +70,7 @@ def test_register_adds_a_drafter_that_every_caller_can_build() -> None:
     m = tiny_llama()
     seen = []
 
-    def factory(target, tokenizer, options):  # noqa: ANN001, ANN202
+    def factory(target, tokenizer, options):
         seen.append((target, tokenizer, options))
         return PromptLookupDrafter(max_branches=2, name="my-drafter")
 
@@ -87,8 +88,9 @@ def test_register_adds_a_drafter_that_every_caller_can_build() -> None:
             registry.register(reserved, factory, "x")
 
 
-def test_cache_builds_each_drafter_once_and_default_shares_its_entry(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_builds_each_drafter_once_and_default_shares_its_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     m = tiny_llama()
     cache = DrafterCache(m, None, DrafterOptions("tiny", heads=str(_save_heads(m, tmp_path / "h"))))
     loads = []

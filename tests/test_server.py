@@ -54,8 +54,10 @@ def llm() -> Iterator[treedraft.LLM]:
 @pytest.fixture(scope="module")
 def reference(llm: treedraft.LLM) -> dict[str, treedraft.GenerationResult]:
     """Greedy answers computed directly with the engine, before any server runs."""
-    return {"chat": llm.generate(CHAT, max_new_tokens=MAX_TOKENS, drafter=None),
-            "completion": llm.generate(COMPLETION_PROMPT, raw=True, max_new_tokens=MAX_TOKENS, drafter=None)}
+    return {
+        "chat": llm.generate(CHAT, max_new_tokens=MAX_TOKENS, drafter=None),
+        "completion": llm.generate(COMPLETION_PROMPT, raw=True, max_new_tokens=MAX_TOKENS, drafter=None),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +122,14 @@ def test_chat_non_stream_matches_engine(client: openai.OpenAI, llm: treedraft.LL
 
 
 def test_chat_stream_with_usage(client: openai.OpenAI, llm: treedraft.LLM, reference: dict) -> None:
-    stream = client.chat.completions.create(model=llm.model_name, messages=CHAT, max_tokens=MAX_TOKENS,
-                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=llm.model_name,
+        messages=CHAT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     parts, finishes, usages, roles = [], [], [], []
     for i, ch in enumerate(stream):
         assert i < 500, "unbounded stream"
@@ -161,15 +169,20 @@ def test_stream_raw_sse_ends_with_done(server: LiveServer, llm: treedraft.LLM) -
 
 def test_completions_stream_and_not(client: openai.OpenAI, llm: treedraft.LLM, reference: dict) -> None:
     ref = reference["completion"]
-    r = client.completions.create(model=llm.model_name, prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS,
-                                  temperature=0)
+    r = client.completions.create(model=llm.model_name, prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS, temperature=0)
     assert r.object == "text_completion"
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
     assert r.usage.completion_tokens == len(ref.token_ids)
     assert r.usage.prompt_tokens == len(llm.encode_prompt(COMPLETION_PROMPT, raw=True))
     parts, usage = [], None
-    stream = client.completions.create(model=llm.model_name, prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS,
-                                       temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model=llm.model_name,
+        prompt=COMPLETION_PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     for i, ch in enumerate(stream):
         assert i < 500
         if ch.usage is not None:
@@ -190,33 +203,59 @@ def test_stop_string(client: openai.OpenAI, llm: treedraft.LLM, reference: dict)
     assert words, f"reference too short to pick a stop word: {ref!r}"
     stop = words[0]
     for s in (stop, [stop, "zzzz-never"]):
-        r = client.completions.create(model=llm.model_name, prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS,
-                                      temperature=0, stop=s)
+        r = client.completions.create(
+            model=llm.model_name, prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=s
+        )
         assert r.choices[0].text == ref[: ref.index(stop)]
         assert r.choices[0].finish_reason == "stop"
 
 
-def test_extension_drafters_agree_and_sampling_seed(client: openai.OpenAI, llm: treedraft.LLM,
-                                                    reference: dict) -> None:
+def test_extension_drafters_agree_and_sampling_seed(client: openai.OpenAI, llm: treedraft.LLM, reference: dict) -> None:
     texts = {}
     for name in ("none", "prompt-lookup", "default"):
-        r = client.chat.completions.create(model=llm.model_name, messages=CHAT, max_tokens=MAX_TOKENS,
-                                           temperature=0, extra_body={"treedraft": {"drafter": name,
-                                                                                    "max_tree_nodes": 8}})
+        r = client.chat.completions.create(
+            model=llm.model_name,
+            messages=CHAT,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"treedraft": {"drafter": name, "max_tree_nodes": 8}},
+        )
         texts[name] = r.choices[0].message.content
         assert r.model_extra["treedraft"]["drafter"] == ("prompt-lookup" if name == "default" else name)
     assert set(texts.values()) == {reference["chat"].text}, texts
     # sampling with a seed is reproducible, with either acceptance rule
     for rule in ("speculative", "typical"):
-        outs = {client.chat.completions.create(model=llm.model_name, messages=CHAT, max_tokens=6, temperature=0.9,
-                                               top_p=0.95, seed=1234, extra_body={"treedraft": {"rule": rule}}
-                                               ).choices[0].message.content for _ in range(2)}
+        outs = {
+            client.chat.completions.create(
+                model=llm.model_name,
+                messages=CHAT,
+                max_tokens=6,
+                temperature=0.9,
+                top_p=0.95,
+                seed=1234,
+                extra_body={"treedraft": {"rule": rule}},
+            )
+            .choices[0]
+            .message.content
+            for _ in range(2)
+        }
         assert len(outs) == 1, (rule, outs)
 
 
 def test_nulls_mean_defaults_and_drafter_names_pass_through(server: LiveServer, llm: treedraft.LLM) -> None:
-    body = {"model": llm.model_name, "messages": CHAT, "max_tokens": 2, "temperature": None, "top_p": None,
-            "n": None, "stop": None, "seed": None, "stream": None, "user": "someone", "unknown_field": 1}
+    body = {
+        "model": llm.model_name,
+        "messages": CHAT,
+        "max_tokens": 2,
+        "temperature": None,
+        "top_p": None,
+        "n": None,
+        "stop": None,
+        "seed": None,
+        "stream": None,
+        "user": "someone",
+        "unknown_field": 1,
+    }
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 2
@@ -224,11 +263,17 @@ def test_nulls_mean_defaults_and_drafter_names_pass_through(server: LiveServer, 
     from treedraft.drafters import names
 
     for name in names():
-        body = {"model": llm.model_name, "messages": CHAT, "max_tokens": 2, "temperature": 0,
-                "treedraft": {"drafter": name}}
+        body = {
+            "model": llm.model_name,
+            "messages": CHAT,
+            "max_tokens": 2,
+            "temperature": 0,
+            "treedraft": {"drafter": name},
+        }
         for stream in (False, True):
-            r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": stream},
-                           timeout=REQUEST_TIMEOUT)
+            r = httpx.post(
+                f"{server.url}/v1/chat/completions", json={**body, "stream": stream}, timeout=REQUEST_TIMEOUT
+            )
             if r.status_code != 200:
                 _assert_error(r, 400, "treedraft.drafter")
 
@@ -238,8 +283,11 @@ def test_nulls_mean_defaults_and_drafter_names_pass_through(server: LiveServer, 
 
 
 def test_unknown_model_routes_and_methods(server: LiveServer) -> None:
-    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
-                   json={"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        timeout=30,
+        json={"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]},
+    )
     err = _assert_error(r, 404, "model")
     assert err["code"] == "model_not_found" and "gpt-17" in err["message"]
     _assert_error(httpx.get(f"{server.url}/v1/nothing-here", timeout=10), 404)
@@ -255,8 +303,13 @@ def test_openai_client_sees_errors(client: openai.OpenAI, llm: treedraft.LLM) ->
         client.chat.completions.create(model=llm.model_name, messages=CHAT, max_tokens=2, n=3)
     assert ei.value.param == "n"
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=llm.model_name, messages=CHAT, max_tokens=2, stream=True,
-                                       extra_body={"treedraft": {"drafter": "nope"}})
+        client.chat.completions.create(
+            model=llm.model_name,
+            messages=CHAT,
+            max_tokens=2,
+            stream=True,
+            extra_body={"treedraft": {"drafter": "nope"}},
+        )
 
 
 class _BrokenDrafter:
@@ -270,20 +323,24 @@ class _BrokenDrafter:
 
 
 def test_internal_errors_are_500_logged_and_the_server_keeps_serving(
-        llm: treedraft.LLM, reference: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    llm: treedraft.LLM, reference: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A bug during generation (here broken drafters; a ValueError too, like a cache overflow or an
     inconsistent q) is the server's fault: 500 + OpenAI error body + a logged traceback, never a 400;
     the worker survives and the next request is served normally."""
     from treedraft.drafters import registry
     from treedraft.tree import TreeError
 
-    broken = {"medusa": RuntimeError("boom: a drafter bug"),
-              "hybrid": ValueError("draft token 7 has zero draft probability; the drafter's q is inconsistent"),
-              "prompt-lookup": TreeError("parents must come before their children")}
+    broken = {
+        "medusa": RuntimeError("boom: a drafter bug"),
+        "hybrid": ValueError("draft token 7 has zero draft probability; the drafter's q is inconsistent"),
+        "prompt-lookup": TreeError("parents must come before their children"),
+    }
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the registrations below are undone
     for name in broken:
-        registry.register(name, lambda target, tok, opts, name=name: _BrokenDrafter(name, broken[name]), "broken",
-                          replace=True)
+        registry.register(
+            name, lambda target, tok, opts, name=name: _BrokenDrafter(name, broken[name]), "broken", replace=True
+        )
     # a fresh drafter cache: drafters the shared fixture built earlier must not be reused
     monkeypatch.setattr(llm, "drafters", registry.DrafterCache(llm.model, llm.tokenizer, llm.drafters.options))
     body = {"model": llm.model_name, "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0}
@@ -321,12 +378,21 @@ def test_internal_errors_are_500_logged_and_the_server_keeps_serving(
 
 def test_metrics_move_after_requests(server: LiveServer, client: openai.OpenAI, llm: treedraft.LLM) -> None:
     before = _metrics(server.url)
-    for name in ("treedraft:num_requests_running", "treedraft:num_requests_waiting",
-                 "treedraft:spec_decode_num_drafts_total", "treedraft:time_to_first_token_seconds_count"):
+    for name in (
+        "treedraft:num_requests_running",
+        "treedraft:num_requests_waiting",
+        "treedraft:spec_decode_num_drafts_total",
+        "treedraft:time_to_first_token_seconds_count",
+    ):
         assert (name, frozenset()) in before, name
     msgs = [{"role": "user", "content": "Repeat exactly: red green blue, red green blue, red green blue."}]
-    r = client.chat.completions.create(model=llm.model_name, messages=msgs, max_tokens=MAX_TOKENS, temperature=0,
-                                       extra_body={"treedraft": {"drafter": "prompt-lookup"}})
+    r = client.chat.completions.create(
+        model=llm.model_name,
+        messages=msgs,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"treedraft": {"drafter": "prompt-lookup"}},
+    )
     httpx.post(f"{server.url}/v1/chat/completions", json={"messages": []}, timeout=10)
     after = _metrics(server.url)
 
@@ -349,8 +415,11 @@ def test_metrics_move_after_requests(server: LiveServer, client: openai.OpenAI, 
     accepted = delta("treedraft:spec_decode_num_accepted_tokens_total")
     assert accepted == info["accepted_tokens"]
     assert delta("treedraft:spec_decode_num_draft_tokens_total") == info["drafted_tokens"] >= accepted
-    per_pos = sum(v - _metric(before, k[0], **dict(k[1])) for k, v in after.items()
-                  if k[0] == "treedraft:spec_decode_num_accepted_tokens_per_pos_total")
+    per_pos = sum(
+        v - _metric(before, k[0], **dict(k[1]))
+        for k, v in after.items()
+        if k[0] == "treedraft:spec_decode_num_accepted_tokens_per_pos_total"
+    )
     assert per_pos == accepted
     assert delta("treedraft:spec_decode_num_drafts_per_pos_total", position="0") == drafts
     # committed tokens = accepted drafts + one target token per step (+ the root from prefill)
@@ -369,8 +438,15 @@ def test_queue_full_429_and_disconnects_free_the_worker(llm: treedraft.LLM, serv
     with LiveServer(create_app(llm, settings)) as s:
         url = f"{s.url}/v1/chat/completions"
         # long enough to outlast the steps below even on a fast accelerator; it is cancelled, never finished
-        long_body = {"model": llm.model_name, "messages": CHAT, "max_tokens": 4000, "temperature": 0,
-                     "stream": True, "ignore_eos": True, "treedraft": {"drafter": "none"}}
+        long_body = {
+            "model": llm.model_name,
+            "messages": CHAT,
+            "max_tokens": 4000,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "treedraft": {"drafter": "none"},
+        }
         short_body = {"model": llm.model_name, "messages": CHAT, "max_tokens": 3, "temperature": 0}
         before = _metrics(s.url)
         with httpx.Client(timeout=REQUEST_TIMEOUT) as c, c.stream("POST", url, json=long_body) as stream_a:
@@ -417,11 +493,9 @@ def test_queue_full_429_and_disconnects_free_the_worker(llm: treedraft.LLM, serv
         assert result["b"].status_code == 200, result["b"].text
         assert result["b"].json()["choices"][0]["message"]["content"]
         after = _metrics(s.url)
-        aborted = (_metric(after, "treedraft:request_aborted_total")
-                   - _metric(before, "treedraft:request_aborted_total"))
+        aborted = _metric(after, "treedraft:request_aborted_total") - _metric(before, "treedraft:request_aborted_total")
         assert aborted == 2  # A (running) and D (waiting)
-        gen = (_metric(after, "treedraft:generation_tokens_total")
-               - _metric(before, "treedraft:generation_tokens_total"))
+        gen = _metric(after, "treedraft:generation_tokens_total") - _metric(before, "treedraft:generation_tokens_total")
         assert gen < 4000, f"A ran to completion although its client left ({gen} tokens)"
         assert _metric(after, "treedraft:num_requests_running") == 0
         assert _metric(after, "treedraft:num_requests_waiting") == 0
@@ -439,8 +513,13 @@ def test_parallel_streams_equal_serial(server: LiveServer, llm: treedraft.LLM) -
     n_tokens = 8
 
     def body(i: int) -> dict:
-        return dict(model=llm.model_name, messages=[{"role": "user", "content": prompts[i % 4]}],
-                    max_tokens=n_tokens, temperature=0, extra_body={"treedraft": {"drafter": drafters[i // 4 % 2]}})
+        return dict(
+            model=llm.model_name,
+            messages=[{"role": "user", "content": prompts[i % 4]}],
+            max_tokens=n_tokens,
+            temperature=0,
+            extra_body={"treedraft": {"drafter": drafters[i // 4 % 2]}},
+        )
 
     async def one(cl: openai.AsyncOpenAI, i: int) -> str:
         parts = []
@@ -454,8 +533,9 @@ def test_parallel_streams_equal_serial(server: LiveServer, llm: treedraft.LLM) -
         return "".join(parts)
 
     async def main() -> tuple[list[str], list[str]]:
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                                      timeout=REQUEST_TIMEOUT) as cl:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT
+        ) as cl:
             alone = [await one(cl, i) for i in range(8)]  # every distinct request, one at a time
             together = await asyncio.wait_for(asyncio.gather(*(one(cl, i) for i in range(16))), 300)
         return alone, together

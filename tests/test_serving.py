@@ -67,7 +67,7 @@ def capture_tenants(s: LiveServer) -> list[str | None]:
     seen: list[str | None] = []
     real = srv.submit
 
-    def submit(p):  # noqa: ANN001, ANN202
+    def submit(p):
         job = real(p)
         seen.append(job.tenant)
         return job
@@ -104,10 +104,10 @@ AUTH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("method,path,headers,status,code", AUTH_CASES,
-                         ids=[f"{i}-{c[1]}-{c[3]}" for i, c in enumerate(AUTH_CASES)])
-def test_api_keys(key_server: LiveServer, method: str, path: str, headers: dict, status: int,
-                  code: str | None) -> None:
+@pytest.mark.parametrize(
+    "method,path,headers,status,code", AUTH_CASES, ids=[f"{i}-{c[1]}-{c[3]}" for i, c in enumerate(AUTH_CASES)]
+)
+def test_api_keys(key_server: LiveServer, method: str, path: str, headers: dict, status: int, code: str | None) -> None:
     body = {"model": "tiny", "messages": CHAT, "max_tokens": 2} if method == "POST" else None
     r = httpx.request(method, f"{key_server.url}{path}", headers=headers, json=body, timeout=30)
     assert r.status_code == status, r.text
@@ -127,8 +127,11 @@ def test_api_keys_with_the_openai_client_and_metrics(key_server: LiveServer) -> 
     r = good.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, temperature=0)
     assert r.usage.completion_tokens >= 1
     after = scrape(key_server.url)
-    assert metric(after, "treedraft:request_errors_total", status="401") - \
-        metric(before, "treedraft:request_errors_total", status="401") == 1
+    assert (
+        metric(after, "treedraft:request_errors_total", status="401")
+        - metric(before, "treedraft:request_errors_total", status="401")
+        == 1
+    )
     assert metric(after, "treedraft:num_requests_total") - metric(before, "treedraft:num_requests_total") == 1
 
 
@@ -136,15 +139,25 @@ def test_tenant_is_the_key_hash_else_the_user_field(key_server: LiveServer, serv
     body = {"model": "tiny", "messages": CHAT, "max_tokens": 1}
     seen = capture_tenants(key_server)
     for key, user in ((KEYS[0], None), (KEYS[1], "alice"), (KEYS[0], "bob")):
-        r = httpx.post(f"{key_server.url}/v1/chat/completions", json={**body, **({"user": user} if user else {})},
-                       headers=bearer(key), timeout=TIMEOUT)
+        r = httpx.post(
+            f"{key_server.url}/v1/chat/completions",
+            json={**body, **({"user": user} if user else {})},
+            headers=bearer(key),
+            timeout=TIMEOUT,
+        )
         assert r.status_code == 200, r.text
     assert seen == [tenant_id(KEYS[0]), tenant_id(KEYS[1]), tenant_id(KEYS[0])]  # the key wins over "user"
     assert tenant_id(KEYS[0]) != tenant_id(KEYS[1]) and all(k not in t for k in KEYS for t in seen)
     seen = capture_tenants(server)  # no keys configured: the request's "user" field, else anonymous
     for extra in ({"user": "alice"}, {}, {"user": "alice"}):
-        assert httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 1,
-                                                               **extra}, timeout=TIMEOUT).status_code == 200
+        assert (
+            httpx.post(
+                f"{server.url}/v1/completions",
+                json={"model": "tiny", "prompt": "ab", "max_tokens": 1, **extra},
+                timeout=TIMEOUT,
+            ).status_code
+            == 200
+        )
     assert seen == ["user-alice", None, "user-alice"]
 
 
@@ -174,8 +187,9 @@ def test_every_key_is_compared(monkeypatch: pytest.MonkeyPatch) -> None:
             APIKeys(bad)
 
 
-def test_serve_cli_takes_keys_from_flags_and_env(monkeypatch: pytest.MonkeyPatch,
-                                                 capsys: pytest.CaptureFixture) -> None:
+def test_serve_cli_takes_keys_from_flags_and_env(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     import uvicorn
 
     import treedraft.cli
@@ -263,9 +277,16 @@ def test_metrics_registries_are_per_app() -> None:
 
 def test_prometheus_metrics_after_a_stream(server: LiveServer) -> None:
     before = scrape(server.url)
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "xyz xyz xyz xyz xyz"}], "max_tokens": 24,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "treedraft": {"drafter": "prompt-lookup"}}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "xyz xyz xyz xyz xyz"}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "treedraft": {"drafter": "prompt-lookup"},
+    }
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=TIMEOUT)
     assert r.status_code == 200
     events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
@@ -287,16 +308,16 @@ def test_prometheus_metrics_after_a_stream(server: LiveServer) -> None:
     assert delta("treedraft:batch_size_count") == info["steps"] + 1  # prefill + verify steps, one request each
     assert delta("treedraft:batch_size_bucket", le="1.0") == info["steps"] + 1
     assert delta("treedraft:request_mean_accepted_length_count") == 1
-    assert delta("treedraft:request_mean_accepted_length_sum") == pytest.approx(info["mean_accepted_length"],
-                                                                               abs=1e-4)
+    assert delta("treedraft:request_mean_accepted_length_sum") == pytest.approx(info["mean_accepted_length"], abs=1e-4)
     assert delta("treedraft:spec_decode_num_accepted_tokens_total") == info["accepted_tokens"]
     assert delta("treedraft:spec_decode_num_draft_tokens_total") == info["drafted_tokens"]
     assert metric(after, "treedraft:num_requests_running") == 0
     assert metric(after, "treedraft:num_requests_waiting") == 0
     assert ("treedraft:num_requests_created", frozenset()) in after
     # a scraper that asks for OpenMetrics gets it
-    r = httpx.get(f"{server.url}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"},
-                  timeout=10)
+    r = httpx.get(
+        f"{server.url}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"}, timeout=10
+    )
     assert r.headers["content-type"].startswith("application/openmetrics-text") and r.text.endswith("# EOF\n")
 
 
@@ -364,8 +385,12 @@ BAD_REQUESTS = [
     ("chat", {"messages": _HI, "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     ("chat", {"messages": _HI, "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("chat", {"messages": _HI, "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("chat", {"messages": _HI, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
-     "stream_options.include_usage"),
+    (
+        "chat",
+        {"messages": _HI, "stream": True, "stream_options": {"include_usage": "yes"}},
+        400,
+        "stream_options.include_usage",
+    ),
     ("chat", {"messages": _HI, "treedraft": {"drafter": "bogus"}}, 400, "treedraft.drafter"),
     ("chat", {"messages": _HI, "treedraft": {"rule": "bogus"}}, 400, "treedraft.rule"),
     ("chat", {"messages": _HI, "treedraft": {"max_tree_nodes": 0}}, 400, "treedraft.max_tree_nodes"),
@@ -392,10 +417,12 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS,
-                         ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD_REQUESTS)])
-def test_bad_requests_get_openai_errors(server: LiveServer, path: str, body: object, status: int,
-                                        param: str | None) -> None:
+@pytest.mark.parametrize(
+    "path,body,status,param", BAD_REQUESTS, ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD_REQUESTS)]
+)
+def test_bad_requests_get_openai_errors(
+    server: LiveServer, path: str, body: object, status: int, param: str | None
+) -> None:
     url = f"{server.url}/v1/{'chat/completions' if path == 'chat' else 'completions'}"
     if isinstance(body, dict):
         body = {"model": "tiny", **body}
@@ -405,15 +432,24 @@ def test_bad_requests_get_openai_errors(server: LiveServer, path: str, body: obj
     assert err["type"] == "invalid_request_error"
 
 
-_ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-                         | st.text(max_size=8),
-                         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
-                                                                                      max_size=3), max_leaves=8)
+_ANY_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
 _FIELD_VALUES = {
     "model": st.sampled_from(["tiny", "other"]) | _ANY_JSON,
-    "messages": st.lists(st.fixed_dictionaries({}, optional={
-        "role": st.sampled_from(["user", "system", "assistant", "developer", "tool", ""]) | _ANY_JSON,
-        "content": st.text(max_size=20) | _ANY_JSON}), max_size=3) | _ANY_JSON,
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "role": st.sampled_from(["user", "system", "assistant", "developer", "tool", ""]) | _ANY_JSON,
+                "content": st.text(max_size=20) | _ANY_JSON,
+            },
+        ),
+        max_size=3,
+    )
+    | _ANY_JSON,
     "prompt": st.text(max_size=20) | st.lists(st.integers(-5, 200), max_size=5) | _ANY_JSON,
     "max_tokens": st.integers(-3, 12) | st.integers() | _ANY_JSON,
     "temperature": st.floats(-1, 3) | _ANY_JSON,
@@ -425,9 +461,15 @@ _FIELD_VALUES = {
     "stream": st.booleans() | _ANY_JSON,
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | _ANY_JSON,
     "ignore_eos": st.booleans() | _ANY_JSON,
-    "treedraft": st.fixed_dictionaries({}, optional={"drafter": st.sampled_from(["none", "prompt-lookup", "x"]),
-                                                     "rule": st.sampled_from(["typical", "greedy", "y"]),
-                                                     "max_tree_nodes": st.integers(-1, 600)}) | _ANY_JSON,
+    "treedraft": st.fixed_dictionaries(
+        {},
+        optional={
+            "drafter": st.sampled_from(["none", "prompt-lookup", "x"]),
+            "rule": st.sampled_from(["typical", "greedy", "y"]),
+            "max_tree_nodes": st.integers(-1, 600),
+        },
+    )
+    | _ANY_JSON,
 }
 
 
@@ -450,8 +492,15 @@ def test_random_bodies_never_get_5xx(server: LiveServer, chat: bool, body: dict)
 
 def test_a_client_leaving_mid_stream_frees_its_slot(server: LiveServer) -> None:
     before = scrape(server.url)
-    body = {"model": "tiny", "messages": CHAT, "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
-            "stream": True, "treedraft": {"drafter": "none"}}
+    body = {
+        "model": "tiny",
+        "messages": CHAT,
+        "max_tokens": 4000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "treedraft": {"drafter": "none"},
+    }
     with httpx.Client(timeout=TIMEOUT) as c, c.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()  # kept referenced: closing this generator would close the connection
@@ -462,37 +511,60 @@ def test_a_client_leaving_mid_stream_frees_its_slot(server: LiveServer) -> None:
                 break
         assert got == 3
         assert metric(scrape(server.url), "treedraft:num_requests_running") == 1
-    wait_for(lambda: metric(scrape(server.url), "treedraft:num_requests_running") == 0,
-             "the abandoned stream to leave the worker", 30)
+    wait_for(
+        lambda: metric(scrape(server.url), "treedraft:num_requests_running") == 0,
+        "the abandoned stream to leave the worker",
+        30,
+    )
     after = scrape(server.url)
     assert metric(after, "treedraft:request_aborted_total") - metric(before, "treedraft:request_aborted_total") == 1
     gen = metric(after, "treedraft:generation_tokens_total") - metric(before, "treedraft:generation_tokens_total")
     assert 3 <= gen < 4000, gen
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2},
-                   timeout=TIMEOUT)
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=TIMEOUT
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
 # ----------------------------------------------------------------------------- loadtest
 
 
-@pytest.mark.parametrize("url,base", [("http://127.0.0.1:8000", "http://127.0.0.1:8000"),
-                                      ("http://127.9.8.7:1/", "http://127.9.8.7:1"),
-                                      ("http://localhost:8000/v1", "http://localhost:8000"),
-                                      ("http://[::1]:8080", "http://[::1]:8080"),
-                                      ("https://LOCALHOST", "https://localhost")])
+@pytest.mark.parametrize(
+    "url,base",
+    [
+        ("http://127.0.0.1:8000", "http://127.0.0.1:8000"),
+        ("http://127.9.8.7:1/", "http://127.9.8.7:1"),
+        ("http://localhost:8000/v1", "http://localhost:8000"),
+        ("http://[::1]:8080", "http://[::1]:8080"),
+        ("https://LOCALHOST", "https://localhost"),
+    ],
+)
 def test_loopback_urls_are_accepted(url: str, base: str) -> None:
     assert loadtest.check_loopback(url) == base
 
 
-@pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "http://192.168.1.10", "http://172.16.0.1:80",
-                                 "http://8.8.8.8", "http://example.com:8000", "http://127.0.0.1.nip.io:8000",
-                                 "http://localhost.example.org", "http://[::2]:80", "http://0.0.0.0:8000",
-                                 "http://[::ffff:10.0.0.1]:80", "http://2130706433:80", "ftp://127.0.0.1",
-                                 "127.0.0.1:8000"])
-def test_loadtest_refuses_other_hosts_before_any_connection(url: str, monkeypatch: pytest.MonkeyPatch,
-                                                            capsys: pytest.CaptureFixture) -> None:
-    def no_client(*a, **k):  # noqa: ANN002, ANN003, ANN202
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://10.0.0.1:8000",
+        "http://192.168.1.10",
+        "http://172.16.0.1:80",
+        "http://8.8.8.8",
+        "http://example.com:8000",
+        "http://127.0.0.1.nip.io:8000",
+        "http://localhost.example.org",
+        "http://[::2]:80",
+        "http://0.0.0.0:8000",
+        "http://[::ffff:10.0.0.1]:80",
+        "http://2130706433:80",
+        "ftp://127.0.0.1",
+        "127.0.0.1:8000",
+    ],
+)
+def test_loadtest_refuses_other_hosts_before_any_connection(
+    url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    def no_client(*a, **k):
         raise AssertionError("a client was created for a refused URL")
 
     monkeypatch.setattr(httpx, "AsyncClient", no_client)
@@ -506,8 +578,12 @@ def test_loadtest_refuses_other_hosts_before_any_connection(url: str, monkeypatc
 
 def test_loadtest_summary_arithmetic() -> None:
     R = loadtest.RequestResult
-    rs = [R(True, ttft=0.1, e2e=1.1, completion_tokens=11, gaps=[0.1] * 10),
-          R(True, ttft=0.3, e2e=0.3, completion_tokens=1), R(False, error="http 429"), R(False, error="http 429")]
+    rs = [
+        R(True, ttft=0.1, e2e=1.1, completion_tokens=11, gaps=[0.1] * 10),
+        R(True, ttft=0.3, e2e=0.3, completion_tokens=1),
+        R(False, error="http 429"),
+        R(False, error="http 429"),
+    ]
     lv = loadtest.summarize(2, rs, wall_s=2.0)
     assert (lv.requests, lv.completed, lv.errors, lv.error_kinds) == (4, 2, 2, {"http 429": 2})
     assert lv.output_tokens == 12 and lv.tokens_per_s == 6.0 and lv.requests_per_s == 1.0
@@ -518,13 +594,29 @@ def test_loadtest_summary_arithmetic() -> None:
     assert empty.tokens_per_s == 0 and empty.latency["ttft_p50"] is None
 
 
-def test_loadtest_end_to_end_on_the_tiny_server(key_server: LiveServer, tmp_path, capsys) -> None:  # noqa: ANN001
+def test_loadtest_end_to_end_on_the_tiny_server(key_server: LiveServer, tmp_path, capsys) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"abc {i} abc {i}"}) + "\n" for i in range(3)))
     before = scrape(key_server.url)
     out = tmp_path / "out"
-    argv = ["loadtest", "--url", key_server.url, "--concurrency", "1,3", "--requests", "4", "--max-tokens", "6",
-            "--ignore-eos", "--prompts", str(prompts), "--warmup", "0", "--out", str(out)]
+    argv = [
+        "loadtest",
+        "--url",
+        key_server.url,
+        "--concurrency",
+        "1,3",
+        "--requests",
+        "4",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--prompts",
+        str(prompts),
+        "--warmup",
+        "0",
+        "--out",
+        str(out),
+    ]
     assert main([*argv, "--api-key", KEYS[0]]) == 0
     res = json.loads((out / "loadtest.json").read_text())
     assert [lv["concurrency"] for lv in res["levels"]] == [1, 3] and res["model"] == "tiny"
@@ -534,8 +626,9 @@ def test_loadtest_end_to_end_on_the_tiny_server(key_server: LiveServer, tmp_path
         assert lv["latency"]["itl_p50"] is not None
     assert res["config"]["api_key"] is True and KEYS[0] not in (out / "loadtest.json").read_text()
     after = scrape(key_server.url)
-    assert metric(after, "treedraft:generation_tokens_total") - metric(before, "treedraft:generation_tokens_total") \
-        == 48  # what the server counted equals what the client reported
+    assert (
+        metric(after, "treedraft:generation_tokens_total") - metric(before, "treedraft:generation_tokens_total") == 48
+    )  # what the server counted equals what the client reported
     md = (out / "report.md").read_text()
     assert md.count("\n| 1 |") == 1 and md.count("\n| 3 |") == 1
     assert (out / "loadtest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -549,15 +642,29 @@ def test_loadtest_end_to_end_on_the_tiny_server(key_server: LiveServer, tmp_path
 
 
 def test_loadtest_time_limit_cancels_what_is_left(server: LiveServer) -> None:
-    cfg = loadtest.LoadTestConfig(url=server.url, concurrency=[2], requests=6, max_tokens=3000, prompts=["abc"],
-                                  ignore_eos=True, max_seconds=1.0, warmup=0, model="tiny")
+    cfg = loadtest.LoadTestConfig(
+        url=server.url,
+        concurrency=[2],
+        requests=6,
+        max_tokens=3000,
+        prompts=["abc"],
+        ignore_eos=True,
+        max_seconds=1.0,
+        warmup=0,
+        model="tiny",
+    )
     res = asyncio.run(loadtest.run_loadtest(cfg, log=lambda m: None))
     lv = res["levels"][0]
     assert lv["completed"] == 0 and lv["errors"] == 6 and lv["wall_s"] < 30
     assert list(lv["error_kinds"]) == ["unfinished after --max-seconds 1"]
-    wait_for(lambda: metric(scrape(server.url), "treedraft:num_requests_running") == 0
-             and metric(scrape(server.url), "treedraft:num_requests_waiting") == 0,
-             "the cancelled load-test requests to leave the server", 60)
+    wait_for(
+        lambda: (
+            metric(scrape(server.url), "treedraft:num_requests_running") == 0
+            and metric(scrape(server.url), "treedraft:num_requests_waiting") == 0
+        ),
+        "the cancelled load-test requests to leave the server",
+        60,
+    )
 
 
 # ----------------------------------------------------------------------------- suffix drafter tenancy
@@ -567,8 +674,14 @@ def test_suffix_drafts_stay_within_a_tenant_unless_shared(share: bool) -> None:
 
     llm = tiny_llm()
     llm = LLM(llm.engine, llm.tokenizer, "tiny", "cpu", heads=None, suffix_store=open_suffix_store(share=share))
-    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 48, "temperature": 0,
-            "ignore_eos": True, "treedraft": {"drafter": "suffix"}}
+    body = {
+        "model": "tiny",
+        "prompt": "The quick brown fox",
+        "max_tokens": 48,
+        "temperature": 0,
+        "ignore_eos": True,
+        "treedraft": {"drafter": "suffix"},
+    }
 
     def accepted(key: str) -> tuple[int, str]:
         r = httpx.post(f"{s.url}/v1/completions", json=body, headers=bearer(key), timeout=TIMEOUT)

@@ -81,8 +81,13 @@ def test_matches_do_not_cross_sequences() -> None:
 
 # ---- drafter trees -------------------------------------------------------------------------------------
 @settings(max_examples=80, deadline=None)
-@given(seqs=seqs_st, ctx=st.lists(st.integers(0, 4), min_size=1, max_size=20),
-       max_nodes=st.integers(1, 12), max_depth=st.integers(1, 6), alpha=st.sampled_from([0.5, 1.0, 4.0]))
+@given(
+    seqs=seqs_st,
+    ctx=st.lists(st.integers(0, 4), min_size=1, max_size=20),
+    max_nodes=st.integers(1, 12),
+    max_depth=st.integers(1, 6),
+    alpha=st.sampled_from([0.5, 1.0, 4.0]),
+)
 def test_proposed_tree_is_a_valid_trie_within_budget(seqs, ctx, max_nodes, max_depth, alpha) -> None:
     store = SuffixStore()
     for s in seqs:
@@ -93,8 +98,10 @@ def test_proposed_tree_is_a_valid_trie_within_budget(seqs, ctx, max_nodes, max_d
     assert len(tree) <= max_nodes
     assert max(tree.depths()) <= max_depth
     # SuffixDecoding's adaptive size: at most alpha * (the longer of the two match lengths) nodes
-    m = max(SuffixIndex.from_sequences(seqs).match(ctx, d.max_match)[0],
-            SuffixIndex.from_sequences([ctx]).match(ctx, d.max_match)[0])
+    m = max(
+        SuffixIndex.from_sequences(seqs).match(ctx, d.max_match)[0],
+        SuffixIndex.from_sequences([ctx]).match(ctx, d.max_match)[0],
+    )
     assert len(tree) - 1 <= max(1, int(alpha * m)) if m else len(tree) == 1
 
 
@@ -259,11 +266,15 @@ def test_real_model_greedy_equal_plain_and_warm_index_accepts(smollm, tmp_path: 
     cold = [t for c in smollm.stream(prompt, drafter=d, stats=cold_stats, max_new_tokens=64) for t in c.token_ids]
     assert cold == plain.token_ids
     # the engine recorded the finished request itself (finish), once, under t1
-    assert [(r.tenant, len(r.tokens)) for r in store.records()] == [("t1", len(d.record_tokens(smollm.encode_prompt(prompt), cold)))]
+    assert [(r.tenant, len(r.tokens)) for r in store.records()] == [
+        ("t1", len(d.record_tokens(smollm.encode_prompt(prompt), cold)))
+    ]
     warm = [t for c in smollm.stream(prompt, drafter=d, stats=warm_stats, max_new_tokens=64) for t in c.token_ids]
     assert warm == plain.token_ids
-    assert warm_stats.mean_accepted_length > 1.5 > cold_stats.mean_accepted_length, \
-        (warm_stats.mean_accepted_length, cold_stats.mean_accepted_length)
+    assert warm_stats.mean_accepted_length > 1.5 > cold_stats.mean_accepted_length, (
+        warm_stats.mean_accepted_length,
+        cold_stats.mean_accepted_length,
+    )
     # another tenant gets nothing from t1's output (it drafts from its own request only)
     other = d.for_tenant("t2")
     out = [t for c in smollm.stream(prompt, drafter=other, stats=other_stats, max_new_tokens=64) for t in c.token_ids]

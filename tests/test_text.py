@@ -77,7 +77,7 @@ def test_stop_strings_across_token_boundaries() -> None:
     text = tok.decode(ref)
     gen = TextGenerator(Engine(model), tok)
     for k in (2, 7, 15):
-        for stop in (text[k: k + 2], text[k: k + 3]):  # every stop string spans 2-3 tokens
+        for stop in (text[k : k + 2], text[k : k + 3]):  # every stop string spans 2-3 tokens
             idx = text.find(stop)
             for drafter in (None, ChainDrafter(prompt + ref, 8)):
                 chunks = list(gen.stream(prompt, cfg(30, stop=("never-seen", stop)), drafter))
@@ -106,7 +106,7 @@ def test_accepted_drafts_cut_by_eos_or_stop_are_not_counted(how: str) -> None:
         gen, config = TextGenerator(Engine(model), char_tokenizer(ref[k])), cfg(30, ignore_eos=False)
     else:
         tok = char_tokenizer()
-        gen, config = TextGenerator(Engine(model), tok), cfg(30, stop=(tok.decode(ref[k - 1: k + 1]),))
+        gen, config = TextGenerator(Engine(model), tok), cfg(30, stop=(tok.decode(ref[k - 1 : k + 1]),))
         assert tok.decode(ref).find(config.stop[0]) == k - 1
     r = gen.generate(prompt, config, ChainDrafter(prompt + ref, depth))
     assert r.token_ids == ref[: k + 1] and r.finish_reason == "stop"
@@ -135,11 +135,11 @@ def test_stream_detokenizer_holds_split_multibyte_characters() -> None:
     assert "".join(pieces) + dec.flush() == text
     assert all("\ufffd" not in p for p in pieces)
     # the 4 bytes of 😀: nothing until the last one, then the whole character
-    start = text.encode("utf-8").index("😀".encode("utf-8"))
-    assert pieces[start: start + 4] == ["", "", "", "😀"]
+    start = text.encode("utf-8").index("😀".encode())
+    assert pieces[start : start + 4] == ["", "", "", "😀"]
     # a truncated character at the end comes out of flush (as replacement characters), nothing else lost
     dec = StreamDetokenizer(byte_tokenizer().backend)
-    assert "".join(dec.push(t) for t in "x中".encode("utf-8")[:-1]) == "x"
+    assert "".join(dec.push(t) for t in "x中".encode()[:-1]) == "x"
     tail = dec.flush()
     assert tail and set(tail) == {"\ufffd"}
 
@@ -171,7 +171,7 @@ def test_generated_multibyte_characters_stream_whole(drafter: str | None) -> Non
     # a stop string that is one multi-byte character, split over 3 tokens
     r = gen.generate([1, 2], cfg(len(answer), stop=("文",)), d)
     assert r.text == "ok 中" and r.finish_reason == "stop"
-    assert bytes(r.token_ids) == "ok 中文".encode("utf-8")
+    assert bytes(r.token_ids) == "ok 中文".encode()
 
 
 # ---- the drafter hears when a request ends, with only the delivered tokens -----------------
@@ -194,8 +194,12 @@ def test_finish_gets_exactly_the_delivered_tokens(how: str) -> None:
     depth = 6  # the stop falls inside a step's accepted drafts: the drafts after it were never delivered
     k = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i] and (i - 1) % (depth + 1) < depth - 1)
     tok = char_tokenizer(ref[k] if how in ("eos", "hybrid") else None)
-    config = {"eos": cfg(30, ignore_eos=False), "hybrid": cfg(30, ignore_eos=False), "length": cfg(30),
-              "stop": cfg(30, stop=(tok.decode(ref[k - 1: k + 1]),))}[how]
+    config = {
+        "eos": cfg(30, ignore_eos=False),
+        "hybrid": cfg(30, ignore_eos=False),
+        "length": cfg(30),
+        "stop": cfg(30, stop=(tok.decode(ref[k - 1 : k + 1]),)),
+    }[how]
     d = RecordingChain(prompt + ref, depth)
     gen = TextGenerator(Engine(model), tok)
     r = gen.generate(prompt, config, HybridDrafter([d]) if how == "hybrid" else d)

@@ -15,8 +15,14 @@ from treedraft.prompts import PromptFileError, read_prompt_file
 from treedraft.training import data as data_mod
 from treedraft.training.calibrate import choose_tree, grow_tree, latency_sizes
 from treedraft.training.data import DataCacheMismatchError, generate_dataset, load_shards, read_prompts
-from treedraft.training.train import (CheckpointMismatchError, TrainConfig, evaluate, head_targets, rank_accuracy,
-                                      train_heads)
+from treedraft.training.train import (
+    CheckpointMismatchError,
+    TrainConfig,
+    evaluate,
+    head_targets,
+    rank_accuracy,
+    train_heads,
+)
 
 BOS = 1
 
@@ -54,29 +60,47 @@ def _jsonl(path: Path, rows: list) -> Path:
 
 
 def test_reads_all_four_formats_first_user_turn(tmp_path) -> None:
-    f = _jsonl(tmp_path / "p.jsonl", [
-        {"prompt": "plain"},
-        {"question_id": 7, "category": "math", "turns": ["first", "second"]},
-        {"id": "sg", "conversations": [{"from": "system", "value": "sys"}, {"from": "human", "value": "hi there"},
-                                       {"from": "gpt", "value": "hello"}, {"from": "human", "value": "later"}]},
-        {"messages": [{"role": "system", "content": "be nice"}, {"role": "user", "content": "question?"},
-                      {"role": "assistant", "content": "answer"}]},
-        "",
-    ])
+    f = _jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt": "plain"},
+            {"question_id": 7, "category": "math", "turns": ["first", "second"]},
+            {
+                "id": "sg",
+                "conversations": [
+                    {"from": "system", "value": "sys"},
+                    {"from": "human", "value": "hi there"},
+                    {"from": "gpt", "value": "hello"},
+                    {"from": "human", "value": "later"},
+                ],
+            },
+            {
+                "messages": [
+                    {"role": "system", "content": "be nice"},
+                    {"role": "user", "content": "question?"},
+                    {"role": "assistant", "content": "answer"},
+                ]
+            },
+            "",
+        ],
+    )
     assert read_prompts(f) == ["plain", "first", "hi there", "question?"]
     ps = read_prompt_file(f)
     assert [(p.id, p.category) for p in ps] == [("1", "general"), ("7", "math"), ("sg", "general"), ("4", "general")]
 
 
-@pytest.mark.parametrize("row, match", [
-    ({"conversations": [{"from": "gpt", "value": "only the model speaks"}]}, "conversations"),
-    ({"conversations": "not a list"}, "'conversations' must be a list"),
-    ({"messages": [{"role": "user", "content": ""}]}, "messages"),
-    ({"messages": [{"role": "assistant", "content": "x"}]}, "first 'role': 'user'"),
-    ({"text": "unknown key"}, "no prompt found; expected a 'prompt' string"),
-    (["a", "list"], "expected a JSON object"),
-    ("{broken", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "row, match",
+    [
+        ({"conversations": [{"from": "gpt", "value": "only the model speaks"}]}, "conversations"),
+        ({"conversations": "not a list"}, "'conversations' must be a list"),
+        ({"messages": [{"role": "user", "content": ""}]}, "messages"),
+        ({"messages": [{"role": "assistant", "content": "x"}]}, "first 'role': 'user'"),
+        ({"text": "unknown key"}, "no prompt found; expected a 'prompt' string"),
+        (["a", "list"], "expected a JSON object"),
+        ("{broken", "not valid JSON"),
+    ],
+)
 def test_bad_records_name_file_line_and_format(tmp_path, row, match) -> None:
     f = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine"}, row])
     with pytest.raises(PromptFileError, match=match) as e:
@@ -109,30 +133,49 @@ def test_dataset_uses_llm_encode_prompt_and_writes_meta_first(tmp_path, monkeypa
     seen = []
     real = data_mod.batched_greedy
 
-    def spy(model, prompts, n, eos):  # noqa: ANN001, ANN202
+    def spy(model, prompts, n, eos):
         meta = json.loads((tmp_path / "d" / "meta.json").read_text())  # already there before any shard
         assert meta["complete"] is False and meta["max_new_tokens"] == 3
         seen.extend(prompts)
         return real(model, prompts, n, eos)
 
     monkeypatch.setattr(data_mod, "batched_greedy", spy)
-    generate_dataset(llm, PROMPTS, tmp_path / "d", max_new_tokens=3, batch_size=2, shard_size=2, progress=False,
-                     prompt_file="prompts.jsonl")
+    generate_dataset(
+        llm,
+        PROMPTS,
+        tmp_path / "d",
+        max_new_tokens=3,
+        batch_size=2,
+        shard_size=2,
+        progress=False,
+        prompt_file="prompts.jsonl",
+    )
     assert sorted(map(tuple, seen)) == sorted(tuple(llm.encode_prompt(p)) for p in PROMPTS)
     assert all(ids[0] == BOS for ids in seen)
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
     assert meta["complete"] is True
-    assert {k: meta[k] for k in ("model", "max_new_tokens", "max_prompt_tokens", "prompts", "num_prompts",
-                                 "shard_size")} == {"model": "tiny-test-model", "max_new_tokens": 3,
-                                                    "max_prompt_tokens": 384, "prompts": 4, "num_prompts": 4,
-                                                    "shard_size": 2}
+    assert {
+        k: meta[k] for k in ("model", "max_new_tokens", "max_prompt_tokens", "prompts", "num_prompts", "shard_size")
+    } == {
+        "model": "tiny-test-model",
+        "max_new_tokens": 3,
+        "max_prompt_tokens": 384,
+        "prompts": 4,
+        "num_prompts": 4,
+        "shard_size": 2,
+    }
     assert meta["prompt_file"].endswith("prompts.jsonl") and len(meta["prompts_sha1"]) == 40
 
 
-@pytest.mark.parametrize("change, flag", [({"max_new_tokens": 4}, "--max-new-tokens"),
-                                          ({"max_prompt_tokens": 3}, "--max-prompt-tokens"),
-                                          ({"prompts": ["ab", "cde", "f", "XYZ"]}, "--prompts"),
-                                          ({"model_name": "another-model"}, "--model")])
+@pytest.mark.parametrize(
+    "change, flag",
+    [
+        ({"max_new_tokens": 4}, "--max-new-tokens"),
+        ({"max_prompt_tokens": 3}, "--max-prompt-tokens"),
+        ({"prompts": ["ab", "cde", "f", "XYZ"]}, "--prompts"),
+        ({"model_name": "another-model"}, "--model"),
+    ],
+)
 def test_resume_with_other_settings_is_refused(tmp_path, change, flag) -> None:
     d = tmp_path / "cache"
     generate_dataset(FakeLLM(), PROMPTS, d, max_new_tokens=3, shard_size=2, progress=False)
@@ -178,8 +221,9 @@ def test_legacy_directory_without_meta_from_more_prompts_is_refused(tmp_path) ->
         generate_dataset(FakeLLM(), PROMPTS[:2], d, max_new_tokens=2, shard_size=2, progress=False)
     assert not (d / "meta.json").exists()  # a refused run claims nothing about the directory
     with pytest.raises(DataCacheMismatchError, match="other prompts"):
-        generate_dataset(FakeLLM(), ["x" * 500] + PROMPTS, d, max_new_tokens=2, shard_size=2, max_prompt_tokens=100,
-                         progress=False)
+        generate_dataset(
+            FakeLLM(), ["x" * 500] + PROMPTS, d, max_new_tokens=2, shard_size=2, max_prompt_tokens=100, progress=False
+        )
 
 
 def test_cache_names_depend_on_model_and_limits() -> None:
@@ -211,25 +255,34 @@ def _tiny_data(tmp_path: Path) -> tuple[object, Path]:
         seqs.append(torch.full((len(ans),), i))
     d = tmp_path / "data"
     d.mkdir()
-    save_file({"tokens": torch.cat(toks).int(), "hidden": torch.cat(hids), "seq": torch.cat(seqs).int()},
-              str(d / "shard_00000.safetensors"))
+    save_file(
+        {"tokens": torch.cat(toks).int(), "hidden": torch.cat(hids), "seq": torch.cat(seqs).int()},
+        str(d / "shard_00000.safetensors"),
+    )
     return m, d
 
 
-def _mcfg(m, **kw) -> MedusaConfig:  # noqa: ANN001
+def _mcfg(m, **kw) -> MedusaConfig:
     return MedusaConfig(base_model="tiny", hidden_size=m.hidden_size, vocab_size=m.vocab_size, **kw)
 
 
 TC = TrainConfig(epochs=1, batch_size=16, heldout_frac=0.0, checkpoint_every=1)
 
 
-@pytest.mark.parametrize("mkw, tcfg, match", [
-    ({"num_heads": 3}, TC, "num_heads 2 \\(now 3\\) \\[--num-heads\\]"),
-    ({"num_heads": 2, "draft_vocab": 8}, TC, "draft_vocab 0 \\(now 8\\) \\[--draft-vocab\\]"),
-    ({"num_heads": 2, "shared_lm_head": False}, TC, "shared_lm_head True \\(now False\\) \\[--projection\\]"),
-    ({"num_heads": 2, "num_layers": 2}, TC, "num_layers 1 \\(now 2\\)"),
-    ({"num_heads": 2}, TrainConfig(epochs=3, batch_size=16, heldout_frac=0.0), "epochs 1 \\(now 3\\) \\[--epochs\\]"),
-])
+@pytest.mark.parametrize(
+    "mkw, tcfg, match",
+    [
+        ({"num_heads": 3}, TC, "num_heads 2 \\(now 3\\) \\[--num-heads\\]"),
+        ({"num_heads": 2, "draft_vocab": 8}, TC, "draft_vocab 0 \\(now 8\\) \\[--draft-vocab\\]"),
+        ({"num_heads": 2, "shared_lm_head": False}, TC, "shared_lm_head True \\(now False\\) \\[--projection\\]"),
+        ({"num_heads": 2, "num_layers": 2}, TC, "num_layers 1 \\(now 2\\)"),
+        (
+            {"num_heads": 2},
+            TrainConfig(epochs=3, batch_size=16, heldout_frac=0.0),
+            "epochs 1 \\(now 3\\) \\[--epochs\\]",
+        ),
+    ],
+)
 def test_resume_with_other_heads_or_run_is_refused(tmp_path, mkw, tcfg, match) -> None:
     m, d = _tiny_data(tmp_path)
     train_heads(d, m.lm_head.weight, _mcfg(m, num_heads=2), TC, tmp_path / "o", progress=False)
@@ -316,21 +369,24 @@ def test_latency_sizes_reach_the_budget() -> None:
 # CLI argument checks (all fail before any model is loaded)
 
 
-def _main(argv: list[str], capsys) -> tuple[int, str]:  # noqa: ANN001
+def _main(argv: list[str], capsys) -> tuple[int, str]:
     from treedraft.cli import main
 
     rc = main(argv)
     return rc, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, match", [
-    (["--num-heads", "0"], "--num-heads must be >= 1"),
-    (["--num-layers", "0"], "--num-layers must be >= 1"),
-    (["--draft-vocab", "-1"], "--draft-vocab must be >= 0"),
-    (["--epochs", "0"], "--epochs must be >= 1"),
-    (["--lr", "0"], "--lr must be > 0"),
-    (["--num-prompts", "0"], "--num-prompts must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--num-heads", "0"], "--num-heads must be >= 1"),
+        (["--num-layers", "0"], "--num-layers must be >= 1"),
+        (["--draft-vocab", "-1"], "--draft-vocab must be >= 0"),
+        (["--epochs", "0"], "--epochs must be >= 1"),
+        (["--lr", "0"], "--lr must be > 0"),
+        (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    ],
+)
 def test_train_heads_validates_arguments(tmp_path, capsys, args, match) -> None:
     p = _jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
     rc, err = _main(["train-heads", "--out", str(tmp_path / "o"), "--prompts", str(p), *args], capsys)

@@ -7,8 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treedraft.tree import (TokenTree, TreeError, full_attention_mask, retrieve_indices, tree_mask,
-                            tree_positions)
+from treedraft.tree import TokenTree, TreeError, full_attention_mask, retrieve_indices, tree_mask, tree_positions
 
 V = 12
 
@@ -134,13 +133,16 @@ def test_from_choices_medusa_example() -> None:
     assert TokenTree.from_choices(7, choices + [[0], []], cands) == tree
 
 
-@pytest.mark.parametrize("choices, cands", [
-    ([[0, 1]], [[1, 2], [3, 4]]),          # no parent choice [0]
-    ([[0], [1, 0, 0]], [[1, 2], [3], [4]]),  # [1, 0] missing
-    ([[2]], [[1, 2]]),                     # rank out of range
-    ([[-1]], [[1, 2]]),                    # negative rank
-    ([[0], [0, 0]], [[1]]),                # no candidates for depth 2
-])
+@pytest.mark.parametrize(
+    "choices, cands",
+    [
+        ([[0, 1]], [[1, 2], [3, 4]]),  # no parent choice [0]
+        ([[0], [1, 0, 0]], [[1, 2], [3], [4]]),  # [1, 0] missing
+        ([[2]], [[1, 2]]),  # rank out of range
+        ([[-1]], [[1, 2]]),  # negative rank
+        ([[0], [0, 0]], [[1]]),  # no candidates for depth 2
+    ],
+)
 def test_from_choices_rejects_bad_choices(choices: list[list[int]], cands: list[list[int]]) -> None:
     with pytest.raises(TreeError):
         TokenTree.from_choices(0, choices, cands)
@@ -178,15 +180,18 @@ def test_pruned_depth_keeps_shallow_subtree(tree: TokenTree, d: int) -> None:
         assert old is not None and torch.equal(tree.child_q[old], q)
 
 
-@pytest.mark.parametrize("tokens, parents", [
-    ((), ()),
-    ((1, 2), (-1,)),
-    ((1, 2), (0, 0)),        # node 0 is not a root
-    ((1, 2, 3), (-1, 0, 2)),  # parent does not precede the child
-    ((1, 2, 3), (-1, 0, 5)),
-    ((1, 2), (-1, -1)),      # second root
-    ((1, 2, 2), (-1, 0, 0)),  # duplicate siblings
-])
+@pytest.mark.parametrize(
+    "tokens, parents",
+    [
+        ((), ()),
+        ((1, 2), (-1,)),
+        ((1, 2), (0, 0)),  # node 0 is not a root
+        ((1, 2, 3), (-1, 0, 2)),  # parent does not precede the child
+        ((1, 2, 3), (-1, 0, 5)),
+        ((1, 2), (-1, -1)),  # second root
+        ((1, 2, 2), (-1, 0, 0)),  # duplicate siblings
+    ],
+)
 def test_malformed_trees_raise(tokens: tuple[int, ...], parents: tuple[int, ...]) -> None:
     with pytest.raises(TreeError):
         TokenTree(tokens, parents)

@@ -44,8 +44,9 @@ def test_greedy_follows_argmax_path_and_bonus() -> None:
     a = accept_greedy(tree, onehot_logits([4, 0, 1, 0, 2, 3]))
     assert a == Acceptance((0,), 4)
     # dispatch with greedy params uses the greedy rule whatever the rule name
-    assert accept("speculative", tree, onehot_logits([3, 0, 1, 0, 2, 3]), SamplingParams(), torch.Generator()) \
-        == Acceptance((0, 1, 3), 0)
+    assert accept(
+        "speculative", tree, onehot_logits([3, 0, 1, 0, 2, 3]), SamplingParams(), torch.Generator()
+    ) == Acceptance((0, 1, 3), 0)
 
 
 def test_accept_dispatch_errors() -> None:
@@ -182,7 +183,8 @@ def test_wrong_rules_are_caught(name: str) -> None:
     c1, c2 = run(rule, TREES[shape], N, seed=5)
     assert not (fits(c1, EXPECTED_1) and fits(c2, EXPECTED_2)), (
         f"the distribution test did not notice the broken rule {name}: "
-        f"{goodness_of_fit(c1, EXPECTED_1)} {goodness_of_fit(c2, EXPECTED_2)}")
+        f"{goodness_of_fit(c1, EXPECTED_1)} {goodness_of_fit(c2, EXPECTED_2)}"
+    )
 
 
 def test_speculative_respects_top_k() -> None:

@@ -7,7 +7,20 @@ from .sampling import SamplingParams
 from .text import Chunk, GenerationResult, TextGenerator
 from .tree import TokenTree
 
-__all__ = ["LLM", "Chunk", "DraftContext", "Drafter", "Engine", "GenerationConfig", "GenerationError",
-           "GenerationResult", "GenerationStats", "SamplingParams", "TargetModel", "TextGenerator", "TokenTree",
-           "load"]
+__all__ = [
+    "LLM",
+    "Chunk",
+    "DraftContext",
+    "Drafter",
+    "Engine",
+    "GenerationConfig",
+    "GenerationError",
+    "GenerationResult",
+    "GenerationStats",
+    "SamplingParams",
+    "TargetModel",
+    "TextGenerator",
+    "TokenTree",
+    "load",
+]
 __version__ = "0.1.0"

@@ -25,8 +25,14 @@ from .sampling import SamplingParams
 from .text import Chunk, GenerationResult, TextGenerator
 from .tokenizer import Tokenizer
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 def pick_device(device: str = "auto") -> str:
@@ -63,12 +69,15 @@ class LLM:
     text: TextGenerator = field(init=False, repr=False)  # the engine wrapped with detokenization, stop, EOS
 
     def __post_init__(self) -> None:
-        self.drafters = DrafterCache(self.engine.model, self.tokenizer,
-                                     DrafterOptions(self.model_name, self.heads, suffix_store=self.suffix_store))
+        self.drafters = DrafterCache(
+            self.engine.model,
+            self.tokenizer,
+            DrafterOptions(self.model_name, self.heads, suffix_store=self.suffix_store),
+        )
         self.text = TextGenerator(self.engine, self.tokenizer)
 
     @property
-    def model(self):  # noqa: ANN201
+    def model(self):
         """The target model."""
         return self.engine.model
 
@@ -99,16 +108,31 @@ class LLM:
             return ids
         return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
 
-    def config(self, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               seed: int | None = None, stop: list[str] | tuple[str, ...] = (), rule: str = "speculative",
-               max_tree_nodes: int = 64) -> GenerationConfig:
+    def config(
+        self,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: list[str] | tuple[str, ...] = (),
+        rule: str = "speculative",
+        max_tree_nodes: int = 64,
+    ) -> GenerationConfig:
         """A :class:`GenerationConfig` from keyword arguments."""
-        return GenerationConfig(max_new_tokens=max_new_tokens,
-                                sampling=SamplingParams(temperature, top_k, top_p, seed), rule=rule,
-                                stop=tuple(stop), max_tree_nodes=max_tree_nodes)
+        return GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingParams(temperature, top_k, top_p, seed),
+            rule=rule,
+            stop=tuple(stop),
+            max_tree_nodes=max_tree_nodes,
+        )
 
-    def get_drafter(self, drafter: Drafter | str | None = DEFAULT, heads: str | None | object = ...,
-                    ) -> Drafter | None:
+    def get_drafter(
+        self,
+        drafter: Drafter | str | None = DEFAULT,
+        heads: str | None | object = ...,
+    ) -> Drafter | None:
         """'default' -> the engine's drafter; a registry name -> that drafter (built once, with load()'s heads
         unless ``heads`` is given); a drafter object -> itself; None -> plain decoding."""
         if drafter == DEFAULT:
@@ -117,13 +141,20 @@ class LLM:
             return self.drafters.get(drafter, heads)
         return drafter
 
-    def generate(self, prompt: str | list[dict], raw: bool = False, drafter: Drafter | str | None = DEFAULT,
-                 **kw) -> GenerationResult:
+    def generate(
+        self, prompt: str | list[dict], raw: bool = False, drafter: Drafter | str | None = DEFAULT, **kw
+    ) -> GenerationResult:
         """Generate a whole answer. kw: see :meth:`config`."""
         return self.text.generate(self.encode_prompt(prompt, raw), self.config(**kw), self.get_drafter(drafter))
 
-    def stream(self, prompt: str | list[dict], raw: bool = False, drafter: Drafter | str | None = DEFAULT,
-               stats: GenerationStats | None = None, **kw) -> Iterator[Chunk]:
+    def stream(
+        self,
+        prompt: str | list[dict],
+        raw: bool = False,
+        drafter: Drafter | str | None = DEFAULT,
+        stats: GenerationStats | None = None,
+        **kw,
+    ) -> Iterator[Chunk]:
         """Yield chunks of text as they are produced."""
         return self.text.stream(self.encode_prompt(prompt, raw), self.config(**kw), self.get_drafter(drafter), stats)
 
@@ -134,10 +165,19 @@ def _close_at_exit(ref: weakref.ref) -> None:
         llm.close()
 
 
-def load(model: str = DEFAULT_MODEL, drafter: str | None = DEFAULT, heads: str | None = DEFAULT,
-         device: str = "auto", dtype: str = "auto", runtime: str = "auto", max_seq_len: int | None = 4096,
-         weights: str = "auto", suffix_store: str | None = None, suffix_max_tokens: int = 1_000_000,
-         suffix_share: bool = False) -> LLM:
+def load(
+    model: str = DEFAULT_MODEL,
+    drafter: str | None = DEFAULT,
+    heads: str | None = DEFAULT,
+    device: str = "auto",
+    dtype: str = "auto",
+    runtime: str = "auto",
+    max_seq_len: int | None = 4096,
+    weights: str = "auto",
+    suffix_store: str | None = None,
+    suffix_max_tokens: int = 1_000_000,
+    suffix_share: bool = False,
+) -> LLM:
     """Load a target model by registry name, GGUF path or HF directory.
 
     drafter: 'default' (hybrid: Medusa heads + prompt lookup when heads are shipped for this model or
@@ -162,6 +202,7 @@ def load(model: str = DEFAULT_MODEL, drafter: str | None = DEFAULT, heads: str |
     if runtime == "auto":
         runtime = "own" if arch in LLAMA_ARCHS else "hf"
     from .models.quant_load import resolve_weights  # --weights (issue 11): begin
+
     weights = resolve_weights(weights, runtime, dev, dt)  # end
     if runtime == "own":
         net, _meta = load_own(path, dt, dev, max_seq_len)
@@ -169,15 +210,20 @@ def load(model: str = DEFAULT_MODEL, drafter: str | None = DEFAULT, heads: str |
             pack_tuned(net, path, dt)  # per-row-count matmul kernels, measured on this machine
     elif runtime == "hf":
         from .models.hf_adapter import HFTarget
+
         net = HFTarget.load(path, dt, dev, max_seq_len)
     else:
         raise ModelLoadError(f"unknown runtime {runtime!r}; use auto, own or hf")
-    tok = (Tokenizer.from_gguf(path, cache_dir() / "tokenizers" / file_key(path)) if path.is_file()
-           else Tokenizer.from_dir(path))
+    tok = (
+        Tokenizer.from_gguf(path, cache_dir() / "tokenizers" / file_key(path))
+        if path.is_file()
+        else Tokenizer.from_dir(path)
+    )
     if arch == "gemma3" and tok.hf.bos_token_id is not None:
         tok.add_bos = True  # Gemma expects <bos> in front of raw text
     if weights != "fp32":  # --weights (issue 11): swap in quantized linears; begin
         from .models.quant_load import PROBE_TEXT, apply_weights, log_stderr
+
         net.weights_info = apply_weights(net, path, weights, tok.encode(PROBE_TEXT), log=log_stderr)  # end
     llm = LLM(Engine(net), tok, model if not Path(model).exists() else str(path), dev, heads, store)
     atexit.register(_close_at_exit, weakref.ref(llm))  # flush + close the store (a weakref: llm may die first)

@@ -23,21 +23,37 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on cpu, bf16 on cuda), fp32, bf16, fp16")
     p.add_argument("--runtime", default="auto", help="own (compact Llama module), hf (transformers), auto")
-    p.add_argument("--weights", default="auto", choices=("auto", "fp32", "int8", "int4"),
-                   help="linear weights on cpu: int4 (the GGUF's own 4-bit blocks), int8, fp32, or auto "
-                        "(fastest measured here whose quality check passes)")
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=("auto", "fp32", "int8", "int4"),
+        help="linear weights on cpu: int4 (the GGUF's own 4-bit blocks), int8, fp32, or auto "
+        "(fastest measured here whose quality check passes)",
+    )
     add_suffix_args(p)
 
 
 def add_suffix_args(p: argparse.ArgumentParser) -> None:
     """--suffix-store / --suffix-max-tokens / --suffix-share (drafter ``suffix``), shared with bench and serve."""
-    p.add_argument("--suffix-store", default=None, metavar="DIR",
-                   help="drafter suffix: keep earlier outputs in DIR across restarts (default: in memory)")
-    p.add_argument("--suffix-max-tokens", type=int, default=1_000_000, metavar="N",
-                   help="drafter suffix: tokens kept at most, oldest requests evicted first")
-    p.add_argument("--suffix-share", action="store_true",
-                   help="drafter suffix: every tenant drafts from every tenant's outputs (default: its own only; "
-                        "outputs stay exact, but speed would reveal what others generated)")
+    p.add_argument(
+        "--suffix-store",
+        default=None,
+        metavar="DIR",
+        help="drafter suffix: keep earlier outputs in DIR across restarts (default: in memory)",
+    )
+    p.add_argument(
+        "--suffix-max-tokens",
+        type=int,
+        default=1_000_000,
+        metavar="N",
+        help="drafter suffix: tokens kept at most, oldest requests evicted first",
+    )
+    p.add_argument(
+        "--suffix-share",
+        action="store_true",
+        help="drafter suffix: every tenant drafts from every tenant's outputs (default: its own only; "
+        "outputs stay exact, but speed would reveal what others generated)",
+    )
 
 
 def suffix_kwargs(a: argparse.Namespace) -> dict:
@@ -52,24 +68,41 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--rule", default="speculative",
-                   help="acceptance rule when sampling: speculative (lossless) or typical (lossy)")
+    p.add_argument(
+        "--rule", default="speculative", help="acceptance rule when sampling: speculative (lossless) or typical (lossy)"
+    )
     p.add_argument("--max-tree-nodes", type=int, default=64)
 
 
-def load_from_args(a: argparse.Namespace):  # noqa: ANN201
+def load_from_args(a: argparse.Namespace):
     from . import load
 
-    return load(a.model, drafter=a.drafter, heads=a.heads, device=a.device, dtype=a.dtype, runtime=a.runtime,
-                weights=a.weights, **suffix_kwargs(a))
+    return load(
+        a.model,
+        drafter=a.drafter,
+        heads=a.heads,
+        device=a.device,
+        dtype=a.dtype,
+        runtime=a.runtime,
+        weights=a.weights,
+        **suffix_kwargs(a),
+    )
 
 
 def _gen_kwargs(a: argparse.Namespace) -> dict:
-    return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                seed=a.seed, stop=a.stop, rule=a.rule, max_tree_nodes=a.max_tree_nodes)
+    return dict(
+        max_new_tokens=a.max_new_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        seed=a.seed,
+        stop=a.stop,
+        rule=a.rule,
+        max_tree_nodes=a.max_tree_nodes,
+    )
 
 
-def _run_stream(llm, prompt, a: argparse.Namespace, raw: bool) -> str:  # noqa: ANN001
+def _run_stream(llm, prompt, a: argparse.Namespace, raw: bool) -> str:
     from .engine import GenerationStats
 
     stats = GenerationStats()
@@ -80,9 +113,11 @@ def _run_stream(llm, prompt, a: argparse.Namespace, raw: bool) -> str:  # noqa: 
         parts.append(ch.text)
     sys.stdout.write("\n")
     name = getattr(llm.engine.drafter, "name", "none") if llm.engine.drafter else "none"
-    print(f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, drafter {name}, "
-          f"mean accepted {stats.mean_accepted_length:.2f}, prefill {stats.t_prefill * 1000:.0f} ms]",
-          file=sys.stderr)
+    print(
+        f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, drafter {name}, "
+        f"mean accepted {stats.mean_accepted_length:.2f}, prefill {stats.t_prefill * 1000:.0f} ms]",
+        file=sys.stderr,
+    )
     return "".join(parts)
 
 

@@ -21,8 +21,19 @@ from .sampling import SamplingParams, sample, target_probs
 from .tree import TokenTree, TreeError, full_attention_mask, tree_positions
 from .verify import RULES, accept
 
-__all__ = ["DecodeResult", "DraftContext", "Drafter", "Engine", "GenerationConfig", "GenerationError",
-           "GenerationStats", "StepStats", "TargetModel", "acceptance_per_depth", "target_device"]
+__all__ = [
+    "DecodeResult",
+    "DraftContext",
+    "Drafter",
+    "Engine",
+    "GenerationConfig",
+    "GenerationError",
+    "GenerationStats",
+    "StepStats",
+    "TargetModel",
+    "acceptance_per_depth",
+    "target_device",
+]
 
 log = logging.getLogger("treedraft.engine")
 
@@ -162,9 +173,11 @@ class Engine:
 
     def _check_owner(self, owner: object) -> None:
         if self._cache_owner is not owner:
-            raise RuntimeError("this generation's KV cache was taken by another stream started on the same Engine "
-                               "(e.g. two interleaved stream() generators); an Engine runs one stream at a time: "
-                               "finish or close one stream before starting the next, or use one Engine per stream")
+            raise RuntimeError(
+                "this generation's KV cache was taken by another stream started on the same Engine "
+                "(e.g. two interleaved stream() generators); an Engine runs one stream at a time: "
+                "finish or close one stream before starting the next, or use one Engine per stream"
+            )
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         """Raise GenerationError when the prompt cannot be served."""
@@ -172,8 +185,10 @@ class Engine:
             raise GenerationError("the prompt is empty; give at least one token of text")
         limit = self.model.max_seq_len
         if len(prompt_ids) >= limit:
-            raise GenerationError(f"the prompt has {len(prompt_ids)} tokens but the context window is {limit}; "
-                                  f"shorten it to at most {limit - 1} tokens")
+            raise GenerationError(
+                f"the prompt has {len(prompt_ids)} tokens but the context window is {limit}; "
+                f"shorten it to at most {limit - 1} tokens"
+            )
         bad = [t for t in prompt_ids if not 0 <= int(t) < self.model.vocab_size]
         if bad:
             raise GenerationError(f"prompt token ids out of range [0, {self.model.vocab_size}): {bad[:5]}")
@@ -182,17 +197,25 @@ class Engine:
         """How many new tokens :meth:`decode` produces at most: max_new_tokens capped by the context left."""
         return min(config.max_new_tokens, self.model.max_seq_len - prompt_len)
 
-    def generate(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None,
-                 drafter: Drafter | None | str = "default") -> DecodeResult:
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig | None = None,
+        drafter: Drafter | None | str = "default",
+    ) -> DecodeResult:
         """Decode to the token budget (no EOS, no stop strings: see :class:`treedraft.text.TextGenerator`)."""
         stats = GenerationStats()
         ids = [t for step in self.decode(prompt_ids, config, drafter, stats) for t in step]
         return DecodeResult(ids, "length", stats)
 
     @torch.inference_mode()
-    def decode(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None,
-               drafter: Drafter | None | str = "default", stats: GenerationStats | None = None,
-               ) -> Iterator[list[int]]:
+    def decode(
+        self,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig | None = None,
+        drafter: Drafter | None | str = "default",
+        stats: GenerationStats | None = None,
+    ) -> Iterator[list[int]]:
         """Yield the token ids each step commits: the prefill's token, then accepted drafts + bonus per step.
 
         ``drafter``: "default" (the engine's), None (plain decoding) or a drafter. Stops after
@@ -214,8 +237,13 @@ class Engine:
         max_new = self.token_budget(len(prompt), cfg)
 
         t0 = time.perf_counter()
-        logits, hidden = model.forward(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev),
-                                       cache, 0, logits_for=slice(-1, None))
+        logits, hidden = model.forward(
+            torch.tensor([prompt], device=dev),
+            torch.arange(len(prompt), device=dev),
+            cache,
+            0,
+            logits_for=slice(-1, None),
+        )
         cache.keep(0, range(len(prompt)))
         root = self._pick(logits[0, -1], cfg.sampling, gen)
         last_hidden = None if hidden is None else hidden[0, -1]
@@ -246,8 +274,9 @@ class Engine:
                 start = cache.length
                 n = len(tree)
                 mask = None if n == 1 else full_attention_mask(tree, start, dev)
-                logits, hidden = model.forward(torch.tensor([tree.tokens], device=dev),
-                                               tree_positions(tree, start, dev), cache, start, mask)
+                logits, hidden = model.forward(
+                    torch.tensor([tree.tokens], device=dev), tree_positions(tree, start, dev), cache, start, mask
+                )
                 tr = time.perf_counter()
                 if n == 1:
                     acc_nodes, bonus = (0,), self._pick(logits[0, 0], cfg.sampling, gen)
@@ -277,8 +306,9 @@ class Engine:
         try:
             fin(prompt, output)
         except Exception:  # the tokens are already delivered: log it, never fail the request
-            log.exception("drafter %r failed to record a finished request",
-                          getattr(drafter, "name", type(drafter).__name__))
+            log.exception(
+                "drafter %r failed to record a finished request", getattr(drafter, "name", type(drafter).__name__)
+            )
 
     @staticmethod
     def _pick(logits: Tensor, p: SamplingParams, gen: torch.Generator) -> int:
@@ -295,22 +325,32 @@ class Engine:
             raise TreeError(f"drafter {name!r} returned a tree rooted at {tree.tokens[0]}, expected root {root}")
         bad = [t for t in tree.tokens if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
-            raise TreeError(f"drafter {name!r} proposed token ids outside the vocabulary [0, {vocab}) "
-                            f"(or not ints): {bad[:5]}")
+            raise TreeError(
+                f"drafter {name!r} proposed token ids outside the vocabulary [0, {vocab}) (or not ints): {bad[:5]}"
+            )
         kids = tree.children()
         for node, q in tree.child_q.items():
-            if not (isinstance(node, int) and 0 <= node < len(tree)) or not isinstance(q, Tensor) \
-                    or tuple(q.shape) != (vocab,):
-                raise TreeError(f"drafter {name!r} gave child_q[{node!r}] that is not a ({vocab},) tensor "
-                                f"for a node of its {len(tree)}-node tree")
+            if (
+                not (isinstance(node, int) and 0 <= node < len(tree))
+                or not isinstance(q, Tensor)
+                or tuple(q.shape) != (vocab,)
+            ):
+                raise TreeError(
+                    f"drafter {name!r} gave child_q[{node!r}] that is not a ({vocab},) tensor "
+                    f"for a node of its {len(tree)}-node tree"
+                )
             # the lossless multi-draft rule divides by q: an unnormalised q biases the output distribution
             qd = q.detach().double()
             total = float(qd.sum())
             if not bool(torch.isfinite(qd).all()) or bool((qd < 0).any()) or abs(total - 1.0) > Q_SUM_TOLERANCE:
-                raise TreeError(f"drafter {name!r} gave child_q[{node}] that is not a probability distribution "
-                                f"(min {float(qd.min()):.3g}, sum {total:.6g}); it must be the normalised "
-                                f"distribution the children were sampled from (q >= 0, sum 1 within "
-                                f"{Q_SUM_TOLERANCE})")
+                raise TreeError(
+                    f"drafter {name!r} gave child_q[{node}] that is not a probability distribution "
+                    f"(min {float(qd.min()):.3g}, sum {total:.6g}); it must be the normalised "
+                    f"distribution the children were sampled from (q >= 0, sum 1 within "
+                    f"{Q_SUM_TOLERANCE})"
+                )
             if any(float(q[tree.tokens[c]]) <= 0.0 for c in kids[node]):
-                raise TreeError(f"drafter {name!r} sampled children of node {node} that have zero probability "
-                                "under its own child_q; its q must be the distribution it sampled from")
+                raise TreeError(
+                    f"drafter {name!r} sampled children of node {node} that have zero probability "
+                    "under its own child_q; its q must be the distribution it sampled from"
+                )

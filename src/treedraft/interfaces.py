@@ -58,9 +58,15 @@ class TargetModel(Protocol):
         """An empty cache for up to ``max_len`` positions (default: ``max_seq_len``)."""
         ...
 
-    def forward(self, tokens: Tensor, positions: Tensor, cache: Cache | None = None, start: int | None = None,
-                mask: Tensor | None = None, logits_for: Tensor | slice | None = None,
-                ) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: Cache | None = None,
+        start: int | None = None,
+        mask: Tensor | None = None,
+        logits_for: Tensor | slice | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
         """(B, T) tokens at (T,) positions [+ (T, start+T) tree mask] -> (B, T', V) logits, (B, T, H) hidden."""
         ...
 

@@ -33,11 +33,18 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-BUILTIN_PROMPTS = ("Explain in three sentences why the sky is blue.", "Write a haiku about autumn leaves.",
-                   "List five uses of a paperclip.", "What is the difference between a list and a tuple in Python?",
-                   "Summarise the plot of Romeo and Juliet in two sentences.", "Give me three tips for better sleep.",
-                   "Translate 'good morning, how are you?' into French and Spanish.",
-                   "Write a Python function that reverses a string.")
+from .loadtest_report import _ms, report_markdown, write_outputs
+
+BUILTIN_PROMPTS = (
+    "Explain in three sentences why the sky is blue.",
+    "Write a haiku about autumn leaves.",
+    "List five uses of a paperclip.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "Give me three tips for better sleep.",
+    "Translate 'good morning, how are you?' into French and Spanish.",
+    "Write a Python function that reverses a string.",
+)
 MAX_CONCURRENCY = 1024
 MAX_REQUESTS = 100_000
 
@@ -59,8 +66,10 @@ def check_loopback(url: str) -> str:
     except ValueError:  # a name other than localhost: never resolved, so never contacted
         loopback = False
     if not loopback:
-        raise LoadTestError(f"refusing to load-test {host!r}: only servers on this machine may be targeted "
-                            f"(127.0.0.0/8, localhost, ::1); e.g. --url http://127.0.0.1:8000")
+        raise LoadTestError(
+            f"refusing to load-test {host!r}: only servers on this machine may be targeted "
+            f"(127.0.0.0/8, localhost, ::1); e.g. --url http://127.0.0.1:8000"
+        )
     try:
         port = parts.port
     except ValueError as e:
@@ -140,15 +149,28 @@ def summarize(concurrency: int, results: list[RequestResult], wall_s: float) -> 
         if not r.ok:
             kinds[r.error or "unknown"] = kinds.get(r.error or "unknown", 0) + 1
     tokens = sum(r.completion_tokens for r in good)
-    series = {"ttft": [r.ttft for r in good if r.ttft is not None],
-              "tpot": [t for r in good if (t := r.tpot) is not None],
-              "itl": [g for r in good for g in r.gaps], "e2e": [r.e2e for r in good]}
+    series = {
+        "ttft": [r.ttft for r in good if r.ttft is not None],
+        "tpot": [t for r in good if (t := r.tpot) is not None],
+        "itl": [g for r in good for g in r.gaps],
+        "e2e": [r.e2e for r in good],
+    }
     lat = {f"{k}_{name}": _pct(v, q) for k, v in series.items() for name, q in (("p50", 50), ("p99", 99))}
-    return LevelResult(concurrency, len(results), len(good), len(results) - len(good), kinds, wall_s, tokens,
-                       tokens / wall_s if wall_s > 0 else 0.0, len(good) / wall_s if wall_s > 0 else 0.0, lat)
+    return LevelResult(
+        concurrency,
+        len(results),
+        len(good),
+        len(results) - len(good),
+        kinds,
+        wall_s,
+        tokens,
+        tokens / wall_s if wall_s > 0 else 0.0,
+        len(good) / wall_s if wall_s > 0 else 0.0,
+        lat,
+    )
 
 
-async def stream_one(client: Any, url: str, body: dict, headers: dict[str, str]) -> RequestResult:  # noqa: ANN401
+async def stream_one(client: Any, url: str, body: dict, headers: dict[str, str]) -> RequestResult:
     """Send one streaming chat completion and time its events."""
     import httpx
 
@@ -231,9 +253,14 @@ class LoadTestConfig:
 
 
 def _body(cfg: LoadTestConfig, model: str, i: int) -> dict:
-    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": cfg.prompts[i % len(cfg.prompts)]}],
-                            "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "stream": True,
-                            "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": cfg.prompts[i % len(cfg.prompts)]}],
+        "max_tokens": cfg.max_tokens,
+        "temperature": cfg.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if cfg.seed is not None:
         body["seed"] = cfg.seed + i
     if cfg.ignore_eos:
@@ -243,8 +270,9 @@ def _body(cfg: LoadTestConfig, model: str, i: int) -> dict:
     return body
 
 
-async def _level(client: Any, cfg: LoadTestConfig, model: str, headers: dict[str, str],  # noqa: ANN401
-                 concurrency: int) -> LevelResult:
+async def _level(
+    client: Any, cfg: LoadTestConfig, model: str, headers: dict[str, str], concurrency: int
+) -> LevelResult:
     url = f"{cfg.url}/v1/chat/completions"
     results: list[RequestResult] = []
     next_i = iter(range(cfg.requests))
@@ -268,7 +296,7 @@ async def _level(client: Any, cfg: LoadTestConfig, model: str, headers: dict[str
     return summarize(concurrency, results, wall)
 
 
-async def run_loadtest(cfg: LoadTestConfig, log: Any = None) -> dict:  # noqa: ANN401
+async def run_loadtest(cfg: LoadTestConfig, log: Any = None) -> dict:
     """Run every concurrency level in order; the JSON-able result."""
     import httpx
 
@@ -282,8 +310,10 @@ async def run_loadtest(cfg: LoadTestConfig, log: Any = None) -> dict:  # noqa: A
         if model is None:
             r = await client.get(f"{cfg.url}/v1/models", headers=headers)
             if r.status_code != 200:
-                raise LoadTestError(f"GET {cfg.url}/v1/models answered {r.status_code}: {r.text[:200]}"
-                                    + (" (give --api-key)" if r.status_code == 401 else ""))
+                raise LoadTestError(
+                    f"GET {cfg.url}/v1/models answered {r.status_code}: {r.text[:200]}"
+                    + (" (give --api-key)" if r.status_code == 401 else "")
+                )
             model = r.json()["data"][0]["id"]
         for i in range(cfg.warmup):
             w = await stream_one(client, f"{cfg.url}/v1/chat/completions", _body(cfg, model, i), headers)
@@ -293,97 +323,20 @@ async def run_loadtest(cfg: LoadTestConfig, log: Any = None) -> dict:  # noqa: A
         for c in cfg.concurrency:
             lv = await _level(client, cfg, model, headers, c)
             lat = lv.latency
-            say(f"concurrency {c:4d}: {lv.tokens_per_s:8.1f} tok/s, {lv.requests_per_s:6.2f} req/s, "
+            say(
+                f"concurrency {c:4d}: {lv.tokens_per_s:8.1f} tok/s, {lv.requests_per_s:6.2f} req/s, "
                 f"TTFT p50/p99 {_ms(lat['ttft_p50'])}/{_ms(lat['ttft_p99'])} ms, "
-                f"ITL p50/p99 {_ms(lat['itl_p50'])}/{_ms(lat['itl_p99'])} ms, errors {lv.errors}/{lv.requests}")
+                f"ITL p50/p99 {_ms(lat['itl_p50'])}/{_ms(lat['itl_p99'])} ms, errors {lv.errors}/{lv.requests}"
+            )
             levels.append(asdict(lv))
-    return {"url": cfg.url, "model": model, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "config": {k: v for k, v in asdict(cfg).items() if k not in ("api_key", "prompts")}
-            | {"num_prompts": len(cfg.prompts), "api_key": bool(cfg.api_key)}, "levels": levels}
-
-
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1000:.0f}"
-
-
-# ----------------------------------------------------------------------------- outputs
-
-
-def report_markdown(result: dict) -> str:
-    """A markdown report: the run's settings and one table row per concurrency level."""
-    cfg = result["config"]
-    settings = (f"{result['time']}; {cfg['requests']} requests per level, max_tokens {cfg['max_tokens']}, "
-                f"temperature {cfg['temperature']}, ignore_eos {cfg['ignore_eos']}, {cfg['num_prompts']} prompts.")
-    header = ("| concurrency | tok/s | vs c=1 | req/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
-              "| ITL p50 / p99 (ms) | e2e p50 / p99 (s) | errors |")
-    lines = [f"# treedraft loadtest: {result['model']} at {result['url']}", "", settings, "", header,
-             "|---|---|---|---|---|---|---|---|---|"]
-    base = next((lv["tokens_per_s"] for lv in result["levels"] if lv["concurrency"] == 1), None)
-    for lv in result["levels"]:
-        lat = lv["latency"]
-        speed = f"{lv['tokens_per_s'] / base:.2f}x" if base else "-"
-        e2e = " / ".join("-" if lat[k] is None else f"{lat[k]:.2f}" for k in ("e2e_p50", "e2e_p99"))
-        errs = f"{lv['errors']}/{lv['requests']}" + (
-            f" ({', '.join(f'{k}: {n}' for k, n in sorted(lv['error_kinds'].items()))})" if lv["errors"] else "")
-        lines.append(f"| {lv['concurrency']} | {lv['tokens_per_s']:.1f} | {speed} | {lv['requests_per_s']:.2f} | "
-                     + " | ".join(f"{_ms(lat[k + '_p50'])} / {_ms(lat[k + '_p99'])}" for k in ("ttft", "tpot", "itl"))
-                     + f" | {e2e} | {errs} |")
-    lines += ["", ("Throughput = completion tokens of successful requests / wall time of the level. TTFT: send to "
-                   "first content; TPOT: per request, (end - first content) / (tokens - 1); ITL: gaps between "
-                   "streamed content events."), ""]
-    return "\n".join(lines)
-
-
-def plot(result: dict, path: Path) -> Path | None:
-    """Throughput and latency against concurrency (PNG); None when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    lv = result["levels"]
-    cs = [x["concurrency"] for x in lv]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    a1.plot(cs, [x["tokens_per_s"] for x in lv], "o-", label="tokens/s")
-    a1.set(xlabel="concurrency", ylabel="tokens/s (aggregate)", title="Throughput", xscale="log")
-    a1.set_ylim(bottom=0)
-    positive = False
-    for key, style in (("ttft", "o-"), ("itl", "s--"), ("tpot", "^:")):
-        for q, alpha in (("p50", 1.0), ("p99", 0.5)):
-            ys = [x["latency"][f"{key}_{q}"] for x in lv]
-            ys = [float("nan") if y is None else y * 1000 for y in ys]
-            positive |= any(y > 0 for y in ys)  # NaN compares False
-            a2.plot(cs, ys, style, alpha=alpha, label=f"{key.upper()} {q}")
-    # log scale spans TTFT (queueing) and ITL; it needs a positive value (a level of only errors has none)
-    a2.set(xlabel="concurrency", ylabel="ms (log scale)" if positive else "ms", title="Latency", xscale="log",
-           yscale="log" if positive else "linear")
-    a2.legend(fontsize=8)
-    for ax in (a1, a2):
-        ax.minorticks_off()
-        ax.set_xticks(cs, [str(c) for c in cs])
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"treedraft loadtest: {result['model']}, max_tokens {result['config']['max_tokens']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def write_outputs(result: dict, out: Path) -> dict[str, Path]:
-    """loadtest.json, report.md and loadtest.png (when matplotlib is installed) in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "loadtest.json", "markdown": out / "report.md"}
-    paths["json"].write_text(json.dumps(result, indent=2) + "\n")
-    paths["markdown"].write_text(report_markdown(result))
-    png = plot(result, out / "loadtest.png")
-    if png is not None:
-        paths["plot"] = png
-    return paths
-
-
-# ----------------------------------------------------------------------------- CLI
+    return {
+        "url": cfg.url,
+        "model": model,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "config": {k: v for k, v in asdict(cfg).items() if k not in ("api_key", "prompts")}
+        | {"num_prompts": len(cfg.prompts), "api_key": bool(cfg.api_key)},
+        "levels": levels,
+    }
 
 
 def default_out_dir() -> Path:
@@ -400,11 +353,22 @@ def default_out_dir() -> Path:
 
 def cmd_loadtest(a: argparse.Namespace) -> int:
     """`treedraft loadtest`: run the levels, print a summary, write the report files."""
-    cfg = LoadTestConfig(url=a.url, concurrency=parse_concurrency(a.concurrency), requests=a.requests,
-                         max_tokens=a.max_tokens, prompts=load_prompts(a.prompts),
-                         api_key=a.api_key or os.environ.get("TREEDRAFT_API_KEY") or None, model=a.model,
-                         temperature=a.temperature, seed=a.seed, ignore_eos=a.ignore_eos, drafter=a.drafter,
-                         request_timeout=a.request_timeout, max_seconds=a.max_seconds, warmup=a.warmup)
+    cfg = LoadTestConfig(
+        url=a.url,
+        concurrency=parse_concurrency(a.concurrency),
+        requests=a.requests,
+        max_tokens=a.max_tokens,
+        prompts=load_prompts(a.prompts),
+        api_key=a.api_key or os.environ.get("TREEDRAFT_API_KEY") or None,
+        model=a.model,
+        temperature=a.temperature,
+        seed=a.seed,
+        ignore_eos=a.ignore_eos,
+        drafter=a.drafter,
+        request_timeout=a.request_timeout,
+        max_seconds=a.max_seconds,
+        warmup=a.warmup,
+    )
     result = asyncio.run(run_loadtest(cfg))
     paths = write_outputs(result, Path(a.out) if a.out else default_out_dir())
     print(report_markdown(result))
@@ -412,18 +376,25 @@ def cmd_loadtest(a: argparse.Namespace) -> int:
     return 1 if any(lv["errors"] for lv in result["levels"]) else 0
 
 
-def register(subparsers: Any) -> None:  # noqa: ANN401 - argparse's private _SubParsersAction
+def register(subparsers: Any) -> None:
     """Add `treedraft loadtest` to the CLI."""
-    p = subparsers.add_parser("loadtest", help="load-test a treedraft (or any OpenAI-compatible) server on this machine",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "loadtest",
+        help="load-test a treedraft (or any OpenAI-compatible) server on this machine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server root; loopback only")
     p.add_argument("--concurrency", default="1,2,4,8", help="comma list of concurrent clients, one level each")
     p.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--api-key", default=None, help="Bearer key (default: $TREEDRAFT_API_KEY)")
-    p.add_argument("--prompts", default=None,
-                   help="jsonl prompt file (prompt/turns/conversations/messages; default: MT-Bench when "
-                        "../shared/data has it, else built-in prompts)")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="jsonl prompt file (prompt/turns/conversations/messages; default: MT-Bench when "
+        "../shared/data has it, else built-in prompts)",
+    )
     p.add_argument("--out", default=None, help="output folder (default: a new one under ~/.cache/treedraft/loadtest)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     p.add_argument("--temperature", type=float, default=0.0)

@@ -21,8 +21,10 @@ from typing import Any
 SHARED_DATA = Path("..") / "shared" / "data"  # relative to the working directory or the repository root
 MT_BENCH_FILE = "mt_bench_questions.jsonl"
 SHAREGPT_FILE = "sharegpt_prompts.jsonl"
-FORMATS = ("'prompt' string, 'turns' list, ShareGPT 'conversations' list ({'from': 'human', 'value': ...}) "
-           "or 'messages' list ({'role': 'user', 'content': ...})")
+FORMATS = (
+    "'prompt' string, 'turns' list, ShareGPT 'conversations' list ({'from': 'human', 'value': ...}) "
+    "or 'messages' list ({'role': 'user', 'content': ...})"
+)
 
 _USER_FROM = ("human", "user")
 
@@ -91,8 +93,9 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
             except json.JSONDecodeError as e:
                 raise PromptFileError(f"{path}:{n}: not valid JSON ({e.msg})") from e
             text = prompt_text(row, f"{path}:{n}")
-            out.append(Prompt(str(row.get("question_id", row.get("id", n))), str(row.get("category") or "general"),
-                              text))
+            out.append(
+                Prompt(str(row.get("question_id", row.get("id", n))), str(row.get("category") or "general"), text)
+            )
     if not out:
         raise PromptFileError(f"prompt file {path} has no prompts")
     return out

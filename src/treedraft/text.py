@@ -24,7 +24,7 @@ class TextTokenizer(Protocol):
     eos_token_ids: frozenset[int]
 
     @property
-    def backend(self) -> Any:  # noqa: ANN401 - a tokenizers.Tokenizer
+    def backend(self) -> Any:
         """The ``tokenizers.Tokenizer`` whose decoder turns ids into text."""
         ...
 
@@ -36,7 +36,7 @@ class StreamDetokenizer:
     :meth:`flush` returns whatever is still held back (a truncated character as U+FFFD).
     """
 
-    def __init__(self, backend: Any, skip_special_tokens: bool = True) -> None:  # noqa: ANN401
+    def __init__(self, backend: Any, skip_special_tokens: bool = True) -> None:
         self.backend = backend
         self.skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
@@ -62,8 +62,11 @@ class StreamDetokenizer:
             return ""
         full = self.backend.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
         done = "".join(self._emitted)
-        tail = full[len(done):] if full.startswith(done) else \
-            self.backend.decode(self._ids[-self._held:], skip_special_tokens=self.skip_special_tokens)
+        tail = (
+            full[len(done) :]
+            if full.startswith(done)
+            else self.backend.decode(self._ids[-self._held :], skip_special_tokens=self.skip_special_tokens)
+        )
         self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
         self._ids, self._emitted, self._held = [], [], 0
         return tail
@@ -126,16 +129,21 @@ class TextGenerator:
     default to none, else to the tokenizer's.
     """
 
-    def __init__(self, engine: Engine, tokenizer: TextTokenizer | None = None,
-                 eos_token_ids: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, engine: Engine, tokenizer: TextTokenizer | None = None, eos_token_ids: Sequence[int] | None = None
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         if eos_token_ids is None and tokenizer is not None:
             eos_token_ids = tokenizer.eos_token_ids
         self.eos_token_ids = frozenset(int(t) for t in (eos_token_ids or ()))
 
-    def generate(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None,
-                 drafter: Drafter | None | str = "default") -> GenerationResult:
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig | None = None,
+        drafter: Drafter | None | str = "default",
+    ) -> GenerationResult:
         """Run to completion; see :meth:`stream`."""
         stats = GenerationStats()
         texts, ids, reason = [], [], "length"
@@ -145,8 +153,13 @@ class TextGenerator:
             reason = ch.finish_reason or reason
         return GenerationResult("".join(texts), ids, reason, stats)
 
-    def stream(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None,
-               drafter: Drafter | None | str = "default", stats: GenerationStats | None = None) -> Iterator[Chunk]:
+    def stream(
+        self,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig | None = None,
+        drafter: Drafter | None | str = "default",
+        stats: GenerationStats | None = None,
+    ) -> Iterator[Chunk]:
         """Yield one :class:`Chunk` per token as tokens are committed; the last one has a finish_reason.
 
         Ends at an EOS token ("stop", the EOS id is in the chunk but not its text), at a stop string
@@ -179,8 +192,9 @@ class TextGenerator:
                         break
                     if n >= budget:
                         safe2, hit2 = stopper.feed(detok.flush() if detok is not None else "")
-                        final = Chunk(safe + safe2 + ("" if hit2 else stopper.flush()), [tok],
-                                      "stop" if hit2 else "length")
+                        final = Chunk(
+                            safe + safe2 + ("" if hit2 else stopper.flush()), [tok], "stop" if hit2 else "length"
+                        )
                         break
                     pending.append(Chunk(safe, [tok]))
                 if final is not None:
@@ -197,5 +211,5 @@ class TextGenerator:
             # and the drafter's record of this request (the engine's finish, run as it closes) cover only those
             stats.cut(delivered)
             steps.close()
-        tail = (detok.flush() if detok is not None else "")  # not reached: the engine stops at the budget
+        tail = detok.flush() if detok is not None else ""  # not reached: the engine stops at the budget
         yield Chunk(stopper.feed(tail)[0] + stopper.flush(), [], "length")

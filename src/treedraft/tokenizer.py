@@ -9,8 +9,9 @@ from pathlib import Path
 class Tokenizer:
     """Thin wrapper around a transformers fast tokenizer with the bits the engine needs."""
 
-    def __init__(self, hf_tokenizer, chat_template: str | None = None,  # noqa: ANN001
-                 eos_token_ids: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, hf_tokenizer, chat_template: str | None = None, eos_token_ids: Sequence[int] | None = None
+    ) -> None:
         self.hf = hf_tokenizer
         self.chat_template = chat_template or getattr(hf_tokenizer, "chat_template", None)
         eos = set(eos_token_ids or [])
@@ -40,7 +41,7 @@ class Tokenizer:
         return cls(AutoTokenizer.from_pretrained(str(d)))
 
     @property
-    def backend(self):  # noqa: ANN201 - a tokenizers.Tokenizer
+    def backend(self):
         """The ``tokenizers.Tokenizer`` behind the transformers tokenizer (used for streaming decode)."""
         return self.hf.backend_tokenizer
 
@@ -65,6 +66,7 @@ class Tokenizer:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
-        text = self.hf.apply_chat_template(messages, chat_template=self.chat_template,
-                                           add_generation_prompt=True, tokenize=False)
+        text = self.hf.apply_chat_template(
+            messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False
+        )
         return self.encode(text)

@@ -93,8 +93,10 @@ class TokenTree:
                 raise TreeError(f"choice {list(c)} has no parent choice {list(c[:-1])}")
             d = len(c) - 1
             if d >= len(candidates) or not 0 <= c[-1] < len(candidates[d]):
-                raise TreeError(f"choice {list(c)} needs rank {c[-1]} at depth {d + 1}, "
-                                f"but only {len(candidates[d]) if d < len(candidates) else 0} candidates exist")
+                raise TreeError(
+                    f"choice {list(c)} needs rank {c[-1]} at depth {d + 1}, "
+                    f"but only {len(candidates[d]) if d < len(candidates) else 0} candidates exist"
+                )
             if c in node_of:
                 continue
             node_of[c] = len(tokens)
@@ -137,9 +139,11 @@ class TokenTree:
         if len(keep) == len(self):
             return self
         remap = {old: new for new, old in enumerate(keep)}
-        return TokenTree(tuple(self.tokens[i] for i in keep),
-                         tuple(-1 if i == 0 else remap[self.parents[i]] for i in keep),
-                         {remap[k]: v for k, v in self.child_q.items() if k in remap})
+        return TokenTree(
+            tuple(self.tokens[i] for i in keep),
+            tuple(-1 if i == 0 else remap[self.parents[i]] for i in keep),
+            {remap[k]: v for k, v in self.child_q.items() if k in remap},
+        )
 
 
 def tree_mask(tree: TokenTree) -> Tensor:

@@ -94,8 +94,9 @@ def accept_speculative(tree: TokenTree, probs: Tensor, gen: torch.Generator) -> 
             return Acceptance(tuple(path), sample(p.float(), gen))
 
 
-def accept_typical(tree: TokenTree, logits: Tensor, params: SamplingParams, gen: torch.Generator,
-                   eps: float = 0.09, alpha: float = 0.3) -> Acceptance:
+def accept_typical(
+    tree: TokenTree, logits: Tensor, params: SamplingParams, gen: torch.Generator, eps: float = 0.09, alpha: float = 0.3
+) -> Acceptance:
     """Medusa typical acceptance (Cai et al. 2024), lossy: accept x if p(x) > min(eps, alpha*exp(-H(p))).
 
     Picks the longest accepted path; the bonus token is sampled from p at its end.
@@ -116,8 +117,7 @@ def accept_typical(tree: TokenTree, logits: Tensor, params: SamplingParams, gen:
     probs = target_probs(logits, params)  # (N, V)
     ent = -(probs * probs.clamp_min(1e-20).log()).sum(-1)  # (N,)
     thresh = torch.minimum(torch.full_like(ent, eps), alpha * torch.exp(-ent))
-    ok = [True] + [bool(probs[tree.parents[i], tree.tokens[i]] > thresh[tree.parents[i]])
-                   for i in range(1, len(tree))]
+    ok = [True] + [bool(probs[tree.parents[i], tree.tokens[i]] > thresh[tree.parents[i]]) for i in range(1, len(tree))]
     best: list[int] = [0]
     reach = [False] * len(tree)
     reach[0] = True

@@ -48,7 +48,7 @@ class HFMethod:
             kw.update(do_sample=False)
         with torch.inference_mode():
             out = self.model.generate(x, **kw)
-        new = out[0, x.shape[1]:].tolist()
+        new = out[0, x.shape[1] :].tolist()
         return MethodOutput(new, None, "length" if len(new) >= self.max_new_tokens else "stop")
 
 
@@ -76,9 +76,14 @@ class LlamaCppMethod:
             self.llama.set_seed(self.seed)
         out: list[int] = []
         reason = "length"
-        for tok in self.llama.generate(list(prompt_ids), reset=True, temp=0.0 if greedy else self.temperature,
-                                       top_k=1 if greedy else self.top_k, top_p=1.0 if greedy else self.top_p,
-                                       repeat_penalty=1.0):
+        for tok in self.llama.generate(
+            list(prompt_ids),
+            reset=True,
+            temp=0.0 if greedy else self.temperature,
+            top_k=1 if greedy else self.top_k,
+            top_p=1.0 if greedy else self.top_p,
+            repeat_penalty=1.0,
+        ):
             out.append(int(tok))
             if tok == eos:
                 reason = "stop"
@@ -103,14 +108,16 @@ def llama_cpp_method(name: str, model_path: Path, config: Any, pld_tokens: int, 
     try:
         import llama_cpp
     except ImportError as e:
-        raise BenchError("llama-cpp-python is not installed (optional; `pip install llama-cpp-python` builds "
-                         "llama.cpp from source)") from e
+        raise BenchError(
+            "llama-cpp-python is not installed (optional; `pip install llama-cpp-python` builds llama.cpp from source)"
+        ) from e
     if not model_path.is_file():
         raise BenchError(f"llama.cpp needs a GGUF file; {model_path} is a directory")
     import torch
 
-    kw: dict[str, Any] = dict(model_path=str(model_path), n_ctx=4096, n_threads=torch.get_num_threads(),
-                              verbose=False, logits_all=False)
+    kw: dict[str, Any] = dict(
+        model_path=str(model_path), n_ctx=4096, n_threads=torch.get_num_threads(), verbose=False, logits_all=False
+    )
     if name == "llama.cpp-pld":
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 

@@ -12,10 +12,21 @@ from typing import Any
 
 from . import harness
 from .baselines import HFMethod, llama_cpp_method, load_hf_baseline
-from .harness import (BUILTIN_PROMPTS, DEFAULT_BASELINES, DEFAULT_DATASET, REFERENCE, BenchError, BenchPrompt,
-                      EngineMethod, Method, find_default_dataset, load_prompts, run_bench, select_prompts)
+from .harness import (
+    BUILTIN_PROMPTS,
+    DEFAULT_BASELINES,
+    DEFAULT_DATASET,
+    REFERENCE,
+    BenchError,
+    BenchPrompt,
+    EngineMethod,
+    Method,
+    find_default_dataset,
+    load_prompts,
+    run_bench,
+    select_prompts,
+)
 from .report import machine_info, write_report
-
 
 # ---------------------------------------------------------------------------------------------
 # building the real methods for a loaded model
@@ -39,8 +50,16 @@ def parse_methods(spec: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def build_methods(names: Sequence[str], llm: Any, model_path: Path, config: Any, *, dtype: Any = None,
-                  heads: str | None = "default", pld_tokens: int = 10) -> tuple[dict[str, Method], dict[str, str]]:
+def build_methods(
+    names: Sequence[str],
+    llm: Any,
+    model_path: Path,
+    config: Any,
+    *,
+    dtype: Any = None,
+    heads: str | None = "default",
+    pld_tokens: int = 10,
+) -> tuple[dict[str, Method], dict[str, str]]:
     """Construct the requested methods; each one that cannot be built is skipped with the reason."""
     methods: dict[str, Method] = {}
     skipped: dict[str, str] = {}
@@ -53,15 +72,16 @@ def build_methods(names: Sequence[str], llm: Any, model_path: Path, config: Any,
             if name in ("hf", "hf-pld"):
                 if hf_model is None:
                     hf_model = load_hf_baseline(model_path, dtype, llm.device)
-                methods[name] = HFMethod(hf_model, n, pld_tokens if name == "hf-pld" else None, sp.temperature,
-                                         sp.top_p, sp.top_k, sp.seed)
+                methods[name] = HFMethod(
+                    hf_model, n, pld_tokens if name == "hf-pld" else None, sp.temperature, sp.top_p, sp.top_k, sp.seed
+                )
             elif name in ("llama.cpp", "llama.cpp-pld"):
                 methods[name] = llama_cpp_method(name, model_path, config, pld_tokens, llama_cpp)
             elif name == "plain":
                 methods[name] = EngineMethod(llm.text, config, None)
             else:
                 methods[name] = EngineMethod(llm.text, config, llm.get_drafter(name, heads=heads))
-        except Exception as e:  # noqa: BLE001 - reported as skipped with the reason
+        except Exception as e:
             skipped[name] = f"{type(e).__name__}: {e}"
     return methods, skipped
 
@@ -106,8 +126,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
         if dataset is not None:
             prompts = load_prompts(dataset)
         else:
-            print(f"[bench] {DEFAULT_DATASET} not found; using {len(BUILTIN_PROMPTS)} built-in prompts "
-                  "(pass --dataset FILE)", file=sys.stderr)
+            print(
+                f"[bench] {DEFAULT_DATASET} not found; using {len(BUILTIN_PROMPTS)} built-in prompts "
+                "(pass --dataset FILE)",
+                file=sys.stderr,
+            )
             prompts = [BenchPrompt(f"builtin-{i}", c, t) for i, (c, t) in enumerate(BUILTIN_PROMPTS)]
     prompts = select_prompts(prompts, a.num_prompts)
     if a.max_new_tokens <= 0:
@@ -116,41 +139,71 @@ def cmd_bench(a: argparse.Namespace) -> int:
     t = time.perf_counter()
     from ..cli import suffix_kwargs
 
-    llm = load(a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights,
-               **suffix_kwargs(a))
-    cfg = llm.config(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                     seed=a.seed, max_tree_nodes=a.max_tree_nodes)
+    llm = load(
+        a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights, **suffix_kwargs(a)
+    )
+    cfg = llm.config(
+        max_new_tokens=a.max_new_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        seed=a.seed,
+        max_tree_nodes=a.max_tree_nodes,
+    )
     encoded = [(p, llm.encode_prompt(p.text, raw=a.raw)) for p in prompts]
     dtype = pick_dtype(a.dtype, pick_device(a.device))
-    methods, skipped = build_methods(methods_wanted, llm, resolve(a.model), cfg, dtype=dtype, heads=a.heads,
-                                     pld_tokens=a.pld_tokens)
-    print(f"[bench] loaded in {time.perf_counter() - t:.1f}s; methods: {', '.join(methods) or '-'}"
-          + (f"; skipped: {', '.join(skipped)}" if skipped else ""), file=sys.stderr)
+    methods, skipped = build_methods(
+        methods_wanted, llm, resolve(a.model), cfg, dtype=dtype, heads=a.heads, pld_tokens=a.pld_tokens
+    )
+    print(
+        f"[bench] loaded in {time.perf_counter() - t:.1f}s; methods: {', '.join(methods) or '-'}"
+        + (f"; skipped: {', '.join(skipped)}" if skipped else ""),
+        file=sys.stderr,
+    )
     for m, why in skipped.items():
         print(f"[bench] skipped {m}: {why}", file=sys.stderr)
-    run_cfg = {"command": _command_line(a, dataset),
-               "model": llm.model_name, "dataset": str(dataset) if dataset else "built-in prompts",
-               "prompts": len(encoded), "max_new_tokens": a.max_new_tokens,
-               "decoding": "greedy" if a.temperature == 0 else f"sampling T={a.temperature} top_p={a.top_p} "
-                                                              f"top_k={a.top_k} seed={a.seed}",
-               "device": llm.device, "dtype": str(dtype).removeprefix("torch."),
-               "torch_threads": torch.get_num_threads(), **machine_info(), "warmup": a.warmup,
-               "max_tree_nodes": a.max_tree_nodes,
-               "hf_prompt_lookup_num_tokens": a.pld_tokens,
-               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
-               "torch": torch.__version__, "platform": platform.platform()}
+    run_cfg = {
+        "command": _command_line(a, dataset),
+        "model": llm.model_name,
+        "dataset": str(dataset) if dataset else "built-in prompts",
+        "prompts": len(encoded),
+        "max_new_tokens": a.max_new_tokens,
+        "decoding": "greedy"
+        if a.temperature == 0
+        else f"sampling T={a.temperature} top_p={a.top_p} top_k={a.top_k} seed={a.seed}",
+        "device": llm.device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch_threads": torch.get_num_threads(),
+        **machine_info(),
+        "warmup": a.warmup,
+        "max_tree_nodes": a.max_tree_nodes,
+        "hf_prompt_lookup_num_tokens": a.pld_tokens,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
     if str(llm.device).startswith("cuda"):
         run_cfg["gpu"] = torch.cuda.get_device_name(torch.device(llm.device))
     try:
         import transformers
+
         run_cfg["transformers"] = transformers.__version__
     except ImportError:
         pass
     baselines = [b.strip() for b in a.baselines.split(",") if b.strip()]
     reference = next((m for m in (REFERENCE, "hf") if m in methods), None)
-    result = run_bench(encoded, methods, warmup=a.warmup, baselines=baselines, reference=reference,
-                       greedy=a.temperature == 0,
-                       skipped=skipped, progress=not a.no_progress, config=run_cfg)
+    result = run_bench(
+        encoded,
+        methods,
+        warmup=a.warmup,
+        baselines=baselines,
+        reference=reference,
+        greedy=a.temperature == 0,
+        skipped=skipped,
+        progress=not a.no_progress,
+        config=run_cfg,
+    )
     out = Path(a.out) if a.out else default_out_dir()
     paths = write_report(result, out, decode=lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=False))
     print(paths["markdown"].read_text(encoding="utf-8"))
@@ -167,9 +220,22 @@ def _command_line(a: argparse.Namespace, dataset: Path | None) -> str:
         parts += ["--dataset", a.dataset]
     if a.num_prompts is not None:
         parts += ["--num-prompts", str(a.num_prompts)]
-    for opt, default in (("model", None), ("device", "auto"), ("dtype", "fp32"), ("runtime", "auto"), ("weights", "auto"),
-                         ("temperature", 0.0), ("seed", 0), ("top_p", 1.0), ("top_k", 0), ("warmup", 1),
-                         ("max_tree_nodes", 64), ("pld_tokens", 10), ("heads", "default"), ("baselines", "hf,plain")):
+    for opt, default in (
+        ("model", None),
+        ("device", "auto"),
+        ("dtype", "fp32"),
+        ("runtime", "auto"),
+        ("weights", "auto"),
+        ("temperature", 0.0),
+        ("seed", 0),
+        ("top_p", 1.0),
+        ("top_k", 0),
+        ("warmup", 1),
+        ("max_tree_nodes", 64),
+        ("pld_tokens", 10),
+        ("heads", "default"),
+        ("baselines", "hf,plain"),
+    ):
         v = getattr(a, opt)
         if opt == "model" or v != default:
             parts += ["--" + opt.replace("_", "-"), str(v)]
@@ -192,29 +258,50 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `treedraft bench` to the CLI."""
     from ..models.registry import DEFAULT_MODEL
 
-    b = subparsers.add_parser("bench", help="benchmark decoding methods side by side (Spec-Bench style)",
-                              description=harness.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    b.add_argument("--dataset", default=None,
-                   help=f"jsonl of {{question_id, category, turns}} or {{prompt}} (default: {DEFAULT_DATASET} "
-                        "next to the repo when present, else a few built-in prompts)")
-    b.add_argument("--methods", default="all",
-                   help="comma list or 'all' (hf, hf-pld, plain, every drafter, llama.cpp, llama.cpp-pld); "
-                        "methods that cannot be built are skipped with the reason")
+    b = subparsers.add_parser(
+        "bench",
+        help="benchmark decoding methods side by side (Spec-Bench style)",
+        description=harness.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    b.add_argument(
+        "--dataset",
+        default=None,
+        help=f"jsonl of {{question_id, category, turns}} or {{prompt}} (default: {DEFAULT_DATASET} "
+        "next to the repo when present, else a few built-in prompts)",
+    )
+    b.add_argument(
+        "--methods",
+        default="all",
+        help="comma list or 'all' (hf, hf-pld, plain, every drafter, llama.cpp, llama.cpp-pld); "
+        "methods that cannot be built are skipped with the reason",
+    )
     b.add_argument("--baselines", default=",".join(DEFAULT_BASELINES), help="speedups are reported against these")
     b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--num-prompts", type=int, default=None,
-                   help="use this many prompts, round-robin over categories (default: all)")
-    b.add_argument("--out", default=None,
-                   help="output directory (default: a new folder under ~/.cache/treedraft/bench, or "
-                        "$TREEDRAFT_CACHE/bench; the path is printed at the end)")
+    b.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="use this many prompts, round-robin over categories (default: all)",
+    )
+    b.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default: a new folder under ~/.cache/treedraft/bench, or "
+        "$TREEDRAFT_CACHE/bench; the path is printed at the end)",
+    )
     b.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs per method")
     b.add_argument("--model", default=DEFAULT_MODEL, help="registry name, .gguf file or HF directory")
     b.add_argument("--heads", default="default", help="Medusa heads directory (default: the shipped ones)")
     b.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     b.add_argument("--dtype", default="fp32", help="fp32 (default, as the HF baseline), bf16, fp16, auto")
     b.add_argument("--runtime", default="auto", help="own, hf or auto (treedraft's target runtime)")
-    b.add_argument("--weights", default="auto", choices=("auto", "fp32", "int8", "int4"),
-                   help="target linear weights on cpu (see `treedraft generate --help`)")
+    b.add_argument(
+        "--weights",
+        default="auto",
+        choices=("auto", "fp32", "int8", "int4"),
+        help="target linear weights on cpu (see `treedraft generate --help`)",
+    )
     from ..cli import add_suffix_args
 
     add_suffix_args(b)  # method "suffix" learns from every run, the warm-up (first prompt) included: see README
@@ -225,7 +312,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--max-tree-nodes", type=int, default=64)
     b.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-pld / llama.cpp-pld")
-    b.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice); 1 is often faster on a busy machine")
+    b.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's choice); 1 is often faster on a busy machine",
+    )
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_bench)

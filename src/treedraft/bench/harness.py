@@ -50,8 +50,11 @@ BUILTIN_PROMPTS = (
     ("coding", "Write a Python function that returns the n-th Fibonacci number, and explain it briefly."),
     ("math", "A train travels 120 km in 1.5 hours. What is its average speed? Show your steps."),
     ("reasoning", "If all bloops are razzies and all razzies are lazzies, are all bloops lazzies? Explain."),
-    ("extraction", "List the countries and capitals in this text: Paris is the capital of France, "
-                   "Rome of Italy, and Madrid of Spain."),
+    (
+        "extraction",
+        "List the countries and capitals in this text: Paris is the capital of France, "
+        "Rome of Italy, and Madrid of Spain.",
+    ),
     ("stem", "Explain in simple terms why the sky is blue."),
     ("humanities", "Summarize the main causes of the French Revolution in a few sentences."),
     ("roleplay", "Pretend you are a tour guide in Rome and describe the Colosseum to a group of visitors."),
@@ -60,7 +63,6 @@ BUILTIN_PROMPTS = (
 
 class BenchError(ValueError):
     """A benchmark request that cannot run (bad dataset, unknown method); the message says what to change."""
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,7 +150,6 @@ class EngineMethod:
         return MethodOutput(list(r.token_ids), r.stats, r.finish_reason)
 
 
-
 def _as_output(result: Any) -> MethodOutput:
     if isinstance(result, MethodOutput):
         return result
@@ -195,12 +196,22 @@ class Record:
         return sum(self.accepted_lengths) / len(self.accepted_lengths)
 
 
-def make_record(method: str, prompt: BenchPrompt, prompt_ids: Sequence[int], out: MethodOutput,
-                wall_s: float) -> Record:
+def make_record(
+    method: str, prompt: BenchPrompt, prompt_ids: Sequence[int], out: MethodOutput, wall_s: float
+) -> Record:
     """Build a record from a method's output and the harness's wall time."""
     ids = [int(t) for t in out.token_ids]
-    r = Record(method, prompt.id, prompt.category, len(prompt_ids), len(ids), wall_s,
-               len(ids) / wall_s if wall_s > 0 else 0.0, out.finish_reason, ids)
+    r = Record(
+        method,
+        prompt.id,
+        prompt.category,
+        len(prompt_ids),
+        len(ids),
+        wall_s,
+        len(ids) / wall_s if wall_s > 0 else 0.0,
+        out.finish_reason,
+        ids,
+    )
     st = out.stats
     steps = getattr(st, "steps", None) if st is not None else None
     if steps is not None:
@@ -215,8 +226,9 @@ def make_record(method: str, prompt: BenchPrompt, prompt_ids: Sequence[int], out
     return r
 
 
-def compare_outputs(reference: Sequence[int], other: Sequence[int], *, reference_eos: Iterable[int] = (),
-                    other_eos: Iterable[int] = ()) -> tuple[bool, int | None, str | None]:
+def compare_outputs(
+    reference: Sequence[int], other: Sequence[int], *, reference_eos: Iterable[int] = (), other_eos: Iterable[int] = ()
+) -> tuple[bool, int | None, str | None]:
     """Greedy output equality: (equal, index of the first difference, kind of mismatch).
 
     Equal = the same tokens and the same length. Lengths may differ only where the shorter output
@@ -256,10 +268,19 @@ class BenchResult:
     config: dict = field(default_factory=dict)
 
 
-def run_bench(prompts: Sequence[tuple[BenchPrompt, Sequence[int]]], methods: dict[str, Method], *,
-              warmup: int = 1, baselines: Iterable[str] = DEFAULT_BASELINES, reference: str | None = REFERENCE,
-              greedy: bool = True, skipped: dict[str, str] | None = None, progress: bool = True,
-              config: dict | None = None, eos_token_ids: Iterable[int] = ()) -> BenchResult:
+def run_bench(
+    prompts: Sequence[tuple[BenchPrompt, Sequence[int]]],
+    methods: dict[str, Method],
+    *,
+    warmup: int = 1,
+    baselines: Iterable[str] = DEFAULT_BASELINES,
+    reference: str | None = REFERENCE,
+    greedy: bool = True,
+    skipped: dict[str, str] | None = None,
+    progress: bool = True,
+    config: dict | None = None,
+    eos_token_ids: Iterable[int] = (),
+) -> BenchResult:
     """Run every method on every (prompt, ids), interleaved per prompt; warm-up runs are excluded.
 
     A method that raises is dropped from the run (its records too) and listed in ``skipped``
@@ -285,10 +306,13 @@ def run_bench(prompts: Sequence[tuple[BenchPrompt, Sequence[int]]], methods: dic
             t0 = time.perf_counter()
             out = _as_output(live[name](list(ids)))
             wall = time.perf_counter() - t0
-        except Exception as e:  # noqa: BLE001 - reported in the result and on stderr, never hidden
+        except Exception as e:
             skipped[name] = f"failed on prompt {prompt.id}: {type(e).__name__}: {e}"
-            print(f"[bench] method {name!r} failed and is dropped: {type(e).__name__}: {e}\n"
-                  + traceback.format_exc(limit=3), file=sys.stderr)
+            print(
+                f"[bench] method {name!r} failed and is dropped: {type(e).__name__}: {e}\n"
+                + traceback.format_exc(limit=3),
+                file=sys.stderr,
+            )
             del live[name]
             return None
         return make_record(name, prompt, ids, out, wall)
@@ -317,11 +341,21 @@ def run_bench(prompts: Sequence[tuple[BenchPrompt, Sequence[int]]], methods: dic
     ref = reference if reference in live else None
     if greedy and ref is not None:
         default_eos = frozenset(int(t) for t in eos_token_ids)
-        eos = {n: default_eos if getattr(m, "eos_token_ids", None) is None
-               else frozenset(int(t) for t in m.eos_token_ids) for n, m in methods.items()}
+        eos = {
+            n: default_eos if getattr(m, "eos_token_ids", None) is None else frozenset(int(t) for t in m.eos_token_ids)
+            for n, m in methods.items()
+        }
         ref_ids = {r.prompt_id: r.token_ids for r in records if r.method == ref}
         for r in records:
             r.equal_to_reference, r.first_mismatch, r.mismatch = compare_outputs(
-                ref_ids[r.prompt_id], r.token_ids, reference_eos=eos[ref], other_eos=eos[r.method])
-    return BenchResult(records, [n for n in names if n in live], skipped, ref,
-                       [b for b in baselines if b in live], greedy, dict(config or {}))
+                ref_ids[r.prompt_id], r.token_ids, reference_eos=eos[ref], other_eos=eos[r.method]
+            )
+    return BenchResult(
+        records,
+        [n for n in names if n in live],
+        skipped,
+        ref,
+        [b for b in baselines if b in live],
+        greedy,
+        dict(config or {}),
+    )

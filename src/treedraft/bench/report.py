@@ -36,8 +36,10 @@ def machine_info(cpuinfo: str | None = None) -> dict[str, str]:
         elif key in ("flags", "Features") and flags is None:  # x86, arm
             flags = set(value.split())
     have = [f for f in SPEED_FLAGS if flags is not None and f in flags]
-    return {"cpu": model or platform.processor() or platform.machine() or "unknown",
-            "cpu_flags": "unknown" if flags is None else " ".join(have) or "none"}
+    return {
+        "cpu": model or platform.processor() or platform.machine() or "unknown",
+        "cpu_flags": "unknown" if flags is None else " ".join(have) or "none",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,8 +57,7 @@ def acceptance_per_depth(records: Iterable[Record]) -> list[float]:
     """Pooled P(accepted >= d | tree depth >= d) for d = 1..max depth over all steps of the records."""
     from ..engine import acceptance_per_depth as pooled
 
-    return pooled((d, a - 1) for r in records if r.accepted_lengths
-                  for d, a in zip(r.tree_depths, r.accepted_lengths))
+    return pooled((d, a - 1) for r in records if r.accepted_lengths for d, a in zip(r.tree_depths, r.accepted_lengths))
 
 
 def _group_summary(rs: list[Record], base_tps: dict[str, float]) -> dict:
@@ -68,8 +69,13 @@ def _group_summary(rs: list[Record], base_tps: dict[str, float]) -> dict:
     if timed and len(timed) == len(rs) and wall > 0:
         draft = sum(r.t_draft for r in rs)
         verify = sum(r.t_verify for r in rs)
-        split = {"draft": draft / wall, "verify": verify / wall, "rest": 1 - (draft + verify) / wall,
-                 "prefill_s": sum(r.t_prefill or 0.0 for r in rs), "accept_s": sum(r.t_rest for r in rs)}
+        split = {
+            "draft": draft / wall,
+            "verify": verify / wall,
+            "rest": 1 - (draft + verify) / wall,
+            "prefill_s": sum(r.t_prefill or 0.0 for r in rs),
+            "accept_s": sum(r.t_rest for r in rs),
+        }
     compared = [r for r in rs if r.equal_to_reference is not None]
     return {
         "prompts": len(rs),
@@ -93,8 +99,11 @@ def summarize(result: BenchResult) -> dict:
     for cat in [ALL_CATEGORIES, *cats]:
         rs = [r for r in result.records if cat == ALL_CATEGORIES or r.category == cat]
         base_tps = {b: throughput(r for r in rs if r.method == b) for b in result.baselines}
-        out[cat] = {m: _group_summary([r for r in rs if r.method == m], base_tps)
-                    for m in result.methods if any(r.method == m for r in rs)}
+        out[cat] = {
+            m: _group_summary([r for r in rs if r.method == m], base_tps)
+            for m in result.methods
+            if any(r.method == m for r in rs)
+        }
     return out
 
 
@@ -106,10 +115,18 @@ def mismatches(result: BenchResult, decode: Callable[[list[int]], str] | None = 
         if r.equal_to_reference is False:
             i = r.first_mismatch
             lo = max(0, i - context)
-            exp, got = ref[r.prompt_id].token_ids[lo:i + context], r.token_ids[lo:i + context]
-            m = {"method": r.method, "prompt_id": r.prompt_id, "category": r.category, "position": i,
-                 "kind": r.mismatch, "reference_length": len(ref[r.prompt_id].token_ids),
-                 "method_length": len(r.token_ids), "reference_tokens": exp, "method_tokens": got}
+            exp, got = ref[r.prompt_id].token_ids[lo : i + context], r.token_ids[lo : i + context]
+            m = {
+                "method": r.method,
+                "prompt_id": r.prompt_id,
+                "category": r.category,
+                "position": i,
+                "kind": r.mismatch,
+                "reference_length": len(ref[r.prompt_id].token_ids),
+                "method_length": len(r.token_ids),
+                "reference_tokens": exp,
+                "method_tokens": got,
+            }
             if decode is not None:
                 m["reference_text"], m["method_text"] = decode(exp), decode(got)
             out.append(m)
@@ -129,28 +146,49 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
     cfg = result.config
     lines = ["# treedraft bench", ""]
     if cfg:
-        for k in ("command", "model", "dataset", "prompts", "max_new_tokens", "decoding", "device", "dtype",
-                  "torch_threads", "cpu", "cpu_flags", "gpu", "date"):
+        for k in (
+            "command",
+            "model",
+            "dataset",
+            "prompts",
+            "max_new_tokens",
+            "decoding",
+            "device",
+            "dtype",
+            "torch_threads",
+            "cpu",
+            "cpu_flags",
+            "gpu",
+            "date",
+        ):
             if k in cfg:
                 lines.append(f"- {k}: `{cfg[k]}`")
         lines.append("")
-    lines += ["tokens/s = total new tokens / total wall time (prefill included) per method; speedup = ratio of "
-              "tokens/s over the same prompts; mean accepted = tokens per verify step incl. the bonus token; "
-              f"equality is against `{result.reference}`: same tokens and length (a shorter output must end at "
-              "EOS where the other has that EOS).", ""]
+    lines += [
+        "tokens/s = total new tokens / total wall time (prefill included) per method; speedup = ratio of "
+        "tokens/s over the same prompts; mean accepted = tokens per verify step incl. the bonus token; "
+        f"equality is against `{result.reference}`: same tokens and length (a shorter output must end at "
+        "EOS where the other has that EOS).",
+        "",
+    ]
     base = result.baselines
-    head = (["method", "tok/s"] + [f"× vs {b}" for b in base]
-            + ["mean accepted", "accept. d1..d5", "draft / verify / rest", f"= {result.reference}"])
+    head = (
+        ["method", "tok/s"]
+        + [f"× vs {b}" for b in base]
+        + ["mean accepted", "accept. d1..d5", "draft / verify / rest", f"= {result.reference}"]
+    )
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m, s in summary[ALL_CATEGORIES].items():
         apd = s["acceptance_per_depth"]
         split = s["time_split"]
         row = [f"`{m}`", f"{s['tokens_per_s']:.1f}"]
         row += [_fmt(s["speedup"].get(b), ".2f", "×") for b in base]
-        row += [_fmt(s["mean_accepted_length"]),
-                " ".join(f"{a:.2f}" for a in apd[:5]) if apd else "–",
-                (f"{split['draft']:.0%} / {split['verify']:.0%} / {split['rest']:.0%}" if split else "–"),
-                f"{s['equal']}/{s['compared']}" if s["compared"] else "–"]
+        row += [
+            _fmt(s["mean_accepted_length"]),
+            " ".join(f"{a:.2f}" for a in apd[:5]) if apd else "–",
+            (f"{split['draft']:.0%} / {split['verify']:.0%} / {split['rest']:.0%}" if split else "–"),
+            f"{s['equal']}/{s['compared']}" if s["compared"] else "–",
+        ]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     cats = [c for c in summary if c != ALL_CATEGORIES]
@@ -168,14 +206,18 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
     elif not mism:
         lines.append(f"none: every method's greedy output equals `{result.reference}`.")
     else:
-        lines += ["| method | prompt | category | first diff at | kind | length ref / method | reference | method |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| method | prompt | category | first diff at | kind | length ref / method | reference | method |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for x in mism:
             ref = x.get("reference_text", x["reference_tokens"])
             got = x.get("method_text", x["method_tokens"])
-            lines.append(f"| `{x['method']}` | {x['prompt_id']} | {x['category']} | {x['position']} | {x['kind']} | "
-                         f"{x['reference_length']} / {x['method_length']} | "
-                         f"{json.dumps(ref, ensure_ascii=False)} | {json.dumps(got, ensure_ascii=False)} |")
+            lines.append(
+                f"| `{x['method']}` | {x['prompt_id']} | {x['category']} | {x['position']} | {x['kind']} | "
+                f"{x['reference_length']} / {x['method_length']} | "
+                f"{json.dumps(ref, ensure_ascii=False)} | {json.dumps(got, ensure_ascii=False)} |"
+            )
     lines.append("")
     if result.skipped:
         lines += ["## Skipped methods", ""]
@@ -197,8 +239,12 @@ def plot_speedup(summary: dict, result: BenchResult, path: Path) -> None:
     width = 0.8 / max(1, len(result.methods))
     for ax, b in zip(axes[:, 0], base):
         for j, m in enumerate(result.methods):
-            ys = [(summary[c].get(m, {}).get("speedup", {}).get(b) or 0.0) if b else
-                  summary[c].get(m, {}).get("tokens_per_s", 0.0) for c in cats]
+            ys = [
+                (summary[c].get(m, {}).get("speedup", {}).get(b) or 0.0)
+                if b
+                else summary[c].get(m, {}).get("tokens_per_s", 0.0)
+                for c in cats
+            ]
             ax.bar([i + (j - (len(result.methods) - 1) / 2) * width for i in range(len(cats))], ys, width, label=m)
         if b:
             ax.axhline(1.0, color="k", lw=0.8, ls="--")
@@ -218,8 +264,10 @@ def plot_accepted_hist(result: BenchResult, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    per = {m: [a for r in result.records if r.method == m and r.accepted_lengths for a in r.accepted_lengths]
-           for m in result.methods}
+    per = {
+        m: [a for r in result.records if r.method == m and r.accepted_lengths for a in r.accepted_lengths]
+        for m in result.methods
+    }
     drafted = {r.method for r in result.records if r.tree_sizes and max(r.tree_sizes) > 1}
     per = {m: v for m, v in per.items() if v and m in drafted}  # plain decoding is all 1s: left out
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -229,8 +277,9 @@ def plot_accepted_hist(result: BenchResult, path: Path) -> None:
         for j, (m, v) in enumerate(per.items()):
             xs = list(range(1, top + 1))
             ys = [sum(a == x for a in v) / len(v) for x in xs]
-            ax.bar([x + (j - (len(per) - 1) / 2) * width for x in xs], ys, width,
-                   label=f"{m} (mean {sum(v) / len(v):.2f})")
+            ax.bar(
+                [x + (j - (len(per) - 1) / 2) * width for x in xs], ys, width, label=f"{m} (mean {sum(v) / len(v):.2f})"
+            )
         ax.set_xticks(range(1, top + 1))
         ax.legend(fontsize=8)
     else:
@@ -242,19 +291,31 @@ def plot_accepted_hist(result: BenchResult, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(result: BenchResult, out_dir: str | Path, decode: Callable[[list[int]], str] | None = None
-                 ) -> dict[str, Path]:
+def write_report(
+    result: BenchResult, out_dir: str | Path, decode: Callable[[list[int]], str] | None = None
+) -> dict[str, Path]:
     """Write records.json, report.md, speedup_by_category.png and accepted_length_hist.png into out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(result)
     mism = mismatches(result, decode)
-    paths = {"json": out / "records.json", "markdown": out / "report.md",
-             "speedup_png": out / "speedup_by_category.png", "hist_png": out / "accepted_length_hist.png"}
-    doc = {"config": result.config, "methods": result.methods, "skipped": result.skipped,
-           "reference": result.reference, "baselines": result.baselines, "greedy": result.greedy,
-           "summary": summary, "mismatches": mism,
-           "records": [asdict(r) | {"mean_accepted_length": r.mean_accepted_length} for r in result.records]}
+    paths = {
+        "json": out / "records.json",
+        "markdown": out / "report.md",
+        "speedup_png": out / "speedup_by_category.png",
+        "hist_png": out / "accepted_length_hist.png",
+    }
+    doc = {
+        "config": result.config,
+        "methods": result.methods,
+        "skipped": result.skipped,
+        "reference": result.reference,
+        "baselines": result.baselines,
+        "greedy": result.greedy,
+        "summary": summary,
+        "mismatches": mism,
+        "records": [asdict(r) | {"mean_accepted_length": r.mean_accepted_length} for r in result.records],
+    }
     paths["json"].write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     paths["markdown"].write_text(markdown_report(result, summary, mism), encoding="utf-8")
     plot_speedup(summary, result, paths["speedup_png"])

@@ -9,5 +9,13 @@ from __future__ import annotations
 from .prompt_lookup import PromptLookupDrafter
 from .registry import DrafterCache, DrafterOptions, build, choices, default_name, names, register
 
-__all__ = ["DrafterCache", "DrafterOptions", "PromptLookupDrafter", "build", "choices", "default_name", "names",
-           "register"]
+__all__ = [
+    "DrafterCache",
+    "DrafterOptions",
+    "PromptLookupDrafter",
+    "build",
+    "choices",
+    "default_name",
+    "names",
+    "register",
+]

@@ -26,8 +26,16 @@ MODES = ("topk", "sample")
 class CallableDrafter:
     """Builds a draft tree from ``draft(prefix) -> {token: prob}``; never verifies."""
 
-    def __init__(self, draft: DraftFn, vocab_size: int, branching: Sequence[int] = (3, 2, 1), mode: str = "topk",
-                 seed: int | None = None, max_workers: int = 8, name: str = "callable") -> None:
+    def __init__(
+        self,
+        draft: DraftFn,
+        vocab_size: int,
+        branching: Sequence[int] = (3, 2, 1),
+        mode: str = "topk",
+        seed: int | None = None,
+        max_workers: int = 8,
+        name: str = "callable",
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
         if not branching or any(int(b) < 1 for b in branching):
@@ -57,13 +65,17 @@ class CallableDrafter:
         """(V,) float64 draft distribution after ``prefix`` (one call of the draft callable, renormalised)."""
         dist = self.draft(list(prefix))
         if not isinstance(dist, Mapping):
-            raise TypeError(f"draft callable of drafter {self.name!r} returned {type(dist).__name__}; "
-                            "expected a dict {token: prob}")
+            raise TypeError(
+                f"draft callable of drafter {self.name!r} returned {type(dist).__name__}; "
+                "expected a dict {token: prob}"
+            )
         q = torch.zeros(self.vocab_size, dtype=torch.float64)
         for t, p in dist.items():
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"draft callable of drafter {self.name!r} returned token {t!r} outside the "
-                                 f"vocabulary [0, {self.vocab_size})")
+                raise ValueError(
+                    f"draft callable of drafter {self.name!r} returned token {t!r} outside the "
+                    f"vocabulary [0, {self.vocab_size})"
+                )
             if not float(p) >= 0.0:
                 raise ValueError(f"draft callable of drafter {self.name!r} returned probability {p!r} for {t}")
             q[t] += float(p)

@@ -27,9 +27,11 @@ def merge_trees(trees: Sequence[TokenTree], max_nodes: int) -> TokenTree:
         raise ValueError("cannot merge trees with different roots")
     sampled = [i for i, t in enumerate(trees) if t.child_q]
     if sampled:
-        raise TreeError(f"cannot merge tree {sampled[0]}: its children were sampled (child_q is set), and merging "
-                        "would verify them as deterministic drafts, which is not lossless; "
-                        "use a sampling drafter on its own, or make it propose deterministic (top-k) children")
+        raise TreeError(
+            f"cannot merge tree {sampled[0]}: its children were sampled (child_q is set), and merging "
+            "would verify them as deterministic drafts, which is not lossless; "
+            "use a sampling drafter on its own, or make it propose deterministic (top-k) children"
+        )
     tokens, parents = [root], [-1]
     index: dict[tuple[int, int], int] = {}
     for t in trees:
@@ -59,9 +61,11 @@ class HybridDrafter:
         for d, t in zip(self.drafters, trees):
             if isinstance(t, TokenTree) and t.child_q:
                 name = getattr(d, "name", type(d).__name__)
-                raise TreeError(f"drafter {name!r} sampled its tree's children (child_q is set); the hybrid drafter "
-                                "can only merge deterministic trees (merging would verify sampled children as "
-                                f"deterministic, which is not lossless): use {name!r} on its own, or in top-k mode")
+                raise TreeError(
+                    f"drafter {name!r} sampled its tree's children (child_q is set); the hybrid drafter "
+                    "can only merge deterministic trees (merging would verify sampled children as "
+                    f"deterministic, which is not lossless): use {name!r} on its own, or in top-k mode"
+                )
         return merge_trees(trees, ctx.max_nodes)
 
     def for_tenant(self, tenant: str) -> HybridDrafter:

@@ -25,8 +25,21 @@ HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
 # A small default tree (Medusa-style choices) for heads that carry neither choices nor rank accuracies;
 # shipped heads carry accuracies, and the tree is chosen per machine (training/calibrate.machine_tree).
 DEFAULT_CHOICES: tuple[tuple[int, ...], ...] = (
-    (0,), (1,), (2,), (0, 0), (1, 0), (0, 1), (0, 0, 0), (2, 0), (0, 2), (1, 1), (0, 0, 1), (0, 1, 0),
-    (0, 0, 0, 0), (3,), (1, 0, 0),
+    (0,),
+    (1,),
+    (2,),
+    (0, 0),
+    (1, 0),
+    (0, 1),
+    (0, 0, 0),
+    (2, 0),
+    (0, 2),
+    (1, 1),
+    (0, 0, 1),
+    (0, 1, 0),
+    (0, 0, 0, 0),
+    (3,),
+    (1, 0, 0),
 )
 
 
@@ -63,7 +76,8 @@ class MedusaConfig:
             raise HeadsMismatchError(
                 f"medusa.json does not match this version of treedraft: {'; '.join(what)} (expected keys: "
                 f"{sorted(known)}). Retrain the heads with `treedraft train-heads`, or use the treedraft version "
-                "that wrote them.")
+                "that wrote them."
+            )
         d = dict(d)
         d["choices"] = tuple(tuple(c) for c in d.get("choices", ()))
         return MedusaConfig(**d)
@@ -87,23 +101,29 @@ class MedusaHeads(nn.Module):
 
     _draft_w: Tensor | None = None  # bf16 copy of the shared projection (pack_for_drafting)
 
-    def __init__(self, cfg: MedusaConfig, lm_head_weight: Tensor | None = None,
-                 vocab_map: Tensor | None = None, embed_weight: Tensor | None = None) -> None:
+    def __init__(
+        self,
+        cfg: MedusaConfig,
+        lm_head_weight: Tensor | None = None,
+        vocab_map: Tensor | None = None,
+        embed_weight: Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.root_proj = None
         if cfg.root_conditioned:
             if embed_weight is None:
                 raise ValueError("root-conditioned heads need the base model's input embedding weight")
-            self.root_proj = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
-                                           for _ in range(cfg.num_heads))
+            self.root_proj = nn.ModuleList(
+                nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False) for _ in range(cfg.num_heads)
+            )
             for lin in self.root_proj:
                 nn.init.zeros_(lin.weight)
-        self.register_buffer("embed_weight", None if embed_weight is None else embed_weight.detach(),
-                             persistent=False)
+        self.register_buffer("embed_weight", None if embed_weight is None else embed_weight.detach(), persistent=False)
         # distinct modules per head and per block (no `[m] * n` weight sharing)
         self.blocks = nn.ModuleList(
-            nn.Sequential(*[ResBlock(cfg.hidden_size) for _ in range(cfg.num_layers)]) for _ in range(cfg.num_heads))
+            nn.Sequential(*[ResBlock(cfg.hidden_size) for _ in range(cfg.num_layers)]) for _ in range(cfg.num_heads)
+        )
         if cfg.shared_lm_head:
             self.proj = None
             if lm_head_weight is None:
@@ -114,10 +134,14 @@ class MedusaHeads(nn.Module):
             if cfg.draft_vocab and (vocab_map is None or len(vocab_map) < cfg.draft_vocab):
                 raise ValueError(f"draft_vocab={cfg.draft_vocab} needs a vocab_map of at least that many token ids")
             rows = vocab_map[: cfg.draft_vocab] if cfg.draft_vocab else None
-            self.proj = nn.ModuleList(nn.Linear(cfg.hidden_size, len(rows) if rows is not None else cfg.vocab_size,
-                                                bias=False) for _ in range(cfg.num_heads))
+            self.proj = nn.ModuleList(
+                nn.Linear(cfg.hidden_size, len(rows) if rows is not None else cfg.vocab_size, bias=False)
+                for _ in range(cfg.num_heads)
+            )
             if lm_head_weight is not None:
-                init = lm_head_weight.detach() if rows is None else lm_head_weight.detach()[rows.to(lm_head_weight.device)]
+                init = (
+                    lm_head_weight.detach() if rows is None else lm_head_weight.detach()[rows.to(lm_head_weight.device)]
+                )
                 for p in self.proj:
                     p.weight.data.copy_(init)
         self.set_base(lm_head_weight, vocab_map)
@@ -212,9 +236,14 @@ class MedusaHeads(nn.Module):
         (d / "medusa.json").write_text(json.dumps(cfg, indent=1))
 
     @staticmethod
-    def load(d: str | Path, lm_head_weight: Tensor | None, base_model: str | None = None,
-             hidden_size: int | None = None, vocab_size: int | None = None,
-             embed_weight: Tensor | None = None) -> MedusaHeads:
+    def load(
+        d: str | Path,
+        lm_head_weight: Tensor | None,
+        base_model: str | None = None,
+        hidden_size: int | None = None,
+        vocab_size: int | None = None,
+        embed_weight: Tensor | None = None,
+    ) -> MedusaHeads:
         """Load heads from a directory, refusing heads made for a different base model."""
         from safetensors.torch import load_file
 
@@ -224,15 +253,17 @@ class MedusaHeads(nn.Module):
         try:
             raw = json.loads((d / "medusa.json").read_text())
         except json.JSONDecodeError as e:
-            raise HeadsMismatchError(f"{d / 'medusa.json'} is not valid JSON ({e}); rewrite it with "
-                                     "`treedraft train-heads`") from e
+            raise HeadsMismatchError(
+                f"{d / 'medusa.json'} is not valid JSON ({e}); rewrite it with `treedraft train-heads`"
+            ) from e
         try:
             cfg = MedusaConfig.from_json(raw)
         except HeadsMismatchError as e:
             raise HeadsMismatchError(f"{d / 'medusa.json'}: {e}") from None
         except (TypeError, ValueError) as e:  # a value of the wrong type (e.g. choices not a list of lists)
-            raise HeadsMismatchError(f"{d / 'medusa.json'}: invalid value ({e}); rewrite it with "
-                                     "`treedraft train-heads`") from e
+            raise HeadsMismatchError(
+                f"{d / 'medusa.json'}: invalid value ({e}); rewrite it with `treedraft train-heads`"
+            ) from e
         problems = []
         if base_model is not None and cfg.base_model != base_model:
             problems.append(f"base model {cfg.base_model!r} != {base_model!r}")
@@ -241,8 +272,11 @@ class MedusaHeads(nn.Module):
         if vocab_size is not None and cfg.vocab_size != vocab_size:
             problems.append(f"vocab size {cfg.vocab_size} != {vocab_size}")
         if problems:
-            raise HeadsMismatchError(f"heads in {d} were trained for another model: " + "; ".join(problems)
-                                     + ". Train heads for this model with `treedraft train-heads`.")
+            raise HeadsMismatchError(
+                f"heads in {d} were trained for another model: "
+                + "; ".join(problems)
+                + ". Train heads for this model with `treedraft train-heads`."
+            )
         sd = load_file(str(d / "heads.safetensors"))
         vocab_map = sd.pop("vocab_map", None)
         vocab_map = None if vocab_map is None else vocab_map.long()
@@ -250,25 +284,30 @@ class MedusaHeads(nn.Module):
         if cfg.draft_vocab:
             if vocab_map is None or vocab_map.dim() != 1 or len(vocab_map) < cfg.draft_vocab:
                 has = "no vocab_map" if vocab_map is None else f"a vocab_map of shape {tuple(vocab_map.shape)}"
-                raise HeadsMismatchError(f"{where}: medusa.json says draft_vocab={cfg.draft_vocab} but the file "
-                                         f"has {has}")
+                raise HeadsMismatchError(
+                    f"{where}: medusa.json says draft_vocab={cfg.draft_vocab} but the file has {has}"
+                )
             if int(vocab_map.min()) < 0 or int(vocab_map.max()) >= cfg.vocab_size:
                 raise HeadsMismatchError(f"{where}: vocab_map has token ids outside [0, {cfg.vocab_size})")
         heads = MedusaHeads(cfg, lm_head_weight, vocab_map, embed_weight)
         want = {k: tuple(v.shape) for k, v in heads.state_dict().items()}
         got = {k: tuple(v.shape) for k, v in sd.items()}
-        wrong = [f"{k}: {got[k]} (config needs {want[k]})" for k in sorted(want.keys() & got.keys())
-                 if got[k] != want[k]]
+        wrong = [
+            f"{k}: {got[k]} (config needs {want[k]})" for k in sorted(want.keys() & got.keys()) if got[k] != want[k]
+        ]
         missing, unexpected = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
         if wrong or missing or unexpected:
-            details = "; ".join(([f"wrong shapes {wrong[:4]}"] if wrong else [])
-                                + ([f"missing tensors {missing[:4]}"] if missing else [])
-                                + ([f"unexpected tensors {unexpected[:4]}"] if unexpected else []))
+            details = "; ".join(
+                ([f"wrong shapes {wrong[:4]}"] if wrong else [])
+                + ([f"missing tensors {missing[:4]}"] if missing else [])
+                + ([f"unexpected tensors {unexpected[:4]}"] if unexpected else [])
+            )
             raise HeadsMismatchError(
                 f"{where} does not match {d / 'medusa.json'} (hidden_size={cfg.hidden_size}, "
                 f"vocab_size={cfg.vocab_size}, num_heads={cfg.num_heads}, num_layers={cfg.num_layers}, "
                 f"shared_lm_head={cfg.shared_lm_head}): {details}. Both files must come from the same "
-                "`treedraft train-heads` run.")
+                "`treedraft train-heads` run."
+            )
         heads.load_state_dict(sd)
         return heads.eval().requires_grad_(False)
 
@@ -292,8 +331,10 @@ class MedusaDrafter:
         given = set(self.choices)
         orphans = [list(c) for c in self.choices if not c or (len(c) > 1 and c[:-1] not in given)]
         if orphans:
-            raise ValueError(f"tree choices must be non-empty and prefix-closed (each choice's parent is a choice "
-                             f"too); these are not: {orphans[:4]}")
+            raise ValueError(
+                f"tree choices must be non-empty and prefix-closed (each choice's parent is a choice "
+                f"too); these are not: {orphans[:4]}"
+            )
         depth = max(len(c) for c in self.choices)
         if depth > self.heads.config.num_heads:
             raise ValueError(f"tree depth {depth} needs {depth} heads; these heads have {self.heads.config.num_heads}")
@@ -307,13 +348,22 @@ class MedusaDrafter:
         """
         lm = target.output_projection_weight()
         if lm is None:
-            raise ValueError(f"the medusa drafter needs the target's output projection; {type(target).__name__} "
-                             "has none (use prompt-lookup or a callable drafter with this target)")
-        h = MedusaHeads.load(heads_dir, lm, model_name, target.hidden_size, target.vocab_size,
-                             embed_weight=target.input_embedding_weight())
+            raise ValueError(
+                f"the medusa drafter needs the target's output projection; {type(target).__name__} "
+                "has none (use prompt-lookup or a callable drafter with this target)"
+            )
+        h = MedusaHeads.load(
+            heads_dir,
+            lm,
+            model_name,
+            target.hidden_size,
+            target.vocab_size,
+            embed_weight=target.input_embedding_weight(),
+        )
         h = h.to(lm.device)
         h.pack_for_drafting()
         from ..training.calibrate import machine_tree
+
         return MedusaDrafter(h, machine_tree(target, h, Path(heads_dir), model_name or ""))
 
     @torch.inference_mode()

@@ -7,8 +7,8 @@ name, for a target model. ``"default"`` is resolved by :func:`default_name`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ class DrafterEntry:
 _REGISTRY: dict[str, DrafterEntry] = {}
 
 
-def register(name: str, factory: DrafterFactory, help: str, *, replace: bool = False) -> None:  # noqa: A002
+def register(name: str, factory: DrafterFactory, help: str, *, replace: bool = False) -> None:
     """Register ``factory(target, tokenizer, options) -> Drafter | None`` under ``name``.
 
     ``replace=True`` overrides an existing entry (tests, plugins); otherwise a taken name raises.
@@ -71,9 +71,11 @@ def choices() -> tuple[str, ...]:
 
 def describe() -> str:
     """One line per choice, for --help texts."""
-    return "; ".join([f"{DEFAULT}: hybrid when Medusa heads exist for the model, else prompt-lookup"]
-                     + [f"{e.name}: {e.help}" for e in _REGISTRY.values()]
-                     + [f"{a} = {n}" for a, n in ALIASES.items()])
+    return "; ".join(
+        [f"{DEFAULT}: hybrid when Medusa heads exist for the model, else prompt-lookup"]
+        + [f"{e.name}: {e.help}" for e in _REGISTRY.values()]
+        + [f"{a} = {n}" for a, n in ALIASES.items()]
+    )
 
 
 def canonical(name: str) -> str:
@@ -102,8 +104,9 @@ def default_name(options: DrafterOptions) -> str:
     return "hybrid" if heads_dir(options) is not None else "prompt-lookup"
 
 
-def build(name: str, target: TargetModel, tokenizer: Any = None,  # noqa: ANN401 - any tokenizer
-          options: DrafterOptions | None = None) -> Drafter | None:
+def build(
+    name: str, target: TargetModel, tokenizer: Any = None, options: DrafterOptions | None = None
+) -> Drafter | None:
     """A new drafter by name (or alias, or "default") for ``target``; None for plain decoding."""
     options = options or DrafterOptions()
     name = canonical(name)
@@ -115,8 +118,7 @@ def build(name: str, target: TargetModel, tokenizer: Any = None,  # noqa: ANN401
 class DrafterCache:
     """Drafters of one target, built on first use by name and reused ("default" shares its resolved entry)."""
 
-    def __init__(self, target: TargetModel, tokenizer: Any = None,  # noqa: ANN401
-                 options: DrafterOptions | None = None) -> None:
+    def __init__(self, target: TargetModel, tokenizer: Any = None, options: DrafterOptions | None = None) -> None:
         self.target, self.tokenizer = target, tokenizer
         self.options = options or DrafterOptions()
         self._built: dict[tuple[str, DrafterOptions], Drafter | None] = {}
@@ -140,33 +142,35 @@ class DrafterCache:
 # ---- the built-in drafters (factories import their modules lazily) ---------------------------
 
 
-def _none(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> None:  # noqa: ANN401
+def _none(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> None:
     return None
 
 
-def _prompt_lookup(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:  # noqa: ANN401
+def _prompt_lookup(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
     from .prompt_lookup import PromptLookupDrafter
 
     return PromptLookupDrafter()
 
 
-def _medusa(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:  # noqa: ANN401
+def _medusa(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
     from .medusa import MedusaDrafter
 
     d = heads_dir(options)
     if d is None:
-        raise FileNotFoundError(f"no Medusa heads are shipped for {options.model_name!r}; "
-                                "train some with `treedraft train-heads` and pass --heads DIR")
+        raise FileNotFoundError(
+            f"no Medusa heads are shipped for {options.model_name!r}; "
+            "train some with `treedraft train-heads` and pass --heads DIR"
+        )
     return MedusaDrafter.for_target(target, d, options.model_name)
 
 
-def _hybrid(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:  # noqa: ANN401
+def _hybrid(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
     from .hybrid import HybridDrafter
 
     return HybridDrafter([_medusa(target, tokenizer, options), _prompt_lookup(target, tokenizer, options)])
 
 
-def _suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:  # noqa: ANN401
+def _suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
     from .suffix import make_suffix_drafter
 
     return make_suffix_drafter(options.suffix_store, options.tenant)
@@ -176,5 +180,9 @@ register(NONE, _none, "plain decoding, no drafts")
 register("prompt-lookup", _prompt_lookup, "continuations of earlier n-gram matches in the context")
 register("medusa", _medusa, "Medusa heads on the target's hidden state (--heads, or the shipped ones)")
 register("hybrid", _hybrid, "Medusa tree + prompt-lookup branches, verified in one pass")
-register("suffix", _suffix, "frequent continuations from this request and earlier outputs "
-                            "(SuffixDecoding; --suffix-store DIR keeps them across restarts)")
+register(
+    "suffix",
+    _suffix,
+    "frequent continuations from this request and earlier outputs "
+    "(SuffixDecoding; --suffix-store DIR keeps them across restarts)",
+)

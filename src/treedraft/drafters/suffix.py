@@ -134,8 +134,9 @@ def tenant_id(api_key: str | None = None, user: str | None = None) -> str:
     return key + ("" if not user else f"/u:{user}")
 
 
-def open_suffix_store(path: str | os.PathLike | None = None, max_tokens: int = 1_000_000,
-                      share: bool = False) -> SuffixStore:
+def open_suffix_store(
+    path: str | os.PathLike | None = None, max_tokens: int = 1_000_000, share: bool = False
+) -> SuffixStore:
     """The store behind ``--suffix-store DIR --suffix-max-tokens N --suffix-share`` (None = in memory)."""
     return SuffixStore(path, max_tokens=max_tokens, share=share)
 
@@ -145,6 +146,8 @@ def make_suffix_drafter(store: SuffixStore | None = None, tenant: str = "", **op
     unknown = set(options) - set(SuffixDrafter.__dataclass_fields__) - {"store", "tenant"}
     bad = sorted(k for k in unknown | {k for k in options if k.startswith("_")})
     if bad:
-        raise ValueError(f"unknown suffix drafter option(s) {bad}; choose from "
-                         f"{sorted(k for k in SuffixDrafter.__dataclass_fields__ if not k.startswith('_'))}")
+        raise ValueError(
+            f"unknown suffix drafter option(s) {bad}; choose from "
+            f"{sorted(k for k in SuffixDrafter.__dataclass_fields__ if not k.startswith('_'))}"
+        )
     return SuffixDrafter(store if store is not None else SuffixStore(), tenant, **options)  # type: ignore[arg-type]

@@ -177,8 +177,15 @@ class SuffixIndex:
         toks, counts = np.unique(self.text[nxt], return_counts=True)
         return {int(t): int(c) for t, c in zip(toks, counts)}
 
-    def expand(self, nxt: np.ndarray, match_len: int, max_nodes: int, max_depth: int,
-               min_prob: float = 0.0, max_occurrences: int = 1024) -> DraftPaths:
+    def expand(
+        self,
+        nxt: np.ndarray,
+        match_len: int,
+        max_nodes: int,
+        max_depth: int,
+        min_prob: float = 0.0,
+        max_occurrences: int = 1024,
+    ) -> DraftPaths:
         """Best-first tree of the most probable continuations after the occurrences ``nxt``.
 
         A node's probability is the product along its path of count(child) / count(parent): the

@@ -83,11 +83,16 @@ def decode_records(data: bytes, name: str, start: int = 0) -> tuple[list[Record]
         while nxt >= 0 and _parse_at(data, nxt)[0] is None:
             nxt = data.find(MAGIC, nxt + 1)
         if nxt < 0:
-            warnings.warn(f"suffix store {name}: torn or corrupt tail at byte offset {off} "
-                          f"({n - off} bytes) dropped", stacklevel=3)
+            warnings.warn(
+                f"suffix store {name}: torn or corrupt tail at byte offset {off} ({n - off} bytes) dropped",
+                stacklevel=3,
+            )
             break
-        warnings.warn(f"suffix store {name}: corrupt record at byte offset {off} skipped "
-                      f"({nxt - off} bytes); reading resumes at offset {nxt}", stacklevel=3)
+        warnings.warn(
+            f"suffix store {name}: corrupt record at byte offset {off} skipped "
+            f"({nxt - off} bytes); reading resumes at offset {nxt}",
+            stacklevel=3,
+        )
         off = nxt
     return out, damaged
 
@@ -130,8 +135,14 @@ def _fsync_dir(path: Path) -> None:
 class SuffixStore:
     """Finished requests of every tenant, on disk (optional) and as one suffix index per tenant."""
 
-    def __init__(self, path: str | os.PathLike | None = None, max_tokens: int = 1_000_000, share: bool = False,
-                 snapshot_every: int = 256, fsync: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        max_tokens: int = 1_000_000,
+        share: bool = False,
+        snapshot_every: int = 256,
+        fsync: bool = True,
+    ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens} (--suffix-max-tokens)")
         self.path = Path(path) if path is not None else None
@@ -245,7 +256,7 @@ class SuffixStore:
             os.fsync(f.fileno())
         os.replace(ltmp, self.path / "log.bin")
         _fsync_dir(self.path)
-        self._log = open(self.path / "log.bin", "ab")  # noqa: SIM115  (held open: the append-only log)
+        self._log = open(self.path / "log.bin", "ab")
         self._since_snapshot = 0
 
     def _load(self) -> None:
@@ -260,8 +271,10 @@ class SuffixStore:
                 last_snap = _SNAP_HEAD.unpack_from(data, 0)[1]
                 recs, damaged = decode_records(data, str(snap), _SNAP_HEAD.size)
             else:
-                warnings.warn(f"suffix store {snap}: bad snapshot header at byte offset 0; "
-                              "trying its records anyway", stacklevel=2)
+                warnings.warn(
+                    f"suffix store {snap}: bad snapshot header at byte offset 0; trying its records anyway",
+                    stacklevel=2,
+                )
                 recs, damaged = decode_records(data, str(snap), 0)
                 damaged = True
         if log.is_file():
@@ -279,4 +292,4 @@ class SuffixStore:
         if damaged or evicted or not log.is_file():
             self._snapshot()  # rewrite clean files so damage is reported once
         else:
-            self._log = open(log, "ab")  # noqa: SIM115  (held open: the append-only log)
+            self._log = open(log, "ab")

@@ -18,24 +18,30 @@ it is disabled or the build fails, ``available()`` is False, ``unavailable_reaso
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
 
 import torch
 
 from treedraft.kernels._build import build_info, load_extension
 
 __all__ = [
-    "PackedWeight", "available", "unavailable_reason", "pack_q4_1", "pack_q8_0", "mm",
-    "set_num_threads", "get_num_threads", "paths", "build_info", "attend",
+    "PackedWeight",
+    "available",
+    "unavailable_reason",
+    "pack_q4_1",
+    "pack_q8_0",
+    "mm",
+    "set_num_threads",
+    "get_num_threads",
+    "paths",
+    "build_info",
+    "attend",
 ]
 
-TILE = 16   # output columns per packed tile
-QK = 32     # weights per quantization block
+TILE = 16  # output columns per packed tile
+QK = 32  # weights per quantization block
 Q4_1, Q8_0 = 0, 1
 _BLOCK_BYTES = {Q4_1: 320, Q8_0: 544}
 _KIND_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
@@ -79,10 +85,10 @@ def get_num_threads() -> int:
 class PackedWeight:
     """A (N, K) weight repacked for the kernel: tiles of 16 output columns, fp16 block scales."""
 
-    data: torch.Tensor          # uint8 (ceil(N/16) * K/32 * block_bytes,)
+    data: torch.Tensor  # uint8 (ceil(N/16) * K/32 * block_bytes,)
     N: int
     K: int
-    kind: int                   # Q4_1 or Q8_0
+    kind: int  # Q4_1 or Q8_0
     _dequantized: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -100,18 +106,18 @@ class PackedWeight:
         T, B = -(-self.N // TILE), self.K // QK
         blocks = self.data.view(T, B, _BLOCK_BYTES[self.kind])
         if self.kind == Q4_1:
-            nib = blocks[:, :, :256].reshape(T, B, 4, TILE, 4)          # (T, B, i, c, j)
+            nib = blocks[:, :, :256].reshape(T, B, 4, TILE, 4)  # (T, B, i, c, j)
             lo, hi = nib & 0xF, nib >> 4
-            q = torch.stack([lo, hi], dim=2)                              # (T, B, h, i, c, j)
-            q = q.permute(0, 4, 1, 2, 3, 5).reshape(T * TILE, self.K)     # k = 16h + 4i + j
-            d = blocks[:, :, 256:288].contiguous().view(torch.float16)    # (T, B, 16)
+            q = torch.stack([lo, hi], dim=2)  # (T, B, h, i, c, j)
+            q = q.permute(0, 4, 1, 2, 3, 5).reshape(T * TILE, self.K)  # k = 16h + 4i + j
+            d = blocks[:, :, 256:288].contiguous().view(torch.float16)  # (T, B, 16)
             m = blocks[:, :, 288:320].contiguous().view(torch.float16)
             d = d.permute(0, 2, 1).reshape(T * TILE, B).float()
             m = m.permute(0, 2, 1).reshape(T * TILE, B).float()
             w = q.float().view(-1, B, QK) * d[..., None] + m[..., None]
         else:
             qs = blocks[:, :, :512].contiguous().view(torch.int8).reshape(T, B, 16, TILE, 2)
-            q = qs.permute(0, 3, 1, 2, 4).reshape(T * TILE, self.K)      # k = 2p + j
+            q = qs.permute(0, 3, 1, 2, 4).reshape(T * TILE, self.K)  # k = 2p + j
             d = blocks[:, :, 512:544].contiguous().view(torch.float16)
             d = d.permute(0, 2, 1).reshape(T * TILE, B).float()
             w = q.float().view(-1, B, QK) * d[..., None]
@@ -131,8 +137,11 @@ def _fp16_scales(name: str, t: torch.Tensor, T: int) -> torch.Tensor:
     h = t.to(torch.float16)
     if not torch.equal(h.float(), t.float()):
         err = (h.float() - t.float()).abs().max().item()
-        warnings.warn(f"pack: {name} is stored as fp16 (as in GGUF); rounding changed it by up to "
-                      f"{err:.3g}. Round it to fp16 before packing to keep exact weights.", stacklevel=3)
+        warnings.warn(
+            f"pack: {name} is stored as fp16 (as in GGUF); rounding changed it by up to "
+            f"{err:.3g}. Round it to fp16 before packing to keep exact weights.",
+            stacklevel=3,
+        )
     h = torch.nn.functional.pad(h, (0, 0, 0, T * TILE - N))
     return h.view(T, TILE, B).permute(0, 2, 1).contiguous().view(torch.uint8).view(T, B, 2 * TILE)
 
@@ -149,7 +158,7 @@ def pack_q4_1(scale: torch.Tensor, minv: torch.Tensor, q: torch.Tensor) -> Packe
     if int(q.max()) > 15:
         raise ValueError("pack_q4_1: q must hold 4-bit values 0..15")
     qp = torch.nn.functional.pad(q, (0, 0, 0, T * TILE - N)).view(T, TILE, B, 2, 4, 4)  # c, b, h, i, j
-    qp = qp.permute(0, 2, 3, 4, 1, 5)                                                     # (T, B, h, i, c, j)
+    qp = qp.permute(0, 2, 3, 4, 1, 5)  # (T, B, h, i, c, j)
     nib = (qp[:, :, 0] | (qp[:, :, 1] << 4)).reshape(T, B, 256)
     blocks = torch.cat([nib, _fp16_scales("scale", scale, T), _fp16_scales("minv", minv, T)], dim=2)
     return PackedWeight(blocks.reshape(-1).contiguous(), N, K, Q4_1)
@@ -163,7 +172,7 @@ def pack_q8_0(scale: torch.Tensor, q: torch.Tensor) -> PackedWeight:
     B, T = K // QK, -(-N // TILE)
     _check("q", q, (N, K), (torch.int8,))
     _check("scale", scale, (N, B), (torch.float32, torch.float16))
-    qp = torch.nn.functional.pad(q, (0, 0, 0, T * TILE - N)).view(T, TILE, B, 16, 2)     # c, b, p, j
+    qp = torch.nn.functional.pad(q, (0, 0, 0, T * TILE - N)).view(T, TILE, B, 16, 2)  # c, b, p, j
     qs = qp.permute(0, 2, 3, 1, 4).reshape(T, B, 512).view(torch.uint8)
     blocks = torch.cat([qs, _fp16_scales("scale", scale, T)], dim=2)
     return PackedWeight(blocks.reshape(-1).contiguous(), N, K, Q8_0)
@@ -180,8 +189,11 @@ def mm(x: torch.Tensor, w: PackedWeight, *, path: str = "") -> torch.Tensor:
     if ext is None:
         global _warned_fallback
         if not _warned_fallback:
-            warnings.warn(f"treedraft.kernels: native kernel unavailable ({unavailable_reason()}); "
-                          "using a dequantized float32 matmul", stacklevel=2)
+            warnings.warn(
+                f"treedraft.kernels: native kernel unavailable ({unavailable_reason()}); "
+                "using a dequantized float32 matmul",
+                stacklevel=2,
+            )
             _warned_fallback = True
         if w._dequantized is None:
             w._dequantized = w.dequantize()
@@ -189,8 +201,9 @@ def mm(x: torch.Tensor, w: PackedWeight, *, path: str = "") -> torch.Tensor:
     return ext.mm(x.float().contiguous(), w.data, w.N, w.kind, path)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float,
-           *, path: str = "") -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float, *, path: str = ""
+) -> torch.Tensor:
     """Row-invariant attention: q (T, nh, hd), k/v (nkv, L, hd), allowed bool (T, L) or None -> (T, nh, hd).
 
     Each row attends to its allowed keys in increasing slot order with a reduction order that depends

@@ -22,8 +22,14 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17"]
 LDFLAGS: list[str] = []
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {"loaded": False, "module": None, "reason": None, "path": None,
-                          "built": False, "seconds": None}
+_state: dict[str, Any] = {
+    "loaded": False,
+    "module": None,
+    "reason": None,
+    "path": None,
+    "built": False,
+    "seconds": None,
+}
 
 
 def _cpu_signature() -> str:
@@ -48,8 +54,13 @@ def build_key() -> str:
     for name in _SOURCES + _HEADERS:
         h.update(name.encode())
         h.update((_SRC_DIR / name).read_bytes())
-    for part in (_cpu_signature(), " ".join(CFLAGS + LDFLAGS), torch.__version__,
-                 sys.version.split()[0], platform.machine()):
+    for part in (
+        _cpu_signature(),
+        " ".join(CFLAGS + LDFLAGS),
+        torch.__version__,
+        sys.version.split()[0],
+        platform.machine(),
+    ):
         h.update(part.encode())
     return h.hexdigest()[:16]
 
@@ -88,12 +99,20 @@ def _build(out: Path, name: str) -> ModuleType:
     except (ImportError, AttributeError):
         pass
     os.environ["PATH"] = os.pathsep.join(extra + [os.environ.get("PATH", "")])
-    print(f"treedraft: building the quantized CPU kernel into {out} (one time, about a minute)...",
-          file=sys.stderr, flush=True)
+    print(
+        f"treedraft: building the quantized CPU kernel into {out} (one time, about a minute)...",
+        file=sys.stderr,
+        flush=True,
+    )
     return cpp_extension.load(
-        name=name, sources=[str(_SRC_DIR / s) for s in _SOURCES], extra_cflags=CFLAGS,
-        extra_ldflags=LDFLAGS, extra_include_paths=[str(_SRC_DIR)], build_directory=str(out),
-        verbose=False)
+        name=name,
+        sources=[str(_SRC_DIR / s) for s in _SOURCES],
+        extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS,
+        extra_include_paths=[str(_SRC_DIR)],
+        build_directory=str(out),
+        verbose=False,
+    )
 
 
 def load_extension(reload: bool = False) -> ModuleType | None:
@@ -118,7 +137,7 @@ def load_extension(reload: bool = False) -> ModuleType | None:
                 mod = _build(out, name)
                 _state["built"] = True
             mod.set_num_threads(max(1, torch.get_num_threads()))
-        except Exception as e:  # noqa: BLE001 - any build/import failure means "use the fallback"
+        except Exception as e:
             _state["reason"] = f"build or load failed: {type(e).__name__}: {str(e).strip()[-800:]}"
             return None
         _state["module"] = mod
@@ -129,5 +148,4 @@ def load_extension(reload: bool = False) -> ModuleType | None:
 def build_info() -> dict[str, Any]:
     """Where the module lives, whether this process built it, how long loading took, and why not."""
     load_extension()
-    return {k: _state[k] for k in ("path", "built", "seconds", "reason")} | {
-        "available": _state["module"] is not None}
+    return {k: _state[k] for k in ("path", "built", "seconds", "reason")} | {"available": _state["module"] is not None}

@@ -55,7 +55,7 @@ class TokenCache:
     def truncate(self, length: int) -> None:
         """Forget everything at or after ``length``."""
         self.length = min(self.length, length)
-        del self.slots[self.length:]
+        del self.slots[self.length :]
 
     @property
     def tokens(self) -> list[int]:
@@ -66,11 +66,14 @@ class TokenCache:
 class CallableTarget:
     """Engine target over ``fn(tokens) -> {token: prob}`` (probabilities are renormalised)."""
 
-    def __init__(self, fn: TargetFn, vocab_size: int, max_seq_len: int = 4096, max_workers: int = 8,
-                 name: str | None = None) -> None:
+    def __init__(
+        self, fn: TargetFn, vocab_size: int, max_seq_len: int = 4096, max_workers: int = 8, name: str | None = None
+    ) -> None:
         if vocab_size < 1 or max_seq_len < 2 or max_workers < 1:
-            raise ValueError(f"need vocab_size >= 1, max_seq_len >= 2 and max_workers >= 1, "
-                             f"got {vocab_size}, {max_seq_len}, {max_workers}")
+            raise ValueError(
+                f"need vocab_size >= 1, max_seq_len >= 2 and max_workers >= 1, "
+                f"got {vocab_size}, {max_seq_len}, {max_workers}"
+            )
         self.fn = fn
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
@@ -123,20 +126,27 @@ class CallableTarget:
         out = torch.zeros(self.vocab_size, dtype=torch.float64)
         for t, p in dist.items():
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"target {self.name!r} returned token {t!r} outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
+                raise ValueError(
+                    f"target {self.name!r} returned token {t!r} outside the vocabulary [0, {self.vocab_size})"
+                )
             p = float(p)
             if not (p >= 0.0 and math.isfinite(p)):
                 raise ValueError(f"target {self.name!r} returned probability {p!r} for token {t}")
             out[t] += p
         total = float(out.sum())
         if total <= 0.0:
-            raise ValueError(f"target {self.name!r} returned no probability mass for context of "
-                             f"{len(context)} tokens")
+            raise ValueError(f"target {self.name!r} returned no probability mass for context of {len(context)} tokens")
         return (out / total).log().float()
 
-    def forward(self, tokens: Tensor, positions: Tensor, cache: TokenCache | None = None, start: int | None = None,
-                mask: Tensor | None = None, logits_for: Tensor | slice | None = None) -> tuple[Tensor, None]:
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: TokenCache | None = None,
+        start: int | None = None,
+        mask: Tensor | None = None,
+        logits_for: Tensor | slice | None = None,
+    ) -> tuple[Tensor, None]:
         """Next-token log-probs for each new token, as the engine's ``model.forward``.
 
         tokens: (1, T) ids written to cache slots [start, start+T); mask: (T, start+T)
@@ -160,8 +170,11 @@ class CallableTarget:
             mask = mask.reshape(T, start + T).tolist()
         rows = list(range(T))
         if logits_for is not None:
-            rows = rows[logits_for] if isinstance(logits_for, slice) else [rows[int(i)] for i in
-                                                                          torch.as_tensor(logits_for).reshape(-1)]
+            rows = (
+                rows[logits_for]
+                if isinstance(logits_for, slice)
+                else [rows[int(i)] for i in torch.as_tensor(logits_for).reshape(-1)]
+            )
         contexts = []
         for i in rows:
             if mask is None:

@@ -38,8 +38,9 @@ def _blocks(raw: np.ndarray, shape: tuple[int, int], qtype: int) -> np.ndarray:
         raise ValueError(f"row length {k} is not a multiple of the block size {per} of ggml type {qtype}")
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     if raw.size != n * (k // per) * size:
-        raise ValueError(f"{raw.size} bytes of ggml type {qtype} do not hold a {n}x{k} tensor "
-                         f"({n * (k // per) * size} expected)")
+        raise ValueError(
+            f"{raw.size} bytes of ggml type {qtype} do not hold a {n}x{k} tensor ({n * (k // per) * size} expected)"
+        )
     return raw.reshape(n, k // per, size)
 
 

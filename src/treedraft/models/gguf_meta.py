@@ -29,8 +29,15 @@ from .errors import ModelLoadError
 
 CACHE_VERSION = 1
 SHORT_ARRAY = 64  # metadata arrays up to this many items are kept whole; longer ones (vocabularies) by length
-_PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
-          "I64": np.int64}  # types the gguf package hands out as typed arrays; the rest as uint8 block rows
+_PLAIN = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+}  # types the gguf package hands out as typed arrays; the rest as uint8 block rows
 
 
 @dataclass(frozen=True)
@@ -86,10 +93,15 @@ class GGUFMeta:
             v = self.fields.get(f"tokenizer.ggml.{key}")
             return None if v is None else int(v)
 
-        return {"model": self.fields.get("tokenizer.ggml.model"), "chat_template": self.fields.get("tokenizer.chat_template"),
-                "bos_token_id": opt_int("bos_token_id"), "eos_token_id": opt_int("eos_token_id"),
-                "padding_token_id": opt_int("padding_token_id"), "add_bos_token": self.fields.get("tokenizer.ggml.add_bos_token"),
-                "vocab_size": self.array_lengths.get("tokenizer.ggml.tokens")}
+        return {
+            "model": self.fields.get("tokenizer.ggml.model"),
+            "chat_template": self.fields.get("tokenizer.chat_template"),
+            "bos_token_id": opt_int("bos_token_id"),
+            "eos_token_id": opt_int("eos_token_id"),
+            "padding_token_id": opt_int("padding_token_id"),
+            "add_bos_token": self.fields.get("tokenizer.ggml.add_bos_token"),
+            "vocab_size": self.array_lengths.get("tokenizer.ggml.tokens"),
+        }
 
     def tensor(self, name: str) -> GGUFTensor:
         """A tensor table entry by name (KeyError names the file when absent)."""
@@ -105,10 +117,11 @@ class GGUFMeta:
         """
         import gguf
 
-        buf = mm[t.offset: t.offset + t.n_bytes]
+        buf = mm[t.offset : t.offset + t.n_bytes]
         if len(buf) != t.n_bytes:
-            raise ModelLoadError(f"{self.path}: tensor {t.name!r} is cut off (the file is truncated); "
-                                 "re-download or re-convert it")
+            raise ModelLoadError(
+                f"{self.path}: tensor {t.name!r} is cut off (the file is truncated); re-download or re-convert it"
+            )
         dt = _PLAIN.get(t.type)
         if dt is not None:
             return buf.view(dt).reshape(t.shape)
@@ -127,22 +140,29 @@ class GGUFMeta:
 
     def to_json(self) -> dict:
         """The cache file's content."""
-        return {"version": CACHE_VERSION, "fields": self.fields, "array_lengths": self.array_lengths,
-                "tensors": [asdict(t) for t in self.tensors]}
+        return {
+            "version": CACHE_VERSION,
+            "fields": self.fields,
+            "array_lengths": self.array_lengths,
+            "tensors": [asdict(t) for t in self.tensors],
+        }
 
     @staticmethod
     def from_json(path: str, d: dict) -> GGUFMeta:
         """From :meth:`to_json`; a stale or malformed entry raises ValueError (the caller re-reads the file)."""
         if not isinstance(d, dict) or d.get("version") != CACHE_VERSION:
             raise ValueError("stale cache entry")
-        tensors = tuple(GGUFTensor(t["name"], t["type"], tuple(t["shape"]), int(t["offset"]), int(t["n_bytes"]))
-                        for t in d["tensors"])
+        tensors = tuple(
+            GGUFTensor(t["name"], t["type"], tuple(t["shape"]), int(t["offset"]), int(t["n_bytes"]))
+            for t in d["tensors"]
+        )
         return GGUFMeta(path, dict(d["fields"]), {k: int(v) for k, v in d["array_lengths"].items()}, tensors)
 
 
 def _unreadable(path: Path, why: object) -> ModelLoadError:
-    return ModelLoadError(f"{path}: not a readable GGUF file (empty, truncated or corrupt: {why}); "
-                          "re-download or re-convert it")
+    return ModelLoadError(
+        f"{path}: not a readable GGUF file (empty, truncated or corrupt: {why}); re-download or re-convert it"
+    )
 
 
 # GGUF metadata value types -> struct format of a scalar (8 = string, 9 = array)
@@ -165,7 +185,7 @@ class _Header:
         n = self.scalar("<Q")
         if self.pos + n > len(self.buf):
             raise EOFError(f"a {n}-byte string at byte {self.pos} runs past the end of the file")
-        s = self.buf[self.pos: self.pos + n].decode("utf-8")  # UnicodeDecodeError is a ValueError
+        s = self.buf[self.pos : self.pos + n].decode("utf-8")  # UnicodeDecodeError is a ValueError
         self.pos += n
         return s
 
@@ -209,8 +229,10 @@ def parse_gguf(path: Path) -> GGUFMeta:
             if version & 0xFFFF == 0:
                 raise ModelLoadError(f"{path}: a big-endian GGUF file; convert it for this machine's byte order")
             if version not in (2, 3):
-                raise ModelLoadError(f"{path}: GGUF version {version} is not supported (2 and 3 are); "
-                                     "re-convert it with a current llama.cpp")
+                raise ModelLoadError(
+                    f"{path}: GGUF version {version} is not supported (2 and 3 are); "
+                    "re-convert it with a current llama.cpp"
+                )
             n_tensors, n_kv = h.scalar("<Q"), h.scalar("<Q")
             fields: dict[str, Any] = {}
             lengths: dict[str, int] = {}
@@ -242,8 +264,11 @@ def parse_gguf(path: Path) -> GGUFMeta:
             end = start + off + n_bytes
             if end > size:
                 raise _unreadable(path, f"tensor {name!r} ends at byte {end} but the file has {size} bytes")
-            tensors.append(GGUFTensor(name, GGMLQuantizationType(qtype).name, tuple(int(d) for d in reversed(dims)),
-                                      start + off, n_bytes))
+            tensors.append(
+                GGUFTensor(
+                    name, GGMLQuantizationType(qtype).name, tuple(int(d) for d in reversed(dims)), start + off, n_bytes
+                )
+            )
     except ModelLoadError:
         raise
     except (ValueError, KeyError, IndexError, TypeError, OverflowError, struct.error, EOFError) as e:

@@ -47,7 +47,7 @@ class HFCache:
         self.stored = 0  # slots physically held (committed + last forward's uncommitted ones)
         self.pos = torch.zeros(batch, max_len, dtype=torch.long, device=device)  # rotary position of each slot
 
-    def _layers(self) -> list:  # noqa: ANN202 - transformers cache layers
+    def _layers(self) -> list:
         return [layer for layer in self.hf.layers if getattr(layer, "is_initialized", False)]
 
     def crop(self, n: int) -> None:
@@ -66,8 +66,9 @@ class HFCache:
         idx = idx.reshape(-1).cpu()
         n = int(idx.numel())
         if n and (int(idx.min()) < 0 or start + int(idx.max()) >= self.stored):
-            raise ValueError(f"keep({start}, ...): indices must lie in [0, {self.stored - start}), "
-                             f"got {idx.tolist()[:8]}")
+            raise ValueError(
+                f"keep({start}, ...): indices must lie in [0, {self.stored - start}), got {idx.tolist()[:8]}"
+            )
         if start > self.stored:
             raise ValueError(f"keep: start {start} is beyond the {self.stored} slots held")
         contiguous = n == 0 or torch.equal(idx, torch.arange(n))
@@ -94,7 +95,7 @@ class HFCache:
 class HFTarget:
     """A transformers causal LM behind the engine's target interface (see models/llama.py)."""
 
-    def __init__(self, model, max_seq_len: int | None = None) -> None:  # noqa: ANN001 - a PreTrainedModel
+    def __init__(self, model, max_seq_len: int | None = None) -> None:
         """Wrap an already-built ``*ForCausalLM`` (eval mode, no grad); switches attention to sdpa if needed."""
         from transformers import PreTrainedModel
 
@@ -119,8 +120,10 @@ class HFTarget:
             types = ["sliding_attention" if window else "full_attention"] * n
         bad = sorted(set(types) - set(_LAYER_TYPES))
         if bad:
-            raise ModelLoadError(f"{type(model).__name__}: layer types {bad} are not supported by the transformers "
-                                 f"adapter (supported: {list(_LAYER_TYPES)})")
+            raise ModelLoadError(
+                f"{type(model).__name__}: layer types {bad} are not supported by the transformers "
+                f"adapter (supported: {list(_LAYER_TYPES)})"
+            )
         if "sliding_attention" in types and not window:
             raise ModelLoadError(f"{type(model).__name__}: sliding-attention layers but no config.sliding_window")
         self.layer_types = tuple(types)
@@ -132,13 +135,14 @@ class HFTarget:
 
     # ---- construction -------------------------------------------------
     @classmethod
-    def from_model(cls, model, max_seq_len: int | None = None) -> HFTarget:  # noqa: ANN001
+    def from_model(cls, model, max_seq_len: int | None = None) -> HFTarget:
         """Wrap an already-built transformers causal LM (e.g. a tiny random one in tests)."""
         return cls(model, max_seq_len)
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-             max_seq_len: int | None = None) -> HFTarget:
+    def load(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", max_seq_len: int | None = None
+    ) -> HFTarget:
         """Load a GGUF file (dequantized once, then cached as safetensors) or a Hugging Face directory."""
         path = Path(path)
         if path.is_dir():
@@ -181,7 +185,7 @@ class HFTarget:
             raise ValueError(f"cache length {max_len} exceeds the model's context window {self.max_seq_len}")
         return HFCache(max_len, batch, self.device)
 
-    def __call__(self, *args, **kwargs) -> tuple[Tensor, Tensor]:  # noqa: ANN002, ANN003
+    def __call__(self, *args, **kwargs) -> tuple[Tensor, Tensor]:
         return self.forward(*args, **kwargs)
 
     @torch.no_grad()
@@ -231,8 +235,14 @@ class HFTarget:
         kpos = positions if cache is None else torch.cat((cache.pos[:, :start], positions), dim=1)  # (B, S)
         attn = self._attention_masks(allowed, positions, kpos)
 
-        kw = {"input_ids": tokens, "position_ids": positions, "attention_mask": attn, "use_cache": cache is not None,
-              "output_hidden_states": True, "return_dict": True}
+        kw = {
+            "input_ids": tokens,
+            "position_ids": positions,
+            "attention_mask": attn,
+            "use_cache": cache is not None,
+            "output_hidden_states": True,
+            "return_dict": True,
+        }
         if cache is not None:
             kw[self._cache_kw] = cache.hf
         rows = None
@@ -249,8 +259,10 @@ class HFTarget:
             cache.stored = S
             held = cache.hf.get_seq_length()
             if held != S:
-                raise RuntimeError(f"{type(self.hf).__name__} wrote {held} cache slots, expected {S}; "
-                                   "this model does not use the transformers Cache API the adapter relies on")
+                raise RuntimeError(
+                    f"{type(self.hf).__name__} wrote {held} cache slots, expected {S}; "
+                    "this model does not use the transformers Cache API the adapter relies on"
+                )
         return logits.float(), hidden
 
     # ---- masks --------------------------------------------------------
@@ -277,13 +289,14 @@ class HFTarget:
                 near = (qpos[:, :, None] - kpos[:, None, :]) < self.sliding_window  # (B, T, S)
                 a = a & near[:, None]
             masks[kind] = torch.zeros(a.shape, dtype=self.dtype, device=a.device).masked_fill(
-                ~a, torch.finfo(self.dtype).min)
+                ~a, torch.finfo(self.dtype).min
+            )
         if len(masks) == 1:
             return next(iter(masks.values()))
         return masks
 
 
-def _from_pretrained(src: Path, **kw):  # noqa: ANN003, ANN202
+def _from_pretrained(src: Path, **kw):
     """``AutoModelForCausalLM.from_pretrained`` with a clear error for non-causal-LM directories."""
     from transformers import AutoConfig, AutoModelForCausalLM
 

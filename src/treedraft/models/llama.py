@@ -40,9 +40,7 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
-            )
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
 
 
 class KVCache:
@@ -221,8 +219,10 @@ def tune_matmul_plan(linears: list[Linear], reps: int = 2) -> dict[int, str]:
 
     plan: dict[int, str] = {}
     for rows in MATMUL_BUCKETS:
-        xs = {k: torch.randn(rows, k, dtype=linears[0].weight.dtype, device=linears[0].weight.device)
-              for k in {m.in_features for m in linears}}
+        xs = {
+            k: torch.randn(rows, k, dtype=linears[0].weight.dtype, device=linears[0].weight.device)
+            for k in {m.in_features for m in linears}
+        }
         best, best_t = "linear", float("inf")
         for candidate in _padded_candidates(rows):
             t_min = float("inf")
@@ -294,8 +294,10 @@ class Attention(nn.Module):
         from treedraft import kernels
 
         if q.dtype != torch.float32 or q.device.type != "cpu":
-            raise RuntimeError(f"exact_attention needs float32 on CPU, got {q.dtype} on {q.device}; "
-                               "set exact_attention = False for this model")
+            raise RuntimeError(
+                f"exact_attention needs float32 on CPU, got {q.dtype} on {q.device}; "
+                "set exact_attention = False for this model"
+            )
         out = []
         for b in range(q.shape[0]):
             m = None if mask is None else mask[b if mask.shape[0] > 1 else 0, 0]  # (T, L)
@@ -323,7 +325,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x, cos, sin, mask, cache, start):  # noqa: ANN001 - internal
+    def forward(self, x, cos, sin, mask, cache, start):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, start)
         return x + self.ffn(self.ffn_norm(x))
 
@@ -342,7 +344,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
 
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module internals
+    def _apply(self, fn, recurse: bool = True):
         """``.to(dtype)`` / ``.half()`` / ``.to(device)`` move the weights but keep ``inv_freq`` in float32.
 
         Rounding the RoPE frequencies to bf16 shifts angles by up to ~0.4% (1.8 rad at position 4096 for

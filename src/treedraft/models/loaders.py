@@ -56,8 +56,13 @@ def gguf_config(path: str | Path, max_seq_len: int | None = None) -> tuple[Llama
         qkv_bias="blk.0.attn_q.bias" in names,
     )
     tok = h.tokenizer
-    meta = {"architecture": arch, "name": h.get("general.name"), "chat_template": tok["chat_template"],
-            "bos_token_id": tok["bos_token_id"], "eos_token_id": tok["eos_token_id"]}
+    meta = {
+        "architecture": arch,
+        "name": h.get("general.name"),
+        "chat_template": tok["chat_template"],
+        "bos_token_id": tok["bos_token_id"],
+        "eos_token_id": tok["eos_token_id"],
+    }
     return cfg, meta
 
 
@@ -67,8 +72,9 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-              max_seq_len: int | None = None) -> tuple[Transformer, dict]:
+def load_gguf(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", max_seq_len: int | None = None
+) -> tuple[Transformer, dict]:
     """Dequantize a Llama-family GGUF file into the own :class:`Transformer`."""
     path = Path(path)
     cfg, meta = gguf_config(path, max_seq_len)
@@ -77,9 +83,20 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
         for i in range(cfg.num_layers):
             raw[f"blk.{i}.attn_q.weight"] = _unpermute_rope(raw[f"blk.{i}.attn_q.weight"], cfg.num_heads)
             raw[f"blk.{i}.attn_k.weight"] = _unpermute_rope(raw[f"blk.{i}.attn_k.weight"], cfg.num_kv_heads)
-    keymap = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head",
-              "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "attn_norm": "attn_norm",
-              "ffn_norm": "ffn_norm", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}
+    keymap = {
+        "token_embd.weight": "embed",
+        "output_norm.weight": "norm",
+        "output.weight": "lm_head",
+        "attn_q": "q",
+        "attn_k": "k",
+        "attn_v": "v",
+        "attn_output": "o",
+        "attn_norm": "attn_norm",
+        "ffn_norm": "ffn_norm",
+        "ffn_gate": "gate",
+        "ffn_up": "up",
+        "ffn_down": "down",
+    }
     canon: dict[str, np.ndarray] = {}
     for name, arr in raw.items():
         if name.startswith("blk."):
@@ -102,32 +119,42 @@ def hf_config(d: Path, max_seq_len: int | None = None) -> LlamaConfig:
     c = json.loads((d / "config.json").read_text())
     arch = c.get("model_type")
     if arch not in LLAMA_ARCHS:
-        raise ModelLoadError(f"{d}: model_type {arch!r} not supported by the own runtime "
-                             f"(supported: {sorted(LLAMA_ARCHS)}); use runtime='hf'")
+        raise ModelLoadError(
+            f"{d}: model_type {arch!r} not supported by the own runtime "
+            f"(supported: {sorted(LLAMA_ARCHS)}); use runtime='hf'"
+        )
     ctx = int(c.get("max_position_embeddings", 2048))
     # rope scaling: "rope_scaling" (transformers < 5) or "rope_parameters" (what transformers 5 writes)
     rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
-        raise ModelLoadError(f"{d}: rope scaling {rope_type!r} is not supported by the own runtime "
-                             "(default and llama3 are); use runtime='hf'")
+        raise ModelLoadError(
+            f"{d}: rope scaling {rope_type!r} is not supported by the own runtime "
+            "(default and llama3 are); use runtime='hf'"
+        )
     window = c.get("sliding_window") if (arch == "mistral" or c.get("use_sliding_window")) else None
     if window:  # no sliding-window attention here: within the window it is plain causal attention
         ctx = min(ctx, int(window))
     return LlamaConfig(
-        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-        num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_layers=c["num_hidden_layers"],
+        num_heads=c["num_attention_heads"],
         num_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
         max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
         rope_theta=float(c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-        rms_eps=float(c.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        rms_eps=float(c.get("rms_norm_eps", 1e-5)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
-        head_dim_override=c.get("head_dim"), rope_scaling=dict(rope) if rope_type == "llama3" else None,
+        head_dim_override=c.get("head_dim"),
+        rope_scaling=dict(rope) if rope_type == "llama3" else None,
     )
 
 
-def load_hf_dir(d: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                max_seq_len: int | None = None) -> Transformer:
+def load_hf_dir(
+    d: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", max_seq_len: int | None = None
+) -> Transformer:
     """Load a Hugging Face directory (config.json + *.safetensors) into the own module."""
     from safetensors.numpy import load_file
 
@@ -139,11 +166,22 @@ def load_hf_dir(d: str | Path, dtype: torch.dtype = torch.float32, device: str =
         raise ModelLoadError(f"{d}: no *.safetensors files")
     cfg = hf_config(d, max_seq_len)
     canon: dict[str, np.ndarray] = {}
-    part = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v", "self_attn.o_proj": "o",
-            "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "gate",
-            "mlp.up_proj": "up", "mlp.down_proj": "down"}
-    top = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
-           "lm_head.weight": "lm_head.weight"}
+    part = {
+        "self_attn.q_proj": "q",
+        "self_attn.k_proj": "k",
+        "self_attn.v_proj": "v",
+        "self_attn.o_proj": "o",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "gate",
+        "mlp.up_proj": "up",
+        "mlp.down_proj": "down",
+    }
+    top = {
+        "model.embed_tokens.weight": "embed.weight",
+        "model.norm.weight": "norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
     for f in files:
         for name, arr in load_file(str(f)).items():
             if name in top:
@@ -160,8 +198,7 @@ def load_hf_dir(d: str | Path, dtype: torch.dtype = torch.float32, device: str =
     return _build(cfg, canon, str(d), dtype, device)
 
 
-def from_state_dict(cfg: LlamaConfig, sd: dict[str, Tensor], src: str, dtype: torch.dtype,
-                    device: str) -> Transformer:
+def from_state_dict(cfg: LlamaConfig, sd: dict[str, Tensor], src: str, dtype: torch.dtype, device: str) -> Transformer:
     """A frozen Transformer from its own state dict (lm_head may be absent when embeddings are tied)."""
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -199,13 +236,16 @@ def _build(cfg: LlamaConfig, canon: dict[str, np.ndarray], src: str, dtype: torc
         sd[p + "attn_norm.weight"] = take(f"{i}.attn_norm.weight", (H,))
         sd[p + "ffn_norm.weight"] = take(f"{i}.ffn_norm.weight", (H,))
         sd[p + "attn.wqkv.weight"] = torch.cat(
-            [take(f"{i}.q.weight", (qo, H)), take(f"{i}.k.weight", (kvo, H)), take(f"{i}.v.weight", (kvo, H))])
+            [take(f"{i}.q.weight", (qo, H)), take(f"{i}.k.weight", (kvo, H)), take(f"{i}.v.weight", (kvo, H))]
+        )
         if cfg.qkv_bias:
             sd[p + "attn.wqkv.bias"] = torch.cat(
-                [take(f"{i}.q.bias", (qo,)), take(f"{i}.k.bias", (kvo,)), take(f"{i}.v.bias", (kvo,))])
+                [take(f"{i}.q.bias", (qo,)), take(f"{i}.k.bias", (kvo,)), take(f"{i}.v.bias", (kvo,))]
+            )
         sd[p + "attn.wo.weight"] = take(f"{i}.o.weight", (H, qo))
         sd[p + "ffn.w13.weight"] = torch.cat(
-            [take(f"{i}.gate.weight", (cfg.intermediate_size, H)), take(f"{i}.up.weight", (cfg.intermediate_size, H))])
+            [take(f"{i}.gate.weight", (cfg.intermediate_size, H)), take(f"{i}.up.weight", (cfg.intermediate_size, H))]
+        )
         sd[p + "ffn.w2.weight"] = take(f"{i}.down.weight", (H, cfg.intermediate_size))
     if canon:
         raise ModelLoadError(f"{src}: tensors not used by the model: {sorted(canon)[:8]}")

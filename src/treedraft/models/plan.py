@@ -24,9 +24,30 @@ from .cache import atomic_write_text, cache_dir, file_key
 
 T = TypeVar("T")
 # CPU features that change which kernels win: SIMD width, dot-product and bf16/int8 matrix units
-_ISA = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-        "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8",  # x86 (/proc/cpuinfo "flags")
-        "asimd", "asimddp", "sve", "sve2", "bf16", "i8mm", "fphp", "asimdhp"}  # arm64 ("Features")
+_ISA = {
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",  # x86 (/proc/cpuinfo "flags")
+    "asimd",
+    "asimddp",
+    "sve",
+    "sve2",
+    "bf16",
+    "i8mm",
+    "fphp",
+    "asimdhp",
+}  # arm64 ("Features")
 
 
 @lru_cache(maxsize=1)
@@ -50,8 +71,13 @@ def _cpu() -> tuple[str, tuple[str, ...]]:
 def machine_key(device: str | torch.device = "cpu") -> dict[str, Any]:
     """What makes a timing specific to this machine: CPU model, ISA flags, torch, threads (+ the GPU)."""
     cpu, isa = _cpu()
-    key: dict[str, Any] = {"cpu": cpu, "isa": list(isa), "arch": platform.machine(), "torch": torch.__version__,
-                           "threads": torch.get_num_threads()}
+    key: dict[str, Any] = {
+        "cpu": cpu,
+        "isa": list(isa),
+        "arch": platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
     dev = torch.device(device)
     if dev.type == "cuda":
         i = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -79,8 +105,13 @@ def store_measurement(kind: str, key_parts: Mapping[str, Any], value: Any, devic
     return f
 
 
-def cached_measurement(kind: str, key_parts: Mapping[str, Any], measure: Callable[[], Any],
-                       load: Callable[[Any], T] = lambda v: v, device: str | torch.device = "cpu") -> T:
+def cached_measurement(
+    kind: str,
+    key_parts: Mapping[str, Any],
+    measure: Callable[[], Any],
+    load: Callable[[Any], T] = lambda v: v,
+    device: str | torch.device = "cpu",
+) -> T:
     """``load(value)`` of the cached measurement, measuring (``measure()``, JSON-serialisable) when needed.
 
     ``load`` turns the stored JSON back into what the caller uses and raises ValueError, KeyError or

@@ -76,8 +76,14 @@ class Int4PackLinear(QuantLinear):
 
     kernel = "int4pack"
 
-    def __init__(self, scale: Tensor, minv: Tensor, q: Tensor, bias: Tensor | None = None,
-                 scale_dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(
+        self,
+        scale: Tensor,
+        minv: Tensor,
+        q: Tensor,
+        bias: Tensor | None = None,
+        scale_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
         n, k = q.shape
         super().__init__(k, n, bias)
         if n % 16 or k % GROUP:
@@ -86,8 +92,9 @@ class Int4PackLinear(QuantLinear):
         zero = minv.float() + 8.0 * scale.float()
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2))
         # (K/32, N, 2): scale, zero of group g for output n
-        self.register_buffer("scales_and_zeros",
-                             torch.stack((scale.float().t(), zero.t()), dim=-1).to(scale_dtype).contiguous())
+        self.register_buffer(
+            "scales_and_zeros", torch.stack((scale.float().t(), zero.t()), dim=-1).to(scale_dtype).contiguous()
+        )
 
     def mm(self, x: Tensor) -> Tensor:
         xs = x.to(self.scales_and_zeros.dtype)
@@ -137,7 +144,7 @@ class NativeLinear(QuantLinear):
 
     kernel = "native"
 
-    def __init__(self, fmt: str, parts: tuple[Tensor, ...], bias: Tensor | None, kernels) -> None:  # noqa: ANN001
+    def __init__(self, fmt: str, parts: tuple[Tensor, ...], bias: Tensor | None, kernels) -> None:
         n, k = parts[-1].shape
         super().__init__(k, n, bias)
         self._k = kernels
@@ -151,7 +158,7 @@ class NativeLinear(QuantLinear):
         return self._nbytes
 
 
-def native_kernels():  # noqa: ANN201
+def native_kernels():
     """The native kernel package when it is installed and usable on this CPU, else None."""
     try:
         k = importlib.import_module("treedraft.kernels")
@@ -159,9 +166,8 @@ def native_kernels():  # noqa: ANN201
         return None
     try:
         return k if k.available() else None
-    except Exception as e:  # noqa: BLE001 - a broken optional extension must not stop loading
-        warnings.warn(f"treedraft.kernels is installed but unusable ({e}); using PyTorch's stock kernels",
-                      stacklevel=2)
+    except Exception as e:
+        warnings.warn(f"treedraft.kernels is installed but unusable ({e}); using PyTorch's stock kernels", stacklevel=2)
         return None
 
 
@@ -197,7 +203,7 @@ def quantize_q8_rtn(w: Tensor) -> QWeight:
     return QWeight("q8", (scale, q), "rtn8")
 
 
-def build_linear(qw: QWeight, kernel: str, bias: Tensor | None = None, natives=None) -> QuantLinear:  # noqa: ANN001
+def build_linear(qw: QWeight, kernel: str, bias: Tensor | None = None, natives=None) -> QuantLinear:
     """A module for ``qw`` served by ``kernel`` ('int4pack', 'int8pack' or 'native')."""
     if kernel == "native":
         if natives is None:
@@ -212,7 +218,7 @@ def build_linear(qw: QWeight, kernel: str, bias: Tensor | None = None, natives=N
     raise ValueError(f"unknown kernel {kernel!r}; use int4pack, int8pack or native")
 
 
-def candidates(fmt: str, natives) -> list[str]:  # noqa: ANN001
+def candidates(fmt: str, natives) -> list[str]:
     """Kernels that can serve format ``fmt`` here: the stock one, plus 'native' when it is available."""
     return [STOCK_KERNEL[fmt]] + (["native"] if natives is not None else [])
 
@@ -240,8 +246,9 @@ def time_modules(mods: list[nn.Module], rows: int, reps: int = 3) -> float:
     return best
 
 
-def choose_kernels(weights: dict[str, QWeight], natives, log: Callable[[str], None] | None = None,  # noqa: ANN001
-                   rows: tuple[int, ...] = (1, 16)) -> dict[str, str]:
+def choose_kernels(
+    weights: dict[str, QWeight], natives, log: Callable[[str], None] | None = None, rows: tuple[int, ...] = (1, 16)
+) -> dict[str, str]:
     """Per format present in ``weights``: the fastest row-invariant candidate kernel, measured here.
 
     One kernel serves every row count of a format (a per-row-count choice would make tree rows differ
@@ -275,7 +282,7 @@ def choose_kernels(weights: dict[str, QWeight], natives, log: Callable[[str], No
     return out
 
 
-def swap_linears(model: nn.Module, weights: dict[str, QWeight], kernels: dict[str, str], natives=None) -> None:  # noqa: ANN001
+def swap_linears(model: nn.Module, weights: dict[str, QWeight], kernels: dict[str, str], natives=None) -> None:
     """Replace the named Linear submodules of ``model`` by quantized ones (``kernels``: format -> kernel).
 
     A q4 weight whose shape the int4 kernel cannot take (rows not a multiple of 16) falls back to int8pack

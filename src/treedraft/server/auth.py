@@ -46,8 +46,10 @@ class APIKeys:
         keys = tuple(keys)
         for k in keys:
             if not isinstance(k, str) or not k or k != k.strip():
-                raise ValueError("an API key must be non-empty and have no surrounding whitespace; "
-                                 "check --api-key and $TREEDRAFT_API_KEYS")
+                raise ValueError(
+                    "an API key must be non-empty and have no surrounding whitespace; "
+                    "check --api-key and $TREEDRAFT_API_KEYS"
+                )
         self._digests = [_digest(k) for k in dict.fromkeys(keys)]
 
     def __bool__(self) -> bool:
@@ -59,8 +61,7 @@ class APIKeys:
     def tenant(self, authorization: str | None) -> str:
         """The tenant id of a valid ``Authorization`` header; APIError 401 otherwise."""
         if not authorization:
-            raise _unauthorized("missing API key: send the header 'Authorization: Bearer <key>'",
-                                "missing_api_key")
+            raise _unauthorized("missing API key: send the header 'Authorization: Bearer <key>'", "missing_api_key")
         scheme, _, token = authorization.strip().partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
@@ -82,8 +83,9 @@ def _unauthorized(message: str, code: str) -> APIError:
 class AuthMiddleware:
     """Pure ASGI middleware (it leaves streaming and disconnect detection untouched): 401 without a valid key."""
 
-    def __init__(self, app: ASGIApp, keys: APIKeys, protect_open_paths: bool,
-                 on_reject: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: APIKeys, protect_open_paths: bool, on_reject: Callable[[int], None] | None = None
+    ) -> None:
         self.app, self.keys, self.protect_open_paths, self.on_reject = app, keys, protect_open_paths, on_reject
 
     def needs_key(self, path: str) -> bool:
@@ -92,8 +94,9 @@ class AuthMiddleware:
             return False
         return self.protect_open_paths or path.rstrip("/") not in OPEN_PATHS
 
-    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
-                       send: Callable[[Any], Awaitable[None]]) -> None:
+    async def __call__(
+        self, scope: Scope, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]
+    ) -> None:
         if scope["type"] == "http" and self.needs_key(scope["path"]):
             header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
             try:

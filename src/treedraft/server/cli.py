@@ -20,23 +20,33 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from ..cli import load_from_args
 
-    settings = ServerSettings(max_queue=a.max_queue, max_tokens_limit=a.max_tokens_limit,
-                              default_max_tokens=a.default_max_tokens,
-                              served_model_names=tuple(a.served_model_name or ()), heads=a.heads,
-                              retry_after_s=a.retry_after, api_keys=(*(a.api_key or ()), *keys_from_env()),
-                              protect_health_metrics=a.protect_health_metrics)
+    settings = ServerSettings(
+        max_queue=a.max_queue,
+        max_tokens_limit=a.max_tokens_limit,
+        default_max_tokens=a.default_max_tokens,
+        served_model_names=tuple(a.served_model_name or ()),
+        heads=a.heads,
+        retry_after_s=a.retry_after,
+        api_keys=(*(a.api_key or ()), *keys_from_env()),
+        protect_health_metrics=a.protect_health_metrics,
+    )
     if a.protect_health_metrics and not settings.api_keys:
         raise ValueError(f"--protect-health-metrics needs at least one key: give --api-key or set ${ENV_KEYS}")
     t = time.perf_counter()
     llm = load_from_args(a)
-    log.warning("loaded %s in %.1fs; serving on http://%s:%d (%s)", llm.model_name, time.perf_counter() - t, a.host,
-                a.port, f"{len(set(settings.api_keys))} API key(s)" if settings.api_keys else "no API key required")
-    uvicorn.run(create_app(llm, settings), host=a.host, port=a.port, log_level=a.log_level,
-                timeout_graceful_shutdown=5)
+    log.warning(
+        "loaded %s in %.1fs; serving on http://%s:%d (%s)",
+        llm.model_name,
+        time.perf_counter() - t,
+        a.host,
+        a.port,
+        f"{len(set(settings.api_keys))} API key(s)" if settings.api_keys else "no API key required",
+    )
+    uvicorn.run(create_app(llm, settings), host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5)
     return 0
 
 
-def register(subparsers: Any) -> None:  # noqa: ANN401 - argparse's private _SubParsersAction
+def register(subparsers: Any) -> None:
     """Add `treedraft serve` to the CLI."""
     from ..cli import add_model_args
 
@@ -44,18 +54,38 @@ def register(subparsers: Any) -> None:  # noqa: ANN401 - argparse's private _Sub
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     add_model_args(p)
-    p.add_argument("--max-queue", type=int, default=64,
-                   help="requests allowed to wait behind the running one; beyond that the server answers 429")
-    p.add_argument("--max-tokens-limit", type=int, default=None,
-                   help="largest max_tokens a request may ask for (default: the context window)")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests allowed to wait behind the running one; beyond that the server answers 429",
+    )
+    p.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="largest max_tokens a request may ask for (default: the context window)",
+    )
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
-    p.add_argument("--served-model-name", action="append", default=None,
-                   help="name(s) clients use in 'model' (repeatable; default: the model's name)")
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        help="name(s) clients use in 'model' (repeatable; default: the model's name)",
+    )
     p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds sent with 429")
-    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help=f"require 'Authorization: Bearer KEY' (repeatable; keys in ${ENV_KEYS}, comma-separated, "
-                        "are added and stay out of the process list)")
-    p.add_argument("--protect-health-metrics", action="store_true",
-                   help="with API keys: /health and /metrics need a key too (default: open, for probes and scrapers)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' (repeatable; keys in ${ENV_KEYS}, comma-separated, "
+        "are added and stay out of the process list)",
+    )
+    p.add_argument(
+        "--protect-health-metrics",
+        action="store_true",
+        help="with API keys: /health and /metrics need a key too (default: open, for probes and scrapers)",
+    )
     p.add_argument("--log-level", default="info", help="uvicorn log level")
     p.set_defaults(func=cmd_serve)

@@ -17,10 +17,27 @@ from prometheus_client.exposition import choose_encoder
 if TYPE_CHECKING:
     from ..engine import GenerationStats
 
-_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-                 160.0, 640.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                2.5, 5.0)
+_TIME_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 _RATE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0)
 _ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 _BATCH_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
@@ -44,44 +61,61 @@ class Metrics:
             return h.labels(model_name=model_name)
 
         self.requests = counter("treedraft:num_requests", "Requests accepted into the queue.")
-        self._success = counter("treedraft:request_success", "Finished requests by finish reason.",
-                                "finished_reason")
-        self.aborted = counter("treedraft:request_aborted",
-                               "Requests whose client disconnected before the answer was complete.")
-        self._errors = counter("treedraft:request_errors", "Requests answered with an error, by HTTP status.",
-                               "status")
+        self._success = counter("treedraft:request_success", "Finished requests by finish reason.", "finished_reason")
+        self.aborted = counter(
+            "treedraft:request_aborted", "Requests whose client disconnected before the answer was complete."
+        )
+        self._errors = counter("treedraft:request_errors", "Requests answered with an error, by HTTP status.", "status")
         self.prompt_tokens = counter("treedraft:prompt_tokens", "Prefill tokens processed.")
         self.gen_tokens = counter("treedraft:generation_tokens", "Generated tokens.")
-        self.last_tps = Gauge("treedraft:generation_tokens_per_second",
-                              "Decode speed (tokens/s) of the most recently finished request.", ["model_name"],
-                              registry=self.registry).labels(model_name=model_name)
+        self.last_tps = Gauge(
+            "treedraft:generation_tokens_per_second",
+            "Decode speed (tokens/s) of the most recently finished request.",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(model_name=model_name)
         self.drafts = counter("treedraft:spec_decode_num_drafts", "Verify steps that checked a draft tree.")
-        self.draft_tokens = counter("treedraft:spec_decode_num_draft_tokens",
-                                    "Draft tokens verified (tree nodes, root excluded).")
-        self.accepted = counter("treedraft:spec_decode_num_accepted_tokens",
-                                "Draft tokens accepted (bonus tokens excluded).")
-        self._accepted_pos = counter("treedraft:spec_decode_num_accepted_tokens_per_pos",
-                                     "Accepted draft tokens by depth in the tree (0 = first draft token).",
-                                     "position")
-        self._drafts_pos = counter("treedraft:spec_decode_num_drafts_per_pos",
-                                   "Drafts whose tree reached this depth (denominator of acceptance per position).",
-                                   "position")
-        self.steps = counter("treedraft:spec_decode_num_verify_steps",
-                             "All target forward steps after prefill, plain ones included "
-                             "(mean accepted length = (accepted + steps) / steps).")
-        self.ttft = histogram("treedraft:time_to_first_token_seconds", "Arrival to first generated token.",
-                              _TIME_BUCKETS)
-        self.itl = histogram("treedraft:inter_token_latency_seconds",
-                             "Time between consecutive generated tokens of one request, as streamed.", _ITL_BUCKETS)
-        self.e2e = histogram("treedraft:e2e_request_latency_seconds", "Arrival to last generated token.",
-                             _TIME_BUCKETS)
-        self.queue_time = histogram("treedraft:request_queue_time_seconds", "Time spent waiting for the worker.",
-                                    _TIME_BUCKETS)
-        self.tps = histogram("treedraft:request_generation_tokens_per_second", "Per-request decode speed.",
-                             _RATE_BUCKETS)
-        self.accept_len = histogram("treedraft:request_mean_accepted_length",
-                                    "Per-request tokens committed per verify step (bonus included; 1 = plain).",
-                                    _ACCEPT_BUCKETS)
+        self.draft_tokens = counter(
+            "treedraft:spec_decode_num_draft_tokens", "Draft tokens verified (tree nodes, root excluded)."
+        )
+        self.accepted = counter(
+            "treedraft:spec_decode_num_accepted_tokens", "Draft tokens accepted (bonus tokens excluded)."
+        )
+        self._accepted_pos = counter(
+            "treedraft:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by depth in the tree (0 = first draft token).",
+            "position",
+        )
+        self._drafts_pos = counter(
+            "treedraft:spec_decode_num_drafts_per_pos",
+            "Drafts whose tree reached this depth (denominator of acceptance per position).",
+            "position",
+        )
+        self.steps = counter(
+            "treedraft:spec_decode_num_verify_steps",
+            "All target forward steps after prefill, plain ones included "
+            "(mean accepted length = (accepted + steps) / steps).",
+        )
+        self.ttft = histogram(
+            "treedraft:time_to_first_token_seconds", "Arrival to first generated token.", _TIME_BUCKETS
+        )
+        self.itl = histogram(
+            "treedraft:inter_token_latency_seconds",
+            "Time between consecutive generated tokens of one request, as streamed.",
+            _ITL_BUCKETS,
+        )
+        self.e2e = histogram("treedraft:e2e_request_latency_seconds", "Arrival to last generated token.", _TIME_BUCKETS)
+        self.queue_time = histogram(
+            "treedraft:request_queue_time_seconds", "Time spent waiting for the worker.", _TIME_BUCKETS
+        )
+        self.tps = histogram(
+            "treedraft:request_generation_tokens_per_second", "Per-request decode speed.", _RATE_BUCKETS
+        )
+        self.accept_len = histogram(
+            "treedraft:request_mean_accepted_length",
+            "Per-request tokens committed per verify step (bonus included; 1 = plain).",
+            _ACCEPT_BUCKETS,
+        )
         self.batch_size = histogram("treedraft:batch_size", "Requests in one target forward step.", _BATCH_BUCKETS)
 
     # -- recording
@@ -105,8 +139,17 @@ class Metrics:
         for _ in range(n_steps):
             self.batch_size.observe(batch_size)
 
-    def record(self, stats: GenerationStats, t_arrival: float, t_start: float | None, t_first: float | None,
-               t_end: float, n_tokens: int, outcome: str, token_gaps: Sequence[float] = ()) -> None:
+    def record(
+        self,
+        stats: GenerationStats,
+        t_arrival: float,
+        t_start: float | None,
+        t_first: float | None,
+        t_end: float,
+        n_tokens: int,
+        outcome: str,
+        token_gaps: Sequence[float] = (),
+    ) -> None:
         """Account one generation (finished, aborted or failed); ``token_gaps``: seconds between its tokens."""
         if outcome == "aborted":
             self.aborted.inc()

@@ -52,8 +52,15 @@ class ServerSettings:
 class APIError(Exception):
     """An error answered as OpenAI-style JSON: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
@@ -147,7 +154,7 @@ _UNION_TAGS = {"str", "list[str]", "list[int]", "list[TextPart]"}
 _UNION_HELP = {
     "stop": "should be a string or a list of strings",
     "prompt": "should be a string, a list with one string, or a list of token ids",
-    "content": "should be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+    "content": 'should be a string or a list of {"type": "text", "text": ...} parts',
 }
 
 
@@ -159,7 +166,7 @@ def _error_location(loc: tuple) -> tuple[tuple, bool]:
     return loc, False
 
 
-def parse_body(model: type[BaseModel], body: bytes) -> Any:  # noqa: ANN401
+def parse_body(model: type[BaseModel], body: bytes) -> Any:
     """Validate a JSON body; any problem -> a 400 APIError naming the field."""
     try:
         return model.model_validate_json(body)
@@ -183,8 +190,11 @@ def reject_unsupported(req: CommonRequest) -> None:
     if req.n not in (None, 1):
         raise APIError(400, f"n={req.n} is not supported; this server returns exactly one choice (n=1)", param="n")
     if req.presence_penalty or req.frequency_penalty:
-        raise APIError(400, "presence_penalty and frequency_penalty are not supported; leave them at 0",
-                       param="presence_penalty" if req.presence_penalty else "frequency_penalty")
+        raise APIError(
+            400,
+            "presence_penalty and frequency_penalty are not supported; leave them at 0",
+            param="presence_penalty" if req.presence_penalty else "frequency_penalty",
+        )
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if req.stream_options is not None and not req.stream:
@@ -205,4 +215,3 @@ def reject_unsupported(req: CommonRequest) -> None:
             raise APIError(400, "echo is not supported", param="echo")
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-

@@ -47,8 +47,14 @@ class Failed:
 class Job:
     """One generation request travelling from an HTTP handler to the worker and back."""
 
-    def __init__(self, prompt_ids: list[int], config: GenerationConfig, drafter: str,
-                 loop: asyncio.AbstractEventLoop, tenant: str | None = None) -> None:
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        drafter: str,
+        loop: asyncio.AbstractEventLoop,
+        tenant: str | None = None,
+    ) -> None:
         self.prompt_ids, self.config, self.drafter = prompt_ids, config, drafter
         self.tenant = tenant  # who asked: "key-<hash>" (API key) or "user-<user field>"; None when anonymous
         self.loop = loop
@@ -169,8 +175,12 @@ class Worker:
         except (ImportError, FileNotFoundError, ValueError) as e:
             # the name is valid (checked in prepare) but this server cannot build it (e.g. no heads)
             log.warning("drafter %r is not available: %s: %s", name, type(e).__name__, e)
-            raise APIError(400, f"drafter {name!r} is not available on this server: {e}",
-                           param="treedraft.drafter", code="drafter_unavailable") from None
+            raise APIError(
+                400,
+                f"drafter {name!r} is not available on this server: {e}",
+                param="treedraft.drafter",
+                code="drafter_unavailable",
+            ) from None
 
     @staticmethod
     def _for_tenant(drafter: Drafter | None, tenant: str | None) -> Drafter | None:
@@ -191,7 +201,7 @@ class Worker:
             self.running = job
             try:
                 self._run(job)
-            except Exception:  # noqa: BLE001 - keep serving; the job already got its error
+            except Exception:
                 log.exception("worker: unexpected error while finishing a job")
             finally:
                 self.running = None
@@ -234,14 +244,14 @@ class Worker:
         except TreeError as e:  # a drafter bug, not the client's fault
             log.exception("generation failed: drafter %r produced an invalid tree", job.drafter)
             job.deliver(Failed(APIError(500, f"internal error in the drafter: {e}", "server_error")))
-        except Exception as e:  # noqa: BLE001 - any other error (ValueError included) is a server bug
+        except Exception as e:
             # e.g. a KV cache overflow or a drafter's inconsistent q: answer 500, log it, keep serving
             log.exception("generation failed (drafter %r)", job.drafter)
-            job.deliver(Failed(APIError(500, f"internal error during generation: {type(e).__name__}: {e}",
-                                         "server_error")))
+            job.deliver(
+                Failed(APIError(500, f"internal error during generation: {type(e).__name__}: {e}", "server_error"))
+            )
         finally:
             if gen is not None:
                 gen.close()
-            self.metrics.record(stats, job.t_arrival, t_start, t_first, time.perf_counter(), n_tokens, outcome,
-                                gaps)
+            self.metrics.record(stats, job.t_arrival, t_start, t_first, time.perf_counter(), n_tokens, outcome, gaps)
             self.metrics.observe_steps(1, len(stats.steps) + (t_first is not None))  # serial: 1 request per step

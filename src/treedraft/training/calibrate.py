@@ -62,8 +62,13 @@ def latency_sizes(max_nodes: int, base: Sequence[int] = LATENCY_SIZES) -> list[i
     return sorted({s for s in base if s < max_nodes} | {1, max_nodes})
 
 
-def choose_tree(acc: Sequence[Sequence[float]], latency: dict[int, float], draft_cost: float = 0.0,
-                max_nodes: int = 64, min_nodes: int = 0) -> dict:
+def choose_tree(
+    acc: Sequence[Sequence[float]],
+    latency: dict[int, float],
+    draft_cost: float = 0.0,
+    max_nodes: int = 64,
+    min_nodes: int = 0,
+) -> dict:
     """Pick the tree size maximising expected tokens/s under measured latency(n_tokens) (seconds).
 
     ``max_nodes`` is the tree size budget *root included*, like GenerationConfig.max_tree_nodes,
@@ -105,16 +110,26 @@ def choose_tree(acc: Sequence[Sequence[float]], latency: dict[int, float], draft
     plain = 1.0 / lat(1)
     warnings = []
     if outside:
-        warnings.append(f"latency for {sorted(outside)} tokens was extrapolated beyond the measured sizes "
-                        f"{sizes[0]}..{sizes[-1]}; measure up to {max_nodes} tokens for a reliable choice")
-    return {"choices": [list(c) for c in choices[:best]], "nodes": best, "tree_tokens": best + 1,
-            "expected_len": lens[best], "expected_tok_per_s": table[best]["tok_per_s"],
-            "plain_tok_per_s": plain, "table": table, "warnings": warnings}
+        warnings.append(
+            f"latency for {sorted(outside)} tokens was extrapolated beyond the measured sizes "
+            f"{sizes[0]}..{sizes[-1]}; measure up to {max_nodes} tokens for a reliable choice"
+        )
+    return {
+        "choices": [list(c) for c in choices[:best]],
+        "nodes": best,
+        "tree_tokens": best + 1,
+        "expected_len": lens[best],
+        "expected_tok_per_s": table[best]["tok_per_s"],
+        "plain_tok_per_s": plain,
+        "table": table,
+        "warnings": warnings,
+    }
 
 
 @torch.inference_mode()
-def measure_latency(model, context: int = 512, sizes: Sequence[int] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64),
-                    reps: int = 5) -> dict[int, float]:
+def measure_latency(
+    model, context: int = 512, sizes: Sequence[int] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64), reps: int = 5
+) -> dict[int, float]:
     """Median seconds of one forward of n tree tokens on top of a ``context``-token cache."""
     dev = target_device(model)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)  # CUDA runs async: time whole kernels
@@ -149,10 +164,15 @@ def shipped_accuracies(cfg: MedusaConfig) -> list[list[float]] | None:
     acc = cfg.extra.get("rank_accuracy") or (cfg.extra.get("calibration") or {}).get("rank_accuracy")
     if not acc:
         return None
-    if (len(acc) != cfg.num_heads or not all(isinstance(row, list) and row for row in acc)
-            or not all(isinstance(a, (int, float)) and 0.0 <= a <= 1.0 for row in acc for a in row)):
-        raise ValueError(f"rank_accuracy must be {cfg.num_heads} lists of probabilities (one per head), "
-                         f"got {str(acc)[:80]}; rewrite it with `treedraft train-heads`")
+    if (
+        len(acc) != cfg.num_heads
+        or not all(isinstance(row, list) and row for row in acc)
+        or not all(isinstance(a, (int, float)) and 0.0 <= a <= 1.0 for row in acc for a in row)
+    ):
+        raise ValueError(
+            f"rank_accuracy must be {cfg.num_heads} lists of probabilities (one per head), "
+            f"got {str(acc)[:80]}; rewrite it with `treedraft train-heads`"
+        )
     return [[float(a) for a in row] for row in acc]
 
 
@@ -162,17 +182,27 @@ def _target_facts(target: object) -> dict[str, Any]:
     modules = target.modules() if callable(getattr(target, "modules", None)) else ()
     # the linear kernels (fp32 plan, int4/int8 pack, native) change the latency curve as much as the size does
     linears = sorted({type(m).__name__ for m in modules if "Linear" in type(m).__name__})
-    return {"target": type(target).__name__, "params": sum(p.numel() for p in params), "linears": linears,
-            "dtype": str(params[0].dtype) if params else "?", "device": str(target_device(target)),
-            "hidden": getattr(target, "hidden_size", None), "vocab": getattr(target, "vocab_size", None)}
+    return {
+        "target": type(target).__name__,
+        "params": sum(p.numel() for p in params),
+        "linears": linears,
+        "dtype": str(params[0].dtype) if params else "?",
+        "device": str(target_device(target)),
+        "hidden": getattr(target, "hidden_size", None),
+        "vocab": getattr(target, "vocab_size", None),
+    }
 
 
 def tree_key(target: object, heads_dir: Path, model_id: str) -> dict[str, Any]:
     """Cache key parts of a machine tree (with :func:`~treedraft.models.plan.machine_key` added by the cache)."""
     p = Path(model_id)
     heads_dir = Path(heads_dir)
-    return {"model": file_key(p) if p.is_file() else model_id, **_target_facts(target),
-            "heads": file_key(heads_dir / "heads.safetensors"), "heads_json": file_key(heads_dir / "medusa.json")}
+    return {
+        "model": file_key(p) if p.is_file() else model_id,
+        **_target_facts(target),
+        "heads": file_key(heads_dir / "heads.safetensors"),
+        "heads_json": file_key(heads_dir / "medusa.json"),
+    }
 
 
 @torch.inference_mode()
@@ -199,8 +229,9 @@ def _checked_tree(v: Any, num_heads: int) -> tuple[tuple[int, ...], ...]:
     return choices
 
 
-def machine_tree(target: object, heads: MedusaHeads, heads_dir: Path, model_id: str,
-                 max_nodes: int = TREE_MAX_NODES) -> tuple[tuple[int, ...], ...]:
+def machine_tree(
+    target: object, heads: MedusaHeads, heads_dir: Path, model_id: str, max_nodes: int = TREE_MAX_NODES
+) -> tuple[tuple[int, ...], ...]:
     """The Medusa tree for these heads on this machine.
 
     Heads whose medusa.json names ``choices`` keep them. Otherwise the tree is chosen from the
@@ -218,8 +249,12 @@ def machine_tree(target: object, heads: MedusaHeads, heads_dir: Path, model_id: 
 
     def measure() -> dict:
         f, _ = measurement_path(TREE_KIND, parts, dev)
-        print(f"treedraft: measuring this machine's latency to choose the Medusa tree (once; cached in {f})",
-              end="", file=sys.stderr, flush=True)
+        print(
+            f"treedraft: measuring this machine's latency to choose the Medusa tree (once; cached in {f})",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
         t = time.perf_counter()
         room = getattr(target, "max_seq_len", None)
         context = TREE_CONTEXT if room is None else max(1, min(TREE_CONTEXT, room - max_nodes - 1))
@@ -233,10 +268,16 @@ def machine_tree(target: object, heads: MedusaHeads, heads_dir: Path, model_id: 
 
 def tree_record(res: dict, latency: dict[int, float], max_nodes: int, context: int, **extra: Any) -> dict:
     """The cached form of a :func:`choose_tree` result."""
-    return {"choices": res["choices"], "max_nodes": max_nodes, "context": context,
-            "latency_ms": {str(k): round(v * 1000, 3) for k, v in latency.items()},
-            "expected_len": res["expected_len"], "expected_tok_per_s": res["expected_tok_per_s"],
-            "plain_tok_per_s": res["plain_tok_per_s"], **extra}
+    return {
+        "choices": res["choices"],
+        "max_nodes": max_nodes,
+        "context": context,
+        "latency_ms": {str(k): round(v * 1000, 3) for k, v in latency.items()},
+        "expected_len": res["expected_len"],
+        "expected_tok_per_s": res["expected_tok_per_s"],
+        "plain_tok_per_s": res["plain_tok_per_s"],
+        **extra,
+    }
 
 
 def store_machine_tree(target: object, heads_dir: Path, model_id: str, record: dict) -> Path:

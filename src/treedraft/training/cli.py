@@ -21,8 +21,9 @@ def _default_eval() -> str | None:
     return str(p) if p else None
 
 
-def cache_name(model_name: str, prompt_file: str | Path, num_prompts: int | None, max_new_tokens: int,
-               max_prompt_tokens: int) -> str:
+def cache_name(
+    model_name: str, prompt_file: str | Path, num_prompts: int | None, max_new_tokens: int, max_prompt_tokens: int
+) -> str:
     """Data directory name: model, prompt file, prompt count and token limits (meta.json has the rest)."""
     m = Path(model_name)
     model = m.stem if m.suffix == ".gguf" else m.name
@@ -46,32 +47,60 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     t = sub.add_parser("train-heads", help="self-distil Medusa heads for a model")
     add_model_args(t)
-    t.add_argument("--prompts", default=_default_prompts(),
-                   help=f"jsonl of prompts: {FORMATS} (default: {SHARED_DATA / SHAREGPT_FILE} when present)")
+    t.add_argument(
+        "--prompts",
+        default=_default_prompts(),
+        help=f"jsonl of prompts: {FORMATS} (default: {SHARED_DATA / SHAREGPT_FILE} when present)",
+    )
     t.add_argument("--num-prompts", type=int, default=1280)
-    t.add_argument("--eval-prompts", default=_default_eval(),
-                   help=f"held-out jsonl for accuracy (default: {SHARED_DATA / MT_BENCH_FILE} when present)")
+    t.add_argument(
+        "--eval-prompts",
+        default=_default_eval(),
+        help=f"held-out jsonl for accuracy (default: {SHARED_DATA / MT_BENCH_FILE} when present)",
+    )
     t.add_argument("--max-new-tokens", type=int, default=192)
     t.add_argument("--eval-max-new-tokens", type=int, default=EVAL_MAX_NEW_TOKENS)
-    t.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS,
-                   help="prompts longer than this (after the chat template) are skipped")
+    t.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=MAX_PROMPT_TOKENS,
+        help="prompts longer than this (after the chat template) are skipped",
+    )
     t.add_argument("--gen-batch-size", type=int, default=16)
-    t.add_argument("--data-dir", default="data-cache",
-                   help="where generated answers are cached (resumable), in subdirectories named after the model, "
-                        "prompt file and token limits")
+    t.add_argument(
+        "--data-dir",
+        default="data-cache",
+        help="where generated answers are cached (resumable), in subdirectories named after the model, "
+        "prompt file and token limits",
+    )
     t.add_argument("--train-data", default=None, help="use this directory for the training answers instead")
-    t.add_argument("--no-generate", action="store_true",
-                   help="train on the shards already in --train-data (e.g. an interrupted run); generate nothing")
+    t.add_argument(
+        "--no-generate",
+        action="store_true",
+        help="train on the shards already in --train-data (e.g. an interrupted run); generate nothing",
+    )
     t.add_argument("--eval-data", default=None, help="use this directory for the evaluation answers instead")
     t.add_argument("--out", required=True, help="output directory for the heads")
     t.add_argument("--num-heads", type=int, default=4)
     t.add_argument("--num-layers", type=int, default=1)
-    t.add_argument("--root-conditioned", action=argparse.BooleanOptionalAction, default=True,
-                   help="heads also read the root token's embedding (measured: +37%% head-0 top-1 on MT-Bench)")
-    t.add_argument("--projection", choices=("shared", "separate"), default="shared",
-                   help="shared: the base model's frozen lm_head; separate: one trainable projection per head")
-    t.add_argument("--draft-vocab", type=int, default=16384,
-                   help="heads score only the N most frequent answer tokens (0 = full vocabulary)")
+    t.add_argument(
+        "--root-conditioned",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="heads also read the root token's embedding (measured: +37%% head-0 top-1 on MT-Bench)",
+    )
+    t.add_argument(
+        "--projection",
+        choices=("shared", "separate"),
+        default="shared",
+        help="shared: the base model's frozen lm_head; separate: one trainable projection per head",
+    )
+    t.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=16384,
+        help="heads score only the N most frequent answer tokens (0 = full vocabulary)",
+    )
     t.add_argument("--epochs", type=int, default=2)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--batch-size", type=int, default=256)
@@ -81,17 +110,30 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     c = sub.add_parser("calibrate", help="choose the tree for this machine from head accuracy and latency")
     add_model_args(c)
-    c.add_argument("--eval-data", default=None,
-                   help="answers directory from train-heads (default: data-cache/<model>--mt_bench_questions-all-"
-                        f"new{EVAL_MAX_NEW_TOKENS}-prompt{MAX_PROMPT_TOKENS})")
-    c.add_argument("--max-nodes", type=int, default=64,
-                   help="tree size budget, root included (like --max-tree-nodes): at most N-1 draft nodes")
+    c.add_argument(
+        "--eval-data",
+        default=None,
+        help="answers directory from train-heads (default: data-cache/<model>--mt_bench_questions-all-"
+        f"new{EVAL_MAX_NEW_TOKENS}-prompt{MAX_PROMPT_TOKENS})",
+    )
+    c.add_argument(
+        "--max-nodes",
+        type=int,
+        default=64,
+        help="tree size budget, root included (like --max-tree-nodes): at most N-1 draft nodes",
+    )
     c.add_argument("--context", type=int, default=512)
     c.add_argument("--check-prompts", type=int, default=4, help="MT-Bench prompts to measure the chosen tree on")
-    c.add_argument("--check-file", default=_default_eval(),
-                   help=f"prompts for the measured check (default: {SHARED_DATA / MT_BENCH_FILE} when present)")
-    c.add_argument("--write", action="store_true",
-                   help="store the chosen tree for this machine in the user cache (where drafters look first)")
+    c.add_argument(
+        "--check-file",
+        default=_default_eval(),
+        help=f"prompts for the measured check (default: {SHARED_DATA / MT_BENCH_FILE} when present)",
+    )
+    c.add_argument(
+        "--write",
+        action="store_true",
+        help="store the chosen tree for this machine in the user cache (where drafters look first)",
+    )
     c.set_defaults(func=cmd_calibrate)
 
 
@@ -100,12 +142,19 @@ def validate_train_args(a: argparse.Namespace) -> None:
     _check(a.prompts is not None, f"no prompt file: {SHARED_DATA / SHAREGPT_FILE} was not found; pass --prompts FILE")
     _check(Path(a.prompts).is_file(), f"--prompts {a.prompts}: no such file")
     _check(a.eval_prompts is None or Path(a.eval_prompts).is_file(), f"--eval-prompts {a.eval_prompts}: no such file")
-    for flag, v, lo in (("--num-prompts", a.num_prompts, 1), ("--max-new-tokens", a.max_new_tokens, 1),
-                        ("--eval-max-new-tokens", a.eval_max_new_tokens, 1),
-                        ("--max-prompt-tokens", a.max_prompt_tokens, 1), ("--gen-batch-size", a.gen_batch_size, 1),
-                        ("--num-heads", a.num_heads, 1), ("--num-layers", a.num_layers, 1),
-                        ("--draft-vocab", a.draft_vocab, 0), ("--epochs", a.epochs, 1),
-                        ("--batch-size", a.batch_size, 1), ("--threads", a.threads, 0)):
+    for flag, v, lo in (
+        ("--num-prompts", a.num_prompts, 1),
+        ("--max-new-tokens", a.max_new_tokens, 1),
+        ("--eval-max-new-tokens", a.eval_max_new_tokens, 1),
+        ("--max-prompt-tokens", a.max_prompt_tokens, 1),
+        ("--gen-batch-size", a.gen_batch_size, 1),
+        ("--num-heads", a.num_heads, 1),
+        ("--num-layers", a.num_layers, 1),
+        ("--draft-vocab", a.draft_vocab, 0),
+        ("--epochs", a.epochs, 1),
+        ("--batch-size", a.batch_size, 1),
+        ("--threads", a.threads, 0),
+    ):
         _check(v >= lo, f"{flag} must be >= {lo}, got {v}")
     _check(a.lr > 0, f"--lr must be > 0, got {a.lr}")
 
@@ -127,43 +176,81 @@ def cmd_train(a: argparse.Namespace) -> int:
     _check(a.draft_vocab <= vocab, f"--draft-vocab must be <= the model's vocabulary ({vocab}), got {a.draft_vocab}")
     prompts = read_prompts(a.prompts)[: a.num_prompts]
     data = Path(a.data_dir)
-    train_dir = Path(a.train_data) if a.train_data else data / cache_name(
-        llm.model_name, a.prompts, len(prompts), a.max_new_tokens, a.max_prompt_tokens)
+    train_dir = (
+        Path(a.train_data)
+        if a.train_data
+        else data / cache_name(llm.model_name, a.prompts, len(prompts), a.max_new_tokens, a.max_prompt_tokens)
+    )
     if a.no_generate:
-        _check(a.train_data is not None and any(Path(a.train_data).glob("shard_*.safetensors")),
-               "--no-generate needs --train-data DIR holding shard_*.safetensors from an earlier run")
+        _check(
+            a.train_data is not None and any(Path(a.train_data).glob("shard_*.safetensors")),
+            "--no-generate needs --train-data DIR holding shard_*.safetensors from an earlier run",
+        )
     else:
-        train_dir = generate_dataset(llm, prompts, train_dir, max_new_tokens=a.max_new_tokens,
-                                     batch_size=a.gen_batch_size, max_prompt_tokens=a.max_prompt_tokens,
-                                     prompt_file=a.prompts)
+        train_dir = generate_dataset(
+            llm,
+            prompts,
+            train_dir,
+            max_new_tokens=a.max_new_tokens,
+            batch_size=a.gen_batch_size,
+            max_prompt_tokens=a.max_prompt_tokens,
+            prompt_file=a.prompts,
+        )
     eval_dir = None
     if a.eval_prompts:
-        eval_dir = Path(a.eval_data) if a.eval_data else data / cache_name(
-            llm.model_name, a.eval_prompts, None, a.eval_max_new_tokens, a.max_prompt_tokens)
-        eval_dir = generate_dataset(llm, read_prompts(a.eval_prompts), eval_dir, max_new_tokens=a.eval_max_new_tokens,
-                                    batch_size=a.gen_batch_size, max_prompt_tokens=a.max_prompt_tokens,
-                                    prompt_file=a.eval_prompts)
+        eval_dir = (
+            Path(a.eval_data)
+            if a.eval_data
+            else data / cache_name(llm.model_name, a.eval_prompts, None, a.eval_max_new_tokens, a.max_prompt_tokens)
+        )
+        eval_dir = generate_dataset(
+            llm,
+            read_prompts(a.eval_prompts),
+            eval_dir,
+            max_new_tokens=a.eval_max_new_tokens,
+            batch_size=a.gen_batch_size,
+            max_prompt_tokens=a.max_prompt_tokens,
+            prompt_file=a.eval_prompts,
+        )
     lm = llm.model.output_projection_weight()
-    mcfg = MedusaConfig(base_model=llm.model_name, hidden_size=llm.model.hidden_size,
-                        vocab_size=vocab, num_heads=a.num_heads, num_layers=a.num_layers,
-                        shared_lm_head=a.projection == "shared", draft_vocab=a.draft_vocab,
-                        root_conditioned=a.root_conditioned)
+    mcfg = MedusaConfig(
+        base_model=llm.model_name,
+        hidden_size=llm.model.hidden_size,
+        vocab_size=vocab,
+        num_heads=a.num_heads,
+        num_layers=a.num_layers,
+        shared_lm_head=a.projection == "shared",
+        draft_vocab=a.draft_vocab,
+        root_conditioned=a.root_conditioned,
+    )
     tcfg = TrainConfig(epochs=a.epochs, lr=a.lr, batch_size=a.batch_size, seed=a.seed)
-    heads, report = train_heads(train_dir, lm, mcfg, tcfg, Path(a.out) / "ckpt",
-                                embed_weight=llm.model.input_embedding_weight())
+    heads, report = train_heads(
+        train_dir, lm, mcfg, tcfg, Path(a.out) / "ckpt", embed_weight=llm.model.input_embedding_weight()
+    )
     acc_extra = {}
     if eval_dir is not None:
         tok, hid, seq = load_shards(eval_dir)
         targets = head_targets(tok, seq, a.num_heads)
         report["mt_bench"] = evaluate(heads, hid, targets, roots=tok)
         # what each machine builds its tree from at first use (training/calibrate.machine_tree)
-        acc_extra = {"rank_accuracy": rank_accuracy(heads, hid.float(), targets, roots=tok),
-                     "rank_accuracy_data": str(eval_dir)}
+        acc_extra = {
+            "rank_accuracy": rank_accuracy(heads, hid.float(), targets, roots=tok),
+            "rank_accuracy_data": str(eval_dir),
+        }
     from dataclasses import replace
-    heads.config = replace(heads.config, extra={**heads.config.extra, "training": report,
-                                                 "prompts": a.prompts, "num_prompts": a.num_prompts,
-                                                 "train_data": str(train_dir),
-                                                 "eval_data": str(eval_dir) if eval_dir else None, **acc_extra})
+
+    heads.config = replace(
+        heads.config,
+        extra={
+            **heads.config.extra,
+            "training": report,
+            "prompts": a.prompts,
+            "num_prompts": a.num_prompts,
+            "train_data": str(train_dir),
+            "eval_data": str(eval_dir) if eval_dir else None,
+            **acc_extra,
+        },
+    )
     heads.save(a.out)
     print(json.dumps(report, indent=1))
     return 0
@@ -175,12 +262,18 @@ def validate_calibrate_args(a: argparse.Namespace) -> None:
     _check(a.context >= 1, f"--context must be >= 1, got {a.context}")
     _check(a.check_prompts >= 0, f"--check-prompts must be >= 0, got {a.check_prompts}")
     if a.check_prompts:
-        _check(a.check_file is not None, f"the measured check needs prompts and {SHARED_DATA / MT_BENCH_FILE} was "
-                                         "not found: pass --check-file FILE, or --check-prompts 0 to skip the check")
+        _check(
+            a.check_file is not None,
+            f"the measured check needs prompts and {SHARED_DATA / MT_BENCH_FILE} was "
+            "not found: pass --check-file FILE, or --check-prompts 0 to skip the check",
+        )
         _check(Path(a.check_file).is_file(), f"--check-file {a.check_file}: no such file (or pass --check-prompts 0)")
     if a.eval_data is not None:
-        _check(Path(a.eval_data).is_dir(), f"--eval-data {a.eval_data}: no such directory; run `treedraft "
-                                           "train-heads` first or point at its answers directory")
+        _check(
+            Path(a.eval_data).is_dir(),
+            f"--eval-data {a.eval_data}: no such directory; run `treedraft "
+            "train-heads` first or point at its answers directory",
+        )
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
@@ -193,37 +286,52 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     from ..drafters.medusa import MedusaDrafter
     from ..engine import GenerationStats
     from ..interfaces import DraftContext
-    from .calibrate import (choose_tree, latency_sizes, measure_latency, shipped_accuracies, store_machine_tree,
-                            tree_record)
+    from .calibrate import (
+        choose_tree,
+        latency_sizes,
+        measure_latency,
+        shipped_accuracies,
+        store_machine_tree,
+        tree_record,
+    )
     from .data import load_shards, read_prompts
     from .train import head_targets, rank_accuracy
 
     validate_calibrate_args(a)
-    llm = load(a.model, drafter="medusa", heads=a.heads, device=a.device, dtype=a.dtype, runtime=a.runtime,
-               weights=a.weights)
+    llm = load(
+        a.model, drafter="medusa", heads=a.heads, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights
+    )
     max_len = getattr(llm.model, "max_seq_len", None)
-    _check(max_len is None or a.context + a.max_nodes <= max_len,
-           f"--context {a.context} + --max-nodes {a.max_nodes} exceeds the model's {max_len} positions")
-    eval_data = Path(a.eval_data) if a.eval_data else Path("data-cache") / cache_name(
-        llm.model_name, MT_BENCH_FILE, None, EVAL_MAX_NEW_TOKENS, MAX_PROMPT_TOKENS)
+    _check(
+        max_len is None or a.context + a.max_nodes <= max_len,
+        f"--context {a.context} + --max-nodes {a.max_nodes} exceeds the model's {max_len} positions",
+    )
+    eval_data = (
+        Path(a.eval_data)
+        if a.eval_data
+        else Path("data-cache")
+        / cache_name(llm.model_name, MT_BENCH_FILE, None, EVAL_MAX_NEW_TOKENS, MAX_PROMPT_TOKENS)
+    )
     drafter = llm.engine.drafter
     heads = drafter.heads
     shipped = shipped_accuracies(heads.config)
-    _check(eval_data.is_dir() or shipped is not None,
-           f"no evaluation answers at {eval_data} and the heads record no rank accuracies; run `treedraft "
-           "train-heads` first or pass --eval-data DIR")
+    _check(
+        eval_data.is_dir() or shipped is not None,
+        f"no evaluation answers at {eval_data} and the heads record no rank accuracies; run `treedraft "
+        "train-heads` first or pass --eval-data DIR",
+    )
     if eval_data.is_dir():
         tok, hid, seq = load_shards(eval_data)
         acc = rank_accuracy(heads, hid.float(), head_targets(tok, seq, heads.config.num_heads), roots=tok)
     else:
-        print(f"no evaluation answers at {eval_data}: using the rank accuracies recorded with the heads",
-              file=sys.stderr)
+        print(
+            f"no evaluation answers at {eval_data}: using the rank accuracies recorded with the heads", file=sys.stderr
+        )
         acc, tok, hid = shipped, None, None
     lat = measure_latency(llm.model, a.context, sizes=latency_sizes(a.max_nodes))
     p0 = next(heads.parameters())
     h0 = hid[0] if hid is not None else torch.zeros(heads.config.hidden_size)
-    ctx = DraftContext([int(tok[0]) if tok is not None else 0], h0.to(device=p0.device, dtype=p0.dtype),
-                       a.max_nodes, 8)
+    ctx = DraftContext([int(tok[0]) if tok is not None else 0], h0.to(device=p0.device, dtype=p0.dtype), a.max_nodes, 8)
     drafter.propose(ctx)  # warm-up
     t = time.perf_counter()
     for _ in range(10):
@@ -232,11 +340,15 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     res = choose_tree(acc, lat, draft_cost, a.max_nodes)
     for w in res["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
-    print(f"latency (s) per forward of n tokens on a {a.context}-token cache: "
-          + ", ".join(f"{n}:{v * 1000:.1f}ms" for n, v in lat.items()))
-    print(f"draft cost {draft_cost * 1000:.1f} ms; chosen tree: {res['nodes']} draft nodes + root "
-          f"(budget {a.max_nodes} incl. root), expected mean accepted length {res['expected_len']:.2f}, "
-          f"expected {res['expected_tok_per_s']:.1f} tok/s (plain {res['plain_tok_per_s']:.1f} tok/s)")
+    print(
+        f"latency (s) per forward of n tokens on a {a.context}-token cache: "
+        + ", ".join(f"{n}:{v * 1000:.1f}ms" for n, v in lat.items())
+    )
+    print(
+        f"draft cost {draft_cost * 1000:.1f} ms; chosen tree: {res['nodes']} draft nodes + root "
+        f"(budget {a.max_nodes} incl. root), expected mean accepted length {res['expected_len']:.2f}, "
+        f"expected {res['expected_tok_per_s']:.1f} tok/s (plain {res['plain_tok_per_s']:.1f} tok/s)"
+    )
     measured = {}
     if a.check_prompts:
         qs = read_prompts(a.check_file)[: a.check_prompts]
@@ -248,18 +360,28 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
             pooled.new_tokens += r.stats.new_tokens
             pooled.t_decode += r.stats.t_decode
         measured = {"mean_accepted_length": pooled.mean_accepted_length, "tok_per_s": pooled.tokens_per_s}
-        print(f"measured on {len(qs)} prompts of {a.check_file}: mean accepted length "
-              f"{measured['mean_accepted_length']:.2f} (expected {res['expected_len']:.2f}), "
-              f"{measured['tok_per_s']:.1f} tok/s (expected {res['expected_tok_per_s']:.1f})")
+        print(
+            f"measured on {len(qs)} prompts of {a.check_file}: mean accepted length "
+            f"{measured['mean_accepted_length']:.2f} (expected {res['expected_len']:.2f}), "
+            f"{measured['tok_per_s']:.1f} tok/s (expected {res['expected_tok_per_s']:.1f})"
+        )
     if a.write and not res["choices"]:
         print("plain decoding is expected to be fastest here; no tree stored", file=sys.stderr)
     elif a.write:
         d = Path(a.heads) if a.heads not in (None, "default") else None
         if d is None:
             from ..drafters.medusa import shipped_heads_for
+
             d = shipped_heads_for(llm.model_name)
-        rec = tree_record(res, lat, a.max_nodes, a.context, rank_accuracy=acc,
-                          draft_cost_ms=round(draft_cost * 1000, 2), measured=measured)
+        rec = tree_record(
+            res,
+            lat,
+            a.max_nodes,
+            a.context,
+            rank_accuracy=acc,
+            draft_cost_ms=round(draft_cost * 1000, 2),
+            measured=measured,
+        )
         f = store_machine_tree(llm.model, d, llm.model_name, rec)
         print(f"wrote this machine's tree to {f}", file=sys.stderr)
     return 0

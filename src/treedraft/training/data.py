@@ -30,8 +30,9 @@ def read_prompts(path: str | Path) -> list[str]:
 
 
 @torch.inference_mode()
-def batched_greedy(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: frozenset[int]
-                   ) -> Iterator[tuple[list[int], Tensor]]:
+def batched_greedy(
+    model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: frozenset[int]
+) -> Iterator[tuple[list[int], Tensor]]:
     """Greedy answers for a batch; yields (answer ids, hidden (1+len, H)) per row, in input order.
 
     hidden[j] is the final hidden state at the position whose lm_head chose answer[j]
@@ -86,16 +87,23 @@ class DataCacheMismatchError(ValueError):
 
 META_FILE = "meta.json"
 # meta key -> the option that sets it (for messages)
-_META_FLAGS = {"model": "--model", "model_file": "--model", "max_new_tokens": "--max-new-tokens",
-               "max_prompt_tokens": "--max-prompt-tokens", "prompts": "--prompts / --num-prompts",
-               "num_prompts": "--num-prompts", "prompt_file": "--prompts", "prompts_sha1": "--prompts / --num-prompts"}
+_META_FLAGS = {
+    "model": "--model",
+    "model_file": "--model",
+    "max_new_tokens": "--max-new-tokens",
+    "max_prompt_tokens": "--max-prompt-tokens",
+    "prompts": "--prompts / --num-prompts",
+    "num_prompts": "--num-prompts",
+    "prompt_file": "--prompts",
+    "prompts_sha1": "--prompts / --num-prompts",
+}
 # a key is only informative when the stronger identity in the value is known on both sides
 _COVERED_BY = {"model": "model_file", "prompt_file": "prompts_sha1", "num_prompts": "prompts_sha1"}
 # progress and layout, not content: a resumed run keeps the directory's shard size
 _STATE_KEYS = ("complete", "shard_size")
 
 
-def model_identity(llm) -> dict:  # noqa: ANN001
+def model_identity(llm) -> dict:
     """{"model": name} plus "model_file": "<file name>:<bytes>" when the weights can be located."""
     ident = {"model": llm.model_name}
     try:  # best effort: registry names, .gguf files and HF directories; anything else stays name-only
@@ -104,19 +112,33 @@ def model_identity(llm) -> dict:  # noqa: ANN001
         p = resolve(llm.model_name)
         size = p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.glob("*.safetensors"))
         ident["model_file"] = f"{p.name}:{size}"
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     return ident
 
 
-def dataset_meta(llm, prompts: Sequence[str], kept: int, max_new_tokens: int, max_prompt_tokens: int,  # noqa: ANN001
-                 shard_size: int, prompt_file: str | Path | None = None) -> dict:
+def dataset_meta(
+    llm,
+    prompts: Sequence[str],
+    kept: int,
+    max_new_tokens: int,
+    max_prompt_tokens: int,
+    shard_size: int,
+    prompt_file: str | Path | None = None,
+) -> dict:
     """What identifies a data directory's content (written to meta.json)."""
     h = hashlib.sha1()
     for p in prompts:
         h.update(p.encode("utf-8", "replace") + b"\0")
-    meta = {**model_identity(llm), "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
-            "prompts": kept, "num_prompts": len(prompts), "prompts_sha1": h.hexdigest(), "shard_size": shard_size}
+    meta = {
+        **model_identity(llm),
+        "max_new_tokens": max_new_tokens,
+        "max_prompt_tokens": max_prompt_tokens,
+        "prompts": kept,
+        "num_prompts": len(prompts),
+        "prompts_sha1": h.hexdigest(),
+        "shard_size": shard_size,
+    }
     if prompt_file is not None:
         meta["prompt_file"] = str(Path(prompt_file).resolve())
     return meta
@@ -143,16 +165,20 @@ def check_meta(out_dir: str | Path, meta: dict) -> dict:
         if cover is not None and cover in old and cover in meta:
             continue  # the stronger identity decides
         if k == "prompts_sha1":
-            diffs.append(f"the prompts differ ({old.get('num_prompts', '?')} prompts from "
-                         f"{old.get('prompt_file', 'an unrecorded file')}; now {meta.get('num_prompts', '?')} from "
-                         f"{meta.get('prompt_file', 'an unrecorded file')}) [{_META_FLAGS[k]}]")
+            diffs.append(
+                f"the prompts differ ({old.get('num_prompts', '?')} prompts from "
+                f"{old.get('prompt_file', 'an unrecorded file')}; now {meta.get('num_prompts', '?')} from "
+                f"{meta.get('prompt_file', 'an unrecorded file')}) [{_META_FLAGS[k]}]"
+            )
         else:
             diffs.append(f"{k} {old[k]!r} (now {v!r}) [{_META_FLAGS.get(k, k)}]")
     if diffs:
         raise DataCacheMismatchError(
-            f"data directory {out_dir} was generated with other settings: " + "; ".join(diffs)
+            f"data directory {out_dir} was generated with other settings: "
+            + "; ".join(diffs)
             + f". Delete {out_dir} to regenerate it, point at another directory (--data-dir / --train-data / "
-            "--eval-data), or change the option in [brackets] back.")
+            "--eval-data), or change the option in [brackets] back."
+        )
     return old
 
 
@@ -168,12 +194,14 @@ def _shard_prompt_ids(path: Path) -> set[int]:
 
 def _check_existing_shards(out: Path, shards: list[list[tuple[int, list[int]]]]) -> None:
     """Shards already in ``out`` must answer exactly the prompts this run puts in them."""
-    stray = sorted(f.name for f in out.glob("shard_*.safetensors")
-                   if not f.stem[6:].isdigit() or int(f.stem[6:]) >= len(shards))
+    stray = sorted(
+        f.name for f in out.glob("shard_*.safetensors") if not f.stem[6:].isdigit() or int(f.stem[6:]) >= len(shards)
+    )
     if stray:
         raise DataCacheMismatchError(
             f"{out} holds shards this run would not write ({', '.join(stray[:3])}{', ...' if len(stray) > 3 else ''}): "
-            f"it was generated from more prompts. Delete {out} to regenerate it, or point at another directory.")
+            f"it was generated from more prompts. Delete {out} to regenerate it, or point at another directory."
+        )
     for si, shard in enumerate(shards):
         path = out / f"shard_{si:05d}.safetensors"
         if path.is_file():
@@ -182,7 +210,8 @@ def _check_existing_shards(out: Path, shards: list[list[tuple[int, list[int]]]])
                 raise DataCacheMismatchError(
                     f"{path} holds answers to other prompts than this run expects ({len(have)} prompts, "
                     f"{len(have - want)} not expected here): the directory was generated from another prompt list "
-                    f"or --max-prompt-tokens. Delete {out} to regenerate it, or point at another directory.")
+                    f"or --max-prompt-tokens. Delete {out} to regenerate it, or point at another directory."
+                )
 
 
 def _write_meta(out: Path, meta: dict) -> None:
@@ -191,9 +220,17 @@ def _write_meta(out: Path, meta: dict) -> None:
     tmp.replace(out / META_FILE)
 
 
-def generate_dataset(llm, prompts: Sequence[str], out_dir: str | Path, max_new_tokens: int = 192,  # noqa: ANN001
-                     batch_size: int = 16, max_prompt_tokens: int = 384, shard_size: int = 64,
-                     progress: bool = True, prompt_file: str | Path | None = None) -> Path:
+def generate_dataset(
+    llm,
+    prompts: Sequence[str],
+    out_dir: str | Path,
+    max_new_tokens: int = 192,
+    batch_size: int = 16,
+    max_prompt_tokens: int = 384,
+    shard_size: int = 64,
+    progress: bool = True,
+    prompt_file: str | Path | None = None,
+) -> Path:
     """Generate (resumably) self-distillation shards for ``prompts`` into ``out_dir``.
 
     Prompts are encoded with ``llm.encode_prompt`` (chat template, or BOS + text for raw models),
@@ -234,8 +271,9 @@ def generate_dataset(llm, prompts: Sequence[str], out_dir: str | Path, max_new_t
         rows_tok, rows_hid, rows_seq, rows_prompt = [], [], [], []
         for b in range(0, len(shard), batch_size):
             batch = shard[b : b + batch_size]
-            for (idx, ids), (ans, hid) in zip(batch, batched_greedy(llm.model, [x[1] for x in batch],
-                                                                    max_new_tokens, tok.eos_token_ids)):
+            for (idx, _ids), (ans, hid) in zip(
+                batch, batched_greedy(llm.model, [x[1] for x in batch], max_new_tokens, tok.eos_token_ids)
+            ):
                 # tokens aligned with hidden: token j is what the lm_head chose from hidden j
                 rows_tok.append(torch.tensor(ans, dtype=torch.int32))
                 rows_hid.append(hid.to(torch.float16).cpu())
@@ -243,8 +281,7 @@ def generate_dataset(llm, prompts: Sequence[str], out_dir: str | Path, max_new_t
                 rows_prompt.append(idx)
             bar.update(len(batch))
         tmp = path.with_suffix(".tmp")
-        save_file({"tokens": torch.cat(rows_tok), "hidden": torch.cat(rows_hid), "seq": torch.cat(rows_seq)},
-                  str(tmp))
+        save_file({"tokens": torch.cat(rows_tok), "hidden": torch.cat(rows_hid), "seq": torch.cat(rows_seq)}, str(tmp))
         tmp.replace(path)
     bar.close()
     _write_meta(out, {**old, **meta, "complete": True})
@@ -259,5 +296,8 @@ def load_shards(d: str | Path) -> tuple[Tensor, Tensor, Tensor]:
     if not files:
         raise FileNotFoundError(f"{d}: no shard_*.safetensors; run the data step first")
     parts = [load_file(str(f)) for f in files]
-    return (torch.cat([p["tokens"] for p in parts]).long(), torch.cat([p["hidden"] for p in parts]),
-            torch.cat([p["seq"] for p in parts]).long())
+    return (
+        torch.cat([p["tokens"] for p in parts]).long(),
+        torch.cat([p["hidden"] for p in parts]),
+        torch.cat([p["seq"] for p in parts]).long(),
+    )

@@ -63,8 +63,14 @@ def split_by_sequence(seq: Tensor, frac: float, seed: int) -> Tensor:
 
 
 @torch.no_grad()
-def rank_hits(heads: MedusaHeads, hidden: Tensor, targets: Tensor, max_rank: int = 10,
-              batch: int = 512, roots: Tensor | None = None) -> Tensor:
+def rank_hits(
+    heads: MedusaHeads,
+    hidden: Tensor,
+    targets: Tensor,
+    max_rank: int = 10,
+    batch: int = 512,
+    roots: Tensor | None = None,
+) -> Tensor:
     """(K, max_rank) tensor: P(the target is head k's rank-r candidate), over rows whose target exists.
 
     Ranks are in the heads' draft vocabulary mapped back to token ids, so a target outside it is a
@@ -88,14 +94,26 @@ def rank_hits(heads: MedusaHeads, hidden: Tensor, targets: Tensor, max_rank: int
     return hits / n.clamp_min(1)[:, None]
 
 
-def rank_accuracy(heads: MedusaHeads, hidden: Tensor, targets: Tensor, max_rank: int = 10,
-                  batch: int = 512, roots: Tensor | None = None) -> list[list[float]]:
+def rank_accuracy(
+    heads: MedusaHeads,
+    hidden: Tensor,
+    targets: Tensor,
+    max_rank: int = 10,
+    batch: int = 512,
+    roots: Tensor | None = None,
+) -> list[list[float]]:
     """acc[k][r] = P(the target is head k's rank-r candidate): the tree calibrator's input."""
     return rank_hits(heads, hidden, targets, max_rank, batch, roots).tolist()
 
 
-def evaluate(heads: MedusaHeads, hidden: Tensor, targets: Tensor, ks: tuple[int, ...] = (1, 5),
-             batch: int = 512, roots: Tensor | None = None) -> dict[str, list[float]]:
+def evaluate(
+    heads: MedusaHeads,
+    hidden: Tensor,
+    targets: Tensor,
+    ks: tuple[int, ...] = (1, 5),
+    batch: int = 512,
+    roots: Tensor | None = None,
+) -> dict[str, list[float]]:
     """Per-head top-k accuracy (over rows whose target exists, in the full vocabulary).
 
     Top-k accuracy is the cumulative sum of the rank accuracies up to rank k (candidates are distinct).
@@ -105,12 +123,31 @@ def evaluate(heads: MedusaHeads, hidden: Tensor, targets: Tensor, ks: tuple[int,
 
 
 # MedusaConfig / TrainConfig fields that a checkpoint must agree on to be resumed
-_SHAPE_KEYS = ("base_model", "hidden_size", "vocab_size", "num_heads", "num_layers", "shared_lm_head", "draft_vocab",
-               "root_conditioned")
+_SHAPE_KEYS = (
+    "base_model",
+    "hidden_size",
+    "vocab_size",
+    "num_heads",
+    "num_layers",
+    "shared_lm_head",
+    "draft_vocab",
+    "root_conditioned",
+)
 _RUN_KEYS = ("epochs", "lr", "weight_decay", "batch_size", "decay", "heldout_frac", "seed", "warmup_steps")
-_FLAGS = {"num_heads": "--num-heads", "num_layers": "--num-layers", "shared_lm_head": "--projection",
-          "draft_vocab": "--draft-vocab", "root_conditioned": "--root-conditioned", "base_model": "--model", "hidden_size": "--model", "vocab_size": "--model",
-          "epochs": "--epochs", "lr": "--lr", "batch_size": "--batch-size", "seed": "--seed"}
+_FLAGS = {
+    "num_heads": "--num-heads",
+    "num_layers": "--num-layers",
+    "shared_lm_head": "--projection",
+    "draft_vocab": "--draft-vocab",
+    "root_conditioned": "--root-conditioned",
+    "base_model": "--model",
+    "hidden_size": "--model",
+    "vocab_size": "--model",
+    "epochs": "--epochs",
+    "lr": "--lr",
+    "batch_size": "--batch-size",
+    "seed": "--seed",
+}
 
 
 class CheckpointMismatchError(ValueError):
@@ -124,14 +161,17 @@ def medusa_config_dict(mcfg: MedusaConfig) -> dict:
     return d
 
 
-def check_checkpoint(st: dict, path: Path, mcfg: MedusaConfig, tcfg: TrainConfig, vocab_map: Tensor | None,
-                     rows: int) -> None:
+def check_checkpoint(
+    st: dict, path: Path, mcfg: MedusaConfig, tcfg: TrainConfig, vocab_map: Tensor | None, rows: int
+) -> None:
     """Refuse to resume ``st`` unless it was written for the same heads, run settings and data.
 
     Checkpoints from before these keys were stored are accepted (unknown = no objection)."""
     diffs = []
-    for name, keys, now in (("medusa_config", _SHAPE_KEYS, medusa_config_dict(mcfg)),
-                            ("train_config", _RUN_KEYS, asdict(tcfg))):
+    for name, keys, now in (
+        ("medusa_config", _SHAPE_KEYS, medusa_config_dict(mcfg)),
+        ("train_config", _RUN_KEYS, asdict(tcfg)),
+    ):
         old = st.get(name)
         if not isinstance(old, dict):
             continue
@@ -143,18 +183,28 @@ def check_checkpoint(st: dict, path: Path, mcfg: MedusaConfig, tcfg: TrainConfig
     elif not diffs and "vocab_map" in st:
         old_vm = st["vocab_map"]
         same = (old_vm is None and vocab_map is None) or (
-            old_vm is not None and vocab_map is not None and torch.equal(old_vm, vocab_map))
+            old_vm is not None and vocab_map is not None and torch.equal(old_vm, vocab_map)
+        )
         if not same:
             diffs.append("the draft vocabulary (the training data changed) [--train-data / --data-dir]")
     if diffs:
         raise CheckpointMismatchError(
-            f"checkpoint {path} was written by another training run: " + "; ".join(diffs)
-            + f". Delete {path} (or choose another --out) to start over, or change the option in [brackets] back.")
+            f"checkpoint {path} was written by another training run: "
+            + "; ".join(diffs)
+            + f". Delete {path} (or choose another --out) to start over, or change the option in [brackets] back."
+        )
 
 
-def train_heads(data_dir: str | Path, lm_head_weight: Tensor, mcfg: MedusaConfig, tcfg: TrainConfig,
-                out_dir: str | Path, progress: bool = True, resume: bool = True,
-                embed_weight: Tensor | None = None) -> tuple[MedusaHeads, dict]:
+def train_heads(
+    data_dir: str | Path,
+    lm_head_weight: Tensor,
+    mcfg: MedusaConfig,
+    tcfg: TrainConfig,
+    out_dir: str | Path,
+    progress: bool = True,
+    resume: bool = True,
+    embed_weight: Tensor | None = None,
+) -> tuple[MedusaHeads, dict]:
     """Train heads on shards in ``data_dir``; checkpoints and the final heads go to ``out_dir``."""
     from tqdm import tqdm
 
@@ -183,9 +233,11 @@ def train_heads(data_dir: str | Path, lm_head_weight: Tensor, mcfg: MedusaConfig
         try:
             heads.load_state_dict(st["heads"])
         except RuntimeError as e:  # an old checkpoint without stored configs, for other heads
-            raise CheckpointMismatchError(f"checkpoint {ckpt} does not fit these heads (--num-heads, --num-layers, "
-                                          f"--projection, --draft-vocab changed?); delete it or choose another "
-                                          f"--out. ({str(e).splitlines()[0]})") from e
+            raise CheckpointMismatchError(
+                f"checkpoint {ckpt} does not fit these heads (--num-heads, --num-layers, "
+                f"--projection, --draft-vocab changed?); delete it or choose another "
+                f"--out. ({str(e).splitlines()[0]})"
+            ) from e
         opt.load_state_dict(st["opt"])
         step = st["step"]
     # remap targets into the draft vocabulary (-100 if outside it: that head cannot propose it anyway)
@@ -196,7 +248,6 @@ def train_heads(data_dir: str | Path, lm_head_weight: Tensor, mcfg: MedusaConfig
     else:
         tgt_local = targets
     wts = torch.tensor([tcfg.decay**k for k in range(mcfg.num_heads)])
-    g = torch.Generator().manual_seed(tcfg.seed)
     bar = tqdm(total=total, initial=step, desc="train-heads", disable=not progress)
     heads.train()
     t0 = time.time()
@@ -210,8 +261,9 @@ def train_heads(data_dir: str | Path, lm_head_weight: Tensor, mcfg: MedusaConfig
                 grp["lr"] = lr
             logits = heads(hidden[idx].float(), tokens[idx])  # (b, K, V'); row j's root is token j
             t = tgt_local[idx]  # (b, K)
-            losses = torch.stack([F.cross_entropy(logits[:, k], t[:, k], ignore_index=-100)
-                                  for k in range(mcfg.num_heads)])
+            losses = torch.stack(
+                [F.cross_entropy(logits[:, k], t[:, k], ignore_index=-100) for k in range(mcfg.num_heads)]
+            )
             losses = torch.nan_to_num(losses)
             loss = (losses * wts).sum()
             opt.zero_grad(set_to_none=True)
@@ -219,22 +271,40 @@ def train_heads(data_dir: str | Path, lm_head_weight: Tensor, mcfg: MedusaConfig
             opt.step()
             step += 1
             with torch.no_grad():
-                acc = [((logits[:, k].argmax(-1) == t[:, k]) & (t[:, k] >= 0)).sum().item()
-                       / max(1, (t[:, k] >= 0).sum().item()) for k in range(mcfg.num_heads)]
+                acc = [
+                    ((logits[:, k].argmax(-1) == t[:, k]) & (t[:, k] >= 0)).sum().item()
+                    / max(1, (t[:, k] >= 0).sum().item())
+                    for k in range(mcfg.num_heads)
+                ]
             bar.set_postfix(loss=f"{loss.item():.3f}", top1="/".join(f"{a:.2f}" for a in acc))
             bar.update(1)
             if step % tcfg.checkpoint_every == 0 or step == total:
-                torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step,
-                            "medusa_config": medusa_config_dict(mcfg), "train_config": asdict(tcfg),
-                            "vocab_map": vocab_map, "data_rows": len(tokens)}, ckpt)
+                torch.save(
+                    {
+                        "heads": heads.state_dict(),
+                        "opt": opt.state_dict(),
+                        "step": step,
+                        "medusa_config": medusa_config_dict(mcfg),
+                        "train_config": asdict(tcfg),
+                        "vocab_map": vocab_map,
+                        "data_rows": len(tokens),
+                    },
+                    ckpt,
+                )
             if step >= total:
                 break
     bar.close()
     heads.eval()
     held_idx = held.nonzero().squeeze(1)
-    report = {"train_rows": len(tr_idx), "heldout_rows": len(held_idx), "epochs": tcfg.epochs,
-              "seconds": round(time.time() - t0, 1),
-              "heldout": evaluate(heads, hidden[held_idx], targets[held_idx], roots=tokens[held_idx]) if len(held_idx) else {}}
+    report = {
+        "train_rows": len(tr_idx),
+        "heldout_rows": len(held_idx),
+        "epochs": tcfg.epochs,
+        "seconds": round(time.time() - t0, 1),
+        "heldout": evaluate(heads, hidden[held_idx], targets[held_idx], roots=tokens[held_idx])
+        if len(held_idx)
+        else {},
+    }
     heads.requires_grad_(False)
     heads.config = replace(mcfg, extra={**mcfg.extra, "training": report})
     return heads, report

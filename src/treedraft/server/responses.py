@@ -1,0 +1,51 @@
+"""Response pieces of the OpenAI routes: usage and speculative-decoding info blocks, SSE framing, and a
+streaming response that cancels its job however the response ends."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from ..engine import GenerationStats
+from .worker import Job
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _spec_info(drafter: str, stats: GenerationStats) -> dict:
+    return {
+        "drafter": drafter,
+        "mean_accepted_length": round(stats.mean_accepted_length, 4),
+        "drafted_tokens": stats.drafted_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "steps": len(stats.steps),
+        "acceptance_per_depth": [round(a, 4) for a in stats.acceptance_per_depth()],
+    }
+
+
+def _sse(obj: dict | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+class _JobStreamingResponse(StreamingResponse):
+    """A streaming response that cancels its job however the response ends (done, error, disconnect)."""
+
+    def __init__(self, content: AsyncIterator[bytes], job: Job) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
