@@ -23,10 +23,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on cpu, bf16 on cuda), fp32, bf16, fp16")
     p.add_argument("--runtime", default="auto", help="own (compact Llama module), hf (transformers), auto")
+    from .models.quant import WEIGHTS
+
     p.add_argument(
         "--weights",
         default="auto",
-        choices=("auto", "fp32", "int8", "int4"),
+        choices=WEIGHTS,
         help="linear weights on cpu: int4 (the GGUF's own 4-bit blocks), int8, fp32, or auto "
         "(fastest measured here whose quality check passes)",
     )

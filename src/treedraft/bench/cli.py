@@ -296,10 +296,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     b.add_argument("--dtype", default="fp32", help="fp32 (default, as the HF baseline), bf16, fp16, auto")
     b.add_argument("--runtime", default="auto", help="own, hf or auto (treedraft's target runtime)")
+    from ..models.quant import WEIGHTS
+
     b.add_argument(
         "--weights",
         default="auto",
-        choices=("auto", "fp32", "int8", "int4"),
+        choices=WEIGHTS,
         help="target linear weights on cpu (see `treedraft generate --help`)",
     )
     from ..cli import add_suffix_args
