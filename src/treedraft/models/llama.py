@@ -9,11 +9,15 @@ tokens is just another batch of tokens with its own positions and mask.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .bf16 import bf16_gemm_available, linear_bf16, pack_bf16  # noqa: F401  (re-exported: drafters use them)
+from .kvcache import KVCache, Segment
 
 
 @dataclass(frozen=True)
@@ -41,55 +45,6 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-
-
-class KVCache:
-    """Pre-allocated per-layer key/value buffers: ``(B, n_kv, max_len, head_dim)``.
-
-    ``length`` counts committed positions. :meth:`Transformer.forward` writes new
-    entries at slots ``[start, start + T)``; :meth:`keep` compacts a chosen subset
-    of those slots (the accepted tree path) down to ``start`` and commits them.
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        batch: int,
-        num_kv_heads: int,
-        max_len: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        shape = (batch, num_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.max_len = max_len
-        self.length = 0
-
-    def update(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v ``(B, n_kv, T, hd)`` at ``start``; return views of slots ``[0, start+T)``."""
-        end = start + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache overflow: writing up to {end} > max_len {self.max_len}")
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-    def keep(self, start: int, indices: Tensor | list[int]) -> None:
-        """Keep slots ``start + indices`` (in order) at ``start ...``; set length accordingly."""
-        idx = torch.as_tensor(indices, dtype=torch.long, device=self.k[0].device)
-        n = int(idx.numel())
-        contiguous = bool(n == 0 or torch.equal(idx, torch.arange(n, device=idx.device)))
-        if not contiguous:
-            src = idx + start
-            for buf in (*self.k, *self.v):
-                buf[:, :, start : start + n] = buf.index_select(2, src)
-        self.length = start + n
-
-    def truncate(self, length: int) -> None:
-        """Forget everything at or after ``length``."""
-        self.length = min(self.length, length)
 
 
 def rope_frequencies(cfg: LlamaConfig, device: torch.device | str = "cpu") -> Tensor:
@@ -167,28 +122,6 @@ def planned_matmul(candidate: str, x: Tensor, w: Tensor, wt: Tensor | None) -> T
     if pad and int(pad) > rows:
         x = torch.cat((x, x.new_zeros(int(pad) - rows, x.shape[1])))
     return matmul(strategy, x, w, wt)[:rows]
-
-
-def bf16_gemm_available() -> bool:
-    """Whether oneDNN has native bf16 GEMM on this CPU (AVX512-BF16 or AMX); emulated bf16 is slow."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def pack_bf16(w: Tensor) -> Tensor:
-    """A bf16 copy of ``w`` (N, K) in oneDNN's blocked layout, for :func:`linear_bf16`.
-
-    A plain-layout bf16 weight is re-laid out by oneDNN on every call (an extra pass over it),
-    so the layout is fixed once. Only for paths that may round: drafting, never the target.
-    """
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach().to(torch.bfloat16).contiguous(), None)
-
-
-def linear_bf16(x: Tensor, packed: Tensor) -> Tensor:
-    """x (M, K) times a :func:`pack_bf16` weight, in bf16 (float32 result)."""
-    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "").float()
 
 
 class Linear(nn.Linear):
@@ -278,16 +211,47 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, start, k, v)  # (B, nkv, start+T, hd)
-        if self.exact_attention and cache is not None and start > 0 and T <= self.EXACT_MAX_T:
-            y = self._exact(q, k, v, mask)
-        elif mask is None and T == 1:
-            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.nkv != self.nh)
-        elif mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nkv != self.nh)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
+        y = self._attend(q, k, v, mask, start, cache is not None)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.nh * self.hd)
         return self.wo(y)
+
+    def forward_packed(self, x: Tensor, cos: Tensor, sin: Tensor, segments: Sequence[Segment]) -> Tensor:
+        """x (M, H) rows of several requests; cos/sin (M, 1, hd); attention per segment over its own cache."""
+        M = x.shape[0]
+        qkv = self.wqkv(x)  # (M, (nh + 2 nkv) hd): one pass over the weights for every request's rows
+        q_out, kv_out = self.nh * self.hd, self.nkv * self.hd
+        q, k, v = qkv.split((q_out, kv_out, kv_out), dim=-1)
+        q = apply_rope(q.view(M, self.nh, self.hd), cos, sin)  # (M, nh, hd), each row on its own
+        k = apply_rope(k.view(M, self.nkv, self.hd), cos, sin)  # (M, nkv, hd)
+        v = v.view(M, self.nkv, self.hd)
+        out, r0 = [], 0
+        for seg in segments:
+            r1 = r0 + seg.rows
+            qs = q[r0:r1].transpose(0, 1)[None]  # (1, nh, rows, hd)
+            ks, vs = seg.cache.update(
+                self.layer, seg.start, k[r0:r1].transpose(0, 1)[None], v[r0:r1].transpose(0, 1)[None]
+            )
+            out.append(self._attend(qs, ks, vs, seg.mask, seg.start, True))  # (1, nh, rows, hd)
+            r0 = r1
+        y = torch.cat(out, dim=2)[0].transpose(0, 1).reshape(M, q_out)  # (M, nh hd)
+        return self.wo(y)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, start: int, cached: bool) -> Tensor:
+        """q (B, nh, T, hd) against k/v (B, nkv, start+T, hd); mask (T, L) / (B, 1, T, L) or None = causal."""
+        T = q.shape[2]
+        if mask is not None and mask.dim() == 2:
+            mask = mask[None, None]
+        if mask is None and cached and start > 0 and T > 1:
+            # causal over the new block, full view of the committed prefix
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=q.device).tril(start)[None, None]
+        if self.exact_attention and cached and start > 0 and T <= self.EXACT_MAX_T:
+            return self._exact(q, k, v, mask)
+        gqa = self.nkv != self.nh
+        if mask is None and T == 1:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
     def _exact(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """Row-invariant attention per batch row: q (B, nh, T, hd), k/v (B, nkv, L, hd) -> (B, nh, T, hd)."""
@@ -327,6 +291,11 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache, start):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, start)
+        return x + self.ffn(self.ffn_norm(x))
+
+    def forward_packed(self, x: Tensor, cos: Tensor, sin: Tensor, segments: Sequence[Segment]) -> Tensor:
+        """x (M, H) packed rows -> (M, H)."""
+        x = x + self.attn.forward_packed(self.attn_norm(x), cos, sin, segments)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -452,13 +421,58 @@ class Transformer(nn.Module):
         if mask is None and cache is not None and start > 0 and T > 1:
             # causal over the new block, full view of the committed prefix
             mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device).tril(start)[None, None]
-        ang = positions[..., None].float() * self.inv_freq.float()  # (B, T, hd/2), angles in float32
-        ang = torch.cat((ang, ang), dim=-1)[:, None]  # (B, 1, T, hd)
-        dtype = self.embed.weight.dtype
-        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+        cos, sin = self._rope(positions)  # (B, T, hd)
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd)
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache, start)
         h = self.norm(x)
         hl = h if logits_for is None else h[:, logits_for]
+        return self.lm_head(hl).float(), h
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin ``(*positions.shape, hd)`` in the weights' dtype (angles computed in float32)."""
+        ang = positions[..., None].float() * self.inv_freq.float()  # (..., hd/2)
+        ang = torch.cat((ang, ang), dim=-1)  # (..., hd)
+        dtype = self.embed.weight.dtype
+        return ang.cos().to(dtype), ang.sin().to(dtype)
+
+    def forward_packed(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        segments: Sequence[Segment],
+        logits_for: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Run the rows of several requests in one forward (continuous batching).
+
+        tokens, positions: (M,), M = sum of ``segments[i].rows``; segment i owns the i-th consecutive
+        block of rows and attends only within its own cache (written at ``[start, start + rows)``).
+        The linears see all M rows at once; RoPE, norms and residuals are per row, so with row-invariant
+        linears (native kernels) and ``exact_attention`` each row's result is bitwise the same whether
+        its request runs alone or packed with others.
+        logits_for: optional (M',) row indices that get logits (default: every row).
+        Returns logits (M', V) float32 and final-norm hidden states (M, H).
+        """
+        M = tokens.shape[0]
+        if tokens.dim() != 1 or positions.shape != tokens.shape:
+            raise ValueError(
+                f"forward_packed takes tokens and positions of shape (M,), got {tuple(tokens.shape)} "
+                f"and {tuple(positions.shape)}"
+            )
+        if sum(s.rows for s in segments) != M:
+            raise ValueError(f"segments cover {sum(s.rows for s in segments)} rows but {M} tokens were given")
+        for s in segments:
+            if s.mask is not None and tuple(s.mask.shape) != (s.rows, s.start + s.rows):
+                raise ValueError(
+                    f"a segment mask has shape {tuple(s.mask.shape)}, expected "
+                    f"({s.rows}, {s.start + s.rows}) = (rows, start + rows)"
+                )
+        cos, sin = self._rope(positions)  # (M, hd)
+        cos, sin = cos[:, None], sin[:, None]  # (M, 1, hd): broadcast over heads
+        x = self.embed(tokens)  # (M, H)
+        for layer in self.layers:
+            x = layer.forward_packed(x, cos, sin, segments)
+        h = self.norm(x)
+        hl = h if logits_for is None else h[logits_for]
         return self.lm_head(hl).float(), h
