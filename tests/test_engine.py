@@ -303,7 +303,7 @@ def test_sampling_sequence_distribution_matches_plain(case: str) -> None:
 
 def test_sequence_check_catches_the_iid_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same check fails when distinct sampled children are verified as if iid (q never updated)."""
-    import treedraft.engine as engine_mod
+    import treedraft.scheduler as engine_mod  # the decode loop (and its accept) lives there
 
     wrong = reference_rule(update_q=False)
     monkeypatch.setattr(

@@ -9,7 +9,6 @@ CLI, the API and the server.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -18,8 +17,8 @@ from torch import Tensor
 
 from .interfaces import DraftContext, Drafter, GenerationError, TargetModel, target_device
 from .sampling import SamplingParams, sample, target_probs
-from .tree import TokenTree, TreeError, full_attention_mask, tree_positions
-from .verify import RULES, accept
+from .tree import TokenTree, TreeError
+from .verify import RULES
 
 __all__ = [
     "DecodeResult",
@@ -222,80 +221,25 @@ class Engine:
         :meth:`token_budget` tokens; a consumer that stops earlier (EOS, stop string) closes the
         generator and calls ``stats.cut``. ``stats`` is updated before each yield. When the generation
         ends (either way), a drafter with ``finish(prompt_ids, output_ids)`` gets the delivered tokens.
+        This is the one-request case of the batched loop (:class:`treedraft.scheduler.Scheduler`), on the
+        engine's reused KV cache.
         """
-        cfg = config or GenerationConfig()
-        drafter = self.drafter if drafter == "default" else drafter
-        self.check_prompt(prompt_ids)
-        stats = stats if stats is not None else GenerationStats()
-        model, V = self.model, self.model.vocab_size
-        prompt = [int(t) for t in prompt_ids]
-        stats.prompt_tokens = len(prompt)
-        gen = cfg.sampling.generator()  # a CPU generator: sampling draws on CPU, identical on every device
-        dev = self.device
-        owner = object()  # ownership token: a stream resumed after another one took the cache must not run on
-        cache = self._cache_for(owner)
-        max_new = self.token_budget(len(prompt), cfg)
+        from .scheduler import Scheduler
 
-        t0 = time.perf_counter()
-        logits, hidden = model.forward(
-            torch.tensor([prompt], device=dev),
-            torch.arange(len(prompt), device=dev),
-            cache,
-            0,
-            logits_for=slice(-1, None),
-        )
-        cache.keep(0, range(len(prompt)))
-        root = self._pick(logits[0, -1], cfg.sampling, gen)
-        last_hidden = None if hidden is None else hidden[0, -1]
-        stats.t_prefill = time.perf_counter() - t0
-        t_start = time.perf_counter()
-        tokens = prompt + [root]
-        n_out = 1
-        stats.new_tokens, stats.t_decode = n_out, time.perf_counter() - t_start
+        owner = object()  # ownership token: a stream resumed after another one took the cache must not run on
+        self.check_prompt(prompt_ids)
+        sched = Scheduler(self)
+        req = sched.add(prompt_ids, config, drafter, stats, cache=self._cache_for(owner))
         try:
-            yield [root]
-            while n_out < max_new:
+            while not req.done:
                 self._check_owner(owner)
-                ts = time.perf_counter()
-                budget = min(cfg.max_tree_nodes, model.max_seq_len - cache.length)
-                max_depth = max_new - n_out - 1  # the bonus token takes one slot of the budget
-                if drafter is not None and budget > 1 and max_depth > 0:
-                    ctx = DraftContext(tokens, last_hidden, budget, max_depth, len(prompt))
-                    name = getattr(drafter, "name", type(drafter).__name__)
-                    try:
-                        tree = drafter.propose(ctx)
-                    except TreeError as e:
-                        raise TreeError(f"drafter {name!r} built a malformed tree: {e}") from e
-                    self._check_tree(tree, root, V, name)
-                    tree = tree.pruned_depth(max_depth).truncated(budget)
-                else:
-                    tree = TokenTree((root,), (-1,))
-                tv = time.perf_counter()
-                start = cache.length
-                n = len(tree)
-                mask = None if n == 1 else full_attention_mask(tree, start, dev)
-                logits, hidden = model.forward(
-                    torch.tensor([tree.tokens], device=dev), tree_positions(tree, start, dev), cache, start, mask
-                )
-                tr = time.perf_counter()
-                if n == 1:
-                    acc_nodes, bonus = (0,), self._pick(logits[0, 0], cfg.sampling, gen)
-                else:
-                    a = accept(cfg.rule, tree, logits[0], cfg.sampling, gen)
-                    acc_nodes, bonus = a.nodes, a.bonus
-                cache.keep(start, list(acc_nodes))
-                last_hidden = None if hidden is None else hidden[0, acc_nodes[-1]]
-                new = [tree.tokens[i] for i in acc_nodes[1:]] + [bonus]  # accepted drafts + the next root
-                tokens.extend(new)
-                te = time.perf_counter()
-                stats.steps.append(StepStats(n, max(tree.depths()), len(new) - 1, tv - ts, tr - tv, te - tr))
-                n_out += len(new)
-                stats.new_tokens, stats.t_decode = n_out, time.perf_counter() - t_start
-                root = bonus
-                yield new
+                for r, new in sched.step():
+                    if r.error is not None:
+                        raise r.error
+                    yield new
         finally:  # exhausted, or closed by a consumer that stopped early (EOS, stop string, client gone)
             # stats.cut() has already capped new_tokens at what was delivered: only those are recorded
-            self._finish(drafter, prompt, tokens[len(prompt) : len(prompt) + stats.new_tokens])
+            sched.remove(req)
 
     @staticmethod
     def _finish(drafter: Drafter | None, prompt: list[int], output: list[int]) -> None:

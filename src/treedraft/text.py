@@ -169,47 +169,80 @@ class TextGenerator:
         """
         cfg = config or GenerationConfig()
         stats = stats if stats is not None else GenerationStats()
-        eos = frozenset() if cfg.ignore_eos else self.eos_token_ids
-        detok = StreamDetokenizer(self.tokenizer.backend) if self.tokenizer is not None else None
-        stopper = StopChecker(cfg.stop)
-        budget = self.engine.token_budget(len(prompt_ids), cfg)
+        text = self.text_stream(cfg, self.engine.token_budget(len(prompt_ids), cfg), stats)
         steps = self.engine.decode(prompt_ids, cfg, drafter, stats)
-        n = 0  # tokens taken from the engine
         delivered = 0  # tokens handed to our consumer
         try:
             for new in steps:
-                pending: list[Chunk] = []
-                final = None
-                for tok in new:
-                    n += 1
-                    if tok in eos:
-                        safe, hit = stopper.feed(detok.flush() if detok is not None else "")
-                        final = Chunk(safe + ("" if hit else stopper.flush()), [tok], "stop")
-                        break
-                    safe, hit = stopper.feed(detok.push(tok) if detok is not None else "")
-                    if hit:
-                        final = Chunk(safe, [tok], "stop")
-                        break
-                    if n >= budget:
-                        safe2, hit2 = stopper.feed(detok.flush() if detok is not None else "")
-                        final = Chunk(
-                            safe + safe2 + ("" if hit2 else stopper.flush()), [tok], "stop" if hit2 else "length"
-                        )
-                        break
-                    pending.append(Chunk(safe, [tok]))
-                if final is not None:
-                    stats.cut(n)  # drafts of this step after the final token were never delivered
-                for ch in pending:
+                for ch in text.feed(new):
                     delivered += 1
                     yield ch
-                if final is not None:
-                    delivered += 1
-                    yield final
+                if text.done:
                     return
         finally:
             # a consumer that stops taking chunks mid-step (closes us) got only ``delivered`` tokens: the stats
             # and the drafter's record of this request (the engine's finish, run as it closes) cover only those
             stats.cut(delivered)
             steps.close()
-        tail = detok.flush() if detok is not None else ""  # not reached: the engine stops at the budget
-        yield Chunk(stopper.feed(tail)[0] + stopper.flush(), [], "length")
+        yield text.tail()  # not reached: the engine stops at the budget
+
+    def text_stream(self, config: GenerationConfig, budget: int, stats: GenerationStats) -> TextStream:
+        """The per-request text state for a request whose token ids come from elsewhere (the batched loop)."""
+        eos = frozenset() if config.ignore_eos else self.eos_token_ids
+        return TextStream(self.tokenizer, eos, config.stop, budget, stats)
+
+
+class TextStream:
+    """One request's text state: feed it the token ids each step commits, get :class:`Chunk` s back.
+
+    Ends (``done``) at an EOS id, a stop string or the token budget, with a final chunk that has a
+    finish_reason; then ``stats.cut`` is applied for the drafts of that step that were never delivered.
+    Push-style, so a batched loop can drive many of them (:class:`TextGenerator.stream` drives one).
+    """
+
+    def __init__(
+        self,
+        tokenizer: TextTokenizer | None,
+        eos: frozenset[int],
+        stop: Sequence[str],
+        budget: int,
+        stats: GenerationStats,
+    ) -> None:
+        self.detok = StreamDetokenizer(tokenizer.backend) if tokenizer is not None else None
+        self.stopper = StopChecker(stop)
+        self.eos, self.budget, self.stats = eos, budget, stats
+        self.n = 0  # tokens taken from the engine
+        self.done = False
+
+    def feed(self, new: Sequence[int]) -> list[Chunk]:
+        """One chunk per token of ``new`` up to the final one (if this step ends the request)."""
+        detok, stopper = self.detok, self.stopper
+        out: list[Chunk] = []
+        for tok in new:
+            if self.done:
+                break
+            self.n += 1
+            final = None
+            if tok in self.eos:
+                safe, hit = stopper.feed(detok.flush() if detok is not None else "")
+                final = Chunk(safe + ("" if hit else stopper.flush()), [tok], "stop")
+            else:
+                safe, hit = stopper.feed(detok.push(tok) if detok is not None else "")
+                if hit:
+                    final = Chunk(safe, [tok], "stop")
+                elif self.n >= self.budget:
+                    safe2, hit2 = stopper.feed(detok.flush() if detok is not None else "")
+                    final = Chunk(safe + safe2 + ("" if hit2 else stopper.flush()), [tok], "stop" if hit2 else "length")
+            if final is not None:
+                self.stats.cut(self.n)  # drafts of this step after the final token were never delivered
+                self.done = True
+                out.append(final)
+                break
+            out.append(Chunk(safe, [tok]))
+        return out
+
+    def tail(self) -> Chunk:
+        """A final chunk with whatever is held back (a stream that ended without a final token)."""
+        self.done = True
+        tail = self.detok.flush() if self.detok is not None else ""
+        return Chunk(self.stopper.feed(tail)[0] + self.stopper.flush(), [], "length")

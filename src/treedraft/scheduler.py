@@ -1,0 +1,355 @@
+"""The one decode loop, batched: prefill -> propose -> verify -> accept for every active request per step.
+
+A :class:`Scheduler` holds active requests (:class:`Request`: its own KV cache, sampling params and
+seeded generator, acceptance rule, drafter, token budget). Each :meth:`Scheduler.step` runs ONE target
+forward: every decoding request's drafter proposes a tree within a per-step row budget shared by the
+batch (``step_rows``; trees shrink as the batch grows), a joining request contributes one prefill
+chunk, all rows are packed into ``forward_packed`` (targets without it run one forward per request in
+the same step), and each request applies its own acceptance rule, keeps its accepted path in its cache
+and gets its new tokens. Requests join (:meth:`Scheduler.add`) and leave (:meth:`Scheduler.remove`)
+between steps. :meth:`treedraft.engine.Engine.decode` is the one-request case of this loop.
+
+Exactness: a request's tree, prefill chunks and generator draws do not depend on the other requests
+(except a greedy/unseeded request's tree size, which never changes a greedy output), so with row-invariant
+linears (the native int4/int8 kernels) and exact attention a greedy request's tokens are bitwise those of
+the same request run alone, and a seeded sampled request (its tree size is pinned to its own
+``max_tree_nodes``: see :meth:`Scheduler._tree_budget`) gives the same tokens alone or batched. With fp32 MKL linears the rounding
+of a row depends on the number of rows in the forward, so a batched greedy output may differ from the solo
+one at near-ties (both are greedy decodes of the model within float rounding).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from .interfaces import DraftContext, Drafter, GenerationError, target_device
+from .tree import TokenTree, TreeError, full_attention_mask, tree_positions
+from .verify import accept
+
+if TYPE_CHECKING:
+    from .engine import Engine, GenerationConfig, GenerationStats
+
+
+@dataclass(eq=False)
+class Request:
+    """One active request in the loop (created by :meth:`Scheduler.add`)."""
+
+    prompt: list[int]
+    config: GenerationConfig
+    drafter: Drafter | None
+    stats: GenerationStats
+    cache: Any  # this request's own Cache (KVCache for the own runtime)
+    gen: torch.Generator  # seeded from config.sampling.seed; only this request draws from it
+    max_new: int  # token budget (max_new_tokens capped by the context left)
+    tag: Any = None  # the caller's handle (e.g. the server's Job)
+    tokens: list[int] = field(default_factory=list)  # prompt + committed tokens + the current root
+    prefilled: int = 0  # prompt tokens already in the cache
+    n_out: int = 0  # new tokens committed (the root included)
+    last_hidden: Tensor | None = None  # (H,) target hidden state at the position that produced the root
+    path_hidden: Tensor | None = None  # (n, H) hidden states of the last accepted path (root first)
+    error: BaseException | None = None  # set when this request failed (its drafter, say); it then leaves
+    t_start: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        """Token budget reached, or failed."""
+        return self.error is not None or (self.prefilled == len(self.prompt) and self.n_out >= self.max_new)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt)
+
+    @property
+    def pinned(self) -> bool:
+        """Seeded sampling: its tree size must not depend on the batch (the draws depend on the tree)."""
+        s = self.config.sampling
+        return not s.greedy and s.seed is not None
+
+    def output(self) -> list[int]:
+        """The new tokens delivered so far (``stats.new_tokens`` of them: cut by the text layer at EOS/stop)."""
+        n = len(self.prompt)
+        return self.tokens[n : n + self.stats.new_tokens]
+
+
+@dataclass
+class _Rows:
+    """What one request contributes to a step's forward."""
+
+    req: Request
+    tokens: list[int]
+    positions: Tensor  # (rows,)
+    start: int
+    mask: Tensor | None  # (rows, start + rows) or None = causal
+    tree: TokenTree | None  # None: a prefill chunk
+    logit_rows: list[int]  # rows of this block that need logits
+    t_draft: float = 0.0
+
+
+class Scheduler:
+    """Active requests of one engine and the step that advances all of them by one target forward.
+
+    step_rows: rows per step shared by the decoding requests' trees (None: each request's own
+        ``max_tree_nodes``); a request's share is ``max(1, step_rows // decoding requests)``.
+    prefill_chunk: prompt rows per step for joining requests (None: a whole prompt in one forward);
+        a request's chunks always start at multiples of it, whatever else runs in the step.
+    """
+
+    def __init__(self, engine: Engine, step_rows: int | None = None, prefill_chunk: int | None = None) -> None:
+        if step_rows is not None and step_rows < 1:
+            raise ValueError(f"step_rows must be >= 1, got {step_rows}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.engine = engine
+        self.step_rows, self.prefill_chunk = step_rows, prefill_chunk
+        self.active: list[Request] = []
+
+    def __len__(self) -> int:
+        return len(self.active)
+
+    def add(
+        self,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig | None = None,
+        drafter: Drafter | None | str = "default",
+        stats: GenerationStats | None = None,
+        cache: Any = None,
+        tag: Any = None,
+    ) -> Request:
+        """Admit a request (it joins at the next step); GenerationError for a prompt that cannot be served."""
+        from .engine import GenerationConfig, GenerationStats
+
+        eng = self.engine
+        cfg = config or GenerationConfig()
+        eng.check_prompt(prompt_ids)
+        prompt = [int(t) for t in prompt_ids]
+        max_new = eng.token_budget(len(prompt), cfg)
+        if cache is None:  # room for the prompt, the budget and the widest tree at the last step
+            model = eng.model
+            cache = model.new_cache(min(model.max_seq_len, len(prompt) + max_new + cfg.max_tree_nodes))
+        cache.length = 0
+        stats = stats if stats is not None else GenerationStats()
+        stats.prompt_tokens = len(prompt)
+        d = eng.drafter if drafter == "default" else drafter
+        req = Request(prompt, cfg, d, stats, cache, cfg.sampling.generator(), max_new, tag, tokens=list(prompt))
+        self.active.append(req)
+        return req
+
+    def remove(self, req: Request) -> None:
+        """Take a request out (finished, failed or cancelled); a drafter with ``finish`` gets its delivered tokens."""
+        if req in self.active:
+            self.active.remove(req)
+            if req.n_out:
+                self.engine._finish(req.drafter, req.prompt, req.output())
+
+    # -- one step
+
+    def _tree_budget(self, req: Request, share: int) -> int:
+        """Tree size for this step: its ``max_tree_nodes``, the batch's share, the context left.
+
+        A seeded sampled request is not shrunk (its generator draws depend on its trees, so its text would
+        change with the batch): it gets its ``max_tree_nodes`` alone or batched, like :meth:`Engine.decode`.
+        """
+        cap = req.config.max_tree_nodes
+        if self.step_rows is not None and not req.pinned:
+            cap = min(cap, share)
+        return min(cap, self.engine.model.max_seq_len - req.cache.length)
+
+    def _draft(self, req: Request, budget: int) -> _Rows:
+        eng, ts = self.engine, time.perf_counter()
+        max_depth = req.max_new - req.n_out - 1  # the bonus token takes one slot of the budget
+        root = req.tokens[-1]
+        if req.drafter is not None and budget > 1 and max_depth > 0:
+            ctx = DraftContext(req.tokens, req.last_hidden, budget, max_depth, len(req.prompt))
+            name = getattr(req.drafter, "name", type(req.drafter).__name__)
+            try:
+                tree = req.drafter.propose(ctx)
+            except TreeError as e:
+                raise TreeError(f"drafter {name!r} built a malformed tree: {e}") from e
+            eng._check_tree(tree, root, eng.model.vocab_size, name)
+            tree = tree.pruned_depth(max_depth).truncated(budget)
+        else:
+            tree = TokenTree((root,), (-1,))
+        start, dev, n = req.cache.length, eng.device, len(tree)
+        mask = None if n == 1 else full_attention_mask(tree, start, dev)
+        rows = _Rows(req, list(tree.tokens), tree_positions(tree, start, dev), start, mask, tree, list(range(n)))
+        rows.t_draft = time.perf_counter() - ts
+        return rows
+
+    def _chunk(self, req: Request, rows: int) -> _Rows:
+        a, b = req.prefilled, req.prefilled + rows
+        last = [rows - 1] if b == len(req.prompt) else []
+        pos = torch.arange(a, b, device=self.engine.device)
+        return _Rows(req, req.prompt[a:b], pos, a, None, None, last)
+
+    def _plan(self) -> list[_Rows]:
+        """What each active request runs this step (a request failing to draft gets its error, no rows)."""
+        plan: list[_Rows] = []
+        decoding = [r for r in self.active if not r.prefilling and not r.done]
+        share = max(1, (self.step_rows or 1) // max(1, len(decoding)))
+        for req in decoding:
+            try:
+                plan.append(self._draft(req, self._tree_budget(req, share)))
+            except Exception as e:  # this request's drafter failed: it alone leaves
+                req.error = e
+        left = self.prefill_chunk  # prefill rows this step (None: whole prompts)
+        for req in (r for r in self.active if r.prefilling and not r.done):
+            rest = len(req.prompt) - req.prefilled
+            n = rest if self.prefill_chunk is None else min(self.prefill_chunk, rest)
+            if left is not None and n > left:
+                break  # FIFO: the next joining request waits for the next step
+            plan.append(self._chunk(req, n))
+            left = None if left is None else left - n
+        return plan
+
+    def _forward(self, plan: list[_Rows]) -> list[tuple[Tensor, Tensor | None]]:
+        """Per request (logits (len(logit_rows), V), hidden (rows, H) or None), from one packed forward."""
+        model, dev = self.engine.model, self.engine.device
+        packed = getattr(model, "forward_packed", None)
+        if packed is None:  # HF adapter, callable target: one forward per request, same step
+            out = []
+            for p in plan:
+                lf = None if p.tree is not None else slice(-1, None)  # a prefill chunk: its last row only
+                lg, h = model.forward(
+                    torch.tensor([p.tokens], device=dev), p.positions, p.req.cache, p.start, p.mask, lf
+                )
+                out.append((lg[0], None if h is None else h[0]))
+            return out
+        from .models.llama import Segment
+
+        segs = [Segment(p.req.cache, p.start, len(p.tokens), p.mask) for p in plan]
+        offsets, r0, want = [], 0, []
+        for p in plan:
+            offsets.append(r0)
+            want += [r0 + i for i in p.logit_rows]
+            r0 += len(p.tokens)
+        toks = torch.tensor([t for p in plan for t in p.tokens], device=dev)
+        logits, hidden = packed(
+            toks, torch.cat([p.positions for p in plan]), segs, torch.tensor(want, dtype=torch.long, device=dev)
+        )
+        out, li = [], 0
+        for p, o in zip(plan, offsets):
+            k = len(p.logit_rows)
+            out.append((logits[li : li + k], hidden[o : o + len(p.tokens)]))
+            li += k
+        return out
+
+    def step(self) -> list[tuple[Request, list[int]]]:
+        """Advance every active request by one target forward; (request, tokens it committed) for each.
+
+        A request that finished its prefill gets its first token; a decoding one its accepted drafts + bonus.
+        A request whose drafting or acceptance failed is returned with ``error`` set (and no tokens);
+        the caller removes it. An error in the forward itself fails the whole step (raised).
+        """
+        plan = self._plan()
+        failed = [(r, []) for r in self.active if r.error is not None]
+        if not plan:
+            return failed
+        tv = time.perf_counter()
+        results = self._forward(plan)
+        tr = time.perf_counter()
+        out: list[tuple[Request, list[int]]] = []
+        for p, (logits, hidden) in zip(plan, results):
+            try:
+                new = self._commit(p, logits, hidden, tv, tr)
+            except Exception as e:  # e.g. a drafter's inconsistent q in the acceptance rule
+                p.req.error = e
+                new = []
+            if new or p.req.error is not None:
+                out.append((p.req, new))
+        return failed + out
+
+    def _commit(self, p: _Rows, logits: Tensor, hidden: Tensor | None, tv: float, tr: float) -> list[int]:
+        req, eng, cfg = p.req, self.engine, p.req.config
+        if p.tree is None:  # a prefill chunk
+            req.cache.keep(p.start, range(len(p.tokens)))
+            req.prefilled += len(p.tokens)
+            req.stats.t_prefill += tr - tv
+            if req.prefilling:
+                return []
+            root = eng._pick(logits[-1], cfg.sampling, req.gen)
+            req.last_hidden = None if hidden is None else hidden[-1]
+            req.tokens.append(root)
+            req.n_out = 1
+            req.t_start = time.perf_counter()
+            req.stats.new_tokens, req.stats.t_decode = 1, time.perf_counter() - req.t_start
+            return [root]
+        tree, n = p.tree, len(p.tree)
+        if n == 1:
+            acc_nodes, bonus = (0,), eng._pick(logits[0], cfg.sampling, req.gen)
+        else:
+            a = accept(cfg.rule, tree, logits, cfg.sampling, req.gen)
+            acc_nodes, bonus = a.nodes, a.bonus
+        req.cache.keep(p.start, list(acc_nodes))
+        if hidden is not None:
+            req.last_hidden = hidden[acc_nodes[-1]]
+            req.path_hidden = hidden[list(acc_nodes)]
+        else:
+            req.last_hidden = None
+        new = [tree.tokens[i] for i in acc_nodes[1:]] + [bonus]  # accepted drafts + the next root
+        req.tokens.extend(new)
+        te = time.perf_counter()
+        from .engine import StepStats
+
+        req.stats.steps.append(StepStats(n, max(tree.depths()), len(new) - 1, p.t_draft, tr - tv, te - tr))
+        req.n_out += len(new)
+        req.stats.new_tokens, req.stats.t_decode = req.n_out, time.perf_counter() - req.t_start
+        return new
+
+
+STEP_ROWS_KIND = "step-rows"
+STEP_ROWS_FACTOR = 3.0  # a batched step may cost this many one-token steps
+STEP_ROWS_MAX = 64
+
+
+def step_rows_from_latency(latency: dict[int, float], factor: float = STEP_ROWS_FACTOR) -> int:
+    """Rows per step: the largest measured forward size costing at most ``factor`` one-token forwards.
+
+    ``latency`` maps a forward's row count to seconds (:func:`treedraft.training.calibrate.measure_latency`).
+    On a CPU the cost of a forward grows slowly with its rows (weights are streamed once), so this is
+    where extra rows stop being nearly free: a lone request gets a tree of up to that size, a batch of k
+    shares it (k one-token rows when k exceeds it, i.e. plain decoding, batched).
+    """
+    if 1 not in latency:
+        raise ValueError(f"the latency curve needs the one-row forward, got sizes {sorted(latency)}")
+    if factor < 1:
+        raise ValueError(f"factor must be >= 1, got {factor}")
+    return max(n for n, t in latency.items() if t <= factor * latency[1])
+
+
+def measured_step_rows(model: Any, factor: float = STEP_ROWS_FACTOR) -> int:
+    """:func:`step_rows_from_latency` on this machine's latency curve for ``model`` (measured once, cached)."""
+    from .models.plan import cached_measurement
+    from .training.calibrate import _target_facts, latency_sizes, measure_latency
+
+    def measure() -> dict:
+        room = getattr(model, "max_seq_len", 512)
+        lat = measure_latency(model, max(1, min(256, room - STEP_ROWS_MAX - 1)), latency_sizes(STEP_ROWS_MAX), reps=3)
+        return {str(k): v for k, v in lat.items()}
+
+    def load(v: dict) -> int:
+        return step_rows_from_latency({int(k): float(t) for k, t in v.items()}, factor)
+
+    return cached_measurement(STEP_ROWS_KIND, _target_facts(model), measure, load, target_device(model))
+
+
+def run_alone(
+    engine: Engine, prompt_ids: Sequence[int], config: GenerationConfig | None = None, **kw: Any
+) -> list[int]:
+    """The tokens of one request run by a fresh scheduler on its own (the reference for batched runs)."""
+    sched = Scheduler(engine, kw.pop("step_rows", None), kw.pop("prefill_chunk", None))
+    req = sched.add(prompt_ids, config, **kw)
+    while not req.done:
+        sched.step()
+    if req.error is not None:
+        raise req.error
+    sched.remove(req)
+    return req.tokens[len(req.prompt) : len(req.prompt) + req.n_out]
+
+
+__all__ = ["GenerationError", "Request", "Scheduler", "measured_step_rows", "run_alone", "step_rows_from_latency"]
