@@ -432,9 +432,9 @@ def test_metrics_move_after_requests(server: LiveServer, client: openai.OpenAI, 
 
 
 def test_queue_full_429_and_disconnects_free_the_worker(llm: treedraft.LLM, server: LiveServer) -> None:
-    """A tiny queue behind a long stream: a queued client that leaves frees its place, a full queue
+    """One request at a time (--max-batch 1), a tiny queue behind a long stream: a queued client that leaves frees its place, a full queue
     answers 429 + Retry-After, and closing the long stream lets the queued request finish."""
-    settings = ServerSettings(max_queue=1, retry_after_s=7, poll_interval_s=0.05)
+    settings = ServerSettings(max_queue=1, max_batch=1, retry_after_s=7, poll_interval_s=0.05)  # serial worker
     with LiveServer(create_app(llm, settings)) as s:
         url = f"{s.url}/v1/chat/completions"
         # long enough to outlast the steps below even on a fast accelerator; it is cancelled, never finished

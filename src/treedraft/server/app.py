@@ -1,11 +1,11 @@
 """The HTTP application: OpenAI routes, request preparation, responses and server-sent events.
 
-One worker thread owns the model (the engine reuses one KV cache and torch is not
-re-entrant here); HTTP handlers validate a request on the event loop, tokenize it
-on a side thread, and hand a :class:`Job` to a bounded FIFO :class:`JobQueue`.
-The worker streams :class:`~treedraft.text.Chunk` s back through the event loop
-(``call_soon_threadsafe``), checks between chunks whether the client went away,
-and records Prometheus metrics. A full queue is answered with 429 + Retry-After.
+One worker thread owns the model and decodes up to ``max_batch`` requests together (one
+target forward per step, :mod:`treedraft.scheduler`); HTTP handlers validate a request on
+the event loop, tokenize it on a side thread, and hand a :class:`Job` to a bounded FIFO
+:class:`JobQueue`. The worker streams each job's :class:`~treedraft.text.Chunk` s back
+through the event loop (``call_soon_threadsafe``), drops a job whose client went away at
+the next step, and records Prometheus metrics. A full queue is answered with 429 + Retry-After.
 """
 
 from __future__ import annotations
@@ -80,12 +80,13 @@ class OpenAIServer:
         m = self.metrics
         m.gauge_fn(
             "treedraft:num_requests_running",
-            "Requests being generated now (0 or 1).",
-            lambda: float(self.worker.running is not None),
+            "Requests being generated now (the batch: at most max_batch).",
+            lambda: float(len(self.worker.running)),
         )
         m.gauge_fn(
             "treedraft:num_requests_waiting", "Requests waiting in the queue.", lambda: float(len(self.worker.queue))
         )
+        m.gauge_fn("treedraft:max_batch_size", "Requests decoded together at most.", lambda: float(settings.max_batch))
         m.gauge_fn(
             "treedraft:max_queue_size", "Waiting requests allowed before 429.", lambda: float(settings.max_queue)
         )
@@ -464,7 +465,7 @@ def create_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
                 "status": "ok",
                 "model": srv.names[0],
                 "waiting": len(srv.worker.queue),
-                "running": int(srv.worker.running is not None),
+                "running": len(srv.worker.running),
             }
         )
 

@@ -22,6 +22,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     settings = ServerSettings(
         max_queue=a.max_queue,
+        max_batch=a.max_batch,
+        step_rows=a.step_rows,
+        prefill_chunk=a.prefill_chunk or None,
         max_tokens_limit=a.max_tokens_limit,
         default_max_tokens=a.default_max_tokens,
         served_model_names=tuple(a.served_model_name or ()),
@@ -58,7 +61,27 @@ def register(subparsers: Any) -> None:
         "--max-queue",
         type=int,
         default=64,
-        help="requests allowed to wait behind the running one; beyond that the server answers 429",
+        help="requests allowed to wait behind the running ones; beyond that the server answers 429",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="requests decoded together, one target forward per step (the queue holds the rest; 1 = one at a time)",
+    )
+    p.add_argument(
+        "--step-rows",
+        type=int,
+        default=None,
+        help="draft-tree rows per step shared by the batch (default: measured once from this machine's "
+        "latency curve: the largest forward costing <= 3 one-token forwards)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        help="prompt tokens a joining request prefills per step, so running requests wait at most one "
+        "chunk (0 = whole prompts)",
     )
     p.add_argument(
         "--max-tokens-limit",

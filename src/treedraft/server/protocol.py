@@ -26,7 +26,10 @@ MAX_TREE_NODES_LIMIT = 512
 class ServerSettings:
     """Limits and names of one server instance."""
 
-    max_queue: int = 64  # requests allowed to wait behind the running one; more -> 429
+    max_queue: int = 64  # requests allowed to wait behind the running ones; more -> 429
+    max_batch: int = 8  # requests decoded together (one target forward per step)
+    step_rows: int | None = None  # tree rows per step shared by the batch (None: from the latency curve)
+    prefill_chunk: int | None = 256  # prompt rows per step for joining requests (None: whole prompts)
     max_tokens_limit: int | None = None  # largest max_tokens accepted (None: context window - 1)
     default_max_tokens: int = 256  # when a request gives none (capped by what the context leaves)
     served_model_names: tuple[str, ...] = ()  # names accepted in "model" (empty: the loaded model's name)
@@ -41,6 +44,12 @@ class ServerSettings:
         from .auth import APIKeys
 
         APIKeys(self.api_keys)  # raises ValueError naming what to fix
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.step_rows is not None and self.step_rows < 1:
+            raise ValueError(f"step_rows must be >= 1, got {self.step_rows}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.default_max_tokens < 1:

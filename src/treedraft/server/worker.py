@@ -1,8 +1,10 @@
 """The model worker: :class:`Job` (one request), :class:`JobQueue` (bounded FIFO) and :class:`Worker`.
 
-One worker thread owns the model (the engine reuses one KV cache and torch is not re-entrant here);
-it takes jobs in queue order, streams :class:`~treedraft.text.Chunk` s back to the event loop
-(``call_soon_threadsafe``), stops a job at its next chunk once its client has gone, and records metrics.
+One worker thread owns the model and runs the batched decode loop (:class:`~treedraft.scheduler.Scheduler`):
+up to ``max_batch`` jobs decode together, one target forward per step; jobs join from the queue and leave
+at step boundaries (finished, failed, or cancelled because their client left). Each job's tokens go
+through its own :class:`~treedraft.text.TextStream` and its :class:`~treedraft.text.Chunk` s back to the
+event loop (``call_soon_threadsafe``); metrics are recorded per job and per step.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..engine import GenerationConfig, GenerationStats
 from ..interfaces import GenerationError
-from ..text import Chunk
+from ..scheduler import Request, Scheduler, measured_step_rows
+from ..text import Chunk, TextStream
 from ..tree import TreeError
 from .metrics import Metrics
 from .protocol import APIError, ServerSettings
@@ -124,6 +127,19 @@ class JobQueue:
             except ValueError:
                 return False
 
+    def get_nowait(self) -> Job | None:
+        """The next waiting job, or None when there is none."""
+        with self._cv:
+            if self._closed or not self._items:
+                return None
+            job = self._items.popleft()
+            job.queue = None
+            return job
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def get(self) -> Job | None:
         """Block until a job is available (None once closed)."""
         with self._cv:
@@ -143,13 +159,28 @@ class JobQueue:
             self._cv.notify_all()
 
 
+@dataclass
+class _Live:
+    """A job in the batch: its request in the scheduler, its text state and its timings."""
+
+    req: Request
+    text: TextStream
+    stats: GenerationStats
+    t_start: float
+    t_first: float | None = None
+    t_last: float = 0.0
+    gaps: list[float] = field(default_factory=list)  # seconds between consecutive tokens, as delivered
+    n_tokens: int = 0
+
+
 class Worker:
-    """The single thread that runs the model, one job at a time, in queue order."""
+    """The single thread that runs the model: up to ``settings.max_batch`` jobs per step, in queue order."""
 
     def __init__(self, llm: LLM, settings: ServerSettings, metrics: Metrics) -> None:
         self.llm, self.settings, self.metrics = llm, settings, metrics
         self.queue = JobQueue(settings.max_queue)
-        self.running: Job | None = None
+        self.running: dict[Job, _Live] = {}  # the batch (read by the HTTP side for gauges: len only)
+        self.sched: Scheduler | None = None  # built on the worker thread (step_rows may be measured)
         self._thread = threading.Thread(target=self._loop, name="treedraft-worker", daemon=True)
 
     def start(self) -> None:
@@ -157,9 +188,8 @@ class Worker:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel the running job, drop waiting ones and join the thread."""
-        job = self.running
-        if job is not None:
+        """Cancel the running jobs, drop waiting ones and join the thread."""
+        for job in list(self.running):
             job.cancelled.set()
         self.queue.close()
         if self._thread.is_alive():
@@ -190,68 +220,125 @@ class Worker:
         bind = getattr(drafter, "for_tenant", None)
         return bind(tenant or "") if callable(bind) else drafter
 
-    def _loop(self) -> None:
-        while True:
-            job = self.queue.get()
-            if job is None:
-                return
-            if job.cancelled.is_set():  # its client left just as the job was dequeued
-                self.metrics.record(GenerationStats(), job.t_arrival, None, None, time.perf_counter(), 0, "aborted")
-                continue
-            self.running = job
-            try:
-                self._run(job)
-            except Exception:
-                log.exception("worker: unexpected error while finishing a job")
-            finally:
-                self.running = None
+    def _scheduler(self) -> Scheduler:
+        s = self.settings
+        rows = s.step_rows if s.step_rows is not None else measured_step_rows(self.llm.engine.model)
+        log.info("batched decoding: up to %d requests per step, %d tree rows per step", s.max_batch, rows)
+        return Scheduler(self.llm.engine, step_rows=rows, prefill_chunk=s.prefill_chunk)
 
-    def _run(self, job: Job) -> None:
+    def _loop(self) -> None:
+        try:
+            self.sched = self._scheduler()
+        except Exception:
+            log.exception("worker: could not set up the batched loop")
+            return
+        while True:
+            if not self.running:
+                job = self.queue.get()  # idle: block until a job comes
+                if job is None:
+                    return
+                self._admit(job)
+            while len(self.running) < self.settings.max_batch:
+                job = self.queue.get_nowait()
+                if job is None:
+                    break
+                self._admit(job)
+            if self.queue.closed:
+                for job in list(self.running):
+                    self._leave(job, "aborted")
+                return
+            for job in [j for j in self.running if j.cancelled.is_set()]:
+                self._leave(job, "aborted")  # its slot is free for the next step
+            if not self.running:
+                continue
+            try:
+                self._step()
+            except Exception:
+                log.exception("worker: unexpected error in a step")
+
+    def _admit(self, job: Job) -> None:
+        """Put a dequeued job into the batch (or answer it at once: cancelled, or an invalid request)."""
+        now = time.perf_counter()
+        if job.cancelled.is_set():  # its client left just as the job was dequeued
+            self.metrics.record(GenerationStats(), job.t_arrival, None, None, now, 0, "aborted")
+            return
         stats = GenerationStats()
-        t_start = time.perf_counter()
-        t_first: float | None = None
-        t_last = 0.0
-        gaps: list[float] = []  # seconds between consecutive generated tokens, as delivered
-        n_tokens, outcome = 0, "error"
-        gen = None
         try:
             drafter = self._for_tenant(self._drafter(job.drafter), job.tenant)
-            gen = self.llm.text.stream(job.prompt_ids, job.config, drafter, stats)
-            finish = "length"
-            for chunk in gen:
-                if job.cancelled.is_set():
-                    break
-                if chunk.token_ids:
-                    now = time.perf_counter()
-                    if t_first is None:
-                        t_first = now
-                    else:
-                        gaps.append(now - t_last)
-                    gaps += [0.0] * (len(chunk.token_ids) - 1)  # tokens that arrived together
-                    t_last = now
-                n_tokens += len(chunk.token_ids)
-                job.deliver(chunk)
-                finish = chunk.finish_reason or finish
-            if job.cancelled.is_set():
-                outcome = "aborted"
-            else:
-                outcome = finish
-                job.deliver(Done(finish, stats))
-        except APIError as e:  # raised deliberately: already the right status and message
-            job.deliver(Failed(e))
-        except GenerationError as e:  # the engine rejects the request itself (it names the limit): client's fault
-            job.deliver(Failed(APIError(400, str(e), code="invalid_generation_request")))
-        except TreeError as e:  # a drafter bug, not the client's fault
-            log.exception("generation failed: drafter %r produced an invalid tree", job.drafter)
-            job.deliver(Failed(APIError(500, f"internal error in the drafter: {e}", "server_error")))
+            req = self.sched.add(job.prompt_ids, job.config, drafter, stats, tag=job)
         except Exception as e:
-            # e.g. a KV cache overflow or a drafter's inconsistent q: answer 500, log it, keep serving
-            log.exception("generation failed (drafter %r)", job.drafter)
-            job.deliver(
-                Failed(APIError(500, f"internal error during generation: {type(e).__name__}: {e}", "server_error"))
-            )
-        finally:
-            if gen is not None:
-                gen.close()
-            self.metrics.record(stats, job.t_arrival, t_start, t_first, time.perf_counter(), n_tokens, outcome, gaps)
-            self.metrics.observe_steps(1, len(stats.steps) + (t_first is not None))  # serial: 1 request per step
+            job.deliver(Failed(self._api_error(job, e)))
+            self.metrics.record(stats, job.t_arrival, now, None, time.perf_counter(), 0, "error")
+            return
+        text = self.llm.text.text_stream(job.config, req.max_new, stats)
+        self.running[job] = _Live(req, text, stats, now)
+
+    def _step(self) -> None:
+        try:
+            events = self.sched.step()
+        except Exception as e:  # the forward itself failed (e.g. a cache overflow): every job in it fails
+            log.exception("generation step failed for %d requests", len(self.running))
+            for job in list(self.running):
+                job.deliver(Failed(self._api_error(job, e)))
+                self._leave(job, "error")
+            return
+        self.metrics.observe_steps(len(self.running))
+        for req, new in events:
+            job = req.tag
+            live = self.running.get(job)
+            if live is None:
+                continue
+            if req.error is not None:
+                job.deliver(Failed(self._api_error(job, req.error)))
+                self._leave(job, "error")
+                continue
+            chunks = live.text.feed(new)
+            now = time.perf_counter()
+            n = sum(len(c.token_ids) for c in chunks)
+            if n:
+                if live.t_first is None:
+                    live.t_first = now
+                else:
+                    live.gaps.append(now - live.t_last)
+                live.gaps += [0.0] * (n - 1)  # tokens that arrived together
+                live.t_last = now
+                live.n_tokens += n
+            for c in chunks:
+                job.deliver(c)
+            if live.text.done:
+                finish = chunks[-1].finish_reason or "length"
+                job.deliver(Done(finish, live.stats))
+                self._leave(job, finish)
+
+    def _leave(self, job: Job, outcome: str) -> None:
+        """Take a job out of the batch and record it."""
+        live = self.running.pop(job)
+        live.stats.cut(live.n_tokens)  # tokens committed but never delivered (cancelled) do not count
+        try:
+            self.sched.remove(live.req)
+        except Exception:
+            log.exception("worker: error while removing a finished request")
+        self.metrics.record(
+            live.stats,
+            job.t_arrival,
+            live.t_start,
+            live.t_first,
+            time.perf_counter(),
+            live.n_tokens,
+            outcome,
+            live.gaps,
+        )
+
+    @staticmethod
+    def _api_error(job: Job, e: BaseException) -> APIError:
+        """The answer for a job that failed with ``e`` (client errors 4xx, everything else 500, logged)."""
+        if isinstance(e, APIError):  # raised deliberately: already the right status and message
+            return e
+        if isinstance(e, GenerationError):  # the engine rejects the request itself (it names the limit)
+            return APIError(400, str(e), code="invalid_generation_request")
+        if isinstance(e, TreeError):  # a drafter bug, not the client's fault
+            log.error("generation failed: drafter %r produced an invalid tree", job.drafter, exc_info=e)
+            return APIError(500, f"internal error in the drafter: {e}", "server_error")
+        # e.g. a KV cache overflow or a drafter's inconsistent q: answer 500, log it, keep serving
+        log.error("generation failed (drafter %r)", job.drafter, exc_info=e)
+        return APIError(500, f"internal error during generation: {type(e).__name__}: {e}", "server_error")

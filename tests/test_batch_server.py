@@ -1,0 +1,154 @@
+"""64 concurrent streaming clients against a batching server on a tiny model (loopback, fast).
+
+Mixed greedy and seeded sampling, some with stop strings, a few disconnecting mid-stream: every
+completed stream equals the request's solo output (tiny model with native row-invariant linears),
+the disconnects free their slots (metrics), batches really form, /health stays OK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import warnings
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+import torch  # noqa: E402
+from server_utils import CharTokenizer, LiveServer, metric, scrape, wait_for  # noqa: E402
+from spec_stats import one_thread  # noqa: E402, F401
+
+from treedraft import kernels  # noqa: E402
+from treedraft.api import LLM  # noqa: E402
+from treedraft.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
+from treedraft.engine import Engine, GenerationStats  # noqa: E402
+from treedraft.models.llama import Linear  # noqa: E402
+from treedraft.models.tiny import tiny_llama  # noqa: E402
+from treedraft.scheduler import run_alone  # noqa: E402
+from treedraft.server import ServerSettings, create_app  # noqa: E402
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable (exactness needs them)"),
+]
+
+STEP_ROWS, CHUNK, MAX_BATCH = 24, 16, 16
+N_CLIENTS = 64
+
+
+def native_tiny_llm() -> LLM:
+    """The tiny served model (char tokenizer, prompt lookup) with native q4 linears: row-invariant."""
+    from treedraft.models.quant import quantize_q4_rtn, swap_linears
+
+    tok = CharTokenizer()
+    model = tiny_llama(seed=0, vocab_size=tok.vocab_size, max_seq_len=4096, scale=0.6)
+    qw = {n: quantize_q4_rtn(m.weight.detach()) for n, m in model.named_modules() if isinstance(m, Linear)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "pack: .* is stored as fp16")
+        swap_linears(model, qw, {"q4": "native"}, kernels)
+    return LLM(Engine(model, PromptLookupDrafter()), tok, "tiny", "cpu", heads=None)  # type: ignore[arg-type]
+
+
+def solo(llm: LLM, prompt: str, **kw) -> tuple[str, str]:
+    """(text, finish_reason) of one request run alone through the same loop (same row budget, chunks)."""
+    ids = llm.encode_prompt(prompt, raw=True)
+    cfg = llm.config(**kw)
+    eng = llm.engine
+    out = run_alone(
+        eng, ids, cfg, drafter=llm.get_drafter("default", heads=None), step_rows=STEP_ROWS, prefill_chunk=CHUNK
+    )
+    chunks = llm.text.text_stream(cfg, eng.token_budget(len(ids), cfg), GenerationStats()).feed(out)
+    return "".join(c.text for c in chunks), chunks[-1].finish_reason
+
+
+def _body(prompt: str, max_tokens: int, temperature: float, seed: int | None, stop: list[str] | None) -> dict:
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "stop": stop,
+        "stream": True,
+    }
+
+
+async def _client(url: str, body: dict, leave_after: int | None) -> tuple[str, str | None, int]:
+    """Stream one completion; (text, finish_reason, chunks seen); ``leave_after`` chunks: disconnect."""
+    text, finish, seen = [], None, 0
+    async with httpx.AsyncClient(timeout=60) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            for ch in ev["choices"]:
+                text.append(ch.get("text") or "")
+                finish = ch.get("finish_reason") or finish
+                seen += 1
+            if leave_after is not None and seen >= leave_after:
+                return "".join(text), None, seen  # closing the stream disconnects
+    return "".join(text), finish, seen
+
+
+def test_64_concurrent_streams_equal_their_solo_outputs() -> None:
+    llm = native_tiny_llm()
+    rng = random.Random(0)
+    alphabet = "abcdefgh ijk"
+    plans = []  # (body, expected (text, finish) or None, leave_after)
+    for i in range(N_CLIENTS):
+        prompt = "".join(rng.choice(alphabet) for _ in range(rng.randint(4, 60)))
+        max_tokens = rng.randint(8, 28)
+        temperature, seed = (0.8, 1000 + i) if i % 4 == 1 else (0.0, None)
+        stop = None
+        if i % 4 == 2:  # a stop string taken from the middle of its own solo output (so it really stops)
+            full, _ = solo(llm, prompt, max_new_tokens=max_tokens, temperature=temperature, seed=seed)
+            stop = [full[5:7]] if len(full) >= 8 else None
+        if i % 16 == 3:  # leaves after 3 chunks of a stream that cannot end by itself before that is noticed
+            body = {**_body(prompt, 3000, temperature, seed, None), "ignore_eos": True}
+            plans.append((body, None, 3))
+            continue
+        kw = dict(max_new_tokens=max_tokens, temperature=temperature, seed=seed, stop=stop or [])
+        plans.append((_body(prompt, max_tokens, temperature, seed, stop), solo(llm, prompt, **kw), None))
+    settings = ServerSettings(
+        max_batch=MAX_BATCH, max_queue=N_CLIENTS, step_rows=STEP_ROWS, prefill_chunk=CHUNK, poll_interval_s=0.02
+    )
+    with LiveServer(create_app(llm, settings)) as srv:
+        before = scrape(srv.url)
+
+        async def run_all():
+            return await asyncio.gather(*(_client(srv.url, b, leave) for b, _, leave in plans))
+
+        results = asyncio.run(run_all())
+        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+        wait_for(lambda: metric(scrape(srv.url), "treedraft:num_requests_running") == 0, "the batch to drain", 30)
+        after = scrape(srv.url)
+    checked = {"greedy": 0, "seeded": 0, "stop": 0}
+    for i, ((body, expected, leave), (text, finish, seen)) in enumerate(zip(plans, results)):
+        if leave is not None:
+            assert seen >= leave
+            continue
+        assert (text, finish) == expected, f"client {i} ({body['temperature']=}, {body['stop']=}) differs from solo"
+        kind = "stop" if body["stop"] else "seeded" if body["seed"] is not None else "greedy"
+        checked[kind] += 1
+        if body["stop"]:
+            assert finish == "stop" and body["stop"][0] not in text
+    assert min(checked.values()) >= 10, checked
+    leavers = sum(leave is not None for _, _, leave in plans)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("treedraft:request_aborted_total") == leavers
+    done = delta("treedraft:request_success_total", finished_reason="stop") + delta(
+        "treedraft:request_success_total", finished_reason="length"
+    )
+    assert done == N_CLIENTS - leavers
+    steps, batched = delta("treedraft:batch_size_count"), delta("treedraft:batch_size_sum")
+    assert batched / steps > 4, (batched, steps)  # requests really shared steps
+    assert delta("treedraft:batch_size_bucket", le="16.0") == steps  # never more than max_batch
+    assert delta("treedraft:spec_decode_num_accepted_tokens_total") > 0
+    assert torch.get_num_threads() == 1
