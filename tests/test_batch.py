@@ -309,5 +309,8 @@ def test_real_model_int4_batched_equals_alone() -> None:
         )
     solo = {i: run_alone(eng, p, c, step_rows=16, prefill_chunk=32) for i, (p, c) in enumerate(reqs)}
     assert _batched(eng, reqs, "default", 16, 32) == solo
-    greedy_ref = eng.generate(reqs[0][0], reqs[0][1], None).token_ids
-    assert solo[0] == greedy_ref
+    # prefilled whole (as Engine.generate does), the speculative greedy tokens are the plain greedy ones;
+    # chunked prefill (exact attention for later chunks) is another rounding of the same model, so it is
+    # compared with itself above, not with this
+    plain = eng.generate(reqs[0][0], reqs[0][1], None).token_ids
+    assert run_alone(eng, *reqs[0], step_rows=16) == plain

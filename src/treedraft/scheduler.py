@@ -15,7 +15,11 @@ linears (the native int4/int8 kernels) and exact attention a greedy request's to
 the same request run alone, and a seeded sampled request (its tree size is pinned to its own
 ``max_tree_nodes``: see :meth:`Scheduler._tree_budget`) gives the same tokens alone or batched. With fp32 MKL linears the rounding
 of a row depends on the number of rows in the forward, so a batched greedy output may differ from the solo
-one at near-ties (both are greedy decodes of the model within float rounding).
+one at near-ties (both are greedy decodes of the model within float rounding). Prefill chunking is part
+of a request's arithmetic: with the native int8-activation linears a prompt prefilled in chunks (later
+chunks use the exact attention, the first one SDPA) is rounded differently from one prefilled whole, so
+its greedy tokens can differ from :meth:`Engine.generate`'s (which prefills whole) once the prompt is
+longer than ``prefill_chunk``; alone or batched under the same ``prefill_chunk`` they are identical.
 """
 
 from __future__ import annotations
