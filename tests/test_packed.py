@@ -188,3 +188,20 @@ def test_logits_for_and_bad_arguments() -> None:
         model.forward_packed(toks, pos, [Segment(cache, 0, 3, torch.ones(3, 4, dtype=torch.bool))])
     with pytest.raises(ValueError, match="shape \\(M,\\)"):
         model.forward_packed(toks[None], pos, [Segment(cache, 0, 3, None)])
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+@torch.inference_mode()
+def test_one_segment_is_bitwise_forward_with_native_linears() -> None:
+    """Native + exact attention: the packed one-segment path gives forward's bits (tree, chunk, one token)."""
+    model = _tiny_native()
+    for prompt, tree in _cases(torch.Generator().manual_seed(4)):
+        logits, hidden, toks = _alone(model, prompt, tree)
+        cache = _prefilled(model, prompt)
+        start = cache.length
+        if tree is None:
+            ref = model.forward(torch.tensor([toks]), torch.arange(start, start + len(toks)), cache, start)
+        else:
+            mask = None if len(tree) == 1 else full_attention_mask(tree, start, "cpu")
+            ref = model.forward(torch.tensor([toks]), tree_positions(tree, start, "cpu"), cache, start, mask)
+        assert torch.equal(logits, ref[0][0]) and torch.equal(hidden, ref[1][0])

@@ -224,16 +224,24 @@ class Attention(nn.Module):
         q = apply_rope(q.view(M, self.nh, self.hd), cos, sin)  # (M, nh, hd), each row on its own
         k = apply_rope(k.view(M, self.nkv, self.hd), cos, sin)  # (M, nkv, hd)
         v = v.view(M, self.nkv, self.hd)
+        kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, nkv, M, hd) views
         out, r0 = [], 0
         for seg in segments:
-            r1 = r0 + seg.rows
-            qs = q[r0:r1].transpose(0, 1)[None]  # (1, nh, rows, hd)
-            ks, vs = seg.cache.update(
-                self.layer, seg.start, k[r0:r1].transpose(0, 1)[None], v[r0:r1].transpose(0, 1)[None]
-            )
-            out.append(self._attend(qs, ks, vs, seg.mask, seg.start, True))  # (1, nh, rows, hd)
+            r1, start = r0 + seg.rows, seg.start
+            ks, vs = seg.cache.update(self.layer, start, kt[:, :, r0:r1], vt[:, :, r0:r1])  # (1, nkv, L, hd)
+            if self.exact_attention and start > 0 and seg.rows <= self.EXACT_MAX_T:
+                # straight to the row-invariant kernel in its (rows, nh, hd) layout: the same call as _exact
+                from treedraft import kernels
+
+                mask = seg.mask
+                if mask is None and seg.rows > 1:
+                    mask = torch.ones(seg.rows, start + seg.rows, dtype=torch.bool, device=x.device).tril(start)
+                out.append(kernels.attend(q[r0:r1], ks[0], vs[0], mask, self.hd**-0.5))  # (rows, nh, hd)
+            else:
+                qs = q[r0:r1].transpose(0, 1)[None]  # (1, nh, rows, hd)
+                out.append(self._attend(qs, ks, vs, seg.mask, start, True)[0].transpose(0, 1))  # (rows, nh, hd)
             r0 = r1
-        y = torch.cat(out, dim=2)[0].transpose(0, 1).reshape(M, q_out)  # (M, nh hd)
+        y = torch.cat(out).reshape(M, q_out)  # (M, nh hd)
         return self.wo(y)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, start: int, cached: bool) -> Tensor:
