@@ -76,6 +76,14 @@ def test_drafter_tree_follows_choices_and_head_ranks() -> None:
     assert tree.parents == (-1, 0, 0, 1, 1)
     assert len(d.propose(DraftContext([7], h, max_nodes=3, max_depth=8))) == 3
     assert max(d.propose(DraftContext([7], h, max_nodes=64, max_depth=1)).depths()) == 1
+    # a small budget (a request in a big batch) gives the full tree's first nodes and runs fewer heads
+    calls: list[int] = []
+    real = heads.draft_logits
+    heads.draft_logits = lambda h_, r_, n: calls.append(n) or real(h_, r_, n)  # type: ignore[method-assign]
+    for n in (2, 3, 4, 5):
+        small = d.propose(DraftContext([1, 2, 7], h, max_nodes=n, max_depth=8))
+        assert (small.tokens, small.parents) == (tree.tokens[:n], tree.parents[:n])
+    assert calls == [1, 1, 2, 2]
 
 
 def test_draft_logits_are_the_first_heads_and_bf16_only_rounds() -> None:

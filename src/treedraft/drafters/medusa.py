@@ -372,13 +372,17 @@ class MedusaDrafter:
             raise ValueError("the medusa drafter needs the target's hidden state; this target does not provide it")
         root = torch.tensor(ctx.root)
         h = ctx.hidden.to(self.heads.blocks[0][0].linear.weight.dtype)
-        logits = self.heads.draft_logits(h, root, len(self.topk))  # (depth, V')
+        # prefix-closed choices always include a depth-1 one, and the engine asks for max_depth >= 1;
+        # from_choices places them by (depth, ranks): the first max_nodes - 1 of that order are the tree,
+        # so only the heads down to their depth run (a batch's small per-request trees draft cheaply)
+        choices = sorted((c for c in self.choices if len(c) <= ctx.max_depth), key=lambda c: (len(c), tuple(c)))
+        choices = choices[: max(1, ctx.max_nodes - 1)]
+        depth = max(len(c) for c in choices)
+        logits = self.heads.draft_logits(h, root, depth)  # (depth, V')
         cands = []
-        for d, k in enumerate(self.topk):
+        for d, k in enumerate(self.topk[:depth]):
             ids = logits[d].topk(k).indices
             if self.heads.vocab_map is not None:
                 ids = self.heads.vocab_map[ids]
             cands.append(ids.tolist())
-        # prefix-closed choices always include a depth-1 one, and the engine asks for max_depth >= 1
-        choices = [c for c in self.choices if len(c) <= ctx.max_depth]
         return TokenTree.from_choices(ctx.root, choices, cands).truncated(ctx.max_nodes)
