@@ -152,3 +152,25 @@ def test_64_concurrent_streams_equal_their_solo_outputs() -> None:
     assert delta("treedraft:batch_size_bucket", le="16.0") == steps  # never more than max_batch
     assert delta("treedraft:spec_decode_num_accepted_tokens_total") > 0
     assert torch.get_num_threads() == 1
+
+
+def test_serve_cli_batching_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """--max-batch / --step-rows / --prefill-chunk reach the settings; bad values are refused with a message."""
+    import uvicorn
+
+    import treedraft.cli
+    import treedraft.server.cli as serve_cli
+    from treedraft.cli import main
+
+    got: dict = {}
+    monkeypatch.setattr(treedraft.cli, "load_from_args", lambda a: native_tiny_llm())
+    monkeypatch.setattr(serve_cli, "create_app", lambda llm, settings: got.setdefault("settings", settings))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    assert main(["serve", "--max-batch", "3", "--step-rows", "12", "--prefill-chunk", "0"]) == 0
+    s = got.pop("settings")
+    assert (s.max_batch, s.step_rows, s.prefill_chunk) == (3, 12, None)
+    assert main(["serve"]) == 0
+    s = got.pop("settings")
+    assert (s.max_batch, s.step_rows, s.prefill_chunk) == (8, None, 256)
+    assert main(["serve", "--max-batch", "0"]) == 2
+    assert "max_batch must be >= 1" in capsys.readouterr().err
