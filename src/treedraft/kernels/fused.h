@@ -18,7 +18,11 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -105,6 +109,16 @@ class FusedDecoder {
 
   int64_t num_layers() const { return (int64_t)layers_.size(); }
 
+  // Per-phase wall time of the forwards since the last call (ms), when profiling is on:
+  // [other (norms, RoPE, cache writes, silu, residuals), qkv, attention, wo, w13, w2, lm_head]
+  void set_profile(bool on) { profile_ = on; }
+  std::vector<double> take_timings() {
+    std::vector<double> out(prof_.size());
+    for (size_t i = 0; i < prof_.size(); ++i) out[i] = prof_[i] * 1e-6;
+    prof_.fill(0);
+    return out;
+  }
+
   // tokens, positions: (M,) int64. Segment i owns the next seg_rows[i] rows, writes its keys/values
   // at slots [seg_start[i], seg_start[i] + rows) of seg_k[i][l] / seg_v[i][l] ((1, nkv, max_len, hd)
   // float32 contiguous per layer l) and attends under seg_mask[i]: bool (rows, start + rows), True =
@@ -129,8 +143,8 @@ class FusedDecoder {
     for (int64_t s = 0; s < S; ++s) {
       TORCH_CHECK(seg_rows[s] >= 0 && seg_start[s] >= 0, "FusedDecoder.forward: bad segment ", s);
       row0[s + 1] = row0[s] + seg_rows[s];
-      TORCH_CHECK(seg_k[s].size() == (size_t)L && seg_v[s].size() == (size_t)L,
-                  "FusedDecoder.forward: segment ", s, " needs one k and one v tensor per layer (", L, ")");
+      TORCH_CHECK(seg_k[s].size() >= (size_t)L && seg_v[s].size() >= (size_t)L,
+                  "FusedDecoder.forward: segment ", s, " needs a k and a v tensor per layer (", L, ")");
       for (int64_t l = 0; l < L; ++l) {
         check_cache(seg_k[s][l], seg_start[s] + seg_rows[s]);
         check_cache(seg_v[s][l], seg_start[s] + seg_rows[s]);
@@ -146,6 +160,7 @@ class FusedDecoder {
     idx_.clear();
     off_.assign(M + 1, 0);
     cnt_.assign(M, 0);
+    contig_.assign(M, 0);
     causal_.assign(M, 0);
     for (int64_t s = 0; s < S; ++s) {
       const int64_t T = seg_rows[s], Lk = seg_start[s] + T;
@@ -154,6 +169,7 @@ class FusedDecoder {
         for (int64_t t = 0; t < T; ++t) {
           causal_[row0[s] + t] = 1;
           cnt_[row0[s] + t] = seg_start[s] + t + 1;
+          contig_[row0[s] + t] = seg_start[s] + t + 1;
         }
         continue;
       }
@@ -167,8 +183,19 @@ class FusedDecoder {
         for (int64_t j = 0; j < Lk; ++j)
           if (ap[t * Lk + j]) idx_.push_back((int32_t)j);
         cnt_[r] = (int64_t)idx_.size() - off_[r];
+        int64_t c = 0;  // leading ranks that are the slots 0, 1, ... (shared with other rows)
+        while (c < cnt_[r] && idx_[off_[r] + c] == c) ++c;
+        contig_[r] = c;
       }
     }
+    // attention work units: (segment, kv head, block of up to qb of its (row, head) queries)
+    const int64_t group = nh_ / nkv_;
+    const int64_t qb = std::max<int64_t>(1, std::min<int64_t>(16, M * nh_ / (pool().size() * 4)));
+    units_.clear();
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t g = 0; g < nkv_; ++g)
+        for (int64_t q0 = 0; q0 < seg_rows[s] * group; q0 += qb)
+          units_.push_back({s, g, q0, std::min(seg_rows[s] * group, q0 + qb)});
 
     const int64_t qkvN = (nh_ + 2 * nkv_) * hd_, half = hd_ / 2;
     x_.resize(M * H_);
@@ -190,11 +217,14 @@ class FusedDecoder {
       }
 
     const Path& path = pick_path("");
+    last_ = std::chrono::steady_clock::now();
     const int isa = default_isa();
     for (int64_t l = 0; l < L; ++l) {
       const LayerW& w = layers_[l];
       rmsnorm(x_.data(), w.attn_norm.data_ptr<float>(), h_.data(), M, isa);
+      tick(0);
       linear(w.wqkv, h_.data(), M, qkv_.data(), path);
+      tick(1);
       for (int64_t m = 0; m < M; ++m) {  // RoPE on the q and k heads of each row
         const float* c = &cs_[m * hd_];
         for (int64_t hh = 0; hh < nh_ + nkv_; ++hh) rope(&qkv_[m * qkvN + hh * hd_], c, c + half, half);
@@ -212,17 +242,25 @@ class FusedDecoder {
           }
         }
       }
+      tick(0);
       attention(l, M, S, row0, seg_k, seg_v, isa);
+      tick(2);
       linear(w.wo, att_.data(), M, h_.data(), path);
+      tick(3);
       for (int64_t i = 0; i < M * H_; ++i) x_[i] = x_[i] + h_[i];
       rmsnorm(x_.data(), w.ffn_norm.data_ptr<float>(), h_.data(), M, isa);
+      tick(0);
       linear(w.w13, h_.data(), M, ff_.data(), path);
+      tick(4);
       for (int64_t m = 0; m < M; ++m) silu_mul(&ff_[m * 2 * I_], &ff_[m * 2 * I_ + I_], &act_[m * I_], I_, isa);
+      tick(0);
       linear(w.w2, act_.data(), M, h_.data(), path);
+      tick(5);
       for (int64_t i = 0; i < M * H_; ++i) x_[i] = x_[i] + h_[i];
     }
     auto hidden = torch::empty({M, H_}, torch::kFloat32);
     rmsnorm(x_.data(), final_norm_.data_ptr<float>(), hidden.data_ptr<float>(), M, isa);
+    tick(0);
     if (!want_logits || !has_lm_) return {torch::empty({0}, torch::kFloat32), hidden};
     torch::Tensor hl = hidden;
     if (logit_rows.has_value()) {
@@ -231,11 +269,21 @@ class FusedDecoder {
       hl = hidden.index_select(0, *logit_rows).contiguous();
     }
     auto logits = torch::empty({hl.size(0), lm_.N}, torch::kFloat32);
+    tick(0);
     linear(lm_, hl.data_ptr<float>(), hl.size(0), logits.data_ptr<float>(), path);
+    tick(6);
     return {logits, hidden};
   }
 
  private:
+  // adds the time since the previous tick to phase i (profiling only)
+  void tick(int i) {
+    if (!profile_) return;
+    const auto now = std::chrono::steady_clock::now();
+    prof_[i] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - last_).count();
+    last_ = now;
+  }
+
   static void check_f32(const torch::Tensor& t, const char* name, int64_t dim) {
     TORCH_CHECK(t.dim() == dim && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(),
                 "FusedDecoder: ", name, " must be a contiguous float32 CPU tensor with ", dim, " dims");
@@ -320,9 +368,6 @@ class FusedDecoder {
                  const std::vector<std::vector<torch::Tensor>>& seg_k,
                  const std::vector<std::vector<torch::Tensor>>& seg_v, int isa) {
     const int64_t qkvN = (nh_ + 2 * nkv_) * hd_, group = nh_ / nkv_;
-    seg_of_.resize(M);
-    for (int64_t s = 0; s < S; ++s)
-      for (int64_t r = row0[s]; r < row0[s + 1]; ++r) seg_of_[r] = s;
     kp_.resize(S);
     vp_.resize(S);
     cap_.resize(S);
@@ -332,19 +377,33 @@ class FusedDecoder {
       cap_[s] = seg_k[s][l].size(2);
     }
     auto work = [&](int u) {
-      const int64_t r = u / nh_, h = u % nh_, g = h / group, s = seg_of_[r];
-      const int32_t* ix = causal_[r] ? nullptr : idx_.data() + off_[r];
-      const int n = (int)cnt_[r];
-      const float* q = &qkv_[r * qkvN + h * hd_];
-      const float* k = kp_[s] + g * cap_[s] * hd_;
-      const float* v = vp_[s] + g * cap_[s] * hd_;
-      float* o = &att_[(r * nh_ + h) * hd_];
-      if (isa == attn::kAvx512) attn::attend_one<attn::kAvx512>(q, k, hd_, v, hd_, ix, n, (int)hd_, scale_, o);
-      else if (isa == attn::kAvx2) attn::attend_one<attn::kAvx2>(q, k, hd_, v, hd_, ix, n, (int)hd_, scale_, o);
-      else attn::attend_one<attn::kScalar>(q, k, hd_, v, hd_, ix, n, (int)hd_, scale_, o);
+      const Unit& un = units_[u];
+      constexpr int kMax = 16;
+      const float* q[kMax];
+      const int32_t* ix[kMax];
+      int n[kMax], shared[kMax];
+      float* o[kMax];
+      const int nq = (int)(un.q1 - un.q0);
+      for (int i = 0; i < nq; ++i) {  // query (row t, head g * group + hh)
+        const int64_t t = (un.q0 + i) / group, h = un.g * group + (un.q0 + i) % group, r = row0[un.s] + t;
+        q[i] = &qkv_[r * qkvN + h * hd_];
+        ix[i] = causal_[r] ? nullptr : idx_.data() + off_[r];
+        n[i] = (int)cnt_[r];
+        shared[i] = (int)contig_[r];
+        o[i] = &att_[(r * nh_ + h) * hd_];
+      }
+      const float* k = kp_[un.s] + un.g * cap_[un.s] * hd_;
+      const float* v = vp_[un.s] + un.g * cap_[un.s] * hd_;
+      if (isa == attn::kAvx512) attn::attend_many<attn::kAvx512>(nq, q, ix, n, shared, k, hd_, v, hd_, (int)hd_, scale_, o);
+      else if (isa == attn::kAvx2) attn::attend_many<attn::kAvx2>(nq, q, ix, n, shared, k, hd_, v, hd_, (int)hd_, scale_, o);
+      else attn::attend_many<attn::kScalar>(nq, q, ix, n, shared, k, hd_, v, hd_, (int)hd_, scale_, o);
     };
-    pool().run(work, (int)(M * nh_));
+    pool().run(work, (int)units_.size());
   }
+
+  struct Unit {
+    int64_t s, g, q0, q1;
+  };
 
   int64_t H_, nh_, nkv_, hd_, I_;
   float eps_, scale_;
@@ -355,7 +414,11 @@ class FusedDecoder {
   // scratch, reused across calls (one forward at a time per decoder)
   std::vector<float> x_, h_, qkv_, att_, ff_, act_, cs_;
   std::vector<int32_t> idx_;
-  std::vector<int64_t> off_, cnt_, seg_of_, cap_;
+  std::vector<int64_t> off_, cnt_, contig_, cap_;
+  std::vector<Unit> units_;
+  bool profile_ = false;
+  std::array<int64_t, 7> prof_{};
+  std::chrono::steady_clock::time_point last_;
   std::vector<char> causal_;
   std::vector<float*> kp_, vp_;
 };

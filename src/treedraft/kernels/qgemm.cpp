@@ -155,6 +155,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kinds"), py::arg("final_norm"), py::arg("lm_head"), py::arg("lm_head_bias"),
            py::arg("lm_head_kind"), py::arg("vocab"))
       .def("num_layers", &td::FusedDecoder::num_layers)
+      .def("set_profile", &td::FusedDecoder::set_profile, "time the phases of each forward")
+      .def("take_timings", &td::FusedDecoder::take_timings,
+           "ms per phase since the last call: other, qkv, attention, wo, w13, w2, lm_head")
       .def("forward", &td::FusedDecoder::forward, py::call_guard<py::gil_scoped_release>(),
            py::arg("tokens"), py::arg("positions"), py::arg("seg_rows"), py::arg("seg_start"), py::arg("seg_k"),
            py::arg("seg_v"), py::arg("seg_mask"), py::arg("logit_rows"), py::arg("want_logits"));
