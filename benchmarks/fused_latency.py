@@ -85,6 +85,18 @@ def main() -> None:
         for _ in range(args.reps):
             for key in times:
                 times[key].append(run(*key)[0])
+        # where a fused step's time goes (C++ phase timers)
+        os.environ[fused.ENV_DISABLE] = "0"
+        dec = fused.decoder_for(m)
+        phases = {}
+        if dec is not None:
+            dec.set_profile(True)
+            for k in ks:
+                dec.take_timings()
+                for _ in range(args.reps):
+                    run(k, True)
+                phases[k] = [t / args.reps for t in dec.take_timings()]
+            dec.set_profile(False)
     os.environ.pop(fused.ENV_DISABLE, None)
     print(f"\n{args.weights}, context {ctx}, {args.reps} reps interleaved (ms: median / min)")
     print("| rows | python | fused | python/fused |")
@@ -96,6 +108,13 @@ def main() -> None:
     if 1 in ks and 16 in ks:
         r = statistics.median(times[(16, True)]) / statistics.median(times[(1, True)])
         print(f"fused: 16-row / 1-row = {r:.2f}x")
+    if phases:
+        names = ["other", "qkv", "attention", "wo", "w13", "w2", "lm_head"]
+        print("\nfused step, mean ms per phase:")
+        print("| rows | " + " | ".join(names) + " | total |")
+        print("|---" * (len(names) + 2) + "|")
+        for k, ph in phases.items():
+            print(f"| {k} | " + " | ".join(f"{t:.2f}" for t in ph) + f" | {sum(ph):.2f} |")
 
 
 if __name__ == "__main__":

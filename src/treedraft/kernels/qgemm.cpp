@@ -158,7 +158,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_profile", &td::FusedDecoder::set_profile, "time the phases of each forward")
       .def("take_timings", &td::FusedDecoder::take_timings,
            "ms per phase since the last call: other, qkv, attention, wo, w13, w2, lm_head")
-      .def("forward", &td::FusedDecoder::forward, py::call_guard<py::gil_scoped_release>(),
+      // keeps the GIL: the thread pool and the decoder's scratch buffers serve one caller at a time
+      .def("forward", &td::FusedDecoder::forward,
            py::arg("tokens"), py::arg("positions"), py::arg("seg_rows"), py::arg("seg_start"), py::arg("seg_k"),
            py::arg("seg_v"), py::arg("seg_mask"), py::arg("logit_rows"), py::arg("want_logits"));
   m.def("set_spin_us", &td::set_spin_us, "how long idle workers spin before sleeping");

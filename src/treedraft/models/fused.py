@@ -21,6 +21,7 @@ relative on the tiny test models, see tests/test_fused.py.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -134,12 +135,16 @@ def _build(model, deps: list[Any]) -> _State:
     return _State(deps, dec, None, lm_native)
 
 
+# model -> its decoder state, outside the module so deepcopy / pickle of a model never meets the C++ object
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _state(model) -> _State:
     deps = _deps(model)
-    st: _State | None = model.__dict__.get("_fused_state")
+    st: _State | None = _STATES.get(model)
     if st is None or not _same(st.deps, deps):
         st = _build(model, deps)
-        model.__dict__["_fused_state"] = st
+        _STATES[model] = st
     return st
 
 
@@ -172,7 +177,10 @@ def forward_segments(
         return None  # the native call records no autograd graph
     rows, starts, ks, vs, masks = [], [], [], [], []
     for s in segments:
-        k0 = s.cache.k[0]
+        ck, cv = getattr(s.cache, "k", None), getattr(s.cache, "v", None)
+        if not isinstance(ck, list) or not isinstance(cv, list) or not ck:
+            return None  # not a KVCache of per-layer tensors
+        k0 = ck[0]
         if k0.shape[0] != 1 or k0.dtype != torch.float32 or s.start <= 0 or s.start + s.rows > s.cache.max_len:
             return None
         m = _EMPTY_MASK
@@ -184,8 +192,8 @@ def forward_segments(
                 return None
         rows.append(int(s.rows))
         starts.append(int(s.start))
-        ks.append(s.cache.k)
-        vs.append(s.cache.v)
+        ks.append(ck)
+        vs.append(cv)
         masks.append(m)
     tok = tokens.reshape(-1).to(torch.long).contiguous()
     pos = positions.reshape(-1).to(torch.long).contiguous()
