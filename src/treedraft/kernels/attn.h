@@ -255,11 +255,9 @@ inline __m512i reduce16_perm() {
   return perm;
 }
 
-// chunk_ref for a full chunk of 16 keys (key j at kp[j], value at vp[j]) with hd = 16 * NV, AVX-512:
-// the same operations on the same values (joint lane reductions, acc kept in registers).
+// The 16 scores dot(q, k_j) * scale of a full chunk (key j at kp[j]), hd = 16 * NV, as dot<kAvx512>.
 template <int NV>
-inline void chunk16_avx512(const float* q, const float* const* kp, const float* const* vp, float scale,
-                           float& m, float& l, float* acc) {
+inline __m512 scores16(const float* q, const float* const* kp, float scale) {
   __m512 qv[NV], a[16];
   for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
   for (int j = 0; j < 16; ++j) {
@@ -267,23 +265,64 @@ inline void chunk16_avx512(const float* q, const float* const* kp, const float* 
     for (int i = 0; i < NV; ++i) t = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kp[j] + 16 * i), t);
     a[j] = t;
   }
-  const __m512 s = _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
-  const float smax = _mm512_reduce_max_ps(s);
-  const float mc = smax > m ? smax : m;  // max is exact; a +-0 tie cannot change exp_fixed's value
-  const float al = exp_fixed(m - mc);
-  l = l * al;
-  alignas(64) float p[16];
-  _mm512_store_ps(p, exp_fixed16(_mm512_sub_ps(s, _mm512_set1_ps(mc))));
-  __m512 av[NV];
-  const __m512 va = _mm512_set1_ps(al);
-  for (int i = 0; i < NV; ++i) av[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), va);
-  for (int j = 0; j < 16; ++j) {
-    l = l + p[j];
-    const __m512 pj = _mm512_set1_ps(p[j]);
-    for (int i = 0; i < NV; ++i) av[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vp[j] + 16 * i), av[i]);
+  return _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
+}
+
+// chunk_ref for a full chunk of 16 keys (key j at kp[j], value at vp[j]) and Q queries at once
+// (Q = 1 or 2; two independent queries hide the latency of each one's sequential l / acc chains),
+// hd = 16 * NV, AVX-512: per query the same operations on the same values as chunk_ref.
+template <int NV, int Q>
+inline void chunk16_avx512(const float* const* q, const float* const* kp, const float* const* vp, float scale,
+                           float* const* m, float* const* l, float* const* acc) {
+  alignas(64) float p[Q][16];
+  __m512 av[Q][NV];
+  float mc[Q];
+  for (int u = 0; u < Q; ++u) {
+    const __m512 s = scores16<NV>(q[u], kp, scale);
+    const float smax = _mm512_reduce_max_ps(s);
+    mc[u] = smax > *m[u] ? smax : *m[u];  // max is exact; a +-0 tie cannot change exp_fixed's value
+    const float al = exp_fixed(*m[u] - mc[u]);
+    *l[u] = *l[u] * al;
+    _mm512_store_ps(p[u], exp_fixed16(_mm512_sub_ps(s, _mm512_set1_ps(mc[u]))));
+    const __m512 va = _mm512_set1_ps(al);
+    for (int i = 0; i < NV; ++i) av[u][i] = _mm512_mul_ps(_mm512_loadu_ps(acc[u] + 16 * i), va);
   }
-  for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + 16 * i, av[i]);
-  m = mc;
+  float lu[Q];
+  for (int u = 0; u < Q; ++u) lu[u] = *l[u];
+  for (int j = 0; j < 16; ++j) {
+    for (int u = 0; u < Q; ++u) lu[u] = lu[u] + p[u][j];
+    for (int i = 0; i < NV; ++i) {
+      const __m512 vv = _mm512_loadu_ps(vp[j] + 16 * i);
+      for (int u = 0; u < Q; ++u) av[u][i] = _mm512_fmadd_ps(_mm512_set1_ps(p[u][j]), vv, av[u][i]);
+    }
+  }
+  for (int u = 0; u < Q; ++u) {
+    *l[u] = lu[u];
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc[u] + 16 * i, av[u][i]);
+    *m[u] = mc[u];
+  }
+}
+
+// Q queries (1 or 2) through chunk16_avx512 when hd is 16, 32, 64 or 128; false (nothing done) otherwise.
+template <int Q>
+inline bool chunk16_fast(const float* const* q, const float* k, int64_t ks, const float* v, int64_t vs,
+                         const int32_t* idx, int c0, int hd, float scale, float* const* m, float* const* l,
+                         float* const* acc) {
+  if (hd != 16 && hd != 32 && hd != 64 && hd != 128) return false;
+  const float* kp[16];
+  const float* vp[16];
+  for (int j = 0; j < 16; ++j) {
+    const int64_t slot = idx ? idx[c0 + j] : c0 + j;
+    kp[j] = k + slot * ks;
+    vp[j] = v + slot * vs;
+  }
+  switch (hd) {
+    case 16: chunk16_avx512<1, Q>(q, kp, vp, scale, m, l, acc); break;
+    case 32: chunk16_avx512<2, Q>(q, kp, vp, scale, m, l, acc); break;
+    case 64: chunk16_avx512<4, Q>(q, kp, vp, scale, m, l, acc); break;
+    default: chunk16_avx512<8, Q>(q, kp, vp, scale, m, l, acc); break;
+  }
+  return true;
 }
 #endif
 
@@ -294,21 +333,9 @@ inline void chunk_full(const float* q, const float* k, int64_t ks, const float* 
                        const int32_t* idx, int c0, int hd, float scale, float& m, float& l, float* acc) {
 #if defined(__AVX512F__)
   if constexpr (I == kAvx512) {
-    if (hd == 16 || hd == 32 || hd == 64 || hd == 128) {
-      const float* kp[16];
-      const float* vp[16];
-      for (int j = 0; j < 16; ++j) {
-        const int64_t slot = idx ? idx[c0 + j] : c0 + j;
-        kp[j] = k + slot * ks;
-        vp[j] = v + slot * vs;
-      }
-      switch (hd) {
-        case 16: chunk16_avx512<1>(q, kp, vp, scale, m, l, acc); return;
-        case 32: chunk16_avx512<2>(q, kp, vp, scale, m, l, acc); return;
-        case 64: chunk16_avx512<4>(q, kp, vp, scale, m, l, acc); return;
-        default: chunk16_avx512<8>(q, kp, vp, scale, m, l, acc); return;
-      }
-    }
+    float* mp = &m;
+    float* lp = &l;
+    if (chunk16_fast<1>(&q, k, ks, v, vs, idx, c0, hd, scale, &mp, &lp, &acc)) return;
   }
 #endif
   chunk_ref<I>(q, k, ks, v, vs, idx, c0, kChunk, hd, scale, m, l, acc);
@@ -331,9 +358,21 @@ void attend_many(int nq, const float* const* q, const int32_t* const* idx, const
     ml[2 * i + 1] = 0.f;
     common = std::min(common, std::min(shared[i], n[i]) / kChunk);
   }
-  for (int c = 0; c < common; ++c)
-    for (int i = 0; i < nq; ++i)
+  for (int c = 0; c < common; ++c) {
+    int i = 0;
+#if defined(__AVX512F__)
+    if constexpr (I == kAvx512) {  // two queries per pass over the chunk
+      for (; i + 1 < nq; i += 2) {
+        float* mp[2] = {&ml[2 * i], &ml[2 * i + 2]};
+        float* lp[2] = {&ml[2 * i + 1], &ml[2 * i + 3]};
+        float* ap[2] = {&acc_buf[(size_t)i * hd], &acc_buf[(size_t)(i + 1) * hd]};
+        if (!chunk16_fast<2>(q + i, k, ks, v, vs, nullptr, c * kChunk, hd, scale, mp, lp, ap)) break;
+      }
+    }
+#endif
+    for (; i < nq; ++i)
       chunk_full<I>(q[i], k, ks, v, vs, nullptr, c * kChunk, hd, scale, ml[2 * i], ml[2 * i + 1], &acc_buf[(size_t)i * hd]);
+  }
   for (int i = 0; i < nq; ++i) {
     float* acc = &acc_buf[(size_t)i * hd];
     float &m = ml[2 * i], &l = ml[2 * i + 1];

@@ -190,7 +190,7 @@ class FusedDecoder {
     }
     // attention work units: (segment, kv head, block of up to qb of its (row, head) queries)
     const int64_t group = nh_ / nkv_;
-    const int64_t qb = std::max<int64_t>(1, std::min<int64_t>(16, M * nh_ / (pool().size() * 4)));
+    const int64_t qb = std::max<int64_t>(2, std::min<int64_t>(16, M * nh_ / (pool().size() * 4)));
     units_.clear();
     for (int64_t s = 0; s < S; ++s)
       for (int64_t g = 0; g < nkv_; ++g)
