@@ -200,7 +200,8 @@ def test_automatic_fallbacks(monkeypatch, calls) -> None:
     fp32.exact_attention = True
     assert "not a native linear" in fused.status(fp32)
     model = _tiny_native(seed=6)
-    model.exact_attention = False
+    assert fused.status(model) is None
+    model.layers[1].attn.exact_attention = False  # one layer's flag: seen by the next call
     assert fused.status(model) == "exact_attention is off"
     model.exact_attention = True
     assert fused.status(model) is None

@@ -20,6 +20,7 @@ relative on the tiny test models, see tests/test_fused.py.
 
 from __future__ import annotations
 
+import operator
 import os
 import weakref
 from collections.abc import Sequence
@@ -52,25 +53,56 @@ def disabled() -> bool:
 
 @dataclass
 class _State:
-    deps: list[Any]  # the objects the decoder was built from; rebuilt when any of them is replaced
+    deps: _Watch  # what the decoder was built from; rebuilt when any of it is replaced
     decoder: Any | None
     reason: str | None  # why there is no decoder
     lm_head_native: bool
 
 
-def _deps(model) -> list[Any]:
-    deps: list[Any] = [model.embed.weight, model.inv_freq, model.norm.weight, model.lm_head]
-    for b in model.layers:
-        a, f = b.attn, b.ffn
-        deps += (b.attn_norm.weight, b.ffn_norm.weight, a.wqkv, a.wo, f.w13, f.w2, a.exact_attention)
-    return deps
+@dataclass
+class _Watch:
+    """Slots (a dict and a key) and the object each held at build time: checked with C-level loops."""
+
+    dicts: list[dict]
+    keys: list[str]
+    objs: list[Any]
+    nlayers: int
+
+    def valid(self, model) -> bool:
+        return len(model.layers) == self.nlayers and all(
+            map(operator.is_, map(dict.get, self.dicts, self.keys), self.objs)
+        )
 
 
-def _same(a: list[Any], b: list[Any]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+def _deps(model) -> _Watch:
+    """Every module/tensor slot the decoder depends on (a replaced module, weight or flag forces a rebuild)."""
+    slots: list[tuple[dict, str]] = [
+        (model._modules, "embed"),
+        (model.embed._parameters, "weight"),
+        (model._buffers, "inv_freq"),
+        (model._modules, "norm"),
+        (model.norm._parameters, "weight"),
+        (model._modules, "lm_head"),
+        (model._modules, "layers"),
+    ]
+
+    def lin(parent, name: str) -> None:
+        m = parent._modules[name]
+        slots.extend([(parent._modules, name), (m.__dict__, "packed"), (m._buffers, "bias")])
+
+    for key, b in model.layers._modules.items():
+        slots.append((model.layers._modules, key))
+        for name in ("attn_norm", "attn", "ffn_norm", "ffn"):
+            slots.append((b._modules, name))
+        slots += [(b.attn_norm._parameters, "weight"), (b.ffn_norm._parameters, "weight")]
+        slots.append((b.attn.__dict__, "exact_attention"))
+        lin(b.attn, "wqkv"), lin(b.attn, "wo"), lin(b.ffn, "w13"), lin(b.ffn, "w2")
+    lin(model, "lm_head")
+    dicts, keys = [d for d, _ in slots], [k for _, k in slots]
+    return _Watch(dicts, keys, [d.get(k) for d, k in slots], len(model.layers))
 
 
-def _build(model, deps: list[Any]) -> _State:
+def _build(model, deps: _Watch) -> _State:
     """A FusedDecoder for ``model``, or the reason it cannot have one."""
     from treedraft import kernels
 
@@ -140,10 +172,9 @@ _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _state(model) -> _State:
-    deps = _deps(model)
     st: _State | None = _STATES.get(model)
-    if st is None or not _same(st.deps, deps):
-        st = _build(model, deps)
+    if st is None or not st.deps.valid(model):
+        st = _build(model, _deps(model))
         _STATES[model] = st
     return st
 
