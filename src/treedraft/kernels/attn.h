@@ -19,6 +19,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -193,37 +194,205 @@ inline void axpy(float* acc, float p, const float* v, int hd) {
   for (; d < hd; ++d) acc[d] = std::fma(p, v[d], acc[d]);
 }
 
+// One online-softmax step over keys j = 0..cn-1 at k + slot_j * ks (slot_j = idx[c0 + j], or c0 + j
+// when idx is null) for query q; (m, l, acc) is the query's running state. The reference arithmetic.
+template <int I>
+inline void chunk_ref(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
+                      const int32_t* idx, int c0, int cn, int hd, float scale, float& m, float& l,
+                      float* acc) {
+  alignas(64) float s[kChunk], p[kChunk];
+  float mc = m;
+  for (int j = 0; j < cn; ++j) {
+    const int64_t slot = idx ? idx[c0 + j] : c0 + j;
+    s[j] = dot<I>(q, k + slot * ks, hd) * scale;
+    mc = s[j] > mc ? s[j] : mc;
+  }
+  for (int j = cn; j < kChunk; ++j) s[j] = mc;  // padding lanes (unused)
+  const float a = exp_fixed(m - mc);  // exp(-inf) = 0 on the first chunk
+  l = l * a;
+  scale_acc<I>(acc, a, hd);
+  exp_chunk<I>(s, mc, p);
+  for (int j = 0; j < cn; ++j) {
+    const int64_t slot = idx ? idx[c0 + j] : c0 + j;
+    l = l + p[j];
+    axpy<I>(acc, p[j], v + slot * vs, hd);
+  }
+  m = mc;
+}
+
+#if defined(__AVX512F__)
+// Lane sums of 16 zmm accumulators, each reduced by dot's tree (l += l+8, +4, +2, +1), done jointly
+// with shuffles: every addition adds the same two partial sums as tree8 does for that key, so the
+// result lanes are bitwise dot<kAvx512>'s values; lane order restored by one permute (kPerm).
+inline __m512i reduce16_perm();
+inline __m512 reduce16(const __m512* a, bool permute = true) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // (l += l+8): [key 2i: 8 lanes | key 2i+1: 8 lanes]
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // (l += l+4): 4 keys x 4 lanes
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // (l += l+2): 8 keys x 2 lanes
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+  // (l += l+1): 16 keys x 1 lane
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  return permute ? _mm512_permutexvar_ps(reduce16_perm(), e) : e;
+}
+
+// Which output lane of the unpermuted reduce16 holds key j, found once by reducing a[j] = j.
+inline __m512i reduce16_perm() {
+  static const __m512i perm = [] {
+    __m512 a[16];
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_set1_ps((float)j);
+    alignas(64) float e[16];
+    _mm512_store_ps(e, reduce16(a, false));
+    alignas(64) int32_t idx[16];
+    for (int lane = 0; lane < 16; ++lane) idx[(int)(e[lane] / 16.f)] = lane;
+    return _mm512_load_si512((const void*)idx);
+  }();
+  return perm;
+}
+
+// The 16 scores dot(q, k_j) * scale of a full chunk (key j at kp[j]), hd = 16 * NV, as dot<kAvx512>.
+template <int NV>
+inline __m512 scores16(const float* q, const float* const* kp, float scale) {
+  __m512 qv[NV], a[16];
+  for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  for (int j = 0; j < 16; ++j) {
+    __m512 t = _mm512_setzero_ps();
+    for (int i = 0; i < NV; ++i) t = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kp[j] + 16 * i), t);
+    a[j] = t;
+  }
+  return _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
+}
+
+// chunk_ref for a full chunk of 16 keys (key j at kp[j], value at vp[j]) and Q queries at once
+// (Q = 1 or 2; two independent queries hide the latency of each one's sequential l / acc chains),
+// hd = 16 * NV, AVX-512: per query the same operations on the same values as chunk_ref.
+template <int NV, int Q>
+inline void chunk16_avx512(const float* const* q, const float* const* kp, const float* const* vp, float scale,
+                           float* const* m, float* const* l, float* const* acc) {
+  alignas(64) float p[Q][16];
+  __m512 av[Q][NV];
+  float mc[Q];
+  for (int u = 0; u < Q; ++u) {
+    const __m512 s = scores16<NV>(q[u], kp, scale);
+    const float smax = _mm512_reduce_max_ps(s);
+    mc[u] = smax > *m[u] ? smax : *m[u];  // max is exact; a +-0 tie cannot change exp_fixed's value
+    const float al = exp_fixed(*m[u] - mc[u]);
+    *l[u] = *l[u] * al;
+    _mm512_store_ps(p[u], exp_fixed16(_mm512_sub_ps(s, _mm512_set1_ps(mc[u]))));
+    const __m512 va = _mm512_set1_ps(al);
+    for (int i = 0; i < NV; ++i) av[u][i] = _mm512_mul_ps(_mm512_loadu_ps(acc[u] + 16 * i), va);
+  }
+  float lu[Q];
+  for (int u = 0; u < Q; ++u) lu[u] = *l[u];
+  for (int j = 0; j < 16; ++j) {
+    for (int u = 0; u < Q; ++u) lu[u] = lu[u] + p[u][j];
+    for (int i = 0; i < NV; ++i) {
+      const __m512 vv = _mm512_loadu_ps(vp[j] + 16 * i);
+      for (int u = 0; u < Q; ++u) av[u][i] = _mm512_fmadd_ps(_mm512_set1_ps(p[u][j]), vv, av[u][i]);
+    }
+  }
+  for (int u = 0; u < Q; ++u) {
+    *l[u] = lu[u];
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc[u] + 16 * i, av[u][i]);
+    *m[u] = mc[u];
+  }
+}
+
+// Q queries (1 or 2) through chunk16_avx512 when hd is 16, 32, 64 or 128; false (nothing done) otherwise.
+template <int Q>
+inline bool chunk16_fast(const float* const* q, const float* k, int64_t ks, const float* v, int64_t vs,
+                         const int32_t* idx, int c0, int hd, float scale, float* const* m, float* const* l,
+                         float* const* acc) {
+  if (hd != 16 && hd != 32 && hd != 64 && hd != 128) return false;
+  const float* kp[16];
+  const float* vp[16];
+  for (int j = 0; j < 16; ++j) {
+    const int64_t slot = idx ? idx[c0 + j] : c0 + j;
+    kp[j] = k + slot * ks;
+    vp[j] = v + slot * vs;
+  }
+  switch (hd) {
+    case 16: chunk16_avx512<1, Q>(q, kp, vp, scale, m, l, acc); break;
+    case 32: chunk16_avx512<2, Q>(q, kp, vp, scale, m, l, acc); break;
+    case 64: chunk16_avx512<4, Q>(q, kp, vp, scale, m, l, acc); break;
+    default: chunk16_avx512<8, Q>(q, kp, vp, scale, m, l, acc); break;
+  }
+  return true;
+}
+#endif
+
+// A full chunk of 16 keys at ranks c0..c0+15: the AVX-512 register path when hd is 16, 32, 64 or 128,
+// else chunk_ref. Both give the same bits.
+template <int I>
+inline void chunk_full(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
+                       const int32_t* idx, int c0, int hd, float scale, float& m, float& l, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (I == kAvx512) {
+    float* mp = &m;
+    float* lp = &l;
+    if (chunk16_fast<1>(&q, k, ks, v, vs, idx, c0, hd, scale, &mp, &lp, &acc)) return;
+  }
+#endif
+  chunk_ref<I>(q, k, ks, v, vs, idx, c0, kChunk, hd, scale, m, l, acc);
+}
+
+// Queries i < nq against the same keys/values (one kv head): query i attends to its n[i] allowed slots
+// idx[i][0..n[i]) (or 0..n[i]-1 when idx[i] is null), whose first shared[i] ranks are the slots 0, 1, ...
+// Chunks that every query sees as slots 16c..16c+15 run query-inner, so those keys/values are read
+// from memory once for all queries; each query's reduction order is attend_one's. Writes out[i][0..hd).
+template <int I>
+void attend_many(int nq, const float* const* q, const int32_t* const* idx, const int* n, const int* shared,
+                 const float* k, int64_t ks, const float* v, int64_t vs, int hd, float scale,
+                 float* const* out) {
+  thread_local std::vector<float> acc_buf, ml;
+  acc_buf.assign((size_t)nq * hd, 0.f);
+  ml.resize(2 * (size_t)nq);
+  int common = 1 << 30;
+  for (int i = 0; i < nq; ++i) {
+    ml[2 * i] = -std::numeric_limits<float>::infinity();
+    ml[2 * i + 1] = 0.f;
+    common = std::min(common, std::min(shared[i], n[i]) / kChunk);
+  }
+  for (int c = 0; c < common; ++c) {
+    int i = 0;
+#if defined(__AVX512F__)
+    if constexpr (I == kAvx512) {  // two queries per pass over the chunk
+      for (; i + 1 < nq; i += 2) {
+        float* mp[2] = {&ml[2 * i], &ml[2 * i + 2]};
+        float* lp[2] = {&ml[2 * i + 1], &ml[2 * i + 3]};
+        float* ap[2] = {&acc_buf[(size_t)i * hd], &acc_buf[(size_t)(i + 1) * hd]};
+        if (!chunk16_fast<2>(q + i, k, ks, v, vs, nullptr, c * kChunk, hd, scale, mp, lp, ap)) break;
+      }
+    }
+#endif
+    for (; i < nq; ++i)
+      chunk_full<I>(q[i], k, ks, v, vs, nullptr, c * kChunk, hd, scale, ml[2 * i], ml[2 * i + 1], &acc_buf[(size_t)i * hd]);
+  }
+  for (int i = 0; i < nq; ++i) {
+    float* acc = &acc_buf[(size_t)i * hd];
+    float &m = ml[2 * i], &l = ml[2 * i + 1];
+    for (int c0 = common * kChunk; c0 < n[i]; c0 += kChunk) {
+      if (n[i] - c0 >= kChunk)
+        chunk_full<I>(q[i], k, ks, v, vs, idx[i], c0, hd, scale, m, l, acc);
+      else
+        chunk_ref<I>(q[i], k, ks, v, vs, idx[i], c0, n[i] - c0, hd, scale, m, l, acc);
+    }
+    for (int d = 0; d < hd; ++d) out[i][d] = n[i] > 0 ? acc[d] / l : 0.f;
+  }
+}
+
 // One (row, head): keys are slots idx[0..n) (or 0..n-1 when idx is null) of k/v with row stride
 // ks/vs floats; writes out[0..hd).
 template <int I>
 void attend_one(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
                 const int32_t* idx, int n, int hd, float scale, float* out) {
-  thread_local std::vector<float> acc_buf;
-  acc_buf.assign(hd, 0.f);
-  float* acc = acc_buf.data();
-  float m = -std::numeric_limits<float>::infinity(), l = 0.f;
-  alignas(64) float s[kChunk], p[kChunk];
-  for (int c0 = 0; c0 < n; c0 += kChunk) {
-    const int cn = n - c0 < kChunk ? n - c0 : kChunk;
-    float mc = m;
-    for (int j = 0; j < cn; ++j) {
-      const int64_t slot = idx ? idx[c0 + j] : c0 + j;
-      s[j] = dot<I>(q, k + slot * ks, hd) * scale;
-      mc = s[j] > mc ? s[j] : mc;
-    }
-    for (int j = cn; j < kChunk; ++j) s[j] = mc;  // padding lanes (unused)
-    const float a = exp_fixed(m - mc);  // exp(-inf) = 0 on the first chunk
-    l = l * a;
-    scale_acc<I>(acc, a, hd);
-    exp_chunk<I>(s, mc, p);
-    for (int j = 0; j < cn; ++j) {
-      const int64_t slot = idx ? idx[c0 + j] : c0 + j;
-      l = l + p[j];
-      axpy<I>(acc, p[j], v + slot * vs, hd);
-    }
-    m = mc;
-  }
-  for (int d = 0; d < hd; ++d) out[d] = n > 0 ? acc[d] / l : 0.f;
+  const int shared = idx ? 0 : n;
+  attend_many<I>(1, &q, &idx, &n, &shared, k, ks, v, vs, hd, scale, &out);
 }
 
 }  // namespace attn

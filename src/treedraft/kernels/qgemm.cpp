@@ -11,101 +11,10 @@
 #include <vector>
 
 #include "attn.h"
-#include "common.h"
-#include "kern_avx2.h"
-#include "kern_avx512.h"
-#include "kern_scalar.h"
-#include "pool.h"
+#include "fused.h"
+#include "mm_core.h"
 
 namespace td {
-namespace {
-
-enum Kind { kQ4_1 = 0, kQ8_0 = 1 };
-
-struct Path {
-  const char* name;
-  TileFn q4_1;
-  TileFn q8_0;
-  int row_block;
-};
-
-std::vector<Path> compiled_paths() {
-  std::vector<Path> p;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  p.push_back({"avx512", tile_q4_1_avx512, tile_q8_0_avx512, kRowBlockAvx512});
-#endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  p.push_back({"avx2", tile_q4_1_avx2, tile_q8_0_avx2, kRowBlockAvx2});
-#endif
-  p.push_back({"scalar", tile_q4_1_scalar, tile_q8_0_scalar, 4});
-  return p;
-}
-
-int g_threads = 1;
-int g_spin_us = 100;
-std::unique_ptr<Pool> g_pool;
-
-Pool& pool() {
-  if (g_pool && g_pool->pid() != getpid()) {
-    (void)g_pool.release();  // forked child: the parent's threads do not exist here; leak it
-  }
-  if (!g_pool || g_pool->size() != g_threads) {
-    g_pool.reset();
-    g_pool = std::make_unique<Pool>(g_threads, g_spin_us);
-  }
-  return *g_pool;
-}
-
-// Quantize one row's block of 32 floats. Identical arithmetic on every path (IEEE division,
-// multiply, round-to-nearest-even), so a row's codes never depend on the path or the batch.
-inline void quantize_block(const float* x, int8_t* q, float* d_out, float* s_out) {
-#if defined(__AVX512F__)
-  const __m512 a0 = _mm512_loadu_ps(x), a1 = _mm512_loadu_ps(x + 16);
-  const float amax =
-      _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
-  const float d = amax / 127.f;
-  const float id = d != 0.f ? 1.f / d : 0.f;
-  const __m512 vid = _mm512_set1_ps(id), lim = _mm512_set1_ps(127.f);
-  const __m512 r0 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(a0, vid),
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
-  const __m512 r1 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(a1, vid),
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
-  const __m512i i0 = _mm512_cvtps_epi32(r0), i1 = _mm512_cvtps_epi32(r1);
-  _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(i0));
-  _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(i1));
-  const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-#else
-  float amax = 0.f;
-  for (int k = 0; k < kQK; ++k) amax = std::max(amax, std::fabs(x[k]));
-  const float d = amax / 127.f;
-  const float id = d != 0.f ? 1.f / d : 0.f;
-  int sum = 0;
-  for (int k = 0; k < kQK; ++k) {
-    const float v = std::min(127.f, std::max(-127.f, std::nearbyint(x[k] * id)));
-    q[k] = (int8_t)v;
-    sum += (int)v;
-  }
-#endif
-  *d_out = d;
-  *s_out = d * (float)sum;
-}
-
-struct ActBuf {
-  std::vector<int8_t> q;
-  std::vector<int16_t> q16;
-  std::vector<float> d, s;
-};
-
-// Validate the call; returns the tile function of the requested path.
-const Path& pick_path(const std::string& name) {
-  static const std::vector<Path> paths = compiled_paths();
-  if (name.empty()) return paths.front();
-  for (const auto& p : paths)
-    if (name == p.name) return p;
-  TORCH_CHECK(false, "treedraft qgemm: unknown or uncompiled path '", name, "'");
-}
-
-}  // namespace
 
 torch::Tensor mm(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t kind,
                  const std::string& path_name) {
@@ -125,48 +34,8 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t kind,
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 
-  thread_local ActBuf buf;
-  buf.q.resize(M * K);
-  buf.d.resize(M * B);
-  buf.s.resize(M * B);
-  const float* xp = x.data_ptr<float>();
-  // block-major (B, M, 32) codes so a kernel finds the rows of one block at constant offsets
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < B; ++b)
-      quantize_block(xp + m * K + b * kQK, buf.q.data() + (b * M + m) * kQK,
-                     buf.d.data() + b * M + m, buf.s.data() + b * M + m);
-  Act a;
-  a.M = (int)M;
-  a.K = (int)K;
-  a.B = (int)B;
-  a.q = buf.q.data();
-  a.d = buf.d.data();
-  a.s = buf.s.data();
-  if (kind == kQ8_0) {
-    buf.q16.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i) buf.q16[i] = buf.q[i];
-    a.q16 = buf.q16.data();
-  }
-
-  const TileFn fn = kind == kQ4_1 ? path.q4_1 : path.q8_0;
-  const int rbmax = path.row_block;
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  Pool& pl = pool();
-  // ~8 units per thread so a descheduled worker holds up little; at least one tile per unit
-  const int64_t units = std::min<int64_t>({T, (int64_t)pl.size() * 8, Pool::kMaxUnits});
-  const int64_t per = (T + units - 1) / units;
-  const int64_t nunits = (T + per - 1) / per;
-  auto work = [&](int u) {
-    const int64_t t1 = std::min(T, (u + 1) * per);
-    for (int64_t t = u * per; t < t1; ++t) {
-      const uint8_t* w = wp + t * B * blk;
-      const int ncols = (int)std::min<int64_t>(kTile, N - t * kTile);
-      for (int64_t r = 0; r < M; r += rbmax)
-        fn(w, a, (int)r, (int)std::min<int64_t>(rbmax, M - r), yp + t * kTile, (int)N, ncols);
-    }
-  };
-  pl.run(work, (int)nunits);
+  mm_into(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), N, (int)kind, path,
+          y.data_ptr<float>());
   return y;
 }
 
@@ -277,5 +146,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paths", &td::paths, "compiled code paths, fastest first");
   m.def("set_num_threads", &td::set_num_threads, "threads used by mm (caller included)");
   m.def("get_num_threads", &td::get_num_threads, "threads used by mm");
+  py::class_<td::FusedDecoder>(m, "FusedDecoder", "one native call per decode forward (fused.h)")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor,
+                    std::vector<torch::Tensor>, std::vector<int64_t>, torch::Tensor, torch::Tensor, torch::Tensor,
+                    int64_t, int64_t>(),
+           py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("inter"),
+           py::arg("eps"), py::arg("attn_scale"), py::arg("embed"), py::arg("inv_freq"), py::arg("layers"),
+           py::arg("kinds"), py::arg("final_norm"), py::arg("lm_head"), py::arg("lm_head_bias"),
+           py::arg("lm_head_kind"), py::arg("vocab"))
+      .def("num_layers", &td::FusedDecoder::num_layers)
+      .def("set_profile", &td::FusedDecoder::set_profile, "time the phases of each forward")
+      .def("take_timings", &td::FusedDecoder::take_timings,
+           "ms per phase since the last call: other, qkv, attention, wo, w13, w2, lm_head")
+      // keeps the GIL: the thread pool and the decoder's scratch buffers serve one caller at a time
+      .def("forward", &td::FusedDecoder::forward,
+           py::arg("tokens"), py::arg("positions"), py::arg("seg_rows"), py::arg("seg_start"), py::arg("seg_k"),
+           py::arg("seg_v"), py::arg("seg_mask"), py::arg("logit_rows"), py::arg("want_logits"));
   m.def("set_spin_us", &td::set_spin_us, "how long idle workers spin before sleeping");
 }

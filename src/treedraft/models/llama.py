@@ -426,6 +426,12 @@ class Transformer(nn.Module):
         start = start or 0
         if mask is not None and mask.dim() == 2:
             mask = mask[None, None]
+        if cache is not None and B == 1 and start > 0 and T <= Attention.EXACT_MAX_T:
+            from .fused import try_forward  # decode step in one native call; None: not applicable here
+
+            out = try_forward(self, tokens, positions, cache, start, mask, logits_for)
+            if out is not None:
+                return out
         if mask is None and cache is not None and start > 0 and T > 1:
             # causal over the new block, full view of the committed prefix
             mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device).tril(start)[None, None]

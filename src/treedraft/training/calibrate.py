@@ -190,7 +190,16 @@ def _target_facts(target: object) -> dict[str, Any]:
         "device": str(target_device(target)),
         "hidden": getattr(target, "hidden_size", None),
         "vocab": getattr(target, "vocab_size", None),
+        "fused": _fused_decode(target),  # one native call per decode step: a much cheaper 1-token step
     }
+
+
+def _fused_decode(target: object) -> bool:
+    """Whether the target's decode steps run through the fused native decoder (models/fused.py)."""
+    from treedraft.models import fused
+    from treedraft.models.llama import Transformer
+
+    return isinstance(target, Transformer) and fused.status(target) is None
 
 
 def tree_key(target: object, heads_dir: Path, model_id: str) -> dict[str, Any]:

@@ -1,0 +1,426 @@
+// One native call per decode forward of a Llama-family decoder (treedraft.models.fused): embedding,
+// then per layer RMSNorm -> qkv mm -> RoPE -> k/v cache write -> row-invariant attention -> wo mm ->
+// residual -> RMSNorm -> w13 mm -> silu(gate) * up -> w2 mm -> residual, then the final RMSNorm and
+// optionally the lm_head mm for chosen rows. Removes the ~400 small aten ops of a Python step.
+//
+// Rows are packed segments (one per request, see notes/segments.md): the linears run over all M rows
+// at once, attention runs per segment over that segment's own per-layer k/v cache.
+//
+// Row invariance (exact speculative decoding): every per-row operation below computes a row from
+// that row alone with a fixed operation order, and mm_into / attn::attend_one are row-invariant, so a
+// row's bits do not depend on M, on the other rows or on the segment it sits in:
+//   RMSNorm:  ss = attn::dot(x, x, H) (16 fma lanes + fixed tree); r = 1 / sqrt(ss / H + eps);
+//             y[i] = w[i] * (x[i] * r)
+//   RoPE:     angle = (float)pos * inv_freq[i]; c, s = (float)cos/sin((double)angle);
+//             y[i] = x[i] * c - x[i + hd/2] * s, y[i + hd/2] = x[i + hd/2] * c + x[i] * s (HF rotate-half)
+//   silu*up:  g / (1 + exp_fixed(-g)) * u (attn::exp_fixed: the same bits on every ISA path)
+//   residual: x[i] + y[i]
+#pragma once
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "attn.h"
+#include "mm_core.h"
+
+namespace td {
+
+inline int default_isa() {
+#if defined(__AVX512F__)
+  return attn::kAvx512;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return attn::kAvx2;
+#else
+  return attn::kScalar;
+#endif
+}
+
+inline float dot_isa(int isa, const float* a, const float* b, int n) {
+#if defined(__AVX512F__)
+  if (isa == attn::kAvx512) return attn::dot<attn::kAvx512>(a, b, n);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (isa == attn::kAvx2) return attn::dot<attn::kAvx2>(a, b, n);
+#endif
+  return attn::dot<attn::kScalar>(a, b, n);
+}
+
+// One packed linear: weight bytes, output features, kind (kQ4_1 / kQ8_0), optional float32 bias (N,).
+struct Lin {
+  torch::Tensor data, bias;
+  int64_t N = 0, K = 0;
+  int kind = 0;
+};
+
+struct LayerW {
+  torch::Tensor attn_norm, ffn_norm;  // (H,) float32
+  Lin wqkv, wo, w13, w2;
+};
+
+class FusedDecoder {
+ public:
+  // layers: per layer [attn_norm, ffn_norm, wqkv, wqkv_bias, wo, wo_bias, w13, w13_bias, w2, w2_bias]
+  // (10 tensors; a missing bias is an empty tensor); kinds: per layer the 4 linears' kinds.
+  // lm_head: packed bytes or an empty tensor (then forward returns no logits).
+  FusedDecoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
+               double eps, double attn_scale, torch::Tensor embed, torch::Tensor inv_freq,
+               std::vector<torch::Tensor> layers, std::vector<int64_t> kinds, torch::Tensor final_norm,
+               torch::Tensor lm_head, torch::Tensor lm_head_bias, int64_t lm_head_kind,
+               int64_t vocab)
+      : H_(hidden), nh_(heads), nkv_(kv_heads), hd_(head_dim), I_(inter), eps_((float)eps),
+        scale_((float)attn_scale), embed_(embed), inv_freq_(inv_freq), final_norm_(final_norm) {
+    TORCH_CHECK(nh_ > 0 && nkv_ > 0 && nh_ % nkv_ == 0, "FusedDecoder: heads=", nh_,
+                " must be a multiple of kv_heads=", nkv_);
+    TORCH_CHECK(hd_ % 2 == 0, "FusedDecoder: head_dim must be even");
+    TORCH_CHECK(layers.size() % 10 == 0 && kinds.size() * 10 == layers.size() * 4,
+                "FusedDecoder: need 10 tensors and 4 kinds per layer");
+    check_f32(embed_, "embed", 2);
+    TORCH_CHECK(embed_.size(1) == H_, "FusedDecoder: embed must be (V, ", H_, ")");
+    check_f32(inv_freq_, "inv_freq", 1);
+    TORCH_CHECK(inv_freq_.size(0) == hd_ / 2, "FusedDecoder: inv_freq must have head_dim/2 entries");
+    check_vec(final_norm_, "final norm", H_);
+    const int64_t qkv = (nh_ + 2 * nkv_) * hd_;
+    for (size_t l = 0; l < layers.size() / 10; ++l) {
+      const torch::Tensor* t = &layers[l * 10];
+      const int64_t* k = &kinds[l * 4];
+      LayerW w;
+      w.attn_norm = t[0];
+      w.ffn_norm = t[1];
+      check_vec(w.attn_norm, "attn_norm", H_);
+      check_vec(w.ffn_norm, "ffn_norm", H_);
+      w.wqkv = make_lin(t[2], t[3], k[0], qkv, H_, "wqkv");
+      w.wo = make_lin(t[4], t[5], k[1], H_, nh_ * hd_, "wo");
+      w.w13 = make_lin(t[6], t[7], k[2], 2 * I_, H_, "w13");
+      w.w2 = make_lin(t[8], t[9], k[3], H_, I_, "w2");
+      layers_.push_back(std::move(w));
+    }
+    if (lm_head.numel() > 0) {
+      lm_ = make_lin(lm_head, lm_head_bias, lm_head_kind, vocab, H_, "lm_head");
+      has_lm_ = true;
+    }
+  }
+
+  int64_t num_layers() const { return (int64_t)layers_.size(); }
+
+  // Per-phase wall time of the forwards since the last call (ms), when profiling is on:
+  // [other (norms, RoPE, cache writes, silu, residuals), qkv, attention, wo, w13, w2, lm_head]
+  void set_profile(bool on) { profile_ = on; }
+  std::vector<double> take_timings() {
+    std::vector<double> out(prof_.size());
+    for (size_t i = 0; i < prof_.size(); ++i) out[i] = prof_[i] * 1e-6;
+    prof_.fill(0);
+    return out;
+  }
+
+  // tokens, positions: (M,) int64. Segment i owns the next seg_rows[i] rows, writes its keys/values
+  // at slots [seg_start[i], seg_start[i] + rows) of seg_k[i][l] / seg_v[i][l] ((1, nkv, max_len, hd)
+  // float32 contiguous per layer l) and attends under seg_mask[i]: bool (rows, start + rows), True =
+  // may attend, or an empty tensor for causal. logit_rows: row indices (int64) that get logits, or
+  // None for all rows. Returns (logits (R, V) float32 or an empty tensor, final-norm hidden (M, H)).
+  std::tuple<torch::Tensor, torch::Tensor> forward(
+      torch::Tensor tokens, torch::Tensor positions, std::vector<int64_t> seg_rows,
+      std::vector<int64_t> seg_start, std::vector<std::vector<torch::Tensor>> seg_k,
+      std::vector<std::vector<torch::Tensor>> seg_v, std::vector<torch::Tensor> seg_mask,
+      std::optional<torch::Tensor> logit_rows, bool want_logits) {
+    TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == torch::kInt64 && tokens.is_contiguous(),
+                "FusedDecoder.forward: tokens must be a contiguous int64 (M,) tensor");
+    TORCH_CHECK(positions.sizes() == tokens.sizes() && positions.scalar_type() == torch::kInt64 &&
+                    positions.is_contiguous(),
+                "FusedDecoder.forward: positions must be a contiguous int64 tensor shaped like tokens");
+    const int64_t M = tokens.size(0), S = (int64_t)seg_rows.size();
+    TORCH_CHECK(seg_start.size() == (size_t)S && seg_k.size() == (size_t)S && seg_v.size() == (size_t)S &&
+                    seg_mask.size() == (size_t)S,
+                "FusedDecoder.forward: one start, k list, v list and mask per segment");
+    const int64_t L = num_layers(), V = embed_.size(0);
+    std::vector<int64_t> row0(S + 1, 0);
+    for (int64_t s = 0; s < S; ++s) {
+      TORCH_CHECK(seg_rows[s] >= 0 && seg_start[s] >= 0, "FusedDecoder.forward: bad segment ", s);
+      row0[s + 1] = row0[s] + seg_rows[s];
+      TORCH_CHECK(seg_k[s].size() >= (size_t)L && seg_v[s].size() >= (size_t)L,
+                  "FusedDecoder.forward: segment ", s, " needs a k and a v tensor per layer (", L, ")");
+      for (int64_t l = 0; l < L; ++l) {
+        check_cache(seg_k[s][l], seg_start[s] + seg_rows[s]);
+        check_cache(seg_v[s][l], seg_start[s] + seg_rows[s]);
+        TORCH_CHECK(seg_k[s][l].size(2) == seg_v[s][l].size(2), "FusedDecoder.forward: k/v cache lengths differ");
+      }
+    }
+    TORCH_CHECK(row0[S] == M, "FusedDecoder.forward: segments cover ", row0[S], " rows, tokens has ", M);
+    const int64_t* tok = tokens.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m)
+      TORCH_CHECK(tok[m] >= 0 && tok[m] < V, "FusedDecoder.forward: token id ", tok[m], " out of range [0, ", V, ")");
+
+    // allowed slots per row, increasing: offsets into idx_; a causal row uses n = start + t + 1, no list
+    idx_.clear();
+    off_.assign(M + 1, 0);
+    cnt_.assign(M, 0);
+    contig_.assign(M, 0);
+    causal_.assign(M, 0);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t T = seg_rows[s], Lk = seg_start[s] + T;
+      const torch::Tensor& mk = seg_mask[s];
+      if (mk.numel() == 0) {
+        for (int64_t t = 0; t < T; ++t) {
+          causal_[row0[s] + t] = 1;
+          cnt_[row0[s] + t] = seg_start[s] + t + 1;
+          contig_[row0[s] + t] = seg_start[s] + t + 1;
+        }
+        continue;
+      }
+      TORCH_CHECK(mk.dim() == 2 && mk.size(0) == T && mk.size(1) == Lk && mk.scalar_type() == torch::kBool,
+                  "FusedDecoder.forward: mask of segment ", s, " must be bool (", T, ", ", Lk, ")");
+      auto mc = mk.contiguous();
+      const bool* ap = mc.data_ptr<bool>();
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t r = row0[s] + t;
+        off_[r] = (int64_t)idx_.size();
+        for (int64_t j = 0; j < Lk; ++j)
+          if (ap[t * Lk + j]) idx_.push_back((int32_t)j);
+        cnt_[r] = (int64_t)idx_.size() - off_[r];
+        int64_t c = 0;  // leading ranks that are the slots 0, 1, ... (shared with other rows)
+        while (c < cnt_[r] && idx_[off_[r] + c] == c) ++c;
+        contig_[r] = c;
+      }
+    }
+    // attention work units: (segment, kv head, block of up to qb of its (row, head) queries)
+    const int64_t group = nh_ / nkv_;
+    const int64_t qb = std::max<int64_t>(2, std::min<int64_t>(16, M * nh_ / (pool().size() * 4)));
+    units_.clear();
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t g = 0; g < nkv_; ++g)
+        for (int64_t q0 = 0; q0 < seg_rows[s] * group; q0 += qb)
+          units_.push_back({s, g, q0, std::min(seg_rows[s] * group, q0 + qb)});
+
+    const int64_t qkvN = (nh_ + 2 * nkv_) * hd_, half = hd_ / 2;
+    x_.resize(M * H_);
+    h_.resize(M * H_);
+    qkv_.resize(M * qkvN);
+    att_.resize(M * nh_ * hd_);
+    ff_.resize(M * 2 * I_);
+    act_.resize(M * I_);
+    cs_.resize(M * hd_);  // per row: cos[0..half), sin[0..half)
+    const float* emb = embed_.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) std::memcpy(&x_[m * H_], emb + tok[m] * H_, H_ * sizeof(float));
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const float* inv = inv_freq_.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = (float)pos[m] * inv[i];
+        cs_[m * hd_ + i] = (float)std::cos((double)a);
+        cs_[m * hd_ + half + i] = (float)std::sin((double)a);
+      }
+
+    const Path& path = pick_path("");
+    last_ = std::chrono::steady_clock::now();
+    const int isa = default_isa();
+    for (int64_t l = 0; l < L; ++l) {
+      const LayerW& w = layers_[l];
+      rmsnorm(x_.data(), w.attn_norm.data_ptr<float>(), h_.data(), M, isa);
+      tick(0);
+      linear(w.wqkv, h_.data(), M, qkv_.data(), path);
+      tick(1);
+      for (int64_t m = 0; m < M; ++m) {  // RoPE on the q and k heads of each row
+        const float* c = &cs_[m * hd_];
+        for (int64_t hh = 0; hh < nh_ + nkv_; ++hh) rope(&qkv_[m * qkvN + hh * hd_], c, c + half, half);
+      }
+      for (int64_t s = 0; s < S; ++s) {  // keys/values to the segment's cache slots
+        float* kc = seg_k[s][l].data_ptr<float>();
+        float* vc = seg_v[s][l].data_ptr<float>();
+        const int64_t cap = seg_k[s][l].size(2);
+        for (int64_t t = 0; t < seg_rows[s]; ++t) {
+          const float* src = &qkv_[(row0[s] + t) * qkvN + nh_ * hd_];
+          for (int64_t g = 0; g < nkv_; ++g) {
+            const int64_t slot = (g * cap + seg_start[s] + t) * hd_;
+            std::memcpy(kc + slot, src + g * hd_, hd_ * sizeof(float));
+            std::memcpy(vc + slot, src + (nkv_ + g) * hd_, hd_ * sizeof(float));
+          }
+        }
+      }
+      tick(0);
+      attention(l, M, S, row0, seg_k, seg_v, isa);
+      tick(2);
+      linear(w.wo, att_.data(), M, h_.data(), path);
+      tick(3);
+      for (int64_t i = 0; i < M * H_; ++i) x_[i] = x_[i] + h_[i];
+      rmsnorm(x_.data(), w.ffn_norm.data_ptr<float>(), h_.data(), M, isa);
+      tick(0);
+      linear(w.w13, h_.data(), M, ff_.data(), path);
+      tick(4);
+      for (int64_t m = 0; m < M; ++m) silu_mul(&ff_[m * 2 * I_], &ff_[m * 2 * I_ + I_], &act_[m * I_], I_, isa);
+      tick(0);
+      linear(w.w2, act_.data(), M, h_.data(), path);
+      tick(5);
+      for (int64_t i = 0; i < M * H_; ++i) x_[i] = x_[i] + h_[i];
+    }
+    auto hidden = torch::empty({M, H_}, torch::kFloat32);
+    rmsnorm(x_.data(), final_norm_.data_ptr<float>(), hidden.data_ptr<float>(), M, isa);
+    tick(0);
+    if (!want_logits || !has_lm_) return {torch::empty({0}, torch::kFloat32), hidden};
+    torch::Tensor hl = hidden;
+    if (logit_rows.has_value()) {
+      TORCH_CHECK(logit_rows->scalar_type() == torch::kInt64 && logit_rows->dim() == 1,
+                  "FusedDecoder.forward: logit_rows must be an int64 (R,) tensor");
+      hl = hidden.index_select(0, *logit_rows).contiguous();
+    }
+    auto logits = torch::empty({hl.size(0), lm_.N}, torch::kFloat32);
+    tick(0);
+    linear(lm_, hl.data_ptr<float>(), hl.size(0), logits.data_ptr<float>(), path);
+    tick(6);
+    return {logits, hidden};
+  }
+
+ private:
+  // adds the time since the previous tick to phase i (profiling only)
+  void tick(int i) {
+    if (!profile_) return;
+    const auto now = std::chrono::steady_clock::now();
+    prof_[i] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - last_).count();
+    last_ = now;
+  }
+
+  static void check_f32(const torch::Tensor& t, const char* name, int64_t dim) {
+    TORCH_CHECK(t.dim() == dim && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(),
+                "FusedDecoder: ", name, " must be a contiguous float32 CPU tensor with ", dim, " dims");
+  }
+  static void check_vec(const torch::Tensor& t, const char* name, int64_t n) {
+    check_f32(t, name, 1);
+    TORCH_CHECK(t.size(0) == n, "FusedDecoder: ", name, " must have ", n, " entries, has ", t.size(0));
+  }
+  static Lin make_lin(const torch::Tensor& data, const torch::Tensor& bias, int64_t kind, int64_t N, int64_t K,
+                      const char* name) {
+    TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "FusedDecoder: ", name, " kind must be 0 (Q4_1) or 1 (Q8_0)");
+    TORCH_CHECK(data.scalar_type() == torch::kUInt8 && data.is_contiguous(), "FusedDecoder: ", name,
+                " must be contiguous uint8 packed bytes");
+    TORCH_CHECK(K % kQK == 0, "FusedDecoder: ", name, " K=", K, " is not a multiple of 32");
+    const int64_t blk = kind == kQ4_1 ? kQ41Bytes : kQ80Bytes;
+    const int64_t want = (N + kTile - 1) / kTile * (K / kQK) * blk;
+    TORCH_CHECK(data.numel() == want, "FusedDecoder: ", name, " has ", data.numel(), " bytes, expected ", want,
+                " for N=", N, ", K=", K);
+    if (bias.numel() > 0) check_vec(bias, name, N);
+    return Lin{data, bias, N, K, (int)kind};
+  }
+  void check_cache(const torch::Tensor& c, int64_t end) const {
+    TORCH_CHECK(c.dim() == 4 && c.size(0) == 1 && c.size(1) == nkv_ && c.size(3) == hd_ &&
+                    c.scalar_type() == torch::kFloat32 && c.is_contiguous(),
+                "FusedDecoder.forward: cache tensors must be contiguous float32 (1, ", nkv_, ", max_len, ", hd_, ")");
+    TORCH_CHECK(end <= c.size(2), "KV cache overflow: writing up to ", end, " > max_len ", c.size(2));
+  }
+
+  void linear(const Lin& w, const float* x, int64_t M, float* y, const Path& path) {
+    mm_into(x, M, w.K, w.data.data_ptr<uint8_t>(), w.N, w.kind, path, y);
+    if (w.bias.numel() > 0) {
+      const float* b = w.bias.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < w.N; ++n) y[m * w.N + n] = y[m * w.N + n] + b[n];
+    }
+  }
+
+  void rmsnorm(const float* x, const float* w, float* y, int64_t M, int isa) const {
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xr = x + m * H_;
+      const float ss = dot_isa(isa, xr, xr, (int)H_);
+      const float r = 1.f / std::sqrt(ss / (float)H_ + eps_);
+      float* yr = y + m * H_;
+      for (int64_t i = 0; i < H_; ++i) yr[i] = w[i] * (xr[i] * r);
+    }
+  }
+
+  static void rope(float* v, const float* c, const float* s, int64_t half) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = v[i], b = v[i + half];
+      v[i] = a * c[i] - b * s[i];
+      v[i + half] = b * c[i] + a * s[i];
+    }
+  }
+
+  static void silu_mul(const float* g, const float* u, float* out, int64_t n, int isa) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (isa == attn::kAvx512) {
+      const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+      for (; i + 16 <= n; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + i);
+        const __m512 e = attn::exp_fixed16(_mm512_sub_ps(zero, gv));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+      }
+    }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if (isa == attn::kAvx2) {
+      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+      for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = attn::exp_fixed8(_mm256_sub_ps(zero, gv));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+      }
+    }
+#endif
+    for (; i < n; ++i) out[i] = g[i] / (1.f + attn::exp_fixed(0.f - g[i])) * u[i];
+  }
+
+  void attention(int64_t l, int64_t M, int64_t S, const std::vector<int64_t>& row0,
+                 const std::vector<std::vector<torch::Tensor>>& seg_k,
+                 const std::vector<std::vector<torch::Tensor>>& seg_v, int isa) {
+    const int64_t qkvN = (nh_ + 2 * nkv_) * hd_, group = nh_ / nkv_;
+    kp_.resize(S);
+    vp_.resize(S);
+    cap_.resize(S);
+    for (int64_t s = 0; s < S; ++s) {
+      kp_[s] = seg_k[s][l].data_ptr<float>();
+      vp_[s] = seg_v[s][l].data_ptr<float>();
+      cap_[s] = seg_k[s][l].size(2);
+    }
+    auto work = [&](int u) {
+      const Unit& un = units_[u];
+      constexpr int kMax = 16;
+      const float* q[kMax];
+      const int32_t* ix[kMax];
+      int n[kMax], shared[kMax];
+      float* o[kMax];
+      const int nq = (int)(un.q1 - un.q0);
+      for (int i = 0; i < nq; ++i) {  // query (row t, head g * group + hh)
+        const int64_t t = (un.q0 + i) / group, h = un.g * group + (un.q0 + i) % group, r = row0[un.s] + t;
+        q[i] = &qkv_[r * qkvN + h * hd_];
+        ix[i] = causal_[r] ? nullptr : idx_.data() + off_[r];
+        n[i] = (int)cnt_[r];
+        shared[i] = (int)contig_[r];
+        o[i] = &att_[(r * nh_ + h) * hd_];
+      }
+      const float* k = kp_[un.s] + un.g * cap_[un.s] * hd_;
+      const float* v = vp_[un.s] + un.g * cap_[un.s] * hd_;
+      if (isa == attn::kAvx512) attn::attend_many<attn::kAvx512>(nq, q, ix, n, shared, k, hd_, v, hd_, (int)hd_, scale_, o);
+      else if (isa == attn::kAvx2) attn::attend_many<attn::kAvx2>(nq, q, ix, n, shared, k, hd_, v, hd_, (int)hd_, scale_, o);
+      else attn::attend_many<attn::kScalar>(nq, q, ix, n, shared, k, hd_, v, hd_, (int)hd_, scale_, o);
+    };
+    pool().run(work, (int)units_.size());
+  }
+
+  struct Unit {
+    int64_t s, g, q0, q1;
+  };
+
+  int64_t H_, nh_, nkv_, hd_, I_;
+  float eps_, scale_;
+  torch::Tensor embed_, inv_freq_, final_norm_;
+  std::vector<LayerW> layers_;
+  Lin lm_;
+  bool has_lm_ = false;
+  // scratch, reused across calls (one forward at a time per decoder)
+  std::vector<float> x_, h_, qkv_, att_, ff_, act_, cs_;
+  std::vector<int32_t> idx_;
+  std::vector<int64_t> off_, cnt_, contig_, cap_;
+  std::vector<Unit> units_;
+  bool profile_ = false;
+  std::array<int64_t, 7> prof_{};
+  std::chrono::steady_clock::time_point last_;
+  std::vector<char> causal_;
+  std::vector<float*> kp_, vp_;
+};
+
+}  // namespace td

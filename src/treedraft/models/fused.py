@@ -1,0 +1,261 @@
+"""One native call per decode forward (issue 11): the whole decoder stack of a step in C++.
+
+A Python decode step of the 135M model runs ~400 small aten ops (RMSNorm, RoPE, residuals, casts,
+cache writes) around the native linears and attention: ~17 ms of per-op overhead against ~5 ms of
+weight streaming. :class:`treedraft.kernels` ``FusedDecoder`` (kernels/fused.h) runs embedding, every
+layer (RMSNorm -> qkv -> RoPE -> cache write -> row-invariant attention -> wo -> residual -> RMSNorm ->
+w13 -> silu*up -> w2 -> residual), the final norm and the lm_head in one call.
+
+It serves :meth:`Transformer.forward` when every linear is a native :class:`~.quant.NativeLinear`,
+``exact_attention`` is on, B == 1, a cache is given, ``start > 0`` and ``T <= Attention.EXACT_MAX_T``
+(the decode steps whose attention already is the native row-invariant one); everything else keeps the
+Python path. Every row is computed from that row alone in a fixed order (see fused.h), so a tree row
+equals the 1-token row bitwise and greedy speculative output equals plain output. Its results differ
+from the Python path by float rounding only (RMSNorm sum order, cos/sin, silu's exp): a few 1e-6
+relative on the tiny test models, see tests/test_fused.py.
+
+``TREEDRAFT_NO_FUSED=1`` turns it off; without the native extension it is off automatically.
+:func:`forward_segments` is the packed-rows entry point for batched serving (one segment per request).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+ENV_DISABLE = "TREEDRAFT_NO_FUSED"
+_EMPTY_MASK = torch.empty(0, dtype=torch.bool)
+
+__all__ = ["ENV_DISABLE", "Seg", "disabled", "status", "decoder_for", "forward_segments", "try_forward"]
+
+
+@dataclass(frozen=True)
+class Seg:
+    """One request's rows in a packed forward (same fields as ``llama.Segment`` of the batch contract)."""
+
+    cache: Any  # KVCache with batch 1
+    start: int  # slot where this segment's new keys/values go
+    rows: int  # rows (tokens) of this segment in the packed input
+    mask: Tensor | None  # bool (rows, start + rows), True = may attend; None = causal
+
+
+def disabled() -> bool:
+    """Whether ``TREEDRAFT_NO_FUSED`` turns the fused path off."""
+    return os.environ.get(ENV_DISABLE, "") not in ("", "0")
+
+
+@dataclass
+class _State:
+    deps: _Watch  # what the decoder was built from; rebuilt when any of it is replaced
+    decoder: Any | None
+    reason: str | None  # why there is no decoder
+    lm_head_native: bool
+
+
+@dataclass
+class _Watch:
+    """Slots (a dict and a key) and the object each held at build time: checked with C-level loops."""
+
+    dicts: list[dict]
+    keys: list[str]
+    objs: list[Any]
+    nlayers: int
+
+    def valid(self, model) -> bool:
+        return len(model.layers) == self.nlayers and all(
+            map(operator.is_, map(dict.get, self.dicts, self.keys), self.objs)
+        )
+
+
+def _deps(model) -> _Watch:
+    """Every module/tensor slot the decoder depends on (a replaced module, weight or flag forces a rebuild)."""
+    slots: list[tuple[dict, str]] = [
+        (model._modules, "embed"),
+        (model.embed._parameters, "weight"),
+        (model._buffers, "inv_freq"),
+        (model._modules, "norm"),
+        (model.norm._parameters, "weight"),
+        (model._modules, "lm_head"),
+        (model._modules, "layers"),
+    ]
+
+    def lin(parent, name: str) -> None:
+        m = parent._modules[name]
+        slots.extend([(parent._modules, name), (m.__dict__, "packed"), (m._buffers, "bias")])
+
+    for key, b in model.layers._modules.items():
+        slots.append((model.layers._modules, key))
+        for name in ("attn_norm", "attn", "ffn_norm", "ffn"):
+            slots.append((b._modules, name))
+        slots += [(b.attn_norm._parameters, "weight"), (b.ffn_norm._parameters, "weight")]
+        slots.append((b.attn.__dict__, "exact_attention"))
+        lin(b.attn, "wqkv"), lin(b.attn, "wo"), lin(b.ffn, "w13"), lin(b.ffn, "w2")
+    lin(model, "lm_head")
+    dicts, keys = [d for d, _ in slots], [k for _, k in slots]
+    return _Watch(dicts, keys, [d.get(k) for d, k in slots], len(model.layers))
+
+
+def _build(model, deps: _Watch) -> _State:
+    """A FusedDecoder for ``model``, or the reason it cannot have one."""
+    from treedraft import kernels
+
+    from .quant import NativeLinear
+
+    def no(reason: str) -> _State:
+        return _State(deps, None, reason, False)
+
+    if not kernels.available():
+        return no(f"native extension unavailable ({kernels.unavailable_reason()})")
+    ext = kernels._ext()
+    if not hasattr(ext, "FusedDecoder"):
+        return no("the loaded native extension has no FusedDecoder")
+    cfg = model.config
+    emb = model.embed.weight
+    if emb.dtype != torch.float32 or emb.device.type != "cpu":
+        return no(f"needs float32 weights on CPU, got {emb.dtype} on {emb.device}")
+    if not model.exact_attention:
+        return no("exact_attention is off")
+    tensors: list[Tensor] = []
+    kinds: list[int] = []
+    eps = {b.attn_norm.eps for b in model.layers} | {b.ffn_norm.eps for b in model.layers} | {model.norm.eps}
+    if len(eps) != 1:
+        return no(f"RMSNorm eps differs between layers: {sorted(eps)}")
+    empty = torch.empty(0, dtype=torch.float32)
+
+    def bias(m) -> Tensor:
+        return empty if m.bias is None else m.bias.detach().float().contiguous()
+
+    for i, b in enumerate(model.layers):
+        lins = (b.attn.wqkv, b.attn.wo, b.ffn.w13, b.ffn.w2)
+        for m in lins:
+            if not isinstance(m, NativeLinear):
+                return no(f"layers.{i}: {type(m).__name__} is not a native linear")
+        norms = (b.attn_norm.weight, b.ffn_norm.weight)
+        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+            return no(f"layers.{i}: norm weights must be contiguous float32")
+        tensors += [w.detach() for w in norms]
+        for m in lins:
+            tensors += [m.packed.data, bias(m)]
+            kinds.append(m.packed.kind)
+    lm = model.lm_head
+    lm_native = isinstance(lm, NativeLinear)
+    dec = ext.FusedDecoder(
+        hidden=cfg.hidden_size,
+        heads=cfg.num_heads,
+        kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        inter=cfg.intermediate_size,
+        eps=float(eps.pop()),
+        attn_scale=float(cfg.head_dim**-0.5),  # what Attention._exact passes
+        embed=emb.detach().contiguous(),
+        inv_freq=model.inv_freq.float().contiguous(),
+        layers=tensors,
+        kinds=kinds,
+        final_norm=model.norm.weight.detach().float().contiguous(),
+        lm_head=lm.packed.data if lm_native else torch.empty(0, dtype=torch.uint8),
+        lm_head_bias=bias(lm) if lm_native else empty,
+        lm_head_kind=lm.packed.kind if lm_native else 0,
+        vocab=lm.out_features if lm_native else cfg.vocab_size,
+    )
+    return _State(deps, dec, None, lm_native)
+
+
+# model -> its decoder state, outside the module so deepcopy / pickle of a model never meets the C++ object
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _state(model) -> _State:
+    st: _State | None = _STATES.get(model)
+    if st is None or not st.deps.valid(model):
+        st = _build(model, _deps(model))
+        _STATES[model] = st
+    return st
+
+
+def decoder_for(model) -> Any | None:
+    """The model's native FusedDecoder (built once, rebuilt when a weight module is replaced), or None."""
+    return None if disabled() else _state(model).decoder
+
+
+def status(model) -> str | None:
+    """None when decode steps of ``model`` run fused, else why not."""
+    if disabled():
+        return f"disabled by {ENV_DISABLE}"
+    return _state(model).reason
+
+
+def forward_segments(
+    model, tokens: Tensor, positions: Tensor, segments: Sequence[Any], logits_for: Tensor | None = None
+) -> tuple[Tensor, Tensor] | None:
+    """Packed decode forward of several requests' rows in one native call, or None when not applicable.
+
+    tokens/positions: (M,) with M = sum(s.rows); segment i owns the i-th consecutive block of rows, writes
+    its keys/values into ``s.cache`` at ``[s.start, s.start + s.rows)`` and attends under ``s.mask``
+    (bool (rows, start + rows) or None = causal). logits_for: (M',) int64 row indices or None (all rows).
+    Returns (logits (M', V) float32, final-norm hidden (M, H)).
+    """
+    st = None if disabled() else _state(model)
+    if st is None or st.decoder is None:
+        return None
+    if torch.is_grad_enabled() and model.embed.weight.requires_grad:
+        return None  # the native call records no autograd graph
+    rows, starts, ks, vs, masks = [], [], [], [], []
+    for s in segments:
+        ck, cv = getattr(s.cache, "k", None), getattr(s.cache, "v", None)
+        if not isinstance(ck, list) or not isinstance(cv, list) or not ck:
+            return None  # not a KVCache of per-layer tensors
+        k0 = ck[0]
+        if k0.shape[0] != 1 or k0.dtype != torch.float32 or s.start <= 0 or s.start + s.rows > s.cache.max_len:
+            return None
+        m = _EMPTY_MASK
+        if s.mask is not None:
+            m = s.mask
+            if m.dim() == 4:
+                m = m[0, 0] if m.shape[0] == 1 else None
+            if m is None or m.dtype != torch.bool:
+                return None
+        rows.append(int(s.rows))
+        starts.append(int(s.start))
+        ks.append(ck)
+        vs.append(cv)
+        masks.append(m)
+    tok = tokens.reshape(-1).to(torch.long).contiguous()
+    pos = positions.reshape(-1).to(torch.long).contiguous()
+    logits, h = st.decoder.forward(tok, pos, rows, starts, ks, vs, masks, logits_for, st.lm_head_native)
+    if not st.lm_head_native:
+        logits = model.lm_head(h if logits_for is None else h[logits_for]).float()
+    return logits, h
+
+
+def try_forward(
+    model,
+    tokens: Tensor,
+    positions: Tensor,
+    cache: Any,
+    start: int,
+    mask: Tensor | None,
+    logits_for: Tensor | slice | None,
+) -> tuple[Tensor, Tensor] | None:
+    """:meth:`Transformer.forward` for one request (tokens (1, T)) through the native decoder, or None.
+
+    Returns (logits (1, T', V) float32, hidden (1, T, H)) exactly as the Python path shapes them.
+    """
+    T = tokens.shape[-1]
+    rows = None
+    if logits_for is not None:
+        rows = torch.arange(T)[logits_for]
+        if rows.dim() != 1:
+            return None
+    pos = positions if positions.dim() == 1 else positions[0]
+    out = forward_segments(model, tokens, pos, (Seg(cache, start, T, mask),), rows)
+    if out is None:
+        return None
+    logits, h = out
+    return logits[None], h[None]
