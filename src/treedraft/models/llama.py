@@ -482,6 +482,47 @@ class Transformer(nn.Module):
                     f"a segment mask has shape {tuple(s.mask.shape)}, expected "
                     f"({s.rows}, {s.start + s.rows}) = (rows, start + rows)"
                 )
+        native = [s.start > 0 and s.rows <= Attention.EXACT_MAX_T for s in segments]
+        if any(native):
+            from .fused import forward_segments  # decode steps in one native call; None: not applicable
+
+            if all(native):
+                out = forward_segments(self, tokens, positions, segments, logits_for)
+                if out is not None:
+                    return out
+            else:  # a segment's path never depends on what it is batched with: split, run each, reassemble
+                return self._split_packed(tokens, positions, segments, native, logits_for)
+        return self._packed_python(tokens, positions, segments, logits_for)
+
+    def _split_packed(
+        self, tokens: Tensor, positions: Tensor, segments: Sequence[Segment], native: list[bool], logits_for
+    ) -> tuple[Tensor, Tensor]:
+        """forward_packed over two groups (decode-step segments, the rest), results back in row order."""
+        M = tokens.shape[0]
+        bounds = torch.tensor([0, *(s.rows for s in segments)]).cumsum(0).tolist()
+        want = torch.arange(M) if logits_for is None else torch.as_tensor(logits_for).reshape(-1).cpu()
+        h = logits = None
+        for flag in (True, False):
+            group = [i for i, n in enumerate(native) if n == flag]
+            rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in group])  # (m,) packed row ids
+            local = torch.full((M,), -1, dtype=torch.long)
+            local[rows] = torch.arange(rows.numel())
+            pick = (local[want] >= 0).nonzero().flatten()  # which requested logits rows are in this group
+            dev_rows = rows.to(tokens.device)
+            lg, hg = self.forward_packed(
+                tokens[dev_rows], positions[dev_rows], [segments[i] for i in group], local[want][pick].to(tokens.device)
+            )
+            if h is None:
+                h = hg.new_empty(M, hg.shape[1])
+                logits = lg.new_empty(want.numel(), lg.shape[1])
+            h[dev_rows] = hg
+            logits[pick.to(lg.device)] = lg
+        return logits, h
+
+    def _packed_python(
+        self, tokens: Tensor, positions: Tensor, segments: Sequence[Segment], logits_for
+    ) -> tuple[Tensor, Tensor]:
+        """The reference path of forward_packed (PyTorch ops; the native linears where installed)."""
         cos, sin = self._rope(positions)  # (M, hd)
         cos, sin = cos[:, None], sin[:, None]  # (M, 1, hd): broadcast over heads
         x = self.embed(tokens)  # (M, H)
