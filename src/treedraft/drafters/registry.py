@@ -170,6 +170,15 @@ def _hybrid(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Dra
     return HybridDrafter([_medusa(target, tokenizer, options), _prompt_lookup(target, tokenizer, options)])
 
 
+def _hybrid_suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
+    from .hybrid import HybridDrafter
+    from .suffix import make_suffix_drafter
+
+    # min_match=2: one-token matches are prompt lookup's; it also keeps a lookup cheap (SuffixIndex.match)
+    suffix = make_suffix_drafter(options.suffix_store, options.tenant, min_match=2)
+    return HybridDrafter([*_hybrid(target, tokenizer, options).drafters, suffix], name="hybrid-suffix")
+
+
 def _suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
     from .suffix import make_suffix_drafter
 
@@ -180,6 +189,7 @@ register(NONE, _none, "plain decoding, no drafts")
 register("prompt-lookup", _prompt_lookup, "continuations of earlier n-gram matches in the context")
 register("medusa", _medusa, "Medusa heads on the target's hidden state (--heads, or the shipped ones)")
 register("hybrid", _hybrid, "Medusa tree + prompt-lookup branches, verified in one pass")
+register("hybrid-suffix", _hybrid_suffix, "hybrid + suffix branches (earlier outputs), one tree")
 register(
     "suffix",
     _suffix,
