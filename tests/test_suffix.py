@@ -221,6 +221,25 @@ def test_eviction_keeps_the_bound_and_drops_the_oldest(tmp_path: Path) -> None:
     assert SuffixStore(tmp_path, max_tokens=30).num_tokens <= 30  # a smaller bound applies on load
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_each_tenant_is_bounded_and_evicts_only_its_own_oldest(tmp_path: Path, share: bool) -> None:
+    st_ = SuffixStore(tmp_path, max_tokens=50, share=share)
+    st_.add([900] * 40, "bob")  # bob's only request: far below the bound
+    st_.index_for("bob")  # built before alice's adds: her evictions must not touch it
+    for i in range(30):
+        st_.add([i] * 7, "alice")
+        assert st_.tenant_tokens("alice") <= 50 and st_.tenant_tokens("bob") == 40
+    assert [list(r.tokens) for r in st_.records("bob")] == [[900] * 40]  # alice never evicted bob
+    kept = [int(r.tokens[0]) for r in st_.records("alice")]
+    assert kept == list(range(30 - len(kept), 30)) and st_.tenant_tokens("alice") > 40  # her own oldest went
+    assert st_.num_tokens == st_.tenant_tokens("alice") + 40
+    assert st_.index_for("bob").continuations([900]) == {900: 39}
+    assert st_.index_for("alice").continuations([0]) == {}  # evicted from her index too
+    st_.close()
+    again = SuffixStore(tmp_path, max_tokens=30, share=share)  # a smaller bound on load: each tenant trimmed
+    assert again.tenant_tokens("bob") == 0 and 0 < again.tenant_tokens("alice") <= 30
+
+
 def test_tenants_are_isolated_unless_shared(tmp_path: Path) -> None:
     st_ = SuffixStore(tmp_path)
     st_.add([1, 2, 3, 4, 5], "alice")
