@@ -3,15 +3,18 @@
 Side by side in one process, every method back to back on each prompt (load from other processes
 hits them alike): plain, prompt-lookup, hybrid (Medusa heads + prompt lookup, the default before the
 suffix drafter) and hybrid-suffix (the same plus suffix branches from earlier outputs, one tree).
-Passes, in order:
+Per prompt, in order (prompt-major, so a run with more prompts resumes a smaller one's records):
 
-1. ``turn1-cold``: the first turns with a cold index (hybrid-suffix gets a fresh, empty store for every
+1. ``turn1-cold``: the first turn with a cold index (hybrid-suffix gets a fresh, empty store for every
    prompt; hybrid and hybrid-suffix are run ``--cold-repeats`` times each, interleaved, to show the noise).
-   Plain's answers go into the warm store (as a server would have recorded them).
-2. ``turn2``: the second turns (``turns[1]``), with the model's own first answer (plain's, from pass 1)
-   in the chat context. The warm store holds every first answer.
-3. ``turn1-repeat``: the first turns again, greedy, with the warm store.
-4. ``turn1-sampled``: the first turns again, temperature 0.7 and a new seed per prompt.
+   Plain's answer goes into the warm store (as a server would have recorded it).
+2. ``turn2``: the second turn (``turns[1]``), with the model's own first answer (plain's, from 1.) in
+   the chat context.
+3. ``turn1-repeat``: the first turn again, greedy, with the warm store.
+4. ``turn1-sampled``: the first turn again, temperature 0.7 and a new seed per prompt.
+
+The warm store holds every request recorded before, in run order: the first answers of this and the
+earlier prompts, and hybrid-suffix's own earlier outputs.
 
 Greedy passes check every output against plain's. hybrid-suffix records its own finished requests into
 the warm store (the engine's ``finish``), as it would in a server.
@@ -76,8 +79,9 @@ def main() -> None:
         k: getattr(a, k) for k in ("prompts", "max_new", "weights", "threads", "cold_repeats", "temperature", "seed")
     }
     cfg_path, rec_path = a.out / "config.json", a.out / "records.jsonl"
-    if cfg_path.exists() and json.loads(cfg_path.read_text()) != settings:
-        sys.exit(f"{cfg_path} holds other settings {json.loads(cfg_path.read_text())}; use another --out")
+    old = json.loads(cfg_path.read_text()) if cfg_path.exists() else None
+    if old is not None and {**old, "prompts": 0} != {**settings, "prompts": 0}:  # more prompts: resumes
+        sys.exit(f"{cfg_path} holds other settings {old}; use another --out")
     cfg_path.write_text(json.dumps(settings, indent=1))
     records = [json.loads(ln) for ln in rec_path.read_text().splitlines()] if rec_path.exists() else []
     done = {(r["pass"], r["prompt"], r["method"], r["rep"]) for r in records}
@@ -143,8 +147,8 @@ def main() -> None:
             r["text"] for r in records if r["pass"] == "turn1-cold" and r["prompt"] == i and r["method"] == "plain"
         )
 
-    for pass_ in passes:
-        for i, q in enumerate(questions):
+    for i, q in enumerate(questions):  # prompt-major: prompt i's records depend on prompts <= i only
+        for pass_ in passes:
             if pass_ == "turn2":
                 messages = [
                     {"role": "user", "content": q["turns"][0]},
@@ -166,8 +170,8 @@ def main() -> None:
                     rec = run(pass_, i, method, rep, messages, d, **kw)
                     if pass_ == "turn1-cold" and method == "plain":
                         warm.add(recorder.record_tokens(rec["prompt_ids"], rec["output_ids"]))
-            print(f"{time.strftime('%H:%M:%S')} {pass_}: prompt {i + 1}/{len(questions)} done", flush=True)
-            (a.out / "report.md").write_text(report(records, settings, questions))
+            print(f"{time.strftime('%H:%M:%S')} prompt {i + 1}/{len(questions)}: {pass_} done", flush=True)
+        (a.out / "report.md").write_text(report(records, settings, questions))
     (a.out / "report.md").write_text(report(records, settings, questions))
     print((a.out / "report.md").read_text())
 

@@ -180,8 +180,8 @@ def load(
 ) -> LLM:
     """Load a target model by registry name, GGUF path or HF directory.
 
-    drafter: 'default' (hybrid: Medusa heads + prompt lookup when heads are shipped for this model or
-    given, else prompt lookup), a drafter name (see ``treedraft.drafters.names()``), or None / 'none'
+    drafter: 'default' (hybrid-suffix: Medusa heads + prompt lookup + suffix branches from earlier outputs,
+    when heads are shipped for this model or given, else prompt lookup), a drafter name (see ``treedraft.drafters.names()``), or None / 'none'
     for plain decoding.
     runtime: 'own' (compact Llama module), 'hf' (transformers adapter) or 'auto'.
     weights: 'fp32', 'int8', 'int4' (the GGUF's own 4-bit blocks) or 'auto' (the fastest measured on this
