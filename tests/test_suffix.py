@@ -59,6 +59,9 @@ def test_index_longest_match_and_tree_counts(seqs: list[list[int]], ctx: list[in
     idx = SuffixIndex.from_sequences(seqs)
     m, nxt = idx.match(ctx, max_len)
     assert m == brute_longest(seqs, ctx, max_len)
+    for min_len in (2, 3):  # seeded from the rarest of the last min_len tokens: the same answer, or none
+        m2, nxt2 = idx.match(ctx, max_len, min_len)
+        assert (m2, nxt2.tolist()) == ((m, nxt.tolist()) if m >= min_len else (0, []))
     if m == 0:
         return
     # every node's path probability is the empirical one: count(pattern + path) / count(pattern)
