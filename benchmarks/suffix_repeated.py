@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--passes", default=",".join(PASSES), help=f"comma-separated subset of {PASSES}")
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--report-only", action="store_true", help="rewrite OUT/report.md from OUT/records.jsonl")
     a = ap.parse_args()
     passes = [p for p in a.passes.split(",") if p]
     bad = [p for p in passes if p not in PASSES]
@@ -84,6 +85,10 @@ def main() -> None:
         sys.exit(f"{cfg_path} holds other settings {old}; use another --out")
     cfg_path.write_text(json.dumps(settings, indent=1))
     records = [json.loads(ln) for ln in rec_path.read_text().splitlines()] if rec_path.exists() else []
+    if a.report_only:
+        (a.out / "report.md").write_text(report(records, settings, []))
+        print((a.out / "report.md").read_text())
+        return
     done = {(r["pass"], r["prompt"], r["method"], r["rep"]) for r in records}
 
     if a.threads:
@@ -198,8 +203,9 @@ def report(records: list[dict], settings: dict, questions: list[dict]) -> str:
         lines += [
             f"## {pass_} ({len(full)} prompts with every method)",
             "",
-            "| method | runs | mean accepted | tok/s | x plain | x hybrid | per-prompt x plain | output = plain |",
-            "|---|---|---|---|---|---|---|---|",
+            "| method | runs | mean accepted | tree nodes / step | tok/s | x plain | x hybrid | per-prompt x plain "
+            "| output = plain |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
 
         def tot(m: str, rep: int | None = None) -> tuple[int, float, int, int, list[dict]]:
@@ -224,6 +230,7 @@ def report(records: list[dict], settings: dict, questions: list[dict]) -> str:
         for m in METHODS:
             for rep in reps if m in ("hybrid", "hybrid-suffix") and len(reps) > 1 else [None]:
                 n, s, steps, committed, sel = tot(m, rep)
+                nodes = 1 + sum(r["drafted"] for r in sel) / max(1, steps)
                 if not sel:
                     continue
                 per = sorted((r["new_tokens"] / r["t_decode"]) / plain_tps[r["prompt"]] for r in sel)
@@ -234,7 +241,8 @@ def report(records: list[dict], settings: dict, questions: list[dict]) -> str:
                 )
                 label = m if rep is None else f"{m} (run {rep + 1})"
                 lines.append(
-                    f"| {label} | {len(sel)} | {committed / max(1, steps):.2f} | {n / s:.2f} | {n / s / base:.2f} | "
+                    f"| {label} | {len(sel)} | {committed / max(1, steps):.2f} | {nodes:.1f} | {n / s:.2f} | "
+                    f"{n / s / base:.2f} | "
                     f"{n / s / hyb:.2f} | {per[0]:.2f} / {statistics.median(per):.2f} / {per[-1]:.2f} | {same} |"
                 )
         loads = [r["load"] for r in rs]

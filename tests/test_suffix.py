@@ -393,10 +393,10 @@ def test_real_model_default_includes_suffix_and_greedy_equals_plain(smollm) -> N
     store = SuffixStore()  # its own store: the LLM's is counted by the test above
     d = registry.build("default", smollm.model, smollm.tokenizer, DrafterOptions(smollm.model_name, suffix_store=store))
     assert isinstance(d, HybridDrafter) and any(isinstance(m, SuffixDrafter) for m in d.drafters)
-    for prompt in ("Explain in three sentences why the sky is blue.", "Write a haiku about autumn leaves."):
-        plain = smollm.generate(prompt, drafter=None, max_new_tokens=48).token_ids
+    for prompt in ("Write a haiku about autumn leaves.",):
+        plain = smollm.generate(prompt, drafter=None, max_new_tokens=40).token_ids
         cold, warm = GenerationStats(), GenerationStats()
         for stats in (cold, warm):  # the first run is recorded by the engine; the second drafts from it
-            out = [t for c in smollm.stream(prompt, drafter=d, stats=stats, max_new_tokens=48) for t in c.token_ids]
+            out = [t for c in smollm.stream(prompt, drafter=d, stats=stats, max_new_tokens=40) for t in c.token_ids]
             assert out == plain
         assert warm.mean_accepted_length > cold.mean_accepted_length + 1.0, (cold.mean_accepted_length, warm)
