@@ -222,17 +222,23 @@ def main() -> None:
             np.unique(idx.text[nxt], return_counts=True)
 
         med, p90 = per_step_ms(lookup, queries, a.steps)
-        d = SuffixDrafter(None)
-
-        def draft(c: list[int]) -> None:
-            d.paths(idx, c, 63, 24)
-
-        dmed, dp90 = per_step_ms(draft, queries, a.steps)
         log(
             f"{label}  {ntok:>8} tokens: build {t_build:6.2f} s, {mem / ntok:7.1f} B/token, "
-            f"lookup median {med:.3f} ms p90 {p90:.3f} ms; full draft (match + expand) "
-            f"median {dmed:.3f} ms p90 {dp90:.3f} ms"
+            f"lookup median {med:.3f} ms p90 {p90:.3f} ms"
         )
+        # full drafts (match + tree) with the drafter's bounds on the work per step, and without them
+        for what, kw in (
+            ("uncapped (all occurrences)", dict(max_occurrences=10**9, expand_occurrences=1024)),
+            ("suffix (capped)", {}),
+            ("hybrid-suffix member (capped, min_match=2)", dict(min_match=2)),
+        ):
+            d = SuffixDrafter(None, **kw)
+
+            def draft(c: list[int], d: SuffixDrafter = d) -> None:
+                d.paths(idx, c, 63, 24)
+
+            dmed, dp90 = per_step_ms(draft, queries, a.steps)
+            log(f"    full draft, {what}: median {dmed:.3f} ms p90 {dp90:.3f} ms")
     # incremental: one request appended to a 10^6-token index
     t = time.perf_counter()
     for r in reqs[:200]:

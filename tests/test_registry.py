@@ -11,6 +11,7 @@ from treedraft.drafters.hybrid import HybridDrafter
 from treedraft.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter
 from treedraft.drafters.registry import DrafterCache, DrafterOptions
+from treedraft.drafters.suffix import SuffixDrafter
 from treedraft.models.callable_target import CallableTarget
 from treedraft.models.tiny import tiny_llama
 
@@ -35,21 +36,21 @@ def test_default_is_prompt_lookup_without_heads_and_hybrid_with_them(
     assert isinstance(registry.build("default", m, None, none_shipped), PromptLookupDrafter)
     # heads given explicitly
     given = DrafterOptions("tiny", heads=str(_save_heads(m, tmp_path / "given")))
-    assert registry.default_name(given) == "hybrid"
+    assert registry.default_name(given) == "hybrid-suffix"
     d = registry.build("default", m, None, given)
     assert isinstance(d, HybridDrafter) and isinstance(d.drafters[0], MedusaDrafter)
-    assert isinstance(d.drafters[1], PromptLookupDrafter)
+    assert isinstance(d.drafters[1], PromptLookupDrafter) and isinstance(d.drafters[2], SuffixDrafter)
     # heads shipped in the package for this model name
     _save_heads(m, tmp_path / "shipped" / "tiny")
     monkeypatch.setattr(medusa, "HEADS_DIR", tmp_path / "shipped")
-    assert registry.default_name(DrafterOptions("tiny")) == "hybrid"
-    assert registry.default_name(DrafterOptions("tiny", heads=None)) == "hybrid"
+    assert registry.default_name(DrafterOptions("tiny")) == "hybrid-suffix"
+    assert registry.default_name(DrafterOptions("tiny", heads=None)) == "hybrid-suffix"
     assert registry.default_name(DrafterOptions("other-model")) == "prompt-lookup"
 
 
-def test_the_bundled_model_defaults_to_hybrid() -> None:
+def test_the_bundled_model_defaults_to_hybrid_with_suffix() -> None:
     assert (medusa.HEADS_DIR / "smollm2-135m-instruct" / "medusa.json").is_file()
-    assert registry.default_name(DrafterOptions("smollm2-135m-instruct")) == "hybrid"
+    assert registry.default_name(DrafterOptions("smollm2-135m-instruct")) == "hybrid-suffix"
 
 
 def test_aliases_none_and_unknown_names() -> None:
@@ -97,9 +98,9 @@ def test_cache_builds_each_drafter_once_and_default_shares_its_entry(
     real_load = MedusaHeads.load
     monkeypatch.setattr(MedusaHeads, "load", staticmethod(lambda *a, **k: loads.append(a) or real_load(*a, **k)))
     hybrid = cache.get("default")
-    assert isinstance(hybrid, HybridDrafter) and cache.get("hybrid") is hybrid and cache.get("default") is hybrid
+    assert isinstance(hybrid, HybridDrafter) and cache.get("hybrid-suffix") is hybrid and cache.get("default") is hybrid
     assert cache.get("medusa") is cache.get("medusa")
-    assert len(loads) == 2  # once for hybrid, once for medusa; never again per call
+    assert len(loads) == 2  # once for the default hybrid, once for medusa; never again per call
     assert cache.get("prompt-lookup") is cache.get("prompt-lookup")
     assert cache.get("plain") is None
     # other heads: another entry; heads=None means the shipped ones (none for "tiny")

@@ -697,3 +697,42 @@ def test_suffix_drafts_stay_within_a_tenant_unless_shared(share: bool) -> None:
     assert warm >= cold + 20, (cold, warm)  # nearly the whole 48-token answer comes from A's first pass
     assert other == (warm if share else cold), (cold, warm, other)
     assert {r.tenant for r in llm.suffix_store.records()} == {tenant_id(KEYS[0]), tenant_id(KEYS[1])}
+
+
+def test_suffix_bound_is_per_tenant_in_the_server() -> None:
+    """--suffix-max-tokens bounds each tenant: key B's request does not evict key A's, A's own traffic does."""
+    from treedraft.drafters.suffix import open_suffix_store
+
+    llm = tiny_llm()
+    store = open_suffix_store(max_tokens=100)  # one request is ~50 tokens (prompt tail + 48 new): two fit, three don't
+    llm = LLM(llm.engine, llm.tokenizer, "tiny", "cpu", heads=None, suffix_store=store)
+
+    def run(key: str, prompt: str) -> int:
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 48,
+            "temperature": 0,
+            "ignore_eos": True,
+            "treedraft": {"drafter": "suffix"},
+        }
+        r = httpx.post(f"{s.url}/v1/completions", json=body, headers=bearer(key), timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        return r.json()["treedraft"]["accepted_tokens"]
+
+    a, b = tenant_id(KEYS[0]), tenant_id(KEYS[1])
+    with LiveServer(create_app(llm, ServerSettings(poll_interval_s=0.05, api_keys=KEYS))) as s:
+        cold = run(KEYS[0], "The quick brown fox")
+        assert 0 < store.tenant_tokens(a) <= 100 and len(store.records(a)) == 1
+        assert "fox" in llm.tokenizer.decode(list(store.records(a)[0].tokens))  # the prompt's tail is recorded
+        run(KEYS[1], "Lorem ipsum dolor")
+        run(KEYS[1], "A completely different start")  # B goes over the bound: only B's oldest is evicted
+        assert len(store.records(a)) == 1 and store.tenant_tokens(b) <= 100
+        assert store.num_tokens > 100  # the bound is per tenant, not global
+        warm = run(KEYS[0], "The quick brown fox")  # A's first answer is still indexed
+        assert warm >= cold + 20, (cold, warm)
+        for prompt in ("Pack my box", "Sphinx of black quartz", "How vexingly quick"):
+            run(KEYS[0], prompt)  # A's own traffic evicts A's oldest requests
+            assert store.tenant_tokens(a) <= 100
+        assert all("fox" not in llm.tokenizer.decode(list(r.tokens)) for r in store.records(a))
+    assert len(store.records(b)) >= 1 and store.tenant_tokens(b) <= 100

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from treedraft.drafters.hybrid import HybridDrafter
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter
+from treedraft.drafters.registry import DrafterOptions
 from treedraft.drafters.suffix import (
     SuffixDrafter,
     make_suffix_drafter,
@@ -22,6 +24,7 @@ from treedraft.drafters.suffix_index import SEP, SuffixIndex, brute_force_contin
 from treedraft.drafters.suffix_store import SuffixStore, encode_record
 from treedraft.engine import GenerationStats
 from treedraft.interfaces import DraftContext
+from treedraft.tree import TokenTree
 
 seqs_st = st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=30), min_size=1, max_size=6)
 
@@ -56,6 +59,9 @@ def test_index_longest_match_and_tree_counts(seqs: list[list[int]], ctx: list[in
     idx = SuffixIndex.from_sequences(seqs)
     m, nxt = idx.match(ctx, max_len)
     assert m == brute_longest(seqs, ctx, max_len)
+    for min_len in (2, 3):  # seeded from the rarest of the last min_len tokens: the same answer, or none
+        m2, nxt2 = idx.match(ctx, max_len, min_len)
+        assert (m2, nxt2.tolist()) == ((m, nxt.tolist()) if m >= min_len else (0, []))
     if m == 0:
         return
     # every node's path probability is the empirical one: count(pattern + path) / count(pattern)
@@ -121,6 +127,78 @@ def test_hybrid_merges_suffix_with_prompt_lookup() -> None:
     h = HybridDrafter([PromptLookupDrafter(), SuffixDrafter(store)])
     tree = h.propose(DraftContext([9, 1, 2, 3], None, 8, 8, 1))
     assert tree.tokens[:4] == (3, 4, 5, 6)
+
+
+@dataclass
+class FixedTree:
+    """Stands in for Medusa in a hybrid: always the same one-level tree of ``width`` children."""
+
+    width: int
+    name: str = "fixed"
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        return TokenTree.from_sequences(ctx.root, [[1000 + i] for i in range(self.width)], max_nodes=ctx.max_nodes)
+
+
+def tree_paths(t: TokenTree) -> set[tuple[int, ...]]:
+    """Every root-to-node token path of a tree (root excluded)."""
+    return {tuple(t.tokens[j] for j in t.path_to(i)[1:]) for i in range(1, len(t))}
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seqs=seqs_st,
+    ctx=st.lists(st.integers(0, 4), min_size=1, max_size=20),
+    max_nodes=st.integers(1, 16),
+    max_depth=st.integers(1, 6),
+    width=st.integers(0, 10),
+    lead_score=st.sampled_from([0.5, 2.0, float("inf")]),
+)
+def test_hybrid_with_suffix_is_one_valid_tree_within_budget(seqs, ctx, max_nodes, max_depth, width, lead_score) -> None:
+    store = SuffixStore()
+    for s_ in seqs:
+        store.add(s_)
+    members = [FixedTree(width), PromptLookupDrafter(), SuffixDrafter(store, min_prob=0.0)]
+    h = HybridDrafter(members, lead_score=lead_score)
+    dc = DraftContext(list(ctx), None, max_nodes, max_depth, 1)
+    tree = h.propose(dc)  # TokenTree checks the trie rules (parents first, no duplicate siblings)
+    assert tree.tokens[0] == ctx[-1] and len(tree) <= max_nodes and max(tree.depths()) <= max_depth
+    # nothing invented: every path is one a member proposed
+    proposed = set().union(*(tree_paths(m.propose(dc)) for m in members))
+    assert tree_paths(tree) <= proposed
+    # nothing wasted: the budget is filled as far as the members' union allows
+    assert len(tree) == min(max_nodes, 1 + len(proposed))
+
+
+def test_a_confident_suffix_tree_leads_the_hybrid_budget() -> None:
+    store = SuffixStore()
+    store.add(list(range(100, 140)))  # a passage seen in an earlier request
+    ctx = DraftContext([5, *range(100, 120)], None, 12, 24, 1)  # repeating it: a 20-token match
+    suffix = SuffixDrafter(store, use_local=False)
+    assert suffix.propose_scored(ctx)[1] >= 2.0
+    h = HybridDrafter([FixedTree(10), PromptLookupDrafter(), suffix])
+    tree = h.propose(ctx)
+    assert tree.tokens[1:] == tuple(range(120, 131))  # the suffix chain takes all 11 draft slots
+    h.lead_score = float("inf")  # never lead: the wide tree comes first and the chain is cut to one node
+    assert h.propose(ctx).tokens[1:] == (*range(1000, 1010), 120)
+
+
+def test_hybrid_suffix_is_registered_and_records_into_the_options_store(tmp_path: Path) -> None:
+    from treedraft.drafters import registry
+    from treedraft.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
+    from treedraft.models.tiny import tiny_llama
+
+    m = tiny_llama()
+    MedusaHeads(MedusaConfig("tiny", m.hidden_size, m.vocab_size), m.lm_head.weight).save(tmp_path / "heads")
+    store = open_suffix_store()
+    opts = registry.DrafterOptions("tiny", heads=str(tmp_path / "heads"), suffix_store=store, tenant="t")
+    d = registry.build("hybrid-suffix", m, None, opts)
+    assert isinstance(d, HybridDrafter) and d.name == "hybrid-suffix"
+    assert [type(x) for x in d.drafters] == [MedusaDrafter, PromptLookupDrafter, SuffixDrafter]  # one tree of all
+    member = d.drafters[2]
+    assert member.store is store and member.tenant == "t" and member.min_match == 2
+    d.for_tenant("u").finish([1, 2], [3, 4])
+    assert [(r.tenant, list(r.tokens)) for r in store.records()] == [("u", [1, 2, 3, 4])]
 
 
 def test_make_suffix_drafter_rejects_unknown_options() -> None:
@@ -221,6 +299,25 @@ def test_eviction_keeps_the_bound_and_drops_the_oldest(tmp_path: Path) -> None:
     assert SuffixStore(tmp_path, max_tokens=30).num_tokens <= 30  # a smaller bound applies on load
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_each_tenant_is_bounded_and_evicts_only_its_own_oldest(tmp_path: Path, share: bool) -> None:
+    st_ = SuffixStore(tmp_path, max_tokens=50, share=share)
+    st_.add([900] * 40, "bob")  # bob's only request: far below the bound
+    st_.index_for("bob")  # built before alice's adds: her evictions must not touch it
+    for i in range(30):
+        st_.add([i] * 7, "alice")
+        assert st_.tenant_tokens("alice") <= 50 and st_.tenant_tokens("bob") == 40
+    assert [list(r.tokens) for r in st_.records("bob")] == [[900] * 40]  # alice never evicted bob
+    kept = [int(r.tokens[0]) for r in st_.records("alice")]
+    assert kept == list(range(30 - len(kept), 30)) and st_.tenant_tokens("alice") > 40  # her own oldest went
+    assert st_.num_tokens == st_.tenant_tokens("alice") + 40
+    assert st_.index_for("bob").continuations([900]) == {900: 39}
+    assert st_.index_for("alice").continuations([0]) == {}  # evicted from her index too
+    st_.close()
+    again = SuffixStore(tmp_path, max_tokens=30, share=share)  # a smaller bound on load: each tenant trimmed
+    assert again.tenant_tokens("bob") == 0 and 0 < again.tenant_tokens("alice") <= 30
+
+
 def test_tenants_are_isolated_unless_shared(tmp_path: Path) -> None:
     st_ = SuffixStore(tmp_path)
     st_.add([1, 2, 3, 4, 5], "alice")
@@ -287,3 +384,19 @@ def test_real_model_greedy_equal_plain_and_warm_index_accepts(smollm, tmp_path: 
     # and the store survives a restart
     store.close()
     assert SuffixStore(tmp_path).index_for("t1").continuations(plain.token_ids[:3]) != {}
+
+
+@pytest.mark.slow
+def test_real_model_default_includes_suffix_and_greedy_equals_plain(smollm) -> None:
+    from treedraft.drafters import registry
+
+    store = SuffixStore()  # its own store: the LLM's is counted by the test above
+    d = registry.build("default", smollm.model, smollm.tokenizer, DrafterOptions(smollm.model_name, suffix_store=store))
+    assert isinstance(d, HybridDrafter) and any(isinstance(m, SuffixDrafter) for m in d.drafters)
+    for prompt in ("Write a haiku about autumn leaves.",):
+        plain = smollm.generate(prompt, drafter=None, max_new_tokens=40).token_ids
+        cold, warm = GenerationStats(), GenerationStats()
+        for stats in (cold, warm):  # the first run is recorded by the engine; the second drafts from it
+            out = [t for c in smollm.stream(prompt, drafter=d, stats=stats, max_new_tokens=40) for t in c.token_ids]
+            assert out == plain
+        assert warm.mean_accepted_length > cold.mean_accepted_length + 1.0, (cold.mean_accepted_length, warm)

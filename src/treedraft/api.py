@@ -180,15 +180,16 @@ def load(
 ) -> LLM:
     """Load a target model by registry name, GGUF path or HF directory.
 
-    drafter: 'default' (hybrid: Medusa heads + prompt lookup when heads are shipped for this model or
-    given, else prompt lookup), a drafter name (see ``treedraft.drafters.names()``), or None / 'none'
+    drafter: 'default' (hybrid-suffix: Medusa heads + prompt lookup + suffix branches from earlier outputs,
+    when heads are shipped for this model or given, else prompt lookup), a drafter name (see ``treedraft.drafters.names()``), or None / 'none'
     for plain decoding.
     runtime: 'own' (compact Llama module), 'hf' (transformers adapter) or 'auto'.
     weights: 'fp32', 'int8', 'int4' (the GGUF's own 4-bit blocks) or 'auto' (the fastest measured on this
     machine whose quality check passes; see treedraft.models.quant_load). int4/int8: own runtime, cpu, fp32.
     suffix_store: directory where drafter ``suffix`` keeps earlier outputs across restarts (None: in memory,
-    for this LLM's lifetime); suffix_max_tokens bounds it (oldest requests evicted); suffix_share lets every
-    tenant draft from every other tenant's outputs (default: each tenant only from its own, see README).
+    for this LLM's lifetime); suffix_max_tokens bounds what each tenant keeps (its own oldest requests are
+    evicted, never another tenant's); suffix_share lets every tenant draft from every other tenant's outputs
+    (default: each tenant only from its own, see README).
     """
     from .drafters.suffix import open_suffix_store
 

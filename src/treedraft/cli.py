@@ -48,7 +48,7 @@ def add_suffix_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1_000_000,
         metavar="N",
-        help="drafter suffix: tokens kept at most, oldest requests evicted first",
+        help="drafter suffix: tokens kept at most per tenant, that tenant's oldest requests evicted first",
     )
     p.add_argument(
         "--suffix-share",

@@ -1,8 +1,12 @@
 """Union of several drafters' trees: one verify pass scores all of their guesses.
 
-Trees are merged as tries (a shared prefix is verified once). The first drafter's
-tree keeps its node order; later drafters' nodes are appended while the budget
-allows, so the budget favours the first drafter.
+Trees are merged as tries (a shared prefix is verified once) under the engine's node budget. The
+first tree keeps its node order; later trees' nodes are appended while the budget allows, so the
+budget favours the first tree. Which tree is first is decided per step: a member that can say how
+many tokens its tree is expected to get accepted (``propose_scored``, e.g. ``suffix``: the sum of its
+nodes' empirical path probabilities) *leads* when that is at least ``lead_score``; everyone else
+keeps the given order. So a suffix tree following a passage seen before (a long, confident chain)
+is not cut to fit behind the Medusa tree, and a weak one only fills what the others left.
 
 Only deterministic trees (no ``child_q``) can be merged: a node whose children were
 *sampled* would, in the union, also get other drafters' children (and lose its q),
@@ -55,9 +59,21 @@ def merge_trees(trees: Sequence[TokenTree], max_nodes: int) -> TokenTree:
 class HybridDrafter:
     drafters: list[Drafter] = field(default_factory=list)
     name: str = "hybrid"
+    lead_score: float = 2.0  # a scored member expecting at least this many accepted tokens goes first
 
     def propose(self, ctx: DraftContext) -> TokenTree:
-        trees = [d.propose(ctx) for d in self.drafters]
+        """The members' trees merged into one of at most ``ctx.max_nodes`` nodes (confident scored trees first)."""
+        trees: list[TokenTree] = []
+        lead: list[tuple[float, int]] = []  # (-score, member index) of the members that lead this step
+        for i, d in enumerate(self.drafters):
+            scored = getattr(d, "propose_scored", None)
+            if callable(scored):
+                t, score = scored(ctx)
+                if score >= self.lead_score:
+                    lead.append((-score, i))
+            else:
+                t = d.propose(ctx)
+            trees.append(t)
         for d, t in zip(self.drafters, trees):
             if isinstance(t, TokenTree) and t.child_q:
                 name = getattr(d, "name", type(d).__name__)
@@ -66,7 +82,9 @@ class HybridDrafter:
                     "can only merge deterministic trees (merging would verify sampled children as "
                     f"deterministic, which is not lossless): use {name!r} on its own, or in top-k mode"
                 )
-        return merge_trees(trees, ctx.max_nodes)
+        first = [i for _, i in sorted(lead)]
+        order = first + [i for i in range(len(trees)) if i not in first]
+        return merge_trees([trees[i] for i in order], ctx.max_nodes)
 
     def for_tenant(self, tenant: str) -> HybridDrafter:
         """The same union with every member that keeps per-tenant state (e.g. ``suffix``) bound to ``tenant``."""

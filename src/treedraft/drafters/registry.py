@@ -72,7 +72,7 @@ def choices() -> tuple[str, ...]:
 def describe() -> str:
     """One line per choice, for --help texts."""
     return "; ".join(
-        [f"{DEFAULT}: hybrid when Medusa heads exist for the model, else prompt-lookup"]
+        [f"{DEFAULT}: hybrid-suffix when Medusa heads exist for the model, else prompt-lookup"]
         + [f"{e.name}: {e.help}" for e in _REGISTRY.values()]
         + [f"{a} = {n}" for a, n in ALIASES.items()]
     )
@@ -96,12 +96,15 @@ def heads_dir(options: DrafterOptions) -> Path | None:
 
 
 def default_name(options: DrafterOptions) -> str:
-    """What "default" means: hybrid (Medusa heads + prompt lookup) when heads exist, else prompt-lookup.
+    """What "default" means: hybrid-suffix (Medusa heads + prompt lookup + suffix) when heads exist, else
+    prompt-lookup.
 
     Measured on the 80 MT-Bench first turns, 256 new tokens (benchmarks/results/bench-mtbench80):
-    hybrid 1.45x plain decoding against 1.18x for Medusa alone, with the same outputs.
+    hybrid 1.45x plain decoding against 1.18x for Medusa alone, with the same outputs. The suffix
+    branches cost nothing measurable with a cold index and pay on repeated work
+    (benchmarks/results/suffix_repeated-10x128).
     """
-    return "hybrid" if heads_dir(options) is not None else "prompt-lookup"
+    return "hybrid-suffix" if heads_dir(options) is not None else "prompt-lookup"
 
 
 def build(
@@ -170,6 +173,15 @@ def _hybrid(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Dra
     return HybridDrafter([_medusa(target, tokenizer, options), _prompt_lookup(target, tokenizer, options)])
 
 
+def _hybrid_suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
+    from .hybrid import HybridDrafter
+    from .suffix import make_suffix_drafter
+
+    # min_match=2: one-token matches are prompt lookup's; it also keeps a lookup cheap (SuffixIndex.match)
+    suffix = make_suffix_drafter(options.suffix_store, options.tenant, min_match=2)
+    return HybridDrafter([*_hybrid(target, tokenizer, options).drafters, suffix], name="hybrid-suffix")
+
+
 def _suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
     from .suffix import make_suffix_drafter
 
@@ -180,6 +192,7 @@ register(NONE, _none, "plain decoding, no drafts")
 register("prompt-lookup", _prompt_lookup, "continuations of earlier n-gram matches in the context")
 register("medusa", _medusa, "Medusa heads on the target's hidden state (--heads, or the shipped ones)")
 register("hybrid", _hybrid, "Medusa tree + prompt-lookup branches, verified in one pass")
+register("hybrid-suffix", _hybrid_suffix, "hybrid + suffix branches (earlier outputs), one tree")
 register(
     "suffix",
     _suffix,

@@ -45,7 +45,9 @@ class SuffixDrafter:
     max_depth: int = 24
     min_prob: float = 0.1  # drop continuations rarer than this (empirical path probability)
     max_match: int = 64  # longest context suffix that is matched
-    min_match: int = 1
+    min_match: int = 1  # shorter matches draft nothing; >= 2 also makes a lookup cheap (see SuffixIndex.match)
+    max_occurrences: int = 4096  # per lookup: at most this many (most recent) occurrences are narrowed
+    expand_occurrences: int = 256  # per tree node: continuation counts from at most this many occurrences
     prompt_context: int | None = 32  # prompt tokens recorded ahead of the output (None = the whole prompt)
     use_local: bool = True
     auto_record: bool = True
@@ -58,6 +60,12 @@ class SuffixDrafter:
     def __post_init__(self) -> None:
         if self.alpha <= 0 or self.max_spec_tokens < 1 or self.max_depth < 1 or self.max_match < 1:
             raise ValueError("alpha must be > 0 and max_spec_tokens, max_depth, max_match >= 1")
+        if not 1 <= self.min_match <= self.max_match or self.max_occurrences < 1 or self.expand_occurrences < 1:
+            raise ValueError(
+                f"need 1 <= min_match <= max_match and max_occurrences, expand_occurrences >= 1; got min_match="
+                f"{self.min_match}, max_match={self.max_match}, max_occurrences={self.max_occurrences}, "
+                f"expand_occurrences={self.expand_occurrences}"
+            )
         if not 0.0 <= self.min_prob <= 1.0:
             raise ValueError(f"min_prob must be in [0, 1], got {self.min_prob}")
 
@@ -99,14 +107,21 @@ class SuffixDrafter:
     # ---- drafting --------------------------------------------------------------
     def paths(self, index: SuffixIndex, context: Sequence[int], max_nodes: int, max_depth: int) -> DraftPaths:
         """Match ``context`` in ``index`` and expand a tree sized by the match length."""
-        m, nxt = index.match(context, self.max_match)
+        m, nxt = index.match(context, self.max_match, self.min_match, self.max_occurrences)
         if m < self.min_match:
             return DraftPaths([], [], [], m)
         size = min(max_nodes, self.max_spec_tokens, max(1, math.floor(self.alpha * m)))
-        return index.expand(nxt, m, size, min(max_depth, self.max_depth), self.min_prob)
+        return index.expand(nxt, m, size, min(max_depth, self.max_depth), self.min_prob, self.expand_occurrences)
 
     def propose(self, ctx: DraftContext) -> TokenTree:
         """A tree rooted at ctx.root: the better of the request's and the store's continuation trees."""
+        return self.propose_scored(ctx)[0]
+
+    def propose_scored(self, ctx: DraftContext) -> tuple[TokenTree, float]:
+        """:meth:`propose`'s tree and its score: the expected number of accepted tokens under the empirical model.
+
+        The hybrid drafter uses the score to decide whose branches come first under the node budget.
+        """
         self._sync(ctx)
         budget, depth = ctx.max_nodes - 1, ctx.max_depth
         best = DraftPaths([], [], [], 0)
@@ -119,7 +134,7 @@ class SuffixDrafter:
                     g = self.paths(index, ctx.tokens, budget, depth)
                 if g.score > best.score:
                     best = g
-        return TokenTree((int(ctx.root), *best.tokens), (-1, *(p + 1 for p in best.parents)))
+        return TokenTree((int(ctx.root), *best.tokens), (-1, *(p + 1 for p in best.parents))), best.score
 
 
 def tenant_id(api_key: str | None = None, user: str | None = None) -> str:

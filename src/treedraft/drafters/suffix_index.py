@@ -12,8 +12,11 @@ of continuations, i.e. a walk down the (implicit) suffix tree of SuffixDecoding 
 Against a pure-Python suffix automaton (the other candidate) this holds ~12 bytes per token at 10^6
 tokens instead of ~415, builds 10x faster (0.35 s against 3.4 s for 10^5 tokens), appends in O(1) per
 token (the automaton's occurrence counts would need a pass over its suffix links after each batch), and
-a lookup costs O(occurrences of the last token), vectorised: median 0.16 ms, a whole draft (match +
-tree) median 0.47 ms at 10^6 tokens on a 2-core machine at load 14 (benchmarks/results/suffix_bench.md).
+a lookup costs O(occurrences of the rarest of the last ``min_len`` tokens), vectorised. The drafter bounds
+the work per step (at most 4096 seed occurrences, 256 per tree node, small sets grouped in plain Python):
+at 10^6 tokens a whole draft (match + tree) takes median 0.19 ms, p90 0.40 ms (p90 1.3 ms uncapped), and
+with ``min_len=2`` (the default drafter's suffix member) median 0.08 ms, p90 0.27 ms, on a loaded 2-core
+machine (benchmarks/results/suffix_bench.md).
 Matches never cross a separator, so one sequence's end never continues into the next one.
 """
 
@@ -141,21 +144,38 @@ class SuffixIndex:
         buf = self._pos.get(int(tok))
         return buf[: self._cnt[int(tok)]] if buf is not None else np.empty(0, dtype=np.int32)
 
-    def match(self, context: Sequence[int], max_len: int = 64) -> tuple[int, np.ndarray]:
-        """Longest suffix of ``context`` (<= max_len tokens) that occurs followed by a token.
+    def match(
+        self, context: Sequence[int], max_len: int = 64, min_len: int = 1, max_occurrences: int | None = None
+    ) -> tuple[int, np.ndarray]:
+        """Longest suffix of ``context`` (``min_len`` .. ``max_len`` tokens) that occurs followed by a token.
 
-        Returns (m, nxt): m = its length (0 if even the last token never occurs with a successor) and
+        Returns (m, nxt): m = its length (0 if no suffix of ``min_len`` tokens occurs with a successor) and
         nxt = (k,) ascending positions right after each of its occurrences (where the continuation starts).
+
+        Cost: the occurrences of the last ``min_len`` tokens are seeded from the *rarest* of those tokens,
+        so ``min_len >= 2`` avoids scanning every occurrence of a frequent last token (" the", a newline).
+        ``max_occurrences`` keeps only that many of the most recent seed occurrences (a bound on the work
+        per lookup; None = all, exact).
         """
-        if not context or max_len < 1:
+        if not context or max_len < 1 or min_len > min(max_len, len(context)):
             return 0, np.empty(0, dtype=np.int64)
+        min_len = max(1, min_len)
         text = self.text
-        nxt = self.positions(context[-1]).astype(np.int64) + 1
-        nxt = nxt[nxt < self._n]
-        nxt = nxt[text[nxt] != SEP]
+        # seed: occurrences of the rarest of the last min_len tokens, shifted to "right after the suffix"
+        w = min(min_len, len(context))
+        j = min(range(w), key=lambda i: self._cnt.get(int(context[-1 - i]), 0))
+        nxt = self.positions(context[-1 - j]).astype(np.int64) + (j + 1)
+        if max_occurrences is not None and nxt.size > max_occurrences:
+            nxt = nxt[-max_occurrences:]  # the most recent ones
+        nxt = nxt[(nxt - w >= 0) & (nxt < self._n)]
+        for i in range(w):  # all of the last w tokens must match (no separator inside: SEP is never a token)
+            if i != j and nxt.size:
+                nxt = nxt[text[nxt - 1 - i] == context[-1 - i]]
+        if nxt.size:
+            nxt = nxt[text[nxt] != SEP]
         if nxt.size == 0:
             return 0, nxt
-        m = 1
+        m = w
         limit = min(max_len, len(context))
         while m < limit:
             back = nxt - 1 - m  # the token m+1 places before the continuation
@@ -198,15 +218,31 @@ class SuffixIndex:
         probs: list[float] = []
         if max_nodes < 1 or max_depth < 1 or nxt.size == 0:
             return DraftPaths(tokens, parents, probs, match_len)
-        text = self.text
+        text, n = self.text, self._n
         heap: list[tuple[float, int, int, int, np.ndarray]] = []  # (-prob, tiebreak, parent, depth, positions)
         tick = 0
 
         def push_children(pos: np.ndarray, parent: int, depth: int, prob: float) -> None:
             nonlocal tick
+            if depth >= max_depth:
+                return
             pos = pos[-max_occurrences:]
-            pos = pos[pos < self._n]
-            if pos.size == 0 or depth >= max_depth:
+            if pos.size <= 32:  # a long match has few occurrences: plain Python beats numpy's call overhead
+                live_pos = [q for q in pos.tolist() if q < n]
+                total = len(live_pos)  # occurrences that end here (SEP) keep their share: they continue nowhere
+                groups: dict[int, list[int]] = {}
+                for q in live_pos:
+                    t = int(text[q])
+                    if t != SEP:
+                        groups.setdefault(t, []).append(q + 1)
+                for t in sorted(groups):  # the same order as the numpy path (by token id)
+                    p = prob * len(groups[t]) / total
+                    if p >= min_prob:
+                        tick += 1
+                        heapq.heappush(heap, (-p, tick, parent, depth + 1, np.asarray(groups[t], dtype=np.int64)))
+                return
+            pos = pos[pos < n]
+            if pos.size == 0:
                 return
             nt = text[pos]
             total = pos.size  # occurrences that end here (SEP) keep their share: they continue nowhere

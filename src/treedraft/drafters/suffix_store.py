@@ -18,8 +18,11 @@ is generated (verification is exact), but it changes how fast: a tenant who sees
 out unusually fast learns that someone else generated it before, a timing side channel. So sharing
 across tenants is an operator's explicit choice.
 
-Bound: at most ``max_tokens`` tokens are kept across all tenants; beyond that the oldest requests are
-evicted (down to 90% of the bound, so eviction and the index rebuild it needs are amortised).
+Bound, per tenant: each tenant keeps at most ``max_tokens`` tokens; beyond that *its own* oldest requests
+are evicted (down to 90% of the bound, so eviction and the index rebuild it needs are amortised). One
+tenant's traffic never evicts another's records (with ``share=True`` too: the bound is still counted per
+tenant, the shared index is rebuilt from what every tenant kept). So memory grows with the number of
+tenants, at most ``max_tokens`` each (~12 bytes per token in the index, 4 in the records).
 """
 
 from __future__ import annotations
@@ -148,8 +151,9 @@ class SuffixStore:
         self.path = Path(path) if path is not None else None
         self.max_tokens, self.share, self.fsync = max_tokens, share, fsync
         self.snapshot_every = snapshot_every
-        self._records: deque[Record] = deque()
+        self._records: deque[Record] = deque()  # every tenant's, oldest first
         self._tokens = 0
+        self._tenant_tokens: dict[str, int] = {}
         self._seq = 0
         self._since_snapshot = 0
         self._indices: dict[str, SuffixIndex] = {}
@@ -168,6 +172,10 @@ class SuffixStore:
     def num_tokens(self) -> int:
         """Tokens held (all tenants)."""
         return self._tokens
+
+    def tenant_tokens(self, tenant: str = "") -> int:
+        """Tokens held for one tenant (each is bounded by ``max_tokens``)."""
+        return self._tenant_tokens.get(tenant, 0)
 
     def records(self, tenant: str | None = None) -> list[Record]:
         """Live records, oldest first (of one tenant, or all)."""
@@ -202,12 +210,11 @@ class SuffixStore:
                 self._log.flush()
                 if self.fsync:
                     os.fsync(self._log.fileno())
-            self._records.append(rec)
-            self._tokens += len(toks)
+            self._append(rec)
             idx = self._indices.get(SHARED if self.share else tenant)
             if idx is not None:
                 idx.add_sequence(toks)
-            evicted = self._evict()
+            evicted = self._evict(tenant)
             self._since_snapshot += 1
             if self.path is not None and (evicted or self._since_snapshot >= self.snapshot_every):
                 self._snapshot()
@@ -228,13 +235,27 @@ class SuffixStore:
                 self._log = None
 
     # ---- internals --------------------------------------------------------
-    def _evict(self) -> bool:
-        if self._tokens <= self.max_tokens:
+    def _append(self, rec: Record) -> None:
+        self._records.append(rec)
+        self._tokens += len(rec.tokens)
+        self._tenant_tokens[rec.tenant] = self._tenant_tokens.get(rec.tenant, 0) + len(rec.tokens)
+
+    def _evict(self, tenant: str) -> bool:
+        """Drop ``tenant``'s oldest records (only its own) down to 90% of the bound once it is over it."""
+        have = self._tenant_tokens.get(tenant, 0)
+        if have <= self.max_tokens:
             return False
         low = int(self.max_tokens * 0.9)
-        while self._records and self._tokens > low:
-            self._tokens -= len(self._records.popleft().tokens)
-        self._indices.clear()  # rebuilt lazily from the remaining records
+        kept: deque[Record] = deque()
+        for r in self._records:  # O(records), amortised: the next eviction is >= 10% of the bound away
+            if r.tenant == tenant and have > low:
+                have -= len(r.tokens)
+                self._tokens -= len(r.tokens)
+            else:
+                kept.append(r)
+        self._records = kept
+        self._tenant_tokens[tenant] = have
+        self._indices.pop(SHARED if self.share else tenant, None)  # rebuilt lazily from what is left
         return True
 
     def _snapshot(self) -> None:
@@ -285,10 +306,9 @@ class SuffixStore:
         for r in sorted(recs, key=lambda r: r.seq):
             if r.seq not in seen:
                 seen.add(r.seq)
-                self._records.append(r)
-                self._tokens += len(r.tokens)
+                self._append(r)
         self._seq = max([last_snap, *seen]) if seen else last_snap
-        evicted = self._evict()
+        evicted = any([self._evict(t) for t in list(self._tenant_tokens)])  # a smaller bound than last time
         if damaged or evicted or not log.is_file():
             self._snapshot()  # rewrite clean files so damage is reported once
         else:
