@@ -247,6 +247,7 @@ class Engine:
         cache.keep(0, range(len(prompt)))
         root = self._pick(logits[0, -1], cfg.sampling, gen)
         last_hidden = None if hidden is None else hidden[0, -1]
+        acc_hidden = None if hidden is None else hidden[0]  # features committed since the last propose
         stats.t_prefill = time.perf_counter() - t0
         t_start = time.perf_counter()
         tokens = prompt + [root]
@@ -260,7 +261,7 @@ class Engine:
                 budget = min(cfg.max_tree_nodes, model.max_seq_len - cache.length)
                 max_depth = max_new - n_out - 1  # the bonus token takes one slot of the budget
                 if drafter is not None and budget > 1 and max_depth > 0:
-                    ctx = DraftContext(tokens, last_hidden, budget, max_depth, len(prompt))
+                    ctx = DraftContext(tokens, last_hidden, budget, max_depth, len(prompt), acc_hidden)
                     name = getattr(drafter, "name", type(drafter).__name__)
                     try:
                         tree = drafter.propose(ctx)
@@ -285,6 +286,7 @@ class Engine:
                     acc_nodes, bonus = a.nodes, a.bonus
                 cache.keep(start, list(acc_nodes))
                 last_hidden = None if hidden is None else hidden[0, acc_nodes[-1]]
+                acc_hidden = None if hidden is None else hidden[0, list(acc_nodes)]
                 new = [tree.tokens[i] for i in acc_nodes[1:]] + [bonus]  # accepted drafts + the next root
                 tokens.extend(new)
                 te = time.perf_counter()
