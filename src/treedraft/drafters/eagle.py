@@ -236,10 +236,19 @@ class EagleDrafter:
     name = "eagle"
 
     def __init__(
-        self, net: EagleNet, max_len: int = 4096, depth: int | None = None, topk: int | None = None, nodes=None
+        self,
+        net: EagleNet,
+        max_len: int = 4096,
+        depth: int | None = None,
+        topk: int | None = None,
+        nodes: int | None = None,
+        project=None,
     ) -> None:
+        """project: optional (rows, H) -> (rows, V) full-vocabulary logits used instead of the net's float
+        (draft-vocabulary) projection, e.g. the target's own quantized lm_head (see :func:`fast_projection`)."""
         c = net.config
         self.net = net
+        self.project = project
         self.depth = depth or c.depth
         self.topk = topk or c.topk
         self.nodes = c.nodes if nodes is None else nodes
@@ -293,13 +302,13 @@ class EagleDrafter:
         if budget < 1 or depth < 1:
             return TokenTree((ctx.root,), (-1,))
         net, k, r = self.net, self.topk, len(ctx.tokens) - 1
-        vm = net.vocab_map
+        vm = None if self.project is not None else net.vocab_map
         # candidate nodes (root = 0): token, parent, cumulative log-prob, depth; slot = draft cache slot if expanded
         tok, par, score, dep = [ctx.root], [-1], [0.0], [0]
         slot_of: dict[int, int] = {}
         feat_of: dict[int, Tensor] = {0: f_root}
         base = self.cache.length
-        lp = torch.log_softmax(net.logits(f_root), -1)
+        lp = torch.log_softmax(self._logits(f_root[None]), -1)[0]
         frontier = self._children(0, lp, k, tok, par, score, dep, vm)
         dev = f_root.device
         for d in range(1, depth):
@@ -320,7 +329,7 @@ class EagleDrafter:
             out = net(feats, toks, pos, self.cache, start, mask)[0]  # (e, H)
             for row, i in enumerate(expand):
                 slot_of[i], feat_of[i] = start + row, out[row]
-            lps = torch.log_softmax(net.logits(out), -1)  # (e, V')
+            lps = torch.log_softmax(self._logits(out), -1)  # (e, V')
             frontier = [
                 c for row, i in enumerate(expand) for c in self._children(i, lps[row], k, tok, par, score, dep, vm)
             ]
@@ -334,6 +343,12 @@ class EagleDrafter:
             tokens.append(tok[i])
             parents.append(new[par[i]])
         return TokenTree(tuple(tokens), tuple(parents))
+
+    def _logits(self, f: Tensor) -> Tensor:
+        """(rows, H) predicted features -> (rows, V') float32 draft scores."""
+        if self.project is not None:
+            return self.project(f.to(self.net.lm_weight.dtype)).float()
+        return self.net.logits(f)
 
     @staticmethod
     def _children(i, lp, k, tok, par, score, dep, vm) -> list[int]:
@@ -354,4 +369,13 @@ class EagleDrafter:
     def for_target(target: TargetModel, d: str | Path, model_name: str | None = None) -> EagleDrafter:
         """Load the drafter in ``d`` for ``target`` (EagleMismatchError if trained for another model)."""
         net = EagleNet.load(d, target, model_name)
-        return EagleDrafter(net, max_len=getattr(target, "max_seq_len", 4096) or 4096)
+        return EagleDrafter(net, max_len=getattr(target, "max_seq_len", 4096) or 4096, project=fast_projection(target))
+
+
+def fast_projection(target: TargetModel):
+    """The target's own lm_head when it is a quantized native linear (measured here: the full 49k-token
+    int4 lm_head costs 17-32 ms for 1-8 rows against 22-69 ms for a float32 16k-token subset), else None."""
+    from ..models.quant import QuantLinear
+
+    lm = getattr(target, "lm_head", None)
+    return lm if isinstance(lm, QuantLinear) else None
