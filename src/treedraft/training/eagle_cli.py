@@ -45,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--eval-unroll", type=int, default=d.eval_unroll, help="depths measured on the held-out split")
     t.add_argument("--heldout", type=float, default=d.heldout, help="fraction of sequences held out")
     t.add_argument("--init-from-target", action="store_true", help="start the layer as the target's last layer")
+    t.add_argument("--init-from", default=None, help="start from an earlier drafter directory's weights")
     t.add_argument("--depth", type=int, default=6, help="tree depth stored with the drafter")
     t.add_argument("--topk", type=int, default=8, help="tree branching stored with the drafter")
     t.add_argument("--nodes", type=int, default=0, help="draft nodes per tree stored with the drafter (0 = budget)")
@@ -136,7 +137,9 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
         seed=a.seed,
     )
     out = Path(a.out)
-    net, report = train_eagle(data, llm.model, cfg, tcfg, out / "ckpt", init_from_target=a.init_from_target)
+    net, report = train_eagle(
+        data, llm.model, cfg, tcfg, out / "ckpt", init_from_target=a.init_from_target, init_from=a.init_from
+    )
     meta_file = data / "meta.json"
     report.update(
         data=str(data),
@@ -144,6 +147,7 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
         weights=getattr(llm.model, "weights_info", None) and str(a.weights),
         train_config=tcfg.__dict__,
         init_from_target=a.init_from_target,
+        init_from=a.init_from,
         data_seconds=round(t_data, 1),
     )
     from dataclasses import replace

@@ -207,8 +207,11 @@ def train_eagle(
     ckpt_dir: str | Path,
     init_from_target: bool = False,
     progress: bool = True,
+    init_from: str | Path | None = None,
 ) -> tuple[EagleNet, dict]:
-    """Train (resumably, from ``ckpt_dir``) an EAGLE drafter for ``target``; returns it and a report."""
+    """Train (resumably, from ``ckpt_dir``) an EAGLE drafter for ``target``; returns it and a report.
+
+    init_from: start from the weights of an earlier drafter directory (e.g. trained on part of the data)."""
     from tqdm import tqdm
 
     torch.manual_seed(tcfg.seed)
@@ -219,6 +222,13 @@ def train_eagle(
     vm = frequency_vocab(data["tokens"], cfg.vocab_size) if cfg.draft_vocab else None
     net = EagleNet(cfg, target.input_embedding_weight(), target.output_projection_weight(), vm)
     init_weights(net, target if init_from_target else None)
+    if init_from is not None:
+        from safetensors.torch import load_file
+
+        sd = {
+            k: v.float() for k, v in load_file(str(Path(init_from) / "eagle.safetensors")).items() if k != "vocab_map"
+        }
+        net.load_state_dict(sd)
     train_spans, held = split_spans(sequence_spans(data["seq"]), tcfg.heldout)
     batches = make_batches(train_spans, tcfg.tokens_per_batch)
     opt = torch.optim.AdamW(net.parameters(), lr=tcfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -231,7 +241,7 @@ def train_eagle(
 
     ckpt_dir = Path(ckpt_dir)
     ck = ckpt_dir / "eagle_ckpt.pt"
-    key = {"cfg": asdict(cfg), "tcfg": asdict(tcfg), "rows": int(len(data["seq"]))}
+    key = {"cfg": asdict(cfg), "tcfg": asdict(tcfg), "rows": int(len(data["seq"])), "init_from": str(init_from)}
     step, report = 0, {"epochs": [], "train_rows": sum(b - a for a, b in train_spans), "heldout_sequences": len(held)}
     if ck.is_file():
         st = torch.load(ck, weights_only=False)
