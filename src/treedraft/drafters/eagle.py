@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ..interfaces import DraftContext, TargetModel
-from ..models.llama import Block, KVCache, LlamaConfig, rope_frequencies
+from ..models.llama import Block, KVCache, LlamaConfig, RMSNorm, rope_frequencies
 from ..tree import TokenTree
 
 EAGLE_JSON = "eagle.json"
@@ -115,6 +115,10 @@ class EagleNet(nn.Module):
         super().__init__()
         self.config = cfg
         H = cfg.hidden_size
+        # both inputs RMS-normalised first (as EAGLE-3 does): the target's final-norm features are ~17x the
+        # size of its token embeddings, which otherwise starves the token path (measured: top-1 0.09 vs ...)
+        self.emb_norm = RMSNorm(H, cfg.rms_eps)
+        self.feat_norm = RMSNorm(H, cfg.rms_eps)
         self.fc = nn.Linear(2 * H, H, bias=True)
         self.layer = Block(cfg.llama(), 0)
         self.register_buffer("inv_freq", rope_frequencies(cfg.llama()), persistent=False)
@@ -144,7 +148,7 @@ class EagleNet(nn.Module):
         bool, True = may attend (None: causal)."""
         dt = self.fc.weight.dtype
         e = self.embed_weight[tok].to(dt)  # (B, T, H)
-        x = self.fc(torch.cat([e, feat.to(dt)], dim=-1))
+        x = self.fc(torch.cat([self.emb_norm(e), self.feat_norm(feat.to(dt))], dim=-1))
         if pos.dim() == 1:
             pos = pos[None].expand(x.shape[0], -1)
         ang = pos[..., None].float() * self.inv_freq  # (B, T, hd/2)

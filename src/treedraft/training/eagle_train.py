@@ -142,7 +142,7 @@ def unrolled_forward(net: EagleNet, feat: Tensor, tok: Tensor, passes: int) -> l
     inp = feat
     q_out, kv_out = at.nh * at.hd, at.nkv * at.hd
     for k in range(passes):
-        x = net.fc(torch.cat([e, inp], -1))
+        x = net.fc(torch.cat([net.emb_norm(e), net.feat_norm(inp)], -1))
         q, kk, v = at.wqkv(blk.attn_norm(x)).split((q_out, kv_out, kv_out), -1)
         q = apply_rope(q.view(B, T, at.nh, at.hd).transpose(1, 2), cos, sin)
         ks.append(apply_rope(kk.view(B, T, at.nkv, at.hd).transpose(1, 2), cos, sin))
@@ -287,13 +287,12 @@ def train_eagle(
 
 
 def init_weights(net: EagleNet, target=None) -> None:
-    """fc starts as the feature pass-through ([0 | I] plus a small embedding part); the layer as the
+    """fc starts as the sum of the normalised token embedding and feature ([I | I]); the layer as the
     target's last decoder layer when ``target`` is given (float weights only)."""
     H = net.config.hidden_size
-    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         net.fc.weight.zero_()
-        net.fc.weight[:, :H].copy_(torch.randn(H, H, generator=g) * (0.1 / H**0.5))
+        net.fc.weight[:, :H].copy_(torch.eye(H))
         net.fc.weight[:, H:].copy_(torch.eye(H))
         net.fc.bias.zero_()
         if target is not None:
