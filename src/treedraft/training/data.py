@@ -271,6 +271,7 @@ def generate_dataset(
     out.mkdir(parents=True, exist_ok=True)
     _write_meta(out, {**old, **meta, "complete": False})
     tok = llm.tokenizer
+    extra = {"keep_prompt": True} if keep_prompt else {}  # the answer-only call stays as it was
     bar = tqdm(total=len(encoded), desc="self-distillation", disable=not progress, unit="prompt")
     for si, shard in enumerate(shards):
         path = out / f"shard_{si:05d}.safetensors"
@@ -283,7 +284,7 @@ def generate_dataset(
             batch = shard[b : b + batch_size]
             for (idx, ids), (ans, hid) in zip(
                 batch,
-                batched_greedy(llm.model, [x[1] for x in batch], max_new_tokens, tok.eos_token_ids, keep_prompt),
+                batched_greedy(llm.model, [x[1] for x in batch], max_new_tokens, tok.eos_token_ids, **extra),
             ):
                 # tokens aligned with hidden: token j is what follows hidden j (the lm_head's choice in answers)
                 head = list(ids[1:]) if keep_prompt else []
