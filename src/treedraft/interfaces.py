@@ -101,6 +101,9 @@ class DraftContext:
     max_nodes: int  # tree size budget, root included
     max_depth: int  # deepest useful draft depth
     prompt_len: int = 0
+    # (n, H) target's final hidden states at the n positions committed since the previous propose (the
+    # whole prompt at the first), in order; the last row is ``hidden``. None when the target gives none.
+    accepted_hidden: Tensor | None = None
 
     @property
     def root(self) -> int:

@@ -56,7 +56,9 @@ class Request:
     prefilled: int = 0  # prompt tokens already in the cache
     n_out: int = 0  # new tokens committed (the root included)
     last_hidden: Tensor | None = None  # (H,) target hidden state at the position that produced the root
-    path_hidden: Tensor | None = None  # (n, H) hidden states of the last accepted path (root first)
+    # (n, H) hidden states of the positions committed since the last propose (prompt chunks, accepted paths),
+    # handed to the drafter as DraftContext.accepted_hidden (EAGLE extends its own cache with them)
+    path_hidden: Tensor | None = None
     error: BaseException | None = None  # set when this request failed (its drafter, say); it then leaves
     t_start: float = 0.0
 
@@ -74,6 +76,11 @@ class Request:
         """Seeded sampling: its tree size must not depend on the batch (the draws depend on the tree)."""
         s = self.config.sampling
         return not s.greedy and s.seed is not None
+
+    def add_hidden(self, h: Tensor | None) -> None:
+        """Append (n, H) hidden states of newly committed positions to those the next propose will see."""
+        if h is not None:
+            self.path_hidden = h if self.path_hidden is None else torch.cat((self.path_hidden, h))
 
     def output(self) -> list[int]:
         """The new tokens delivered so far (``stats.new_tokens`` of them: cut by the text layer at EOS/stop)."""
@@ -169,7 +176,8 @@ class Scheduler:
         max_depth = req.max_new - req.n_out - 1  # the bonus token takes one slot of the budget
         root = req.tokens[-1]
         if req.drafter is not None and budget > 1 and max_depth > 0:
-            ctx = DraftContext(req.tokens, req.last_hidden, budget, max_depth, len(req.prompt))
+            ctx = DraftContext(req.tokens, req.last_hidden, budget, max_depth, len(req.prompt), req.path_hidden)
+            req.path_hidden = None
             name = getattr(req.drafter, "name", type(req.drafter).__name__)
             try:
                 tree = req.drafter.propose(ctx)
@@ -273,6 +281,7 @@ class Scheduler:
         if p.tree is None:  # a prefill chunk
             req.cache.keep(p.start, range(len(p.tokens)))
             req.prefilled += len(p.tokens)
+            req.add_hidden(hidden)
             req.stats.t_prefill += tr - tv
             if req.prefilling:
                 return []
@@ -292,7 +301,7 @@ class Scheduler:
         req.cache.keep(p.start, list(acc_nodes))
         if hidden is not None:
             req.last_hidden = hidden[acc_nodes[-1]]
-            req.path_hidden = hidden[list(acc_nodes)]
+            req.add_hidden(hidden[list(acc_nodes)])
         else:
             req.last_hidden = None
         new = [tree.tokens[i] for i in acc_nodes[1:]] + [bonus]  # accepted drafts + the next root

@@ -182,6 +182,33 @@ def _hybrid_suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions)
     return HybridDrafter([*_hybrid(target, tokenizer, options).drafters, suffix], name="hybrid-suffix")
 
 
+def eagle_dir(options: DrafterOptions) -> Path | None:
+    """The EAGLE drafter directory: ``--heads DIR`` when it holds an eagle.json, else the shipped one, else None."""
+    from .eagle import EAGLE_JSON, shipped_eagle_for
+
+    if options.heads not in (None, DEFAULT) and (Path(options.heads) / EAGLE_JSON).is_file():
+        return Path(options.heads)
+    return shipped_eagle_for(options.model_name)
+
+
+def _eagle(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
+    from .eagle import EagleDrafter
+
+    d = eagle_dir(options)
+    if d is None:
+        raise FileNotFoundError(
+            f"no EAGLE drafter is shipped for {options.model_name!r}; "
+            "train one with `treedraft train-eagle` and pass --heads DIR (the directory holding eagle.json)"
+        )
+    return EagleDrafter.for_target(target, d, options.model_name or None)
+
+
+def _eagle_lookup(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
+    from .hybrid import HybridDrafter
+
+    return HybridDrafter([_eagle(target, tokenizer, options), _prompt_lookup(target, tokenizer, options)])
+
+
 def _suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
     from .suffix import make_suffix_drafter
 
@@ -193,6 +220,8 @@ register("prompt-lookup", _prompt_lookup, "continuations of earlier n-gram match
 register("medusa", _medusa, "Medusa heads on the target's hidden state (--heads, or the shipped ones)")
 register("hybrid", _hybrid, "Medusa tree + prompt-lookup branches, verified in one pass")
 register("hybrid-suffix", _hybrid_suffix, "hybrid + suffix branches (earlier outputs), one tree")
+register("eagle", _eagle, "EAGLE feature drafter with EAGLE-2 dynamic trees (shipped, or --heads DIR)")
+register("eagle-lookup", _eagle_lookup, "EAGLE tree + prompt-lookup branches, verified in one pass")
 register(
     "suffix",
     _suffix,

@@ -135,6 +135,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="store the chosen tree for this machine in the user cache (where drafters look first)",
     )
     c.set_defaults(func=cmd_calibrate)
+    from .eagle_cli import register as register_eagle
+
+    register_eagle(sub)
 
 
 def validate_train_args(a: argparse.Namespace) -> None:

@@ -31,12 +31,13 @@ def read_prompts(path: str | Path) -> list[str]:
 
 @torch.inference_mode()
 def batched_greedy(
-    model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: frozenset[int]
+    model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: frozenset[int], keep_prompt: bool = False
 ) -> Iterator[tuple[list[int], Tensor]]:
-    """Greedy answers for a batch; yields (answer ids, hidden (1+len, H)) per row, in input order.
+    """Greedy answers for a batch; yields (answer ids, hidden (len, H)) per row, in input order.
 
     hidden[j] is the final hidden state at the position whose lm_head chose answer[j]
-    (hidden[0] = last prompt position).
+    (hidden[0] = last prompt position). keep_prompt: hidden also starts with the states of the
+    other prompt positions, (len(prompt) - 1 + len(answer), H) in position order (EAGLE features).
     """
     dev = target_device(model)  # inputs go where the model is
     B = len(prompts)
@@ -51,6 +52,7 @@ def batched_greedy(
     mask = causal[None] & valid[:, None, :]  # (B, L, L)
     mask |= torch.eye(L, dtype=torch.bool, device=dev)[None]  # pad rows attend to themselves (no NaNs)
     logits, hidden = model(toks, positions, cache, 0, mask[:, None], logits_for=slice(-1, None))
+    prefill_hidden = hidden if keep_prompt else None  # (B, L, H)
     cache.keep(0, range(L))
     valid_all = torch.zeros(B, total, dtype=torch.bool, device=dev)
     valid_all[:, :L] = valid
@@ -78,7 +80,10 @@ def batched_greedy(
             if not done[b]:
                 hiddens[b].append(hidden[b, -1])
     for b in range(B):
-        yield answers[b], torch.stack(hiddens[b][: len(answers[b])])
+        hid = torch.stack(hiddens[b][: len(answers[b])])
+        if keep_prompt:  # prompt positions 0 .. len-2 (the last one is hiddens[b][0])
+            hid = torch.cat([prefill_hidden[b, pad[b] : L - 1], hid])
+        yield answers[b], hid
 
 
 class DataCacheMismatchError(ValueError):
@@ -230,8 +235,12 @@ def generate_dataset(
     shard_size: int = 64,
     progress: bool = True,
     prompt_file: str | Path | None = None,
+    keep_prompt: bool = False,
 ) -> Path:
     """Generate (resumably) self-distillation shards for ``prompts`` into ``out_dir``.
+
+    keep_prompt: rows also cover the prompt positions (token = the next prompt token; EAGLE's
+    training sequences) and each shard gets ``answer`` (N,) int8: 1 where the token is the model's own.
 
     Prompts are encoded with ``llm.encode_prompt`` (chat template, or BOS + text for raw models),
     exactly as they are served. ``meta.json`` (model, prompts, token limits, shard size) is written
@@ -252,6 +261,7 @@ def generate_dataset(
     if not encoded:
         raise ValueError(f"none of the {len(prompts)} prompts fits in max_prompt_tokens={max_prompt_tokens}")
     meta = dataset_meta(llm, prompts, len(encoded), max_new_tokens, max_prompt_tokens, shard_size, prompt_file)
+    meta["keep_prompt"] = keep_prompt
     old = check_meta(out, meta)
     # resume with the directory's own shard layout (older directories did not record it: read it off shard 0)
     shard_size = int(old.get("shard_size") or len(_shard_prompt_ids(out / "shard_00000.safetensors")) or shard_size)
@@ -261,6 +271,7 @@ def generate_dataset(
     out.mkdir(parents=True, exist_ok=True)
     _write_meta(out, {**old, **meta, "complete": False})
     tok = llm.tokenizer
+    extra = {"keep_prompt": True} if keep_prompt else {}  # the answer-only call stays as it was
     bar = tqdm(total=len(encoded), desc="self-distillation", disable=not progress, unit="prompt")
     for si, shard in enumerate(shards):
         path = out / f"shard_{si:05d}.safetensors"
@@ -268,20 +279,27 @@ def generate_dataset(
             bar.update(len(shard))
             continue
         shard = sorted(shard, key=lambda x: len(x[1]))  # similar lengths batch together: less padding
-        rows_tok, rows_hid, rows_seq, rows_prompt = [], [], [], []
+        rows_tok, rows_hid, rows_seq, rows_prompt, rows_ans = [], [], [], [], []
         for b in range(0, len(shard), batch_size):
             batch = shard[b : b + batch_size]
-            for (idx, _ids), (ans, hid) in zip(
-                batch, batched_greedy(llm.model, [x[1] for x in batch], max_new_tokens, tok.eos_token_ids)
+            for (idx, ids), (ans, hid) in zip(
+                batch,
+                batched_greedy(llm.model, [x[1] for x in batch], max_new_tokens, tok.eos_token_ids, **extra),
             ):
-                # tokens aligned with hidden: token j is what the lm_head chose from hidden j
+                # tokens aligned with hidden: token j is what follows hidden j (the lm_head's choice in answers)
+                head = list(ids[1:]) if keep_prompt else []
+                rows_ans.append(torch.tensor([0] * len(head) + [1] * len(ans), dtype=torch.int8))
+                ans = head + ans
                 rows_tok.append(torch.tensor(ans, dtype=torch.int32))
                 rows_hid.append(hid.to(torch.float16).cpu())
                 rows_seq.append(torch.full((len(ans),), idx, dtype=torch.int32))
                 rows_prompt.append(idx)
             bar.update(len(batch))
         tmp = path.with_suffix(".tmp")
-        save_file({"tokens": torch.cat(rows_tok), "hidden": torch.cat(rows_hid), "seq": torch.cat(rows_seq)}, str(tmp))
+        tensors = {"tokens": torch.cat(rows_tok), "hidden": torch.cat(rows_hid), "seq": torch.cat(rows_seq)}
+        if keep_prompt:
+            tensors["answer"] = torch.cat(rows_ans)
+        save_file(tensors, str(tmp))
         tmp.replace(path)
     bar.close()
     _write_meta(out, {**old, **meta, "complete": True})
