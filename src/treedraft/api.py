@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .drafters.registry import DEFAULT, DrafterCache, DrafterOptions
+from .drafters.registry import DEFAULT, DrafterCache, DrafterOptions, canonical
 from .engine import Engine, GenerationConfig, GenerationStats
 from .interfaces import Drafter, GenerationError
 from .models.gguf_meta import model_architecture
@@ -192,6 +192,8 @@ def load(
     """
     from .drafters.suffix import open_suffix_store
 
+    if isinstance(drafter, str):
+        canonical(drafter)  # an unknown drafter name fails here, before the slow model load
     store = open_suffix_store(suffix_store, suffix_max_tokens, suffix_share)  # before the slow model load
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
