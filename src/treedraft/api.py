@@ -208,7 +208,7 @@ def load(
     weights = resolve_weights(weights, runtime, dev, dt)  # end
     if runtime == "own":
         net, _meta = load_own(path, dt, dev, max_seq_len)
-        if dev == "cpu" and weights in ("fp32", "auto"):  # int4/int8 replace every Linear (issue 11)
+        if dev == "cpu" and weights == "fp32":  # int4/int8 replace every Linear; auto packs when fp32 wins
             pack_tuned(net, path, dt)  # per-row-count matmul kernels, measured on this machine
     elif runtime == "hf":
         from .models.hf_adapter import HFTarget
