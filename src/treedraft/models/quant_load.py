@@ -193,8 +193,11 @@ def apply_weights(
     if weights == "fp32":
         return info
     natives = native_kernels()
-    key = _machine_key(path, f"{weights}|native={natives is not None}")
-    f = cache_dir() / "tune" / f"quant-{key}.json"
+
+    def tune_file(w: str) -> Path:
+        return cache_dir() / "tune" / f"quant-{_machine_key(path, f'{w}|native={natives is not None}')}.json"
+
+    f = tune_file(weights)
     cached = json.loads(f.read_text()) if f.is_file() and not os.environ.get("TREEDRAFT_RETUNE") else None
     is_gguf = path is not None and path.is_file() and path.suffix == ".gguf"
     cfg = getattr(model, "config", None)
@@ -210,6 +213,9 @@ def apply_weights(
             cached = _measure_auto(model, qweights, natives, probe_ids, min_agreement, log, measured)
             f.parent.mkdir(parents=True, exist_ok=True)
             f.write_text(json.dumps(cached))
+            for w, kernels in cached["kernels_by_format"].items():  # what --weights int4/int8 would measure
+                if not tune_file(w).is_file():
+                    tune_file(w).write_text(json.dumps({"kernels": kernels}))
         info.update(cached)
         weights = cached["chosen"]
         if weights == "fp32":
@@ -281,6 +287,7 @@ def _measure_auto(model, qweights, natives, probe_ids, min_agreement, log, keep:
         "kernels": plans.get(chosen, {}),
         "top1_agreement": agree,
         "linear_ms_rows_1_16": {w: t * 1e3 for w, t in times.items()},
+        "kernels_by_format": plans,  # choose_kernels of each quantized format (reused by --weights int4/int8)
     }
 
 
