@@ -33,6 +33,14 @@ def real_loader() -> Callable[..., object]:
 
 
 @pytest.fixture(scope="session")
+def warm_cache() -> None:
+    """Load the default model once in this process (weights=auto), so that the first-use work (GGUF
+    conversion, tokenizer, the weights=auto measurement, the native kernel build) lands in TREEDRAFT_CACHE
+    before CLI subprocess tests that would otherwise pay it inside their timeout."""
+    load_real(drafter=None).close()
+
+
+@pytest.fixture(scope="session")
 def smollm():
     """The bundled SmolLM2 (own runtime, packed for CPU decode), no drafter."""
     return load_real(drafter=None, weights="fp32")  # the float reference; quantized runs: test_quant

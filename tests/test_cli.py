@@ -43,6 +43,7 @@ def test_unknown_model_lists_names(capsys) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("warm_cache")  # first-use measurements out of the subprocess timeout
 def test_generate_prints_text_and_speed() -> None:
     r = run(
         "generate",
@@ -79,6 +80,7 @@ def test_unknown_drafter_is_reported_before_loading(capsys, monkeypatch) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("warm_cache")  # first-use measurements out of the subprocess timeout
 def test_chat_keeps_the_conversation() -> None:
     r = run(
         "chat",
@@ -101,6 +103,7 @@ def test_bad_suffix_max_tokens_is_reported_before_loading(capsys, monkeypatch) -
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("warm_cache")  # first-use measurements out of the subprocess timeout
 def test_suffix_drafter_learns_across_runs_through_its_store(tmp_path: Path) -> None:
     import re
 
