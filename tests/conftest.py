@@ -2,16 +2,48 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
+
+# torch's intra-op thread count at startup: what a user and the CLI subprocesses of the tests run with.
+# Per-machine measurements (kernel plan, weights=auto, Medusa tree) are cached per thread count, so a
+# model loaded while a fixture holds one thread would measure everything again (tens of seconds).
+START_THREADS = torch.get_num_threads()
+
+
+def load_real(**kw):
+    """``treedraft.load(**kw)`` with the startup thread count (restored after), so the loads of a test
+    session share one set of cached measurements whatever thread count the calling test holds."""
+    import treedraft
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(START_THREADS)
+    try:
+        return treedraft.load(**kw)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def real_loader() -> Callable[..., object]:
+    """:func:`load_real` as a fixture, for test modules that load the real model with their own options."""
+    return load_real
+
+
+@pytest.fixture(scope="session")
+def warm_cache() -> None:
+    """Load the default model once in this process (weights=auto), so that the first-use work (GGUF
+    conversion, tokenizer, the weights=auto measurement, the native kernel build) lands in TREEDRAFT_CACHE
+    before CLI subprocess tests that would otherwise pay it inside their timeout."""
+    load_real(drafter=None).close()
 
 
 @pytest.fixture(scope="session")
 def smollm():
     """The bundled SmolLM2 (own runtime, packed for CPU decode), no drafter."""
-    import treedraft
-
-    return treedraft.load(drafter=None, weights="fp32")  # the float reference; quantized runs: test_quant
+    return load_real(drafter=None, weights="fp32")  # the float reference; quantized runs: test_quant
 
 
 @pytest.fixture(scope="session")

@@ -15,13 +15,35 @@ def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     )
 
 
-def test_unknown_model_lists_names() -> None:
-    r = run("generate", "hi", "--model", "nope")
+def run_in_process(capsys: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
+    """``treedraft.cli.main(args)`` in this process (argument handling: no model load, no interpreter start)."""
+    from treedraft.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))  # an uncaught exception (a traceback for the user) fails the test right here
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+@pytest.fixture()
+def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any model load fails the test: bad input must be reported before the slow load."""
+    import treedraft
+
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(treedraft, "load", boom)
+
+
+def test_unknown_model_lists_names(capsys) -> None:
+    r = run_in_process(capsys, "generate", "hi", "--model", "nope")
     assert r.returncode == 2
     assert "smollm2-135m-instruct" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("warm_cache")  # first-use measurements out of the subprocess timeout
 def test_generate_prints_text_and_speed() -> None:
     r = run(
         "generate",
@@ -36,15 +58,29 @@ def test_generate_prints_text_and_speed() -> None:
     assert "tok/s" in r.stderr
 
 
-@pytest.mark.slow
-def test_bad_limits_are_reported_cleanly() -> None:
-    r = run("generate", "hi", "--max-new-tokens", "0")
+def test_bad_limits_are_reported_cleanly_before_loading(capsys, no_model_load) -> None:
+    r = run_in_process(capsys, "generate", "hi", "--max-new-tokens", "0")
     assert r.returncode == 2 and "max_new_tokens" in r.stderr and "Traceback" not in r.stderr
-    r = run("generate", "", "--drafter", "none")
+    r = run_in_process(capsys, "generate", "", "--drafter", "none")
     assert r.returncode == 2 and "empty" in r.stderr
+    r = run_in_process(capsys, "chat", "--top-p", "0")
+    assert r.returncode == 2 and "top_p" in r.stderr
+
+
+def test_unknown_drafter_is_reported_before_loading(capsys, monkeypatch) -> None:
+    from treedraft.models import registry
+
+    def boom(*a, **k):
+        raise AssertionError("the model was read before the bad drafter name was reported")
+
+    monkeypatch.setattr(registry, "resolve", boom)
+    monkeypatch.setattr("treedraft.api.resolve", boom)
+    r = run_in_process(capsys, "generate", "hi", "--drafter", "nope")
+    assert r.returncode == 2 and "unknown drafter 'nope'" in r.stderr and "prompt-lookup" in r.stderr
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("warm_cache")  # first-use measurements out of the subprocess timeout
 def test_chat_keeps_the_conversation() -> None:
     r = run(
         "chat",
@@ -60,12 +96,14 @@ def test_chat_keeps_the_conversation() -> None:
     assert "Zorblax" in replies[1]  # only knowable from the first turn
 
 
-def test_bad_suffix_max_tokens_is_reported_before_loading() -> None:
-    r = run("generate", "hi", "--drafter", "suffix", "--suffix-max-tokens", "0")
+def test_bad_suffix_max_tokens_is_reported_before_loading(capsys, monkeypatch) -> None:
+    monkeypatch.setattr("treedraft.api.resolve", lambda *a: pytest.fail("model resolved before the bad flag"))
+    r = run_in_process(capsys, "generate", "hi", "--drafter", "suffix", "--suffix-max-tokens", "0")
     assert r.returncode == 2 and "--suffix-max-tokens" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("warm_cache")  # first-use measurements out of the subprocess timeout
 def test_suffix_drafter_learns_across_runs_through_its_store(tmp_path: Path) -> None:
     import re
 

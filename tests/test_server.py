@@ -40,13 +40,15 @@ REQUEST_TIMEOUT = 120.0
 
 
 @pytest.fixture(scope="module")
-def llm() -> Iterator[treedraft.LLM]:
+def llm(real_loader) -> Iterator[treedraft.LLM]:
     # The test process hosts the server, its worker and the clients on a small shared CPU:
     # one intra-op thread avoids oversubscription (several times faster here); restored afterwards.
+    # Loaded before that, with the startup thread count: the session's cached measurements are for it.
+    model = real_loader(drafter="prompt-lookup")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield treedraft.load(drafter="prompt-lookup")
+        yield model
     finally:
         torch.set_num_threads(threads)
 

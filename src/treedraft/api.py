@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .drafters.registry import DEFAULT, DrafterCache, DrafterOptions
+from .drafters.registry import DEFAULT, DrafterCache, DrafterOptions, canonical
 from .engine import Engine, GenerationConfig, GenerationStats
 from .interfaces import Drafter, GenerationError
 from .models.gguf_meta import model_architecture
@@ -193,6 +193,8 @@ def load(
     """
     from .drafters.suffix import open_suffix_store
 
+    if isinstance(drafter, str):
+        canonical(drafter)  # an unknown drafter name fails here, before the slow model load
     store = open_suffix_store(suffix_store, suffix_max_tokens, suffix_share)  # before the slow model load
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
@@ -207,7 +209,7 @@ def load(
     weights = resolve_weights(weights, runtime, dev, dt)  # end
     if runtime == "own":
         net, _meta = load_own(path, dt, dev, max_seq_len)
-        if dev == "cpu" and weights in ("fp32", "auto"):  # int4/int8 replace every Linear (issue 11)
+        if dev == "cpu" and weights == "fp32":  # int4/int8 replace every Linear; auto packs when fp32 wins
             pack_tuned(net, path, dt)  # per-row-count matmul kernels, measured on this machine
     elif runtime == "hf":
         from .models.hf_adapter import HFTarget

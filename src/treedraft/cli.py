@@ -123,7 +123,20 @@ def _run_stream(llm, prompt, a: argparse.Namespace, raw: bool) -> str:
     return "".join(parts)
 
 
+def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> None:
+    """Raise ValueError for bad sampling limits (and an empty ``prompt``) before the slow model load."""
+    from .engine import GenerationConfig
+    from .sampling import SamplingParams
+
+    kw = _gen_kwargs(a)
+    sampling = SamplingParams(kw.pop("temperature"), kw.pop("top_k"), kw.pop("top_p"), kw.pop("seed"))
+    GenerationConfig(sampling=sampling, **{**kw, "stop": tuple(kw["stop"])})  # validates in __post_init__
+    if prompt is not None and not prompt.strip():
+        raise ValueError("the prompt is empty; give some text")
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
+    check_gen_args(a, a.prompt)
     t = time.perf_counter()
     llm = load_from_args(a)
     print(f"[loaded {llm.model_name} in {time.perf_counter() - t:.1f}s]", file=sys.stderr)
@@ -132,6 +145,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
+    check_gen_args(a)
     llm = load_from_args(a)
     if not llm.tokenizer.is_chat:
         print(f"error: {llm.model_name} has no chat template; use `treedraft generate --raw`", file=sys.stderr)

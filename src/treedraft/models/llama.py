@@ -146,12 +146,12 @@ class Linear(nn.Linear):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def tune_matmul_plan(linears: list[Linear], reps: int = 2) -> dict[int, str]:
+def tune_matmul_plan(linears: list[Linear], reps: int = 2, buckets: tuple[int, ...] = MATMUL_BUCKETS) -> dict[int, str]:
     """Time each strategy on every weight of the model for each row bucket; return the fastest."""
     import time
 
     plan: dict[int, str] = {}
-    for rows in MATMUL_BUCKETS:
+    for rows in buckets:
         xs = {
             k: torch.randn(rows, k, dtype=linears[0].weight.dtype, device=linears[0].weight.device)
             for k in {m.in_features for m in linears}
