@@ -201,11 +201,11 @@ def test_sampling_with_eagle_matches_plain_distribution() -> None:
 
 def test_sampling_check_catches_a_broken_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same check fails when a rejected deterministic draft is not removed from p (no renormalisation)."""
-    import treedraft.engine as engine_mod
+    import treedraft.scheduler as scheduler_mod
 
     wrong = reference_rule(renorm=False)
     monkeypatch.setattr(
-        engine_mod, "accept", lambda rule, tree, logits, params, gen: wrong(tree, target_probs(logits, params), gen)
+        scheduler_mod, "accept", lambda rule, tree, logits, params, gen: wrong(tree, target_probs(logits, params), gen)
     )
     counts, expected = eagle_sequence_counts(1200)
     assert not fits(counts, expected), goodness_of_fit(counts, expected)
