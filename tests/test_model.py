@@ -71,7 +71,7 @@ def test_packed_model_follows_its_plan_and_gives_the_same_logits() -> None:
             one, _ = m(toks[:, 6:], torch.tensor([6]), cache, 6)  # the single-row decode path
             torch.testing.assert_close(one[0, 0], ref[0, 6], atol=1e-4, rtol=1e-4)
         # "@p" really pads: the kernel sees p rows, the caller gets its own
-        import treedraft.models.llama as llama
+        import treedraft.models.matmul as llama  # where planned_matmul looks matmul up
 
         seen = []
         real = llama.matmul
