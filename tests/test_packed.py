@@ -205,3 +205,40 @@ def test_one_segment_is_bitwise_forward_with_native_linears() -> None:
             mask = None if len(tree) == 1 else full_attention_mask(tree, start, "cpu")
             ref = model.forward(torch.tensor([toks]), tree_positions(tree, start, "cpu"), cache, start, mask)
         assert torch.equal(logits, ref[0][0]) and torch.equal(hidden, ref[1][0])
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+@torch.inference_mode()
+def test_prefill_segment_in_a_batch_leaves_decode_rows_bitwise_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A joining request's first prefill chunk (start 0) in the batch: the decode-step segments still take the
+    fused native path they take alone (bitwise), the prefill rows the path they take alone, logits_for maps back."""
+    import treedraft.models.fused as fused
+
+    model = _tiny_native()
+    calls = []
+    real = fused.forward_segments
+    monkeypatch.setattr(fused, "forward_segments", lambda m, *a, **k: calls.append(len(a[2])) or real(m, *a, **k))
+    cases = _cases(torch.Generator().manual_seed(5))[:2]
+    alone = [_alone(model, p, t) for p, t in cases]
+    fresh = [int(t) for t in torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(6))]
+    ref_prefill = model.forward_packed(torch.tensor(fresh), torch.arange(5), [Segment(model.new_cache(96), 0, 5, None)])
+    segs, toks, pos = [], [], []
+    for (prompt, tree), (_, _, t) in zip(cases, alone):
+        cache = _prefilled(model, prompt)
+        start = cache.length
+        m = None if tree is None or len(tree) == 1 else full_attention_mask(tree, start, "cpu")
+        segs.append(Segment(cache, start, len(t), m))
+        pos.append(torch.arange(start, start + len(t)) if tree is None else tree_positions(tree, start, "cpu"))
+        toks += t
+    segs.insert(1, Segment(model.new_cache(96), 0, 5, None))  # the prefill sits between the two decode segments
+    pos.insert(1, torch.arange(5))
+    n0 = len(alone[0][2])
+    toks = toks[:n0] + fresh + toks[n0:]
+    calls.clear()
+    want = torch.tensor([n0 + 4, 0, n0 + 5])  # last prefill row, first row of request 0, first row of request 2
+    logits, hidden = model.forward_packed(torch.tensor(toks), torch.cat(pos), segs, want)
+    assert calls == [2]  # the two decode segments went native together, the prefill did not
+    assert torch.equal(hidden[:n0], alone[0][1]) and torch.equal(hidden[n0 + 5 :], alone[1][1])
+    assert torch.equal(hidden[n0 : n0 + 5], ref_prefill[1])
+    assert torch.equal(logits[0], ref_prefill[0][4]) and torch.equal(logits[1], alone[0][0][0])
+    assert torch.equal(logits[2], alone[1][0][0])
