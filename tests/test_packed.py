@@ -66,6 +66,16 @@ def _alone(model: Transformer, prompt: list[int], tree: TokenTree | None) -> tup
     return logits, hidden, toks
 
 
+def _forward_alone(model: Transformer, prompt: list[int], tree: TokenTree | None, toks: list[int]):
+    """The same request through the plain Transformer.forward: (logits (1, T, V), hidden (1, T, H))."""
+    cache = _prefilled(model, prompt)
+    start = cache.length
+    if tree is None:
+        return model.forward(torch.tensor([toks]), torch.arange(start, start + len(toks)), cache, start)
+    mask = None if len(tree) == 1 else full_attention_mask(tree, start, "cpu")
+    return model.forward(torch.tensor([toks]), tree_positions(tree, start, "cpu"), cache, start, mask)
+
+
 Tensor = torch.Tensor
 
 
@@ -97,13 +107,7 @@ def test_one_segment_equals_forward() -> None:
     g = torch.Generator().manual_seed(0)
     for prompt, tree in _cases(g):
         logits, hidden, toks = _alone(model, prompt, tree)
-        cache = _prefilled(model, prompt)
-        start = cache.length
-        if tree is None:
-            ref = model.forward(torch.tensor([toks]), torch.arange(start, start + len(toks)), cache, start)
-        else:
-            mask = None if len(tree) == 1 else full_attention_mask(tree, start, "cpu")
-            ref = model.forward(torch.tensor([toks]), tree_positions(tree, start, "cpu"), cache, start, mask)
+        ref = _forward_alone(model, prompt, tree, toks)
         torch.testing.assert_close(logits, ref[0][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(hidden, ref[1][0], atol=1e-5, rtol=1e-5)
 
@@ -197,13 +201,7 @@ def test_one_segment_is_bitwise_forward_with_native_linears() -> None:
     model = _tiny_native()
     for prompt, tree in _cases(torch.Generator().manual_seed(4)):
         logits, hidden, toks = _alone(model, prompt, tree)
-        cache = _prefilled(model, prompt)
-        start = cache.length
-        if tree is None:
-            ref = model.forward(torch.tensor([toks]), torch.arange(start, start + len(toks)), cache, start)
-        else:
-            mask = None if len(tree) == 1 else full_attention_mask(tree, start, "cpu")
-            ref = model.forward(torch.tensor([toks]), tree_positions(tree, start, "cpu"), cache, start, mask)
+        ref = _forward_alone(model, prompt, tree, toks)
         assert torch.equal(logits, ref[0][0]) and torch.equal(hidden, ref[1][0])
 
 
