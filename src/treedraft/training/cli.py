@@ -41,6 +41,12 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def check_at_least(limits: tuple[tuple[str, float, float], ...]) -> None:
+    """ValueError naming the first (flag, value, lower bound) whose value is below its bound."""
+    for flag, v, lo in limits:
+        _check(v >= lo, f"{flag} must be >= {lo}, got {v}")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add train-heads and calibrate subcommands."""
     from ..cli import add_model_args
@@ -145,20 +151,21 @@ def validate_train_args(a: argparse.Namespace) -> None:
     _check(a.prompts is not None, f"no prompt file: {SHARED_DATA / SHAREGPT_FILE} was not found; pass --prompts FILE")
     _check(Path(a.prompts).is_file(), f"--prompts {a.prompts}: no such file")
     _check(a.eval_prompts is None or Path(a.eval_prompts).is_file(), f"--eval-prompts {a.eval_prompts}: no such file")
-    for flag, v, lo in (
-        ("--num-prompts", a.num_prompts, 1),
-        ("--max-new-tokens", a.max_new_tokens, 1),
-        ("--eval-max-new-tokens", a.eval_max_new_tokens, 1),
-        ("--max-prompt-tokens", a.max_prompt_tokens, 1),
-        ("--gen-batch-size", a.gen_batch_size, 1),
-        ("--num-heads", a.num_heads, 1),
-        ("--num-layers", a.num_layers, 1),
-        ("--draft-vocab", a.draft_vocab, 0),
-        ("--epochs", a.epochs, 1),
-        ("--batch-size", a.batch_size, 1),
-        ("--threads", a.threads, 0),
-    ):
-        _check(v >= lo, f"{flag} must be >= {lo}, got {v}")
+    check_at_least(
+        (
+            ("--num-prompts", a.num_prompts, 1),
+            ("--max-new-tokens", a.max_new_tokens, 1),
+            ("--eval-max-new-tokens", a.eval_max_new_tokens, 1),
+            ("--max-prompt-tokens", a.max_prompt_tokens, 1),
+            ("--gen-batch-size", a.gen_batch_size, 1),
+            ("--num-heads", a.num_heads, 1),
+            ("--num-layers", a.num_layers, 1),
+            ("--draft-vocab", a.draft_vocab, 0),
+            ("--epochs", a.epochs, 1),
+            ("--batch-size", a.batch_size, 1),
+            ("--threads", a.threads, 0),
+        )
+    )
     _check(a.lr > 0, f"--lr must be > 0, got {a.lr}")
 
 

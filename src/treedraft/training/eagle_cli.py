@@ -54,31 +54,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=cmd_train_eagle)
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
 def validate(a: argparse.Namespace) -> None:
     """Argument checks that need no model (ValueError naming the option)."""
+    from .cli import _check, check_at_least
+
     _check(a.prompts is not None or a.no_generate, "no prompt file found; pass --prompts FILE")
     _check(a.no_generate or Path(a.prompts).is_file(), f"--prompts {a.prompts}: no such file")
-    for flag, v, lo in (
-        ("--max-new-tokens", a.max_new_tokens, 1),
-        ("--max-prompt-tokens", a.max_prompt_tokens, 1),
-        ("--gen-batch-size", a.gen_batch_size, 1),
-        ("--shard-size", a.shard_size, 1),
-        ("--draft-vocab", a.draft_vocab, 0),
-        ("--epochs", a.epochs, 1),
-        ("--tokens-per-batch", a.tokens_per_batch, 16),
-        ("--unroll", a.unroll, 1),
-        ("--eval-unroll", a.eval_unroll, 1),
-        ("--depth", a.depth, 1),
-        ("--topk", a.topk, 1),
-        ("--nodes", a.nodes, 0),
-        ("--threads", a.threads, 0),
-    ):
-        _check(v >= lo, f"{flag} must be >= {lo}, got {v}")
+    check_at_least(
+        (
+            ("--max-new-tokens", a.max_new_tokens, 1),
+            ("--max-prompt-tokens", a.max_prompt_tokens, 1),
+            ("--gen-batch-size", a.gen_batch_size, 1),
+            ("--shard-size", a.shard_size, 1),
+            ("--draft-vocab", a.draft_vocab, 0),
+            ("--epochs", a.epochs, 1),
+            ("--tokens-per-batch", a.tokens_per_batch, 16),
+            ("--unroll", a.unroll, 1),
+            ("--eval-unroll", a.eval_unroll, 1),
+            ("--depth", a.depth, 1),
+            ("--topk", a.topk, 1),
+            ("--nodes", a.nodes, 0),
+            ("--threads", a.threads, 0),
+        )
+    )
     _check(a.num_prompts is None or a.num_prompts >= 1, f"--num-prompts must be >= 1, got {a.num_prompts}")
     _check(a.lr > 0 and a.ce_weight >= 0, "--lr must be > 0 and --ce-weight >= 0")
     _check(0 <= a.heldout < 0.5, f"--heldout must be in [0, 0.5), got {a.heldout}")
@@ -94,7 +92,7 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
 
     from .. import load
     from ..drafters.eagle import EagleConfig
-    from .cli import cache_name
+    from .cli import _check, cache_name
     from .data import generate_dataset, read_prompts
     from .eagle_train import EagleTrainConfig, train_eagle, write_report
 
