@@ -107,17 +107,9 @@ def test_attend_rejects_bad_shapes() -> None:
 
 def _tiny_native():
     """A tiny seeded model with every linear swapped for a native q4 linear (as load(weights='int4') does)."""
-    from treedraft.models.llama import Linear, LlamaConfig, Transformer
-    from treedraft.models.quant import quantize_q4_rtn, swap_linears
+    from native_utils import tiny_native
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64
-    )
-    model = Transformer(cfg).eval()
-    qw = {n: quantize_q4_rtn(m.weight.detach()) for n, m in model.named_modules() if isinstance(m, Linear)}
-    swap_linears(model, qw, {"q4": "native"}, kernels)
-    return model
+    return tiny_native(max_seq_len=64)
 
 
 @pytest.mark.parametrize("exact", [True, False])

@@ -9,7 +9,6 @@ on the real model (int4).
 from __future__ import annotations
 
 import random
-import warnings
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from spec_stats import one_thread  # noqa: F401
 from treedraft import kernels
 from treedraft.engine import Engine, GenerationConfig, GenerationStats
 from treedraft.interfaces import DraftContext
-from treedraft.models.llama import Linear, LlamaConfig, Transformer
+from treedraft.models.llama import Transformer
 from treedraft.models.tiny import tiny_llama
 from treedraft.sampling import SamplingParams
 from treedraft.scheduler import Scheduler, run_alone, step_rows_from_latency
@@ -30,21 +29,13 @@ V = 64
 
 def native_tiny(seed: int = 0, max_seq_len: int = 256) -> Transformer:
     """A tiny seeded model whose linears are native q4 (row-invariant); exact attention on."""
-    from treedraft.models.quant import quantize_q4_rtn, swap_linears
+    from native_utils import make_native, tiny_config
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=V, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-        max_seq_len=max_seq_len,
-    )  # fmt: skip
-    model = Transformer(cfg).eval()
+    model = Transformer(tiny_config(max_seq_len, V)).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(0.12)  # default init gives one-hot distributions: soften them
-    qw = {n: quantize_q4_rtn(m.weight.detach()) for n, m in model.named_modules() if isinstance(m, Linear)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "pack: .* is stored as fp16")  # random weights: fp16 scales round
-        swap_linears(model, qw, {"q4": "native"}, kernels)
-    return model
+    return make_native(model)
 
 
 class HashDrafter:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import warnings
 
 import pytest
 
@@ -25,7 +24,6 @@ from treedraft import kernels  # noqa: E402
 from treedraft.api import LLM  # noqa: E402
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
 from treedraft.engine import Engine, GenerationStats  # noqa: E402
-from treedraft.models.llama import Linear  # noqa: E402
 from treedraft.models.tiny import tiny_llama  # noqa: E402
 from treedraft.scheduler import run_alone  # noqa: E402
 from treedraft.server import ServerSettings, create_app  # noqa: E402
@@ -41,14 +39,10 @@ N_CLIENTS = 64
 
 def native_tiny_llm() -> LLM:
     """The tiny served model (char tokenizer, prompt lookup) with native q4 linears: row-invariant."""
-    from treedraft.models.quant import quantize_q4_rtn, swap_linears
+    from native_utils import make_native
 
     tok = CharTokenizer()
-    model = tiny_llama(seed=0, vocab_size=tok.vocab_size, max_seq_len=4096, scale=0.6)
-    qw = {n: quantize_q4_rtn(m.weight.detach()) for n, m in model.named_modules() if isinstance(m, Linear)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "pack: .* is stored as fp16")
-        swap_linears(model, qw, {"q4": "native"}, kernels)
+    model = make_native(tiny_llama(seed=0, vocab_size=tok.vocab_size, max_seq_len=4096, scale=0.6))
     return LLM(Engine(model, PromptLookupDrafter()), tok, "tiny", "cpu", heads=None)  # type: ignore[arg-type]
 
 

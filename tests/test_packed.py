@@ -11,7 +11,7 @@ import torch
 from spec_stats import one_thread  # noqa: F401
 
 from treedraft import kernels
-from treedraft.models.llama import Linear, LlamaConfig, Segment, Transformer
+from treedraft.models.llama import Segment, Transformer
 from treedraft.models.tiny import tiny_llama
 from treedraft.tree import TokenTree, full_attention_mask, tree_positions
 
@@ -20,16 +20,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _tiny_native() -> Transformer:
     """A tiny seeded model with every linear a native q4 linear (exact attention switched on)."""
-    from treedraft.models.quant import quantize_q4_rtn, swap_linears
+    from native_utils import tiny_native
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=96
-    )
-    model = Transformer(cfg).eval()
-    qw = {n: quantize_q4_rtn(m.weight.detach()) for n, m in model.named_modules() if isinstance(m, Linear)}
-    swap_linears(model, qw, {"q4": "native"}, kernels)
-    return model
+    return tiny_native(max_seq_len=96)
 
 
 def _prefilled(model: Transformer, prompt: list[int]):
