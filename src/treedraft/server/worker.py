@@ -307,8 +307,8 @@ class Worker:
                 job.deliver(c)
             if live.text.done:
                 finish = chunks[-1].finish_reason or "length"
+                self._leave(job, finish)  # first: the drafter (suffix store) records it before the client hears Done
                 job.deliver(Done(finish, live.stats))
-                self._leave(job, finish)
 
     def _leave(self, job: Job, outcome: str) -> None:
         """Take a job out of the batch and record it."""
