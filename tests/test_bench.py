@@ -539,3 +539,47 @@ def test_default_out_dir_never_reuses_a_folder(tmp_path: Path, monkeypatch: pyte
     second.mkdir()
     assert bench.default_out_dir("20260101-000000").name == "20260101-000000-3"
     assert bench.default_out_dir().parent == tmp_path / "bench"
+
+
+def test_busy_core_runs_each_method_again_under_load_and_reports_the_ratio(
+    engine: TextGenerator, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import contextlib
+    import time
+
+    from treedraft.bench import harness, report
+
+    state = {"busy": False}
+
+    @contextlib.contextmanager
+    def fake_busy():
+        state["busy"] = True
+        try:
+            yield None
+        finally:
+            state["busy"] = False
+
+    def slow_when_busy(ids: list[int]) -> MethodOutput:
+        time.sleep(0.06 if state["busy"] else 0.02)
+        return MethodOutput([1, 2, 3])
+
+    monkeypatch.setattr(harness, "busy_process", fake_busy)
+    prompts = [(p, fake_encode(p.text)) for p in load_prompts(dataset)]
+    res = run_bench(prompts, {"plain": slow_when_busy}, warmup=0, progress=False, busy_core=True)
+    assert res.methods == ["plain", "plain+busy"]
+    busy = [r for r in res.records if r.method == "plain+busy"]
+    assert sorted(r.prompt_id for r in busy) == sorted(p.id for p, _ in prompts)
+    assert all(r.equal_to_reference for r in busy)  # compared with the quiet runs
+    ratios = report.busy_core_ratios(res)
+    assert set(ratios) == {"plain"} and ratios["plain"]["prompts"] == len(prompts)
+    assert 2.0 < ratios["plain"]["median"] <= ratios["plain"]["max"] < 6.0
+    md = report.markdown_report(res, summarize(res), [])
+    assert "## One core busy" in md and "| `plain` |" in md
+
+
+def test_busy_process_spins_while_the_block_runs() -> None:
+    from treedraft.bench.harness import busy_process
+
+    with busy_process() as hog:
+        assert hog.poll() is None  # still running
+    assert hog.poll() is not None

@@ -203,6 +203,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         skipped=skipped,
         progress=not a.no_progress,
         config=run_cfg,
+        busy_core=a.busy_core,
     )
     out = Path(a.out) if a.out else default_out_dir()
     paths = write_report(result, out, decode=lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=False))
@@ -249,6 +250,8 @@ def _command_line(a: argparse.Namespace, dataset: Path | None) -> str:
         parts += ["--threads", str(a.threads)]
     if a.raw:
         parts.append("--raw")
+    if a.busy_core:
+        parts.append("--busy-core")
     if a.out:  # the default is a fresh folder per run: a rerun should not reuse this one
         parts += ["--out", str(a.out)]
     return shlex.join(parts)
@@ -319,6 +322,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="torch CPU threads (default: torch's choice); 1 is often faster on a busy machine",
+    )
+    b.add_argument(
+        "--busy-core",
+        action="store_true",
+        help="repeat every run while a spinning process keeps one core busy; the report gives busy/quiet "
+        "wall-time ratios per method (doubles the run time)",
     )
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_bench)

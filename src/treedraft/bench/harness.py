@@ -29,10 +29,12 @@ Definitions used throughout:
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ DEFAULT_DATASET = SHARED_DATA / MT_BENCH_FILE
 BASELINE_METHODS = ("hf", "hf-pld", "plain", "llama.cpp", "llama.cpp-pld")
 DEFAULT_BASELINES = ("hf", "plain")
 REFERENCE = "plain"
+BUSY_SUFFIX = "+busy"  # records of a method's runs while another process keeps one core busy (--busy-core)
 
 # Used only when no dataset is given and the MT-Bench file is not found next to the repo.
 BUILTIN_PROMPTS = (
@@ -255,6 +258,18 @@ def compare_outputs(
 # the harness
 
 
+@contextmanager
+def busy_process() -> Iterator[subprocess.Popen]:
+    """Keep one core busy with a spinning child process for the duration of the block."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.1)  # let it start spinning before the timed call
+        yield hog
+    finally:
+        hog.kill()
+        hog.wait()
+
+
 @dataclass
 class BenchResult:
     """Everything one run produced."""
@@ -280,11 +295,14 @@ def run_bench(
     progress: bool = True,
     config: dict | None = None,
     eos_token_ids: Iterable[int] = (),
+    busy_core: bool = False,
 ) -> BenchResult:
     """Run every method on every (prompt, ids), interleaved per prompt; warm-up runs are excluded.
 
     A method that raises is dropped from the run (its records too) and listed in ``skipped``
-    with the error, so one broken drafter does not hide the others. The output comparison
+    with the error, so one broken drafter does not hide the others. With ``busy_core`` every timed
+    run is followed by a second run of the same method and prompt while a spinning process keeps one
+    core busy (issue 11's busy-machine check), recorded as method ``NAME+busy``. The output comparison
     (:func:`compare_outputs`) takes the ids a method stops at from its ``eos_token_ids``
     attribute, or from the ``eos_token_ids`` argument for methods without one.
     """
@@ -334,10 +352,16 @@ def run_bench(
             r = call(name, p, ids)
             if r is not None:
                 records.append(r)
+                if busy_core:
+                    with busy_process():
+                        rb = call(name, p, ids)
+                    if rb is not None:
+                        rb.method = name + BUSY_SUFFIX
+                        records.append(rb)
             bar.update(1)
     bar.close()
 
-    records = [r for r in records if r.method in live]
+    records = [r for r in records if r.method.removesuffix(BUSY_SUFFIX) in live]
     ref = reference if reference in live else None
     if greedy and ref is not None:
         default_eos = frozenset(int(t) for t in eos_token_ids)
@@ -348,11 +372,17 @@ def run_bench(
         ref_ids = {r.prompt_id: r.token_ids for r in records if r.method == ref}
         for r in records:
             r.equal_to_reference, r.first_mismatch, r.mismatch = compare_outputs(
-                ref_ids[r.prompt_id], r.token_ids, reference_eos=eos[ref], other_eos=eos[r.method]
+                ref_ids[r.prompt_id],
+                r.token_ids,
+                reference_eos=eos[ref],
+                other_eos=eos[r.method.removesuffix(BUSY_SUFFIX)],
             )
+    kept = [n for n in names if n in live]
+    if busy_core:
+        kept += [n + BUSY_SUFFIX for n in kept]
     return BenchResult(
         records,
-        [n for n in names if n in live],
+        kept,
         skipped,
         ref,
         [b for b in baselines if b in live],

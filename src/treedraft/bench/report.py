@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 
-from .harness import BenchResult, Record
+from .harness import BUSY_SUFFIX, BenchResult, Record
 
 ALL_CATEGORIES = "all"
 # CPU features that decide which kernels run (bf16/int8 matmuls, AMX tiles); reported when present
@@ -107,6 +107,29 @@ def summarize(result: BenchResult) -> dict:
     return out
 
 
+def busy_core_ratios(result: BenchResult) -> dict[str, dict]:
+    """Per method run with ``--busy-core``: per-prompt wall(busy) / wall(quiet); median, max, worst prompt."""
+    out: dict[str, dict] = {}
+    for m in result.methods:
+        if not m.endswith(BUSY_SUFFIX):
+            continue
+        base = m.removesuffix(BUSY_SUFFIX)
+        quiet = {r.prompt_id: r.wall_s for r in result.records if r.method == base}
+        ratios = sorted(
+            (r.wall_s / quiet[r.prompt_id], r.prompt_id)
+            for r in result.records
+            if r.method == m and quiet.get(r.prompt_id, 0) > 0
+        )
+        if ratios:
+            out[base] = {
+                "median": ratios[len(ratios) // 2][0],
+                "max": ratios[-1][0],
+                "worst_prompt": ratios[-1][1],
+                "prompts": len(ratios),
+            }
+    return out
+
+
 def mismatches(result: BenchResult, decode: Callable[[list[int]], str] | None = None, context: int = 6) -> list[dict]:
     """Every record whose output differs from the reference's, with the tokens around the first difference."""
     ref = {r.prompt_id: r for r in result.records if r.method == result.reference}
@@ -199,6 +222,20 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
         for c in [*cats, ALL_CATEGORIES]:
             row = [c] + [_fmt(summary[c].get(m, {}).get("speedup", {}).get(b), ".2f", "×") for m in result.methods]
             lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    busy = busy_core_ratios(result)
+    if busy:
+        lines += [
+            "## One core busy",
+            "",
+            "Each run repeated right after while a spinning process keeps one core busy; "
+            "ratio = wall time busy / quiet, per prompt.",
+            "",
+            "| method | median | max | worst prompt | prompts |",
+            "|---|---|---|---|---|",
+        ]
+        for m, b in busy.items():
+            lines.append(f"| `{m}` | {b['median']:.2f}x | {b['max']:.2f}x | {b['worst_prompt']} | {b['prompts']} |")
         lines.append("")
     lines += ["## Output mismatches", ""]
     if result.reference is None or not result.greedy:
@@ -313,6 +350,7 @@ def write_report(
         "baselines": result.baselines,
         "greedy": result.greedy,
         "summary": summary,
+        "busy_core": busy_core_ratios(result),
         "mismatches": mism,
         "records": [asdict(r) | {"mean_accepted_length": r.mean_accepted_length} for r in result.records],
     }
