@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is optional: pip install 'ray[serve]' (or `make test-ray`)")
-pytest.importorskip("ray.serve", reason="Ray Serve is optional: pip install 'ray[serve]' (or `make test-ray`)")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
@@ -26,10 +25,18 @@ import server_utils  # noqa: E402
 import torch  # noqa: E402
 from server_utils import tiny_llm, wait_for  # noqa: E402
 
+from treedraft.cli import main  # noqa: E402
 from treedraft.server import ServerSettings  # noqa: E402
-from treedraft.server import ray_serve as rs  # noqa: E402
 
-pytestmark = pytest.mark.ray
+try:
+    import ray
+    import ray.serve
+
+    from treedraft.server import ray_serve as rs
+except ImportError:
+    ray = rs = None  # type: ignore[assignment]
+
+needs_ray = pytest.mark.skipif(ray is None, reason="Ray is optional: pip install 'ray[serve]' (or `make test-ray`)")
 
 KEY = "ray-key-0123456789"
 PROMPTS = ["abc abc abc", "The quick brown fox", "hello hello", "1 2 3 4 5", "xyz xyz", "Once upon a time"]
@@ -72,7 +79,9 @@ def url() -> Iterator[str]:
         port = s.getsockname()[1]
     settings = ServerSettings(api_keys=(KEY,), poll_interval_s=0.05)
     with rs.local_cluster(num_cpus=2, object_store_mb=100):
-        rs.run_app(rs.deployment(tiny_llm, settings, replicas=2, threads=1), "127.0.0.1", port, "WARNING")
+        rs.run_app(
+            rs.deployment(tiny_llm, settings, replicas=2, threads=1, log_level="WARNING"), "127.0.0.1", port, "WARNING"
+        )
         yield f"http://127.0.0.1:{port}"
     if old_path is None:
         os.environ.pop("PYTHONPATH")
@@ -107,6 +116,18 @@ def spread(client: openai.OpenAI, reference: dict, want: set[str], rounds: int =
     return seen
 
 
+def test_serve_ray_without_ray_names_the_pip_command(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    for mod in ("ray", "ray.serve", "treedraft.server.ray_serve"):
+        monkeypatch.setitem(sys.modules, mod, None)  # import fails as if Ray were not installed
+    assert main(["serve", "--ray", "--replicas", "2", "--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "needs Ray Serve" in err and "pip install 'ray[serve]'" in err, err
+    assert main(["serve", "--replicas", "2", "--model", "no-such-model"]) == 2  # Ray flags without --ray
+    assert "need --ray" in capsys.readouterr().err
+
+
+@needs_ray
+@pytest.mark.ray
 def test_requests_spread_and_match_single_process(url: str, client: openai.OpenAI, reference: dict) -> None:
     replicas = set(rs.replica_actors())
     assert len(replicas) == 2, replicas
@@ -122,6 +143,8 @@ def test_requests_spread_and_match_single_process(url: str, client: openai.OpenA
     assert f'treedraft:replica_info{{model_name="tiny",replica="{m.headers[rs.REPLICA_HEADER]}"}} 1.0' in m.text
 
 
+@needs_ray
+@pytest.mark.ray
 def test_killed_replica_is_replaced_while_a_stream_elsewhere_completes(client: openai.OpenAI, reference: dict) -> None:
     with client.completions.with_streaming_response.create(
         model="tiny",

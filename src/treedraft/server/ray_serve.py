@@ -114,11 +114,13 @@ def deployment(
     replicas: int = 1,
     threads: int | None = None,
     cpus_per_replica: float | None = None,
+    log_level: str = "INFO",
 ) -> Application:
     """A Serve application of ``replicas`` engine replicas, each built by ``loader`` (a picklable callable).
 
     Each replica reserves ``cpus_per_replica`` Ray CPUs (default: ``threads``, else 1) and admits up to
     ``max_batch + max_queue`` requests, so its own queue still answers 429 once full, as the plain server does.
+    ``log_level`` is the replicas' (INFO logs every request, like uvicorn's access log).
     """
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
@@ -132,8 +134,15 @@ def deployment(
         max_ongoing_requests=settings.max_batch + settings.max_queue + 1,
         ray_actor_options={"num_cpus": cpus},
         health_check_period_s=5,
+        logging_config=_logging(log_level),
     )
     return dep.bind(loader, settings, threads)
+
+
+def _logging(level: str) -> LoggingConfig:
+    """Serve's logging at ``level``; request (access) logs only at INFO and DEBUG."""
+    level = level.upper()
+    return LoggingConfig(log_level=level, enable_access_log=level in ("DEBUG", "INFO"))
 
 
 @contextmanager
@@ -160,10 +169,8 @@ def local_cluster(num_cpus: int | None = None, object_store_mb: int = 256) -> It
 def run_app(app: Application, host: str = "127.0.0.1", port: int = 8000, log_level: str = "INFO") -> None:
     """Start Serve's HTTP proxy on ``host:port`` and deploy ``app`` at ``/``; returns once every replica is up.
 
-    ``log_level`` is Serve's (INFO logs every request, like uvicorn's access log)."""
-    serve.start(
-        http_options=HTTPOptions(host=host, port=port), logging_config=LoggingConfig(log_level=log_level.upper())
-    )
+    ``log_level`` is Serve's controller and proxy's."""
+    serve.start(http_options=HTTPOptions(host=host, port=port), logging_config=_logging(log_level))
     serve.run(app, name=APP_NAME, route_prefix="/")
 
 
@@ -202,7 +209,7 @@ def app_from_args(a: argparse.Namespace, settings: ServerSettings) -> Applicatio
             "--suffix-store is one process's directory and the replicas would all write it; "
             "drop it (each replica keeps its own store in memory) or use --replicas 1"
         )
-    return deployment(loader_from_args(a), settings, a.replicas, a.threads, a.replica_cpus)
+    return deployment(loader_from_args(a), settings, a.replicas, a.threads, a.replica_cpus, a.log_level)
 
 
 def cmd_serve_ray(a: argparse.Namespace, settings: ServerSettings) -> int:
