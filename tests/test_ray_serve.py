@@ -127,6 +127,21 @@ def test_serve_ray_without_ray_names_the_pip_command(monkeypatch: pytest.MonkeyP
 
 
 @needs_ray
+def test_serve_run_builder_takes_the_serve_flags() -> None:
+    """``serve run treedraft.server.ray_serve:app_builder key=value ...`` builds what ``serve --ray`` would."""
+    app = rs.app_builder(
+        {"model": "m", "replicas": "3", "threads": "2", "api-key": f"{KEY},{KEY}x", "protect_health_metrics": "true"}
+    )
+    dep = app._bound_deployment  # no public accessor; checked against Ray 2.60
+    loader, settings, threads = dep.init_args
+    assert (dep.num_replicas, dep.ray_actor_options["num_cpus"], threads) == (3, 2.0, 2)
+    assert settings.api_keys == (KEY, f"{KEY}x") and settings.protect_health_metrics
+    assert loader.args[0].model == "m"
+    with pytest.raises(ValueError, match="--suffix-store"):
+        rs.app_builder({"model": "m", "replicas": "2", "suffix_store": "/tmp/x"})
+
+
+@needs_ray
 @pytest.mark.ray
 def test_requests_spread_and_match_single_process(url: str, client: openai.OpenAI, reference: dict) -> None:
     replicas = set(rs.replica_actors())

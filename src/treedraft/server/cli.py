@@ -150,7 +150,7 @@ def register(subparsers: Any) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch CPU threads of the model (per replica with --ray; default: torch's, i.e. all cores)",
+        help="torch CPU threads of the model (default: torch's, i.e. all cores; with --ray: per replica, default 1)",
     )
     p.add_argument("--log-level", default="info", help="uvicorn log level")
     r = p.add_argument_group(f"scale-out on Ray Serve (optional: {RAY_INSTALL})")

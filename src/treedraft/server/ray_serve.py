@@ -118,8 +118,9 @@ def deployment(
 ) -> Application:
     """A Serve application of ``replicas`` engine replicas, each built by ``loader`` (a picklable callable).
 
-    Each replica reserves ``cpus_per_replica`` Ray CPUs (default: ``threads``, else 1) and admits up to
-    ``max_batch + max_queue`` requests, so its own queue still answers 429 once full, as the plain server does.
+    Each replica reserves ``cpus_per_replica`` Ray CPUs (default: ``threads``, else 1). Serve routes at most
+    ``max_batch + max_queue + 1`` requests to a replica at once: one more than its batch and queue hold, so a
+    full replica answers 429 + Retry-After itself, as the plain server does (Serve holds the rest until then).
     ``log_level`` is the replicas' (INFO logs every request, like uvicorn's access log).
     """
     if replicas < 1:
@@ -209,7 +210,8 @@ def app_from_args(a: argparse.Namespace, settings: ServerSettings) -> Applicatio
             "--suffix-store is one process's directory and the replicas would all write it; "
             "drop it (each replica keeps its own store in memory) or use --replicas 1"
         )
-    return deployment(loader_from_args(a), settings, a.replicas, a.threads, a.replica_cpus, a.log_level)
+    threads = a.threads if a.threads is not None else max(1, int(a.replica_cpus or 1))
+    return deployment(loader_from_args(a), settings, a.replicas, threads, a.replica_cpus, a.log_level)
 
 
 def cmd_serve_ray(a: argparse.Namespace, settings: ServerSettings) -> int:
