@@ -23,7 +23,7 @@ httpx = pytest.importorskip("httpx")
 
 import server_utils  # noqa: E402
 import torch  # noqa: E402
-from server_utils import tiny_llm, wait_for  # noqa: E402
+from server_utils import metric, parse_metrics, tiny_llm, wait_for  # noqa: E402
 
 from treedraft.cli import main  # noqa: E402
 from treedraft.server import ServerSettings  # noqa: E402
@@ -102,6 +102,15 @@ def complete(client: openai.OpenAI, prompt: str) -> tuple[str, str]:
     return raw.headers[rs.REPLICA_HEADER], raw.parse().choices[0].text
 
 
+def replica_metrics(url: str, replica: str, tries: int = 40) -> dict:
+    """/metrics of one replica: the proxy picks a replica per request, so ask until that one answers."""
+    for _ in range(tries):
+        r = httpx.get(f"{url}/metrics", timeout=TIMEOUT)
+        if r.headers[rs.REPLICA_HEADER] == replica:
+            return parse_metrics(r.text)
+    raise AssertionError(f"replica {replica} did not answer /metrics in {tries} tries")
+
+
 def spread(client: openai.OpenAI, reference: dict, want: set[str], rounds: int = 6) -> set[str]:
     """Rounds of concurrent greedy completions (each checked against the reference) until every replica
     in ``want`` has answered; returns the replicas seen."""
@@ -156,6 +165,20 @@ def test_requests_spread_and_match_single_process(url: str, client: openai.OpenA
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reference["chat"]
     m = httpx.get(f"{url}/metrics", timeout=TIMEOUT)
     assert f'treedraft:replica_info{{model_name="tiny",replica="{m.headers[rs.REPLICA_HEADER]}"}} 1.0' in m.text
+    # a client that leaves mid-stream: the proxy passes the disconnect on and the replica frees the slot
+    body = {"prompt": "abc", "max_tokens": 3000, "stream": True, "ignore_eos": True, "treedraft": {"drafter": "plain"}}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth, timeout=TIMEOUT) as r:
+        rid = r.headers[rs.REPLICA_HEADER]
+        assert next(r.iter_lines()).startswith("data: ")
+    wait_for(
+        lambda: (
+            metric(ms := replica_metrics(url, rid), "treedraft:request_aborted_total") == 1
+            and metric(ms, "treedraft:num_requests_running") == 0
+        ),
+        "the replica to drop the abandoned stream",
+        TIMEOUT,
+    )
 
 
 @needs_ray
