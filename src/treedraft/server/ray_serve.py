@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -217,16 +218,21 @@ def app_from_args(a: argparse.Namespace, settings: ServerSettings) -> Applicatio
 def cmd_serve_ray(a: argparse.Namespace, settings: ServerSettings) -> int:
     """``treedraft serve --ray``: join (``--ray-address``) or start a local cluster, deploy, serve until Ctrl-C."""
     app = app_from_args(a, settings)
+    if not a.ray_address:  # same machine, same files: a wrong --model fails here, not in N replicas Serve retries
+        from ..models.registry import resolve
+
+        resolve(a.model)
     if a.ray_address:
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        ray.init(address=a.ray_address, logging_level=logging.WARNING)
-        cluster: Any = _joined(a.ray_address)
+        cluster: Any = joined_cluster(a.ray_address)
     else:
-        need = a.replicas * (a.replica_cpus or a.threads or 1)
-        cluster = local_cluster(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
+        need = math.ceil(a.replicas * (a.replica_cpus or a.threads or 1))
+        cluster = local_cluster(num_cpus=max(os.cpu_count() or 1, need))
     with cluster:
         t = time.perf_counter()
-        run_app(app, a.host, a.port, a.log_level)
+        try:
+            run_app(app, a.host, a.port, a.log_level)
+        except RuntimeError as e:  # Serve gave up on the replicas; their traceback is in the log above
+            raise ValueError(f"the replicas did not start (their error is logged above): {e}") from None
         log.warning(
             "%d replica(s) up in %.1fs; serving on http://%s:%d (%s); Ctrl-C stops",
             a.replicas,
@@ -244,8 +250,10 @@ def cmd_serve_ray(a: argparse.Namespace, settings: ServerSettings) -> int:
 
 
 @contextmanager
-def _joined(address: str) -> Iterator[None]:
-    """An existing cluster: on exit remove our app and disconnect, leaving the cluster running."""
+def joined_cluster(address: str) -> Iterator[None]:
+    """A running cluster (``ray start``): connect; on exit remove the treedraft app and disconnect, leaving it up."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address=address, logging_level=logging.WARNING)
     try:
         yield
     finally:
