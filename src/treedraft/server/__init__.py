@@ -10,6 +10,8 @@ answered with 429 + Retry-After. Modules, one concern each:
 - :mod:`.worker`: :class:`Job`, :class:`JobQueue` and the model :class:`Worker` thread;
 - :mod:`.app`: :class:`OpenAIServer` (request preparation, responses, SSE) and :func:`create_app`;
 - :mod:`.cli`: ``treedraft serve`` (:func:`cmd_serve`, :func:`register`).
+- :mod:`.ray_serve`: ``treedraft serve --ray``, N replicas of the app on Ray Serve (optional; imports Ray,
+  so it is not imported here).
 """
 
 from __future__ import annotations

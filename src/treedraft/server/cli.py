@@ -14,12 +14,11 @@ from .protocol import ServerSettings
 log = logging.getLogger("treedraft.server")
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
-    """`treedraft serve`: load the model and run uvicorn until interrupted."""
-    import uvicorn
+RAY_INSTALL = "pip install 'ray[serve]'"
 
-    from ..cli import load_from_args
 
+def settings_from_args(a: argparse.Namespace) -> ServerSettings:
+    """The server's limits and keys from the `treedraft serve` flags (keys in $TREEDRAFT_API_KEYS added)."""
     settings = ServerSettings(
         max_queue=a.max_queue,
         max_batch=a.max_batch,
@@ -35,6 +34,43 @@ def cmd_serve(a: argparse.Namespace) -> int:
     )
     if a.protect_health_metrics and not settings.api_keys:
         raise ValueError(f"--protect-health-metrics needs at least one key: give --api-key or set ${ENV_KEYS}")
+    if a.threads is not None and a.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {a.threads}")
+    return settings
+
+
+def _import_ray_serve() -> Any:
+    """:mod:`.ray_serve`, or a ValueError naming the pip command when Ray Serve is not installed."""
+    import importlib
+
+    for mod in ("ray", "ray.serve"):
+        try:
+            importlib.import_module(mod)
+        except ImportError as e:
+            raise ValueError(
+                f"treedraft serve --ray needs Ray Serve, which is not installed here ({type(e).__name__}: {e}); "
+                f"install it with: {RAY_INSTALL}  (or: pip install 'treedraft[ray]')"
+            ) from None
+    from . import ray_serve
+
+    return ray_serve
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    """`treedraft serve`: load the model and run uvicorn until interrupted (with --ray: N replicas on Ray Serve)."""
+    import uvicorn
+
+    from ..cli import load_from_args
+
+    settings = settings_from_args(a)
+    if a.ray:
+        return _import_ray_serve().cmd_serve_ray(a, settings)
+    if a.replicas != 1 or a.ray_address or a.replica_cpus is not None:
+        raise ValueError("--replicas, --ray-address and --replica-cpus need --ray")
+    if a.threads is not None:
+        import torch
+
+        torch.set_num_threads(a.threads)
     t = time.perf_counter()
     llm = load_from_args(a)
     log.warning(
@@ -110,5 +146,32 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="with API keys: /health and /metrics need a key too (default: open, for probes and scrapers)",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads of the model (default: torch's, i.e. all cores; with --ray: per replica, default 1)",
+    )
     p.add_argument("--log-level", default="info", help="uvicorn log level")
+    r = p.add_argument_group(f"scale-out on Ray Serve (optional: {RAY_INSTALL})")
+    r.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve through Ray Serve's HTTP proxy on --host/--port: --replicas engine replicas, each with its "
+        "own model and batching worker, same routes and API keys",
+    )
+    r.add_argument("--replicas", type=int, default=1, help="with --ray: engine replicas (Ray restarts one that dies)")
+    r.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="with --ray: join this running cluster (e.g. 'auto' or HEAD_IP:6379 after `ray start`); "
+        "default: start a one-machine cluster on 127.0.0.1",
+    )
+    r.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=None,
+        help="with --ray: Ray CPUs each replica reserves (default: --threads, else 1)",
+    )
     p.set_defaults(func=cmd_serve)
