@@ -113,7 +113,9 @@ def main() -> None:
     acc = acceptance(llm, prompts, a.seeds, a.tokens)
     for rule, v in acc.items():
         sd = statistics.stdev(v) / len(v) ** 0.5 if len(v) > 1 else 0.0
-        print(f"mean accepted length, {rule:9s}: {statistics.mean(v):.3f} +- {sd:.3f} (runs {[round(x, 2) for x in v]})")
+        print(
+            f"mean accepted length, {rule:9s}: {statistics.mean(v):.3f} +- {sd:.3f} (runs {[round(x, 2) for x in v]})"
+        )
     for k, v in cost.items():
         print(f"{k}: {v * 1e3:.3f} ms" if not k.endswith("per_step") else f"{k}: {v:.2f}")
 
