@@ -8,6 +8,7 @@ on the real model (int4).
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -213,8 +214,10 @@ def test_trees_share_the_row_budget_and_prefill_is_chunked() -> None:
     assert max(s.tree_size for s in joiner.stats.steps) <= 12 // 4
 
 
-def test_seeded_sampling_trees_are_not_shrunk() -> None:
-    """A seeded sampled request keeps its max_tree_nodes in a batch (its draws depend on the tree)."""
+@pytest.mark.parametrize("rule,pinned", [("typical", True), ("speculative", False)])
+def test_only_seeded_typical_trees_are_not_shrunk(rule: str, pinned: bool) -> None:
+    """Seeded typical acceptance keeps its max_tree_nodes in a batch (its draws depend on the tree); the
+    coupled lossless rule's tokens do not depend on the tree, so its trees share the row budget."""
     engine = Engine(tiny_llama(seed=5, vocab_size=V))
     sched = Scheduler(engine, step_rows=4)
 
@@ -224,13 +227,78 @@ def test_seeded_sampling_trees_are_not_shrunk() -> None:
         def propose(self, ctx):
             return TokenTree.from_sequences(ctx.root, [[t] for t in range(10)])
 
-    seeded = GenerationConfig(10, SamplingParams(temperature=1.0, seed=1), max_tree_nodes=9, ignore_eos=True)
+    sp = SamplingParams(temperature=1.0, seed=1)
+    seeded = GenerationConfig(10, sp, rule=rule, max_tree_nodes=9, ignore_eos=True)
     a = sched.add([1, 2, 3], seeded, Wide())
     b = sched.add([1, 2, 3], GenerationConfig(10, ignore_eos=True), Wide())
     for _ in range(3):
         sched.step()
-    assert {s.tree_size for s in a.stats.steps} == {9}
+    assert {s.tree_size for s in a.stats.steps} == ({9} if pinned else {2})
     assert {s.tree_size for s in b.stats.steps} == {2}
+
+
+def _seeded_with_shared_index(engine: Engine, reqs, batched: bool, warm: list[list[int]]) -> dict[int, list[int]]:
+    """Seeded requests drafted by hybrid-suffix-like drafter over ONE shared suffix store (as in the server)."""
+    from treedraft.drafters.hybrid import HybridDrafter
+    from treedraft.drafters.prompt_lookup import PromptLookupDrafter
+    from treedraft.drafters.suffix import make_suffix_drafter
+    from treedraft.drafters.suffix_store import SuffixStore
+
+    shared = HybridDrafter([PromptLookupDrafter(), make_suffix_drafter(SuffixStore(), "")], name="hybrid-suffix")
+    for out in warm:  # earlier requests' outputs: the index now drafts from them
+        shared.finish(out[:4], out[4:])
+    if not batched:
+        return {i: run_alone(engine, p, c, drafter=shared.for_tenant("")) for i, (p, c) in enumerate(reqs)}
+    sched = Scheduler(engine, step_rows=10, prefill_chunk=8)
+    handles = {sched.add(p, c, shared.for_tenant(""), GenerationStats()): i for i, (p, c) in enumerate(reqs)}
+    out: dict[int, list[int]] = {i: [] for i in range(len(reqs))}
+    while sched.active:  # like the server: one drafter per request over the shared store; finished ones record
+        for req, new in sched.step():
+            assert req.error is None, req.error
+            out[handles[req]] += new
+        for req in [r for r in sched.active if r.done]:
+            sched.remove(req)
+    return out
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+def test_seeded_text_is_the_same_alone_or_batched_with_a_shared_suffix_index(monkeypatch) -> None:
+    """A seeded request's text does not depend on its batch-mates, nor on what the shared suffix index learnt
+    from them (which changes its trees), nor on the row budget: the coupled rule. The old rule (rejection
+    sampling from the request's generator, whose draws depend on the tree) fails this same check."""
+    from treedraft import scheduler, verify
+
+    engine = Engine(native_tiny(8, max_seq_len=512))
+    rng = random.Random(3)
+    seeded = []
+    for i in range(4):
+        prompt = [rng.randrange(V) for _ in range(rng.randint(4, 20))]
+        seeded.append((prompt, GenerationConfig(40, SamplingParams(temperature=0.9, seed=50 + i), ignore_eos=True)))
+    # batch-mates: greedy and seeded requests repeating the seeded requests' prompts (their outputs feed the index)
+    mates = [
+        (p, GenerationConfig(40, SamplingParams(0.7, seed=900 + i), ignore_eos=True)) for i, (p, _) in enumerate(seeded)
+    ]
+    mates += [(p, GenerationConfig(30, GREEDY, ignore_eos=True)) for p, _ in seeded[:2]]
+
+    def runs() -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+        alone = _seeded_with_shared_index(engine, seeded, batched=False, warm=[])  # cold index, one at a time
+        warm = [p + out for (p, _), out in zip(mates, run_alone_all(engine, mates))]
+        mixed = [x for pair in itertools.zip_longest(mates, seeded) for x in pair if x is not None]
+        got = _seeded_with_shared_index(engine, mixed, batched=True, warm=warm)
+        order = [i for i, x in enumerate(mixed) if x in seeded]
+        return alone, {k: got[i] for k, i in enumerate(order)}
+
+    alone, batched = runs()
+    assert batched == alone
+    # the same check notices the old rule: its seeded text follows the trees, which the index and the batch change
+    monkeypatch.setattr(verify, "uses_coupling", lambda rule, params, tree=None: False)
+    monkeypatch.setattr(scheduler, "uses_coupling", lambda rule, params, tree=None: True)  # (trees not pinned)
+    alone, batched = runs()
+    assert batched != alone
+
+
+def run_alone_all(engine: Engine, reqs) -> list[list[int]]:
+    return [run_alone(engine, p, c, drafter=None) for p, c in reqs]
 
 
 def test_remove_mid_stream_frees_the_slot_and_records_delivered_tokens() -> None:
@@ -289,9 +357,9 @@ def test_real_model_int4_batched_equals_alone() -> None:
 
     if not kernels.available():
         pytest.skip("native kernels unavailable")
-    # hybrid, not the default hybrid-suffix: the suffix index learns from other requests' outputs, so its
-    # trees (and a seeded request's draws, which depend on the tree) follow what finished before (README, Server)
-    llm = treedraft.load(weights="int4", drafter="hybrid")
+    # the default hybrid-suffix: its index learns from the other requests' outputs, so trees differ between the
+    # solo and the batched runs; seeded text must not (the coupled rule)
+    llm = treedraft.load(weights="int4")
     eng, tok = llm.engine, llm.tokenizer
     texts = ["Write a haiku about the sea.", "What is 17 times 23?", "List three primary colors.", "Say hi."]
     reqs = []

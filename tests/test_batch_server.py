@@ -1,7 +1,8 @@
 """64 concurrent streaming clients against a batching server on a tiny model (loopback, fast).
 
 Mixed greedy and seeded sampling, some with stop strings, a few disconnecting mid-stream: every
-completed stream equals the request's solo output (tiny model with native row-invariant linears),
+completed stream equals the request's solo output (tiny model with native row-invariant linears; the
+drafter keeps a suffix index shared across requests, so trees differ between solo and batched runs),
 the disconnects free their slots (metrics), batches really form, /health stays OK.
 """
 
@@ -22,7 +23,9 @@ from spec_stats import one_thread  # noqa: E402, F401
 
 from treedraft import kernels  # noqa: E402
 from treedraft.api import LLM  # noqa: E402
+from treedraft.drafters.hybrid import HybridDrafter  # noqa: E402
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
+from treedraft.drafters.suffix import make_suffix_drafter  # noqa: E402
 from treedraft.engine import Engine, GenerationStats  # noqa: E402
 from treedraft.models.tiny import tiny_llama  # noqa: E402
 from treedraft.scheduler import run_alone  # noqa: E402
@@ -38,12 +41,17 @@ N_CLIENTS = 64
 
 
 def native_tiny_llm() -> LLM:
-    """The tiny served model (char tokenizer, prompt lookup) with native q4 linears: row-invariant."""
+    """The tiny served model (char tokenizer) with native q4 linears (row-invariant) and the default drafter's
+    kind: prompt lookup + a suffix index shared by every request (no Medusa heads for a tiny model). The index
+    learns from each finished request (the solo runs included), so batched trees differ from the solo ones;
+    greedy and seeded text must not."""
     from native_utils import make_native
 
     tok = CharTokenizer()
     model = make_native(tiny_llama(seed=0, vocab_size=tok.vocab_size, max_seq_len=4096, scale=0.6))
-    return LLM(Engine(model, PromptLookupDrafter()), tok, "tiny", "cpu", heads=None)  # type: ignore[arg-type]
+    suffix = make_suffix_drafter(None, "", min_match=2)  # None: one in-memory store, shared by its tenant copies
+    drafter = HybridDrafter([PromptLookupDrafter(), suffix], name="hybrid-suffix")
+    return LLM(Engine(model, drafter), tok, "tiny", "cpu", heads=None)  # type: ignore[arg-type]
 
 
 def solo(llm: LLM, prompt: str, **kw) -> tuple[str, str]:

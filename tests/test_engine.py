@@ -12,6 +12,7 @@ import pytest
 import torch
 from spec_stats import assert_fits, fits, goodness_of_fit, one_thread, reference_rule  # noqa: F401
 
+import treedraft.verify
 from treedraft.engine import Engine, GenerationConfig, GenerationStats
 from treedraft.interfaces import DraftContext
 from treedraft.models.tiny import tiny_llama
@@ -291,8 +292,13 @@ def sequence_counts(case: str) -> tuple[Counter, dict, list, RandomTreeDrafter]:
     return counts, expected, steps, drafter
 
 
+@pytest.mark.parametrize("form", ["coupled", "rejection"])
 @pytest.mark.parametrize("case", list(SEQ_CASES))
-def test_sampling_sequence_distribution_matches_plain(case: str) -> None:
+def test_sampling_sequence_distribution_matches_plain(case: str, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded requests verify by coupled draws; "rejection" forces recursive rejection sampling (from the
+    request's seeded generator), what unseeded requests with sampled drafts use."""
+    if form == "rejection":
+        monkeypatch.setattr(treedraft.verify, "uses_coupling", lambda rule, params, tree=None: False)
     counts, expected, steps, drafter = sequence_counts(case)
     n, trials = SEQ_CASES[case][1], SEQ_CASES[case][2]
     assert_fits(counts, expected, f"speculative sampling, {case}")
@@ -306,8 +312,11 @@ def test_sequence_check_catches_the_iid_rule(monkeypatch: pytest.MonkeyPatch) ->
     import treedraft.scheduler as engine_mod  # the decode loop (and its accept) lives there
 
     wrong = reference_rule(update_q=False)
+    monkeypatch.setattr(treedraft.verify, "uses_coupling", lambda rule, params, tree=None: False)
     monkeypatch.setattr(
-        engine_mod, "accept", lambda rule, tree, logits, params, gen: wrong(tree, target_probs(logits, params), gen)
+        engine_mod,
+        "accept",
+        lambda rule, tree, logits, params, gen, pos: wrong(tree, target_probs(logits, params), gen),
     )
     counts, expected, _, _ = sequence_counts("sampled3-top_k3-3tokens")
     assert not fits(counts, expected), goodness_of_fit(counts, expected)

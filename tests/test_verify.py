@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -9,9 +10,18 @@ import torch
 from spec_stats import Rule, assert_fits, fits, goodness_of_fit, one_thread, reference_rule  # noqa: F401
 from torch import Tensor
 
-from treedraft.sampling import SamplingParams
+from treedraft import verify
+from treedraft.sampling import SamplingParams, inverse_cdf, position_uniform, target_probs
 from treedraft.tree import TokenTree
-from treedraft.verify import Acceptance, accept, accept_greedy, accept_speculative, accept_typical
+from treedraft.verify import (
+    Acceptance,
+    accept,
+    accept_greedy,
+    accept_speculative,
+    accept_typical,
+    sample_token,
+    uses_coupling,
+)
 
 V = 6
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -187,15 +197,131 @@ def test_wrong_rules_are_caught(name: str) -> None:
     )
 
 
-def test_speculative_respects_top_k() -> None:
+# ---- the coupled lossless rule: token t = F_t^-1(u(seed, t)) -----------------------------------------
+POS = 11  # absolute position of the token the root predicts
+
+
+def run_coupled(shape: tuple, n: int, draft_seed: int = 9) -> tuple[Counter, Counter]:
+    """First two tokens over seeds 0..n-1: the coupled tree step, then (one token emitted) a seeded plain step."""
+    tgen = torch.Generator().manual_seed(draft_seed)
+    fixed = None if any(isinstance(s, int) for s in shape) else build_tree(*shape, tgen)
+    c1, c2 = Counter(), Counter()
+    gen = torch.Generator().manual_seed(0)  # unused by seeded requests (asserted below)
+    state = gen.get_state()
+    for seed in range(n):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        tree = fixed or build_tree(*shape, tgen)
+        a = accept("speculative", tree, probs_for(tree).log(), params, gen, position=POS)
+        emitted = [tree.tokens[i] for i in a.nodes[1:]] + [a.bonus]
+        if len(emitted) == 1:  # the next step: plain, at the next position
+            emitted.append(sample_token("speculative", P1[emitted[0]].float().log(), params, gen, POS + 1))
+        c1[emitted[0]] += 1
+        c2[emitted[0], emitted[1]] += 1
+    assert torch.equal(gen.get_state(), state), "a seeded coupled draw used the request's generator"
+    return c1, c2
+
+
+@pytest.mark.parametrize("shape", ["deterministic", "sampled", "mixed"])
+def test_coupled_emits_target_distribution(shape: str) -> None:
+    """Over seeds, the coupled rule's first two tokens follow the target exactly, whatever the drafts."""
+    c1, c2 = run_coupled(TREES[shape], N)
+    assert_fits(c1, EXPECTED_1, f"{shape}: first token")
+    assert_fits(c2, EXPECTED_2, f"{shape}: first two tokens")
+
+
+def _broken_keys(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Break the production rule's keying: one uniform for every position, or keys by depth in the tree."""
+    orig = verify.coupled_sample
+    if how == "reused-across-positions":
+        monkeypatch.setattr(verify, "coupled_sample", lambda lg, p, seed, t: orig(lg, p, seed, 0))
+    else:  # depth = position - the step's base: the tree step starts at POS, the plain step after it at POS + 1
+        base = {"step": POS}
+
+        def by_depth(lg: Tensor, p: SamplingParams, seed: int, t: int) -> int:
+            return orig(lg, p, seed, t - base["step"])
+
+        real_accept = verify.accept_coupled
+
+        def accept_then_plain(tree, logits, params, seed, position):
+            base["step"] = position
+            a = real_accept(tree, logits, params, seed, position)
+            base["step"] = position + len(a.nodes)  # where the next (plain) step starts
+            return a
+
+        monkeypatch.setattr(verify, "coupled_sample", by_depth)
+        monkeypatch.setattr(verify, "accept_coupled", accept_then_plain)
+
+
+@pytest.mark.parametrize("how", ["reused-across-positions", "keyed-by-depth"])
+def test_broken_coupling_keys_are_caught(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Each token's marginal stays right with a broken key, but consecutive tokens become dependent."""
+    _broken_keys(monkeypatch, how)
+    c1, c2 = run_coupled(TREES["deterministic"], N)
+    assert fits(c1, EXPECTED_1), goodness_of_fit(c1, EXPECTED_1)  # the marginal alone cannot tell
+    assert not fits(c2, EXPECTED_2), f"broken keys ({how}) went unnoticed: {goodness_of_fit(c2, EXPECTED_2)}"
+
+
+def test_coupled_output_does_not_depend_on_the_tree() -> None:
+    """Same seed and target, any tree: the emitted tokens are a prefix of the same sequence."""
+    params = SamplingParams(temperature=1.0, seed=42)
+    rows = {0: P0.float().log(), **{x + 1: P1[x].float().log() for x in range(V)}}  # row key: last token + 1
+    ref, last = [], 7 % V
+    for d in range(3):  # plain seeded decoding: POS, POS + 1, POS + 2 (P1 after any token)
+        last = sample_token("speculative", rows[0] if d == 0 else rows[last + 1], params, torch.Generator(), POS + d)
+        ref.append(last)
+    for shape in TREES.values():
+        for k in range(20):
+            tree = build_tree(*shape, torch.Generator().manual_seed(k))
+            d = tree.depths()
+            logits = torch.stack([rows[0] if d[i] == 0 else rows[tree.tokens[i] + 1] for i in range(len(tree))])
+            a = accept("speculative", tree, logits, params, torch.Generator(), position=POS)
+            out = [tree.tokens[i] for i in a.nodes[1:]] + [a.bonus]
+            assert out == ref[: len(out)], (tree, out, ref)
+
+
+def test_position_uniform_and_inverse_cdf() -> None:
+    us = [position_uniform(3, t) for t in range(4000)]
+    assert us == [position_uniform(3, t) for t in range(4000)]  # a pure function of (seed, t)
+    assert all(0.0 <= u < 1.0 for u in us) and len(set(us)) == len(us)
+    assert position_uniform(4, 0) != position_uniform(3, 0) and position_uniform(-1, 5) == position_uniform(
+        2**64 - 1, 5
+    )
+    assert_fits(Counter(int(u * 10) for u in us), {b: 0.1 for b in range(10)}, "uniform deciles")
+    with pytest.raises(ValueError, match="position"):
+        position_uniform(0, -1)
+    p = torch.tensor([0.0, 0.25, 0.0, 0.5, 0.25, 0.0])
+    assert [inverse_cdf(p, u) for u in (0.0, 0.2499, 0.25, 0.7499, 0.75, 1.0 - 2**-53)] == [1, 1, 3, 3, 4, 4]
+    assert inverse_cdf(p * 3, 0.5) == 3  # unnormalised is fine
+    with pytest.raises(ValueError, match="no mass"):
+        inverse_cdf(torch.zeros(4), 0.5)
+
+
+def test_uses_coupling() -> None:
+    seeded, unseeded = SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=0.7)
+    sampled = TokenTree((0, 1), (-1, 0), {0: torch.full((V,), 1.0 / V)})
+    det = TokenTree((0, 1), (-1, 0))
+    assert uses_coupling("speculative", seeded, sampled) and uses_coupling("speculative", seeded, det)
+    assert uses_coupling("speculative", unseeded, det) and not uses_coupling("speculative", unseeded, sampled)
+    assert not uses_coupling("typical", seeded, det) and not uses_coupling("speculative", SamplingParams(), det)
+    with pytest.raises(ValueError, match="position"):
+        accept("speculative", det, torch.zeros(2, V), seeded, torch.Generator())
+
+
+@pytest.mark.parametrize("form", ["coupled", "rejection", "coupled-seeded"])
+def test_speculative_respects_top_k(form: str) -> None:
     """Filtered target (top-2): only the two allowed tokens ever appear, with renormalised mass."""
     logits = torch.log(P0.float())[None].repeat(3, 1)  # (N, V)
     params = SamplingParams(temperature=1.0, top_k=2)
     tree = TokenTree((0, 4, 1), (-1, 0, 0))  # a filtered-out draft first, then an allowed one
     gen = torch.Generator().manual_seed(3)
     c = Counter()
-    for _ in range(2000):
-        a = accept("speculative", tree, logits, params, gen)
+    for i in range(2000):
+        if form == "coupled":  # unseeded, deterministic drafts: a fresh key per step
+            a = accept("speculative", tree, logits, params, gen, position=7)
+        elif form == "coupled-seeded":
+            a = accept("speculative", tree, logits, dataclasses.replace(params, seed=i), gen, position=7)
+        else:
+            a = accept_speculative(tree, target_probs(logits, params), gen)
         c[([tree.tokens[i] for i in a.nodes[1:]] + [a.bonus])[0]] += 1
     z = float(P0[0] + P0[1])
     assert_fits(c, {0: float(P0[0]) / z, 1: float(P0[1]) / z}, "top-k")

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .interfaces import DraftContext, Drafter, GenerationError, TargetModel, target_device
-from .sampling import SamplingParams, sample, target_probs
+from .sampling import SamplingParams
 from .tree import TokenTree, TreeError
 from .verify import RULES
 
@@ -253,12 +253,6 @@ class Engine:
             log.exception(
                 "drafter %r failed to record a finished request", getattr(drafter, "name", type(drafter).__name__)
             )
-
-    @staticmethod
-    def _pick(logits: Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-        if p.greedy:
-            return int(logits.argmax())
-        return sample(target_probs(logits[None], p)[0], gen)
 
     @staticmethod
     def _check_tree(tree: TokenTree, root: int, vocab: int, name: str) -> None:

@@ -9,11 +9,13 @@ the same step), and each request applies its own acceptance rule, keeps its acce
 and gets its new tokens. Requests join (:meth:`Scheduler.add`) and leave (:meth:`Scheduler.remove`)
 between steps. :meth:`treedraft.engine.Engine.decode` is the one-request case of this loop.
 
-Exactness: a request's tree, prefill chunks and generator draws do not depend on the other requests
-(except a greedy/unseeded request's tree size, which never changes a greedy output), so with row-invariant
-linears (the native int4/int8 kernels) and exact attention a greedy request's tokens are bitwise those of
-the same request run alone, and a seeded sampled request (its tree size is pinned to its own
-``max_tree_nodes``: see :meth:`Scheduler._tree_budget`) gives the same tokens alone or batched. With fp32 MKL linears the rounding
+Exactness: a request's prefill chunks and generator draws do not depend on the other requests, and its
+greedy or seeded tokens do not depend on its trees (which may: the row budget, a shared suffix index), so
+with row-invariant linears (the native int4/int8 kernels) and exact attention a greedy request's tokens are
+bitwise those of the same request run alone, and a seeded sampled request gives the same tokens alone or
+batched (the coupled lossless rule, :func:`treedraft.verify.accept_coupled`: token t is a function of
+(seed, t, the target's logits); seeded typical acceptance keeps its ``max_tree_nodes``, see
+:meth:`Scheduler._tree_budget`, and needs a drafter without cross-request state). With fp32 MKL linears the rounding
 of a row depends on the number of rows in the forward, so a batched greedy output may differ from the solo
 one at near-ties (both are greedy decodes of the model within float rounding). Prefill chunking is part
 of a request's arithmetic: with the native int8-activation linears a prompt prefilled in chunks (later
@@ -34,7 +36,7 @@ from torch import Tensor
 
 from .interfaces import DraftContext, Drafter, GenerationError, target_device
 from .tree import TokenTree, TreeError, full_attention_mask, tree_positions
-from .verify import accept
+from .verify import accept, sample_token, uses_coupling
 
 if TYPE_CHECKING:
     from .engine import Engine, GenerationConfig, GenerationStats
@@ -73,9 +75,10 @@ class Request:
 
     @property
     def pinned(self) -> bool:
-        """Seeded sampling: its tree size must not depend on the batch (the draws depend on the tree)."""
+        """Seeded sampling whose draws depend on the tree (typical acceptance): its tree size must not depend on
+        the batch. The coupled lossless rule's tokens do not depend on the tree (verify.accept_coupled)."""
         s = self.config.sampling
-        return not s.greedy and s.seed is not None
+        return not s.greedy and s.seed is not None and not uses_coupling(self.config.rule, s)
 
     def add_hidden(self, h: Tensor | None) -> None:
         """Append (n, H) hidden states of newly committed positions to those the next propose will see."""
@@ -163,8 +166,8 @@ class Scheduler:
     def _tree_budget(self, req: Request, share: int) -> int:
         """Tree size for this step: its ``max_tree_nodes``, the batch's share, the context left.
 
-        A seeded sampled request is not shrunk (its generator draws depend on its trees, so its text would
-        change with the batch): it gets its ``max_tree_nodes`` alone or batched, like :meth:`Engine.decode`.
+        A seeded request under typical acceptance is not shrunk (its draws depend on its trees, so its text
+        would change with the batch): it gets its ``max_tree_nodes`` alone or batched (:attr:`Request.pinned`).
         """
         cap = req.config.max_tree_nodes
         if self.step_rows is not None and not req.pinned:
@@ -277,7 +280,7 @@ class Scheduler:
         return failed + out
 
     def _commit(self, p: _Rows, logits: Tensor, hidden: Tensor | None, tv: float, tr: float) -> list[int]:
-        req, eng, cfg = p.req, self.engine, p.req.config
+        req, cfg = p.req, p.req.config
         if p.tree is None:  # a prefill chunk
             req.cache.keep(p.start, range(len(p.tokens)))
             req.prefilled += len(p.tokens)
@@ -285,7 +288,7 @@ class Scheduler:
             req.stats.t_prefill += tr - tv
             if req.prefilling:
                 return []
-            root = eng._pick(logits[-1], cfg.sampling, req.gen)
+            root = sample_token(cfg.rule, logits[-1], cfg.sampling, req.gen, len(req.tokens))
             req.last_hidden = None if hidden is None else hidden[-1]
             req.tokens.append(root)
             req.n_out = 1
@@ -294,9 +297,9 @@ class Scheduler:
             return [root]
         tree, n = p.tree, len(p.tree)
         if n == 1:
-            acc_nodes, bonus = (0,), eng._pick(logits[0], cfg.sampling, req.gen)
+            acc_nodes, bonus = (0,), sample_token(cfg.rule, logits[0], cfg.sampling, req.gen, len(req.tokens))
         else:
-            a = accept(cfg.rule, tree, logits, cfg.sampling, req.gen)
+            a = accept(cfg.rule, tree, logits, cfg.sampling, req.gen, len(req.tokens))
             acc_nodes, bonus = a.nodes, a.bonus
         req.cache.keep(p.start, list(acc_nodes))
         if hidden is not None:

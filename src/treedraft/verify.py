@@ -3,6 +3,11 @@
 Each returns an :class:`Acceptance`: the accepted node indices (root first;
 the root is always kept, it was already chosen by the target) and the bonus
 token drawn from the target's own distribution at the last accepted node.
+
+The lossless rule ("speculative") has two forms: :func:`accept_coupled` (every seeded request, and
+unseeded ones whose drafts are deterministic) and :func:`accept_speculative`, recursive rejection sampling
+(unseeded requests with sampled drafts); :func:`uses_coupling` picks. Plain steps go through
+:func:`sample_token`, which draws with the same rule, so seeded speculative output equals seeded plain output.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .sampling import SamplingParams, sample, target_probs
+from .sampling import SamplingParams, coupled_sample, sample, target_probs
 from .tree import TokenTree
 
 
@@ -130,16 +135,90 @@ def accept_typical(
     return Acceptance(tuple(best), sample(probs[best[-1]], gen))
 
 
+def accept_coupled(tree: TokenTree, logits: Tensor, params: SamplingParams, seed: int, position: int) -> Acceptance:
+    """Lossless tree verification by coupled draws: greedy verification of the target's own seeded samples.
+
+    The token at absolute position t is :func:`treedraft.sampling.coupled_sample` (seed, t): an exact draw
+    from the target's p_t that depends on nothing but (seed, t, p_t). Walk from the root (whose next token
+    sits at ``position``): at a node of depth d, draw the target's token for position ``position`` + d; go
+    to the child holding it, or emit it as the bonus token and stop. Every emitted token is therefore the
+    one plain seeded decoding would emit, whatever the tree: the output is a function of (seed, prompt),
+    and is distributed exactly as the target's (Leviathan et al. 2023 for the lossless argument; only
+    the path walked is drawn, one uniform and one CDF per emitted token). The drafts' q (``child_q``) is
+    not used: for deterministic drafts a node's children are taken with probability p(children), as under
+    recursive rejection sampling; for sampled drafts that is less than rejection sampling would accept.
+    logits: (N, V).
+    """
+    kids = tree.children()
+    node, path = 0, [0]
+    while True:
+        x = coupled_sample(logits[node], params, seed, position + len(path) - 1)
+        nxt = next((c for c in kids[node] if tree.tokens[c] == x), None)
+        if nxt is None:
+            return Acceptance(tuple(path), x)
+        node = nxt
+        path.append(node)
+
+
 RULES = ("greedy", "speculative", "typical")
 
 
-def accept(rule: str, tree: TokenTree, logits: Tensor, params: SamplingParams, gen: torch.Generator) -> Acceptance:
-    """Dispatch by rule name. 'greedy' needs temperature 0; 'speculative' is lossless sampling."""
+def uses_coupling(rule: str, params: SamplingParams, tree: TokenTree | None = None) -> bool:
+    """Whether a sampled request's step is verified (or drawn, ``tree`` None) by coupled draws.
+
+    Rule "speculative" only (typical acceptance keeps its own draws). A seeded request always: its text must
+    not depend on the drafts, hence not on its batch-mates (the suffix index is shared). An unseeded one
+    unless the tree has sampled drafts (``child_q``): for deterministic drafts both forms accept exactly as
+    often (measured: benchmarks/coupled_acceptance.py) and the coupled one draws less (one row's
+    distribution per emitted token instead of every node's), but for sampled drafts rejection sampling,
+    which uses q, accepts more.
+    """
+    if params.greedy or rule != "speculative":
+        return False
+    return params.seed is not None or tree is None or not tree.child_q
+
+
+def coupling_seed(params: SamplingParams, gen: torch.Generator) -> int:
+    """The key of a step's coupled draws: the request's seed, or (unseeded) a fresh one from its generator."""
+    if params.seed is not None:
+        return int(params.seed)
+    return int(torch.randint(0, 2**63 - 1, (), generator=gen))
+
+
+def sample_token(rule: str, logits: Tensor, params: SamplingParams, gen: torch.Generator, position: int) -> int:
+    """A plain step's token (a tree with the root only): argmax, coupled draw or a draw from ``gen``. logits: (V,).
+
+    ``position``: the token's index in prompt + output (the key of a seeded draw).
+    """
+    if params.greedy:
+        return int(logits.argmax())
+    if uses_coupling(rule, params):
+        return coupled_sample(logits, params, coupling_seed(params, gen), position)
+    return sample(target_probs(logits[None], params)[0], gen)
+
+
+def accept(
+    rule: str,
+    tree: TokenTree,
+    logits: Tensor,
+    params: SamplingParams,
+    gen: torch.Generator,
+    position: int | None = None,
+) -> Acceptance:
+    """Dispatch by rule name. 'greedy' needs temperature 0; 'speculative' is lossless sampling.
+
+    ``position``: index in prompt + output of the token the root's row predicts (``len(tokens)`` with the
+    root last); needed by the coupled form of 'speculative' (:func:`uses_coupling`).
+    """
     if params.greedy or rule == "greedy":
         if rule == "greedy" and not params.greedy:
             raise ValueError("acceptance rule 'greedy' needs temperature 0; use 'speculative' or 'typical'")
         return accept_greedy(tree, logits)
     if rule == "speculative":
+        if uses_coupling(rule, params, tree):
+            if position is None:
+                raise ValueError("the coupled speculative rule needs the root's position (accept(..., position=))")
+            return accept_coupled(tree, logits, params, coupling_seed(params, gen), position)
         return accept_speculative(tree, target_probs(logits, params), gen)
     if rule == "typical":
         return accept_typical(tree, logits, params, gen)
