@@ -214,6 +214,7 @@ def test_machine_key_names_cpu_isa_torch_and_threads(monkeypatch) -> None:
 
 
 def test_cached_measurement_measures_once_and_again_when_corrupt_or_retune(monkeypatch) -> None:
+    monkeypatch.setattr(plan, "load_average", lambda: 0.0)  # a quiet machine throughout
     calls = []
 
     def measure() -> dict:
@@ -237,6 +238,28 @@ def test_cached_measurement_measures_once_and_again_when_corrupt_or_retune(monke
         return v["v"]
 
     assert plan.cached_measurement("k", {"m": 1}, measure, load) == 5  # an unusable value is measured again
+
+
+def test_a_measurement_taken_under_load_is_taken_again_once_the_machine_is_quiet(monkeypatch) -> None:
+    cores = 4
+    monkeypatch.setattr(plan.os, "cpu_count", lambda: cores)
+    load = {"now": 9.0}
+    monkeypatch.setattr(plan, "load_average", lambda: load["now"])
+    calls = []
+
+    def measure() -> dict:
+        calls.append(load["now"])
+        return {"v": len(calls)}
+
+    assert plan.cached_measurement("busy", {"m": 1}, measure) == {"v": 1}  # measured at load 9 on 4 cores
+    assert plan.cached_measurement("busy", {"m": 1}, measure) == {"v": 1}  # still busy: the entry is used
+    load["now"] = 3.0  # neither busy nor quiet: still used
+    assert plan.cached_measurement("busy", {"m": 1}, measure) == {"v": 1} and calls == [9.0]
+    load["now"] = 0.5  # quiet: measured again, and now stored as a quiet measurement
+    assert plan.cached_measurement("busy", {"m": 1}, measure) == {"v": 2}
+    load["now"] = 0.1
+    assert plan.cached_measurement("busy", {"m": 1}, measure) == {"v": 2} and calls == [9.0, 0.5]
+    assert plan.measured_busy({"load": 5.0}, now=1.0) and not plan.measured_busy({}, now=0.0)
 
 
 def test_pack_tuned_caches_the_kernel_plan(tmp_path, monkeypatch) -> None:

@@ -5,6 +5,11 @@ the caller's own key parts (model file, dtype, ...). :func:`cached_measurement` 
 value or measures and stores it; a missing, unreadable or unusable entry, or ``TREEDRAFT_RETUNE=1``,
 measures again. Kernel plans (:func:`pack_tuned`), quantized-linear kernel choices and Medusa trees
 all go through it.
+
+Busy machines: an entry records the 1-minute load average it was measured under. One measured while the
+machine was oversubscribed (load above the core count: other processes took part of the timings) is
+used as is while the machine stays busy, and measured again the first time it is used on a quiet
+machine (load below half the cores), so a timing taken under someone else's load does not stick.
 """
 
 from __future__ import annotations
@@ -98,10 +103,25 @@ def measurement_path(kind: str, key_parts: Mapping[str, Any], device: str | torc
     return cache_dir() / "tune" / f"{kind}-{digest}.json", key
 
 
+def load_average() -> float:
+    """The 1-minute load average (0.0 where the OS does not report one)."""
+    try:
+        return float(os.getloadavg()[0])
+    except (OSError, AttributeError):
+        return 0.0
+
+
+def measured_busy(entry: Mapping[str, Any], now: float | None = None) -> bool:
+    """Whether a cached entry was measured on an oversubscribed machine that is quiet now (measure again)."""
+    cores = os.cpu_count() or 1
+    now = load_average() if now is None else now
+    return float(entry.get("load", 0.0)) > cores and now < cores / 2
+
+
 def store_measurement(kind: str, key_parts: Mapping[str, Any], value: Any, device: str | torch.device = "cpu") -> Path:
-    """Write ``value`` (JSON-serialisable) as the cached measurement; returns the file."""
+    """Write ``value`` (JSON-serialisable) as the cached measurement, with the load it was taken under."""
     f, key = measurement_path(kind, key_parts, device)
-    atomic_write_text(f, json.dumps({"key": key, "value": value}, indent=1, default=str))
+    atomic_write_text(f, json.dumps({"key": key, "value": value, "load": load_average()}, indent=1, default=str))
     return f
 
 
@@ -123,6 +143,8 @@ def cached_measurement(
             d = json.loads(f.read_text())
             if json.loads(json.dumps(key, default=str)) != d["key"]:
                 raise ValueError("key mismatch")
+            if measured_busy(d):
+                raise ValueError("measured under load; the machine is quiet now")
             return load(d["value"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # unreadable or unusable entry: measure again and overwrite it
