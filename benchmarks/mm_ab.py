@@ -61,8 +61,9 @@ def load_baseline(src: Path, threads: int):
     return mod
 
 
-def weights(N: int, K: int, kind: str, g: torch.Generator) -> list[tk.PackedWeight]:
-    """Enough random packed copies of an (N, K) weight that rotating through them defeats the caches."""
+def weights(N: int, K: int, kind: str, g: torch.Generator, rotate: bool = True) -> list[tk.PackedWeight]:
+    """Enough random packed copies of an (N, K) weight that rotating through them defeats the caches
+    (one copy when not rotate: the compute cost with the weight cache-resident)."""
     B = K // 32
     d = (torch.rand(N, B, generator=g) * 0.01 + 0.001).half().float()
     if kind == "q4_1":
@@ -70,7 +71,7 @@ def weights(N: int, K: int, kind: str, g: torch.Generator) -> list[tk.PackedWeig
         w = tk.pack_q4_1(d, m, torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g))
     else:
         w = tk.pack_q8_0(d, torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g))
-    n = max(1, -(-ROTATE_BYTES // w.nbytes))
+    n = max(1, -(-ROTATE_BYTES // w.nbytes)) if rotate else 1
     return [w] + [tk.PackedWeight(w.data.clone(), w.N, w.K, w.kind) for _ in range(n - 1)]
 
 
@@ -96,6 +97,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--in-cache", action="store_true", help="one weight copy (compute cost, not streaming)")
     ap.add_argument("--path", default="", help="force a code path of both modules (avx512, avx2, scalar)")
     args = ap.parse_args()
     tk.set_num_threads(args.threads)
@@ -114,11 +116,11 @@ def main() -> None:
     total = {(name, M): 0.0 for name in mods for M in rows}
     hdr = " | ".join(f"{n} ms" for n in mods) + (" | base/new" if len(mods) > 1 else "")
     print(f"| shape | rows | {hdr} | GB/s new |")
-    print("|---" * (4 + len(mods) + (len(mods) > 1)) + "|")
+    print("|---" * (3 + len(mods) + (len(mods) > 1)) + "|")
     for sname, N, K, kind in SHAPES:
         if sname not in args.shapes.split(","):
             continue
-        ws = weights(N, K, kind, g)
+        ws = weights(N, K, kind, g, rotate=not args.in_cache)
         for M in rows:
             x = torch.randn(M, K, generator=g)
             best = {n: float("inf") for n in mods}
@@ -129,7 +131,7 @@ def main() -> None:
                 b = mods["new"].mm(x, ws[0].data, N, ws[0].kind, args.path)
                 if not torch.equal(a, b):
                     print(f"  note: {sname} M={M}: base and new differ (max {(a - b).abs().max().item():.3g})")
-            inner = max(4, len(ws))
+            inner = max(4 if len(ws) > 1 else 20, len(ws))
             for _ in range(args.reps):
                 for n, mod in mods.items():
                     t0 = time.perf_counter()

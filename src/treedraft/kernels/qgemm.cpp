@@ -160,7 +160,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paths", &td::paths, "compiled code paths, fastest first");
   m.def("set_num_threads", &td::set_num_threads, "threads used by mm (caller included)");
   m.def("get_num_threads", &td::get_num_threads, "threads used by mm");
-  py::class_<td::FusedDecoder>(m, "FusedDecoder", "one native call per decode forward (fused.h)")
+  // module_local: two builds of this extension (e.g. benchmarks/mm_ab.py's baseline) can share a process
+  py::class_<td::FusedDecoder>(m, "FusedDecoder", py::module_local(), "one native call per decode forward (fused.h)")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor,
                     std::vector<torch::Tensor>, std::vector<int64_t>, torch::Tensor, torch::Tensor, torch::Tensor,
                     int64_t, int64_t>(),
