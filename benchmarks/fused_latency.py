@@ -3,7 +3,8 @@
 One k-token forward (k = 1 and a 16-node binary tree; --ks to change) on top of a ``--context``-token
 KV cache of the bundled model, the two paths interleaved per repetition (``TREEDRAFT_NO_FUSED`` toggled
 per call), median and min milliseconds and the python/fused ratio. Also checks that the two paths agree
-(max |logit diff|) and that the tree's rows equal the 1-token rows of the fused path bitwise.
+(max |logit diff|) and that the tree's rows equal the 1-token rows of the fused path bitwise. Prints the
+1-row floor (packed weight bytes / the kernel pool's measured read bandwidth) and the fused step's ratio.
 
     python benchmarks/fused_latency.py [--weights int4] [--context 512] [--reps 30]
 """
@@ -18,6 +19,7 @@ import time
 import torch
 
 import treedraft
+import treedraft.kernels as tk
 from treedraft.models import fused
 
 
@@ -108,6 +110,18 @@ def main() -> None:
     if 1 in ks and 16 in ks:
         r = statistics.median(times[(16, True)]) / statistics.median(times[(1, True)])
         print(f"fused: 16-row / 1-row = {r:.2f}x")
+    if 1 in ks and tk.available() and hasattr(tk, "read_bandwidth"):  # (absent in older builds)
+        # issue 11's 1-token target: within 1.5x of packed weight bytes / the machine's read bandwidth
+        wbytes = sum(
+            mod.packed.nbytes for mod in m.modules() if isinstance(getattr(mod, "packed", None), tk.PackedWeight)
+        )
+        bw = tk.read_bandwidth(256, 5)
+        floor = wbytes / bw / 1e6
+        f1 = statistics.median(times[(1, True)]) * 1e3
+        print(
+            f"1-row floor: {wbytes / 1e6:.1f} MB packed weights / {bw:.1f} GB/s read bandwidth (kernel pool, "
+            f"{tk.get_num_threads()} threads) = {floor:.2f} ms; fused 1-row = {f1 / floor:.2f}x the floor"
+        )
     if phases:
         names = ["other", "qkv", "attention", "wo", "w13", "w2", "lm_head"]
         print("\nfused step, mean ms per phase:")

@@ -230,3 +230,12 @@ def test_real_gguf_tensor_exact() -> None:
     x = torch.randn(4, K, generator=torch.Generator().manual_seed(0))
     err = (tk.mm(x, pw) - x @ ref.T).abs().max()
     assert err < 0.05 * (x @ ref.T).abs().max()
+
+
+@needs_ext
+def test_read_bandwidth_probe() -> None:
+    """The pool's read-bandwidth probe returns a plausible GB/s figure and names bad arguments."""
+    bw = tk.read_bandwidth(16, 2)
+    assert 0.05 < bw < 10_000, bw  # GB/s: anything outside is a unit or timing bug
+    with pytest.raises(ValueError, match="mbytes >= 1"):
+        tk.read_bandwidth(0)

@@ -38,6 +38,7 @@ __all__ = [
     "paths",
     "build_info",
     "attend",
+    "read_bandwidth",
 ]
 
 TILE = 16  # output columns per packed tile
@@ -179,6 +180,17 @@ def pack_q8_0(scale: torch.Tensor, q: torch.Tensor) -> PackedWeight:
 
 
 _warned_fallback = False
+
+
+def read_bandwidth(mbytes: int = 256, reps: int = 5) -> float:
+    """GB/s the kernel's thread pool reads from memory (best of reps over an mbytes buffer, > L3)."""
+    ext = _ext()
+    if ext is None:
+        raise RuntimeError(f"read_bandwidth needs the native kernel ({unavailable_reason()})")
+    if mbytes < 1 or reps < 1:
+        raise ValueError(f"read_bandwidth: need mbytes >= 1 and reps >= 1, got {mbytes}, {reps}")
+    buf = torch.ones(mbytes << 20, dtype=torch.uint8)
+    return float(ext.read_bandwidth(buf, reps))
 
 
 def mm(x: torch.Tensor, w: PackedWeight, *, path: str = "") -> torch.Tensor:

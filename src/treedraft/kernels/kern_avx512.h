@@ -16,21 +16,33 @@ inline void store16(float* dst, __m512 v, int ncols) {
     _mm512_mask_storeu_ps(dst, (__mmask16)((1u << ncols) - 1), v);
 }
 
+// Software prefetch distance: ~4 KB ahead of the block being read, so the next 4 KB page is already
+// on its way when the hardware streamer (which stops at page boundaries) would restart.
+constexpr int kPrefetchAhead = 4096;
+
 // Q4_1: per (row, block) 8 vpmaddubsw summed in int16 (|sum| <= 8 * 2 * 15 * 127 = 30480, no
 // saturation since activations are clamped to [-127, 127]), one vpmaddwd, then the fp32 update.
+// Per (row, block) that is 8 vpmaddubsw + 7 vpaddw + vpmaddwd + vcvtdq2ps + vmulps + 2 vfmadd = 20
+// vector ops (the 12 ops unpacking the block are shared by the RB rows); the row loop is unrolled so
+// accumulators, broadcasts and weights stay in registers (26 zmm at RB = 8).
 template <int RB>
 void tile_q4_1_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo,
                          int ncols) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i ones = _mm512_set1_epi16(1);
   __m512 acc[RB];
+  _Pragma("GCC unroll 8")
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int b = 0; b < a.B; ++b, w += kQ41Bytes) {
-    for (int l = 0; l < kQ41Bytes; l += 64)
-      _mm_prefetch((const char*)(w + 4 * kQ41Bytes + l), _MM_HINT_T0);
+    if (r0 == 0) {  // later row chunks of this tile re-read blocks the first one brought in
+      _Pragma("GCC unroll 5")
+      for (int l = 0; l < kQ41Bytes; l += 64)
+        _mm_prefetch((const char*)(w + kPrefetchAhead + l), _MM_HINT_T0);
+    }
     // the block's 16 x 32 weights, unpacked once: wv[i] holds k = 4i..4i+3 (i < 4) and
     // 16+4(i-4).. (i >= 4) of all 16 columns; they stay in registers for all RB rows
     __m512i wv[8];
+    _Pragma("GCC unroll 4")
     for (int i = 0; i < 4; ++i) {
       const __m512i v = _mm512_loadu_si512((const void*)(w + 64 * i));
       wv[i] = _mm512_and_si512(v, low4);
@@ -41,16 +53,21 @@ void tile_q4_1_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int
     const int8_t* xb = a.q + ((int64_t)b * a.M + r0) * kQK;  // row r at xb + 32 r
     const float* db = a.d + (int64_t)b * a.M + r0;
     const float* sb = a.s + (int64_t)b * a.M + r0;
+    _Pragma("GCC unroll 8")
     for (int r = 0; r < RB; ++r) {
       const int8_t* xr = xb + r * kQK;
-      __m512i s16 = _mm512_maddubs_epi16(wv[0], _mm512_set1_epi32(load_i32(xr)));
-      for (int i = 1; i < 8; ++i)
-        s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(wv[i], _mm512_set1_epi32(load_i32(xr + 4 * i))));
+      __m512i xv[8];  // the row's 4-byte groups broadcast (k = 4i.. and 16+4i..)
+      _Pragma("GCC unroll 8")
+      for (int i = 0; i < 8; ++i) xv[i] = _mm512_set1_epi32(load_i32(xr + 4 * i));
+      __m512i s16 = _mm512_maddubs_epi16(wv[0], xv[0]);
+      _Pragma("GCC unroll 7")
+      for (int i = 1; i < 8; ++i) s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(wv[i], xv[i]));
       const __m512 f = _mm512_cvtepi32_ps(_mm512_madd_epi16(s16, ones));
       acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(db[r])), acc[r]);
       acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sb[r]), acc[r]);
     }
   }
+  _Pragma("GCC unroll 8")
   for (int r = 0; r < RB; ++r) store16(out + (int64_t)(r0 + r) * ldo, acc[r], ncols);
 }
 
@@ -62,8 +79,11 @@ void tile_q8_0_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int b = 0; b < a.B; ++b, w += kQ80Bytes) {
-    for (int l = 0; l < kQ80Bytes; l += 64)
-      _mm_prefetch((const char*)(w + 4 * kQ80Bytes + l), _MM_HINT_T0);
+    if (r0 == 0) {
+      _Pragma("GCC unroll 9")
+      for (int l = 0; l < kQ80Bytes; l += 64)
+        _mm_prefetch((const char*)(w + kPrefetchAhead + l), _MM_HINT_T0);
+    }
     // the block's weights widened once (wv[p]: k = 2p, 2p+1 of all 16 columns), kept in
     // registers for all RB rows
     __m512i wv[16];
@@ -72,6 +92,7 @@ void tile_q8_0_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + 512)));
     const int16_t* xb = a.q16 + ((int64_t)b * a.M + r0) * kQK;  // row r at xb + 32 r
     const float* db = a.d + (int64_t)b * a.M + r0;
+    _Pragma("GCC unroll 8")
     for (int r = 0; r < RB; ++r) {
       const int16_t* xr = xb + r * kQK;
       __m512i s0 = _mm512_madd_epi16(wv[0], _mm512_set1_epi32(load_i32(xr)));

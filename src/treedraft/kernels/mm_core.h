@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -149,6 +150,52 @@ inline void mm_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, in
     }
   };
   pl.run(work, (int)nunits);
+}
+
+// Streaming read of n bytes by the pool (256 KB units, 64-byte vector loads, no writes): the read
+// bandwidth the GEMM's weight streaming can hope for on this machine. Returns the best of `reps`
+// passes in seconds; *sink receives a value that depends on every byte (keeps the loads alive).
+inline double read_probe(const uint8_t* p, int64_t n, int reps, int64_t* sink) {
+  constexpr int64_t kUnit = 256 << 10;
+  const int64_t units = (n + kUnit - 1) / kUnit;
+  std::vector<int64_t> part(units, 0);
+  double best = 1e30;
+  for (int rep = 0; rep < reps; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    pool().run(
+        [&](int u) {
+          const uint8_t* q = p + u * kUnit;
+          const int64_t len = std::min(kUnit, n - u * kUnit);
+          int64_t i = 0, tot = 0;
+#if defined(__AVX512F__)
+          __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+          for (; i + 256 <= len; i += 256) {
+            a0 = _mm512_xor_si512(a0, _mm512_loadu_si512((const void*)(q + i)));
+            a1 = _mm512_xor_si512(a1, _mm512_loadu_si512((const void*)(q + i + 64)));
+            a2 = _mm512_xor_si512(a2, _mm512_loadu_si512((const void*)(q + i + 128)));
+            a3 = _mm512_xor_si512(a3, _mm512_loadu_si512((const void*)(q + i + 192)));
+          }
+          tot = _mm512_reduce_add_epi64(_mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
+#elif defined(__AVX2__)
+          __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+          for (; i + 64 <= len; i += 64) {
+            a0 = _mm256_xor_si256(a0, _mm256_loadu_si256((const __m256i*)(q + i)));
+            a1 = _mm256_xor_si256(a1, _mm256_loadu_si256((const __m256i*)(q + i + 32)));
+          }
+          a0 = _mm256_xor_si256(a0, a1);
+          tot = _mm256_extract_epi64(a0, 0) ^ _mm256_extract_epi64(a0, 1) ^ _mm256_extract_epi64(a0, 2) ^
+                _mm256_extract_epi64(a0, 3);
+#endif
+          for (; i < len; ++i) tot += q[i];
+          part[u] = tot;
+        },
+        (int)units);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  int64_t acc = 0;
+  for (int64_t v : part) acc += v;
+  *sink = acc;
+  return best;
 }
 
 }  // namespace td

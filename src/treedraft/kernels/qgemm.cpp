@@ -39,6 +39,18 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t kind,
   return y;
 }
 
+// Read bandwidth (GB/s) of the GEMM's thread pool streaming `buf` (see read_probe), best of reps.
+double read_bandwidth(torch::Tensor buf, int64_t reps) {
+  TORCH_CHECK(buf.scalar_type() == torch::kUInt8 && buf.is_contiguous() && buf.numel() > 0,
+              "read_bandwidth: buf must be a non-empty contiguous uint8 tensor");
+  TORCH_CHECK(reps >= 1, "read_bandwidth: reps must be >= 1");
+  int64_t sink = 0;
+  const double s = read_probe(buf.data_ptr<uint8_t>(), buf.numel(), (int)reps, &sink);
+  volatile int64_t keep = sink;
+  (void)keep;
+  return (double)buf.numel() / s / 1e9;
+}
+
 std::vector<std::string> paths() {
   std::vector<std::string> out;
   for (const auto& p : compiled_paths()) out.push_back(p.name);
@@ -143,10 +155,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("N"), py::arg("kind"), py::arg("path") = "");
   m.def("attend", &td::attend, "row-invariant decode attention", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("allowed"), py::arg("scale"), py::arg("path") = "");
+  m.def("read_bandwidth", &td::read_bandwidth, "GB/s of the pool streaming a uint8 buffer (best of reps)",
+        py::arg("buf"), py::arg("reps") = 5);
   m.def("paths", &td::paths, "compiled code paths, fastest first");
   m.def("set_num_threads", &td::set_num_threads, "threads used by mm (caller included)");
   m.def("get_num_threads", &td::get_num_threads, "threads used by mm");
-  py::class_<td::FusedDecoder>(m, "FusedDecoder", "one native call per decode forward (fused.h)")
+  // module_local: two builds of this extension (e.g. benchmarks/mm_ab.py's baseline) can share a process
+  py::class_<td::FusedDecoder>(m, "FusedDecoder", py::module_local(), "one native call per decode forward (fused.h)")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor,
                     std::vector<torch::Tensor>, std::vector<int64_t>, torch::Tensor, torch::Tensor, torch::Tensor,
                     int64_t, int64_t>(),
