@@ -19,6 +19,7 @@ _SRC_DIR = Path(__file__).resolve().parent
 _SOURCES = ["qgemm.cpp"]
 _HEADERS = [
     "attn.h",
+    "attn_avx2.h",
     "attn_sched.h",
     "common.h",
     "fused.h",

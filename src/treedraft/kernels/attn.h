@@ -220,6 +220,12 @@ inline void chunk_ref(const float* q, const float* k, int64_t ks, const float* v
   m = mc;
 }
 
+}  // namespace attn
+}  // namespace td
+#include "attn_avx2.h"  // chunk16_fast_avx2: the AVX2 register path of chunk_ref
+namespace td {
+namespace attn {
+
 #if defined(__AVX512F__)
 // Lane sums of 16 zmm accumulators, each reduced by dot's tree (l += l+8, +4, +2, +1), done jointly
 // with shuffles: every addition adds the same two partial sums as tree8 does for that key, so the
@@ -341,8 +347,8 @@ inline bool chunk16_fast(int nq, const float* const* q, const float* k, int64_t 
 #endif
 
 // A full chunk of 16 keys at ranks c0..c0+15 for nq queries (slots idx[c0..] or c0.. when idx is
-// null, the same for every query): the AVX-512 register path when hd is 16, 32, 64 or 128, else
-// chunk_ref per query. Both give the same bits.
+// null, the same for every query): the AVX-512 / AVX2 register paths when hd is 16, 32, 64 or 128,
+// else chunk_ref per query. All give the same bits.
 template <int I>
 inline void chunk_full(int nq, const float* const* q, const float* k, int64_t ks, const float* v, int64_t vs,
                        const int32_t* idx, int c0, int hd, float scale, float* const* m, float* const* l,
@@ -350,6 +356,11 @@ inline void chunk_full(int nq, const float* const* q, const float* k, int64_t ks
 #if defined(__AVX512F__)
   if constexpr (I == kAvx512) {
     if (chunk16_fast(nq, q, k, ks, v, vs, idx, c0, hd, scale, m, l, acc)) return;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (I == kAvx2) {
+    if (chunk16_fast_avx2(nq, q, k, ks, v, vs, idx, c0, hd, scale, m, l, acc)) return;
   }
 #endif
   for (int i = 0; i < nq; ++i) chunk_ref<I>(q[i], k, ks, v, vs, idx, c0, kChunk, hd, scale, *m[i], *l[i], acc[i]);
