@@ -2,20 +2,26 @@
 // allowed keys, for exact speculative decoding.
 //
 // Every (row, head) walks its allowed keys in increasing slot order and reduces with an order
-// that depends only on a key's *rank* in that list: online softmax (Milakov & Gimelshein 2018,
-// "Online normalizer calculation for softmax") over consecutive chunks of kChunk allowed keys,
-// keys of a chunk summed one after another. A tree node whose allowed list is (prefix slots,
-// ancestor slots, own slot) therefore sees the same key/value sequence as the plain one-token
-// step at that position (cache slots 0..pos) and gets the same bits, whatever T, L or the slots.
+// that depends only on a key's *rank* in that list: the ranks are cut into blocks of kBlock (128);
+// each block runs online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for
+// softmax") from a fresh state over consecutive chunks of kChunk (16) keys, keys of a chunk summed
+// one after another; the block states are then folded in block order (the split-K combine of
+// flash-decoding, Dao et al. 2023, with a fixed split). A tree node whose allowed list is (prefix
+// slots, ancestor slots, own slot) therefore sees the same key/value sequence as the plain
+// one-token step at that position (cache slots 0..pos) and gets the same bits, whatever T, L, the
+// slots, or how attn_sched.h spreads the blocks over threads.
 //
 // Fixed arithmetic on every code path (so avx512 / avx2 / scalar give identical bits):
 //   dot(q, k): 16 lane accumulators, lane l sums q[16i+l]*k[16i+l] over i with fma (tail
 //              elements hd % 16 go to lanes 0.. with fma), then the lanes are added as a tree
 //              (l += l+8, l += l+4, l += l+2, l += l+1); score = dot * scale
-//   chunk:     m' = max(m, max score); a = exp(m - m'); l = l*a; acc[d] = acc[d]*a;
+//   block:     m = -inf, l = 0, acc = 0; per chunk of the block:
+//              m' = max(m, max score); a = exp(m - m'); l = l*a; acc[d] = acc[d]*a;
 //              per key j in order: p = exp(s_j - m'); l = l + p; acc[d] = fma(p, v_j[d], acc[d])
 //              (exp = exp_fixed below, vectorized over the chunk with the same operations)
-//   output:    acc[d] / l      (a row with no allowed key gives zeros)
+//   fold:      from (m, l, acc) = (-inf, 0, 0), per block b in order: m' = max(m, m_b);
+//              a = exp(m - m'); c = exp(m_b - m'); l = fma(l_b, c, l*a); acc = fma(acc_b, c, acc*a)
+//   output:    acc[d] / l      (a row with no allowed key gives zeros; one block: its own acc / l)
 #pragma once
 #include <cmath>
 #include <cstdint>

@@ -54,17 +54,18 @@ class Runner {
     off_[0] = 0;
     for (size_t i = 0; i < qs.size(); ++i) off_[i + 1] = off_[i] + (int64_t)num_blocks(qs[i].n) * ss;
     if ((int64_t)part_.size() < off_.back()) part_.resize(off_.back());
-    // sub-groups of at most gs queries: halve gs until the pool has a few units per thread
-    int64_t base = 0;
-    for (const Group& g : groups) base += nblocks(g, qs);
-    const int64_t want = pool.size() > 1 ? 3 * pool.size() : 1;
-    int gs = kGroupCap;
-    for (;;) {
-      int64_t units = 0;
-      for (const Group& g : groups) units += (g.q1 - g.q0 + gs - 1) / gs * nblocks(g, qs);
-      if (units >= want || gs == 1 || base == 0) break;
-      gs = (gs + 1) / 2;
+    // sub-groups of at most gs queries: halve gs until the biggest unit (gs queries over one full
+    // block) is at most 1/(3 threads) of the step's key-query pairs, so the units balance over the
+    // pool (a 1-row step at a short context gets one unit per query, at longer ones one per kv head
+    // and block, reading the keys once)
+    int64_t pairs = 0, longest = 0;
+    for (const Query& x : qs) {
+      pairs += std::max(x.n, 0);
+      longest = std::max<int64_t>(longest, x.n);
     }
+    const int64_t want = pool.size() > 1 ? 3 * pool.size() : 1, unit = std::min<int64_t>(kBlock, longest);
+    int gs = kGroupCap;
+    while (gs > 1 && gs * unit * want > pairs) gs = (gs + 1) / 2;
     sub_.clear();
     for (const Group& g : groups)
       for (int q0 = g.q0; q0 < g.q1; q0 += gs) {
