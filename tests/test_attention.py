@@ -79,6 +79,73 @@ def test_tree_rows_equal_the_plain_step_bitwise(T: int) -> None:
         assert torch.equal(tree[i], plain[0]), f"row {i} of {T}"
 
 
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 masked softmax attention: q (T, nh, hd), k/v (nkv, L, hd), allowed (T, L) -> (T, nh, hd)."""
+    nh, nkv = q.shape[1], k.shape[0]
+    kk, vv = k.double().repeat_interleave(nh // nkv, 0), v.double().repeat_interleave(nh // nkv, 0)
+    s = torch.einsum("thd,hld->thl", q.double(), kk) * scale
+    s = s.masked_fill(~allowed[:, None, :], float("-inf"))
+    return torch.einsum("thl,hld->thd", s.softmax(-1), vv)
+
+
+# contexts around the 16-key chunk and the 128-key block (kernels/attn.h kBlock) boundaries
+LONG = [127, 128, 129, 300, 700]
+
+
+@pytest.mark.parametrize("path", kernels.paths())
+@pytest.mark.parametrize("prefix", LONG)
+def test_long_tree_matches_float64_reference(path: str, prefix: int) -> None:
+    """Tree rows over several key blocks (split-K, folded in block order) match a float64 reference."""
+    g = torch.Generator().manual_seed(prefix)
+    T, nh, nkv, hd = 16, 9, 3, 64
+    L = prefix + T
+    q = torch.randn(T, nh, hd, generator=g)
+    k, v = torch.randn(nkv, L, hd, generator=g) * 2, torch.randn(nkv, L, hd, generator=g)
+    allowed = _tree_allowed(_random_tree(T, g), prefix)
+    allowed[3, 5:90] = False  # a row with holes in its shared prefix
+    out = kernels.attend(q, k, v, allowed, hd**-0.5, path=path)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, allowed, hd**-0.5), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("L", LONG)
+def test_all_paths_give_the_same_bits_over_many_blocks(L: int) -> None:
+    g = torch.Generator().manual_seed(L)
+    q, k, v = (torch.randn(s, generator=g) for s in ((7, 6, 64), (2, L, 64), (2, L, 64)))
+    allowed = torch.rand(7, L, generator=g) < 0.9
+    allowed[:, :100] = True
+    for a in (allowed, None):
+        outs = [kernels.attend(q, k, v, a, 0.125, path=p) for p in kernels.paths()]
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0])
+
+
+@pytest.mark.parametrize("prefix", [200, 613])
+def test_rows_bitwise_equal_across_row_counts_and_threads(prefix: int) -> None:
+    """A row's bits depend on nothing but its own query and keys: not on T, its neighbours or the threads."""
+    g = torch.Generator().manual_seed(prefix)
+    nh, nkv, hd, Tmax = 9, 3, 64, 64
+    L = prefix + Tmax
+    q = torch.randn(Tmax, nh, hd, generator=g)
+    k, v = torch.randn(nkv, L, hd, generator=g) * 3, torch.randn(nkv, L, hd, generator=g)
+    allowed = _tree_allowed(_random_tree(Tmax, g), prefix)
+    threads = kernels.get_num_threads()
+    try:
+        ref = None
+        for n_threads in (1, 2, 3):
+            kernels.set_num_threads(n_threads)
+            for T in (1, 2, 16, 64):
+                rows = torch.arange(T)
+                rows[-1] = 9  # row 9 of the tree, last of T rows (the others: rows 0..T-2)
+                out = kernels.attend(q[rows], k, v, allowed[rows], hd**-0.5)
+                ref = out[-1] if ref is None else ref
+                assert torch.equal(out[-1], ref), (n_threads, T)
+    finally:
+        kernels.set_num_threads(threads)
+    slots = allowed[9].nonzero()[:, 0]  # and the plain step over the same keys stored contiguously
+    plain = kernels.attend(q[9:10], k[:, slots].contiguous(), v[:, slots].contiguous(), None, hd**-0.5)
+    assert torch.equal(plain[0], ref)
+
+
 def test_sdpa_is_not_row_invariant_here() -> None:
     """The property the kernel exists for is not free: SDPA's masked tree rows differ from the 1-row call."""
     g = torch.Generator().manual_seed(0)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels 
 V = 96
 
 
-def _tiny_native(seed: int = 0, lm_q8: bool = True, bias: bool = False):
+def _tiny_native(seed: int = 0, lm_q8: bool = True, bias: bool = False, max_seq_len: int = 128):
     """A tiny seeded GQA model with every linear native (q4 layers, q8 lm_head), as load(weights='int4') does."""
     from treedraft.models.llama import Linear, LlamaConfig, Transformer
     from treedraft.models.quant import quantize_q4_rtn, quantize_q8_rtn, swap_linears
@@ -29,7 +29,7 @@ def _tiny_native(seed: int = 0, lm_q8: bool = True, bias: bool = False):
         num_layers=3,
         num_heads=4,
         num_kv_heads=2,
-        max_seq_len=128,
+        max_seq_len=max_seq_len,
         qkv_bias=bias,
         tie_embeddings=False,
     )
@@ -121,13 +121,17 @@ def test_fused_matches_python_path(T: int, bias: bool, monkeypatch, calls) -> No
         assert kf[:, :, 23 : 23 + T].abs().sum() > 0
 
 
-def test_tree_rows_equal_one_token_rows_bitwise(monkeypatch, calls) -> None:
-    """Each node of a 16-node tree step gets the bits of plain 1-token steps along its root path."""
-    model = _tiny_native(seed=2)
+@pytest.mark.parametrize("P", [40, 150, 300])
+def test_tree_rows_equal_one_token_rows_bitwise(P: int, monkeypatch, calls) -> None:
+    """Each node of a 16-node tree step gets the bits of plain 1-token steps along its root path.
+
+    P = 150 and 300 put the keys of a step into several 128-key blocks (split over threads, then folded).
+    """
+    model = _tiny_native(seed=2, max_seq_len=512)
     g = torch.Generator().manual_seed(5)
-    prompt, toks = torch.randint(0, V, (40,), generator=g), torch.randint(0, V, (16,), generator=g)
-    parents, pos, mask = _tree(16, 40)
-    lt, ht = _step(model, toks, pos, _prefill(model, prompt), 40, mask, True, monkeypatch)
+    prompt, toks = torch.randint(0, V, (P,), generator=g), torch.randint(0, V, (16,), generator=g)
+    parents, pos, mask = _tree(16, P)
+    lt, ht = _step(model, toks, pos, _prefill(model, prompt, 512), P, mask, True, monkeypatch)
     steps = 0
     for leaf in (15, 11, 8):  # three root-to-leaf paths
         path = [leaf]
@@ -135,10 +139,10 @@ def test_tree_rows_equal_one_token_rows_bitwise(monkeypatch, calls) -> None:
             path.append(parents[path[-1]])
         path.reverse()
         steps += len(path)
-        cache = _prefill(model, prompt)
+        cache = _prefill(model, prompt, 512)
         for d, node in enumerate(path):
-            l1, h1 = _step(model, toks[node : node + 1], torch.tensor([40 + d]), cache, 40 + d, None, True, monkeypatch)
-            cache.keep(40 + d, [0])
+            l1, h1 = _step(model, toks[node : node + 1], torch.tensor([P + d]), cache, P + d, None, True, monkeypatch)
+            cache.keep(P + d, [0])
             assert torch.equal(l1[0, 0], lt[0, node]) and torch.equal(h1[0, 0], ht[0, node]), (leaf, node)
     assert steps == 13 and calls["fused"] == 1 + steps  # every step went native
 

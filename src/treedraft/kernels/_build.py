@@ -17,7 +17,18 @@ import torch
 
 _SRC_DIR = Path(__file__).resolve().parent
 _SOURCES = ["qgemm.cpp"]
-_HEADERS = ["attn.h", "common.h", "fused.h", "mm_core.h", "pool.h", "kern_scalar.h", "kern_avx512.h", "kern_avx2.h"]
+_HEADERS = [
+    "attn.h",
+    "attn_avx2.h",
+    "attn_sched.h",
+    "common.h",
+    "fused.h",
+    "mm_core.h",
+    "pool.h",
+    "kern_scalar.h",
+    "kern_avx512.h",
+    "kern_avx2.h",
+]
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17"]
 LDFLAGS: list[str] = []
 

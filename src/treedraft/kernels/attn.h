@@ -2,20 +2,26 @@
 // allowed keys, for exact speculative decoding.
 //
 // Every (row, head) walks its allowed keys in increasing slot order and reduces with an order
-// that depends only on a key's *rank* in that list: online softmax (Milakov & Gimelshein 2018,
-// "Online normalizer calculation for softmax") over consecutive chunks of kChunk allowed keys,
-// keys of a chunk summed one after another. A tree node whose allowed list is (prefix slots,
-// ancestor slots, own slot) therefore sees the same key/value sequence as the plain one-token
-// step at that position (cache slots 0..pos) and gets the same bits, whatever T, L or the slots.
+// that depends only on a key's *rank* in that list: the ranks are cut into blocks of kBlock (128);
+// each block runs online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for
+// softmax") from a fresh state over consecutive chunks of kChunk (16) keys, keys of a chunk summed
+// one after another; the block states are then folded in block order (the split-K combine of
+// flash-decoding, Dao et al. 2023, with a fixed split). A tree node whose allowed list is (prefix
+// slots, ancestor slots, own slot) therefore sees the same key/value sequence as the plain
+// one-token step at that position (cache slots 0..pos) and gets the same bits, whatever T, L, the
+// slots, or how attn_sched.h spreads the blocks over threads.
 //
 // Fixed arithmetic on every code path (so avx512 / avx2 / scalar give identical bits):
 //   dot(q, k): 16 lane accumulators, lane l sums q[16i+l]*k[16i+l] over i with fma (tail
 //              elements hd % 16 go to lanes 0.. with fma), then the lanes are added as a tree
 //              (l += l+8, l += l+4, l += l+2, l += l+1); score = dot * scale
-//   chunk:     m' = max(m, max score); a = exp(m - m'); l = l*a; acc[d] = acc[d]*a;
+//   block:     m = -inf, l = 0, acc = 0; per chunk of the block:
+//              m' = max(m, max score); a = exp(m - m'); l = l*a; acc[d] = acc[d]*a;
 //              per key j in order: p = exp(s_j - m'); l = l + p; acc[d] = fma(p, v_j[d], acc[d])
 //              (exp = exp_fixed below, vectorized over the chunk with the same operations)
-//   output:    acc[d] / l      (a row with no allowed key gives zeros)
+//   fold:      from (m, l, acc) = (-inf, 0, 0), per block b in order: m' = max(m, m_b);
+//              a = exp(m - m'); c = exp(m_b - m'); l = fma(l_b, c, l*a); acc = fma(acc_b, c, acc*a)
+//   output:    acc[d] / l      (a row with no allowed key gives zeros; one block: its own acc / l)
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -220,6 +226,12 @@ inline void chunk_ref(const float* q, const float* k, int64_t ks, const float* v
   m = mc;
 }
 
+}  // namespace attn
+}  // namespace td
+#include "attn_avx2.h"  // chunk16_fast_avx2: the AVX2 register path of chunk_ref
+namespace td {
+namespace attn {
+
 #if defined(__AVX512F__)
 // Lane sums of 16 zmm accumulators, each reduced by dot's tree (l += l+8, +4, +2, +1), done jointly
 // with shuffles: every addition adds the same two partial sums as tree8 does for that key, so the
@@ -269,8 +281,8 @@ inline __m512 scores16(const float* q, const float* const* kp, float scale) {
 }
 
 // chunk_ref for a full chunk of 16 keys (key j at kp[j], value at vp[j]) and Q queries at once
-// (Q = 1 or 2; two independent queries hide the latency of each one's sequential l / acc chains),
-// hd = 16 * NV, AVX-512: per query the same operations on the same values as chunk_ref.
+// (Q = 1..4: independent queries hide the latency of each one's sequential l / acc chains and share
+// the value loads), hd = 16 * NV, AVX-512: per query the same operations on the same values as chunk_ref.
 template <int NV, int Q>
 inline void chunk16_avx512(const float* const* q, const float* const* kp, const float* const* vp, float scale,
                            float* const* m, float* const* l, float* const* acc) {
@@ -303,9 +315,23 @@ inline void chunk16_avx512(const float* const* q, const float* const* kp, const 
   }
 }
 
-// Q queries (1 or 2) through chunk16_avx512 when hd is 16, 32, 64 or 128; false (nothing done) otherwise.
-template <int Q>
-inline bool chunk16_fast(const float* const* q, const float* k, int64_t ks, const float* v, int64_t vs,
+// nq queries through chunk16_avx512 in groups of up to 4 (2 when hd = 128: the accumulators must
+// stay in registers) when hd is 16, 32, 64 or 128; false (nothing done) otherwise.
+template <int NV>
+inline void chunk16_group(int nq, const float* const* q, const float* const* kp, const float* const* vp,
+                          float scale, float* const* m, float* const* l, float* const* acc) {
+  constexpr int kQ = NV >= 8 ? 2 : 4;
+  int i = 0;
+  for (; i + kQ <= nq; i += kQ) chunk16_avx512<NV, kQ>(q + i, kp, vp, scale, m + i, l + i, acc + i);
+  switch (nq - i) {
+    case 3: chunk16_avx512<NV, 3>(q + i, kp, vp, scale, m + i, l + i, acc + i); break;
+    case 2: chunk16_avx512<NV, 2>(q + i, kp, vp, scale, m + i, l + i, acc + i); break;
+    case 1: chunk16_avx512<NV, 1>(q + i, kp, vp, scale, m + i, l + i, acc + i); break;
+    default: break;
+  }
+}
+
+inline bool chunk16_fast(int nq, const float* const* q, const float* k, int64_t ks, const float* v, int64_t vs,
                          const int32_t* idx, int c0, int hd, float scale, float* const* m, float* const* l,
                          float* const* acc) {
   if (hd != 16 && hd != 32 && hd != 64 && hd != 128) return false;
@@ -317,82 +343,131 @@ inline bool chunk16_fast(const float* const* q, const float* k, int64_t ks, cons
     vp[j] = v + slot * vs;
   }
   switch (hd) {
-    case 16: chunk16_avx512<1, Q>(q, kp, vp, scale, m, l, acc); break;
-    case 32: chunk16_avx512<2, Q>(q, kp, vp, scale, m, l, acc); break;
-    case 64: chunk16_avx512<4, Q>(q, kp, vp, scale, m, l, acc); break;
-    default: chunk16_avx512<8, Q>(q, kp, vp, scale, m, l, acc); break;
+    case 16: chunk16_group<1>(nq, q, kp, vp, scale, m, l, acc); break;
+    case 32: chunk16_group<2>(nq, q, kp, vp, scale, m, l, acc); break;
+    case 64: chunk16_group<4>(nq, q, kp, vp, scale, m, l, acc); break;
+    default: chunk16_group<8>(nq, q, kp, vp, scale, m, l, acc); break;
   }
   return true;
 }
 #endif
 
-// A full chunk of 16 keys at ranks c0..c0+15: the AVX-512 register path when hd is 16, 32, 64 or 128,
-// else chunk_ref. Both give the same bits.
+// A full chunk of 16 keys at ranks c0..c0+15 for nq queries (slots idx[c0..] or c0.. when idx is
+// null, the same for every query): the AVX-512 / AVX2 register paths when hd is 16, 32, 64 or 128,
+// else chunk_ref per query. All give the same bits.
 template <int I>
-inline void chunk_full(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
-                       const int32_t* idx, int c0, int hd, float scale, float& m, float& l, float* acc) {
+inline void chunk_full(int nq, const float* const* q, const float* k, int64_t ks, const float* v, int64_t vs,
+                       const int32_t* idx, int c0, int hd, float scale, float* const* m, float* const* l,
+                       float* const* acc) {
 #if defined(__AVX512F__)
   if constexpr (I == kAvx512) {
-    float* mp = &m;
-    float* lp = &l;
-    if (chunk16_fast<1>(&q, k, ks, v, vs, idx, c0, hd, scale, &mp, &lp, &acc)) return;
+    if (chunk16_fast(nq, q, k, ks, v, vs, idx, c0, hd, scale, m, l, acc)) return;
   }
 #endif
-  chunk_ref<I>(q, k, ks, v, vs, idx, c0, kChunk, hd, scale, m, l, acc);
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (I == kAvx2) {
+    if (chunk16_fast_avx2(nq, q, k, ks, v, vs, idx, c0, hd, scale, m, l, acc)) return;
+  }
+#endif
+  for (int i = 0; i < nq; ++i) chunk_ref<I>(q[i], k, ks, v, vs, idx, c0, kChunk, hd, scale, *m[i], *l[i], acc[i]);
 }
 
-// Queries i < nq against the same keys/values (one kv head): query i attends to its n[i] allowed slots
-// idx[i][0..n[i]) (or 0..n[i]-1 when idx[i] is null), whose first shared[i] ranks are the slots 0, 1, ...
-// Chunks that every query sees as slots 16c..16c+15 run query-inner, so those keys/values are read
-// from memory once for all queries; each query's reduction order is attend_one's. Writes out[i][0..hd).
+// Keys are reduced in blocks of kBlock ranks: block b (ranks [b kBlock, (b+1) kBlock)) starts from
+// a fresh state and runs the chunks above; the blocks' states are then folded in block order (fold).
+// Blocks are what lets the keys of one query be split across threads without changing its bits.
+constexpr int kBlockChunks = 8;
+constexpr int kBlock = kChunk * kBlockChunks;
+constexpr int kMaxGroup = 64;  // queries per attend_block call
+inline int num_blocks(int n) { return (n + kBlock - 1) / kBlock; }
+// A block's state: acc[0..hd), m at [hd], l at [hd + 1].
+inline int state_size(int hd) { return hd + 2; }
+
+inline void prefetch_rows(const float* p, int64_t stride, int rows, int hd) {
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(TD_NO_PREFETCH)
+  for (int r = 0; r < rows; ++r)
+    for (int d = 0; d < hd; d += 16) _mm_prefetch((const char*)(p + r * stride + d), _MM_HINT_T0);
+#endif
+}
+
+// Block b's state st[i] for each query i < nq (nq <= kMaxGroup) that has keys in it
+// (n[i] > b * kBlock): query i attends to its n[i] allowed slots idx[i][0..n[i]) (or 0..n[i]-1 when
+// idx[i] is null), whose first shared[i] ranks are the slots 0, 1, ... Chunks that every such query
+// sees as slots 16c..16c+15 run query-inner, so those keys/values are read once for all queries.
 template <int I>
-void attend_many(int nq, const float* const* q, const int32_t* const* idx, const int* n, const int* shared,
-                 const float* k, int64_t ks, const float* v, int64_t vs, int hd, float scale,
-                 float* const* out) {
-  thread_local std::vector<float> acc_buf, ml;
-  acc_buf.assign((size_t)nq * hd, 0.f);
-  ml.resize(2 * (size_t)nq);
-  int common = 1 << 30;
+void attend_block(int nq, const float* const* q, const int32_t* const* idx, const int* n, const int* shared,
+                  const float* k, int64_t ks, const float* v, int64_t vs, int hd, float scale, int b,
+                  float* const* st) {
+  const float* qa[kMaxGroup];
+  float *ma[kMaxGroup], *la[kMaxGroup], *aa[kMaxGroup];
+  int ia[kMaxGroup];
+  const int cb = b * kBlockChunks, ce = cb + kBlockChunks;
+  int na = 0, common = ce;
   for (int i = 0; i < nq; ++i) {
-    ml[2 * i] = -std::numeric_limits<float>::infinity();
-    ml[2 * i + 1] = 0.f;
+    if (n[i] <= cb * kChunk) continue;
+    float* s = st[i];
+    for (int d = 0; d < hd; ++d) s[d] = 0.f;
+    s[hd] = -std::numeric_limits<float>::infinity();
+    s[hd + 1] = 0.f;
+    qa[na] = q[i], aa[na] = s, ma[na] = s + hd, la[na] = s + hd + 1, ia[na] = i;
     common = std::min(common, std::min(shared[i], n[i]) / kChunk);
+    ++na;
   }
-  for (int c = 0; c < common; ++c) {
-    int i = 0;
-#if defined(__AVX512F__)
-    if constexpr (I == kAvx512) {  // two queries per pass over the chunk
-      for (; i + 1 < nq; i += 2) {
-        float* mp[2] = {&ml[2 * i], &ml[2 * i + 2]};
-        float* lp[2] = {&ml[2 * i + 1], &ml[2 * i + 3]};
-        float* ap[2] = {&acc_buf[(size_t)i * hd], &acc_buf[(size_t)(i + 1) * hd]};
-        if (!chunk16_fast<2>(q + i, k, ks, v, vs, nullptr, c * kChunk, hd, scale, mp, lp, ap)) break;
-      }
+  for (int c = cb; c < common; ++c) {
+    if (c + 1 < common) {
+      prefetch_rows(k + (int64_t)(c + 1) * kChunk * ks, ks, kChunk, hd);
+      prefetch_rows(v + (int64_t)(c + 1) * kChunk * vs, vs, kChunk, hd);
     }
-#endif
-    for (; i < nq; ++i)
-      chunk_full<I>(q[i], k, ks, v, vs, nullptr, c * kChunk, hd, scale, ml[2 * i], ml[2 * i + 1], &acc_buf[(size_t)i * hd]);
+    chunk_full<I>(na, qa, k, ks, v, vs, nullptr, c * kChunk, hd, scale, ma, la, aa);
   }
-  for (int i = 0; i < nq; ++i) {
-    float* acc = &acc_buf[(size_t)i * hd];
-    float &m = ml[2 * i], &l = ml[2 * i + 1];
-    for (int c0 = common * kChunk; c0 < n[i]; c0 += kChunk) {
-      if (n[i] - c0 >= kChunk)
-        chunk_full<I>(q[i], k, ks, v, vs, idx[i], c0, hd, scale, m, l, acc);
+  for (int a = 0; a < na; ++a) {
+    const int i = ia[a], end = std::min(n[i], ce * kChunk);
+    for (int c0 = std::max(common, cb) * kChunk; c0 < end; c0 += kChunk) {
+      if (end - c0 >= kChunk)
+        chunk_full<I>(1, &qa[a], k, ks, v, vs, idx[i], c0, hd, scale, &ma[a], &la[a], &aa[a]);
       else
-        chunk_ref<I>(q[i], k, ks, v, vs, idx[i], c0, n[i] - c0, hd, scale, m, l, acc);
+        chunk_ref<I>(qa[a], k, ks, v, vs, idx[i], c0, end - c0, hd, scale, *ma[a], *la[a], aa[a]);
     }
-    for (int d = 0; d < hd; ++d) out[i][d] = n[i] > 0 ? acc[d] / l : 0.f;
   }
 }
 
-// One (row, head): keys are slots idx[0..n) (or 0..n-1 when idx is null) of k/v with row stride
-// ks/vs floats; writes out[0..hd).
+// out[d] = A[d] * a (into acc form) then fma(x[d], c, .): out = fma(x, c, out * a), elementwise
 template <int I>
-void attend_one(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
-                const int32_t* idx, int n, int hd, float scale, float* out) {
-  const int shared = idx ? 0 : n;
-  attend_many<I>(1, &q, &idx, &n, &shared, k, ks, v, vs, hd, scale, &out);
+inline void fold_step(float* out, const float* x, float a, float c, int hd) {
+  int d = 0;
+#if defined(__AVX512F__)
+  if constexpr (I == kAvx512) {
+    const __m512 va = _mm512_set1_ps(a), vc = _mm512_set1_ps(c);
+    for (; d + 16 <= hd; d += 16)
+      _mm512_storeu_ps(out + d, _mm512_fmadd_ps(_mm512_loadu_ps(x + d), vc, _mm512_mul_ps(_mm512_loadu_ps(out + d), va)));
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (I == kAvx2) {
+    const __m256 va = _mm256_set1_ps(a), vc = _mm256_set1_ps(c);
+    for (; d + 8 <= hd; d += 8)
+      _mm256_storeu_ps(out + d, _mm256_fmadd_ps(_mm256_loadu_ps(x + d), vc, _mm256_mul_ps(_mm256_loadu_ps(out + d), va)));
+  }
+#endif
+  for (; d < hd; ++d) out[d] = std::fma(x[d], c, out[d] * a);
+}
+
+// out[0..hd) from nb block states st (state_size(hd) floats each, block order): folded from the empty
+// state (m = -inf, l = 0, acc = 0) as  m' = max(m, m_b); a = exp(m - m'); c = exp(m_b - m');
+// l = fma(l_b, c, l * a); acc[d] = fma(acc_b[d], c, acc[d] * a); then out = acc / l (zeros if nb = 0).
+// One block folds to exactly its own state (a = 0, c = 1).
+template <int I>
+void fold(int nb, const float* st, int hd, float* out) {
+  float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+  for (int d = 0; d < hd; ++d) out[d] = 0.f;
+  for (int b = 0; b < nb; ++b) {
+    const float* s = st + (int64_t)b * state_size(hd);
+    const float mb = s[hd], mn = mb > m ? mb : m;
+    const float a = exp_fixed(m - mn), c = exp_fixed(mb - mn);
+    l = std::fma(s[hd + 1], c, l * a);
+    fold_step<I>(out, s, a, c, hd);
+    m = mn;
+  }
+  for (int d = 0; d < hd; ++d) out[d] = nb > 0 ? out[d] / l : 0.f;
 }
 
 }  // namespace attn

@@ -7,7 +7,7 @@
 // at once, attention runs per segment over that segment's own per-layer k/v cache.
 //
 // Row invariance (exact speculative decoding): every per-row operation below computes a row from
-// that row alone with a fixed operation order, and mm_into / attn::attend_one are row-invariant, so a
+// that row alone with a fixed operation order, and mm_into / the attention of attn.h + attn_sched.h are row-invariant, so a
 // row's bits do not depend on M, on the other rows or on the segment it sits in:
 //   RMSNorm:  ss = attn::dot(x, x, H) (16 fma lanes + fixed tree); r = 1 / sqrt(ss / H + eps);
 //             y[i] = w[i] * (x[i] * r)
@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "attn.h"
+#include "attn_sched.h"
 #include "mm_core.h"
 
 namespace td {
@@ -188,15 +189,6 @@ class FusedDecoder {
         contig_[r] = c;
       }
     }
-    // attention work units: (segment, kv head, block of up to qb of its (row, head) queries)
-    const int64_t group = nh_ / nkv_;
-    const int64_t qb = std::max<int64_t>(2, std::min<int64_t>(16, M * nh_ / (pool().size() * 4)));
-    units_.clear();
-    for (int64_t s = 0; s < S; ++s)
-      for (int64_t g = 0; g < nkv_; ++g)
-        for (int64_t q0 = 0; q0 < seg_rows[s] * group; q0 += qb)
-          units_.push_back({s, g, q0, std::min(seg_rows[s] * group, q0 + qb)});
-
     const int64_t qkvN = (nh_ + 2 * nkv_) * hd_, half = hd_ / 2;
     x_.resize(M * H_);
     h_.resize(M * H_);
@@ -243,7 +235,7 @@ class FusedDecoder {
         }
       }
       tick(0);
-      attention(l, M, S, row0, seg_k, seg_v, isa);
+      attention(l, S, row0, seg_k, seg_v, isa);
       tick(2);
       linear(w.wo, att_.data(), M, h_.data(), path);
       tick(3);
@@ -364,46 +356,29 @@ class FusedDecoder {
     for (; i < n; ++i) out[i] = g[i] / (1.f + attn::exp_fixed(0.f - g[i])) * u[i];
   }
 
-  void attention(int64_t l, int64_t M, int64_t S, const std::vector<int64_t>& row0,
+  // Queries ordered (segment, kv head, row, head of the group); one attn::Group per (segment, kv head),
+  // so a kv head's keys/values are read once for all its queries (see attn_sched.h).
+  void attention(int64_t l, int64_t S, const std::vector<int64_t>& row0,
                  const std::vector<std::vector<torch::Tensor>>& seg_k,
                  const std::vector<std::vector<torch::Tensor>>& seg_v, int isa) {
     const int64_t qkvN = (nh_ + 2 * nkv_) * hd_, group = nh_ / nkv_;
-    kp_.resize(S);
-    vp_.resize(S);
-    cap_.resize(S);
+    aq_.clear();
+    ag_.clear();
     for (int64_t s = 0; s < S; ++s) {
-      kp_[s] = seg_k[s][l].data_ptr<float>();
-      vp_[s] = seg_v[s][l].data_ptr<float>();
-      cap_[s] = seg_k[s][l].size(2);
-    }
-    auto work = [&](int u) {
-      const Unit& un = units_[u];
-      constexpr int kMax = 16;
-      const float* q[kMax];
-      const int32_t* ix[kMax];
-      int n[kMax], shared[kMax];
-      float* o[kMax];
-      const int nq = (int)(un.q1 - un.q0);
-      for (int i = 0; i < nq; ++i) {  // query (row t, head g * group + hh)
-        const int64_t t = (un.q0 + i) / group, h = un.g * group + (un.q0 + i) % group, r = row0[un.s] + t;
-        q[i] = &qkv_[r * qkvN + h * hd_];
-        ix[i] = causal_[r] ? nullptr : idx_.data() + off_[r];
-        n[i] = (int)cnt_[r];
-        shared[i] = (int)contig_[r];
-        o[i] = &att_[(r * nh_ + h) * hd_];
+      const float* kc = seg_k[s][l].data_ptr<float>();
+      const float* vc = seg_v[s][l].data_ptr<float>();
+      const int64_t cap = seg_k[s][l].size(2);
+      for (int64_t g = 0; g < nkv_; ++g) {
+        const int q0 = (int)aq_.size();
+        for (int64_t r = row0[s]; r < row0[s + 1]; ++r)
+          for (int64_t h = g * group; h < (g + 1) * group; ++h)
+            aq_.push_back({&qkv_[r * qkvN + h * hd_], causal_[r] ? nullptr : idx_.data() + off_[r], (int)cnt_[r],
+                           (int)contig_[r], &att_[(r * nh_ + h) * hd_]});
+        ag_.push_back({kc + g * cap * hd_, vc + g * cap * hd_, hd_, hd_, q0, (int)aq_.size()});
       }
-      const float* k = kp_[un.s] + un.g * cap_[un.s] * hd_;
-      const float* v = vp_[un.s] + un.g * cap_[un.s] * hd_;
-      if (isa == attn::kAvx512) attn::attend_many<attn::kAvx512>(nq, q, ix, n, shared, k, hd_, v, hd_, (int)hd_, scale_, o);
-      else if (isa == attn::kAvx2) attn::attend_many<attn::kAvx2>(nq, q, ix, n, shared, k, hd_, v, hd_, (int)hd_, scale_, o);
-      else attn::attend_many<attn::kScalar>(nq, q, ix, n, shared, k, hd_, v, hd_, (int)hd_, scale_, o);
-    };
-    pool().run(work, (int)units_.size());
+    }
+    runner_.run(isa, ag_, aq_, (int)hd_, scale_, pool());
   }
-
-  struct Unit {
-    int64_t s, g, q0, q1;
-  };
 
   int64_t H_, nh_, nkv_, hd_, I_;
   float eps_, scale_;
@@ -414,13 +389,14 @@ class FusedDecoder {
   // scratch, reused across calls (one forward at a time per decoder)
   std::vector<float> x_, h_, qkv_, att_, ff_, act_, cs_;
   std::vector<int32_t> idx_;
-  std::vector<int64_t> off_, cnt_, contig_, cap_;
-  std::vector<Unit> units_;
+  std::vector<int64_t> off_, cnt_, contig_;
+  std::vector<attn::Query> aq_;
+  std::vector<attn::Group> ag_;
+  attn::Runner runner_;
   bool profile_ = false;
   std::array<int64_t, 7> prof_{};
   std::chrono::steady_clock::time_point last_;
   std::vector<char> causal_;
-  std::vector<float*> kp_, vp_;
 };
 
 }  // namespace td

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "attn.h"
+#include "attn_sched.h"
 #include "fused.h"
 #include "mm_core.h"
 
@@ -129,21 +130,27 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t group = nh / nkv;
-  const float sc = (float)scale;
-  auto work = [&](int u) {
-    const int64_t t = u / nh, h = u % nh, g = h / group;
-    const int32_t* ix = all ? nullptr : idx.data() + off[t];
-    const int n = all ? (int)L : (int)(off[t + 1] - off[t]);
-    const float* qr = qp + t * q.stride(0) + h * q.stride(1);
-    const float* kr = kp + g * k.stride(0);
-    const float* vr = vp + g * v.stride(0);
-    float* o = op + (t * nh + h) * hd;
-    if (isa == attn::kAvx512) attn::attend_one<attn::kAvx512>(qr, kr, k.stride(1), vr, v.stride(1), ix, n, hd, sc, o);
-    else if (isa == attn::kAvx2) attn::attend_one<attn::kAvx2>(qr, kr, k.stride(1), vr, v.stride(1), ix, n, hd, sc, o);
-    else attn::attend_one<attn::kScalar>(qr, kr, k.stride(1), vr, v.stride(1), ix, n, hd, sc, o);
-  };
-  TORCH_CHECK(T * nh <= Pool::kMaxUnits, "attend: too many (row, head) pairs");
-  pool().run(work, (int)(T * nh));
+  // queries ordered (kv head, row, head of the group): one attn::Group per kv head (attn_sched.h)
+  thread_local std::vector<attn::Query> qs;
+  thread_local std::vector<attn::Group> gs;
+  thread_local attn::Runner runner;
+  qs.clear();
+  gs.clear();
+  std::vector<int> shared(T, (int)L);
+  for (int64_t t = 0; t < T && !all; ++t) {
+    int c = 0;
+    while (off[t] + c < off[t + 1] && idx[off[t] + c] == c) ++c;
+    shared[t] = c;
+  }
+  for (int64_t g = 0; g < nkv; ++g) {
+    const int q0 = (int)qs.size();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = g * group; h < (g + 1) * group; ++h)
+        qs.push_back({qp + t * q.stride(0) + h * q.stride(1), all ? nullptr : idx.data() + off[t],
+                      all ? (int)L : (int)(off[t + 1] - off[t]), shared[t], op + (t * nh + h) * hd});
+    gs.push_back({kp + g * k.stride(0), vp + g * v.stride(0), k.stride(1), v.stride(1), q0, (int)qs.size()});
+  }
+  runner.run(isa, gs, qs, (int)hd, (float)scale, pool());
   return out;
 }
 
