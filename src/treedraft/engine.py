@@ -18,7 +18,7 @@ from torch import Tensor
 from .interfaces import DraftContext, Drafter, GenerationError, TargetModel, target_device
 from .sampling import SamplingParams, sample, target_probs
 from .tree import TokenTree, TreeError
-from .verify import RULES
+from .verify import RULES, greedy_token
 
 __all__ = [
     "DecodeResult",
@@ -257,7 +257,7 @@ class Engine:
     @staticmethod
     def _pick(logits: Tensor, p: SamplingParams, gen: torch.Generator) -> int:
         if p.greedy:
-            return int(logits.argmax())
+            return greedy_token(logits)
         return sample(target_probs(logits[None], p)[0], gen)
 
     @staticmethod
