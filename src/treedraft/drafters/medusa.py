@@ -14,6 +14,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -327,6 +328,29 @@ class MedusaHeads(nn.Module):
         return heads.eval().requires_grad_(False)
 
 
+def top_k_rows(scores: Tensor, k: int) -> list[list[int]]:
+    """Indices of the k largest scores of every row of (n, V) ``scores``, best first (ties: lower index first).
+
+    On the CPU, for small k, by k NumPy argmax passes per row: torch.topk parallelises over OpenMP threads
+    and took 2.5-13 ms for (4, 16384) on a loaded 2-core machine, these passes ~0.1 ms.
+    """
+    k = min(k, scores.shape[-1])
+    if scores.device.type != "cpu" or k > 16:
+        return scores.topk(k, dim=-1).indices.tolist()
+    a = scores.detach().float().numpy().copy()  # (n, V), scratch: picked entries are set to -inf
+    out = []
+    for row in a:
+        ids: list[int] = []
+        for _ in range(k):
+            j = int(row.argmax())
+            if ids and j in ids:  # only -inf / NaN left: leave the ranking to torch
+                return scores.topk(k, dim=-1).indices.tolist()
+            ids.append(j)
+            row[j] = -np.inf
+        out.append(ids)
+    return out
+
+
 def shipped_heads_for(model_name: str) -> Path | None:
     """Directory of heads shipped in the package for a registry model name, if any."""
     d = HEADS_DIR / model_name
@@ -395,8 +419,9 @@ class MedusaDrafter:
         depth = max(len(c) for c in choices)
         logits = self.heads.draft_logits(h, root, depth)  # (depth, V')
         ks = self.topk[:depth]
-        ids = logits.topk(max(ks), dim=-1).indices  # (depth, max k): one call for every depth
-        if self.heads.vocab_map is not None:
-            ids = self.heads.vocab_map[ids]
-        cands = [row[:k] for row, k in zip(ids.tolist(), ks)]
+        rows = top_k_rows(logits, max(ks))  # (depth, max k) ranked ids
+        vm = self.heads.vocab_map
+        if vm is not None:
+            rows = vm[torch.tensor(rows, device=vm.device)].tolist()
+        cands = [row[:k] for row, k in zip(rows, ks)]
         return TokenTree.from_choices(ctx.root, choices, cands).truncated(ctx.max_nodes)
