@@ -248,9 +248,8 @@ class Scheduler:
             want += [r0 + i for i in p.logit_rows]
             r0 += len(p.tokens)
         toks = torch.tensor([t for p in plan for t in p.tokens], device=dev)
-        logits, hidden = packed(
-            toks, torch.cat([p.positions for p in plan]), segs, torch.tensor(want, dtype=torch.long, device=dev)
-        )
+        pos = plan[0].positions if len(plan) == 1 else torch.cat([p.positions for p in plan])
+        logits, hidden = packed(toks, pos, segs, torch.tensor(want, dtype=torch.long, device=dev))
         out, li = [], 0
         for p, o in zip(plan, offsets):
             k = len(p.logit_rows)

@@ -29,7 +29,7 @@ def greedy_token(logits: Tensor) -> int:
     ~120 us for ``torch.argmax``, which is not vectorised for float on CPU); any other row through torch.
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return int(logits.numpy().argmax())
+        return int(logits.detach().numpy().argmax())
     return int(logits.argmax())
 
 
