@@ -9,6 +9,7 @@ from treedraft.drafters.medusa import HeadsMismatchError, MedusaConfig, MedusaDr
 from treedraft.engine import Engine, GenerationConfig
 from treedraft.interfaces import DraftContext
 from treedraft.models.llama import bf16_gemm_available
+from treedraft.models.quant import native_kernels
 from treedraft.models.tiny import tiny_llama
 from treedraft.training.calibrate import choose_tree, grow_tree
 from treedraft.training.data import batched_greedy
@@ -86,7 +87,7 @@ def test_drafter_tree_follows_choices_and_head_ranks() -> None:
     assert calls == [1, 1, 2, 2]
 
 
-def test_draft_logits_are_the_first_heads_and_bf16_only_rounds() -> None:
+def test_draft_logits_are_the_first_heads_and_drafting_copies_only_round() -> None:
     torch.manual_seed(0)
     m = tiny_llama(seed=2)
     vm = torch.randperm(m.vocab_size)
@@ -99,24 +100,61 @@ def test_draft_logits_are_the_first_heads_and_bf16_only_rounds() -> None:
     h, root = torch.randn(m.hidden_size), torch.tensor(5)
     full = heads(h, root)  # (3, 40)
     on = heads.pack_for_drafting()
-    assert on is (heads._draft_w is not None)
-    if not bf16_gemm_available():
-        assert on is False  # no native bf16 GEMM: never the (slow, emulated) bf16 path
+    assert on is (heads._native is not None or heads._draft_w is not None)
+    assert (heads._native is not None) is (native_kernels() is not None)  # hidden 32: the kernels' group size
+    if native_kernels() is None and not bf16_gemm_available():
+        assert on is False  # no native kernels, no native bf16 GEMM: never the (slow, emulated) bf16 path
     for n in (1, 2, 3):
         got = heads.draft_logits(h, root, n)
         assert got.shape == (n, 40)
-        if heads._draft_w is None:
-            torch.testing.assert_close(got, full[:n], rtol=1e-5, atol=1e-5)
-        else:  # bf16 inputs and weights, float32 sums, bf16 result: the float32 scores up to that rounding
-            z = heads.hidden(h, root, n)
+        if heads._native is not None:  # int8 weights (and int8 activations in the kernel): the float32 scores
+            nd = heads._native  # computed from the dequantized int8 weights, up to the activations' rounding
+            e = heads.embed_weight[root]
+            want = []
+            for k in range(n):
+                u = h + e @ nd.root[k].dequantize().T
+                w, b = nd.blocks[k]
+                want.append(u + torch.nn.functional.silu(u @ w.dequantize().T + b))
+            want = torch.stack(want) @ nd.proj.dequantize().T
+            torch.testing.assert_close(got, want, rtol=0, atol=0.03 * float(want.abs().max()))
+            torch.testing.assert_close(got, full[:n], rtol=0, atol=0.06 * float(full.abs().max()))
+            assert not torch.equal(got, full[:n])  # it really is the int8 path
+        elif heads._draft_w is not None:  # bf16 inputs and weights, float32 sums, bf16 result: the float32
+            z = heads.hidden(h, root, n)  # scores up to that rounding
             want = z.bfloat16().float() @ heads.base_weight.bfloat16().float().T
             torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-4)
             assert not torch.equal(got, full[:n])  # it really is the bf16 path
-    heads._draft_w = None
+        else:
+            torch.testing.assert_close(got, full[:n], rtol=1e-5, atol=1e-5)
+    heads._native = heads._draft_w = None
     torch.testing.assert_close(heads.draft_logits(h, root, 2), full[:2], rtol=1e-5, atol=1e-5)
     sep = MedusaHeads(_cfg(m, num_heads=2, shared_lm_head=False), m.lm_head.weight)
-    assert sep.pack_for_drafting() is False  # only the shared projection has a bf16 copy
+    assert sep.pack_for_drafting() is False  # only the shared projection has a drafting copy
     torch.testing.assert_close(sep.draft_logits(h, None, 1), sep(h)[:1])
+
+
+def test_int8_drafting_keeps_greedy_output_and_mostly_the_tree() -> None:
+    """Heads drafting through their int8 copies: same greedy output as plain decoding; the trees differ from
+    the float32 heads' only where two candidates' scores are within the rounding."""
+    if native_kernels() is None:
+        pytest.skip("treedraft.kernels (the native int8 kernels) is not available here")
+    torch.manual_seed(0)
+    m = tiny_llama(seed=3)
+    heads = MedusaHeads(_cfg(m, root_conditioned=True), m.lm_head.weight, embed_weight=m.embed.weight)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    ref = MedusaDrafter(heads, ((0,), (1,), (0, 0), (0, 1), (1, 0)))
+    ctxs = [DraftContext([3, t], torch.randn(m.hidden_size), max_nodes=64, max_depth=8) for t in range(20)]
+    want = [ref.propose(c).tokens for c in ctxs]
+    assert heads.pack_for_drafting() and heads._native is not None
+    got = [ref.propose(c).tokens for c in ctxs]
+    assert sum(a == b for a, b in zip(got, want)) >= 15  # top-2 of 64 per head: a few near-ties flip
+    eng = Engine(m)
+    cfg = GenerationConfig(max_new_tokens=40)
+    plain = eng.generate([3, 1, 4, 1, 5], cfg, drafter=None)
+    spec = eng.generate([3, 1, 4, 1, 5], cfg, drafter=ref)
+    assert spec.token_ids == plain.token_ids
 
 
 def test_bf16_pack_failure_falls_back_to_float32_drafting(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,6 +174,9 @@ def test_bf16_pack_failure_falls_back_to_float32_drafting(monkeypatch: pytest.Mo
     def cannot_pack(w: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("could not create a primitive descriptor for a reorder primitive")
 
+    import treedraft.drafters.medusa_native as native_mod
+
+    monkeypatch.setattr(native_mod.NativeDraft, "build", staticmethod(lambda heads: None))  # no native kernels
     monkeypatch.setattr(medusa_mod, "bf16_gemm_available", lambda: True)
     monkeypatch.setattr(medusa_mod, "pack_bf16", cannot_pack)
     assert heads.pack_for_drafting() is False and heads._draft_w is None
@@ -419,3 +460,20 @@ def test_fp16_saved_heads_load_back_close(tmp_path) -> None:
     assert back.vocab_map.dtype == torch.long and next(back.parameters()).dtype == torch.float32
     h = torch.randn(2, m.hidden_size)
     torch.testing.assert_close(back(h), heads(h), atol=2e-2, rtol=1e-2)
+
+
+def test_top_k_rows_ranks_like_a_stable_sort() -> None:
+    """Best first, ties to the lower index; rows with too few finite scores still give k distinct ids."""
+    from treedraft.drafters.medusa import top_k_rows
+
+    g = torch.Generator().manual_seed(0)
+    for t in range(50):
+        x = torch.randn(3, 40, generator=g)
+        if t % 2:
+            x = x.round()  # many ties
+        want = [sorted(range(40), key=lambda j: (-float(r[j]), j))[:5] for r in x]
+        assert top_k_rows(x, 5) == want
+    x = torch.full((1, 6), float("-inf"))
+    x[0, 4] = 1.0
+    got = top_k_rows(x, 3)[0]
+    assert got[0] == 4 and len(set(got)) == 3

@@ -58,9 +58,10 @@ class Request:
     prefilled: int = 0  # prompt tokens already in the cache
     n_out: int = 0  # new tokens committed (the root included)
     last_hidden: Tensor | None = None  # (H,) target hidden state at the position that produced the root
-    # (n, H) hidden states of the positions committed since the last propose (prompt chunks, accepted paths),
-    # handed to the drafter as DraftContext.accepted_hidden (EAGLE extends its own cache with them)
-    path_hidden: Tensor | None = None
+    # (n_i, H) hidden states of the positions committed since the last propose (prompt chunks, accepted paths),
+    # concatenated into DraftContext.accepted_hidden at the next propose (EAGLE extends its own cache with
+    # them); kept only for a request with a drafter (plain decoding would grow it, and copy it, every step)
+    path_hidden: list[Tensor] = field(default_factory=list)
     error: BaseException | None = None  # set when this request failed (its drafter, say); it then leaves
     t_start: float = 0.0
 
@@ -82,8 +83,15 @@ class Request:
 
     def add_hidden(self, h: Tensor | None) -> None:
         """Append (n, H) hidden states of newly committed positions to those the next propose will see."""
-        if h is not None:
-            self.path_hidden = h if self.path_hidden is None else torch.cat((self.path_hidden, h))
+        if h is not None and self.drafter is not None:
+            self.path_hidden.append(h)
+
+    def take_hidden(self) -> Tensor | None:
+        """(n, H) hidden states committed since the last propose (None: none kept), and forget them."""
+        parts, self.path_hidden = self.path_hidden, []
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def output(self) -> list[int]:
         """The new tokens delivered so far (``stats.new_tokens`` of them: cut by the text layer at EOS/stop)."""
@@ -179,8 +187,7 @@ class Scheduler:
         max_depth = req.max_new - req.n_out - 1  # the bonus token takes one slot of the budget
         root = req.tokens[-1]
         if req.drafter is not None and budget > 1 and max_depth > 0:
-            ctx = DraftContext(req.tokens, req.last_hidden, budget, max_depth, len(req.prompt), req.path_hidden)
-            req.path_hidden = None
+            ctx = DraftContext(req.tokens, req.last_hidden, budget, max_depth, len(req.prompt), req.take_hidden())
             name = getattr(req.drafter, "name", type(req.drafter).__name__)
             try:
                 tree = req.drafter.propose(ctx)
@@ -244,9 +251,8 @@ class Scheduler:
             want += [r0 + i for i in p.logit_rows]
             r0 += len(p.tokens)
         toks = torch.tensor([t for p in plan for t in p.tokens], device=dev)
-        logits, hidden = packed(
-            toks, torch.cat([p.positions for p in plan]), segs, torch.tensor(want, dtype=torch.long, device=dev)
-        )
+        pos = plan[0].positions if len(plan) == 1 else torch.cat([p.positions for p in plan])
+        logits, hidden = packed(toks, pos, segs, torch.tensor(want, dtype=torch.long, device=dev))
         out, li = [], 0
         for p, o in zip(plan, offsets):
             k = len(p.logit_rows)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -146,16 +147,24 @@ class TokenTree:
         )
 
 
+def _ancestor_bits(parents: Sequence[int]) -> np.ndarray:
+    """(N, N) bool array: row i has True at i and at every ancestor of i (parents precede children).
+
+    Each row is built as a Python int bit set (row of the parent | own bit) and unpacked in one NumPy
+    call: O(N) Python steps instead of N tensor ops.
+    """
+    n = len(parents)
+    anc = [0] * n
+    for i, p in enumerate(parents):
+        anc[i] = (anc[p] if p >= 0 else 0) | (1 << i)
+    nb = (n + 7) // 8
+    raw = np.frombuffer(b"".join(a.to_bytes(nb, "little") for a in anc), dtype=np.uint8).reshape(n, nb)
+    return np.unpackbits(raw, axis=1, count=n, bitorder="little").view(np.bool_)
+
+
 def tree_mask(tree: TokenTree) -> Tensor:
     """(N, N) bool: node i may attend to node j iff j is i itself or an ancestor."""
-    n = len(tree)
-    m = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        m[i, i] = True
-        p = tree.parents[i]
-        if p >= 0:
-            m[i] |= m[p]
-    return m
+    return torch.from_numpy(_ancestor_bits(tree.parents))
 
 
 def tree_positions(tree: TokenTree, start: int, device: torch.device | str | None = None) -> Tensor:
@@ -166,10 +175,10 @@ def tree_positions(tree: TokenTree, start: int, device: torch.device | str | Non
 def full_attention_mask(tree: TokenTree, start: int, device: torch.device | str | None = None) -> Tensor:
     """(N, start + N) bool: all of the committed prefix plus the tree mask, on ``device`` (default cpu)."""
     n = len(tree)
-    # the tree part is built row by row on the CPU, then copied over once
-    m = tree_mask(tree)
-    m = m if device is None else m.to(device)
-    return torch.cat([torch.ones(n, start, dtype=torch.bool, device=m.device), m], dim=1)
+    m = np.ones((n, start + n), dtype=np.bool_)  # built on the CPU, then copied over once
+    m[:, start:] = _ancestor_bits(tree.parents)
+    out = torch.from_numpy(m)
+    return out if device is None else out.to(device)
 
 
 def retrieve_indices(tree: TokenTree) -> Tensor:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..interfaces import DraftContext
 from ..tree import TokenTree
 
@@ -57,19 +59,22 @@ class PromptLookupDrafter:
         seqs: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
         L = len(tokens)
+        arr = np.asarray(tokens, dtype=np.int64)  # (L,): the occurrences are found vectorised, not by a Python scan
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            pat = tokens[L - n :]
-            # scan backwards: recent matches are better predictors
-            for s in range(L - n - 1, -1, -1):
-                if tokens[s : s + n] == pat:
-                    length = min(depth, self.match_length(tokens, s, n)) if self.adaptive else depth
-                    cont = tokens[s + n : s + n + length]
-                    key = tuple(cont)
-                    if cont and key not in seen and not any(k[: len(key)] == key for k in seen):
-                        seen.add(key)
-                        seqs.append(cont)
-                        if len(seqs) >= self.max_branches:
-                            return seqs
+            # starts s <= L - n - 1 whose n tokens equal the last n (at least one token follows them)
+            hit = arr[: L - n] == arr[L - n]
+            for j in range(1, n):
+                hit &= arr[j : L - n + j] == arr[L - n + j]
+            # most recent first: recent matches are better predictors
+            for s in np.flatnonzero(hit)[::-1].tolist():
+                length = min(depth, self.match_length(tokens, s, n)) if self.adaptive else depth
+                cont = tokens[s + n : s + n + length]
+                key = tuple(cont)
+                if cont and key not in seen and not any(k[: len(key)] == key for k in seen):
+                    seen.add(key)
+                    seqs.append(cont)
+                    if len(seqs) >= self.max_branches:
+                        return seqs
         return seqs
 
     def propose(self, ctx: DraftContext) -> TokenTree:

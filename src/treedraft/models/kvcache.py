@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,8 @@ class KVCache:
     ``length`` counts committed positions. :meth:`Transformer.forward` writes new
     entries at slots ``[start, start + T)``; :meth:`keep` compacts a chosen subset
     of those slots (the accepted tree path) down to ``start`` and commits them.
+    All layers' keys and values are views of one ``(2 * layers, B, n_kv, max_len, head_dim)``
+    tensor, so a compaction is one gather and one copy for the whole cache, not two per layer.
     """
 
     def __init__(
@@ -26,9 +29,9 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (batch, num_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.kv = torch.zeros((2 * num_layers, batch, num_kv_heads, max_len, head_dim), dtype=dtype, device=device)
+        self.k = list(self.kv[:num_layers].unbind(0))  # contiguous (B, n_kv, max_len, hd) views
+        self.v = list(self.kv[num_layers:].unbind(0))
         self.max_len = max_len
         self.length = 0
 
@@ -41,15 +44,22 @@ class KVCache:
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
-    def keep(self, start: int, indices: Tensor | list[int]) -> None:
+    def keep(self, start: int, indices: Tensor | Sequence[int]) -> None:
         """Keep slots ``start + indices`` (in order) at ``start ...``; set length accordingly."""
-        idx = torch.as_tensor(indices, dtype=torch.long, device=self.k[0].device)
-        n = int(idx.numel())
-        contiguous = bool(n == 0 or torch.equal(idx, torch.arange(n, device=idx.device)))
-        if not contiguous:
-            src = idx + start
-            for buf in (*self.k, *self.v):
-                buf[:, :, start : start + n] = buf.index_select(2, src)
+        if isinstance(indices, Tensor):
+            indices = indices.tolist()
+        n = len(indices)
+        if isinstance(indices, range) and indices.start == 0 and indices.step == 1:
+            moved = []  # a prefill chunk: already in place
+        else:  # an accepted path often starts with 0, 1, ...: those slots stay
+            moved = [i for i, j in enumerate(indices) if i != j]
+        if moved:
+            src = torch.tensor([start + indices[i] for i in moved], dtype=torch.long, device=self.kv.device)
+            if len(moved) == moved[-1] - moved[0] + 1:  # one run of slots: a slice assignment
+                self.kv[:, :, :, start + moved[0] : start + moved[-1] + 1] = self.kv.index_select(3, src)
+            else:
+                dst = torch.tensor([start + i for i in moved], dtype=torch.long, device=self.kv.device)
+                self.kv.index_copy_(3, dst, self.kv.index_select(3, src))
         self.length = start + n
 
     def truncate(self, length: int) -> None:

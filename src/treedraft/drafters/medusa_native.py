@@ -1,0 +1,85 @@
+"""Medusa drafting through the native int8 kernels: the heads' weights as group-32 int8 copies.
+
+Drafting runs every step and streams the heads' weights: for the shipped SmolLM2 heads a 16384 x 576
+shared projection (37.7 MB float32, 18.9 MB bf16) and 8 residual / root matrices of 576 x 576 (10.6 MB
+float32), a third of what the int4 target itself streams per step. On an AVX-512 Xeon without native
+bf16, oneDNN's emulated bf16 projection took ~20 ms per step against ~0.6 ms for the native int8 kernel
+(``treedraft.kernels.mm``, Q8_0 weights, 9.4 MB), and the float32 residual blocks ~1.1 ms against ~0.5 ms
+(benchmarks/step_overhead.py). Draft scores only rank candidate tokens, every one of which the target
+verifies, so rounding them changes which tokens are proposed at near-ties, never an output.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .medusa import MedusaHeads
+
+QK = 32  # Q8_0 group size along the input dimension
+
+
+def pack_q8(w: Tensor, kernels: Any) -> Any:
+    """(N, K) float weight -> a native Q8_0 PackedWeight (symmetric int8 per group of 32, fp16 scales)."""
+    n, k = w.shape
+    g = w.detach().float().reshape(n, k // QK, QK)
+    scale = (g.abs().amax(-1) / 127.0).clamp_min(2.0**-14).half()  # fp16 as the kernel stores it: no rounding later
+    q = torch.round(g / scale.float()[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
+    return kernels.pack_q8_0(scale, q)
+
+
+class NativeDraft:
+    """Int8 copies of a :class:`MedusaHeads`' drafting weights and the draft forward over them."""
+
+    def __init__(self, heads: MedusaHeads, kernels: Any) -> None:
+        self.k = kernels
+        self.proj = pack_q8(heads.base_weight, kernels)  # (V', H)
+        self.blocks: list[tuple[Any, Tensor]] | None = None  # per head: (W, bias) of its one residual block
+        self.root: list[Any] | None = None  # per head: its root projection
+        if heads.config.num_layers == 1:
+            self.blocks = []
+            for blk in heads.blocks:
+                lin = blk[0].linear
+                self.blocks.append((pack_q8(lin.weight, kernels), lin.bias.detach().float().contiguous()))
+            if heads.root_proj is not None:
+                self.root = [pack_q8(p.weight, kernels) for p in heads.root_proj]
+
+    @staticmethod
+    def build(heads: MedusaHeads) -> NativeDraft | None:
+        """Native copies when the kernels are usable for these heads (CPU, float32, shared projection,
+        hidden size a multiple of 32), else None."""
+        from ..models.quant import native_kernels
+
+        w = heads.base_weight
+        if heads.proj is not None or w is None or w.device.type != "cpu" or w.dtype != torch.float32:
+            return None
+        if w.shape[1] % QK or any(p.dtype != torch.float32 for p in heads.parameters()):
+            return None
+        kernels = native_kernels()
+        return None if kernels is None else NativeDraft(heads, kernels)
+
+    def features(self, heads: MedusaHeads, h: Tensor, root: Tensor | None, n: int) -> Tensor:
+        """(H,) hidden [+ root id] -> (n, H) features of the first n heads (as :meth:`MedusaHeads.hidden`)."""
+        if self.blocks is None:
+            return heads.hidden(h, root, n)
+        mm = self.k.mm
+        x = h.float().reshape(1, -1).contiguous()  # (1, H)
+        e = None
+        if self.root is not None:
+            if root is None:
+                raise ValueError("these heads are root-conditioned: pass the root token ids")
+            e = heads.embed_weight[root].float().reshape(1, -1).contiguous()  # (1, H)
+        out = []
+        for i in range(n):
+            u = x if e is None else x + mm(e, self.root[i])  # (1, H)
+            w, b = self.blocks[i]
+            out.append(u + F.silu(mm(u, w) + b))
+        return torch.cat(out)  # (n, H)
+
+    def logits(self, heads: MedusaHeads, h: Tensor, root: Tensor | None, n: int) -> Tensor:
+        """(H,) hidden [+ root id] -> (n, V') draft scores of the first n heads."""
+        return self.k.mm(self.features(heads, h, root, n), self.proj)
