@@ -121,3 +121,28 @@ def test_resume_skips_finished_shards(tmp_path: Path, monkeypatch: pytest.Monkey
     (tmp_path / "shard_00001.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="lower --max-shards"):
         load_eagle_shards(tmp_path, max_shards=2)
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        ([], "--out DIR is required"),
+        (["--gen-only", "--no-generate", "--train-data", "x"], "exclude each other"),
+        (["--out", "o", "--max-shards", "0"], "--max-shards must be >= 1"),
+        (["--out", "o", "--gen-concurrency", "0"], "--gen-concurrency"),
+    ],
+)
+def test_train_eagle_cli_checks(tmp_path: Path, args: list[str], msg: str) -> None:
+    import argparse
+
+    from treedraft.training import eagle_cli
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    p = argparse.ArgumentParser()
+    eagle_cli.register(p.add_subparsers())
+    a = p.parse_args(["train-eagle", "--prompts", str(prompts), *args])
+    with pytest.raises(ValueError, match=msg):
+        eagle_cli.validate(a)
+    ok = p.parse_args(["train-eagle", "--prompts", str(prompts), "--gen-only", "--max-shards", "2"])
+    eagle_cli.validate(ok)  # the data-only run needs no --out
