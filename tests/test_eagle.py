@@ -308,3 +308,34 @@ def test_shipped_eagle_greedy_equals_plain_real_model() -> None:
         spec = llm.generate(q, drafter=d, max_new_tokens=64, max_tree_nodes=32)
         assert spec.token_ids == plain.token_ids
         assert spec.stats.mean_accepted_length > 1.1  # drafts are accepted (measured 1.47 on the first prompt)
+
+
+def test_fast_drafting_on_a_native_target_drafts_like_the_float_net(tmp_path: Path) -> None:
+    """On a native-q4 target the draft layer and its draft-vocabulary head run as native q8: the root's children
+    are the float net's (q8 rounding may reorder near-ties deeper down), tokens are mapped back through
+    vocab_map, greedy output = plain."""
+    from test_batch import native_tiny
+
+    from treedraft.drafters.eagle import fast_drafting
+    from treedraft.models.quant import NativeLinear
+
+    model = native_tiny(seed=5)
+    net = random_net(model, 2, draft_vocab=24, depth=3, topk=3)
+    fast, head, vocab = fast_drafting(net, model)
+    assert isinstance(head, NativeLinear) and head.out_features == 24 and torch.equal(vocab, net.vocab_map)
+    assert isinstance(fast.fc, NativeLinear) and isinstance(fast.layer.ffn.w2, NativeLinear)
+    assert not isinstance(net.fc, NativeLinear)  # the float net is left as it was
+    toks = [1, 2, 3, 4, 5, 6]
+    _, hid = model.forward(torch.tensor([toks[:-1]]), torch.arange(5))
+    ctx = DraftContext(toks, hid[0, -1], 12, 3, 5, hid[0])
+    want = EagleDrafter(net, max_len=64).propose(ctx)
+    got = EagleDrafter(fast, max_len=64, project=head, project_vocab=vocab).propose(ctx)
+    kids = lambda t: [t.tokens[c] for c in t.children()[0]]  # noqa: E731
+    assert kids(got) == kids(want) and len(kids(got)) == 3 and len(got) == len(want) == 12
+    assert set(got.tokens[1:]) <= set(net.vocab_map.tolist())
+    net.save(tmp_path)
+    engine = Engine(model)
+    ref = engine.generate([5, 3, 8, 1], cfg(24), None).token_ids
+    d = EagleDrafter.for_target(model, tmp_path)
+    assert d.project is not None and d.vm is not None
+    assert engine.generate([5, 3, 8, 1], cfg(24, max_tree_nodes=8), d).token_ids == ref

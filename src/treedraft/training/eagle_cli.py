@@ -25,9 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"jsonl of prompts: {FORMATS} (default: {SHARED_DATA / SHAREGPT_FILE} when present)",
     )
     t.add_argument("--num-prompts", type=int, default=None, help="first N prompts of the file (default: all)")
-    t.add_argument("--max-new-tokens", type=int, default=192)
+    t.add_argument("--max-new-tokens", type=int, default=256)
     t.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS, help="longer prompts are skipped")
-    t.add_argument("--gen-batch-size", type=int, default=16)
+    t.add_argument("--gen-concurrency", type=int, default=8, help="requests answered together by the batched scheduler")
     t.add_argument("--shard-size", type=int, default=32, help="prompts per data shard (the unit of resuming)")
     t.add_argument(
         "--train-data",
@@ -35,7 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="data directory (resumable; default: data-cache/<model>--<prompts>-<n>-new<N>-prompt<N>-eagle)",
     )
     t.add_argument("--no-generate", action="store_true", help="train on the shards already in --train-data")
-    t.add_argument("--out", required=True, help="output directory (eagle.json + eagle.safetensors, fp16)")
+    t.add_argument(
+        "--max-shards", type=int, default=None, help="generate and train on only the first N shards (default: all)"
+    )
+    t.add_argument("--gen-only", action="store_true", help="stop after the data step (no --out needed)")
+    t.add_argument("--out", default=None, help="output directory (eagle.json + eagle.safetensors, fp16)")
     t.add_argument("--draft-vocab", type=int, default=16384, help="score only the N most frequent tokens (0 = all)")
     t.add_argument("--epochs", type=int, default=d.epochs)
     t.add_argument("--lr", type=float, default=d.lr)
@@ -64,7 +68,7 @@ def validate(a: argparse.Namespace) -> None:
         (
             ("--max-new-tokens", a.max_new_tokens, 1),
             ("--max-prompt-tokens", a.max_prompt_tokens, 1),
-            ("--gen-batch-size", a.gen_batch_size, 1),
+            ("--gen-concurrency", a.gen_concurrency, 1),
             ("--shard-size", a.shard_size, 1),
             ("--draft-vocab", a.draft_vocab, 0),
             ("--epochs", a.epochs, 1),
@@ -77,6 +81,9 @@ def validate(a: argparse.Namespace) -> None:
             ("--threads", a.threads, 0),
         )
     )
+    _check(a.max_shards is None or a.max_shards >= 1, f"--max-shards must be >= 1, got {a.max_shards}")
+    _check(a.out is not None or a.gen_only, "--out DIR is required (unless --gen-only)")
+    _check(not (a.gen_only and a.no_generate), "--gen-only and --no-generate exclude each other")
     _check(a.num_prompts is None or a.num_prompts >= 1, f"--num-prompts must be >= 1, got {a.num_prompts}")
     _check(a.lr > 0 and a.ce_weight >= 0, "--lr must be > 0 and --ce-weight >= 0")
     _check(0 <= a.heldout < 0.5, f"--heldout must be in [0, 0.5), got {a.heldout}")
@@ -93,7 +100,8 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
     from .. import load
     from ..drafters.eagle import EagleConfig
     from .cli import _check, cache_name
-    from .data import generate_dataset, read_prompts
+    from .data import read_prompts
+    from .eagle_data import generate_eagle_dataset
     from .eagle_train import EagleTrainConfig, train_eagle, write_report
 
     validate(a)
@@ -108,19 +116,22 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
         prompts = read_prompts(a.prompts)[: a.num_prompts]
         name = cache_name(llm.model_name, a.prompts, a.num_prompts, a.max_new_tokens, a.max_prompt_tokens)
         data = Path(a.train_data) if a.train_data else Path("data-cache") / f"{name}-eagle"
-        # features from the weights the target serves with: what the drafter reads at inference
-        generate_dataset(
+        # features from the serving loop and weights: bitwise what the drafter reads at inference
+        generate_eagle_dataset(
             llm,
             prompts,
             data,
             max_new_tokens=a.max_new_tokens,
-            batch_size=a.gen_batch_size,
+            concurrency=a.gen_concurrency,
             max_prompt_tokens=a.max_prompt_tokens,
             shard_size=a.shard_size,
             prompt_file=a.prompts,
-            keep_prompt=True,
+            max_shards=a.max_shards,
         )
     t_data = time.perf_counter() - t0
+    if a.gen_only:
+        print(f"data in {data} ({t_data:.0f} s)")
+        return 0
     cfg = EagleConfig.for_target(
         llm.model, llm.model_name, draft_vocab=a.draft_vocab, depth=a.depth, topk=a.topk, nodes=a.nodes
     )
@@ -136,7 +147,14 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
     )
     out = Path(a.out)
     net, report = train_eagle(
-        data, llm.model, cfg, tcfg, out / "ckpt", init_from_target=a.init_from_target, init_from=a.init_from
+        data,
+        llm.model,
+        cfg,
+        tcfg,
+        out / "ckpt",
+        init_from_target=a.init_from_target,
+        init_from=a.init_from,
+        max_shards=a.max_shards,
     )
     meta_file = data / "meta.json"
     report.update(
@@ -147,6 +165,7 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
         init_from_target=a.init_from_target,
         init_from=a.init_from,
         data_seconds=round(t_data, 1),
+        max_shards=a.max_shards,
     )
     from dataclasses import replace
 

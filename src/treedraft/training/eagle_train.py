@@ -45,13 +45,23 @@ class EagleTrainConfig:
     ckpt_every: int = 50  # optimizer steps between checkpoints
 
 
-def load_eagle_shards(d: str | Path) -> dict[str, Tensor]:
-    """tokens (N,) int64, hidden (N, H) fp16, seq (N,) int64, answer (N,) bool from ``d``'s shards."""
+def load_eagle_shards(d: str | Path, max_shards: int | None = None) -> dict[str, Tensor]:
+    """tokens (N,) int64, hidden (N, H) fp16, seq (N,) int64, answer (N,) bool from ``d``'s shards
+    (the first ``max_shards`` of them, which must all be there, when given)."""
     from safetensors.torch import load_file
 
     files = sorted(Path(d).glob("shard_*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{d}: no shard_*.safetensors; generate the data first (treedraft train-eagle)")
+    if max_shards is not None:
+        want = [Path(d) / f"shard_{i:05d}.safetensors" for i in range(max_shards)]
+        missing = [p.name for p in want if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{d} lacks {len(missing)} of the first {max_shards} shards ({missing[0]}, ...): "
+                "generate them first or lower --max-shards"
+            )
+        files = want
     parts = [load_file(str(f)) for f in files]
     if any("answer" not in p for p in parts):
         raise ValueError(
@@ -208,6 +218,7 @@ def train_eagle(
     init_from_target: bool = False,
     progress: bool = True,
     init_from: str | Path | None = None,
+    max_shards: int | None = None,
 ) -> tuple[EagleNet, dict]:
     """Train (resumably, from ``ckpt_dir``) an EAGLE drafter for ``target``; returns it and a report.
 
@@ -215,7 +226,7 @@ def train_eagle(
     from tqdm import tqdm
 
     torch.manual_seed(tcfg.seed)
-    data = load_eagle_shards(data_dir)
+    data = load_eagle_shards(data_dir, max_shards)
     H = data["hidden"].shape[1]
     if H != cfg.hidden_size:
         raise ValueError(f"{data_dir} holds hidden size {H} but the target has {cfg.hidden_size}: other model's data")

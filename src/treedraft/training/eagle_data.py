@@ -1,0 +1,173 @@
+"""EAGLE self-distillation data from the serving loop: greedy answers and features in one pass.
+
+The target answers every prompt greedily through the batched :class:`~treedraft.scheduler.Scheduler`
+(the loop the server runs: ``concurrency`` requests per step, one packed forward, the fused native
+decode step with int4/int8 weights), with no drafter. Each step already returns the target's
+final-norm hidden states of the rows it ran (the prompt positions at prefill, the root at every decode
+step); the scheduler hands them on as ``Request.path_hidden`` (what EAGLE reads at inference), so the
+features cost no second, teacher-forced pass: they are bitwise the features the drafter sees when it
+serves (same kernels, same row-invariant arithmetic).
+
+Shards have the layout of :func:`treedraft.training.data.generate_dataset` with ``keep_prompt=True``
+(row j: hidden f_j fp16, token x_{j+1}, seq = prompt index, answer = 1 where x_{j+1} is the model's own),
+so :func:`treedraft.training.eagle_train.load_eagle_shards` reads both. Prompts stream through the
+scheduler across shard boundaries; a shard is written (atomically) when all its prompts are answered,
+finished shards are skipped on resume, and ``progress.json`` records prompts, tokens and tok/s.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .data import _check_existing_shards, _write_meta, check_meta, dataset_meta
+
+PROGRESS_FILE = "progress.json"
+
+
+@torch.inference_mode()
+def scheduled_greedy(
+    engine, prompts: Sequence[tuple[int, Sequence[int]]], max_new_tokens: int, eos: frozenset[int], concurrency: int = 8
+) -> Iterator[tuple[int, list[int], Tensor]]:
+    """Greedy answers through the batched scheduler; yields (key, answer ids, hidden (P - 1 + A, H)) as they finish.
+
+    prompts: (key, prompt ids) pairs, admitted in order with at most ``concurrency`` in flight. An answer
+    ends at its first EOS (kept) or after ``max_new_tokens``. hidden[j] is the target's final-norm hidden
+    state at position j, j = 0 .. P + A - 2 (the last answer token has no successor to predict).
+    """
+    from ..engine import GenerationConfig
+    from ..scheduler import Scheduler
+
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    sched = Scheduler(engine)
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, max_tree_nodes=1, ignore_eos=True)
+    todo = list(prompts)[::-1]  # pop() from the end = admission in input order
+    parts: dict[int, list[Tensor]] = {}  # id(request) -> its hidden chunks so far
+    while todo or sched.active:
+        while todo and len(sched) < concurrency:
+            key, ids = todo.pop()
+            parts[id(sched.add(ids, cfg, drafter=None, tag=key))] = []
+        for req, _ in sched.step():
+            if req.error is not None:
+                raise req.error
+            if req.path_hidden is not None:  # (n, H) rows committed this step; taken so they never pile up
+                parts[id(req)].append(req.path_hidden.to(torch.float16))
+                req.path_hidden = None
+            out = req.tokens[len(req.prompt) :]
+            end = next((i + 1 for i, t in enumerate(out) if t in eos), None)
+            if end is None and not req.done:
+                continue
+            answer = out[:end] if end is not None else out
+            sched.remove(req)
+            hid = torch.cat(parts.pop(id(req)))[: len(req.prompt) - 1 + len(answer)]
+            yield req.tag, answer, hid
+
+
+def _write_progress(out: Path, **facts) -> None:
+    tmp = out / (PROGRESS_FILE + ".tmp")
+    tmp.write_text(json.dumps(facts, indent=1))
+    tmp.replace(out / PROGRESS_FILE)
+
+
+def generate_eagle_dataset(
+    llm,
+    prompts: Sequence[str],
+    out_dir: str | Path,
+    max_new_tokens: int = 256,
+    concurrency: int = 8,
+    max_prompt_tokens: int = 384,
+    shard_size: int = 32,
+    progress: bool = True,
+    prompt_file: str | Path | None = None,
+    max_shards: int | None = None,
+) -> Path:
+    """Generate (resumably) EAGLE shards for ``prompts`` into ``out_dir`` with the batched scheduler.
+
+    Prompts are encoded as served (``llm.encode_prompt``); longer than ``max_prompt_tokens`` are skipped.
+    ``meta.json`` is checked/written as by :func:`treedraft.training.data.generate_dataset` (resuming with
+    other settings raises DataCacheMismatchError); finished shards are kept and skipped. max_shards: only
+    the first N shards are generated (the rest can follow in a later run with a larger N or None).
+    """
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    encoded = []
+    for i, p in enumerate(prompts):
+        try:
+            ids = llm.encode_prompt(p)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from e
+        if 0 < len(ids) <= max_prompt_tokens:
+            encoded.append((i, ids))
+    if not encoded:
+        raise ValueError(f"none of the {len(prompts)} prompts fits in max_prompt_tokens={max_prompt_tokens}")
+    meta = dataset_meta(llm, prompts, len(encoded), max_new_tokens, max_prompt_tokens, shard_size, prompt_file)
+    meta["keep_prompt"] = True
+    old = check_meta(out, meta)
+    meta["shard_size"] = shard_size = int(old.get("shard_size") or shard_size)
+    shards = [encoded[s : s + shard_size] for s in range(0, len(encoded), shard_size)]
+    _check_existing_shards(out, shards)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_meta(out, {**old, **meta, "complete": False})
+    paths = [out / f"shard_{si:05d}.safetensors" for si in range(len(shards))]
+    upto = len(shards) if max_shards is None else min(max_shards, len(shards))
+    pending = [si for si, p in enumerate(paths[:upto]) if not p.is_file()]
+    shard_of = {idx: si for si in pending for idx, _ in shards[si]}
+    done_before = sum(len(s) for si, s in enumerate(shards[:upto]) if si not in set(pending))
+    results: dict[int, dict[int, tuple[list[int], Tensor]]] = {si: {} for si in pending}
+    bar = tqdm(
+        total=sum(map(len, shards[:upto])), initial=done_before, desc="eagle data", disable=not progress, unit="prompt"
+    )
+    t0, new_tokens, written = time.perf_counter(), 0, len(shards) - len(pending)
+    feed = [(idx, ids) for si in pending for idx, ids in shards[si]]
+    for idx, answer, hid in scheduled_greedy(
+        llm.engine, feed, max_new_tokens, llm.tokenizer.eos_token_ids, concurrency
+    ):
+        si = shard_of[idx]
+        results[si][idx] = (answer, hid)
+        new_tokens += len(answer)
+        bar.update(1)
+        if len(results[si]) < len(shards[si]):
+            continue
+        toks, hids, seqs, ans = [], [], [], []
+        for i, ids in shards[si]:  # prompt order, whatever order they finished in
+            a, h = results[si].pop(i)
+            head = list(ids[1:])  # token j follows hidden j: the prompt's next tokens, then the answer
+            toks.append(torch.tensor(head + a, dtype=torch.int32))
+            hids.append(h.cpu())
+            seqs.append(torch.full((len(head) + len(a),), i, dtype=torch.int32))
+            ans.append(torch.tensor([0] * len(head) + [1] * len(a), dtype=torch.int8))
+        tensors = {
+            "tokens": torch.cat(toks),
+            "hidden": torch.cat(hids),
+            "seq": torch.cat(seqs),
+            "answer": torch.cat(ans),
+        }
+        tmp = paths[si].with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        tmp.replace(paths[si])
+        del results[si]
+        written += 1
+        dt = time.perf_counter() - t0
+        _write_progress(
+            out,
+            shards_done=written,
+            shards=upto,
+            prompts_done=bar.n,
+            prompts=bar.total,
+            new_tokens_this_run=new_tokens,
+            seconds_this_run=round(dt, 1),
+            tokens_per_second=round(new_tokens / max(dt, 1e-9), 2),
+            concurrency=concurrency,
+            updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        )
+    bar.close()
+    _write_meta(out, {**old, **meta, "complete": upto == len(shards)})
+    return out
