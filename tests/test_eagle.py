@@ -205,7 +205,9 @@ def test_sampling_check_catches_a_broken_rule(monkeypatch: pytest.MonkeyPatch) -
 
     wrong = reference_rule(renorm=False)
     monkeypatch.setattr(
-        scheduler_mod, "accept", lambda rule, tree, logits, params, gen: wrong(tree, target_probs(logits, params), gen)
+        scheduler_mod,
+        "accept",
+        lambda rule, tree, logits, params, gen, position=None: wrong(tree, target_probs(logits, params), gen),
     )
     counts, expected = eagle_sequence_counts(1200)
     assert not fits(counts, expected), goodness_of_fit(counts, expected)
