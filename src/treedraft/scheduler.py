@@ -62,6 +62,7 @@ class Request:
     # concatenated into DraftContext.accepted_hidden at the next propose (EAGLE extends its own cache with
     # them); kept only for a request with a drafter (plain decoding would grow it, and copy it, every step)
     path_hidden: list[Tensor] = field(default_factory=list)
+    keep_hidden: bool = False  # keep path_hidden without a drafter too (self-distillation data reads it)
     error: BaseException | None = None  # set when this request failed (its drafter, say); it then leaves
     t_start: float = 0.0
 
@@ -83,7 +84,7 @@ class Request:
 
     def add_hidden(self, h: Tensor | None) -> None:
         """Append (n, H) hidden states of newly committed positions to those the next propose will see."""
-        if h is not None and self.drafter is not None:
+        if h is not None and (self.drafter is not None or self.keep_hidden):
             self.path_hidden.append(h)
 
     def take_hidden(self) -> Tensor | None:

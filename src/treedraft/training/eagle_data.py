@@ -52,13 +52,15 @@ def scheduled_greedy(
     while todo or sched.active:
         while todo and len(sched) < concurrency:
             key, ids = todo.pop()
-            parts[id(sched.add(ids, cfg, drafter=None, tag=key))] = []
+            req = sched.add(ids, cfg, drafter=None, tag=key)
+            req.keep_hidden = True  # no drafter, but its hidden states are the data
+            parts[id(req)] = []
         for req, _ in sched.step():
             if req.error is not None:
                 raise req.error
-            if req.path_hidden is not None:  # (n, H) rows committed this step; taken so they never pile up
-                parts[id(req)].append(req.path_hidden.to(torch.float16))
-                req.path_hidden = None
+            h = req.take_hidden()  # (n, H) rows committed this step; taken so they never pile up
+            if h is not None:
+                parts[id(req)].append(h.to(torch.float16))
             out = req.tokens[len(req.prompt) :]
             end = next((i + 1 for i, t in enumerate(out) if t in eos), None)
             if end is None and not req.done:
