@@ -220,9 +220,9 @@ def _check_existing_shards(out: Path, shards: list[list[tuple[int, list[int]]]])
 
 
 def _write_meta(out: Path, meta: dict) -> None:
-    tmp = out / (META_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    tmp.replace(out / META_FILE)
+    from ..models.cache import atomic_write_text
+
+    atomic_write_text(out / META_FILE, json.dumps(meta, indent=1))
 
 
 def generate_dataset(

@@ -72,9 +72,9 @@ def scheduled_greedy(
 
 
 def _write_progress(out: Path, **facts) -> None:
-    tmp = out / (PROGRESS_FILE + ".tmp")
-    tmp.write_text(json.dumps(facts, indent=1))
-    tmp.replace(out / PROGRESS_FILE)
+    from ..models.cache import atomic_write_text
+
+    atomic_write_text(out / PROGRESS_FILE, json.dumps(facts, indent=1))
 
 
 def generate_eagle_dataset(
