@@ -219,6 +219,21 @@ def _check_existing_shards(out: Path, shards: list[list[tuple[int, list[int]]]])
                 )
 
 
+def encode_fitting(llm, prompts: Sequence[str], max_prompt_tokens: int) -> list[tuple[int, list[int]]]:
+    """(index, ids) of the prompts whose encoding has 1..max_prompt_tokens tokens; ValueError when none fits."""
+    encoded = []
+    for i, p in enumerate(prompts):
+        try:
+            ids = llm.encode_prompt(p)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from e
+        if 0 < len(ids) <= max_prompt_tokens:
+            encoded.append((i, ids))
+    if not encoded:
+        raise ValueError(f"none of the {len(prompts)} prompts fits in max_prompt_tokens={max_prompt_tokens}")
+    return encoded
+
+
 def _write_meta(out: Path, meta: dict) -> None:
     from ..models.cache import atomic_write_text
 
@@ -250,16 +265,7 @@ def generate_dataset(
     from tqdm import tqdm
 
     out = Path(out_dir)
-    encoded = []
-    for i, p in enumerate(prompts):
-        try:
-            ids = llm.encode_prompt(p)
-        except ValueError as e:
-            raise ValueError(f"prompt {i}: {e}") from e
-        if 0 < len(ids) <= max_prompt_tokens:
-            encoded.append((i, ids))
-    if not encoded:
-        raise ValueError(f"none of the {len(prompts)} prompts fits in max_prompt_tokens={max_prompt_tokens}")
+    encoded = encode_fitting(llm, prompts, max_prompt_tokens)
     meta = dataset_meta(llm, prompts, len(encoded), max_new_tokens, max_prompt_tokens, shard_size, prompt_file)
     meta["keep_prompt"] = keep_prompt
     old = check_meta(out, meta)

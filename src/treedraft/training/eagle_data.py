@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .data import _check_existing_shards, _write_meta, check_meta, dataset_meta
+from .data import _check_existing_shards, _write_meta, check_meta, dataset_meta, encode_fitting
 
 PROGRESS_FILE = "progress.json"
 
@@ -100,16 +100,7 @@ def generate_eagle_dataset(
     from tqdm import tqdm
 
     out = Path(out_dir)
-    encoded = []
-    for i, p in enumerate(prompts):
-        try:
-            ids = llm.encode_prompt(p)
-        except ValueError as e:
-            raise ValueError(f"prompt {i}: {e}") from e
-        if 0 < len(ids) <= max_prompt_tokens:
-            encoded.append((i, ids))
-    if not encoded:
-        raise ValueError(f"none of the {len(prompts)} prompts fits in max_prompt_tokens={max_prompt_tokens}")
+    encoded = encode_fitting(llm, prompts, max_prompt_tokens)
     meta = dataset_meta(llm, prompts, len(encoded), max_new_tokens, max_prompt_tokens, shard_size, prompt_file)
     meta["keep_prompt"] = True
     old = check_meta(out, meta)
