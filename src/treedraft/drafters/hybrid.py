@@ -6,7 +6,10 @@ budget favours the first tree. Which tree is first is decided per step: a member
 many tokens its tree is expected to get accepted (``propose_scored``, e.g. ``suffix``: the sum of its
 nodes' empirical path probabilities) *leads* when that is at least ``lead_score``; everyone else
 keeps the given order. So a suffix tree following a passage seen before (a long, confident chain)
-is not cut to fit behind the Medusa tree, and a weak one only fills what the others left.
+is not cut to fit behind the Medusa tree, and a weak one only fills what the others left. When a
+member leads, the others add at most ``lead_extra`` nodes beyond the leaders' own: a leader's tree is
+already sized to what pays for its rows, and another member's diverging 12-token branch next to a
+confident 24-token chain costs a third more verify time for little (benchmarks/suffix_trace.py).
 
 Only deterministic trees (no ``child_q``) can be merged: a node whose children were
 *sampled* would, in the union, also get other drafters' children (and lose its q),
@@ -60,6 +63,7 @@ class HybridDrafter:
     drafters: list[Drafter] = field(default_factory=list)
     name: str = "hybrid"
     lead_score: float = 2.0  # a scored member expecting at least this many accepted tokens goes first
+    lead_extra: int | None = 2  # nodes the others may add next to a leading tree (None = up to the budget)
 
     def propose(self, ctx: DraftContext) -> TokenTree:
         """The members' trees merged into one of at most ``ctx.max_nodes`` nodes (confident scored trees first)."""
@@ -83,8 +87,11 @@ class HybridDrafter:
                     f"deterministic, which is not lossless): use {name!r} on its own, or in top-k mode"
                 )
         first = [i for _, i in sorted(lead)]
-        order = first + [i for i in range(len(trees)) if i not in first]
-        return merge_trees([trees[i] for i in order], ctx.max_nodes)
+        rest = [trees[i] for i in range(len(trees)) if i not in first]
+        if not first or self.lead_extra is None:
+            return merge_trees([trees[i] for i in first] + rest, ctx.max_nodes)
+        led = merge_trees([trees[i] for i in first], ctx.max_nodes)
+        return merge_trees([led, *rest], min(ctx.max_nodes, len(led) + self.lead_extra))
 
     def for_tenant(self, tenant: str) -> HybridDrafter:
         """The same union with every member that keeps per-tenant state (e.g. ``suffix``) bound to ``tenant``."""

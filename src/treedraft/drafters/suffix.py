@@ -12,9 +12,14 @@ optionally persistent). Each step, in each index:
 3. size (SuffixDecoding's adaptive rule): at most ``alpha * match length`` nodes, capped by the
    engine's node budget, ``max_spec_tokens`` and depth. A long match is a passage being repeated and
    earns a big tree; a one-token match earns a node or two.
+4. with ``latency`` (the target's forward time by row count; the registry passes the measured curve):
+   the tree is cut further to what pays for its rows (:mod:`.suffix_sizing`): each node's calibrated
+   acceptance probability (empirical ratios times P(accepted | match length at that node), a prior
+   updated by this request's outcomes) against the marginal cost of one more verify row. A request's own
+   chain that runs into the end of the context continues periodically (a model repeating itself).
 
-The tree with the higher score (the expected number of accepted tokens under the empirical model)
-is proposed, as in the paper. Trees are deterministic (no ``child_q``), so the hybrid drafter can merge
+The tree with the higher score (the expected number of accepted tokens: under the empirical model, or
+calibrated with ``latency``) is proposed, as in the paper. Trees are deterministic (no ``child_q``), so the hybrid drafter can merge
 this one with Medusa / prompt-lookup trees and the greedy output equals plain decoding.
 
 Recording: call :meth:`SuffixDrafter.finish` with a request's prompt and output when it ends. With
@@ -27,12 +32,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..interfaces import DraftContext
 from ..tree import TokenTree
 from .suffix_index import DraftPaths, SuffixIndex
+from .suffix_sizing import (
+    AcceptanceModel,
+    LatencyCurve,
+    best_prefix,
+    calibrated_values,
+    expansion_cap,
+    keep_nodes,
+    node_depths,
+    periodic_extend,
+)
 from .suffix_store import SuffixStore
 
 
@@ -51,7 +66,14 @@ class SuffixDrafter:
     prompt_context: int | None = 32  # prompt tokens recorded ahead of the output (None = the whole prompt)
     use_local: bool = True
     auto_record: bool = True
+    # forward seconds by rows (root included): size trees by expected accepted tokens per second
+    # (suffix_sizing); None = the alpha rule alone
+    latency: Mapping[int, float] | None = None
+    periodic: bool = True  # with latency: a request's own chain reaching the context's end repeats (a loop)
     name: str = "suffix"
+    acceptance: AcceptanceModel = field(default_factory=AcceptanceModel, init=False, repr=False)
+    _curve: LatencyCurve | None = field(default=None, init=False, repr=False)
+    _last: tuple[int, DraftPaths] | None = field(default=None, init=False, repr=False)  # (len(tokens), tree)
     _cur: list[int] | None = field(default=None, init=False, repr=False)  # the engine's token list
     _cur_prompt_len: int = field(default=0, init=False, repr=False)
     _cur_tenant: str = field(default="", init=False, repr=False)  # the tenant when the request began
@@ -68,6 +90,7 @@ class SuffixDrafter:
             )
         if not 0.0 <= self.min_prob <= 1.0:
             raise ValueError(f"min_prob must be in [0, 1], got {self.min_prob}")
+        self._curve = None if self.latency is None else LatencyCurve(self.latency)
 
     # ---- requests --------------------------------------------------------------
     def for_tenant(self, tenant: str) -> SuffixDrafter:
@@ -101,17 +124,58 @@ class SuffixDrafter:
             self.flush()
             self._cur, self._cur_prompt_len, self._cur_tenant = toks, ctx.prompt_len, self.tenant
             self._local = SuffixIndex()
+            self.acceptance.reset()  # outcomes are per request: no tenant's history shapes another's trees
+            self._last = None
+        elif self._last is not None:
+            self._observe(toks)
         if self.use_local and len(toks) > len(self._local):
             self._local.extend(toks[len(self._local) :])
 
     # ---- drafting --------------------------------------------------------------
-    def paths(self, index: SuffixIndex, context: Sequence[int], max_nodes: int, max_depth: int) -> DraftPaths:
-        """Match ``context`` in ``index`` and expand a tree sized by the match length."""
+    def paths(
+        self, index: SuffixIndex, context: Sequence[int], max_nodes: int, max_depth: int, local: bool = False
+    ) -> DraftPaths:
+        """Match ``context`` in ``index`` and expand a tree sized by the match length (and the latency curve).
+
+        ``local``: ``index`` holds exactly ``context`` (the request's own index), so a chain may run on
+        periodically past its end.
+        """
         m, nxt = index.match(context, self.max_match, self.min_match, self.max_occurrences)
         if m < self.min_match:
             return DraftPaths([], [], [], m)
-        size = min(max_nodes, self.max_spec_tokens, max(1, math.floor(self.alpha * m)))
-        return index.expand(nxt, m, size, min(max_depth, self.max_depth), self.min_prob, self.expand_occurrences)
+        limit, depth = min(max_nodes, self.max_spec_tokens), min(max_depth, self.max_depth)
+        if self._curve is None:
+            size = min(limit, max(1, math.floor(self.alpha * m)))
+            return index.expand(nxt, m, size, depth, self.min_prob, self.expand_occurrences)
+        size = expansion_cap(m, self.alpha, limit)
+        raw = index.expand(nxt, m, size, depth, self.min_prob, self.expand_occurrences)
+        if local and self.periodic and nxt.size and len(index) == len(context):
+            raw = periodic_extend(raw, context, int(nxt.max()), min(depth, size))
+        values = calibrated_values(raw, self.acceptance)
+        keep, _ = best_prefix(values, self._curve, max_nodes=size)
+        return keep_nodes(raw, keep, values)
+
+    def _observe(self, toks: Sequence[int]) -> None:
+        """Score the last proposed tree against what the target committed since: update h(match length)."""
+        assert self._last is not None
+        at, tree = self._last
+        self._last = None
+        kids: dict[int, list[int]] = {}
+        for i, p in enumerate(tree.parents):
+            kids.setdefault(p, []).append(i)
+        depth = node_depths(tree.parents)
+        node = -1
+        for t in toks[at:]:  # the accepted drafts, then the target's own token where the draft went wrong
+            ch = kids.get(node)
+            if not ch:
+                return
+            hit = next((i for i in ch if tree.tokens[i] == t), None)
+            if hit is None:  # the most probable child was rejected (the others too)
+                best = max(ch, key=lambda i: tree.probs[i])
+                self.acceptance.observe(tree.match_len + depth[best] - 1, False)
+                return
+            self.acceptance.observe(tree.match_len + depth[hit] - 1, True)
+            node = hit
 
     def propose(self, ctx: DraftContext) -> TokenTree:
         """A tree rooted at ctx.root: the better of the request's and the store's continuation trees."""
@@ -127,13 +191,14 @@ class SuffixDrafter:
         best = DraftPaths([], [], [], 0)
         if budget >= 1 and depth >= 1:
             if self.use_local:
-                best = self.paths(self._local, ctx.tokens, budget, depth)
+                best = self.paths(self._local, ctx.tokens, budget, depth, local=True)
             if self.store is not None:
                 index = self.store.index_for(self._cur_tenant)
                 with self.store.lock:  # another thread's add() may be growing this index
                     g = self.paths(index, ctx.tokens, budget, depth)
                 if g.score > best.score:
                     best = g
+        self._last = (len(ctx.tokens), best) if self._curve is not None and best.tokens else None
         return TokenTree((int(ctx.root), *best.tokens), (-1, *(p + 1 for p in best.parents))), best.score
 
 
@@ -158,11 +223,8 @@ def open_suffix_store(
 
 def make_suffix_drafter(store: SuffixStore | None = None, tenant: str = "", **options: object) -> SuffixDrafter:
     """Registry factory for ``suffix``: a drafter over ``store`` for ``tenant`` (options: SuffixDrafter fields)."""
-    unknown = set(options) - set(SuffixDrafter.__dataclass_fields__) - {"store", "tenant"}
-    bad = sorted(k for k in unknown | {k for k in options if k.startswith("_")})
+    settable = {k for k, f in SuffixDrafter.__dataclass_fields__.items() if f.init} - {"store", "tenant"}
+    bad = sorted(set(options) - settable)
     if bad:
-        raise ValueError(
-            f"unknown suffix drafter option(s) {bad}; choose from "
-            f"{sorted(k for k in SuffixDrafter.__dataclass_fields__ if not k.startswith('_'))}"
-        )
+        raise ValueError(f"unknown suffix drafter option(s) {bad}; choose from {sorted(settable)}")
     return SuffixDrafter(store if store is not None else SuffixStore(), tenant, **options)  # type: ignore[arg-type]
