@@ -7,7 +7,9 @@ ended), and how many tokens an uncapped chain along the longest match would have
 tokens left on the table). Greedy, so the second turns' first answers come from plain decoding.
 
     PYTHONPATH=src python benchmarks/suffix_trace.py --prompts 6 --max-new 128 --weights int4 \
-        --out benchmarks/results/suffix_trace-6x128
+        --drafter hybrid-suffix --out benchmarks/results/suffix_trace-6x128
+
+writes OUT/DRAFTER.jsonl (one row per step) and OUT/DRAFTER.md (the summary).
 """
 
 from __future__ import annotations
@@ -165,21 +167,29 @@ def main() -> None:
             f"mean tree {statistics.mean(r['merged_size'] for r in rows):.1f}, {wall:.1f} s",
             flush=True,
         )
-    with (a.out / "steps.jsonl").open("w") as f:
+    with (a.out / f"{a.drafter}.jsonl").open("w") as f:
         for r in all_rows:
             f.write(json.dumps(r) + "\n")
+    (a.out / f"{a.drafter}.md").write_text(summary(all_rows) + "\n")
     print(summary(all_rows))
 
 
 def summary(rows: list[dict]) -> str:
-    """Where tokens are left: per-step classes and totals."""
+    """Where tokens are left: per-step classes and totals (time estimated on the quiet Xeon int4 curve)."""
+    from suffix_replay import QUIET_CURVE
+
+    from treedraft.drafters.suffix_sizing import LatencyCurve
+
+    curve = LatencyCurve(QUIET_CURVE)
     n = len(rows)
     acc = sum(r["accepted"] + 1 for r in rows)
     rows_verified = sum(r["merged_size"] + 1 for r in rows)
+    est = sum(float(curve(r["merged_size"] + 1)) for r in rows)
     lost_cap = sum(max(0, r["chain_agree"] - r["accepted"]) for r in rows)
     no_match = sum(1 for r in rows if r.get("m_local", 0) < 2)
     out = [
         f"steps {n}, committed {acc} (mean {acc / n:.2f}), verify rows {rows_verified} ({acc / rows_verified:.2f} tok/row)",
+        f"estimated x plain on the quiet curve: {acc * float(curve(1)) / est:.2f}",
         f"steps without a >=2-token match: {no_match}",
         f"tokens an uncapped longest-match chain would have added: {lost_cap}",
     ]
@@ -188,7 +198,9 @@ def summary(rows: list[dict]) -> str:
         m = r.get("m_local", 0)
         b = "0-1" if m < 2 else "2-3" if m < 4 else "4-7" if m < 8 else "8-15" if m < 16 else "16+"
         by_m.setdefault(b, []).append(r)
-    out.append("match | steps | mean accepted | mean tree | chain agree (mean) | chain len (mean)")
+    out.append(
+        "match | steps | drafts accepted (mean) | tree nodes (mean) | uncapped chain agrees (mean) | its length (mean)"
+    )
     for b in ("0-1", "2-3", "4-7", "8-15", "16+"):
         rs = by_m.get(b, [])
         if rs:
