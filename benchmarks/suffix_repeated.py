@@ -2,7 +2,8 @@
 
 Side by side in one process, every method back to back on each prompt (load from other processes
 hits them alike): plain, prompt-lookup, hybrid (Medusa heads + prompt lookup, the default before the
-suffix drafter) and hybrid-suffix (the same plus suffix branches from earlier outputs, one tree).
+suffix drafter) and hybrid-suffix (the default: Medusa heads + the suffix drafter over this request and
+earlier outputs, its trees sized by this machine's verify cost; one tree).
 Per prompt, in order (prompt-major, so a run with more prompts resumes a smaller one's records):
 
 1. ``turn1-cold``: the first turn with a cold index (hybrid-suffix gets a fresh, empty store for every

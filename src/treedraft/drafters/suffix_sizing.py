@@ -115,6 +115,13 @@ class LatencyCurve:
             hull.append(q)
         self.sizes = np.array([n for n, _ in hull], dtype=np.float64)
         self.times = np.maximum.accumulate(np.array([t for _, t in hull], dtype=np.float64))
+        self._table: list[float] = []
+
+    def table(self, rows: int) -> list[float]:
+        """[seconds for r rows, r = 0 .. rows] as a list (index 0 unused), cached: the per-step lookups."""
+        if len(self._table) <= rows:
+            self._table = [0.0, *self(np.arange(1, max(2 * rows, 64) + 1)).tolist()]
+        return self._table
 
     def __call__(self, rows: np.ndarray | int) -> np.ndarray:
         """Seconds for ``rows`` rows (beyond the largest measured size: extended with its last slope)."""
@@ -141,11 +148,18 @@ def node_depths(parents: Sequence[int]) -> list[int]:
 
 def calibrated_values(paths: DraftPaths, model: AcceptanceModel) -> list[float]:
     """Each node's P(its whole path is accepted): count ratios times h(match + depth - 1) along the path."""
+    m = paths.match_len
+    h: list[float] = []  # h[d - 1] = h(m + d - 1), filled as deeper nodes appear (called every step: no numpy)
     vals: list[float] = []
-    for p, prob, depth in zip(paths.parents, paths.probs, node_depths(paths.parents)):
+    depth: list[int] = []
+    for p, prob in zip(paths.parents, paths.probs):
+        d = 1 if p < 0 else depth[p] + 1
+        while len(h) < d:
+            h.append(model.prob(m + len(h)))
         parent_prob, parent_val = (1.0, 1.0) if p < 0 else (paths.probs[p], vals[p])
         ratio = min(1.0, prob / parent_prob) if parent_prob > 0 else 0.0
-        vals.append(parent_val * model.prob(paths.match_len + depth - 1) * ratio)
+        depth.append(d)
+        vals.append(parent_val * h[d - 1] * ratio)
     return vals
 
 
@@ -161,10 +175,14 @@ def best_prefix(
     if not values:
         return [], 0.0
     order = sorted(range(len(values)), key=lambda i: (-values[i], i))[:max_nodes]
-    gain = np.concatenate(([1.0], 1.0 + np.cumsum([values[i] for i in order])))  # (n+1,) E[tokens] for n nodes
-    rate = gain / curve(np.arange(len(order) + 1) + base_rows)
-    n = int(np.argmax(rate))  # first maximum: the smallest tree among equals
-    return sorted(order[:n]), float(gain[n] - 1.0)
+    lat = curve.table(base_rows + len(order))
+    gain, best, best_rate, best_gain = 1.0, 0, 1.0 / lat[base_rows], 1.0
+    for n, i in enumerate(order, 1):
+        gain += values[i]
+        rate = gain / lat[base_rows + n]
+        if rate > best_rate:  # strictly better: the smallest tree among equals
+            best, best_rate, best_gain = n, rate, gain
+    return sorted(order[:best]), best_gain - 1.0
 
 
 def keep_nodes(paths: DraftPaths, keep: Sequence[int], values: Sequence[float]) -> DraftPaths:
