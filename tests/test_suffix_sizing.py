@@ -154,3 +154,22 @@ def test_a_leading_chain_keeps_other_members_to_lead_extra_nodes() -> None:
     assert len(lead) > 4 and follow.tokens[1] == 50 and len(follow) > 3
     assert len(HybridDrafter(members, lead_extra=2).propose(ctx)) == len(lead) + 2
     assert len(HybridDrafter(members, lead_extra=None).propose(ctx)) > len(lead) + 2
+
+
+class MustNotDraft:
+    """A member that fails the test if it is asked for a tree."""
+
+    name = "must-not-draft"
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        raise AssertionError("drafted although a confident member leads and lead_extra == 0")
+
+
+def test_with_lead_extra_zero_a_leader_spares_the_others_their_drafting() -> None:
+    store = SuffixStore()
+    store.add(list(range(100, 140)))
+    lead_ctx = DraftContext([5, *range(100, 120)], None, 64, 24, 1)  # a 20-token match in the store
+    h = HybridDrafter([MustNotDraft(), SuffixDrafter(store, use_local=False)], lead_extra=0)
+    assert h.propose(lead_ctx).tokens[1:4] == (120, 121, 122)
+    with pytest.raises(AssertionError, match="drafted although"):  # no leader: everyone drafts
+        h.propose(DraftContext([5, 6, 7], None, 64, 24, 1))

@@ -10,6 +10,8 @@ is not cut to fit behind the Medusa tree, and a weak one only fills what the oth
 member leads, the others add at most ``lead_extra`` nodes beyond the leaders' own: a leader's tree is
 already sized to what pays for its rows, and another member's diverging 12-token branch next to a
 confident 24-token chain costs a third more verify time for little (benchmarks/suffix_trace.py).
+With ``lead_extra=0`` the others are not even asked (the Medusa heads' drafting costs ~6 ms a step on a
+loaded 2-core CPU, more than half a one-row int4 verify step when quiet).
 
 Only deterministic trees (no ``child_q``) can be merged: a node whose children were
 *sampled* would, in the union, also get other drafters' children (and lose its q),
@@ -67,17 +69,22 @@ class HybridDrafter:
 
     def propose(self, ctx: DraftContext) -> TokenTree:
         """The members' trees merged into one of at most ``ctx.max_nodes`` nodes (confident scored trees first)."""
-        trees: list[TokenTree] = []
+        trees: list[TokenTree | None] = [None] * len(self.drafters)
         lead: list[tuple[float, int]] = []  # (-score, member index) of the members that lead this step
-        for i, d in enumerate(self.drafters):
+        for i, d in enumerate(self.drafters):  # scored members first: a leader may make the others unneeded
             scored = getattr(d, "propose_scored", None)
             if callable(scored):
-                t, score = scored(ctx)
+                trees[i], score = scored(ctx)
                 if score >= self.lead_score:
                     lead.append((-score, i))
-            else:
-                t = d.propose(ctx)
-            trees.append(t)
+        skip = bool(lead) and self.lead_extra == 0  # the others could add nothing: do not even draft them
+        for i, d in enumerate(self.drafters):
+            if trees[i] is None:
+                trees[i] = TokenTree((int(ctx.root),), (-1,)) if skip else d.propose(ctx)
+        return self._merge([t for t in trees if t is not None], lead, ctx)
+
+    def _merge(self, trees: list[TokenTree], lead: list[tuple[float, int]], ctx: DraftContext) -> TokenTree:
+        """Leaders first (at most ``lead_extra`` nodes of the others next to them), then everyone in order."""
         for d, t in zip(self.drafters, trees):
             if isinstance(t, TokenTree) and t.child_q:
                 name = getattr(d, "name", type(d).__name__)

@@ -194,7 +194,8 @@ def _hybrid_suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions)
     # suffix_replay.py on the MT-Bench second turns: 2.24x against 2.14x with prompt lookup and 2.07x for
     # prompt lookup alone, est. x plain on the quiet Xeon curve; first turns 1.19x against 1.17x).
     suffix = make_suffix_drafter(options.suffix_store, options.tenant, min_match=1, **suffix_sizing(target))
-    return HybridDrafter([_medusa(target, tokenizer, options), suffix], name="hybrid-suffix")
+    # lead_extra=0: when the suffix chain leads (>= 2 expected tokens), the heads are not run at all
+    return HybridDrafter([_medusa(target, tokenizer, options), suffix], name="hybrid-suffix", lead_extra=0)
 
 
 def eagle_dir(options: DrafterOptions) -> Path | None:
