@@ -146,6 +146,30 @@ def test_rows_bitwise_equal_across_row_counts_and_threads(prefix: int) -> None:
     assert torch.equal(plain[0], ref)
 
 
+@pytest.mark.skipif("avx512" not in kernels.paths(), reason="block GEMM path is AVX-512 only")
+@pytest.mark.parametrize("hd", [16, 32, 64, 128])
+@pytest.mark.parametrize("T", [1, 3, 6, 22])
+def test_block_gemm_equals_chunk_path_bitwise(hd: int, T: int) -> None:
+    """AVX-512's per-block GEMM passes (kernels/attn_gemm.h) give the chunk-by-chunk path's bits, tree and plain."""
+    ext = kernels._ext()
+    g = torch.Generator().manual_seed(hd + T)
+    nh, nkv, prefix = 9, 3, 300  # 2 full blocks + 44 shared keys (2 full chunks and a partial one)
+    L = prefix + T
+    q = torch.randn(T, nh, hd, generator=g)
+    k, v = torch.randn(nkv, L, hd, generator=g) * 3, torch.randn(nkv, L, hd, generator=g)
+    allowed = _tree_allowed(_random_tree(T, g), prefix)
+    allowed[T // 2, 140:150] = False  # one row with a hole: fewer shared chunks in its block
+    try:
+        outs = []
+        for on in (True, False):
+            ext.set_attn_block_gemm(on)
+            outs.append([kernels.attend(q, k, v, a, hd**-0.5) for a in (allowed, None)])
+    finally:
+        ext.set_attn_block_gemm(True)
+    for new, old in zip(*outs, strict=True):
+        assert torch.equal(new, old)
+
+
 def test_sdpa_is_not_row_invariant_here() -> None:
     """The property the kernel exists for is not free: SDPA's masked tree rows differ from the 1-row call."""
     g = torch.Generator().manual_seed(0)

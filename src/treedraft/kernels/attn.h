@@ -372,6 +372,16 @@ inline void chunk_full(int nq, const float* const* q, const float* k, int64_t ks
   for (int i = 0; i < nq; ++i) chunk_ref<I>(q[i], k, ks, v, vs, idx, c0, kChunk, hd, scale, *m[i], *l[i], acc[i]);
 }
 
+}  // namespace attn
+}  // namespace td
+#include "attn_gemm.h"  // block_gemm: the shared chunks of a block for many queries as small GEMMs
+namespace td {
+namespace attn {
+
+// Whether attend_block runs a block's shared chunks through block_gemm (AVX-512) or chunk by chunk
+// through chunk_full: the same bits either way; a switch for side-by-side timing (benchmarks).
+inline bool g_block_gemm = true;
+
 // Keys are reduced in blocks of kBlock ranks: block b (ranks [b kBlock, (b+1) kBlock)) starts from
 // a fresh state and runs the chunks above; the blocks' states are then folded in block order (fold).
 // Blocks are what lets the keys of one query be split across threads without changing its bits.
@@ -412,7 +422,17 @@ void attend_block(int nq, const float* const* q, const int32_t* const* idx, cons
     common = std::min(common, std::min(shared[i], n[i]) / kChunk);
     ++na;
   }
-  for (int c = cb; c < common; ++c) {
+  int c = cb;
+#if defined(__AVX512F__)
+  if constexpr (I == kAvx512) {
+    static_assert(kBlock == kGemmMaxKeys && kMaxGroup <= kGemmMaxQ, "block_gemm scratch too small");
+    if (g_block_gemm && common > cb &&
+        block_gemm_any(na, qa, k + (int64_t)cb * kChunk * ks, ks, v + (int64_t)cb * kChunk * vs, vs, common - cb, hd,
+                       scale, ma, la, aa))
+      c = common;
+  }
+#endif
+  for (; c < common; ++c) {
     if (c + 1 < common) {
       prefetch_rows(k + (int64_t)(c + 1) * kChunk * ks, ks, kChunk, hd);
       prefetch_rows(v + (int64_t)(c + 1) * kChunk * vs, vs, kChunk, hd);

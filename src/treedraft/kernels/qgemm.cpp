@@ -184,5 +184,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &td::FusedDecoder::forward,
            py::arg("tokens"), py::arg("positions"), py::arg("seg_rows"), py::arg("seg_start"), py::arg("seg_k"),
            py::arg("seg_v"), py::arg("seg_mask"), py::arg("logit_rows"), py::arg("want_logits"));
+  m.def(
+      "set_attn_block_gemm", [](bool on) { td::attn::g_block_gemm = on; },
+      "AVX-512 attention: shared key chunks as per-block GEMMs (True) or chunk by chunk (same bits; for timing)");
   m.def("set_spin_us", &td::set_spin_us, "how long idle workers spin before sleeping");
 }
