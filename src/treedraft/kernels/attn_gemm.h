@@ -21,20 +21,23 @@ namespace td {
 namespace attn {
 
 constexpr int kGemmMaxQ = 64;  // queries per block_gemm call (= kMaxGroup)
+// Fewer queries (a 1-row step's 3 GQA heads of a kv head) stay on chunk_full, which interleaves each
+// chunk's key and value reads and measured as fast or faster there (memory-bound); same bits either way.
+constexpr int kGemmMinQ = 4;
 constexpr int kGemmMaxKeys = 128;  // keys per block_gemm call (= kBlock)
 constexpr int kBlockChunksMax = kGemmMaxKeys / 16;
 
 // Scores of queries u0, u0+1 against keys j0..j0+7 (key j at k + j * ks): out lanes 0..7 -> S[u0][j0..],
 // lanes 8..15 -> S[u0 + 1][j0..]. Each accumulator is dot<kAvx512>'s 16 lanes (fma, i ascending from 0).
-template <int NV>
-inline void scores_2x8(const float* q0, const float* q1, const float* k, int64_t ks, float scale, float* s0,
+template <int NV, class T>
+inline void scores_2x8(const float* q0, const float* q1, const T* k, int64_t ks, float scale, float* s0,
                        float* s1) {
   __m512 a[16];
   for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
   for (int i = 0; i < NV; ++i) {
     const __m512 x0 = _mm512_loadu_ps(q0 + 16 * i), x1 = _mm512_loadu_ps(q1 + 16 * i);
     for (int j = 0; j < 8; ++j) {
-      const __m512 kv = _mm512_loadu_ps(k + j * ks + 16 * i);
+      const __m512 kv = load16(k + j * ks + 16 * i);
       a[j] = _mm512_fmadd_ps(x0, kv, a[j]);
       a[8 + j] = _mm512_fmadd_ps(x1, kv, a[8 + j]);
     }
@@ -47,17 +50,24 @@ inline void scores_2x8(const float* q0, const float* q1, const float* k, int64_t
 // Pass 1 for nq queries over nk keys (a multiple of 16) starting at k: S row u at s + u * kGemmMaxKeys.
 // Keys outer (8 at a time, kept in L1 for every query), query pairs inner; an odd last query (every
 // query when hd = 128: its 2 x 8 query registers would not fit) goes 16 keys at a time through scores16.
-template <int NV>
-inline void gemm_scores(int nq, const float* const* q, const float* k, int64_t ks, int nk, float scale,
-                        float* s) {
+template <int NV, class T>
+inline void gemm_scores(int nq, const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs,
+                        int nk, float scale, float* s) {
   const int npair = NV <= 4 ? nq / 2 * 2 : 0;
   if (npair > 0)
-    for (int j0 = 0; j0 < nk; j0 += 8)
+    for (int j0 = 0; j0 < nk; j0 += 8) {
+      if (j0 + 24 <= nk) prefetch_rows(k + (j0 + 16) * ks, ks, 8, 16 * NV);
+      prefetch_rows<_MM_HINT_T1>(v + j0 * vs, vs, 8, 16 * NV);  // for pass 3
       for (int u = 0; u < npair; u += 2)
         scores_2x8<NV>(q[u], q[u + 1], k + j0 * ks, ks, scale, s + u * kGemmMaxKeys + j0,
                        s + (u + 1) * kGemmMaxKeys + j0);
+    }
   for (int j0 = 0; j0 < nk && npair < nq; j0 += 16) {
-    const float* kp[16];
+    if (npair == 0) {
+      if (j0 + 32 <= nk) prefetch_rows(k + (j0 + 16) * ks, ks, 16, 16 * NV);
+      prefetch_rows<_MM_HINT_T1>(v + j0 * vs, vs, 16, 16 * NV);
+    }
+    const T* kp[16];
     for (int j = 0; j < 16; ++j) kp[j] = k + (j0 + j) * ks;
     for (int u = npair; u < nq; ++u) _mm512_storeu_ps(s + u * kGemmMaxKeys + j0, scores16<NV>(q[u], kp, scale));
   }
@@ -128,8 +138,8 @@ inline void gemm_softmax16(int u0, int nq, int nc, const float* s, float* pt, fl
 }
 
 // Pass 3 for queries [u0, u0 + QB): acc (QB x hd, in registers) = per chunk acc * a, then fma(p_j, v_j, acc).
-template <int NV, int QB>
-inline void gemm_pv(int u0, int nc, const float* v, int64_t vs, const float* p, const float* alpha,
+template <int NV, int QB, class T>
+inline void gemm_pv(int u0, int nc, const T* v, int64_t vs, const float* p, const float* alpha,
                     float* const* acc) {
   __m512 av[QB][NV];
   for (int u = 0; u < QB; ++u)
@@ -140,9 +150,9 @@ inline void gemm_pv(int u0, int nc, const float* v, int64_t vs, const float* p, 
       for (int i = 0; i < NV; ++i) av[u][i] = _mm512_mul_ps(av[u][i], va);
     }
     for (int j = 16 * c; j < 16 * c + 16; ++j) {
-      const float* vj = v + j * vs;
+      const T* vj = v + j * vs;
       for (int i = 0; i < NV; ++i) {
-        const __m512 vv = _mm512_loadu_ps(vj + 16 * i);
+        const __m512 vv = load16(vj + 16 * i);
         for (int u = 0; u < QB; ++u)
           av[u][i] = _mm512_fmadd_ps(_mm512_set1_ps(p[j * kGemmMaxQ + u0 + u]), vv, av[u][i]);
       }
@@ -153,8 +163,8 @@ inline void gemm_pv(int u0, int nc, const float* v, int64_t vs, const float* p, 
 }
 
 // gemm_pv for queries [u0, u0 + n), n < QB, one instantiation per remainder size
-template <int NV, int QB>
-inline void gemm_pv_tail(int n, int u0, int nc, const float* v, int64_t vs, const float* p, const float* alpha,
+template <int NV, int QB, class T>
+inline void gemm_pv_tail(int n, int u0, int nc, const T* v, int64_t vs, const float* p, const float* alpha,
                          float* const* acc) {
   if constexpr (QB > 1) {
     if (n == QB - 1) return gemm_pv<NV, QB - 1>(u0, nc, v, vs, p, alpha, acc);
@@ -164,13 +174,13 @@ inline void gemm_pv_tail(int n, int u0, int nc, const float* v, int64_t vs, cons
 
 // Keys [0, 16 nc) at k + j * ks / v + j * vs (contiguous slots, the same for every query) for nq <= kGemmMaxQ
 // queries continuing from their states (m, l, acc), hd = 16 * NV, nc <= kBlockChunksMax.
-template <int NV>
-inline void block_gemm(int nq, const float* const* q, const float* k, int64_t ks, const float* v, int64_t vs,
+template <int NV, class T>
+inline void block_gemm(int nq, const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs,
                        int nc, float scale, float* const* m, float* const* l, float* const* acc) {
   alignas(64) float s[(kGemmMaxQ + 15) * kGemmMaxKeys];  // scores, row per query
   alignas(64) float pt[kGemmMaxKeys * kGemmMaxQ];  // softmax weights, row per key
   alignas(64) float alpha[kBlockChunksMax * kGemmMaxQ];  // per chunk rescale factors, row per chunk
-  gemm_scores<NV>(nq, q, k, ks, 16 * nc, scale, s);
+  gemm_scores<NV>(nq, q, k, ks, v, vs, 16 * nc, scale, s);
   for (int u = nq; u < (nq + 15) / 16 * 16; ++u)  // padding rows of the last 16-query tile
     for (int j = 0; j < 16 * nc; ++j) s[u * kGemmMaxKeys + j] = 0.f;
   for (int u = 0; u < nq; u += 16) gemm_softmax16(u, nq, nc, s, pt, alpha, m, l);
@@ -181,7 +191,8 @@ inline void block_gemm(int nq, const float* const* q, const float* k, int64_t ks
 }
 
 // block_gemm when hd is 16, 32, 64 or 128; false (nothing done) otherwise.
-inline bool block_gemm_any(int nq, const float* const* q, const float* k, int64_t ks, const float* v, int64_t vs,
+template <class T>
+inline bool block_gemm_any(int nq, const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs,
                            int nc, int hd, float scale, float* const* m, float* const* l, float* const* acc) {
   switch (hd) {
     case 16: block_gemm<1>(nq, q, k, ks, v, vs, nc, scale, m, l, acc); return true;
