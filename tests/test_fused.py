@@ -233,8 +233,8 @@ def test_automatic_fallbacks(monkeypatch, calls) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", ["int4", "int8"])
-def test_speculative_equals_plain_on_the_real_model_fused(weights: str, monkeypatch, calls) -> None:
+@pytest.mark.parametrize(("weights", "kv_dtype"), [("int4", "auto"), ("int8", "auto"), ("int4", "float16")])
+def test_speculative_equals_plain_on_the_real_model_fused(weights: str, kv_dtype: str, monkeypatch, calls) -> None:
     """Greedy hybrid-drafter output equals plain greedy output with every decode step through the fused path."""
     import treedraft
     from treedraft.engine import GenerationConfig
@@ -246,8 +246,9 @@ def test_speculative_equals_plain_on_the_real_model_fused(weights: str, monkeypa
     monkeypatch.setattr(quant_load, "_machine_key", lambda path, extra: key(path, extra + "|test-native"))
     monkeypatch.setattr(quant_load, "choose_kernels", lambda qw, natives, log=None: {"q4": "native", "q8": "native"})
     monkeypatch.setenv(fused.ENV_DISABLE, "0")
-    llm = treedraft.load(weights=weights)
+    llm = treedraft.load(weights=weights, kv_dtype=kv_dtype)
     assert fused.status(llm.model) is None
+    assert llm.model.new_cache(8).kv.dtype == (torch.float16 if kv_dtype == "float16" else torch.float32)
     cfg = GenerationConfig(max_new_tokens=48, ignore_eos=True)
     for prompt in ("Write a haiku about the sea.", "Repeat after me: the quick brown fox jumps over the lazy dog."):
         ids = llm.encode_prompt(prompt)
@@ -257,3 +258,11 @@ def test_speculative_equals_plain_on_the_real_model_fused(weights: str, monkeypa
         spec = llm.engine.generate(ids, cfg, llm.engine.drafter)
         assert spec.token_ids == plain.token_ids, prompt
         assert spec.stats.mean_accepted_length > 1.0
+
+
+def test_load_rejects_an_unknown_kv_dtype() -> None:
+    """A bad kv_dtype fails before the model load, naming the choices."""
+    import treedraft
+
+    with pytest.raises(ValueError, match="kv_dtype must be one of .*float16"):
+        treedraft.load(kv_dtype="bfloat16")
