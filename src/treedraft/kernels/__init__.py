@@ -218,6 +218,9 @@ def attend(
 ) -> torch.Tensor:
     """Row-invariant attention: q (T, nh, hd), k/v (nkv, L, hd), allowed bool (T, L) or None -> (T, nh, hd).
 
+    q is float32; k and v float32 or float16 (a half-size KV cache: each element is widened exactly, so
+    the result equals the float32 call on ``k.float()``, ``v.float()`` bitwise).
+
     Each row attends to its allowed keys in increasing slot order with a reduction order that depends
     only on a key's rank in that list, so a row's result equals the one-row call over the same keys
     stored contiguously (bitwise). GQA: head h uses kv head h // (nh // nkv). Needs the extension
@@ -226,8 +229,10 @@ def attend(
     ext = _ext()
     if ext is None:
         raise RuntimeError(f"treedraft.kernels.attend needs the native extension ({unavailable_reason()})")
-    if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
-        raise ValueError(f"attend: q, k, v must be float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype != torch.float32 or k.dtype != v.dtype or k.dtype not in (torch.float32, torch.float16):
+        raise ValueError(
+            f"attend: q must be float32 and k, v both float32 or both float16, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     empty = torch.empty(0, dtype=torch.bool)
     return ext.attend(q, k, v, empty if allowed is None else allowed.to(torch.bool), float(scale), path)

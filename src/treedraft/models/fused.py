@@ -32,6 +32,7 @@ from torch import Tensor
 
 ENV_DISABLE = "TREEDRAFT_NO_FUSED"
 _EMPTY_MASK = torch.empty(0, dtype=torch.bool)
+_CACHE_DTYPES = (torch.float32, torch.float16)  # KV cache storage the native decoder reads (kernels/attn_kv.h)
 
 __all__ = ["ENV_DISABLE", "Seg", "disabled", "status", "decoder_for", "forward_segments", "try_forward"]
 
@@ -212,7 +213,7 @@ def forward_segments(
         if not isinstance(ck, list) or not isinstance(cv, list) or not ck:
             return None  # not a KVCache of per-layer tensors
         k0 = ck[0]
-        if k0.shape[0] != 1 or k0.dtype != torch.float32 or s.start <= 0 or s.start + s.rows > s.cache.max_len:
+        if k0.shape[0] != 1 or k0.dtype not in _CACHE_DTYPES or s.start <= 0 or s.start + s.rows > s.cache.max_len:
             return None
         m = _EMPTY_MASK
         if s.mask is not None:

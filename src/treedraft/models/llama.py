@@ -165,6 +165,8 @@ class Attention(nn.Module):
             mask = torch.ones(T, start + T, dtype=torch.bool, device=q.device).tril(start)[None, None]
         if self.exact_attention and cached and start > 0 and T <= self.EXACT_MAX_T:
             return self._exact(q, k, v, mask)
+        if k.dtype != q.dtype:  # a cache stored in another dtype (Transformer.kv_dtype)
+            k, v = k.to(q.dtype), v.to(q.dtype)
         gqa = self.nkv != self.nh
         if mask is None and T == 1:
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
@@ -301,11 +303,17 @@ class Transformer(nn.Module):
         self.matmul_plan = None
         return self
 
+    # Storage dtype of new KV caches: None = the weights' dtype; torch.float16 halves the bytes a decode step
+    # streams (the native attention widens each element exactly, so rows stay bitwise row-invariant; the
+    # values are rounded to fp16 on write). Set on the model or through treedraft.load(kv_dtype=...).
+    kv_dtype: torch.dtype | None = None
+
     def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
-        """Allocate an empty KV cache for ``batch`` sequences of up to ``max_len`` tokens."""
+        """Allocate an empty KV cache for ``batch`` sequences of up to ``max_len`` tokens (dtype: ``kv_dtype``)."""
         c = self.config
         p = self.embed.weight
-        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len or c.max_seq_len, c.head_dim, p.dtype, p.device)
+        dtype = self.kv_dtype or p.dtype
+        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len or c.max_seq_len, c.head_dim, dtype, p.device)
 
     def forward(
         self,
