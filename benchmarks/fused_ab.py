@@ -6,6 +6,8 @@ extension, builds a ``FusedDecoder`` of the bundled model from each, then runs t
 forwards (k = 1 and a 16-node binary tree by default) on top of a ``--context``-token KV cache with the
 two interleaved per repetition. Checks that both give bitwise equal logits and hidden states, prints
 median / min ms per forward and base/new, and the per-phase split of each (C++ phase timers).
+``--tunings 4096:16384,8192:16384,...``: also time the new build at these (prefetch bytes : smallest work
+unit bytes) settings of ``treedraft.kernels.set_tuning`` (no effect on bits), as variants ``new@PF:UNIT``.
 ``--busy``: also time every forward while a spinning process keeps one core busy (blocks of reps with
 and without it, alternating) and print busy/quiet per build.
 
@@ -53,6 +55,7 @@ def main() -> None:
     ap.add_argument("--ks", default="1,16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--busy", action="store_true", help="also time with one core kept busy by a spinner")
+    ap.add_argument("--tunings", default="", help="PF:UNIT,... variants of the new build (set_tuning bytes)")
     a = ap.parse_args()
     tk.set_num_threads(a.threads)
     llm = treedraft.load(drafter=None, weights=a.weights)
@@ -68,6 +71,18 @@ def main() -> None:
     finally:
         tk._ext = real_ext
     decs = {"base": base_dec, "new": st.decoder}
+    tune: dict[str, tuple[int, int]] = {}
+    if a.tunings:
+        tune["new"] = tk.set_tuning()  # the build's defaults
+        for t in a.tunings.split(","):
+            pf, unit = (int(x) for x in t.split(":"))
+            decs[f"new@{t}"] = st.decoder
+            tune[f"new@{t}"] = (pf, unit)
+
+    def fwd(n: str, k: int):
+        if n in tune:
+            tk.set_tuning(*tune[n])
+        return decs[n].forward(*calls[k])
 
     V, ctx = m.vocab_size, a.context
     g = torch.Generator().manual_seed(0)
@@ -86,16 +101,18 @@ def main() -> None:
             st.decoder = rec.dec
             calls[k] = rec.args
         for k in ks:
-            (lb, hb), (ln, hn) = (decs[n].forward(*calls[k]) for n in ("base", "new"))
-            same = torch.equal(lb, ln) and torch.equal(hb, hn)
-            print(
-                f"k={k}: base and new bitwise equal: {same}" + ("" if same else f" (max {(lb - ln).abs().max():.3g})")
-            )
+            lb, hb = fwd("base", k)
+            for n in list(decs)[1:]:
+                ln, hn = fwd(n, k)
+                same = torch.equal(lb, ln) and torch.equal(hb, hn)
+                print(
+                    f"k={k}: base and {n} bitwise equal: {same}" + ("" if same else f" ({(lb - ln).abs().max():.3g})")
+                )
         times = {(n, k, busy): [] for busy in ((False, True) if a.busy else (False,)) for k in ks for n in decs}
         keys = [(n, k) for k in ks for n in decs]
         for _ in range(3):
             for n, k in keys:
-                decs[n].forward(*calls[k])
+                fwd(n, k)
         block = 5
         for rep in range(0, a.reps, block):
             for busy in (False, True) if a.busy else (False,):
@@ -106,7 +123,7 @@ def main() -> None:
                     for r in range(rep, min(a.reps, rep + block)):
                         for n, k in keys if r % 2 == 0 else reversed(keys):
                             t0 = time.perf_counter()
-                            decs[n].forward(*calls[k])
+                            fwd(n, k)
                             times[(n, k, busy)].append(time.perf_counter() - t0)
                 finally:
                     if hog:
@@ -118,22 +135,22 @@ def main() -> None:
         for k in ks:
             for n in decs:
                 decs[n].take_timings()
-            for _ in range(a.reps):
-                for n in decs:
-                    decs[n].forward(*calls[k])
-            for n in decs:
+                for _ in range(a.reps):
+                    fwd(n, k)
                 phases[(n, k)] = [t / a.reps for t in decs[n].take_timings()]
         for d in decs.values():
             d.set_profile(False)
     print(f"\n{a.weights}, context {ctx}, {a.threads} threads, {a.reps} reps interleaved; ms median / min")
     for busy in (False, True) if a.busy else (False,):
         print(f"\n{'one core busy' if busy else 'quiet'}:")
-        print("| rows | base | new | base/new (median) |")
+        print("| rows | build | median / min ms | base/build (median) |")
         print("|---|---|---|---|")
         for k in ks:
-            b, nw = times[("base", k, busy)], times[("new", k, busy)]
-            mb, mn = statistics.median(b) * 1e3, statistics.median(nw) * 1e3
-            print(f"| {k} | {mb:.2f} / {min(b) * 1e3:.2f} | {mn:.2f} / {min(nw) * 1e3:.2f} | {mb / mn:.3f}x |")
+            mb = statistics.median(times[("base", k, busy)])
+            for n in decs:
+                t = times[(n, k, busy)]
+                mn = statistics.median(t)
+                print(f"| {k} | {n} | {mn * 1e3:.2f} / {min(t) * 1e3:.2f} | {mb / mn:.3f}x |")
     if a.busy:
         print("\nbusy/quiet (median; worst = p90 busy / median quiet):")
         for k in ks:
@@ -142,7 +159,7 @@ def main() -> None:
                 mq = statistics.median(q)
                 p90 = sorted(b)[int(0.9 * (len(b) - 1))]
                 print(f"  rows {k} {n}: {statistics.median(b) / mq:.2f}x, p90 {p90 / mq:.2f}x")
-    print("\nmean ms per phase (profiled runs, interleaved):")
+    print("\nmean ms per phase (profiled runs, one build after the other):")
     print("| rows | build | " + " | ".join(PHASES) + " | total |")
     print("|---" * (len(PHASES) + 3) + "|")
     for k in ks:

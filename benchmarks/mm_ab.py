@@ -52,10 +52,9 @@ def load_baseline(src: Path, threads: int):
     mod = cpp_extension.load(
         name=name,
         sources=[str(src / "qgemm.cpp")],
-        # hidden: the inline globals of the kernel headers (the thread pool, g_threads) are GNU-unique
-        # symbols by default, bound process-wide even across RTLD_LOCAL modules; the baseline's code
-        # would then run on the other build's pool object (a deadlock once the two layouts differ)
-        extra_cflags=[*CFLAGS, "-fvisibility=hidden"],
+        # CFLAGS has -fvisibility=hidden: the baseline keeps its own thread pool even when its sources
+        # predate that flag (an older prebuilt .so may not: its pool is shared with this build's)
+        extra_cflags=CFLAGS,
         extra_include_paths=[str(src)],
         build_directory=str(out),
         verbose=False,

@@ -172,6 +172,24 @@ def test_thread_counts_bitwise_equal(kind: str) -> None:
 
 
 @needs_ext
+def test_tuning_changes_no_bits() -> None:
+    """Prefetch distance and work-unit size are speed knobs only: outputs stay bitwise equal; bad values raise."""
+    pw, _, _ = packed("q4_1", 1000, 576, seed=9)
+    X = torch.randn(5, 576, generator=torch.Generator().manual_seed(9))
+    default = tk.set_tuning()
+    try:
+        ref = tk.mm(X, pw)
+        for pf, unit in ((0, 1), (8192, 1 << 20), (64, 4096)):
+            assert tk.set_tuning(pf, unit) == (pf, unit)
+            assert torch.equal(tk.mm(X, pw), ref), (pf, unit)
+    finally:
+        tk.set_tuning(*default)
+    assert tk.set_tuning() == default
+    with pytest.raises(ValueError, match="prefetch_bytes"):
+        tk.set_tuning(prefetch_bytes=-1)
+
+
+@needs_ext
 def test_rejects_mismatched_input() -> None:
     """x with the wrong K is a ValueError naming the expected shape."""
     pw, _, _ = packed("q4_1", 32, 64)

@@ -42,6 +42,7 @@ __all__ = [
     "attend",
     "read_bandwidth",
     "torch_threads",
+    "set_tuning",
 ]
 
 TILE = 16  # output columns per packed tile
@@ -83,6 +84,24 @@ def get_num_threads() -> int:
     """Threads used by mm (1 when the extension is unavailable)."""
     ext = _ext()
     return int(ext.get_num_threads()) if ext is not None else 1
+
+
+def set_tuning(prefetch_bytes: int | None = None, unit_bytes: int | None = None) -> tuple[int, int]:
+    """Set the matmul's software prefetch distance and smallest work unit (bytes; None keeps); returns both.
+
+    Neither changes any result bit (only speed): for measuring them on a machine (benchmarks/fused_ab.py
+    --tunings). Defaults 4096 and 16384.
+    """
+    ext = _ext()
+    if ext is None or not hasattr(ext, "set_tuning"):
+        raise RuntimeError(f"set_tuning needs the native kernel ({unavailable_reason()})")
+    for name, v in (("prefetch_bytes", prefetch_bytes), ("unit_bytes", unit_bytes)):
+        if v is not None and v < 0:
+            raise ValueError(f"set_tuning: {name} must be >= 0, got {v}")
+    pf, ub = ext.set_tuning(
+        -1 if prefetch_bytes is None else int(prefetch_bytes), -1 if unit_bytes is None else int(unit_bytes)
+    )
+    return int(pf), int(ub)
 
 
 @contextmanager
