@@ -12,6 +12,11 @@ unit bytes) settings of ``treedraft.kernels.set_tuning`` (no effect on bits), as
 and without it, alternating) and print busy/quiet per build.
 
     python benchmarks/fused_ab.py --baseline /tmp/base/src/treedraft/kernels [--context 512] [--reps 40]
+        [--busy] [--tunings 0:16384,8192:16384,4096:65536]
+
+Run on branch rt2 (base = its parent commit d9f2bbb's kernels) on the 2-core Xeon at load average 13-15:
+bitwise equal for k = 1 and 16 and every tuning; timings were dominated by the other jobs (1-row forwards
+from 22 to 160 ms against ~10.7 ms quiet), so no speed claim is made from them: run it on a quiet machine.
 """
 
 from __future__ import annotations
