@@ -25,7 +25,14 @@ inflated several-fold; read the ratios), int4, 4 MT-Bench prompts x 64 tokens, m
     py2-nat2          default    2.56    4.84          1.24/2.43     1.32/2.41
 
 i.e. the time outside the native call fell 4.4x (plain) and 5.0x (default) with one torch thread in the
-steps; outputs were identical across configurations and load.
+steps; outputs were identical across configurations and load. Again with the kernel pool's regions and
+sleeping caller (commit aa343f3 on), load average 6.7, 3 prompts x 64 tokens:
+
+    config            drafter   quiet  busy   busy/quiet median, worst (per prompt)
+    py2-nat2-scope0   plain      4.24  15.27  3.60, 4.59
+    py2-nat2-scope0   default    6.04   7.12  1.18, 1.31
+    py2-nat2          plain      3.70   3.80  1.10, 1.19
+    py2-nat2          default    1.89   1.84  1.75, 1.78
 """
 
 from __future__ import annotations
