@@ -131,6 +131,7 @@ class Scheduler:
         self.engine = engine
         self.step_rows, self.prefill_chunk = step_rows, prefill_chunk
         self.active: list[Request] = []
+        self._torch_threads: int | None = host_torch_threads(engine.model)
 
     def __len__(self) -> int:
         return len(self.active)
@@ -268,6 +269,12 @@ class Scheduler:
         A request whose drafting or acceptance failed is returned with ``error`` set (and no tokens);
         the caller removes it. An error in the forward itself fails the whole step (raised).
         """
+        from .kernels import torch_threads
+
+        with torch_threads(self._torch_threads):
+            return self._step()
+
+    def _step(self) -> list[tuple[Request, list[int]]]:
         plan = self._plan()
         failed = [(r, []) for r in self.active if r.error is not None]
         if not plan:
@@ -328,6 +335,22 @@ class Scheduler:
 STEP_ROWS_KIND = "step-rows"
 STEP_ROWS_FACTOR = 3.0  # a batched step may cost this many one-token steps
 STEP_ROWS_MAX = 64
+
+
+def host_torch_threads(model: Any) -> int | None:
+    """Torch threads for a step's Python-side ops: 1 when the native fused decoder runs the forwards, else None.
+
+    The native pool then does the heavy work; one torch thread keeps idle OpenMP threads from spinning on
+    the cores it (or another process) needs (see :func:`treedraft.kernels.torch_threads`).
+    """
+    if not hasattr(model, "forward_packed") or not hasattr(model, "layers"):
+        return None
+    from .models import fused
+
+    try:
+        return 1 if fused.decoder_for(model) is not None else None
+    except (AttributeError, TypeError):  # not the own Llama module
+        return None
 
 
 def step_rows_from_latency(latency: dict[int, float], factor: float = STEP_ROWS_FACTOR) -> int:

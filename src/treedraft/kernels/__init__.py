@@ -19,6 +19,8 @@ it is disabled or the build fails, ``available()`` is False, ``unavailable_reaso
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -39,6 +41,8 @@ __all__ = [
     "build_info",
     "attend",
     "read_bandwidth",
+    "torch_threads",
+    "set_tuning",
 ]
 
 TILE = 16  # output columns per packed tile
@@ -80,6 +84,45 @@ def get_num_threads() -> int:
     """Threads used by mm (1 when the extension is unavailable)."""
     ext = _ext()
     return int(ext.get_num_threads()) if ext is not None else 1
+
+
+def set_tuning(prefetch_bytes: int | None = None, unit_bytes: int | None = None) -> tuple[int, int]:
+    """Set the matmul's software prefetch distance and smallest work unit (bytes; None keeps); returns both.
+
+    Neither changes any result bit (only speed): for measuring them on a machine (benchmarks/fused_ab.py
+    --tunings). Defaults 4096 and 16384.
+    """
+    ext = _ext()
+    if ext is None or not hasattr(ext, "set_tuning"):
+        raise RuntimeError(f"set_tuning needs the native kernel ({unavailable_reason()})")
+    for name, v in (("prefetch_bytes", prefetch_bytes), ("unit_bytes", unit_bytes)):
+        if v is not None and v < 0:
+            raise ValueError(f"set_tuning: {name} must be >= 0, got {v}")
+    pf, ub = ext.set_tuning(
+        -1 if prefetch_bytes is None else int(prefetch_bytes), -1 if unit_bytes is None else int(unit_bytes)
+    )
+    return int(pf), int(ub)
+
+
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block with torch's intra-op threads set to n (None: unchanged), restored afterwards.
+
+    Decode steps of the native runtime use it with n = 1: the native pool (:func:`set_num_threads`) does
+    the forward, and the small torch ops around it (sampling, KV compaction, drafting) are faster on one
+    thread than on an OpenMP team whose idle threads spin (libgomp: ~300k pause loops, milliseconds)
+    on the core the native pool, or another process, needs: on the 2-core Xeon with other jobs running,
+    the time outside the native call per generation fell 5x (benchmarks/busy_threads.py).
+    """
+    old = torch.get_num_threads()
+    if n is None or n == old:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 @dataclass(eq=False)

@@ -52,6 +52,16 @@ double read_bandwidth(torch::Tensor buf, int64_t reps) {
   return (double)buf.numel() / s / 1e9;
 }
 
+// Matmul tunables that change no result bit (common.h): prefetch distance (bytes, 0 = none) and the
+// smallest work unit (weight bytes); a negative argument keeps the current value. Returns both.
+std::vector<int64_t> set_tuning(int64_t prefetch_bytes, int64_t unit_bytes) {
+  TORCH_CHECK(prefetch_bytes <= (1 << 20) && unit_bytes <= (int64_t)1 << 30,
+              "qgemm.set_tuning: prefetch_bytes <= 1 MB and unit_bytes <= 1 GB");
+  if (prefetch_bytes >= 0) g_prefetch_ahead = (int)(prefetch_bytes / 64 * 64);
+  if (unit_bytes >= 0) g_unit_bytes = std::max<int64_t>(1, unit_bytes);
+  return {g_prefetch_ahead, g_unit_bytes};
+}
+
 std::vector<std::string> paths() {
   std::vector<std::string> out;
   for (const auto& p : compiled_paths()) out.push_back(p.name);
@@ -169,6 +179,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_bandwidth", &td::read_bandwidth, "GB/s of the pool streaming a uint8 buffer (best of reps)",
         py::arg("buf"), py::arg("reps") = 5);
   m.def("paths", &td::paths, "compiled code paths, fastest first");
+  m.def("set_tuning", &td::set_tuning, "prefetch distance and smallest work unit in bytes (-1: keep); both now",
+        py::arg("prefetch_bytes") = -1, py::arg("unit_bytes") = -1);
   m.def("set_num_threads", &td::set_num_threads, "threads used by mm (caller included)");
   m.def("get_num_threads", &td::get_num_threads, "threads used by mm");
   // module_local: two builds of this extension (e.g. benchmarks/mm_ab.py's baseline) can share a process
