@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from .budget import NodeStats, RowBudget
 from .interfaces import DraftContext, Drafter, GenerationError, target_device
 from .tree import TokenTree, TreeError, full_attention_mask, tree_positions
 from .verify import accept, sample_token, uses_coupling
@@ -65,6 +66,7 @@ class Request:
     keep_hidden: bool = False  # keep path_hidden without a drafter too (self-distillation data reads it)
     error: BaseException | None = None  # set when this request failed (its drafter, say); it then leaves
     t_start: float = 0.0
+    node_stats: NodeStats = field(default_factory=NodeStats)  # its drafts' acceptance by node position
 
     @property
     def done(self) -> bool:
@@ -114,6 +116,20 @@ class _Rows:
     t_draft: float = 0.0
 
 
+@dataclass
+class StepTimes:
+    """Where one :meth:`Scheduler.step` spent its time (seconds) and what it ran."""
+
+    requests: int = 0  # requests with rows in the forward
+    rows: int = 0  # rows of the forward (tree nodes + prefill rows)
+    prefill_rows: int = 0
+    committed: int = 0  # tokens committed by the step
+    t_draft: float = 0.0  # drafters' propose + tree checks, masks, positions
+    t_plan: float = 0.0  # the rest of planning (budgets, prefill chunks)
+    t_forward: float = 0.0  # the target forward, packing and unpacking included
+    t_commit: float = 0.0  # acceptance, sampling, cache compaction, bookkeeping
+
+
 class Scheduler:
     """Active requests of one engine and the step that advances all of them by one target forward.
 
@@ -121,16 +137,28 @@ class Scheduler:
         ``max_tree_nodes``); a request's share is ``max(1, step_rows // decoding requests)``.
     prefill_chunk: prompt rows per step for joining requests (None: a whole prompt in one forward);
         a request's chunks always start at multiples of it, whatever else runs in the step.
+    latency: the forward's latency curve (rows -> seconds, :func:`measured_latency`): with two or more
+        decoding requests their tree sizes come from :class:`treedraft.budget.RowBudget` (the nodes whose
+        expected acceptance pays for their rows) instead of equal shares; ``step_rows`` then caps one
+        request's tree (a lone request keeps ``step_rows``).
     """
 
-    def __init__(self, engine: Engine, step_rows: int | None = None, prefill_chunk: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        step_rows: int | None = None,
+        prefill_chunk: int | None = None,
+        latency: dict[int, float] | None = None,
+    ) -> None:
         if step_rows is not None and step_rows < 1:
             raise ValueError(f"step_rows must be >= 1, got {step_rows}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.engine = engine
         self.step_rows, self.prefill_chunk = step_rows, prefill_chunk
+        self.budget = RowBudget(latency) if latency else None
         self.active: list[Request] = []
+        self.last_step = StepTimes()  # timings of the latest step (benchmarks, metrics)
 
     def __len__(self) -> int:
         return len(self.active)
@@ -212,23 +240,39 @@ class Scheduler:
 
     def _plan(self) -> list[_Rows]:
         """What each active request runs this step (a request failing to draft gets its error, no rows)."""
-        plan: list[_Rows] = []
-        decoding = [r for r in self.active if not r.prefilling and not r.done]
-        share = max(1, (self.step_rows or 1) // max(1, len(decoding)))
-        for req in decoding:
-            try:
-                plan.append(self._draft(req, self._tree_budget(req, share)))
-            except Exception as e:  # this request's drafter failed: it alone leaves
-                req.error = e
+        chunks: list[_Rows] = []
         left = self.prefill_chunk  # prefill rows this step (None: whole prompts)
         for req in (r for r in self.active if r.prefilling and not r.done):
             rest = len(req.prompt) - req.prefilled
             n = rest if self.prefill_chunk is None else min(self.prefill_chunk, rest)
             if left is not None and n > left:
                 break  # FIFO: the next joining request waits for the next step
-            plan.append(self._chunk(req, n))
+            chunks.append(self._chunk(req, n))
             left = None if left is None else left - n
-        return plan
+        decoding = [r for r in self.active if not r.prefilling and not r.done]
+        budgets = self._budgets(decoding, sum(len(c.tokens) for c in chunks))
+        plan: list[_Rows] = []
+        for req, b in zip(decoding, budgets):
+            try:
+                plan.append(self._draft(req, b))
+            except Exception as e:  # this request's drafter failed: it alone leaves
+                req.error = e
+        return plan + chunks
+
+    def _budgets(self, decoding: list[Request], prefill_rows: int) -> list[int]:
+        """Tree size (root included) per decoding request: equal shares, or the row budget's choice."""
+        if self.budget is None or len(decoding) < 2:
+            share = max(1, (self.step_rows or 1) // max(1, len(decoding)))
+            return [self._tree_budget(r, share) for r in decoding]
+        sizes = [self._tree_budget(r, self.step_rows or STEP_ROWS_MAX) for r in decoding]
+        free = [i for i, r in enumerate(decoding) if not r.pinned and r.drafter is not None]
+        others = [i for i in range(len(decoding)) if i not in free]  # pinned trees, plain requests
+        fixed = prefill_rows + sum(1 if decoding[i].drafter is None else sizes[i] for i in others)
+        stats = [decoding[i].node_stats for i in free]
+        chosen = self.budget.allocate(stats, [sizes[i] for i in free], fixed, len(others))
+        for i, s in zip(free, chosen):
+            sizes[i] = s
+        return sizes
 
     def _forward(self, plan: list[_Rows]) -> list[tuple[Tensor, Tensor | None]]:
         """Per request (logits (len(logit_rows), V), hidden (rows, H) or None), from one packed forward."""
@@ -268,9 +312,11 @@ class Scheduler:
         A request whose drafting or acceptance failed is returned with ``error`` set (and no tokens);
         the caller removes it. An error in the forward itself fails the whole step (raised).
         """
+        t0 = time.perf_counter()
         plan = self._plan()
         failed = [(r, []) for r in self.active if r.error is not None]
         if not plan:
+            self.last_step = StepTimes()
             return failed
         tv = time.perf_counter()
         results = self._forward(plan)
@@ -284,6 +330,18 @@ class Scheduler:
                 new = []
             if new or p.req.error is not None:
                 out.append((p.req, new))
+        te = time.perf_counter()
+        t_draft = sum(p.t_draft for p in plan)
+        self.last_step = StepTimes(
+            len(plan),
+            sum(len(p.tokens) for p in plan),
+            sum(len(p.tokens) for p in plan if p.tree is None),
+            sum(len(n) for _, n in out),
+            t_draft,
+            tv - t0 - t_draft,
+            tr - tv,
+            te - tr,
+        )
         return failed + out
 
     def _commit(self, p: _Rows, logits: Tensor, hidden: Tensor | None, tv: float, tr: float) -> list[int]:
@@ -309,6 +367,8 @@ class Scheduler:
             a = accept(cfg.rule, tree, logits, cfg.sampling, req.gen, len(req.tokens))
             acc_nodes, bonus = a.nodes, a.bonus
         req.cache.keep(p.start, list(acc_nodes))
+        if self.budget is not None:
+            self.budget.observe(req.node_stats, n, acc_nodes, p.t_draft)
         if hidden is not None:
             req.last_hidden = hidden[acc_nodes[-1]]
             req.add_hidden(hidden[list(acc_nodes)])
@@ -345,8 +405,9 @@ def step_rows_from_latency(latency: dict[int, float], factor: float = STEP_ROWS_
     return max(n for n, t in latency.items() if t <= factor * latency[1])
 
 
-def measured_step_rows(model: Any, factor: float = STEP_ROWS_FACTOR) -> int:
-    """:func:`step_rows_from_latency` on this machine's latency curve for ``model`` (measured once, cached)."""
+def measured_latency(model: Any) -> dict[int, float]:
+    """This machine's forward latency curve for ``model`` (rows -> seconds at a 256-token context; measured
+    once, cached)."""
     from .models.plan import cached_measurement
     from .training.calibrate import _target_facts, latency_sizes, measure_latency
 
@@ -355,10 +416,17 @@ def measured_step_rows(model: Any, factor: float = STEP_ROWS_FACTOR) -> int:
         lat = measure_latency(model, max(1, min(256, room - STEP_ROWS_MAX - 1)), latency_sizes(STEP_ROWS_MAX), reps=3)
         return {str(k): v for k, v in lat.items()}
 
-    def load(v: dict) -> int:
-        return step_rows_from_latency({int(k): float(t) for k, t in v.items()}, factor)
+    def load(v: dict) -> dict[int, float]:
+        lat = {int(k): float(t) for k, t in v.items()}
+        step_rows_from_latency(lat)  # ValueError for an unusable entry: measured again
+        return lat
 
     return cached_measurement(STEP_ROWS_KIND, _target_facts(model), measure, load, target_device(model))
+
+
+def measured_step_rows(model: Any, factor: float = STEP_ROWS_FACTOR) -> int:
+    """:func:`step_rows_from_latency` on this machine's latency curve for ``model`` (measured once, cached)."""
+    return step_rows_from_latency(measured_latency(model), factor)
 
 
 def run_alone(
@@ -375,4 +443,13 @@ def run_alone(
     return req.tokens[len(req.prompt) : len(req.prompt) + req.n_out]
 
 
-__all__ = ["GenerationError", "Request", "Scheduler", "measured_step_rows", "run_alone", "step_rows_from_latency"]
+__all__ = [
+    "GenerationError",
+    "Request",
+    "Scheduler",
+    "StepTimes",
+    "measured_latency",
+    "measured_step_rows",
+    "run_alone",
+    "step_rows_from_latency",
+]
