@@ -16,8 +16,10 @@ read. Per run: tokens/s, steps, rows per step, mean accepted length, and where t
     other     the loop around it (wall - all of the above)
 
 ``--memory fresh`` (default): every run's suffix index starts empty (its own tenant), so a run never drafts
-from an earlier run's answers. ``--memory shared``: one index for all runs, as one server answering the load
-test's levels (which send the same prompts at every level): later runs draft from earlier answers.
+from an earlier run's answers. ``--memory shared``: one index for all runs. ``--memory loadtest``: what
+``treedraft loadtest`` does to a fresh server, per variant and round: one warm-up request (prompt 0), then
+each level in order (c1, then c8) on one index; the load test sends the same prompts at every level, so the
+c8 level drafts from the c1 level's answers.
 
     python benchmarks/batch_throughput.py [--weights int4] [--tokens 256] [--prompts 8]
         [--concurrency 1,8] [--rounds 2] [--step-rows N] [--drafter default] [--memory fresh|shared] [--text]
@@ -119,10 +121,13 @@ def run_level(
     timer: TimedDecoder | None,
     tenant: str,
     text: bool,
+    native_prefill: bool = True,
 ) -> Run:
     """Decode every prompt with at most ``c`` active requests (the next joins as one finishes)."""
     eng = llm.engine
     sched = Scheduler(eng, step_rows=step_rows, prefill_chunk=256, latency=latency)
+    if not native_prefill:  # as before native chunked prefill: 256-row chunks through the Python path
+        sched.native_prefill, sched.chunk_rows = False, 256
     run, queue = Run(c), list(range(len(prompts)))
     out: dict[int, list[int]] = {}
     streams: dict[object, object] = {}
@@ -182,12 +187,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--step-rows", type=int, default=None, help="default: measured, as the server does")
     ap.add_argument("--drafter", default="default")
-    ap.add_argument("--memory", choices=("fresh", "shared"), default="fresh")
+    ap.add_argument("--memory", choices=("fresh", "shared", "loadtest"), default="fresh")
     ap.add_argument("--text", action="store_true", help="detokenize through the server's TextStream")
     ap.add_argument(
-        "--policies",
-        default="share,budget",
-        help="row policies for c > 1: share (step_rows split equally) and/or budget (latency-curve row budget)",
+        "--variants",
+        default="old,new",
+        help="comma list: old (equal row shares, Python prefill), native (equal shares, native prefill), "
+        "new (latency-curve row budget, native prefill)",
     )
     ap.add_argument(
         "--latency",
@@ -217,29 +223,38 @@ def main() -> None:
         flush=True,
     )
     run_level(llm, prompts[:1], 1, GenerationConfig(max_new_tokens=8), drafter, rows, None, timer, "warm-up", False)
-    modes = [(c, p) for c in levels for p in (["share"] if c == 1 else a.policies.split(","))]
+    variants = {"old": (False, False), "native": (False, True), "new": (True, True)}  # (budget, native prefill)
+    modes = [(c, v) for v in a.variants.split(",") for c in levels]
     by_mode: dict[tuple[int, str], list[Run]] = {m: [] for m in modes}
-    ref: list[list[int]] | None = None
+    refs: dict[bool, list[list[int]]] = {}  # greedy: runs with the same prefill arithmetic give the same tokens
     for r in range(a.rounds):
-        for c, pol in modes if r % 2 == 0 else modes[::-1]:
-            tenant = "" if a.memory == "shared" else f"run-{r}-{c}-{pol}"
-            run = run_level(
-                llm, prompts, c, cfg, drafter, rows, lat if pol == "budget" else None, timer, tenant, a.text
+        if a.memory == "loadtest":  # per variant: warm-up request, then the levels in order, on one index
+            vs = a.variants.split(",")
+            order = [(c, v) for v in (vs if r % 2 == 0 else vs[::-1]) for c in levels]
+        else:
+            order = modes if r % 2 == 0 else modes[::-1]
+        warmed: set[str] = set()
+        for c, v in order:
+            budget, native = variants[v]
+            tenant = {"shared": "", "fresh": f"run-{r}-{c}-{v}", "loadtest": f"run-{r}-{v}"}[a.memory]
+            lt = lat if budget else None
+            if a.memory == "loadtest" and v not in warmed:
+                warmed.add(v)
+                run_level(llm, prompts[:1], 1, cfg, drafter, rows, lt, timer, tenant, False, native)
+            run = run_level(llm, prompts, c, cfg, drafter, rows, lt, timer, tenant, a.text, native)
+            if refs.setdefault(native, run.outputs) != run.outputs:
+                print(f"MISMATCH: round {r} c={c} {v}: outputs differ from an earlier run", flush=True)
+            by_mode[(c, v)].append(run)
+            print(json.dumps({"round": r, "variant": v, **run.row()}), flush=True)
+    for v in a.variants.split(","):
+        base = by_mode[(levels[0], v)]
+        for c in levels[1:]:
+            ratios = [b.tokens / b.wall / (x.tokens / x.wall) for x, b in zip(base, by_mode[(c, v)])]
+            print(
+                f"{v}: c{c} / c{levels[0]}: median {statistics.median(ratios):.2f}x over {len(ratios)} rounds "
+                f"({', '.join(f'{x:.2f}' for x in ratios)})",
+                flush=True,
             )
-            if ref is None:
-                ref = run.outputs
-            elif run.outputs != ref:  # greedy: every run must give the same tokens (alone or batched)
-                print(f"MISMATCH: round {r} c={c} {pol}: outputs differ from the first run", flush=True)
-            by_mode[(c, pol)].append(run)
-            print(json.dumps({"round": r, "policy": pol, **run.row()}), flush=True)
-    base = by_mode[modes[0]]
-    for m in modes[1:]:
-        ratios = [b.tokens / b.wall / (x.tokens / x.wall) for x, b in zip(base, by_mode[m])]
-        print(
-            f"c{m[0]} {m[1]} / c{modes[0][0]}: median {statistics.median(ratios):.2f}x over {len(ratios)} rounds "
-            f"({', '.join(f'{x:.2f}' for x in ratios)})",
-            flush=True,
-        )
 
 
 if __name__ == "__main__":

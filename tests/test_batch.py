@@ -8,8 +8,11 @@ on the real model (int4).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -375,3 +378,66 @@ def test_real_model_int4_batched_equals_alone() -> None:
     # compared with itself above, not with this
     plain = eng.generate(reqs[0][0], reqs[0][1], None).token_ids
     assert run_alone(eng, *reqs[0], step_rows=16) == plain
+
+
+@contextlib.contextmanager
+def fused_off() -> Iterator[None]:
+    """The Python path for every forward inside (TREEDRAFT_NO_FUSED=1)."""
+    from treedraft.models.fused import ENV_DISABLE
+
+    old = os.environ.get(ENV_DISABLE)
+    os.environ[ENV_DISABLE] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[ENV_DISABLE]
+        else:
+            os.environ[ENV_DISABLE] = old
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+def test_prompts_are_prefilled_by_the_native_decoder_in_chunks() -> None:
+    """With a prefill_chunk, a prompt's chunks (its first, at slot 0, included) run in the native decoder, in
+    chunks of at most native_prefill_rows; the result is the Python prefill's up to rounding."""
+    from treedraft.models import fused
+    from treedraft.models.llama import Segment
+
+    model = native_tiny(6)
+    assert model.native_prefill_rows() == 64
+    sched = Scheduler(Engine(model), step_rows=8, prefill_chunk=256)
+    assert sched.native_prefill and sched.chunk_rows == 64
+    assert Scheduler(Engine(model), prefill_chunk=16).chunk_rows == 16
+    assert not Scheduler(Engine(model)).native_prefill  # whole prompts (Engine.decode): the Python path
+
+    ids = torch.randint(0, V, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():  # the native chunk from slot 0 vs the Python path's 1 row + 39 exact-attention rows
+        cache = model.new_cache(64)
+        native = model.forward_packed(ids, torch.arange(40), [Segment(cache, 0, 40, None)], None, True)
+        cache = model.new_cache(64)
+        first = model.forward_packed(ids[:1], torch.arange(1), [Segment(cache, 0, 1, None)])
+        cache.keep(0, [0])
+        with fused_off():
+            rest = model.forward_packed(ids[1:], torch.arange(1, 40), [Segment(cache, 1, 39, None)])
+    torch.testing.assert_close(native[0], torch.cat([first[0], rest[0]]), atol=1e-4, rtol=1e-4)  # logits
+    torch.testing.assert_close(native[1], torch.cat([first[1], rest[1]]), atol=1e-4, rtol=1e-4)  # hidden
+
+    st = fused._state(model)
+    calls = []
+    real = st.decoder
+
+    class Counting:
+        def forward(self, *args):
+            calls.append(list(args[2]))  # rows per segment
+            return real.forward(*args)
+
+    st.decoder = Counting()
+    try:
+        req = sched.add(list(ids.tolist()) * 3, GenerationConfig(max_new_tokens=3, ignore_eos=True), None)
+        with torch.inference_mode():  # (the native call records no autograd graph: off for a trainable model)
+            while not req.done:
+                sched.step()
+    finally:
+        st.decoder = real
+    assert calls[:2] == [[64], [56]]  # 120 prompt tokens: two native chunks, then the decode steps
+    assert len(calls) == 2 + 2

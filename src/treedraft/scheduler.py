@@ -18,10 +18,10 @@ batched (the coupled lossless rule, :func:`treedraft.verify.accept_coupled`: tok
 :meth:`Scheduler._tree_budget`, and needs a drafter without cross-request state). With fp32 MKL linears the rounding
 of a row depends on the number of rows in the forward, so a batched greedy output may differ from the solo
 one at near-ties (both are greedy decodes of the model within float rounding). Prefill chunking is part
-of a request's arithmetic: with the native int8-activation linears a prompt prefilled in chunks (later
-chunks use the exact attention, the first one SDPA) is rounded differently from one prefilled whole, so
-its greedy tokens can differ from :meth:`Engine.generate`'s (which prefills whole) once the prompt is
-longer than ``prefill_chunk``; alone or batched under the same ``prefill_chunk`` they are identical.
+of a request's arithmetic: with a ``prefill_chunk`` and the native decoder, prompts are prefilled in native
+chunks (:attr:`Scheduler.chunk_rows`), rounded differently from the Python path's whole prefill, so greedy
+tokens can differ from :meth:`Engine.generate`'s (which prefills whole) at near-ties; alone or batched under
+the same ``prefill_chunk`` they are identical.
 """
 
 from __future__ import annotations
@@ -136,7 +136,9 @@ class Scheduler:
     step_rows: rows per step shared by the decoding requests' trees (None: each request's own
         ``max_tree_nodes``); a request's share is ``max(1, step_rows // decoding requests)``.
     prefill_chunk: prompt rows per step for joining requests (None: a whole prompt in one forward);
-        a request's chunks always start at multiples of it, whatever else runs in the step.
+        a request's chunks always start at multiples of ``chunk_rows``, whatever else runs in the step:
+        ``prefill_chunk``, or on a model with a native decoder (``native_prefill_rows``) at most the rows it
+        runs, so prompts are prefilled natively (several requests' chunks per step, up to ``prefill_chunk``).
     latency: the forward's latency curve (rows -> seconds, :func:`measured_latency`): with two or more
         decoding requests their tree sizes come from :class:`treedraft.budget.RowBudget` (the nodes whose
         expected acceptance pays for their rows) instead of equal shares; ``step_rows`` then caps one
@@ -156,6 +158,12 @@ class Scheduler:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.engine = engine
         self.step_rows, self.prefill_chunk = step_rows, prefill_chunk
+        # chunked prefill through the native decoder (a prompt's first chunk too): chunks of at most the rows it
+        # takes; the chunking is the model's and prefill_chunk's, never the batch's, so alone == batched
+        native = getattr(engine.model, "native_prefill_rows", None)
+        rows = native() if prefill_chunk is not None and callable(native) else None
+        self.native_prefill = rows is not None
+        self.chunk_rows = prefill_chunk if rows is None else min(prefill_chunk, rows)
         self.budget = RowBudget(latency) if latency else None
         self.active: list[Request] = []
         self.last_step = StepTimes()  # timings of the latest step (benchmarks, metrics)
@@ -244,7 +252,7 @@ class Scheduler:
         left = self.prefill_chunk  # prefill rows this step (None: whole prompts)
         for req in (r for r in self.active if r.prefilling and not r.done):
             rest = len(req.prompt) - req.prefilled
-            n = rest if self.prefill_chunk is None else min(self.prefill_chunk, rest)
+            n = rest if self.chunk_rows is None else min(self.chunk_rows, rest)
             if left is not None and n > left:
                 break  # FIFO: the next joining request waits for the next step
             chunks.append(self._chunk(req, n))
@@ -297,7 +305,8 @@ class Scheduler:
             r0 += len(p.tokens)
         toks = torch.tensor([t for p in plan for t in p.tokens], device=dev)
         pos = plan[0].positions if len(plan) == 1 else torch.cat([p.positions for p in plan])
-        logits, hidden = packed(toks, pos, segs, torch.tensor(want, dtype=torch.long, device=dev))
+        kw = {"native_prefill": True} if self.native_prefill else {}
+        logits, hidden = packed(toks, pos, segs, torch.tensor(want, dtype=torch.long, device=dev), **kw)
         out, li = [], 0
         for p, o in zip(plan, offsets):
             k = len(p.logit_rows)

@@ -109,15 +109,16 @@ def register(subparsers: Any) -> None:
         "--step-rows",
         type=int,
         default=None,
-        help="draft-tree rows per step shared by the batch (default: measured once from this machine's "
-        "latency curve: the largest forward costing <= 3 one-token forwards)",
+        help="draft-tree rows per step shared equally by the batch (default: from this machine's latency "
+        "curve, measured once: a lone request's tree is the largest forward costing <= 3 one-token forwards, "
+        "and a batch's draft rows go to the requests whose drafts get accepted, as far as they pay)",
     )
     p.add_argument(
         "--prefill-chunk",
         type=int,
         default=256,
-        help="prompt tokens a joining request prefills per step, so running requests wait at most one "
-        "chunk (0 = whole prompts)",
+        help="prompt tokens prefilled per step (joining requests' chunks, run natively in chunks of at most "
+        "64 rows where the model allows), so running requests wait at most one chunk (0 = whole prompts)",
     )
     p.add_argument(
         "--max-tokens-limit",
