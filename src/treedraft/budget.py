@@ -27,7 +27,8 @@ POSITIONS = 64  # node positions tracked per request (root excluded)
 DECAY = 0.85  # weight of a step's evidence after each later step of the same request
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the pool's estimate in a request's own estimate
 POOL_DECAY = 0.98
-PROBE_EVERY = 16
+PROBE_EVERY = 32
+TABLE_ROWS = 1024  # the curve is tabulated up to this many rows
 MIN_P = 0.02  # positions less likely than this are not candidates
 
 
@@ -75,18 +76,32 @@ class RowBudget:
         self.probe_every = probe_every
         self.pool = NodeStats()
         self.draft_cost = 0.0  # seconds per propose (decayed mean over the batch's proposals)
+        self._table = [interpolate(self.latency, max(1, r)) for r in range(TABLE_ROWS)]  # rows -> seconds
+        self._pool_est: list[float] | None = None  # the pool's estimates, recomputed after it changes
+
+    def seconds(self, rows: int) -> float:
+        """The curve at ``rows`` rows."""
+        return self._table[rows] if rows < TABLE_ROWS else interpolate(self.latency, rows)
+
+    def _pool_estimates(self) -> list[float]:
+        if self._pool_est is None:
+            h, t = self.pool.hits, self.pool.tries
+            self._pool_est = [1.0] + [
+                (h[j] + PRIOR_WEIGHT * _prior(j)) / (t[j] + PRIOR_WEIGHT) for j in range(1, POSITIONS + 1)
+            ]
+        return self._pool_est
 
     def estimates(self, st: NodeStats, n: int) -> list[float]:
         """P(node position j on the accepted path) for j = 1..n, non-increasing (prefixes of the tree are kept)."""
+        pool = self._pool_estimates()
+        hits, tries = st.hits, st.tries
         out, last = [], 1.0
-        pool_last = 1.0
         for j in range(1, min(n, POSITIONS) + 1):
-            pool = (self.pool.hits[j] + PRIOR_WEIGHT * _prior(j)) / (self.pool.tries[j] + PRIOR_WEIGHT)
             # unseen positions follow the request's previous position, scaled like the pool falls off
-            prior = last * min(1.0, pool / pool_last) if j > 1 else pool
-            p = (st.hits[j] + PRIOR_WEIGHT * prior) / (st.tries[j] + PRIOR_WEIGHT)
-            last = min(last, p)
-            pool_last = pool
+            prior = last * min(1.0, pool[j] / pool[j - 1]) if j > 1 else pool[1]
+            p = (hits[j] + PRIOR_WEIGHT * prior) / (tries[j] + PRIOR_WEIGHT)
+            if p < last:
+                last = p
             if last < MIN_P:
                 break  # never worth a row: stop listing
             out.append(last)
@@ -97,6 +112,7 @@ class RowBudget:
         if tree_size > 1:
             st.observe(tree_size, accepted, DECAY)
             self.pool.observe(tree_size, accepted, POOL_DECAY)
+            self._pool_est = None
             self.draft_cost = t_draft if self.draft_cost == 0.0 else 0.9 * self.draft_cost + 0.1 * t_draft
             st.idle = 0
         else:
@@ -118,12 +134,12 @@ class RowBudget:
                 cand.append((-p, i, j))
         cand.sort()  # most probable first; a request's estimates do not increase, so its positions stay in order
         rows, tokens, drafting = fixed_rows + n, float(n + fixed_tokens), 0
-        best_ratio, best_k = tokens / interpolate(self.latency, max(1, rows)), 0
+        best_ratio, best_k = tokens / self.seconds(max(1, rows)), 0
         for k, (negp, _i, j) in enumerate(cand, start=1):
             rows += 1
             tokens -= negp
             drafting += j == 1
-            ratio = tokens / (interpolate(self.latency, rows) + drafting * self.draft_cost)
+            ratio = tokens / (self.seconds(rows) + drafting * self.draft_cost)
             if ratio > best_ratio:
                 best_ratio, best_k = ratio, k
         taken = [0] * n

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .budget import NodeStats, RowBudget
 from .interfaces import DraftContext, Drafter, GenerationError, target_device
-from .tree import TokenTree, TreeError, full_attention_mask, tree_positions
+from .tree import TokenTree, TreeError, full_attention_mask
 from .verify import accept, sample_token, uses_coupling
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class _Rows:
 
     req: Request
     tokens: list[int]
-    positions: Tensor  # (rows,)
+    positions: list[int]  # (rows,) rotary positions (one tensor is built for the whole step)
     start: int
     mask: Tensor | None  # (rows, start + rows) or None = causal
     tree: TokenTree | None  # None: a prefill chunk
@@ -236,15 +236,15 @@ class Scheduler:
             tree = TokenTree((root,), (-1,))
         start, dev, n = req.cache.length, eng.device, len(tree)
         mask = None if n == 1 else full_attention_mask(tree, start, dev)
-        rows = _Rows(req, list(tree.tokens), tree_positions(tree, start, dev), start, mask, tree, list(range(n)))
+        pos = [start] if n == 1 else [start + d for d in tree.depths()]
+        rows = _Rows(req, list(tree.tokens), pos, start, mask, tree, list(range(n)))
         rows.t_draft = time.perf_counter() - ts
         return rows
 
     def _chunk(self, req: Request, rows: int) -> _Rows:
         a, b = req.prefilled, req.prefilled + rows
         last = [rows - 1] if b == len(req.prompt) else []
-        pos = torch.arange(a, b, device=self.engine.device)
-        return _Rows(req, req.prompt[a:b], pos, a, None, None, last)
+        return _Rows(req, req.prompt[a:b], list(range(a, b)), a, None, None, last)
 
     def _plan(self) -> list[_Rows]:
         """What each active request runs this step (a request failing to draft gets its error, no rows)."""
@@ -291,7 +291,12 @@ class Scheduler:
             for p in plan:
                 lf = None if p.tree is not None else slice(-1, None)  # a prefill chunk: its last row only
                 lg, h = model.forward(
-                    torch.tensor([p.tokens], device=dev), p.positions, p.req.cache, p.start, p.mask, lf
+                    torch.tensor([p.tokens], device=dev),
+                    torch.tensor(p.positions, device=dev),
+                    p.req.cache,
+                    p.start,
+                    p.mask,
+                    lf,
                 )
                 out.append((lg[0], None if h is None else h[0]))
             return out
@@ -304,7 +309,7 @@ class Scheduler:
             want += [r0 + i for i in p.logit_rows]
             r0 += len(p.tokens)
         toks = torch.tensor([t for p in plan for t in p.tokens], device=dev)
-        pos = plan[0].positions if len(plan) == 1 else torch.cat([p.positions for p in plan])
+        pos = torch.tensor([x for p in plan for x in p.positions], device=dev)
         kw = {"native_prefill": True} if self.native_prefill else {}
         logits, hidden = packed(toks, pos, segs, torch.tensor(want, dtype=torch.long, device=dev), **kw)
         out, li = [], 0
@@ -380,15 +385,17 @@ class Scheduler:
             self.budget.observe(req.node_stats, n, acc_nodes, p.t_draft)
         if hidden is not None:
             req.last_hidden = hidden[acc_nodes[-1]]
-            req.add_hidden(hidden[list(acc_nodes)])
+            if req.drafter is not None or req.keep_hidden:  # (a root-only step: a view, no gather)
+                req.add_hidden(hidden[:1] if n == 1 else hidden[list(acc_nodes)])
         else:
             req.last_hidden = None
         new = [tree.tokens[i] for i in acc_nodes[1:]] + [bonus]  # accepted drafts + the next root
         req.tokens.extend(new)
         te = time.perf_counter()
+        depth = 0 if n == 1 else max(tree.depths())
         from .engine import StepStats
 
-        req.stats.steps.append(StepStats(n, max(tree.depths()), len(new) - 1, p.t_draft, tr - tv, te - tr))
+        req.stats.steps.append(StepStats(n, depth, len(new) - 1, p.t_draft, tr - tv, te - tr))
         req.n_out += len(new)
         req.stats.new_tokens, req.stats.t_decode = req.n_out, time.perf_counter() - req.t_start
         return new
