@@ -15,6 +15,10 @@ read. Per run: tokens/s, steps, rows per step, mean accepted length, and where t
     text      detokenization through the server's TextStream (``--text``)
     other     the loop around it (wall - all of the above)
 
+``modeled tok/s``: tokens / the sum over steps of the latency curve at the step's rows (``--latency``, e.g. a
+quiet machine's): the forward time this run's steps would take there, free of this machine's noise
+(prefill rows priced like decode rows, which flatters the Python prefill of ``old``).
+
 ``--memory fresh`` (default): every run's suffix index starts empty (its own tenant), so a run never drafts
 from an earlier run's answers. ``--memory shared``: one index for all runs. ``--memory loadtest``: what
 ``treedraft loadtest`` does to a fresh server, per variant and round: one warm-up request (prompt 0), then
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 import treedraft
+from treedraft.budget import interpolate
 from treedraft.engine import GenerationConfig, GenerationStats
 from treedraft.models import fused
 from treedraft.prompts import MT_BENCH_FILE, find_shared_data, read_prompt_file
@@ -86,6 +91,7 @@ class Run:
     commit: float = 0.0
     plan: float = 0.0
     text: float = 0.0
+    modeled: float = 0.0  # seconds the forwards would take on the given latency curve (--latency)
     verify_steps: int = 0  # per-request verify steps (for the mean accepted length)
     accepted: int = 0
     outputs: list[list[int]] = field(default_factory=list)
@@ -100,6 +106,7 @@ class Run:
         return {
             "c": self.c,
             "tok/s": round(self.tokens / self.wall, 1),
+            "modeled tok/s": round(self.tokens / self.modeled, 1),
             "wall_s": round(self.wall, 2),
             "steps": self.steps,
             "rows/step": round(self.rows / s, 2),
@@ -122,9 +129,11 @@ def run_level(
     tenant: str,
     text: bool,
     native_prefill: bool = True,
+    curve: dict[int, float] | None = None,
 ) -> Run:
     """Decode every prompt with at most ``c`` active requests (the next joins as one finishes)."""
     eng = llm.engine
+    curve = curve or latency or {1: 1.0}
     sched = Scheduler(eng, step_rows=step_rows, prefill_chunk=256, latency=latency)
     if not native_prefill:  # as before native chunked prefill: 256-row chunks through the Python path
         sched.native_prefill, sched.chunk_rows = False, 256
@@ -151,6 +160,7 @@ def run_level(
             st = sched.last_step
             run.steps += 1
             run.rows += st.rows
+            run.modeled += interpolate(curve, st.rows)
             if st.prefill_rows == 0:
                 run.decode_steps += 1
                 run.decode_rows += st.rows
@@ -241,7 +251,7 @@ def main() -> None:
             if a.memory == "loadtest" and v not in warmed:
                 warmed.add(v)
                 run_level(llm, prompts[:1], 1, cfg, drafter, rows, lt, timer, tenant, False, native)
-            run = run_level(llm, prompts, c, cfg, drafter, rows, lt, timer, tenant, a.text, native)
+            run = run_level(llm, prompts, c, cfg, drafter, rows, lt, timer, tenant, a.text, native, lat)
             if refs.setdefault(native, run.outputs) != run.outputs:
                 print(f"MISMATCH: round {r} c={c} {v}: outputs differ from an earlier run", flush=True)
             by_mode[(c, v)].append(run)

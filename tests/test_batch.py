@@ -87,11 +87,13 @@ def _requests(n: int, seed: int = 0) -> list[tuple[list[int], GenerationConfig]]
     return out
 
 
-def _batched(engine: Engine, reqs, drafter, step_rows, prefill_chunk, join_every: int = 1) -> dict[int, list[int]]:
+def _batched(
+    engine: Engine, reqs, drafter, step_rows, prefill_chunk, join_every: int = 1, latency=None, handles=None
+) -> dict[int, list[int]]:
     """Run the requests through one scheduler, admitting one more every ``join_every`` steps."""
-    sched = Scheduler(engine, step_rows, prefill_chunk)
+    sched = Scheduler(engine, step_rows, prefill_chunk, latency)
     out: dict[int, list[int]] = {}
-    handles = {}
+    handles = {} if handles is None else handles
     pending = list(enumerate(reqs))
     steps = 0
     while pending or sched.active:
@@ -441,3 +443,44 @@ def test_prompts_are_prefilled_by_the_native_decoder_in_chunks() -> None:
         st.decoder = real
     assert calls[:2] == [[64], [56]]  # 120 prompt tokens: two native chunks, then the decode steps
     assert len(calls) == 2 + 2
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+def test_row_budget_gives_rows_to_accepted_drafts_and_keeps_tokens() -> None:
+    """With a latency curve, a batch's draft rows go to the request whose drafts are accepted (an oracle), the
+    others (junk drafts) decode nearly plainly; every request's tokens equal its solo run's."""
+    model = native_tiny(7)
+    engine = Engine(model)
+    rng = random.Random(3)
+    cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    reqs = [([rng.randrange(V) for _ in range(rng.randint(4, 20))], cfg) for _ in range(6)]
+    alone = {i: run_alone(engine, p, c, drafter=None) for i, (p, c) in enumerate(reqs)}
+    prompt0 = tuple(reqs[0][0])
+
+    class OracleFirst:  # request 0: its right continuation first (best-first order), then junk; others: junk
+        name = "oracle-first"
+
+        def propose(self, ctx: DraftContext) -> TokenTree:
+            seqs = []
+            if tuple(ctx.tokens[: len(prompt0)]) == prompt0:
+                done = len(ctx.tokens) - len(prompt0)
+                seqs.append(alone[0][done : done + 6])
+            junk = random.Random(len(ctx.tokens) * 7919 + ctx.tokens[0])
+            seqs += [[junk.randrange(V) for _ in range(3)] for _ in range(2)]
+            return TokenTree.from_sequences(ctx.root, [q for q in seqs if q])
+
+    drafter = OracleFirst()
+    cpu = {1: 0.0108, 2: 0.0119, 4: 0.0191, 8: 0.0293, 16: 0.0518, 32: 0.0966, 64: 0.186}
+    handles: dict = {}
+    with torch.inference_mode():
+        batched = _batched(engine, reqs, drafter, 8, 8, latency=cpu, handles=handles)
+    assert batched == alone  # speculative greedy = plain greedy, batched or not
+    by_i = {i: r for r, i in handles.items()}
+
+    def mean_tree(i: int) -> float:
+        steps = by_i[i].stats.steps[5:]
+        return sum(s.tree_size for s in steps) / len(steps)
+
+    assert mean_tree(0) > 2.0
+    assert all(mean_tree(i) < 1.5 for i in range(1, 6))
+    assert by_i[0].stats.mean_accepted_length > 2.0
