@@ -21,6 +21,7 @@ def _history(p_hit: float, steps: int = 40, size: int = 9, seed: int = 0) -> Nod
         while n < size - 1 and rng.random() < p_hit:
             n += 1
         st.observe(size, list(range(n + 1)), 0.85)
+    st.idle = 0  # it has been drafting
     return st
 
 
@@ -60,8 +61,9 @@ def test_caps_and_fixed_rows_are_respected() -> None:
     assert sum(many) <= sum(few)
 
 
-def test_idle_request_is_probed() -> None:
+def test_new_and_idle_requests_are_probed() -> None:
     b = RowBudget(CPU, probe_every=3)
+    assert b.allocate([NodeStats()] + [_history(0.2) for _ in range(7)], [9] * 8)[0] == 2  # a new request
     weak = _history(0.1)
     strong = [_history(0.2) for _ in range(7)]
     for _ in range(3):

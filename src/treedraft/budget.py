@@ -12,8 +12,9 @@ maximise expected tokens per second: the most probable nodes first over all requ
 ratio (cf. the latency-aware tree sizing of Sequoia, Chen et al. 2024, and SpecInfer's batched token trees;
 here applied across requests).
 
-A request that got no draft rows for ``probe_every`` steps gets one node (a probe), so a request that starts
-repeating known text (a suffix-drafter match) is noticed. Budgets never change a greedy or seeded-coupled
+A request that got no draft rows for ``probe_every`` steps, and a new request at its first step, gets one
+node (a probe), so a request that repeats known text (a suffix-drafter match) is noticed; one accepted
+probe is enough for its next steps to draft. Budgets never change a greedy or seeded-coupled
 request's tokens, only how many steps they take.
 """
 
@@ -25,7 +26,8 @@ from dataclasses import dataclass, field
 
 POSITIONS = 64  # node positions tracked per request (root excluded)
 DECAY = 0.85  # weight of a step's evidence after each later step of the same request
-PRIOR_WEIGHT = 2.0  # pseudo-observations of the pool's estimate in a request's own estimate
+PRIOR_WEIGHT = 1.0  # pseudo-observations of the pool's estimate in a request's own estimate
+UNSEEN_FALLOFF = 0.9  # prior of a position no request has drafted yet, relative to the position before it
 POOL_DECAY = 0.98
 PROBE_EVERY = 32
 TABLE_ROWS = 1024  # the curve is tabulated up to this many rows
@@ -43,7 +45,7 @@ class NodeStats:
 
     hits: list[float] = field(default_factory=lambda: [0.0] * (POSITIONS + 1))
     tries: list[float] = field(default_factory=lambda: [0.0] * (POSITIONS + 1))
-    idle: int = 0  # steps since this request last got a draft row
+    idle: int = 1 << 30  # steps since this request last got a draft row (a new request is probed at once)
 
     def observe(self, tree_size: int, accepted: Sequence[int], decay: float) -> None:
         """One verify step: nodes 1..tree_size-1 were drafted, ``accepted`` (node ids, root first) won."""
@@ -97,8 +99,14 @@ class RowBudget:
         hits, tries = st.hits, st.tries
         out, last = [], 1.0
         for j in range(1, min(n, POSITIONS) + 1):
-            # unseen positions follow the request's previous position, scaled like the pool falls off
-            prior = last * min(1.0, pool[j] / pool[j - 1]) if j > 1 else pool[1]
+            # a position follows the request's previous one, scaled like the pool falls off where the pool has
+            # seen it (else by UNSEEN_FALLOFF: a chain that is being accepted tends to go on being accepted)
+            if j == 1:
+                prior = pool[1]
+            elif self.pool.tries[j] >= 1.0:
+                prior = last * min(1.0, pool[j] / pool[j - 1])
+            else:
+                prior = last * UNSEEN_FALLOFF
             p = (hits[j] + PRIOR_WEIGHT * prior) / (tries[j] + PRIOR_WEIGHT)
             if p < last:
                 last = p
