@@ -134,9 +134,7 @@ def run_level(
     """Decode every prompt with at most ``c`` active requests (the next joins as one finishes)."""
     eng = llm.engine
     curve = curve or latency or {1: 1.0}
-    sched = Scheduler(eng, step_rows=step_rows, prefill_chunk=256, latency=latency)
-    if not native_prefill:  # as before native chunked prefill: 256-row chunks through the Python path
-        sched.native_prefill, sched.chunk_rows = False, 256
+    sched = Scheduler(eng, step_rows=step_rows, prefill_chunk=256, latency=latency, native_prefill=native_prefill)
     run, queue = Run(c), list(range(len(prompts)))
     out: dict[int, list[int]] = {}
     streams: dict[object, object] = {}

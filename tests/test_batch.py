@@ -400,17 +400,18 @@ def fused_off() -> Iterator[None]:
 
 @pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
 def test_prompts_are_prefilled_by_the_native_decoder_in_chunks() -> None:
-    """With a prefill_chunk, a prompt's chunks (its first, at slot 0, included) run in the native decoder, in
+    """With native_prefill and a prefill_chunk, a prompt's chunks (its first, at slot 0, included) run in the native decoder, in
     chunks of at most native_prefill_rows; the result is the Python prefill's up to rounding."""
     from treedraft.models import fused
     from treedraft.models.llama import Segment
 
     model = native_tiny(6)
     assert model.native_prefill_rows() == 64
-    sched = Scheduler(Engine(model), step_rows=8, prefill_chunk=256)
+    sched = Scheduler(Engine(model), step_rows=8, prefill_chunk=256, native_prefill=True)
     assert sched.native_prefill and sched.chunk_rows == 64
-    assert Scheduler(Engine(model), prefill_chunk=16).chunk_rows == 16
-    assert not Scheduler(Engine(model)).native_prefill  # whole prompts (Engine.decode): the Python path
+    assert Scheduler(Engine(model), prefill_chunk=16, native_prefill=True).chunk_rows == 16
+    assert not Scheduler(Engine(model), prefill_chunk=256).native_prefill  # opt-in (the CLI's rounding otherwise)
+    assert not Scheduler(Engine(model), native_prefill=True).native_prefill  # whole prompts: the Python path
 
     ids = torch.randint(0, V, (40,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():  # the native chunk from slot 0 vs the Python path's 1 row + 39 exact-attention rows

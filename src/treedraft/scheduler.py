@@ -18,10 +18,11 @@ batched (the coupled lossless rule, :func:`treedraft.verify.accept_coupled`: tok
 :meth:`Scheduler._tree_budget`, and needs a drafter without cross-request state). With fp32 MKL linears the rounding
 of a row depends on the number of rows in the forward, so a batched greedy output may differ from the solo
 one at near-ties (both are greedy decodes of the model within float rounding). Prefill chunking is part
-of a request's arithmetic: with a ``prefill_chunk`` and the native decoder, prompts are prefilled in native
-chunks (:attr:`Scheduler.chunk_rows`), rounded differently from the Python path's whole prefill, so greedy
-tokens can differ from :meth:`Engine.generate`'s (which prefills whole) at near-ties; alone or batched under
-the same ``prefill_chunk`` they are identical.
+of a request's arithmetic: with the native int8-activation linears a prompt prefilled in chunks (later
+chunks use the exact attention, the first one SDPA; with ``native_prefill`` every chunk runs in the native
+decoder) is rounded differently from one prefilled whole, so its greedy tokens can differ from
+:meth:`Engine.generate`'s (which prefills whole) at near-ties; alone or batched under the same
+``prefill_chunk`` and ``native_prefill`` they are identical.
 """
 
 from __future__ import annotations
@@ -137,8 +138,10 @@ class Scheduler:
         ``max_tree_nodes``); a request's share is ``max(1, step_rows // decoding requests)``.
     prefill_chunk: prompt rows per step for joining requests (None: a whole prompt in one forward);
         a request's chunks always start at multiples of ``chunk_rows``, whatever else runs in the step:
-        ``prefill_chunk``, or on a model with a native decoder (``native_prefill_rows``) at most the rows it
-        runs, so prompts are prefilled natively (several requests' chunks per step, up to ``prefill_chunk``).
+        ``prefill_chunk``, or with ``native_prefill`` on a model with a native decoder (``native_prefill_rows``)
+        at most the rows it runs, so prompts are prefilled natively (several requests' chunks per step, up to
+        ``prefill_chunk``; much faster than the Python path, but rounded differently from
+        :meth:`Engine.generate`'s whole prefill, so greedy text can differ from the CLI's at near-ties).
     latency: the forward's latency curve (rows -> seconds, :func:`measured_latency`): with two or more
         decoding requests their tree sizes come from :class:`treedraft.budget.RowBudget` (the nodes whose
         expected acceptance pays for their rows) instead of equal shares; ``step_rows`` then caps one
@@ -151,6 +154,7 @@ class Scheduler:
         step_rows: int | None = None,
         prefill_chunk: int | None = None,
         latency: dict[int, float] | None = None,
+        native_prefill: bool = False,
     ) -> None:
         if step_rows is not None and step_rows < 1:
             raise ValueError(f"step_rows must be >= 1, got {step_rows}")
@@ -161,7 +165,7 @@ class Scheduler:
         # chunked prefill through the native decoder (a prompt's first chunk too): chunks of at most the rows it
         # takes; the chunking is the model's and prefill_chunk's, never the batch's, so alone == batched
         native = getattr(engine.model, "native_prefill_rows", None)
-        rows = native() if prefill_chunk is not None and callable(native) else None
+        rows = native() if native_prefill and prefill_chunk is not None and callable(native) else None
         self.native_prefill = rows is not None
         self.chunk_rows = prefill_chunk if rows is None else min(prefill_chunk, rows)
         self.budget = RowBudget(latency) if latency else None
@@ -449,7 +453,13 @@ def run_alone(
     engine: Engine, prompt_ids: Sequence[int], config: GenerationConfig | None = None, **kw: Any
 ) -> list[int]:
     """The tokens of one request run by a fresh scheduler on its own (the reference for batched runs)."""
-    sched = Scheduler(engine, kw.pop("step_rows", None), kw.pop("prefill_chunk", None))
+    sched = Scheduler(
+        engine,
+        kw.pop("step_rows", None),
+        kw.pop("prefill_chunk", None),
+        kw.pop("latency", None),
+        kw.pop("native_prefill", False),
+    )
     req = sched.add(prompt_ids, config, **kw)
     while not req.done:
         sched.step()

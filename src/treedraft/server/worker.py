@@ -246,7 +246,9 @@ class Worker:
         model = self.llm.engine.model
         if s.step_rows is not None:
             log.info("batched decoding: up to %d requests per step, %d tree rows per step", s.max_batch, s.step_rows)
-            return Scheduler(self.llm.engine, step_rows=s.step_rows, prefill_chunk=s.prefill_chunk)
+            return Scheduler(
+                self.llm.engine, step_rows=s.step_rows, prefill_chunk=s.prefill_chunk, native_prefill=s.native_prefill
+            )
         rows, latency = measured_step_rows(model), measured_latency(model)
         log.info(
             "batched decoding: up to %d requests per step; a lone request's tree up to %d rows, a batch's draft "
@@ -254,7 +256,7 @@ class Worker:
             s.max_batch,
             rows,
         )
-        return Scheduler(self.llm.engine, step_rows=rows, prefill_chunk=s.prefill_chunk, latency=latency)
+        return Scheduler(self.llm.engine, rows, s.prefill_chunk, latency=latency, native_prefill=s.native_prefill)
 
     def _loop(self) -> None:
         try:
