@@ -63,13 +63,14 @@ def test_caps_and_fixed_rows_are_respected() -> None:
 
 def test_new_and_idle_requests_are_probed() -> None:
     b = RowBudget(CPU, probe_every=3)
-    assert b.allocate([NodeStats()] + [_history(0.2) for _ in range(7)], [9] * 8)[0] == 2  # a new request
+    assert b.allocate([NodeStats()] + [_history(0.2) for _ in range(7)], [9] * 8)[0] == 4  # a new request
     weak = _history(0.1)
     strong = [_history(0.2) for _ in range(7)]
     for _ in range(3):
         assert b.allocate([weak, *strong], [9] * 8)[0] == 1
         b.observe(weak, 1, [0], 0.0)
-    assert b.allocate([weak, *strong], [9] * 8)[0] == 2  # idle for probe_every steps: one node
+    assert b.allocate([weak, *strong], [9] * 8)[0] == 4  # idle for probe_every steps: a probe of 3 nodes
+    assert b.allocate([weak, *strong], [2] + [9] * 7)[0] == 2  # within its cap
     b.observe(weak, 2, [0, 1], 0.0)
     assert weak.idle == 0
 

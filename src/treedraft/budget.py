@@ -12,9 +12,9 @@ maximise expected tokens per second: the most probable nodes first over all requ
 ratio (cf. the latency-aware tree sizing of Sequoia, Chen et al. 2024, and SpecInfer's batched token trees;
 here applied across requests).
 
-A request that got no draft rows for ``probe_every`` steps, and a new request at its first step, gets one
-node (a probe), so a request that repeats known text (a suffix-drafter match) is noticed; one accepted
-probe is enough for its next steps to draft. Budgets never change a greedy or seeded-coupled
+A request that got no draft rows for ``probe_every`` steps, and a new request at its first step, gets a few
+nodes (a probe), so a request that repeats known text (a suffix-drafter match, which leads the hybrid's
+tree once it expects 2 or more tokens) is noticed; one accepted probe is enough for its next steps to draft. Budgets never change a greedy or seeded-coupled
 request's tokens, only how many steps they take.
 """
 
@@ -29,7 +29,8 @@ DECAY = 0.85  # weight of a step's evidence after each later step of the same re
 PRIOR_WEIGHT = 1.0  # pseudo-observations of the pool's estimate in a request's own estimate
 UNSEEN_FALLOFF = 0.9  # prior of a position no request has drafted yet, relative to the position before it
 POOL_DECAY = 0.98
-PROBE_EVERY = 32
+PROBE_EVERY = 64
+PROBE_NODES = 3  # draft nodes of a probe: enough for a scored drafter (suffix) to lead the hybrid's tree
 TABLE_ROWS = 1024  # the curve is tabulated up to this many rows
 MIN_P = 0.02  # positions less likely than this are not candidates
 
@@ -156,5 +157,6 @@ class RowBudget:
         sizes = [1 + t for t in taken]
         for i, st in enumerate(stats):
             if sizes[i] == 1 and caps[i] > 1 and st.idle >= self.probe_every:
-                sizes[i] = 2  # probe: one node, so the request's estimate follows what its drafter can do now
+                # probe, so the request's estimate follows what its drafter can do now
+                sizes[i] = min(caps[i], 1 + PROBE_NODES)
         return sizes
