@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 POSITIONS = 64  # node positions tracked per request (root excluded)
 DECAY = 0.85  # weight of a step's evidence after each later step of the same request
-PRIOR_WEIGHT = 1.0  # pseudo-observations of the pool's estimate in a request's own estimate
+PRIOR_WEIGHT = 0.5  # pseudo-observations of the pool's estimate in a request's own estimate
 UNSEEN_FALLOFF = 0.9  # prior of a position no request has drafted yet, relative to the position before it
 POOL_DECAY = 0.98
 PROBE_EVERY = 64
@@ -116,12 +116,18 @@ class RowBudget:
             out.append(last)
         return out
 
-    def observe(self, st: NodeStats, tree_size: int, accepted: Sequence[int], t_draft: float) -> None:
-        """Fold one request's verify step into its stats and the pool's."""
+    def observe(
+        self, st: NodeStats, tree_size: int, accepted: Sequence[int], t_draft: float, pool: bool = True
+    ) -> None:
+        """Fold one request's verify step into its stats and (``pool``: a step sized by this budget) the pool's.
+
+        A lone request's big trees (a Medusa tree's node 2 is node 1's sibling) say little about the small
+        trees of a batch, where a node's position is mostly its depth: they are kept out of the pool."""
         if tree_size > 1:
             st.observe(tree_size, accepted, DECAY)
-            self.pool.observe(tree_size, accepted, POOL_DECAY)
-            self._pool_est = None
+            if pool:
+                self.pool.observe(tree_size, accepted, POOL_DECAY)
+                self._pool_est = None
             self.draft_cost = t_draft if self.draft_cost == 0.0 else 0.9 * self.draft_cost + 0.1 * t_draft
             st.idle = 0
         else:

@@ -169,6 +169,7 @@ class Scheduler:
         self.native_prefill = rows is not None
         self.chunk_rows = prefill_chunk if rows is None else min(prefill_chunk, rows)
         self.budget = RowBudget(latency) if latency else None
+        self._sized = False
         self.active: list[Request] = []
         self.last_step = StepTimes()  # timings of the latest step (benchmarks, metrics)
 
@@ -273,6 +274,7 @@ class Scheduler:
 
     def _budgets(self, decoding: list[Request], prefill_rows: int) -> list[int]:
         """Tree size (root included) per decoding request: equal shares, or the row budget's choice."""
+        self._sized = self.budget is not None and len(decoding) >= 2  # this step's trees come from the budget
         if self.budget is None or len(decoding) < 2:
             share = max(1, (self.step_rows or 1) // max(1, len(decoding)))
             return [self._tree_budget(r, share) for r in decoding]
@@ -386,7 +388,7 @@ class Scheduler:
             acc_nodes, bonus = a.nodes, a.bonus
         req.cache.keep(p.start, list(acc_nodes))
         if self.budget is not None:
-            self.budget.observe(req.node_stats, n, acc_nodes, p.t_draft)
+            self.budget.observe(req.node_stats, n, acc_nodes, p.t_draft, self._sized)
         if hidden is not None:
             req.last_hidden = hidden[acc_nodes[-1]]
             if req.drafter is not None or req.keep_hidden:  # (a root-only step: a view, no gather)
