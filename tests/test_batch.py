@@ -8,8 +8,11 @@ on the real model (int4).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -84,11 +87,13 @@ def _requests(n: int, seed: int = 0) -> list[tuple[list[int], GenerationConfig]]
     return out
 
 
-def _batched(engine: Engine, reqs, drafter, step_rows, prefill_chunk, join_every: int = 1) -> dict[int, list[int]]:
+def _batched(
+    engine: Engine, reqs, drafter, step_rows, prefill_chunk, join_every: int = 1, latency=None, handles=None
+) -> dict[int, list[int]]:
     """Run the requests through one scheduler, admitting one more every ``join_every`` steps."""
-    sched = Scheduler(engine, step_rows, prefill_chunk)
+    sched = Scheduler(engine, step_rows, prefill_chunk, latency)
     out: dict[int, list[int]] = {}
-    handles = {}
+    handles = {} if handles is None else handles
     pending = list(enumerate(reqs))
     steps = 0
     while pending or sched.active:
@@ -375,3 +380,108 @@ def test_real_model_int4_batched_equals_alone() -> None:
     # compared with itself above, not with this
     plain = eng.generate(reqs[0][0], reqs[0][1], None).token_ids
     assert run_alone(eng, *reqs[0], step_rows=16) == plain
+
+
+@contextlib.contextmanager
+def fused_off() -> Iterator[None]:
+    """The Python path for every forward inside (TREEDRAFT_NO_FUSED=1)."""
+    from treedraft.models.fused import ENV_DISABLE
+
+    old = os.environ.get(ENV_DISABLE)
+    os.environ[ENV_DISABLE] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[ENV_DISABLE]
+        else:
+            os.environ[ENV_DISABLE] = old
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+def test_prompts_are_prefilled_by_the_native_decoder_in_chunks() -> None:
+    """With native_prefill and a prefill_chunk, a prompt's chunks (its first, at slot 0, included) run in the native decoder, in
+    chunks of at most native_prefill_rows; the result is the Python prefill's up to rounding."""
+    from treedraft.models import fused
+    from treedraft.models.llama import Segment
+
+    model = native_tiny(6)
+    assert model.native_prefill_rows() == 64
+    sched = Scheduler(Engine(model), step_rows=8, prefill_chunk=256, native_prefill=True)
+    assert sched.native_prefill and sched.chunk_rows == 64
+    assert Scheduler(Engine(model), prefill_chunk=16, native_prefill=True).chunk_rows == 16
+    assert not Scheduler(Engine(model), prefill_chunk=256).native_prefill  # opt-in (the CLI's rounding otherwise)
+    assert not Scheduler(Engine(model), native_prefill=True).native_prefill  # whole prompts: the Python path
+
+    ids = torch.randint(0, V, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():  # the native chunk from slot 0 vs the Python path's 1 row + 39 exact-attention rows
+        cache = model.new_cache(64)
+        native = model.forward_packed(ids, torch.arange(40), [Segment(cache, 0, 40, None)], None, True)
+        cache = model.new_cache(64)
+        first = model.forward_packed(ids[:1], torch.arange(1), [Segment(cache, 0, 1, None)])
+        cache.keep(0, [0])
+        with fused_off():
+            rest = model.forward_packed(ids[1:], torch.arange(1, 40), [Segment(cache, 1, 39, None)])
+    torch.testing.assert_close(native[0], torch.cat([first[0], rest[0]]), atol=1e-4, rtol=1e-4)  # logits
+    torch.testing.assert_close(native[1], torch.cat([first[1], rest[1]]), atol=1e-4, rtol=1e-4)  # hidden
+
+    st = fused._state(model)
+    calls = []
+    real = st.decoder
+
+    class Counting:
+        def forward(self, *args):
+            calls.append(list(args[2]))  # rows per segment
+            return real.forward(*args)
+
+    st.decoder = Counting()
+    try:
+        req = sched.add(list(ids.tolist()) * 3, GenerationConfig(max_new_tokens=3, ignore_eos=True), None)
+        with torch.inference_mode():  # (the native call records no autograd graph: off for a trainable model)
+            while not req.done:
+                sched.step()
+    finally:
+        st.decoder = real
+    assert calls[:2] == [[64], [56]]  # 120 prompt tokens: two native chunks, then the decode steps
+    assert len(calls) == 2 + 2
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+def test_row_budget_gives_rows_to_accepted_drafts_and_keeps_tokens() -> None:
+    """With a latency curve, a batch's draft rows go to the request whose drafts are accepted (an oracle), the
+    others (junk drafts) decode nearly plainly; every request's tokens equal its solo run's."""
+    model = native_tiny(7)
+    engine = Engine(model)
+    rng = random.Random(3)
+    cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    reqs = [([rng.randrange(V) for _ in range(rng.randint(4, 20))], cfg) for _ in range(6)]
+    alone = {i: run_alone(engine, p, c, drafter=None) for i, (p, c) in enumerate(reqs)}
+    prompt0 = tuple(reqs[0][0])
+
+    class OracleFirst:  # request 0: its right continuation first (best-first order), then junk; others: junk
+        name = "oracle-first"
+
+        def propose(self, ctx: DraftContext) -> TokenTree:
+            seqs = []
+            if tuple(ctx.tokens[: len(prompt0)]) == prompt0:
+                done = len(ctx.tokens) - len(prompt0)
+                seqs.append(alone[0][done : done + 6])
+            junk = random.Random(len(ctx.tokens) * 7919 + ctx.tokens[0])
+            seqs += [[junk.randrange(V) for _ in range(3)] for _ in range(2)]
+            return TokenTree.from_sequences(ctx.root, [q for q in seqs if q])
+
+    drafter = OracleFirst()
+    cpu = {1: 0.0108, 2: 0.0119, 4: 0.0191, 8: 0.0293, 16: 0.0518, 32: 0.0966, 64: 0.186}
+    handles: dict = {}
+    with torch.inference_mode():
+        batched = _batched(engine, reqs, drafter, 8, 8, latency=cpu, handles=handles)
+    assert batched == alone  # speculative greedy = plain greedy, batched or not
+    by_i = {i: r for r, i in handles.items()}
+
+    def mean_tree(i: int) -> float:
+        steps = by_i[i].stats.steps[5:]
+        return sum(s.tree_size for s in steps) / len(steps)
+
+    assert mean_tree(0) > 2.0
+    assert all(mean_tree(i) < 1.5 for i in range(1, 6))
+    assert by_i[0].stats.mean_accepted_length > 2.0

@@ -123,3 +123,31 @@ def test_suffix_drafter_learns_across_runs_through_its_store(tmp_path: Path) -> 
     mal = [float(re.search(r"mean accepted ([0-9.]+)", r.stderr).group(1)) for r in (first, second)]
     assert mal[1] > 2 * mal[0], mal
     assert (tmp_path / "store" / "log.bin").stat().st_size > 0 or (tmp_path / "store" / "snapshot.bin").exists()
+
+
+def test_threads_sets_torch_and_the_native_pool(capsys, monkeypatch) -> None:
+    """generate/chat --threads N: torch and the native kernels' pool both get N before the load; < 1 is refused."""
+    import torch
+
+    import treedraft
+    from treedraft import kernels
+
+    old = (torch.get_num_threads(), kernels.get_num_threads())
+    seen: list[tuple[int, int]] = []
+
+    def fake_load(*a, **k):
+        seen.append((torch.get_num_threads(), kernels.get_num_threads()))
+        raise ValueError("stop after the threads are set")
+
+    monkeypatch.setattr(treedraft, "load", fake_load)
+    try:
+        for cmd in (["generate", "hi"], ["chat"]):
+            r = run_in_process(capsys, *cmd, "--threads", "1")
+            assert r.returncode == 2 and "stop after" in r.stderr
+        want = 1 if kernels.available() else kernels.get_num_threads()
+        assert seen == [(1, want), (1, want)]
+        r = run_in_process(capsys, "generate", "hi", "--threads", "0")
+        assert r.returncode == 2 and "--threads must be >= 1" in r.stderr and len(seen) == 2
+    finally:
+        torch.set_num_threads(old[0])
+        kernels.set_num_threads(old[1])

@@ -95,11 +95,13 @@ def calls(monkeypatch):
     return n
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("T", [1, 6])
-def test_fused_matches_python_path(T: int, bias: bool, monkeypatch, calls) -> None:
+def test_fused_matches_python_path(T: int, bias: bool, kv_dtype: torch.dtype, monkeypatch, calls) -> None:
     """Logits, hidden states and the new cache slots agree with the Python path to float rounding."""
     model = _tiny_native(bias=bias)
+    model.kv_dtype = kv_dtype
     assert fused.status(model) is None
     g = torch.Generator().manual_seed(1)
     prompt, new = torch.randint(0, V, (23,), generator=g), torch.randint(0, V, (T,), generator=g)
@@ -114,20 +116,24 @@ def test_fused_matches_python_path(T: int, bias: bool, monkeypatch, calls) -> No
     # the q4/int8-activation linears turn 1-ulp differences into rare code flips: a loose bound on logits
     torch.testing.assert_close(hf, hp, atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(lf, lp, atol=2e-3, rtol=2e-3)
+    tol = 1e-5 if kv_dtype == torch.float32 else 1e-3  # fp16 storage: inputs 1e-6 apart may round 1 ulp apart
     for kf, kp in zip(caches[True].k + caches[True].v, caches[False].k + caches[False].v, strict=True):
+        assert kf.dtype == kp.dtype == kv_dtype
         assert torch.equal(kf[:, :, :23], kp[:, :, :23])  # the prefix is untouched
-        torch.testing.assert_close(kf[:, :, 23 : 23 + T], kp[:, :, 23 : 23 + T], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kf[:, :, 23 : 23 + T].float(), kp[:, :, 23 : 23 + T].float(), atol=tol, rtol=tol)
         assert not kf[:, :, 23 + T :].any()  # nothing written past the step
         assert kf[:, :, 23 : 23 + T].abs().sum() > 0
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("P", [40, 150, 300])
-def test_tree_rows_equal_one_token_rows_bitwise(P: int, monkeypatch, calls) -> None:
+def test_tree_rows_equal_one_token_rows_bitwise(P: int, kv_dtype: torch.dtype, monkeypatch, calls) -> None:
     """Each node of a 16-node tree step gets the bits of plain 1-token steps along its root path.
 
     P = 150 and 300 put the keys of a step into several 128-key blocks (split over threads, then folded).
     """
     model = _tiny_native(seed=2, max_seq_len=512)
+    model.kv_dtype = kv_dtype
     g = torch.Generator().manual_seed(5)
     prompt, toks = torch.randint(0, V, (P,), generator=g), torch.randint(0, V, (16,), generator=g)
     parents, pos, mask = _tree(16, P)
@@ -227,8 +233,8 @@ def test_automatic_fallbacks(monkeypatch, calls) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", ["int4", "int8"])
-def test_speculative_equals_plain_on_the_real_model_fused(weights: str, monkeypatch, calls) -> None:
+@pytest.mark.parametrize(("weights", "kv_dtype"), [("int4", "auto"), ("int8", "auto"), ("int4", "float16")])
+def test_speculative_equals_plain_on_the_real_model_fused(weights: str, kv_dtype: str, monkeypatch, calls) -> None:
     """Greedy hybrid-drafter output equals plain greedy output with every decode step through the fused path."""
     import treedraft
     from treedraft.engine import GenerationConfig
@@ -240,8 +246,9 @@ def test_speculative_equals_plain_on_the_real_model_fused(weights: str, monkeypa
     monkeypatch.setattr(quant_load, "_machine_key", lambda path, extra: key(path, extra + "|test-native"))
     monkeypatch.setattr(quant_load, "choose_kernels", lambda qw, natives, log=None: {"q4": "native", "q8": "native"})
     monkeypatch.setenv(fused.ENV_DISABLE, "0")
-    llm = treedraft.load(weights=weights)
+    llm = treedraft.load(weights=weights, kv_dtype=kv_dtype)
     assert fused.status(llm.model) is None
+    assert llm.model.new_cache(8).kv.dtype == (torch.float16 if kv_dtype == "float16" else torch.float32)
     cfg = GenerationConfig(max_new_tokens=48, ignore_eos=True)
     for prompt in ("Write a haiku about the sea.", "Repeat after me: the quick brown fox jumps over the lazy dog."):
         ids = llm.encode_prompt(prompt)
@@ -251,3 +258,11 @@ def test_speculative_equals_plain_on_the_real_model_fused(weights: str, monkeypa
         spec = llm.engine.generate(ids, cfg, llm.engine.drafter)
         assert spec.token_ids == plain.token_ids, prompt
         assert spec.stats.mean_accepted_length > 1.0
+
+
+def test_load_rejects_an_unknown_kv_dtype() -> None:
+    """A bad kv_dtype fails before the model load, naming the choices."""
+    import treedraft
+
+    with pytest.raises(ValueError, match="kv_dtype must be one of .*float16"):
+        treedraft.load(kv_dtype="bfloat16")

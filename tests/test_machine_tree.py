@@ -19,6 +19,9 @@ LATENCY = {1: 0.010, 2: 0.010, 4: 0.010, 8: 0.010, 12: 0.030, 16: 0.040, 24: 0.0
 @pytest.fixture()
 def setup(tmp_path, monkeypatch):
     """Tiny target, heads with accuracies and no tree, a private cache, counted latency measurements."""
+    from treedraft.models.quant import native_kernels
+
+    native_kernels()  # built/loaded under the real cache: a private one would rebuild it and print a line
     monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("TREEDRAFT_RETUNE", raising=False)
     m = tiny_llama()
@@ -86,7 +89,10 @@ def test_stored_tree_is_used_without_measuring(setup) -> None:
     """What `treedraft calibrate --write` stores is what the next drafter uses."""
     m, heads_dir, calls = setup
     res = calibrate.choose_tree(ACC, {1: 0.01, 64: 0.01}, 0.0, 5)
-    calibrate.store_machine_tree(m, heads_dir, "tiny", calibrate.tree_record(res, {1: 0.01, 64: 0.01}, 5, 16))
+    heads = MedusaHeads.load(heads_dir, m.lm_head.weight)
+    heads.pack_for_drafting()
+    rec = calibrate.tree_record(res, {1: 0.01, 64: 0.01}, 5, 16)
+    calibrate.store_machine_tree(m, heads_dir, "tiny", rec, heads.draft_path)
     d = _build(m, heads_dir)
     assert calls == [] and d.choices == tuple(tuple(c) for c in res["choices"]) and len(d.choices) == 4
 
@@ -143,3 +149,21 @@ def test_tree_cache_is_keyed_by_the_linear_kernels(setup) -> None:
     m.layers[0].ffn.w2 = Int4PackLinear(m.layers[0].ffn.w2.in_features, m.layers[0].ffn.w2.out_features, bias=False)
     after = calibrate.tree_key(m, heads_dir, "tiny")
     assert before != after and "Int4PackLinear" in after["linears"]
+
+
+def test_tree_cache_is_keyed_by_the_draft_path(setup) -> None:
+    """Native int8 drafting costs ~30x less than emulated bf16: a tree stored for one must not serve the other."""
+    m, heads_dir, calls = setup
+    res = calibrate.choose_tree(ACC, {1: 0.01, 64: 0.01}, 0.0, 5)
+    rec = calibrate.tree_record(res, {1: 0.01, 64: 0.01}, 5, 16)
+    path = _build(m, heads_dir).heads.draft_path  # measures once (cold cache)
+    assert path in ("native-q8", "bf16", "float32") and len(calls) == 1
+    other = "bf16" if path != "bf16" else "native-q8"
+    calibrate.store_machine_tree(m, heads_dir, "tiny", rec, other)
+    calls.clear()
+    for f in (heads_dir.parent / "cache" / "tune").glob("medusa-tree-*.json"):
+        if f'"{path}"' in f.read_text():
+            f.unlink()  # forget the measured entry: only the other path's tree is stored now
+    assert _build(m, heads_dir).choices != tuple(tuple(c) for c in res["choices"]) and len(calls) == 1
+    calibrate.store_machine_tree(m, heads_dir, "tiny", rec, path)
+    assert _build(m, heads_dir).choices == tuple(tuple(c) for c in res["choices"]) and len(calls) == 1

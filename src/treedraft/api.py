@@ -165,6 +165,9 @@ def _close_at_exit(ref: weakref.ref) -> None:
         llm.close()
 
 
+KV_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16}  # auto: the weights' dtype
+
+
 def load(
     model: str = DEFAULT_MODEL,
     drafter: str | None = DEFAULT,
@@ -177,6 +180,7 @@ def load(
     suffix_store: str | None = None,
     suffix_max_tokens: int = 1_000_000,
     suffix_share: bool = False,
+    kv_dtype: str = "auto",
 ) -> LLM:
     """Load a target model by registry name, GGUF path or HF directory.
 
@@ -190,8 +194,13 @@ def load(
     for this LLM's lifetime); suffix_max_tokens bounds what each tenant keeps (its own oldest requests are
     evicted, never another tenant's); suffix_share lets every tenant draft from every other tenant's outputs
     (default: each tenant only from its own, see README).
+    kv_dtype: KV cache storage of the own runtime: 'auto' (the weights' dtype), 'float32' or 'float16' (half
+    the bytes per decode step; keys/values rounded to fp16, rows stay bitwise row-invariant; Transformer.kv_dtype).
     """
     from .drafters.suffix import open_suffix_store
+
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
 
     if isinstance(drafter, str):
         canonical(drafter)  # an unknown drafter name fails here, before the slow model load
@@ -209,6 +218,7 @@ def load(
     weights = resolve_weights(weights, runtime, dev, dt)  # end
     if runtime == "own":
         net, _meta = load_own(path, dt, dev, max_seq_len)
+        net.kv_dtype = KV_DTYPES[kv_dtype]
         if dev == "cpu" and weights == "fp32":  # int4/int8 replace every Linear; auto packs when fp32 wins
             pack_tuned(net, path, dt)  # per-row-count matmul kernels, measured on this machine
     elif runtime == "hf":

@@ -76,8 +76,34 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tree-nodes", type=int, default=64)
 
 
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    """--threads for generate / chat (bench and serve define their own)."""
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads of the model: the native kernels' pool and torch (default: torch's, i.e. all cores)",
+    )
+
+
+def apply_threads(n: int | None) -> None:
+    """Use n CPU threads for the model's forwards (torch and the native kernels' pool); None: as they are."""
+    if n is None:
+        return
+    if n < 1:
+        raise ValueError(f"--threads must be >= 1, got {n}")
+    import torch
+
+    from . import kernels
+
+    torch.set_num_threads(n)
+    kernels.set_num_threads(n)  # the pool takes torch's count only when the extension first loads
+
+
 def load_from_args(a: argparse.Namespace):
     from . import load
+
+    apply_threads(getattr(a, "threads", None))
 
     return load(
         a.model,
@@ -181,11 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     add_model_args(g)
     add_sampling_args(g)
+    add_threads_arg(g)
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", help="interactive chat that keeps the conversation")
     c.add_argument("--system", default=None, help="system prompt")
     add_model_args(c)
     add_sampling_args(c)
+    add_threads_arg(c)
     c.set_defaults(func=cmd_chat)
     for mod in _PLUGINS:
         try:

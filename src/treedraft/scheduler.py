@@ -10,18 +10,14 @@ and gets its new tokens. Requests join (:meth:`Scheduler.add`) and leave (:meth:
 between steps. :meth:`treedraft.engine.Engine.decode` is the one-request case of this loop.
 
 Exactness: a request's prefill chunks and generator draws do not depend on the other requests, and its
-greedy or seeded tokens do not depend on its trees (which may: the row budget, a shared suffix index), so
-with row-invariant linears (the native int4/int8 kernels) and exact attention a greedy request's tokens are
-bitwise those of the same request run alone, and a seeded sampled request gives the same tokens alone or
-batched (the coupled lossless rule, :func:`treedraft.verify.accept_coupled`: token t is a function of
-(seed, t, the target's logits); seeded typical acceptance keeps its ``max_tree_nodes``, see
-:meth:`Scheduler._tree_budget`, and needs a drafter without cross-request state). With fp32 MKL linears the rounding
-of a row depends on the number of rows in the forward, so a batched greedy output may differ from the solo
-one at near-ties (both are greedy decodes of the model within float rounding). Prefill chunking is part
-of a request's arithmetic: with the native int8-activation linears a prompt prefilled in chunks (later
-chunks use the exact attention, the first one SDPA) is rounded differently from one prefilled whole, so
-its greedy tokens can differ from :meth:`Engine.generate`'s (which prefills whole) once the prompt is
-longer than ``prefill_chunk``; alone or batched under the same ``prefill_chunk`` they are identical.
+greedy or seeded tokens do not depend on its trees, so with row-invariant linears (the native int4/int8
+kernels) and exact attention a greedy request's tokens are bitwise those of the same request run alone, and
+a seeded sampled request gives the same tokens alone or batched (the coupled lossless rule,
+:func:`treedraft.verify.accept_coupled`; seeded typical acceptance keeps its ``max_tree_nodes``, see
+:meth:`Scheduler._tree_budget`). With fp32 MKL linears a row's rounding depends on the number of rows, so a
+batched greedy output may differ from the solo one at near-ties. Prefill chunking (and ``native_prefill``)
+is part of a request's arithmetic: its greedy tokens can differ from :meth:`Engine.generate`'s whole-prompt
+prefill at near-ties; alone or batched under the same settings they are identical.
 """
 
 from __future__ import annotations
@@ -34,8 +30,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from .budget import NodeStats, RowBudget
 from .interfaces import DraftContext, Drafter, GenerationError, target_device
-from .tree import TokenTree, TreeError, full_attention_mask, tree_positions
+from .tree import TokenTree, TreeError, full_attention_mask
 from .verify import accept, sample_token, uses_coupling
 
 if TYPE_CHECKING:
@@ -65,15 +62,14 @@ class Request:
     keep_hidden: bool = False  # keep path_hidden without a drafter too (self-distillation data reads it)
     error: BaseException | None = None  # set when this request failed (its drafter, say); it then leaves
     t_start: float = 0.0
+    node_stats: NodeStats = field(default_factory=NodeStats)  # its drafts' acceptance by node position
 
     @property
     def done(self) -> bool:
         """Token budget reached, or failed."""
         return self.error is not None or (self.prefilled == len(self.prompt) and self.n_out >= self.max_new)
 
-    @property
-    def prefilling(self) -> bool:
-        return self.prefilled < len(self.prompt)
+    prefilling = property(lambda self: self.prefilled < len(self.prompt))
 
     @property
     def pinned(self) -> bool:
@@ -106,12 +102,26 @@ class _Rows:
 
     req: Request
     tokens: list[int]
-    positions: Tensor  # (rows,)
+    positions: list[int]  # (rows,) rotary positions (one tensor is built for the whole step)
     start: int
     mask: Tensor | None  # (rows, start + rows) or None = causal
     tree: TokenTree | None  # None: a prefill chunk
     logit_rows: list[int]  # rows of this block that need logits
     t_draft: float = 0.0
+
+
+@dataclass
+class StepTimes:
+    """Where one :meth:`Scheduler.step` spent its time (seconds) and what it ran."""
+
+    requests: int = 0  # requests with rows in the forward
+    rows: int = 0  # rows of the forward (tree nodes + prefill rows)
+    prefill_rows: int = 0
+    committed: int = 0  # tokens committed by the step
+    t_draft: float = 0.0  # drafters' propose + tree checks, masks, positions
+    t_plan: float = 0.0  # the rest of planning (budgets, prefill chunks)
+    t_forward: float = 0.0  # the target forward, packing and unpacking included
+    t_commit: float = 0.0  # acceptance, sampling, cache compaction, bookkeeping
 
 
 class Scheduler:
@@ -120,17 +130,42 @@ class Scheduler:
     step_rows: rows per step shared by the decoding requests' trees (None: each request's own
         ``max_tree_nodes``); a request's share is ``max(1, step_rows // decoding requests)``.
     prefill_chunk: prompt rows per step for joining requests (None: a whole prompt in one forward);
-        a request's chunks always start at multiples of it, whatever else runs in the step.
+        a request's chunks always start at multiples of ``chunk_rows``, whatever else runs in the step:
+        ``prefill_chunk``, or with ``native_prefill`` on a model with a native decoder (``native_prefill_rows``)
+        at most the rows it runs, so prompts are prefilled natively (several requests' chunks per step, up to
+        ``prefill_chunk``; much faster than the Python path, but rounded differently from
+        :meth:`Engine.generate`'s whole prefill, so greedy text can differ from the CLI's at near-ties).
+    latency: the forward's latency curve (rows -> seconds, :func:`measured_latency`): with two or more
+        decoding requests their tree sizes come from :class:`treedraft.budget.RowBudget` (the nodes whose
+        expected acceptance pays for their rows) instead of equal shares; ``step_rows`` then caps one
+        request's tree (a lone request keeps ``step_rows``).
     """
 
-    def __init__(self, engine: Engine, step_rows: int | None = None, prefill_chunk: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        step_rows: int | None = None,
+        prefill_chunk: int | None = None,
+        latency: dict[int, float] | None = None,
+        native_prefill: bool = False,
+    ) -> None:
         if step_rows is not None and step_rows < 1:
             raise ValueError(f"step_rows must be >= 1, got {step_rows}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.engine = engine
         self.step_rows, self.prefill_chunk = step_rows, prefill_chunk
+        # chunked prefill through the native decoder (a prompt's first chunk too): chunks of at most the rows it
+        # takes; the chunking is the model's and prefill_chunk's, never the batch's, so alone == batched
+        native = getattr(engine.model, "native_prefill_rows", None)
+        rows = native() if native_prefill and prefill_chunk is not None and callable(native) else None
+        self.native_prefill = rows is not None
+        self.chunk_rows = prefill_chunk if rows is None else min(prefill_chunk, rows)
+        self.budget = RowBudget(latency) if latency else None
+        self._sized = False
         self.active: list[Request] = []
+        self._torch_threads: int | None = host_torch_threads(engine.model)
+        self.last_step = StepTimes()  # timings of the latest step (benchmarks, metrics)
 
     def __len__(self) -> int:
         return len(self.active)
@@ -200,35 +235,52 @@ class Scheduler:
             tree = TokenTree((root,), (-1,))
         start, dev, n = req.cache.length, eng.device, len(tree)
         mask = None if n == 1 else full_attention_mask(tree, start, dev)
-        rows = _Rows(req, list(tree.tokens), tree_positions(tree, start, dev), start, mask, tree, list(range(n)))
+        pos = [start] if n == 1 else [start + d for d in tree.depths()]
+        rows = _Rows(req, list(tree.tokens), pos, start, mask, tree, list(range(n)))
         rows.t_draft = time.perf_counter() - ts
         return rows
 
     def _chunk(self, req: Request, rows: int) -> _Rows:
         a, b = req.prefilled, req.prefilled + rows
         last = [rows - 1] if b == len(req.prompt) else []
-        pos = torch.arange(a, b, device=self.engine.device)
-        return _Rows(req, req.prompt[a:b], pos, a, None, None, last)
+        return _Rows(req, req.prompt[a:b], list(range(a, b)), a, None, None, last)
 
     def _plan(self) -> list[_Rows]:
         """What each active request runs this step (a request failing to draft gets its error, no rows)."""
-        plan: list[_Rows] = []
-        decoding = [r for r in self.active if not r.prefilling and not r.done]
-        share = max(1, (self.step_rows or 1) // max(1, len(decoding)))
-        for req in decoding:
-            try:
-                plan.append(self._draft(req, self._tree_budget(req, share)))
-            except Exception as e:  # this request's drafter failed: it alone leaves
-                req.error = e
+        chunks: list[_Rows] = []
         left = self.prefill_chunk  # prefill rows this step (None: whole prompts)
         for req in (r for r in self.active if r.prefilling and not r.done):
             rest = len(req.prompt) - req.prefilled
-            n = rest if self.prefill_chunk is None else min(self.prefill_chunk, rest)
+            n = rest if self.chunk_rows is None else min(self.chunk_rows, rest)
             if left is not None and n > left:
                 break  # FIFO: the next joining request waits for the next step
-            plan.append(self._chunk(req, n))
+            chunks.append(self._chunk(req, n))
             left = None if left is None else left - n
-        return plan
+        decoding = [r for r in self.active if not r.prefilling and not r.done]
+        budgets = self._budgets(decoding, sum(len(c.tokens) for c in chunks))
+        plan: list[_Rows] = []
+        for req, b in zip(decoding, budgets):
+            try:
+                plan.append(self._draft(req, b))
+            except Exception as e:  # this request's drafter failed: it alone leaves
+                req.error = e
+        return plan + chunks
+
+    def _budgets(self, decoding: list[Request], prefill_rows: int) -> list[int]:
+        """Tree size (root included) per decoding request: equal shares, or the row budget's choice."""
+        self._sized = self.budget is not None and len(decoding) >= 2  # this step's trees come from the budget
+        if self.budget is None or len(decoding) < 2:
+            share = max(1, (self.step_rows or 1) // max(1, len(decoding)))
+            return [self._tree_budget(r, share) for r in decoding]
+        sizes = [self._tree_budget(r, self.step_rows or STEP_ROWS_MAX) for r in decoding]
+        free = [i for i, r in enumerate(decoding) if not r.pinned and r.drafter is not None]
+        others = [i for i in range(len(decoding)) if i not in free]  # pinned trees, plain requests
+        fixed = prefill_rows + sum(1 if decoding[i].drafter is None else sizes[i] for i in others)
+        stats = [decoding[i].node_stats for i in free]
+        chosen = self.budget.allocate(stats, [sizes[i] for i in free], fixed, len(others))
+        for i, s in zip(free, chosen):
+            sizes[i] = s
+        return sizes
 
     def _forward(self, plan: list[_Rows]) -> list[tuple[Tensor, Tensor | None]]:
         """Per request (logits (len(logit_rows), V), hidden (rows, H) or None), from one packed forward."""
@@ -239,7 +291,12 @@ class Scheduler:
             for p in plan:
                 lf = None if p.tree is not None else slice(-1, None)  # a prefill chunk: its last row only
                 lg, h = model.forward(
-                    torch.tensor([p.tokens], device=dev), p.positions, p.req.cache, p.start, p.mask, lf
+                    torch.tensor([p.tokens], device=dev),
+                    torch.tensor(p.positions, device=dev),
+                    p.req.cache,
+                    p.start,
+                    p.mask,
+                    lf,
                 )
                 out.append((lg[0], None if h is None else h[0]))
             return out
@@ -252,8 +309,9 @@ class Scheduler:
             want += [r0 + i for i in p.logit_rows]
             r0 += len(p.tokens)
         toks = torch.tensor([t for p in plan for t in p.tokens], device=dev)
-        pos = plan[0].positions if len(plan) == 1 else torch.cat([p.positions for p in plan])
-        logits, hidden = packed(toks, pos, segs, torch.tensor(want, dtype=torch.long, device=dev))
+        pos = torch.tensor([x for p in plan for x in p.positions], device=dev)
+        kw = {"native_prefill": True} if self.native_prefill else {}
+        logits, hidden = packed(toks, pos, segs, torch.tensor(want, dtype=torch.long, device=dev), **kw)
         out, li = [], 0
         for p, o in zip(plan, offsets):
             k = len(p.logit_rows)
@@ -268,9 +326,17 @@ class Scheduler:
         A request whose drafting or acceptance failed is returned with ``error`` set (and no tokens);
         the caller removes it. An error in the forward itself fails the whole step (raised).
         """
+        from .kernels import torch_threads
+
+        with torch_threads(self._torch_threads):
+            return self._step()
+
+    def _step(self) -> list[tuple[Request, list[int]]]:
+        t0 = time.perf_counter()
         plan = self._plan()
         failed = [(r, []) for r in self.active if r.error is not None]
         if not plan:
+            self.last_step = StepTimes()
             return failed
         tv = time.perf_counter()
         results = self._forward(plan)
@@ -284,6 +350,18 @@ class Scheduler:
                 new = []
             if new or p.req.error is not None:
                 out.append((p.req, new))
+        te = time.perf_counter()
+        t_draft = sum(p.t_draft for p in plan)
+        self.last_step = StepTimes(
+            len(plan),
+            sum(len(p.tokens) for p in plan),
+            sum(len(p.tokens) for p in plan if p.tree is None),
+            sum(len(n) for _, n in out),
+            t_draft,
+            tv - t0 - t_draft,
+            tr - tv,
+            te - tr,
+        )
         return failed + out
 
     def _commit(self, p: _Rows, logits: Tensor, hidden: Tensor | None, tv: float, tr: float) -> list[int]:
@@ -309,17 +387,21 @@ class Scheduler:
             a = accept(cfg.rule, tree, logits, cfg.sampling, req.gen, len(req.tokens))
             acc_nodes, bonus = a.nodes, a.bonus
         req.cache.keep(p.start, list(acc_nodes))
+        if self.budget is not None:
+            self.budget.observe(req.node_stats, n, acc_nodes, p.t_draft, self._sized)
         if hidden is not None:
             req.last_hidden = hidden[acc_nodes[-1]]
-            req.add_hidden(hidden[list(acc_nodes)])
+            if req.drafter is not None or req.keep_hidden:  # (a root-only step: a view, no gather)
+                req.add_hidden(hidden[:1] if n == 1 else hidden[list(acc_nodes)])
         else:
             req.last_hidden = None
         new = [tree.tokens[i] for i in acc_nodes[1:]] + [bonus]  # accepted drafts + the next root
         req.tokens.extend(new)
         te = time.perf_counter()
+        depth = 0 if n == 1 else max(tree.depths())
         from .engine import StepStats
 
-        req.stats.steps.append(StepStats(n, max(tree.depths()), len(new) - 1, p.t_draft, tr - tv, te - tr))
+        req.stats.steps.append(StepStats(n, depth, len(new) - 1, p.t_draft, tr - tv, te - tr))
         req.n_out += len(new)
         req.stats.new_tokens, req.stats.t_decode = req.n_out, time.perf_counter() - req.t_start
         return new
@@ -328,6 +410,22 @@ class Scheduler:
 STEP_ROWS_KIND = "step-rows"
 STEP_ROWS_FACTOR = 3.0  # a batched step may cost this many one-token steps
 STEP_ROWS_MAX = 64
+
+
+def host_torch_threads(model: Any) -> int | None:
+    """Torch threads for a step's Python-side ops: 1 when the native fused decoder runs the forwards, else None.
+
+    The native pool then does the heavy work; one torch thread keeps idle OpenMP threads from spinning on
+    the cores it (or another process) needs (see :func:`treedraft.kernels.torch_threads`).
+    """
+    if not hasattr(model, "forward_packed") or not hasattr(model, "layers"):
+        return None
+    from .models import fused
+
+    try:
+        return 1 if fused.decoder_for(model) is not None else None
+    except (AttributeError, TypeError):  # not the own Llama module
+        return None
 
 
 def step_rows_from_latency(latency: dict[int, float], factor: float = STEP_ROWS_FACTOR) -> int:
@@ -346,8 +444,8 @@ def step_rows_from_latency(latency: dict[int, float], factor: float = STEP_ROWS_
 
 
 def measured_latency(model: Any) -> dict[int, float]:
-    """This machine's forward seconds by row count for ``model`` (1..64 rows on a 256-token cache; measured once,
-    cached per machine and target). Sizes the batch's rows per step and the suffix drafter's trees."""
+    """This machine's forward latency curve for ``model`` (rows -> seconds at a 256-token context; measured
+    once, cached)."""
     from .models.plan import cached_measurement
     from .training.calibrate import _target_facts, latency_sizes, measure_latency
 
@@ -357,7 +455,9 @@ def measured_latency(model: Any) -> dict[int, float]:
         return {str(k): v for k, v in lat.items()}
 
     def load(v: dict) -> dict[int, float]:
-        return {int(k): float(t) for k, t in v.items()}
+        lat = {int(k): float(t) for k, t in v.items()}
+        step_rows_from_latency(lat)  # ValueError for an unusable entry: measured again
+        return lat
 
     return cached_measurement(STEP_ROWS_KIND, _target_facts(model), measure, load, target_device(model))
 
@@ -371,7 +471,13 @@ def run_alone(
     engine: Engine, prompt_ids: Sequence[int], config: GenerationConfig | None = None, **kw: Any
 ) -> list[int]:
     """The tokens of one request run by a fresh scheduler on its own (the reference for batched runs)."""
-    sched = Scheduler(engine, kw.pop("step_rows", None), kw.pop("prefill_chunk", None))
+    sched = Scheduler(
+        engine,
+        kw.pop("step_rows", None),
+        kw.pop("prefill_chunk", None),
+        kw.pop("latency", None),
+        kw.pop("native_prefill", False),
+    )
     req = sched.add(prompt_ids, config, **kw)
     while not req.done:
         sched.step()
@@ -385,6 +491,7 @@ __all__ = [
     "GenerationError",
     "Request",
     "Scheduler",
+    "StepTimes",
     "measured_latency",
     "measured_step_rows",
     "run_alone",

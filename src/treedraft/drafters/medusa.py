@@ -222,6 +222,15 @@ class MedusaHeads(nn.Module):
             return z @ self.base_weight.T  # same dtype as the heads (see set_base)
         return y.reshape(*z.shape[:-1], y.shape[-1])
 
+    @property
+    def draft_path(self) -> str:
+        """Which weights drafting streams: "native-q8", "bf16" or the heads' own dtype (a tree cache key part)."""
+        if self._native is not None:
+            return "native-q8"
+        if self._draft_w is not None:
+            return "bf16"
+        return str(next(self.parameters()).dtype).removeprefix("torch.")
+
     @torch.inference_mode()
     def draft_logits(self, h: Tensor, root: Tensor | None, num_heads: int) -> Tensor:
         """(H,) hidden state [+ root id] -> (num_heads, V') scores of the first ``num_heads`` heads."""

@@ -19,6 +19,8 @@ it is disabled or the build fails, ``available()`` is False, ``unavailable_reaso
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -39,6 +41,8 @@ __all__ = [
     "build_info",
     "attend",
     "read_bandwidth",
+    "torch_threads",
+    "set_tuning",
 ]
 
 TILE = 16  # output columns per packed tile
@@ -80,6 +84,45 @@ def get_num_threads() -> int:
     """Threads used by mm (1 when the extension is unavailable)."""
     ext = _ext()
     return int(ext.get_num_threads()) if ext is not None else 1
+
+
+def set_tuning(prefetch_bytes: int | None = None, unit_bytes: int | None = None) -> tuple[int, int]:
+    """Set the matmul's software prefetch distance and smallest work unit (bytes; None keeps); returns both.
+
+    Neither changes any result bit (only speed): for measuring them on a machine (benchmarks/fused_ab.py
+    --tunings). Defaults 4096 and 16384.
+    """
+    ext = _ext()
+    if ext is None or not hasattr(ext, "set_tuning"):
+        raise RuntimeError(f"set_tuning needs the native kernel ({unavailable_reason()})")
+    for name, v in (("prefetch_bytes", prefetch_bytes), ("unit_bytes", unit_bytes)):
+        if v is not None and v < 0:
+            raise ValueError(f"set_tuning: {name} must be >= 0, got {v}")
+    pf, ub = ext.set_tuning(
+        -1 if prefetch_bytes is None else int(prefetch_bytes), -1 if unit_bytes is None else int(unit_bytes)
+    )
+    return int(pf), int(ub)
+
+
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block with torch's intra-op threads set to n (None: unchanged), restored afterwards.
+
+    Decode steps of the native runtime use it with n = 1: the native pool (:func:`set_num_threads`) does
+    the forward, and the small torch ops around it (sampling, KV compaction, drafting) are faster on one
+    thread than on an OpenMP team whose idle threads spin (libgomp: ~300k pause loops, milliseconds)
+    on the core the native pool, or another process, needs: on the 2-core Xeon with other jobs running,
+    the time outside the native call per generation fell 5x (benchmarks/busy_threads.py).
+    """
+    old = torch.get_num_threads()
+    if n is None or n == old:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 @dataclass(eq=False)
@@ -218,6 +261,9 @@ def attend(
 ) -> torch.Tensor:
     """Row-invariant attention: q (T, nh, hd), k/v (nkv, L, hd), allowed bool (T, L) or None -> (T, nh, hd).
 
+    q is float32; k and v float32 or float16 (a half-size KV cache: each element is widened exactly, so
+    the result equals the float32 call on ``k.float()``, ``v.float()`` bitwise).
+
     Each row attends to its allowed keys in increasing slot order with a reduction order that depends
     only on a key's rank in that list, so a row's result equals the one-row call over the same keys
     stored contiguously (bitwise). GQA: head h uses kv head h // (nh // nkv). Needs the extension
@@ -226,8 +272,10 @@ def attend(
     ext = _ext()
     if ext is None:
         raise RuntimeError(f"treedraft.kernels.attend needs the native extension ({unavailable_reason()})")
-    if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
-        raise ValueError(f"attend: q, k, v must be float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype != torch.float32 or k.dtype != v.dtype or k.dtype not in (torch.float32, torch.float16):
+        raise ValueError(
+            f"attend: q must be float32 and k, v both float32 or both float16, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     empty = torch.empty(0, dtype=torch.bool)
     return ext.attend(q, k, v, empty if allowed is None else allowed.to(torch.bool), float(scale), path)

@@ -20,6 +20,8 @@ _SOURCES = ["qgemm.cpp"]
 _HEADERS = [
     "attn.h",
     "attn_avx2.h",
+    "attn_gemm.h",
+    "attn_kv.h",
     "attn_sched.h",
     "common.h",
     "fused.h",
@@ -29,7 +31,10 @@ _HEADERS = [
     "kern_avx512.h",
     "kern_avx2.h",
 ]
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17"]
+# -fvisibility=hidden: the headers' inline globals (the thread pool, g_threads) stay private to each
+# build; by default they are GNU-unique symbols, shared by every build loaded in one process (two
+# builds with different Pool layouts then run on one pool object and deadlock)
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fvisibility=hidden"]
 LDFLAGS: list[str] = []
 
 _lock = threading.Lock()

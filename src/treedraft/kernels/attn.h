@@ -33,6 +33,8 @@
 #include <immintrin.h>
 #endif
 
+#include "attn_kv.h"  // half_t keys/values: to_f32, load16, load8, prefetch_rows
+
 namespace td {
 namespace attn {
 
@@ -123,14 +125,14 @@ inline float tree8(__m256 lo, __m256 hi) {
 
 // The 16 lane sums of q[16i+l]*k[16i+l] (fma, i ascending), tail hd%16 into lanes 0.., reduced
 // as a fixed tree.
-template <int I>
-inline float dot(const float* q, const float* k, int hd) {
+template <int I, class T = float>
+inline float dot(const float* q, const T* k, int hd) {
   alignas(64) float lane[16];
   const int nv = hd / 16;
 #if defined(__AVX512F__)
   if constexpr (I == kAvx512) {
     __m512 a = _mm512_setzero_ps();
-    for (int i = 0; i < nv; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), _mm512_loadu_ps(k + 16 * i), a);
+    for (int i = 0; i < nv; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), load16(k + 16 * i), a);
     if (hd % 16 == 0)  // the lane tree in registers: the same additions of the same operands
       return tree8(_mm512_castps512_ps256(a),
                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
@@ -141,8 +143,8 @@ inline float dot(const float* q, const float* k, int hd) {
   if constexpr (I == kAvx2) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int i = 0; i < nv; ++i) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * i), _mm256_loadu_ps(k + 16 * i), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * i + 8), _mm256_loadu_ps(k + 16 * i + 8), a1);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * i), load8(k + 16 * i), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * i + 8), load8(k + 16 * i + 8), a1);
     }
     if (hd % 16 == 0) return tree8(a0, a1);
     _mm256_store_ps(lane, a0);
@@ -152,9 +154,9 @@ inline float dot(const float* q, const float* k, int hd) {
   if constexpr (I == kScalar) {
     for (int l = 0; l < 16; ++l) lane[l] = 0.f;
     for (int i = 0; i < nv; ++i)
-      for (int l = 0; l < 16; ++l) lane[l] = std::fma(q[16 * i + l], k[16 * i + l], lane[l]);
+      for (int l = 0; l < 16; ++l) lane[l] = std::fma(q[16 * i + l], to_f32(k[16 * i + l]), lane[l]);
   }
-  for (int t = 16 * nv; t < hd; ++t) lane[t - 16 * nv] = std::fma(q[t], k[t], lane[t - 16 * nv]);
+  for (int t = 16 * nv; t < hd; ++t) lane[t - 16 * nv] = std::fma(q[t], to_f32(k[t]), lane[t - 16 * nv]);
   for (int w = 8; w >= 1; w /= 2)
     for (int l = 0; l < w; ++l) lane[l] = lane[l] + lane[l + w];
   return lane[0];
@@ -180,30 +182,30 @@ inline void scale_acc(float* acc, float a, int hd) {
 }
 
 // acc[d] = fma(p, v[d], acc[d])
-template <int I>
-inline void axpy(float* acc, float p, const float* v, int hd) {
+template <int I, class T>
+inline void axpy(float* acc, float p, const T* v, int hd) {
   int d = 0;
 #if defined(__AVX512F__)
   if constexpr (I == kAvx512) {
     const __m512 vp = _mm512_set1_ps(p);
     for (; d + 16 <= hd; d += 16)
-      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(vp, _mm512_loadu_ps(v + d), _mm512_loadu_ps(acc + d)));
+      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(vp, load16(v + d), _mm512_loadu_ps(acc + d)));
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (I == kAvx2) {
     const __m256 vp = _mm256_set1_ps(p);
     for (; d + 8 <= hd; d += 8)
-      _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(vp, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
+      _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(vp, load8(v + d), _mm256_loadu_ps(acc + d)));
   }
 #endif
-  for (; d < hd; ++d) acc[d] = std::fma(p, v[d], acc[d]);
+  for (; d < hd; ++d) acc[d] = std::fma(p, to_f32(v[d]), acc[d]);
 }
 
 // One online-softmax step over keys j = 0..cn-1 at k + slot_j * ks (slot_j = idx[c0 + j], or c0 + j
 // when idx is null) for query q; (m, l, acc) is the query's running state. The reference arithmetic.
-template <int I>
-inline void chunk_ref(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
+template <int I, class T>
+inline void chunk_ref(const float* q, const T* k, int64_t ks, const T* v, int64_t vs,
                       const int32_t* idx, int c0, int cn, int hd, float scale, float& m, float& l,
                       float* acc) {
   alignas(64) float s[kChunk], p[kChunk];
@@ -268,13 +270,13 @@ inline __m512i reduce16_perm() {
 }
 
 // The 16 scores dot(q, k_j) * scale of a full chunk (key j at kp[j]), hd = 16 * NV, as dot<kAvx512>.
-template <int NV>
-inline __m512 scores16(const float* q, const float* const* kp, float scale) {
+template <int NV, class T>
+inline __m512 scores16(const float* q, const T* const* kp, float scale) {
   __m512 qv[NV], a[16];
   for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
   for (int j = 0; j < 16; ++j) {
     __m512 t = _mm512_setzero_ps();
-    for (int i = 0; i < NV; ++i) t = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kp[j] + 16 * i), t);
+    for (int i = 0; i < NV; ++i) t = _mm512_fmadd_ps(qv[i], load16(kp[j] + 16 * i), t);
     a[j] = t;
   }
   return _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
@@ -283,8 +285,8 @@ inline __m512 scores16(const float* q, const float* const* kp, float scale) {
 // chunk_ref for a full chunk of 16 keys (key j at kp[j], value at vp[j]) and Q queries at once
 // (Q = 1..4: independent queries hide the latency of each one's sequential l / acc chains and share
 // the value loads), hd = 16 * NV, AVX-512: per query the same operations on the same values as chunk_ref.
-template <int NV, int Q>
-inline void chunk16_avx512(const float* const* q, const float* const* kp, const float* const* vp, float scale,
+template <int NV, int Q, class T>
+inline void chunk16_avx512(const float* const* q, const T* const* kp, const T* const* vp, float scale,
                            float* const* m, float* const* l, float* const* acc) {
   alignas(64) float p[Q][16];
   __m512 av[Q][NV];
@@ -304,7 +306,7 @@ inline void chunk16_avx512(const float* const* q, const float* const* kp, const 
   for (int j = 0; j < 16; ++j) {
     for (int u = 0; u < Q; ++u) lu[u] = lu[u] + p[u][j];
     for (int i = 0; i < NV; ++i) {
-      const __m512 vv = _mm512_loadu_ps(vp[j] + 16 * i);
+      const __m512 vv = load16(vp[j] + 16 * i);
       for (int u = 0; u < Q; ++u) av[u][i] = _mm512_fmadd_ps(_mm512_set1_ps(p[u][j]), vv, av[u][i]);
     }
   }
@@ -317,8 +319,8 @@ inline void chunk16_avx512(const float* const* q, const float* const* kp, const 
 
 // nq queries through chunk16_avx512 in groups of up to 4 (2 when hd = 128: the accumulators must
 // stay in registers) when hd is 16, 32, 64 or 128; false (nothing done) otherwise.
-template <int NV>
-inline void chunk16_group(int nq, const float* const* q, const float* const* kp, const float* const* vp,
+template <int NV, class T>
+inline void chunk16_group(int nq, const float* const* q, const T* const* kp, const T* const* vp,
                           float scale, float* const* m, float* const* l, float* const* acc) {
   constexpr int kQ = NV >= 8 ? 2 : 4;
   int i = 0;
@@ -331,12 +333,13 @@ inline void chunk16_group(int nq, const float* const* q, const float* const* kp,
   }
 }
 
-inline bool chunk16_fast(int nq, const float* const* q, const float* k, int64_t ks, const float* v, int64_t vs,
+template <class T>
+inline bool chunk16_fast(int nq, const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs,
                          const int32_t* idx, int c0, int hd, float scale, float* const* m, float* const* l,
                          float* const* acc) {
   if (hd != 16 && hd != 32 && hd != 64 && hd != 128) return false;
-  const float* kp[16];
-  const float* vp[16];
+  const T* kp[16];
+  const T* vp[16];
   for (int j = 0; j < 16; ++j) {
     const int64_t slot = idx ? idx[c0 + j] : c0 + j;
     kp[j] = k + slot * ks;
@@ -355,8 +358,8 @@ inline bool chunk16_fast(int nq, const float* const* q, const float* k, int64_t 
 // A full chunk of 16 keys at ranks c0..c0+15 for nq queries (slots idx[c0..] or c0.. when idx is
 // null, the same for every query): the AVX-512 / AVX2 register paths when hd is 16, 32, 64 or 128,
 // else chunk_ref per query. All give the same bits.
-template <int I>
-inline void chunk_full(int nq, const float* const* q, const float* k, int64_t ks, const float* v, int64_t vs,
+template <int I, class T>
+inline void chunk_full(int nq, const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs,
                        const int32_t* idx, int c0, int hd, float scale, float* const* m, float* const* l,
                        float* const* acc) {
 #if defined(__AVX512F__)
@@ -372,6 +375,16 @@ inline void chunk_full(int nq, const float* const* q, const float* k, int64_t ks
   for (int i = 0; i < nq; ++i) chunk_ref<I>(q[i], k, ks, v, vs, idx, c0, kChunk, hd, scale, *m[i], *l[i], acc[i]);
 }
 
+}  // namespace attn
+}  // namespace td
+#include "attn_gemm.h"  // block_gemm: the shared chunks of a block for many queries as small GEMMs
+namespace td {
+namespace attn {
+
+// Whether attend_block runs a block's shared chunks through block_gemm (AVX-512) or chunk by chunk
+// through chunk_full: the same bits either way; a switch for side-by-side timing (benchmarks).
+inline bool g_block_gemm = true;
+
 // Keys are reduced in blocks of kBlock ranks: block b (ranks [b kBlock, (b+1) kBlock)) starts from
 // a fresh state and runs the chunks above; the blocks' states are then folded in block order (fold).
 // Blocks are what lets the keys of one query be split across threads without changing its bits.
@@ -382,20 +395,14 @@ inline int num_blocks(int n) { return (n + kBlock - 1) / kBlock; }
 // A block's state: acc[0..hd), m at [hd], l at [hd + 1].
 inline int state_size(int hd) { return hd + 2; }
 
-inline void prefetch_rows(const float* p, int64_t stride, int rows, int hd) {
-#if (defined(__x86_64__) || defined(_M_X64)) && !defined(TD_NO_PREFETCH)
-  for (int r = 0; r < rows; ++r)
-    for (int d = 0; d < hd; d += 16) _mm_prefetch((const char*)(p + r * stride + d), _MM_HINT_T0);
-#endif
-}
 
 // Block b's state st[i] for each query i < nq (nq <= kMaxGroup) that has keys in it
 // (n[i] > b * kBlock): query i attends to its n[i] allowed slots idx[i][0..n[i]) (or 0..n[i]-1 when
 // idx[i] is null), whose first shared[i] ranks are the slots 0, 1, ... Chunks that every such query
 // sees as slots 16c..16c+15 run query-inner, so those keys/values are read once for all queries.
-template <int I>
+template <int I, class T>
 void attend_block(int nq, const float* const* q, const int32_t* const* idx, const int* n, const int* shared,
-                  const float* k, int64_t ks, const float* v, int64_t vs, int hd, float scale, int b,
+                  const T* k, int64_t ks, const T* v, int64_t vs, int hd, float scale, int b,
                   float* const* st) {
   const float* qa[kMaxGroup];
   float *ma[kMaxGroup], *la[kMaxGroup], *aa[kMaxGroup];
@@ -412,7 +419,17 @@ void attend_block(int nq, const float* const* q, const int32_t* const* idx, cons
     common = std::min(common, std::min(shared[i], n[i]) / kChunk);
     ++na;
   }
-  for (int c = cb; c < common; ++c) {
+  int c = cb;
+#if defined(__AVX512F__)
+  if constexpr (I == kAvx512) {
+    static_assert(kBlock == kGemmMaxKeys && kMaxGroup <= kGemmMaxQ, "block_gemm scratch too small");
+    if (g_block_gemm && na >= kGemmMinQ && common > cb &&
+        block_gemm_any(na, qa, k + (int64_t)cb * kChunk * ks, ks, v + (int64_t)cb * kChunk * vs, vs, common - cb, hd,
+                       scale, ma, la, aa))
+      c = common;
+  }
+#endif
+  for (; c < common; ++c) {
     if (c + 1 < common) {
       prefetch_rows(k + (int64_t)(c + 1) * kChunk * ks, ks, kChunk, hd);
       prefetch_rows(v + (int64_t)(c + 1) * kChunk * vs, vs, kChunk, hd);

@@ -14,14 +14,14 @@ namespace attn {
 // (a1) accumulate q[16i+l] * k[16i+l] with fma, i ascending; then each key's tree
 // (l += l+8, l += l+4, l += l+2, l += l+1) is done for the 8 keys jointly with shuffles: every
 // addition adds the same two partial sums as tree8, lane order restored by one permute.
-template <int NV>
-inline __m256 scores8_avx2(const float* q, const float* const* kp) {
+template <int NV, class T>
+inline __m256 scores8_avx2(const float* q, const T* const* kp) {
   __m256 b[8];
   for (int j = 0; j < 8; ++j) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int i = 0; i < NV; ++i) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * i), _mm256_loadu_ps(kp[j] + 16 * i), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * i + 8), _mm256_loadu_ps(kp[j] + 16 * i + 8), a1);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * i), load8(kp[j] + 16 * i), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * i + 8), load8(kp[j] + 16 * i + 8), a1);
     }
     b[j] = _mm256_add_ps(a0, a1);  // (l += l+8)
   }
@@ -38,8 +38,8 @@ inline __m256 scores8_avx2(const float* q, const float* const* kp) {
 }
 
 // chunk_ref for a full chunk of 16 keys (key j at kp[j], value at vp[j]) and one query, hd = 16 * NV.
-template <int NV>
-inline void chunk16_avx2(const float* q, const float* const* kp, const float* const* vp, float scale, float& m,
+template <int NV, class T>
+inline void chunk16_avx2(const float* q, const T* const* kp, const T* const* vp, float scale, float& m,
                          float& l, float* acc) {
   const __m256 vs = _mm256_set1_ps(scale);
   const __m256 s0 = _mm256_mul_ps(scores8_avx2<NV>(q, kp), vs);
@@ -60,7 +60,7 @@ inline void chunk16_avx2(const float* q, const float* const* kp, const float* co
   for (int j = 0; j < 16; ++j) {
     lu = lu + p[j];
     const __m256 pj = _mm256_set1_ps(p[j]);
-    for (int i = 0; i < 2 * NV; ++i) av[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vp[j] + 8 * i), av[i]);
+    for (int i = 0; i < 2 * NV; ++i) av[i] = _mm256_fmadd_ps(pj, load8(vp[j] + 8 * i), av[i]);
   }
   for (int i = 0; i < 2 * NV; ++i) _mm256_storeu_ps(acc + 8 * i, av[i]);
   l = lu;
@@ -68,12 +68,13 @@ inline void chunk16_avx2(const float* q, const float* const* kp, const float* co
 }
 
 // nq queries through chunk16_avx2 when hd is 16, 32, 64 or 128; false (nothing done) otherwise.
-inline bool chunk16_fast_avx2(int nq, const float* const* q, const float* k, int64_t ks, const float* v,
+template <class T>
+inline bool chunk16_fast_avx2(int nq, const float* const* q, const T* k, int64_t ks, const T* v,
                               int64_t vs, const int32_t* idx, int c0, int hd, float scale, float* const* m,
                               float* const* l, float* const* acc) {
   if (hd != 16 && hd != 32 && hd != 64 && hd != 128) return false;
-  const float* kp[16];
-  const float* vp[16];
+  const T* kp[16];
+  const T* vp[16];
   for (int j = 0; j < 16; ++j) {
     const int64_t slot = idx ? idx[c0 + j] : c0 + j;
     kp[j] = k + slot * ks;

@@ -37,10 +37,11 @@ struct Query {
 // Queries [q0, q1) (indices into the query list) attending to the same keys/values: key of slot s
 // at k + s * ks, value at v + s * vs.
 struct Group {
-  const float* k;
-  const float* v;
+  const void* k;  // float, or half_t when half
+  const void* v;
   int64_t ks, vs;
   int q0, q1;
+  bool half = false;
 };
 
 class Runner {
@@ -102,9 +103,8 @@ class Runner {
         q[i] = x.q, ix[i] = x.idx, n[i] = x.n, sh[i] = x.shared;
         st[i] = part + off_[s.q0 + i] + (int64_t)b * ss;
       }
-      if (isa == kAvx512) attend_block<kAvx512>(nq, q, ix, n, sh, s.k, s.ks, s.v, s.vs, hd, scale, b, st);
-      else if (isa == kAvx2) attend_block<kAvx2>(nq, q, ix, n, sh, s.k, s.ks, s.v, s.vs, hd, scale, b, st);
-      else attend_block<kScalar>(nq, q, ix, n, sh, s.k, s.ks, s.v, s.vs, hd, scale, b, st);
+      if (s.half) block(isa, nq, q, ix, n, sh, (const half_t*)s.k, s.ks, (const half_t*)s.v, s.vs, hd, scale, b, st);
+      else block(isa, nq, q, ix, n, sh, (const float*)s.k, s.ks, (const float*)s.v, s.vs, hd, scale, b, st);
       if (left_[g].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
       for (int i = s.q0; i < s.q1; ++i) {  // last block of this group done: fold its queries
         const int nb = num_blocks(qs[i].n);
@@ -123,6 +123,14 @@ class Runner {
   struct Unit {
     int g, b;
   };
+
+  template <class T>
+  static void block(int isa, int nq, const float* const* q, const int32_t* const* ix, const int* n, const int* sh,
+                    const T* k, int64_t ks, const T* v, int64_t vs, int hd, float scale, int b, float* const* st) {
+    if (isa == kAvx512) attend_block<kAvx512>(nq, q, ix, n, sh, k, ks, v, vs, hd, scale, b, st);
+    else if (isa == kAvx2) attend_block<kAvx2>(nq, q, ix, n, sh, k, ks, v, vs, hd, scale, b, st);
+    else attend_block<kScalar>(nq, q, ix, n, sh, k, ks, v, vs, hd, scale, b, st);
+  }
 
   static int nblocks(const Group& g, const std::vector<Query>& qs) {
     int nb = 0;

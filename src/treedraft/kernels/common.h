@@ -40,6 +40,13 @@ struct Act {
   const float* s = nullptr;      // (B, M) d * sum(q)
 };
 
+// Runtime tunables of the matmul, neither changes any result bit (set by qgemm.set_tuning):
+// software prefetch distance in bytes ahead of the weight block being read (0 = none; ~4 KB keeps
+// the next 4 KB page on its way when the hardware streamer stops at the page boundary), and the
+// smallest work unit of a call in weight bytes (a claim costs an atomic; see mm_into).
+inline int g_prefetch_ahead = 4096;
+inline int64_t g_unit_bytes = 16 << 10;
+
 // One (tile, row-chunk) call: rows r0..r0+rb of the activations against one weight tile.
 // Writes out[(r0 + r) * ldo + c] for c < ncols.
 using TileFn = void (*)(const uint8_t* w, const Act& a, int r0, int rb, float* out, int ldo,

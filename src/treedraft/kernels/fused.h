@@ -15,6 +15,7 @@
 //             y[i] = x[i] * c - x[i + hd/2] * s, y[i + hd/2] = x[i + hd/2] * c + x[i] * s (HF rotate-half)
 //   silu*up:  g / (1 + exp_fixed(-g)) * u (attn::exp_fixed: the same bits on every ISA path)
 //   residual: x[i] + y[i]
+// KV caches may be float32 or float16 (attn_kv.h: written rounded to nearest even, read widened exactly).
 #pragma once
 #include <torch/extension.h>
 
@@ -149,7 +150,9 @@ class FusedDecoder {
       for (int64_t l = 0; l < L; ++l) {
         check_cache(seg_k[s][l], seg_start[s] + seg_rows[s]);
         check_cache(seg_v[s][l], seg_start[s] + seg_rows[s]);
-        TORCH_CHECK(seg_k[s][l].size(2) == seg_v[s][l].size(2), "FusedDecoder.forward: k/v cache lengths differ");
+        TORCH_CHECK(seg_k[s][l].size(2) == seg_v[s][l].size(2) &&
+                        seg_k[s][l].scalar_type() == seg_v[s][l].scalar_type(),
+                    "FusedDecoder.forward: k/v caches differ in length or dtype");
       }
     }
     TORCH_CHECK(row0[S] == M, "FusedDecoder.forward: segments cover ", row0[S], " rows, tokens has ", M);
@@ -222,15 +225,25 @@ class FusedDecoder {
         for (int64_t hh = 0; hh < nh_ + nkv_; ++hh) rope(&qkv_[m * qkvN + hh * hd_], c, c + half, half);
       }
       for (int64_t s = 0; s < S; ++s) {  // keys/values to the segment's cache slots
-        float* kc = seg_k[s][l].data_ptr<float>();
-        float* vc = seg_v[s][l].data_ptr<float>();
+        const bool half = seg_k[s][l].scalar_type() == torch::kHalf;
+        char* kc = (char*)seg_k[s][l].data_ptr();
+        char* vc = (char*)seg_v[s][l].data_ptr();
         const int64_t cap = seg_k[s][l].size(2);
         for (int64_t t = 0; t < seg_rows[s]; ++t) {
           const float* src = &qkv_[(row0[s] + t) * qkvN + nh_ * hd_];
           for (int64_t g = 0; g < nkv_; ++g) {
             const int64_t slot = (g * cap + seg_start[s] + t) * hd_;
-            std::memcpy(kc + slot, src + g * hd_, hd_ * sizeof(float));
-            std::memcpy(vc + slot, src + (nkv_ + g) * hd_, hd_ * sizeof(float));
+            if (half) {  // round to nearest even, as torch's float32 -> float16 copy does
+              attn::half_t* kh = (attn::half_t*)kc + slot;
+              attn::half_t* vh = (attn::half_t*)vc + slot;
+              for (int64_t d = 0; d < hd_; ++d) {
+                kh[d] = attn::f32_to_half(src[g * hd_ + d]);
+                vh[d] = attn::f32_to_half(src[(nkv_ + g) * hd_ + d]);
+              }
+            } else {
+              std::memcpy((float*)kc + slot, src + g * hd_, hd_ * sizeof(float));
+              std::memcpy((float*)vc + slot, src + (nkv_ + g) * hd_, hd_ * sizeof(float));
+            }
           }
         }
       }
@@ -299,8 +312,9 @@ class FusedDecoder {
   }
   void check_cache(const torch::Tensor& c, int64_t end) const {
     TORCH_CHECK(c.dim() == 4 && c.size(0) == 1 && c.size(1) == nkv_ && c.size(3) == hd_ &&
-                    c.scalar_type() == torch::kFloat32 && c.is_contiguous(),
-                "FusedDecoder.forward: cache tensors must be contiguous float32 (1, ", nkv_, ", max_len, ", hd_, ")");
+                    (c.scalar_type() == torch::kFloat32 || c.scalar_type() == torch::kHalf) && c.is_contiguous(),
+                "FusedDecoder.forward: cache tensors must be contiguous float32 or float16 (1, ", nkv_, ", max_len, ",
+                hd_, ")");
     TORCH_CHECK(end <= c.size(2), "KV cache overflow: writing up to ", end, " > max_len ", c.size(2));
   }
 
@@ -365,8 +379,10 @@ class FusedDecoder {
     aq_.clear();
     ag_.clear();
     for (int64_t s = 0; s < S; ++s) {
-      const float* kc = seg_k[s][l].data_ptr<float>();
-      const float* vc = seg_v[s][l].data_ptr<float>();
+      const bool half = seg_k[s][l].scalar_type() == torch::kHalf;
+      const int64_t es = half ? 2 : 4;  // element bytes
+      const char* kc = (const char*)seg_k[s][l].data_ptr();
+      const char* vc = (const char*)seg_v[s][l].data_ptr();
       const int64_t cap = seg_k[s][l].size(2);
       for (int64_t g = 0; g < nkv_; ++g) {
         const int q0 = (int)aq_.size();
@@ -374,7 +390,7 @@ class FusedDecoder {
           for (int64_t h = g * group; h < (g + 1) * group; ++h)
             aq_.push_back({&qkv_[r * qkvN + h * hd_], causal_[r] ? nullptr : idx_.data() + off_[r], (int)cnt_[r],
                            (int)contig_[r], &att_[(r * nh_ + h) * hd_]});
-        ag_.push_back({kc + g * cap * hd_, vc + g * cap * hd_, hd_, hd_, q0, (int)aq_.size()});
+        ag_.push_back({kc + g * cap * hd_ * es, vc + g * cap * hd_ * es, hd_, hd_, q0, (int)aq_.size(), half});
       }
     }
     runner_.run(isa, ag_, aq_, (int)hd_, scale_, pool());

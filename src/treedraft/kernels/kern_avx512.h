@@ -16,9 +16,6 @@ inline void store16(float* dst, __m512 v, int ncols) {
     _mm512_mask_storeu_ps(dst, (__mmask16)((1u << ncols) - 1), v);
 }
 
-// Software prefetch distance: ~4 KB ahead of the block being read, so the next 4 KB page is already
-// on its way when the hardware streamer (which stops at page boundaries) would restart.
-constexpr int kPrefetchAhead = 4096;
 
 // Q4_1: per (row, block) 8 vpmaddubsw summed in int16 (|sum| <= 8 * 2 * 15 * 127 = 30480, no
 // saturation since activations are clamped to [-127, 127]), one vpmaddwd, then the fp32 update.
@@ -30,14 +27,15 @@ void tile_q4_1_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int
                          int ncols) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i ones = _mm512_set1_epi16(1);
+  const int pf = g_prefetch_ahead;
   __m512 acc[RB];
   _Pragma("GCC unroll 8")
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int b = 0; b < a.B; ++b, w += kQ41Bytes) {
-    if (r0 == 0) {  // later row chunks of this tile re-read blocks the first one brought in
+    if (r0 == 0 && pf > 0) {  // later row chunks of this tile re-read blocks the first one brought in
       _Pragma("GCC unroll 5")
       for (int l = 0; l < kQ41Bytes; l += 64)
-        _mm_prefetch((const char*)(w + kPrefetchAhead + l), _MM_HINT_T0);
+        _mm_prefetch((const char*)(w + pf + l), _MM_HINT_T0);
     }
     // the block's 16 x 32 weights, unpacked once: wv[i] holds k = 4i..4i+3 (i < 4) and
     // 16+4(i-4).. (i >= 4) of all 16 columns; they stay in registers for all RB rows
@@ -76,13 +74,14 @@ void tile_q4_1_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int
 template <int RB>
 void tile_q8_0_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo,
                          int ncols) {
+  const int pf = g_prefetch_ahead;
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int b = 0; b < a.B; ++b, w += kQ80Bytes) {
-    if (r0 == 0) {
+    if (r0 == 0 && pf > 0) {
       _Pragma("GCC unroll 9")
       for (int l = 0; l < kQ80Bytes; l += 64)
-        _mm_prefetch((const char*)(w + kPrefetchAhead + l), _MM_HINT_T0);
+        _mm_prefetch((const char*)(w + pf + l), _MM_HINT_T0);
     }
     // the block's weights widened once (wv[p]: k = 2p, 2p+1 of all 16 columns), kept in
     // registers for all RB rows

@@ -136,9 +136,13 @@ inline void mm_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, in
   const TileFn fn = kind == kQ4_1 ? path.q4_1 : path.q8_0;
   const int rbmax = path.row_block;
   Pool& pl = pool();
-  // ~8 units per thread so a descheduled worker holds up little; at least one tile per unit
-  const int64_t units = std::min<int64_t>({T, (int64_t)pl.size() * 8, Pool::kMaxUnits});
-  const int64_t per = (T + units - 1) / units;
+  // Units of >= g_unit_bytes of weights (a claim costs an atomic), at most 128 per thread: a thread
+  // streams its own contiguous region of units (pool.h), so finer units only even out the finish
+  // (the lm_head's 30 MB: units of ~120 KB, so the caller's wait for the last one stays within its spin)
+  const int64_t tile_bytes = B * blk;
+  const int64_t per = std::max<int64_t>({(g_unit_bytes + tile_bytes - 1) / tile_bytes,
+                                         (T + (int64_t)pl.size() * 128 - 1) / ((int64_t)pl.size() * 128),
+                                         (T + Pool::kMaxUnits - 1) / Pool::kMaxUnits});
   const int64_t nunits = (T + per - 1) / per;
   auto work = [&](int u) {
     const int64_t t1 = std::min(T, (u + 1) * per);

@@ -6,7 +6,18 @@
 // atomic counter; a worker that has not woken up simply claims nothing, so the caller only ever
 // waits for units a worker has actually started. Idle workers spin briefly, then sleep on a
 // condition variable (passive waiting), so they do not keep a core busy between steps.
+// The caller, once no unit is left, waits for the units in flight the same way: it spins for
+// kDoneSpinUs, then sleeps until the last one finishes. A worker preempted in the middle of a unit
+// (another process took its core) then finds the caller's core idle and the kernel moves it
+// there, instead of both waiting for the other process's time slice to end.
+//
+// Units are split into one contiguous region per thread (thread i starts at the front of region
+// i), so each thread streams adjacent weight tiles (one hardware-prefetch stream, and the kernels'
+// software prefetch lands in the thread's own next unit); a thread whose region is exhausted
+// claims from the others' (work stealing), so nobody waits for a slow or descheduled thread's
+// unclaimed units. Which thread computes a unit never changes its bits.
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -32,8 +43,9 @@ struct Job {
 
 class Pool {
  public:
-  explicit Pool(int nthreads, int spin_us) : spin_us_(spin_us), pid_(getpid()) {
-    for (int i = 1; i < nthreads; ++i) th_.emplace_back([this] { worker(); });
+  explicit Pool(int nthreads, int spin_us)
+      : spin_us_(spin_us), pid_(getpid()), regions_(std::max(1, nthreads)) {
+    for (int i = 1; i < nthreads; ++i) th_.emplace_back([this, i] { worker(i); });
   }
   ~Pool() {
     {
@@ -58,56 +70,93 @@ class Pool {
     j.fn = fn;
     j.total = total;
     done_.store(0, std::memory_order_relaxed);
-    // publish: generation g, its unit count, next unit 0
-    state_.store((g << 40) | ((uint64_t)total << 20), std::memory_order_seq_cst);
+    // publish generation g: region r = units [total * r / R, total * (r + 1) / R) as gen:24 | end:20 |
+    // next:20; region 0 last, since workers watch it for a new generation (its store releases the rest)
+    const uint64_t R = regions_.size();
+    for (uint64_t r = R; r-- > 0;) {
+      const uint64_t lo = (uint64_t)total * r / R, hi = (uint64_t)total * (r + 1) / R;
+      regions_[r].s.store((g << 40) | (hi << 20) | lo, std::memory_order_seq_cst);
+    }
     if (sleeping_.load(std::memory_order_seq_cst) > 0) {
       std::lock_guard<std::mutex> lk(mu_);
       cv_.notify_all();
     }
-    work(g);
-    while (done_.load(std::memory_order_acquire) < total) TD_PAUSE();
+    work(g, 0);
+    wait_done(total);
   }
 
  private:
   static constexpr int kSlots = 4;
-  static constexpr uint64_t kGenMask = (1ull << 24) - 1;  // state = gen:24 | total:20 | next:20
+  static constexpr uint64_t kGenMask = (1ull << 24) - 1;  // region state = gen:24 | end:20 | next:20
 
  public:
   static constexpr int kMaxUnits = (1 << 20) - 1;
 
  private:
 
-  // Claim and run units of generation g until none is left or the generation moved on.
-  void work(uint64_t g) {
-    for (;;) {
-      uint64_t s = state_.load(std::memory_order_acquire);
-      if ((s >> 40) != g) return;
-      const uint64_t u = s & 0xFFFFF, total = (s >> 20) & 0xFFFFF;
-      if (u >= total) return;
-      // A successful claim of unit u < total of generation g means g cannot finish before this
-      // unit does, so slot g % kSlots stays valid while it runs.
-      if (!state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) continue;
-      slot_[g % kSlots].fn((int)u);
-      done_.fetch_add(1, std::memory_order_release);
+  static constexpr int kDoneSpinUs = 20;  // the caller's spin for units in flight before it sleeps
+
+  // Caller: until every unit of the current generation is done (spin, then sleep on done_cv_).
+  void wait_done(int total) {
+    if (done_.load(std::memory_order_acquire) >= total) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int it = 1;; ++it) {
+      if (done_.load(std::memory_order_acquire) >= total) return;
+      TD_PAUSE();
+      if ((it & 63) == 0 && std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(kDoneSpinUs)) break;
+    }
+    std::unique_lock<std::mutex> lk(done_mu_);
+    caller_waiting_.store(true, std::memory_order_seq_cst);
+    done_cv_.wait(lk, [&] { return done_.load(std::memory_order_seq_cst) >= total; });
+    caller_waiting_.store(false, std::memory_order_relaxed);
+  }
+
+  // Worker side of wait_done: the unit just finished was the last one and the caller sleeps.
+  void unit_done() {
+    done_.fetch_add(1, std::memory_order_seq_cst);
+    if (caller_waiting_.load(std::memory_order_seq_cst)) {
+      std::lock_guard<std::mutex> lk(done_mu_);  // the caller is in wait() or about to re-check done_
+      done_cv_.notify_one();
     }
   }
 
-  void worker() {
+  // Claim and run units of generation g, own region (self) first, then the others' in turn, until
+  // none is left or the generation moved on.
+  void work(uint64_t g, int self) {
+    const int R = (int)regions_.size();
+    for (int k = 0; k < R; ++k) {
+      std::atomic<uint64_t>& st = regions_[(self + k) % R].s;
+      for (;;) {
+        uint64_t s = st.load(std::memory_order_acquire);
+        if ((s >> 40) != g) return;
+        const uint64_t u = s & 0xFFFFF, end = (s >> 20) & 0xFFFFF;
+        if (u >= end) break;
+        // A successful claim of unit u < end of generation g means g cannot finish before this
+        // unit does, so slot g % kSlots stays valid while it runs.
+        if (!st.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) continue;
+        slot_[g % kSlots].fn((int)u);
+        unit_done();
+      }
+    }
+  }
+
+  void worker(int self) {
     uint64_t seen = 0;
+    std::atomic<uint64_t>& state0 = regions_[0].s;
     for (;;) {
-      uint64_t g = state_.load(std::memory_order_acquire) >> 40;
+      uint64_t g = state0.load(std::memory_order_acquire) >> 40;
       if (g == seen) {
         // spin for spin_us_, then sleep until a new generation is published
         auto t0 = std::chrono::steady_clock::now();
         int it = 0;
-        while ((state_.load(std::memory_order_acquire) >> 40) == seen && !stop_.load()) {
+        while ((state0.load(std::memory_order_acquire) >> 40) == seen && !stop_.load()) {
           TD_PAUSE();
           if ((++it & 63) == 0 &&
               std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(spin_us_)) {
             sleeping_.fetch_add(1, std::memory_order_seq_cst);
             std::unique_lock<std::mutex> lk(mu_);
             cv_.wait(lk, [&] {
-              return stop_.load() || (state_.load(std::memory_order_seq_cst) >> 40) != seen;
+              return stop_.load() || (state0.load(std::memory_order_seq_cst) >> 40) != seen;
             });
             sleeping_.fetch_sub(1, std::memory_order_seq_cst);
             break;
@@ -116,7 +165,7 @@ class Pool {
         if (stop_.load()) return;
         continue;
       }
-      work(g);
+      work(g, self);
       seen = g;
     }
   }
@@ -124,10 +173,16 @@ class Pool {
   int spin_us_;
   pid_t pid_;
   std::vector<std::thread> th_;
-  std::atomic<uint64_t> state_{0};
+  struct alignas(64) Region {
+    std::atomic<uint64_t> s{0};
+  };
+  std::vector<Region> regions_;  // one per thread, each on its own cache line
   std::atomic<int> done_{0};
   std::atomic<int> sleeping_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<bool> caller_waiting_{false};
+  std::mutex done_mu_;
+  std::condition_variable done_cv_;
   uint64_t gen_ = 0;
   Job slot_[kSlots];
   std::mutex mu_;

@@ -52,6 +52,16 @@ double read_bandwidth(torch::Tensor buf, int64_t reps) {
   return (double)buf.numel() / s / 1e9;
 }
 
+// Matmul tunables that change no result bit (common.h): prefetch distance (bytes, 0 = none) and the
+// smallest work unit (weight bytes); a negative argument keeps the current value. Returns both.
+std::vector<int64_t> set_tuning(int64_t prefetch_bytes, int64_t unit_bytes) {
+  TORCH_CHECK(prefetch_bytes <= (1 << 20) && unit_bytes <= (int64_t)1 << 30,
+              "qgemm.set_tuning: prefetch_bytes <= 1 MB and unit_bytes <= 1 GB");
+  if (prefetch_bytes >= 0) g_prefetch_ahead = (int)(prefetch_bytes / 64 * 64);
+  if (unit_bytes >= 0) g_unit_bytes = std::max<int64_t>(1, unit_bytes);
+  return {g_prefetch_ahead, g_unit_bytes};
+}
+
 std::vector<std::string> paths() {
   std::vector<std::string> out;
   for (const auto& p : compiled_paths()) out.push_back(p.name);
@@ -71,13 +81,16 @@ void set_spin_us(int64_t us) {
   g_pool.reset();  // re-created with the new setting at the next call
 }
 
-// Row-invariant decode attention (see attn.h): q (T, nh, hd), k/v (nkv, L, hd) float32 with unit
+// Row-invariant decode attention (see attn.h): q (T, nh, hd) float32, k/v (nkv, L, hd) float32 or float16 with unit
 // last stride, allowed bool (T, L) or empty for "all L keys" -> (T, nh, hd).
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor allowed,
                      double scale, const std::string& path_name) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q must be (T, nh, hd), k and v (nkv, L, hd)");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
-                  v.scalar_type() == torch::kFloat32, "attend: q, k and v must be float32");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == v.scalar_type() &&
+                  (k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kHalf),
+              "attend: q must be float32 and k, v both float32 or both float16");
+  const bool half = k.scalar_type() == torch::kHalf;
+  const int64_t es = half ? 2 : 4;  // bytes per k/v element
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
               "attend: the last dimension of q, k and v must be contiguous");
   const int64_t T = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k.size(0), L = k.size(1);
@@ -126,8 +139,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
     }
   }
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const char* kp = (const char*)k.data_ptr();
+  const char* vp = (const char*)v.data_ptr();
   float* op = out.data_ptr<float>();
   const int64_t group = nh / nkv;
   // queries ordered (kv head, row, head of the group): one attn::Group per kv head (attn_sched.h)
@@ -148,7 +161,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
       for (int64_t h = g * group; h < (g + 1) * group; ++h)
         qs.push_back({qp + t * q.stride(0) + h * q.stride(1), all ? nullptr : idx.data() + off[t],
                       all ? (int)L : (int)(off[t + 1] - off[t]), shared[t], op + (t * nh + h) * hd});
-    gs.push_back({kp + g * k.stride(0), vp + g * v.stride(0), k.stride(1), v.stride(1), q0, (int)qs.size()});
+    gs.push_back({kp + g * k.stride(0) * es, vp + g * v.stride(0) * es, k.stride(1), v.stride(1), q0, (int)qs.size(),
+                  half});
   }
   runner.run(isa, gs, qs, (int)hd, (float)scale, pool());
   return out;
@@ -165,6 +179,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_bandwidth", &td::read_bandwidth, "GB/s of the pool streaming a uint8 buffer (best of reps)",
         py::arg("buf"), py::arg("reps") = 5);
   m.def("paths", &td::paths, "compiled code paths, fastest first");
+  m.def("set_tuning", &td::set_tuning, "prefetch distance and smallest work unit in bytes (-1: keep); both now",
+        py::arg("prefetch_bytes") = -1, py::arg("unit_bytes") = -1);
   m.def("set_num_threads", &td::set_num_threads, "threads used by mm (caller included)");
   m.def("get_num_threads", &td::get_num_threads, "threads used by mm");
   // module_local: two builds of this extension (e.g. benchmarks/mm_ab.py's baseline) can share a process
@@ -184,5 +200,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &td::FusedDecoder::forward,
            py::arg("tokens"), py::arg("positions"), py::arg("seg_rows"), py::arg("seg_start"), py::arg("seg_k"),
            py::arg("seg_v"), py::arg("seg_mask"), py::arg("logit_rows"), py::arg("want_logits"));
+  m.def(
+      "set_attn_block_gemm", [](bool on) { td::attn::g_block_gemm = on; },
+      "AVX-512 attention: shared key chunks as per-block GEMMs (True) or chunk by chunk (same bits; for timing)");
   m.def("set_spin_us", &td::set_spin_us, "how long idle workers spin before sleeping");
 }

@@ -32,6 +32,7 @@ from torch import Tensor
 
 ENV_DISABLE = "TREEDRAFT_NO_FUSED"
 _EMPTY_MASK = torch.empty(0, dtype=torch.bool)
+_CACHE_DTYPES = (torch.float32, torch.float16)  # KV cache storage the native decoder reads (kernels/attn_kv.h)
 
 __all__ = ["ENV_DISABLE", "Seg", "disabled", "status", "decoder_for", "forward_segments", "try_forward"]
 
@@ -192,13 +193,19 @@ def status(model) -> str | None:
 
 
 def forward_segments(
-    model, tokens: Tensor, positions: Tensor, segments: Sequence[Any], logits_for: Tensor | None = None
+    model,
+    tokens: Tensor,
+    positions: Tensor,
+    segments: Sequence[Any],
+    logits_for: Tensor | None = None,
+    from_zero: bool = False,
 ) -> tuple[Tensor, Tensor] | None:
     """Packed decode forward of several requests' rows in one native call, or None when not applicable.
 
     tokens/positions: (M,) with M = sum(s.rows); segment i owns the i-th consecutive block of rows, writes
     its keys/values into ``s.cache`` at ``[s.start, s.start + s.rows)`` and attends under ``s.mask``
     (bool (rows, start + rows) or None = causal). logits_for: (M',) int64 row indices or None (all rows).
+    from_zero: segments may start at slot 0 (a prompt's first chunk; the caller chunks every prompt so).
     Returns (logits (M', V) float32, final-norm hidden (M, H)).
     """
     st = None if disabled() else _state(model)
@@ -212,7 +219,8 @@ def forward_segments(
         if not isinstance(ck, list) or not isinstance(cv, list) or not ck:
             return None  # not a KVCache of per-layer tensors
         k0 = ck[0]
-        if k0.shape[0] != 1 or k0.dtype != torch.float32 or s.start <= 0 or s.start + s.rows > s.cache.max_len:
+        first = s.start < 0 or (s.start == 0 and not from_zero)
+        if k0.shape[0] != 1 or k0.dtype not in _CACHE_DTYPES or first or s.start + s.rows > s.cache.max_len:
             return None
         m = _EMPTY_MASK
         if s.mask is not None:

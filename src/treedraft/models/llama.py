@@ -165,6 +165,8 @@ class Attention(nn.Module):
             mask = torch.ones(T, start + T, dtype=torch.bool, device=q.device).tril(start)[None, None]
         if self.exact_attention and cached and start > 0 and T <= self.EXACT_MAX_T:
             return self._exact(q, k, v, mask)
+        if k.dtype != q.dtype:  # a cache stored in another dtype (Transformer.kv_dtype)
+            k, v = k.to(q.dtype), v.to(q.dtype)
         gqa = self.nkv != self.nh
         if mask is None and T == 1:
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
@@ -301,11 +303,17 @@ class Transformer(nn.Module):
         self.matmul_plan = None
         return self
 
+    # Storage dtype of new KV caches: None = the weights' dtype; torch.float16 halves the bytes a decode step
+    # streams (the native attention widens each element exactly, so rows stay bitwise row-invariant; the
+    # values are rounded to fp16 on write). Set on the model or through treedraft.load(kv_dtype=...).
+    kv_dtype: torch.dtype | None = None
+
     def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
-        """Allocate an empty KV cache for ``batch`` sequences of up to ``max_len`` tokens."""
+        """Allocate an empty KV cache for ``batch`` sequences of up to ``max_len`` tokens (dtype: ``kv_dtype``)."""
         c = self.config
         p = self.embed.weight
-        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len or c.max_seq_len, c.head_dim, p.dtype, p.device)
+        dtype = self.kv_dtype or p.dtype
+        return KVCache(c.num_layers, batch, c.num_kv_heads, max_len or c.max_seq_len, c.head_dim, dtype, p.device)
 
     def forward(
         self,
@@ -368,6 +376,7 @@ class Transformer(nn.Module):
         positions: Tensor,
         segments: Sequence[Segment],
         logits_for: Tensor | None = None,
+        native_prefill: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """Run the rows of several requests in one forward (continuous batching).
 
@@ -377,6 +386,9 @@ class Transformer(nn.Module):
         linears (native kernels) and ``exact_attention`` each row's result is bitwise the same whether
         its request runs alone or packed with others.
         logits_for: optional (M',) row indices that get logits (default: every row).
+        native_prefill: a segment at start 0 (a prompt's first chunk) of at most :meth:`native_prefill_rows`
+            rows runs in the native decoder too (else the Python path with SDPA): rounded differently from
+            the Python prefill, so a caller uses it for every request or none (the batched scheduler's chunks).
         Returns logits (M', V) float32 and final-norm hidden states (M, H).
         """
         M = tokens.shape[0]
@@ -393,20 +405,33 @@ class Transformer(nn.Module):
                     f"a segment mask has shape {tuple(s.mask.shape)}, expected "
                     f"({s.rows}, {s.start + s.rows}) = (rows, start + rows)"
                 )
-        native = [s.start > 0 and s.rows <= Attention.EXACT_MAX_T for s in segments]
+        native = [(s.start > 0 or native_prefill) and s.rows <= Attention.EXACT_MAX_T for s in segments]
         if any(native):
             from .fused import forward_segments  # decode steps in one native call; None: not applicable
 
             if all(native):
-                out = forward_segments(self, tokens, positions, segments, logits_for)
+                out = forward_segments(self, tokens, positions, segments, logits_for, native_prefill)
                 if out is not None:
                     return out
             else:  # a segment's path never depends on what it is batched with: split, run each, reassemble
-                return self._split_packed(tokens, positions, segments, native, logits_for)
+                return self._split_packed(tokens, positions, segments, native, logits_for, native_prefill)
         return self._packed_python(tokens, positions, segments, logits_for)
 
+    def native_prefill_rows(self) -> int | None:
+        """Rows of a prompt chunk the native decoder can run from slot 0 (``forward_packed(native_prefill=True)``),
+        or None when this model has no native decoder (then prompts always take the Python path)."""
+        from .fused import decoder_for
+
+        return Attention.EXACT_MAX_T if decoder_for(self) is not None else None
+
     def _split_packed(
-        self, tokens: Tensor, positions: Tensor, segments: Sequence[Segment], native: list[bool], logits_for
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        segments: Sequence[Segment],
+        native: list[bool],
+        logits_for,
+        native_prefill: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """forward_packed over two groups (decode-step segments, the rest), results back in row order."""
         M = tokens.shape[0]
@@ -421,7 +446,11 @@ class Transformer(nn.Module):
             pick = (local[want] >= 0).nonzero().flatten()  # which requested logits rows are in this group
             dev_rows = rows.to(tokens.device)
             lg, hg = self.forward_packed(
-                tokens[dev_rows], positions[dev_rows], [segments[i] for i in group], local[want][pick].to(tokens.device)
+                tokens[dev_rows],
+                positions[dev_rows],
+                [segments[i] for i in group],
+                local[want][pick].to(tokens.device),
+                native_prefill,
             )
             if h is None:
                 h = hg.new_empty(M, hg.shape[1])

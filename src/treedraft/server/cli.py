@@ -24,6 +24,7 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
         max_batch=a.max_batch,
         step_rows=a.step_rows,
         prefill_chunk=a.prefill_chunk or None,
+        native_prefill=a.native_prefill,
         max_tokens_limit=a.max_tokens_limit,
         default_max_tokens=a.default_max_tokens,
         served_model_names=tuple(a.served_model_name or ()),
@@ -109,8 +110,9 @@ def register(subparsers: Any) -> None:
         "--step-rows",
         type=int,
         default=None,
-        help="draft-tree rows per step shared by the batch (default: measured once from this machine's "
-        "latency curve: the largest forward costing <= 3 one-token forwards)",
+        help="draft-tree rows per step shared equally by the batch (default: from this machine's latency "
+        "curve, measured once: a lone request's tree is the largest forward costing <= 3 one-token forwards, "
+        "and a batch's draft rows go to the requests whose drafts get accepted, as far as they pay)",
     )
     p.add_argument(
         "--prefill-chunk",
@@ -118,6 +120,14 @@ def register(subparsers: Any) -> None:
         default=256,
         help="prompt tokens a joining request prefills per step, so running requests wait at most one "
         "chunk (0 = whole prompts)",
+    )
+    p.add_argument(
+        "--native-prefill",
+        action="store_true",
+        help="prefill prompts through the native decoder in chunks of <= 64 rows (several requests' chunks per "
+        "step, up to --prefill-chunk rows): several times faster than the Python prefill, but rounded "
+        "differently, so greedy text can differ from `treedraft generate`'s at near-ties (never between "
+        "alone and batched)",
     )
     p.add_argument(
         "--max-tokens-limit",

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from ..engine import GenerationConfig, GenerationStats
 from ..interfaces import GenerationError
-from ..scheduler import Request, Scheduler, measured_step_rows
+from ..scheduler import Request, Scheduler, measured_latency, measured_step_rows
 from ..text import Chunk, TextStream
 from ..tree import TreeError
 from .metrics import Metrics
@@ -83,6 +83,25 @@ class Job:
     def _put(self, item: Chunk | Done | Failed) -> None:
         self._items.append(item)
         self._ready.set()
+
+    @staticmethod
+    def deliver_all(items: list[tuple[Job, Chunk | Done | Failed]]) -> None:
+        """Called by the worker thread once per step: every job's items of the step, in one hand-off per event loop
+        (one wake-up of the loop, not one per token and job)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Chunk | Done | Failed]]] = {}
+        for job, item in items:
+            by_loop.setdefault(job.loop, []).append((job, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(Job._put_all, batch)
+            except RuntimeError:  # event loop closed: nobody is listening any more
+                for job, _ in batch:
+                    job.cancelled.set()
+
+    @staticmethod
+    def _put_all(batch: list[tuple[Job, Chunk | Done | Failed]]) -> None:
+        for job, item in batch:
+            job._put(item)
 
     async def next(self, timeout: float) -> Chunk | Done | Failed | None:
         """The next item from the worker, or None after ``timeout`` seconds without one."""
@@ -221,10 +240,23 @@ class Worker:
         return bind(tenant or "") if callable(bind) else drafter
 
     def _scheduler(self) -> Scheduler:
+        """The batched loop: --step-rows shared equally, or (default) a lone request's tree from the measured
+        latency curve and, in a batch, the curve's row budget (draft nodes where their acceptance pays)."""
         s = self.settings
-        rows = s.step_rows if s.step_rows is not None else measured_step_rows(self.llm.engine.model)
-        log.info("batched decoding: up to %d requests per step, %d tree rows per step", s.max_batch, rows)
-        return Scheduler(self.llm.engine, step_rows=rows, prefill_chunk=s.prefill_chunk)
+        model = self.llm.engine.model
+        if s.step_rows is not None:
+            log.info("batched decoding: up to %d requests per step, %d tree rows per step", s.max_batch, s.step_rows)
+            return Scheduler(
+                self.llm.engine, step_rows=s.step_rows, prefill_chunk=s.prefill_chunk, native_prefill=s.native_prefill
+            )
+        rows, latency = measured_step_rows(model), measured_latency(model)
+        log.info(
+            "batched decoding: up to %d requests per step; a lone request's tree up to %d rows, a batch's draft "
+            "rows from the latency curve",
+            s.max_batch,
+            rows,
+        )
+        return Scheduler(self.llm.engine, rows, s.prefill_chunk, latency=latency, native_prefill=s.native_prefill)
 
     def _loop(self) -> None:
         try:
@@ -283,13 +315,21 @@ class Worker:
                 self._leave(job, "error")
             return
         self.metrics.observe_steps(len(self.running))
+        out: list[tuple[Job, Chunk | Done | Failed]] = []  # handed to the event loop at once, after the step
+        try:
+            self._collect(events, out)
+        finally:
+            Job.deliver_all(out)
+
+    def _collect(self, events: list[tuple[Request, list[int]]], out: list[tuple[Job, Chunk | Done | Failed]]) -> None:
+        """Turn a step's tokens into each job's item (one chunk per job and step: its tokens' text together)."""
         for req, new in events:
             job = req.tag
             live = self.running.get(job)
             if live is None:
                 continue
             if req.error is not None:
-                job.deliver(Failed(self._api_error(job, req.error)))
+                out.append((job, Failed(self._api_error(job, req.error))))
                 self._leave(job, "error")
                 continue
             chunks = live.text.feed(new)
@@ -303,12 +343,15 @@ class Worker:
                 live.gaps += [0.0] * (n - 1)  # tokens that arrived together
                 live.t_last = now
                 live.n_tokens += n
-            for c in chunks:
-                job.deliver(c)
+            if len(chunks) == 1:
+                out.append((job, chunks[0]))
+            elif chunks:
+                text, ids = "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]
+                out.append((job, Chunk(text, ids, chunks[-1].finish_reason)))
             if live.text.done:
                 finish = chunks[-1].finish_reason or "length"
                 self._leave(job, finish)  # first: the drafter (suffix store) records it before the client hears Done
-                job.deliver(Done(finish, live.stats))
+                out.append((job, Done(finish, live.stats)))
 
     def _leave(self, job: Job, outcome: str) -> None:
         """Take a job out of the batch and record it."""

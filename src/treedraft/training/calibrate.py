@@ -202,8 +202,12 @@ def _fused_decode(target: object) -> bool:
     return isinstance(target, Transformer) and fused.status(target) is None
 
 
-def tree_key(target: object, heads_dir: Path, model_id: str) -> dict[str, Any]:
-    """Cache key parts of a machine tree (with :func:`~treedraft.models.plan.machine_key` added by the cache)."""
+def tree_key(target: object, heads_dir: Path, model_id: str, draft_path: str = "") -> dict[str, Any]:
+    """Cache key parts of a machine tree (with :func:`~treedraft.models.plan.machine_key` added by the cache).
+
+    draft_path: :attr:`MedusaHeads.draft_path` -- the drafting cost enters the choice of tree, and it
+    differs ~30x between the native int8 copies and emulated bf16, so each path has its own tree.
+    """
     p = Path(model_id)
     heads_dir = Path(heads_dir)
     return {
@@ -211,6 +215,7 @@ def tree_key(target: object, heads_dir: Path, model_id: str) -> dict[str, Any]:
         **_target_facts(target),
         "heads": file_key(heads_dir / "heads.safetensors"),
         "heads_json": file_key(heads_dir / "medusa.json"),
+        "draft": draft_path,
     }
 
 
@@ -253,7 +258,7 @@ def machine_tree(
     acc = shipped_accuracies(heads.config)
     if acc is None:
         return ()
-    parts = tree_key(target, heads_dir, model_id)
+    parts = tree_key(target, heads_dir, model_id, heads.draft_path)
     dev = target_device(target)
 
     def measure() -> dict:
@@ -268,9 +273,10 @@ def machine_tree(
         room = getattr(target, "max_seq_len", None)
         context = TREE_CONTEXT if room is None else max(1, min(TREE_CONTEXT, room - max_nodes - 1))
         lat = measure_latency(target, context, sizes=latency_sizes(max_nodes), reps=3)
-        res = choose_tree(acc, lat, measure_draft_cost(heads), max_nodes, min_nodes=1)
+        draft_cost = measure_draft_cost(heads)
+        res = choose_tree(acc, lat, draft_cost, max_nodes, min_nodes=1)
         print(f" ... {time.perf_counter() - t:.1f} s: {res['nodes']} draft nodes", file=sys.stderr, flush=True)
-        return tree_record(res, lat, max_nodes, context)
+        return tree_record(res, lat, max_nodes, context, draft_cost_ms=round(draft_cost * 1000, 3))
 
     return cached_measurement(TREE_KIND, parts, measure, lambda v: _checked_tree(v, heads.config.num_heads), dev)
 
@@ -289,6 +295,7 @@ def tree_record(res: dict, latency: dict[int, float], max_nodes: int, context: i
     }
 
 
-def store_machine_tree(target: object, heads_dir: Path, model_id: str, record: dict) -> Path:
+def store_machine_tree(target: object, heads_dir: Path, model_id: str, record: dict, draft_path: str = "") -> Path:
     """Store a tree (``treedraft calibrate --write``) where :func:`machine_tree` looks; returns the file."""
-    return store_measurement(TREE_KIND, tree_key(target, heads_dir, model_id), record, target_device(target))
+    parts = tree_key(target, heads_dir, model_id, draft_path)
+    return store_measurement(TREE_KIND, parts, record, target_device(target))

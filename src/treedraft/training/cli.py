@@ -392,6 +392,6 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
             draft_cost_ms=round(draft_cost * 1000, 2),
             measured=measured,
         )
-        f = store_machine_tree(llm.model, d, llm.model_name, rec)
+        f = store_machine_tree(llm.model, d, llm.model_name, rec, heads.draft_path)
         print(f"wrote this machine's tree to {f}", file=sys.stderr)
     return 0

@@ -1,0 +1,168 @@
+"""Per-step draft rows for a batch: give tree nodes to the requests whose drafts get accepted, when they pay.
+
+On a CPU a forward's cost grows with its rows (``latency``: the calibrated curve, rows -> seconds): with
+one request extra tree rows are nearly free, with eight they are not. Each decoding request contributes its
+root row and gives one token whatever happens; a draft node adds a row and gives one more token when it
+lies on the accepted path. So a step's expected yield is ``sum over requests of (1 + sum of its nodes'
+acceptance probabilities)``, its cost ``latency(rows) + drafting``, and the batch's throughput is their
+ratio. :class:`RowBudget` estimates, per request and per node position of its drafter's tree (the node
+order the drafter chose, best first), the probability that the node is on the accepted path, from that
+request's recent steps (decayed counts, shrunk toward the pool of all requests), and picks the nodes that
+maximise expected tokens per second: the most probable nodes first over all requests, as many as raise the
+ratio (cf. the latency-aware tree sizing of Sequoia, Chen et al. 2024, and SpecInfer's batched token trees;
+here applied across requests).
+
+A request that got no draft rows for ``probe_every`` steps, and a new request at its first step, gets a few
+nodes (a probe), so a request that repeats known text (a suffix-drafter match, which leads the hybrid's
+tree once it expects 2 or more tokens) is noticed; one accepted probe is enough for its next steps to draft. Budgets never change a greedy or seeded-coupled
+request's tokens, only how many steps they take.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+POSITIONS = 64  # node positions tracked per request (root excluded)
+DECAY = 0.85  # weight of a step's evidence after each later step of the same request
+PRIOR_WEIGHT = 0.5  # pseudo-observations of the pool's estimate in a request's own estimate
+UNSEEN_FALLOFF = 0.9  # prior of a position no request has drafted yet, relative to the position before it
+POOL_DECAY = 0.98
+PROBE_EVERY = 64
+PROBE_NODES = 3  # draft nodes of a probe: enough for a scored drafter (suffix) to lead the hybrid's tree
+TABLE_ROWS = 1024  # the curve is tabulated up to this many rows
+MIN_P = 0.02  # positions less likely than this are not candidates
+
+
+def _prior(j: int) -> float:
+    """Initial pool estimate for node position j (1-based): a modest drafter, decaying with position."""
+    return 0.6 * 0.85 ** (j - 1)
+
+
+@dataclass
+class NodeStats:
+    """Decayed counts of 'node position j was on the accepted path' over steps that drafted position j."""
+
+    hits: list[float] = field(default_factory=lambda: [0.0] * (POSITIONS + 1))
+    tries: list[float] = field(default_factory=lambda: [0.0] * (POSITIONS + 1))
+    idle: int = 1 << 30  # steps since this request last got a draft row (a new request is probed at once)
+
+    def observe(self, tree_size: int, accepted: Sequence[int], decay: float) -> None:
+        """One verify step: nodes 1..tree_size-1 were drafted, ``accepted`` (node ids, root first) won."""
+        on_path = set(accepted)
+        for j in range(1, min(tree_size, POSITIONS + 1)):
+            self.hits[j] = self.hits[j] * decay + (j in on_path)
+            self.tries[j] = self.tries[j] * decay + 1.0
+
+
+def interpolate(latency: dict[int, float], rows: int) -> float:
+    """Seconds of a forward of ``rows`` rows: linear between measured sizes, linear extrapolation beyond."""
+    xs = sorted(latency)
+    if rows in latency:
+        return latency[rows]
+    if len(xs) == 1:
+        return latency[xs[0]] * rows / xs[0]
+    i = bisect.bisect_left(xs, rows)
+    lo, hi = (xs[-2], xs[-1]) if i >= len(xs) else (xs[0], xs[1]) if i == 0 else (xs[i - 1], xs[i])
+    t = latency[lo] + (latency[hi] - latency[lo]) * (rows - lo) / (hi - lo)
+    return max(t, latency[xs[0]] * 0.5)
+
+
+class RowBudget:
+    """Chooses each decoding request's tree size for one step from the latency curve and acceptance history."""
+
+    def __init__(self, latency: dict[int, float], probe_every: int = PROBE_EVERY) -> None:
+        if 1 not in latency or any(t <= 0 for t in latency.values()):
+            raise ValueError(f"the latency curve needs the one-row forward and positive times, got {latency}")
+        self.latency = {int(k): float(v) for k, v in latency.items()}
+        self.probe_every = probe_every
+        self.pool = NodeStats()
+        self.draft_cost = 0.0  # seconds per propose (decayed mean over the batch's proposals)
+        self._table = [interpolate(self.latency, max(1, r)) for r in range(TABLE_ROWS)]  # rows -> seconds
+        self._pool_est: list[float] | None = None  # the pool's estimates, recomputed after it changes
+
+    def seconds(self, rows: int) -> float:
+        """The curve at ``rows`` rows."""
+        return self._table[rows] if rows < TABLE_ROWS else interpolate(self.latency, rows)
+
+    def _pool_estimates(self) -> list[float]:
+        if self._pool_est is None:
+            h, t = self.pool.hits, self.pool.tries
+            self._pool_est = [1.0] + [
+                (h[j] + PRIOR_WEIGHT * _prior(j)) / (t[j] + PRIOR_WEIGHT) for j in range(1, POSITIONS + 1)
+            ]
+        return self._pool_est
+
+    def estimates(self, st: NodeStats, n: int) -> list[float]:
+        """P(node position j on the accepted path) for j = 1..n, non-increasing (prefixes of the tree are kept)."""
+        pool = self._pool_estimates()
+        hits, tries = st.hits, st.tries
+        out, last = [], 1.0
+        for j in range(1, min(n, POSITIONS) + 1):
+            # a position follows the request's previous one, scaled like the pool falls off where the pool has
+            # seen it (else by UNSEEN_FALLOFF: a chain that is being accepted tends to go on being accepted)
+            if j == 1:
+                prior = pool[1]
+            elif self.pool.tries[j] >= 1.0:
+                prior = last * min(1.0, pool[j] / pool[j - 1])
+            else:
+                prior = last * UNSEEN_FALLOFF
+            p = (hits[j] + PRIOR_WEIGHT * prior) / (tries[j] + PRIOR_WEIGHT)
+            if p < last:
+                last = p
+            if last < MIN_P:
+                break  # never worth a row: stop listing
+            out.append(last)
+        return out
+
+    def observe(
+        self, st: NodeStats, tree_size: int, accepted: Sequence[int], t_draft: float, pool: bool = True
+    ) -> None:
+        """Fold one request's verify step into its stats and (``pool``: a step sized by this budget) the pool's.
+
+        A lone request's big trees (a Medusa tree's node 2 is node 1's sibling) say little about the small
+        trees of a batch, where a node's position is mostly its depth: they are kept out of the pool."""
+        if tree_size > 1:
+            st.observe(tree_size, accepted, DECAY)
+            if pool:
+                self.pool.observe(tree_size, accepted, POOL_DECAY)
+                self._pool_est = None
+            self.draft_cost = t_draft if self.draft_cost == 0.0 else 0.9 * self.draft_cost + 0.1 * t_draft
+            st.idle = 0
+        else:
+            st.idle += 1
+
+    def allocate(
+        self, stats: Sequence[NodeStats], caps: Sequence[int], fixed_rows: int = 0, fixed_tokens: int = 0
+    ) -> list[int]:
+        """Tree size (root included) per request maximising expected tokens per second of the step.
+
+        stats/caps: per decoding request, its history and its largest allowed tree (root included);
+        fixed_rows/fixed_tokens: the step's other rows (prefill chunks, pinned trees, plain requests) and the
+        tokens they give at least, which this choice does not change.
+        """
+        n = len(stats)
+        cand: list[tuple[float, int, int]] = []  # (-p, request, position)
+        for i, (st, cap) in enumerate(zip(stats, caps)):
+            for j, p in enumerate(self.estimates(st, cap - 1), start=1):
+                cand.append((-p, i, j))
+        cand.sort()  # most probable first; a request's estimates do not increase, so its positions stay in order
+        rows, tokens, drafting = fixed_rows + n, float(n + fixed_tokens), 0
+        best_ratio, best_k = tokens / self.seconds(max(1, rows)), 0
+        for k, (negp, _i, j) in enumerate(cand, start=1):
+            rows += 1
+            tokens -= negp
+            drafting += j == 1
+            ratio = tokens / (self.seconds(rows) + drafting * self.draft_cost)
+            if ratio > best_ratio:
+                best_ratio, best_k = ratio, k
+        taken = [0] * n
+        for _negp, i, _j in cand[:best_k]:
+            taken[i] += 1
+        sizes = [1 + t for t in taken]
+        for i, st in enumerate(stats):
+            if sizes[i] == 1 and caps[i] > 1 and st.idle >= self.probe_every:
+                # probe, so the request's estimate follows what its drafter can do now
+                sizes[i] = min(caps[i], 1 + PROBE_NODES)
+        return sizes

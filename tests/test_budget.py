@@ -1,0 +1,87 @@
+"""The batch's row budget (treedraft.budget): draft nodes go where their expected acceptance pays for the rows."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from treedraft.budget import NodeStats, RowBudget, interpolate
+
+# a CPU-like curve (seconds): a few rows are nearly free, then every row costs ~2.8 ms (quiet Skylake, int4)
+CPU = {1: 0.0108, 2: 0.0119, 4: 0.0191, 8: 0.0293, 16: 0.0518, 32: 0.0966, 64: 0.186}
+
+
+def _history(p_hit: float, steps: int = 40, size: int = 9, seed: int = 0) -> NodeStats:
+    """Stats of a request whose chain drafts were each accepted (after an accepted parent) with probability p_hit."""
+    rng = random.Random(seed)
+    st = NodeStats()
+    for _ in range(steps):
+        n = 0
+        while n < size - 1 and rng.random() < p_hit:
+            n += 1
+        st.observe(size, list(range(n + 1)), 0.85)
+    st.idle = 0  # it has been drafting
+    return st
+
+
+def test_interpolate() -> None:
+    assert interpolate(CPU, 8) == CPU[8]
+    assert interpolate(CPU, 12) == pytest.approx((CPU[8] + CPU[16]) / 2)
+    assert interpolate(CPU, 128) == pytest.approx(CPU[64] + (CPU[64] - CPU[32]) * 2)  # linear beyond the last
+
+
+def test_a_lone_cheap_step_takes_drafts_a_full_batch_only_sure_ones() -> None:
+    good, weak = _history(0.97), _history(0.5)
+    # rows nearly free up to 16 (a GPU-like curve): even weak drafts get rows
+    assert all(s > 1 for s in RowBudget({1: 0.010, 16: 0.011, 64: 0.04}).allocate([good, weak], [9, 9]))
+    b = RowBudget(CPU)
+    # two requests on the CPU curve: the sure drafts fill the cheap rows, the coin flips do not pay
+    two = b.allocate([good, weak], [9, 9])
+    assert two[0] > 2 and two[1] == 1
+    # eight requests (8 root rows, ~2.8 ms per extra row): only the request whose drafts are nearly always
+    # accepted gets nodes; the others decode plainly
+    sizes = b.allocate([good] + [weak] * 7, [9] * 8)
+    assert sizes[0] > 2 and sizes[1:] == [1] * 7
+
+
+def test_no_drafts_when_rows_cost_more_than_they_give() -> None:
+    linear = {1: 0.01, 2: 0.02, 64: 0.64}  # every row costs a full step: a draft must be certain to pay
+    b = RowBudget(linear)
+    assert b.allocate([_history(0.9), _history(0.9)], [9, 9]) == [1, 1]
+
+
+def test_caps_and_fixed_rows_are_respected() -> None:
+    b = RowBudget(CPU)
+    good = _history(1.0)
+    assert b.allocate([good, good], [3, 1]) == [3, 1]
+    # a step already full of prefill rows leaves no room for drafts at the margin cost
+    few = b.allocate([good, good], [9, 9], fixed_rows=0)
+    many = b.allocate([good, good], [9, 9], fixed_rows=200)
+    assert sum(many) <= sum(few)
+
+
+def test_new_and_idle_requests_are_probed() -> None:
+    b = RowBudget(CPU, probe_every=3)
+    assert b.allocate([NodeStats()] + [_history(0.2) for _ in range(7)], [9] * 8)[0] == 4  # a new request
+    weak = _history(0.1)
+    strong = [_history(0.2) for _ in range(7)]
+    for _ in range(3):
+        assert b.allocate([weak, *strong], [9] * 8)[0] == 1
+        b.observe(weak, 1, [0], 0.0)
+    assert b.allocate([weak, *strong], [9] * 8)[0] == 4  # idle for probe_every steps: a probe of 3 nodes
+    assert b.allocate([weak, *strong], [2] + [9] * 7)[0] == 2  # within its cap
+    b.observe(weak, 2, [0, 1], 0.0)
+    assert weak.idle == 0
+
+
+def test_estimates_follow_the_request_not_only_the_pool() -> None:
+    b = RowBudget(CPU)
+    for _ in range(30):  # the pool has seen mediocre drafts
+        b.observe(NodeStats(), 5, [0, 1], 0.001)
+    good, bad = _history(1.0), _history(0.0)
+    eg, eb = b.estimates(good, 4), b.estimates(bad, 4)
+    assert eg[0] > 0.9 and (not eb or eb[0] < 0.3)  # shrunk toward the pool, far below it
+    assert all(x >= y for x, y in zip(eg, eg[1:]))  # non-increasing
+    with pytest.raises(ValueError, match="one-row"):
+        RowBudget({2: 0.1})
