@@ -345,8 +345,9 @@ def step_rows_from_latency(latency: dict[int, float], factor: float = STEP_ROWS_
     return max(n for n, t in latency.items() if t <= factor * latency[1])
 
 
-def measured_step_rows(model: Any, factor: float = STEP_ROWS_FACTOR) -> int:
-    """:func:`step_rows_from_latency` on this machine's latency curve for ``model`` (measured once, cached)."""
+def measured_latency(model: Any) -> dict[int, float]:
+    """This machine's forward latency curve for ``model``: seconds per row count at a 256-token context
+    (measured once per machine and model, cached; what :func:`measured_step_rows` and the EAGLE tree use)."""
     from .models.plan import cached_measurement
     from .training.calibrate import _target_facts, latency_sizes, measure_latency
 
@@ -355,10 +356,18 @@ def measured_step_rows(model: Any, factor: float = STEP_ROWS_FACTOR) -> int:
         lat = measure_latency(model, max(1, min(256, room - STEP_ROWS_MAX - 1)), latency_sizes(STEP_ROWS_MAX), reps=3)
         return {str(k): v for k, v in lat.items()}
 
-    def load(v: dict) -> int:
-        return step_rows_from_latency({int(k): float(t) for k, t in v.items()}, factor)
+    def load(v: dict) -> dict[int, float]:
+        lat = {int(k): float(t) for k, t in v.items()}
+        if 1 not in lat:
+            raise ValueError(f"the latency curve needs the one-row forward, got sizes {sorted(lat)}")
+        return lat
 
     return cached_measurement(STEP_ROWS_KIND, _target_facts(model), measure, load, target_device(model))
+
+
+def measured_step_rows(model: Any, factor: float = STEP_ROWS_FACTOR) -> int:
+    """:func:`step_rows_from_latency` on this machine's latency curve for ``model`` (measured once, cached)."""
+    return step_rows_from_latency(measured_latency(model), factor)
 
 
 def run_alone(
@@ -375,4 +384,12 @@ def run_alone(
     return req.tokens[len(req.prompt) : len(req.prompt) + req.n_out]
 
 
-__all__ = ["GenerationError", "Request", "Scheduler", "measured_step_rows", "run_alone", "step_rows_from_latency"]
+__all__ = [
+    "GenerationError",
+    "Request",
+    "Scheduler",
+    "measured_latency",
+    "measured_step_rows",
+    "run_alone",
+    "step_rows_from_latency",
+]
