@@ -5,6 +5,7 @@ timed by wrapping its methods (commit of the accepted pairs, the draft layer per
 head, top-k + tree bookkeeping), the target's forward by wrapping its native FusedDecoder.
 
     python benchmarks/eagle_profile.py [--weights int4] [--prompts 2] [--tokens 64] [--nodes 4 8 16]
+        [--drafter eagle|eagle-lookup] [--full-tree] [--depth D]
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 import treedraft
-from treedraft.engine import GenerationConfig, GenerationStats
+from treedraft.engine import GenerationConfig, GenerationStats, acceptance_per_depth
 from treedraft.models import fused
 
 DATA = Path("/work/shared/data/mt_bench_questions.jsonl")
@@ -59,12 +60,20 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--nodes", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--drafter", default="eagle")
+    ap.add_argument(
+        "--full-tree", action="store_true", help="no expected-gain sizing: every tree fills --nodes (draft quality)"
+    )
+    ap.add_argument("--depth", type=int, default=None, help="draft depth (default: the drafter's)")
     a = ap.parse_args()
     llm = treedraft.load(drafter=None, weights=a.weights)
     qs = [json.loads(line)["turns"][0] for line in DATA.read_text().splitlines()[: a.prompts]]
     prompts = [llm.encode_prompt(q) for q in qs]
     d = llm.get_drafter(a.drafter)
     eag = next((m for m in (d, *getattr(d, "drafters", ())) if m.name == "eagle"), None)
+    if eag is not None and a.full_tree:
+        eag.curve, eag.nodes = None, 0
+    if eag is not None and a.depth:
+        eag.depth = a.depth
     st = fused._state(llm.model)
     for n in a.nodes:
         tm = Timer()
@@ -86,6 +95,7 @@ def main() -> None:
         wall = expected = 0.0
         tot_s: dict[str, float] = defaultdict(float)
         tot_n: dict[str, int] = defaultdict(int)
+        pairs: list[tuple[int, int]] = []
         for p in prompts:
             stats = GenerationStats()
             cfg = GenerationConfig(max_new_tokens=a.tokens, max_tree_nodes=n, ignore_eos=True)
@@ -104,6 +114,7 @@ def main() -> None:
             toks += stats.new_tokens - 1
             steps += len(stats.steps) - k0
             acc += sum(s.accepted for s in stats.steps[k0:])
+            pairs += [(s.tree_depth, s.accepted) for s in stats.steps[k0:]]
         for name, fn in saved.items():
             setattr(eag, name, fn)
         if eag is not None and "draft_layer" in tm.s:
@@ -116,6 +127,8 @@ def main() -> None:
                     "tok_per_s": round(toks / wall, 1),
                     "mean_accepted": round(acc / steps + 1, 2),
                     "draft_expected": round(expected / steps, 2),
+                    "calibration": round(eag.calibration, 3) if eag is not None else None,
+                    "acceptance_per_depth": [round(x, 3) for x in acceptance_per_depth(pairs)],
                     "ms_per_step": round(1000 * wall / steps, 2),
                     "phase_ms_per_step": ms,
                     "calls_per_step": {k: round(v / steps, 2) for k, v in tot_n.items()},

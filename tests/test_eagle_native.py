@@ -12,7 +12,7 @@ from spec_stats import one_thread  # noqa: F401
 from test_eagle import cfg, random_net
 
 from treedraft.drafters.eagle import EagleDrafter, fast_drafting
-from treedraft.drafters.eagle_tree import LatencyCurve, best_size, worth_expanding
+from treedraft.drafters.eagle_tree import LatencyCurve, best_size, choose_size, worth_expanding
 from treedraft.engine import Engine
 from treedraft.interfaces import DraftContext
 
@@ -190,3 +190,10 @@ def test_weak_draft_backs_off_and_catches_up_its_cache_exactly() -> None:
     assert r.token_ids == ref
     assert check.skipped >= 3 and check.drafted >= 3
     assert d.calibration < 1.0
+
+
+def test_choose_size_says_whether_drafting_paid() -> None:
+    curve = LatencyCurve(XEON)
+    assert choose_size(np.array([0.9, 0.5]), curve, 0.001) == (1, True)
+    n, paid = choose_size(np.array([0.15]), curve, 0.002)  # 1.15 tokens for 11.9 + 2 ms vs 1 for 10.8 ms
+    assert not paid and n in (0, 1)

@@ -30,7 +30,7 @@ from ..interfaces import DraftContext, TargetModel
 from ..models.llama import Block, KVCache, LlamaConfig, RMSNorm, rope_frequencies
 from ..tree import TokenTree
 from .eagle_native import fast_drafting
-from .eagle_tree import best_size, worth_expanding
+from .eagle_tree import choose_size, worth_expanding
 
 __all__ = ["EagleConfig", "EagleDrafter", "EagleMismatchError", "EagleNet", "fast_drafting", "shipped_eagle_for"]
 
@@ -296,7 +296,8 @@ class EagleDrafter:
     def reset(self) -> None:
         """Forget the committed pairs (a new sequence starts)."""
         self._pending: tuple[Tensor, int] | None = None  # features of skipped steps, not yet in the cache
-        self._drafted: float | None = None  # the expected draft value of the last tree, until it is verified
+        # (expected draft value, root position, root token) of the last tree, until its outcome is seen
+        self._drafted: tuple[float, int, int] | None = None
         self.cache.length = 0
         self.base = 0  # pair index held in cache slot 0
         self.tokens: list[int] = []  # tokens x_0 .. x_r of the committed pairs (pair j uses x_{j+1})
@@ -346,12 +347,6 @@ class EagleDrafter:
         if not same:
             self.reset()
             self.base = first
-        elif self._drafted is not None:  # calibration: what the last tree was expected to add vs what it did
-            self._acc, self._exp = (
-                self.CAL_DECAY * self._acc + (r - first - 1),
-                self.CAL_DECAY * self._exp + self._drafted,
-            )
-        self._drafted = None
         slot = self.cache.length
         if slot + feats.shape[0] > self.max_len:
             raise ValueError(f"eagle drafter: context {r} exceeds its cache of {self.max_len} pairs")
@@ -363,6 +358,17 @@ class EagleDrafter:
         self.tokens = list(ctx.tokens[: r + 1])
         return lp, out[-1]
 
+    def _calibrate(self, ctx: DraftContext) -> None:
+        """Add the last tree's outcome (tokens committed since, less the bonus) against its expected value."""
+        if self._drafted is None:
+            return
+        value, at, root = self._drafted
+        self._drafted = None
+        r = len(ctx.tokens) - 1
+        if r > at and ctx.tokens[at] == root:  # the same sequence, one step later
+            self._acc = self.CAL_DECAY * self._acc + (r - at - 1)
+            self._exp = self.CAL_DECAY * self._exp + value
+
     @property
     def calibration(self) -> float:
         """Accepted draft tokens per unit of expected draft value over recent trees (EAGLE-2's values are
@@ -372,6 +378,7 @@ class EagleDrafter:
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> TokenTree:
         """An EAGLE-2 tree of at most ``ctx.max_nodes`` nodes (root included) and ``ctx.max_depth`` depth."""
+        self._calibrate(ctx)
         budget = ctx.max_nodes - 1 if not self.nodes else min(self.nodes, ctx.max_nodes - 1)
         depth = min(self.depth, ctx.max_depth)
         if self._skip > 0 and budget >= 1 and depth >= 1:  # back-off: hold the features for the next commit
@@ -423,19 +430,12 @@ class EagleDrafter:
         # rerank: the best nodes by cumulative log-prob; ties keep parents (shallower, earlier) first
         keep = sorted(range(1, len(tok)), key=lambda i: (-score[i], dep[i], i))[:budget]
         vals = np.exp(np.array([score[i] for i in keep]))
-        if self.curve is not None:
-            cal = np.minimum(1.0, self.calibration * vals)
-            drafting = forwards * self.step_seconds
-            keep = keep[: best_size(cal, self.curve, drafting, budget)]
-            # did drafting pay at all (vs a plain step, which drafts nothing)? if not, skip the next steps
-            rate = (1.0 + cal[: len(keep)].sum()) / (float(self.curve(len(keep) + 1)) + drafting)
-            if rate * float(self.curve(1)) < 1.0:
-                self._backoff = min(self.MAX_SKIP, max(1, 2 * self._backoff))
-                self._skip = self._backoff
-            else:
-                self._backoff = 0
-        self._drafted = float(vals[: len(keep)].sum())
-        self.last_expected = 1.0 + self._drafted  # the draft's own (uncalibrated) E[tokens] for this tree
+        if self.curve is not None:  # a tree that does not beat a plain step (no drafting) backs drafting off
+            n, paid = choose_size(np.minimum(1.0, self.calibration * vals), self.curve, forwards * self.step_seconds)
+            keep = keep[:n]
+            self._skip = self._backoff = 0 if paid else min(self.MAX_SKIP, max(1, 2 * self._backoff))
+        self.last_expected = 1.0 + float(vals[: len(keep)].sum())  # the draft's own (uncalibrated) E[tokens]
+        self._drafted = (self.last_expected - 1.0, r, ctx.root)
         new = {0: 0}
         tokens, parents = [ctx.root], [-1]
         for i in keep:

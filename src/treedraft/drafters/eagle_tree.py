@@ -53,6 +53,14 @@ def best_size(values_desc: np.ndarray, curve: LatencyCurve, draft_seconds: float
     return int(np.argmax(gain / cost))  # first maximum: the smaller tree on ties
 
 
+def choose_size(values_desc: np.ndarray, curve: LatencyCurve, draft_seconds: float) -> tuple[int, bool]:
+    """(N* = :func:`best_size` over all values, whether that tree beats a plain step, which drafts nothing)."""
+    v = np.asarray(values_desc, dtype=np.float64)
+    n = best_size(v, curve, draft_seconds, len(v))
+    rate = (1.0 + v[:n].sum()) / (float(curve(n + 1)) + draft_seconds)
+    return n, bool(rate * float(curve(1)) >= 1.0)
+
+
 def worth_expanding(
     values_desc: np.ndarray, frontier_best: float, curve: LatencyCurve, draft_seconds: float, step_seconds: float
 ) -> bool:
