@@ -197,3 +197,26 @@ def test_choose_size_says_whether_drafting_paid() -> None:
     assert choose_size(np.array([0.9, 0.5]), curve, 0.001) == (1, True)
     n, paid = choose_size(np.array([0.15]), curve, 0.002)  # 1.15 tokens for 11.9 + 2 ms vs 1 for 10.8 ms
     assert not paid and n in (0, 1)
+
+
+def test_measured_latency_is_measured_once_and_feeds_step_rows(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from test_eagle import tiny
+
+    from treedraft import scheduler
+    from treedraft.models import plan
+    from treedraft.training import calibrate
+
+    monkeypatch.setattr(plan, "cache_dir", lambda: tmp_path)  # (TREEDRAFT_CACHE would rebuild the kernels)
+    monkeypatch.setattr(plan, "measured_busy", lambda entry, now=None: False)
+    calls = []
+
+    def fake(model, context, sizes, reps):
+        calls.append(context)
+        return {n: 0.01 * (1 + (n > 2) * n) for n in sizes}
+
+    monkeypatch.setattr(calibrate, "measure_latency", fake)
+    model = tiny(1)
+    lat = scheduler.measured_latency(model)
+    assert lat[1] == 0.01 and lat[4] == pytest.approx(0.05) and len(calls) == 1
+    assert scheduler.measured_latency(model) == lat and len(calls) == 1  # cached
+    assert scheduler.measured_step_rows(model) == scheduler.step_rows_from_latency(lat) == 2
