@@ -295,7 +295,8 @@ class EagleDrafter:
 
     def reset(self) -> None:
         """Forget the committed pairs (a new sequence starts)."""
-        self._pending: tuple[Tensor, int] | None = None  # features of skipped steps, not yet in the cache
+        # features of skipped steps not yet in the cache: (f_at .., at, x_at) (the token guards against another sequence)
+        self._pending: tuple[Tensor, int, int] | None = None
         # (expected draft value, root position, root token) of the last tree, until its outcome is seen
         self._drafted: tuple[float, int, int] | None = None
         self.cache.length = 0
@@ -331,9 +332,9 @@ class EagleDrafter:
         feats = feats.reshape(-1, feats.shape[-1])[-r:]  # (n, H): f_{r-n} .. f_{r-1}
         first = r - feats.shape[0]
         if self._pending is not None:
-            held, at = self._pending
+            held, at, tok = self._pending
             self._pending = None
-            if at + held.shape[0] == first:
+            if at + held.shape[0] == first and ctx.tokens[at] == tok:
                 feats, first = torch.cat([held, feats]), at
         return feats, first
 
@@ -384,7 +385,7 @@ class EagleDrafter:
         if self._skip > 0 and budget >= 1 and depth >= 1:  # back-off: hold the features for the next commit
             self._skip -= 1
             feats, first = self._new_feats(ctx)
-            self._pending = (feats, first)
+            self._pending = (feats, first, ctx.tokens[first])
             self.last_expected = 1.0
             return TokenTree((ctx.root,), (-1,))
         lp, f_root = self._commit(ctx)
