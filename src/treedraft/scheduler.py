@@ -444,8 +444,8 @@ def step_rows_from_latency(latency: dict[int, float], factor: float = STEP_ROWS_
 
 
 def measured_latency(model: Any) -> dict[int, float]:
-    """This machine's forward latency curve for ``model`` (rows -> seconds at a 256-token context; measured
-    once, cached)."""
+    """This machine's forward latency curve for ``model``: seconds per row count at a 256-token context
+    (measured once per machine and model, cached; what :func:`measured_step_rows` and the EAGLE tree use)."""
     from .models.plan import cached_measurement
     from .training.calibrate import _target_facts, latency_sizes, measure_latency
 
@@ -456,7 +456,8 @@ def measured_latency(model: Any) -> dict[int, float]:
 
     def load(v: dict) -> dict[int, float]:
         lat = {int(k): float(t) for k, t in v.items()}
-        step_rows_from_latency(lat)  # ValueError for an unusable entry: measured again
+        if 1 not in lat:
+            raise ValueError(f"the latency curve needs the one-row forward, got sizes {sorted(lat)}")
         return lat
 
     return cached_measurement(STEP_ROWS_KIND, _target_facts(model), measure, load, target_device(model))

@@ -18,15 +18,21 @@ point masses (verify.accept_speculative).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ..interfaces import DraftContext, TargetModel
 from ..models.llama import Block, KVCache, LlamaConfig, RMSNorm, rope_frequencies
 from ..tree import TokenTree
+from .eagle_native import fast_drafting
+from .eagle_tree import choose_size, worth_expanding
+
+__all__ = ["EagleConfig", "EagleDrafter", "EagleMismatchError", "EagleNet", "fast_drafting", "shipped_eagle_for"]
 
 EAGLE_JSON = "eagle.json"
 EAGLE_WEIGHTS = "eagle.safetensors"
@@ -248,24 +254,51 @@ class EagleDrafter:
         nodes: int | None = None,
         project=None,
         project_vocab: Tensor | None = None,
+        native=None,
+        latency: dict[int, float] | None = None,
+        draft_step_seconds: float | None = None,
     ) -> None:
         """project: optional (rows, H) -> (rows, V'') logits used instead of the net's float projection
-        (see :func:`fast_drafting`); project_vocab: the token id of each of its V'' columns (None: all V ids)."""
+        (see :func:`fast_drafting`); project_vocab: the token id of each of its V'' columns (None: all V ids);
+        native: a :class:`~.eagle_native.NativeDraftStep` running each draft depth as one native call;
+        latency: the target's forward seconds per row count: when given, the tree keeps the N nodes that
+        maximise expected tokens per second (:mod:`.eagle_tree`) instead of the whole budget, and stops
+        drafting deeper when no frontier node can pay for another draft step (draft_step_seconds, default
+        a tenth of the one-row forward)."""
+        from .eagle_tree import LatencyCurve
+
         c = net.config
         self.net = net
         self.project = project
-        self.vm = net.vocab_map if project is None else project_vocab
+        self.native = native
+        self.vm = net.vocab_map if project is None and native is None else project_vocab
+        self._vm_np = None if self.vm is None else self.vm.cpu().numpy()
         self.depth = depth or c.depth
         self.topk = topk or c.topk
         self.nodes = c.nodes if nodes is None else nodes
         if self.depth < 1 or self.topk < 1:
             raise ValueError(f"depth and topk must be >= 1, got {self.depth}, {self.topk}")
+        self.curve = None if latency is None else LatencyCurve(latency)
+        if draft_step_seconds is None and self.curve is not None:
+            draft_step_seconds = float(self.curve(1)) / 10
+        self.step_seconds = draft_step_seconds or 0.0
         self.max_len = max_len
+        self.last_expected = 1.0  # 1 + the summed draft values of the last tree (EAGLE-2's E[accepted + bonus])
+        self._acc = self._exp = 0.0  # decayed sums: accepted draft tokens, expected (uncalibrated) values
+        self._skip = self._backoff = 0  # steps left to skip drafting; the current back-off length
         self.cache = net.new_cache(max_len + self.depth * self.topk + 1)
         self.reset()
 
+    CAL_DECAY = 0.95  # per tree: the calibration follows roughly the last 20 trees
+    CAL_PRIOR = 2.0  # pseudo-counts of a calibrated draft (factor 1) before any tree was verified
+    MAX_SKIP = 8  # steps drafting is skipped after a tree that did not pay (doubling back-off)
+
     def reset(self) -> None:
         """Forget the committed pairs (a new sequence starts)."""
+        # features of skipped steps not yet in the cache: (f_at .., at, x_at) (the token guards against another sequence)
+        self._pending: tuple[Tensor, int, int] | None = None
+        # (expected draft value, root position, root token) of the last tree, until its outcome is seen
+        self._drafted: tuple[float, int, int] | None = None
         self.cache.length = 0
         self.base = 0  # pair index held in cache slot 0
         self.tokens: list[int] = []  # tokens x_0 .. x_r of the committed pairs (pair j uses x_{j+1})
@@ -275,15 +308,42 @@ class EagleDrafter:
         """Pairs (f_j, x_{j+1}) in the draft cache, counted from pair 0."""
         return self.base + self.cache.length
 
-    @torch.inference_mode()
-    def _commit(self, ctx: DraftContext) -> Tensor:
-        """Feed the pairs committed since the last step; returns the root's predicted feature f_r (H,)."""
+    def _run(self, feats: Tensor, toks: Tensor, pos: Tensor, start: int, mask: Tensor | None, last_only: bool):
+        """One draft forward of e rows at cache slots [start, start + e) -> (log-probs (R, V') ndarray, feats (e, H)).
+
+        R = 1 (the last row) when ``last_only`` else e. mask (e, start + e) bool, None = causal."""
+        if self.native is not None:
+            rows = torch.tensor([toks.shape[0] - 1]) if last_only else None
+            logits, out = self.native(feats.float().contiguous(), toks, pos, self.cache, start, mask, rows)
+        else:
+            out = self.net(feats[None], toks[None], pos, self.cache, start, mask)[0]  # (e, H)
+            logits = self._logits(out[-1:] if last_only else out)
+        lg = logits.float().numpy().astype(np.float64)
+        m = lg.max(-1, keepdims=True)
+        return lg - (m + np.log(np.exp(lg - m).sum(-1, keepdims=True))), out
+
+    def _new_feats(self, ctx: DraftContext) -> tuple[Tensor, int]:
+        """(n, H) features f_{first} .. f_{r-1} of the pairs committed since the last draft, and ``first``
+        (rows held back by skipped steps first, when they join up)."""
         r = len(ctx.tokens) - 1  # the root's position
         feats = ctx.accepted_hidden if ctx.accepted_hidden is not None else ctx.hidden
         if feats is None:
             raise ValueError("the eagle drafter needs the target's hidden states; this target does not provide them")
         feats = feats.reshape(-1, feats.shape[-1])[-r:]  # (n, H): f_{r-n} .. f_{r-1}
         first = r - feats.shape[0]
+        if self._pending is not None:
+            held, at, tok = self._pending
+            self._pending = None
+            if at + held.shape[0] == first and ctx.tokens[at] == tok:
+                feats, first = torch.cat([held, feats]), at
+        return feats, first
+
+    @torch.inference_mode()
+    def _commit(self, ctx: DraftContext) -> tuple[np.ndarray, Tensor]:
+        """Feed the pairs committed since the last step; returns the depth-1 log-probs (1, V') and the root's
+        predicted feature f_r (H,)."""
+        r = len(ctx.tokens) - 1
+        feats, first = self._new_feats(ctx)
         same = self.committed == first and self.tokens[: first + 1] == list(ctx.tokens[: first + 1])
         if not same:
             self.reset()
@@ -292,51 +352,91 @@ class EagleDrafter:
         if slot + feats.shape[0] > self.max_len:
             raise ValueError(f"eagle drafter: context {r} exceeds its cache of {self.max_len} pairs")
         dev = self.net.emb_norm.weight.device
-        toks = torch.tensor(ctx.tokens[first + 1 : r + 1], device=dev)[None]  # (1, n) x_{j+1}
+        toks = torch.tensor(ctx.tokens[first + 1 : r + 1], device=dev)  # (n,) x_{j+1}
         pos = torch.arange(first, r, device=dev)
-        out = self.net(feats[None].to(dev), toks, pos, self.cache, slot)  # (1, n, H)
+        lp, out = self._run(feats.to(dev), toks, pos, slot, None, last_only=True)
         self.cache.length = slot + feats.shape[0]
         self.tokens = list(ctx.tokens[: r + 1])
-        return out[0, -1]
+        return lp, out[-1]
+
+    def _calibrate(self, ctx: DraftContext) -> None:
+        """Add the last tree's outcome (tokens committed since, less the bonus) against its expected value."""
+        if self._drafted is None:
+            return
+        value, at, root = self._drafted
+        self._drafted = None
+        r = len(ctx.tokens) - 1
+        if r > at and ctx.tokens[at] == root:  # the same sequence, one step later
+            self._acc = self.CAL_DECAY * self._acc + (r - at - 1)
+            self._exp = self.CAL_DECAY * self._exp + value
+
+    @property
+    def calibration(self) -> float:
+        """Accepted draft tokens per unit of expected draft value over recent trees (EAGLE-2's values are
+        probabilities of the draft, not of the target: an overconfident draft gets a factor < 1)."""
+        return (self._acc + self.CAL_PRIOR) / (self._exp + self.CAL_PRIOR)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> TokenTree:
         """An EAGLE-2 tree of at most ``ctx.max_nodes`` nodes (root included) and ``ctx.max_depth`` depth."""
-        f_root = self._commit(ctx)
+        self._calibrate(ctx)
         budget = ctx.max_nodes - 1 if not self.nodes else min(self.nodes, ctx.max_nodes - 1)
         depth = min(self.depth, ctx.max_depth)
-        if budget < 1 or depth < 1:
+        if self._skip > 0 and budget >= 1 and depth >= 1:  # back-off: hold the features for the next commit
+            self._skip -= 1
+            feats, first = self._new_feats(ctx)
+            self._pending = (feats, first, ctx.tokens[first])
+            self.last_expected = 1.0
             return TokenTree((ctx.root,), (-1,))
-        net, k, r = self.net, self.topk, len(ctx.tokens) - 1
+        lp, f_root = self._commit(ctx)
+        if budget < 1 or depth < 1:
+            self.last_expected = 1.0
+            return TokenTree((ctx.root,), (-1,))
+        k, r, dev = self.topk, len(ctx.tokens) - 1, f_root.device
         # candidate nodes (root = 0): token, parent, cumulative log-prob, depth; slot = draft cache slot if expanded
         tok, par, score, dep = [ctx.root], [-1], [0.0], [0]
         slot_of: dict[int, int] = {}
+        anc: dict[int, list[int]] = {0: []}  # draft cache slots of a node's expanded proper ancestors
         feat_of: dict[int, Tensor] = {0: f_root}
         base = self.cache.length
-        frontier = self._children([0], self._logits(f_root[None]), k, tok, par, score, dep)
-        dev = f_root.device
+        frontier = self._children([0], lp, k, tok, par, score, dep)
+        forwards = 1  # draft forwards this step (the commit gave depth 1)
         for d in range(1, depth):
             expand = sorted(frontier, key=lambda i: -score[i])[:k]
+            # an estimated (not timed) draft cost keeps the tree a function of the inputs
+            cal = self.calibration
+            if self.curve is not None and not worth_expanding(
+                np.minimum(1.0, cal * np.exp(np.array(score[1:]))), min(1.0, cal * math.exp(score[expand[0]])),
+                self.curve, forwards * self.step_seconds, self.step_seconds,
+            ):  # fmt: skip
+                break
             start = base + len(slot_of)
             # each expanded node attends to the committed pairs, its expanded ancestors and itself
-            mask = torch.zeros(len(expand), start + len(expand), dtype=torch.bool, device=dev)
+            mask = np.zeros((len(expand), start + len(expand)), dtype=bool)
             mask[:, :base] = True
             for row, i in enumerate(expand):
+                p = par[i]
+                anc[i] = anc[p] + [slot_of[p]] if p > 0 else []
+                mask[row, anc[i]] = True
                 mask[row, start + row] = True
-                a = par[i]
-                while a > 0:
-                    mask[row, slot_of[a]] = True
-                    a = par[a]
-            feats = torch.stack([feat_of[par[i]] for i in expand])[None]  # (1, e, H)
-            toks = torch.tensor([tok[i] for i in expand], device=dev)[None]
-            pos = torch.tensor([r + d - 1] * len(expand), device=dev)
-            out = net(feats, toks, pos, self.cache, start, mask)[0]  # (e, H)
+            feats = torch.stack([feat_of[par[i]] for i in expand])  # (e, H)
+            toks = torch.tensor([tok[i] for i in expand], device=dev)
+            pos = torch.full((len(expand),), r + d - 1, dtype=torch.long, device=dev)
+            lp, out = self._run(feats, toks, pos, start, torch.from_numpy(mask).to(dev), last_only=False)
+            forwards += 1
             for row, i in enumerate(expand):
                 slot_of[i], feat_of[i] = start + row, out[row]
-            frontier = self._children(expand, self._logits(out), k, tok, par, score, dep)
+            frontier = self._children(expand, lp, k, tok, par, score, dep)
         self.cache.length = base  # drafts never stay in the cache
-        # rerank: the best `budget` nodes by cumulative log-prob; ties keep parents (shallower, earlier) first
+        # rerank: the best nodes by cumulative log-prob; ties keep parents (shallower, earlier) first
         keep = sorted(range(1, len(tok)), key=lambda i: (-score[i], dep[i], i))[:budget]
+        vals = np.exp(np.array([score[i] for i in keep]))
+        if self.curve is not None:  # a tree that does not beat a plain step (no drafting) backs drafting off
+            n, paid = choose_size(np.minimum(1.0, self.calibration * vals), self.curve, forwards * self.step_seconds)
+            keep = keep[:n]
+            self._skip = self._backoff = 0 if paid else min(self.MAX_SKIP, max(1, 2 * self._backoff))
+        self.last_expected = 1.0 + float(vals[: len(keep)].sum())  # the draft's own (uncalibrated) E[tokens]
+        self._drafted = (self.last_expected - 1.0, r, ctx.root)
         new = {0: 0}
         tokens, parents = [ctx.root], [-1]
         for i in keep:
@@ -351,16 +451,17 @@ class EagleDrafter:
             return self.project(f.to(self.net.lm_weight.dtype)).float()
         return self.net.logits(f)
 
-    def _children(self, nodes: list[int], logits: Tensor, k: int, tok, par, score, dep) -> list[int]:
-        """Add the top-k children of each of ``nodes`` (logits (len(nodes), V') rows); return their indices."""
-        # top-k of the log-softmax = top-k of the logits minus the row's logsumexp: one topk call per depth
-        v, ids = logits.topk(min(k, logits.shape[-1]), -1)  # (e, k)
-        v = v - torch.logsumexp(logits, -1, keepdim=True)
-        if self.vm is not None:
-            ids = self.vm[ids]
+    def _children(self, nodes: list[int], lp: np.ndarray, k: int, tok, par, score, dep) -> list[int]:
+        """Add the top-k children of each of ``nodes`` (log-probs (len(nodes), V') rows); return their indices."""
+        k = min(k, lp.shape[-1])
+        top = np.argpartition(-lp, k - 1, axis=-1)[:, :k] if k < lp.shape[-1] else np.tile(np.arange(k), (len(lp), 1))
+        vals = np.take_along_axis(lp, top, -1)
+        order = np.argsort(-vals, axis=-1, kind="stable")
+        top, vals = np.take_along_axis(top, order, -1), np.take_along_axis(vals, order, -1)
+        ids = top if self._vm_np is None else self._vm_np[top]
         out = []
-        for i, vals, ts in zip(nodes, v.tolist(), ids.tolist()):
-            for val, t in zip(vals, ts):
+        for i, vs, ts in zip(nodes, vals.tolist(), ids.tolist()):
+            for val, t in zip(vs, ts):
                 out.append(len(tok))
                 tok.append(int(t))
                 par.append(i)
@@ -369,42 +470,26 @@ class EagleDrafter:
         return out
 
     @staticmethod
-    def for_target(target: TargetModel, d: str | Path, model_name: str | None = None) -> EagleDrafter:
-        """Load the drafter in ``d`` for ``target`` (EagleMismatchError if trained for another model)."""
+    def for_target(
+        target: TargetModel,
+        d: str | Path,
+        model_name: str | None = None,
+        latency: dict[int, float] | str | None = "measured",
+    ) -> EagleDrafter:
+        """Load the drafter in ``d`` for ``target`` (EagleMismatchError if trained for another model); on a
+        native target it drafts through one native call per depth and, with latency "measured", sizes its
+        trees by this machine's forward latency curve (:func:`treedraft.scheduler.measured_latency`);
+        None keeps the whole node budget; a dict is used as the curve (see :class:`EagleDrafter`)."""
+        from .eagle_native import native_draft_step
+
         net = EagleNet.load(d, target, model_name)
         net, project, vocab = fast_drafting(net, target)
+        native = native_draft_step(net, project) if project is not None else None
+        if latency == "measured":
+            from ..scheduler import measured_latency
+
+            latency = measured_latency(target) if native is not None else None
+        elif isinstance(latency, str):
+            raise ValueError(f"latency must be 'measured', None or a dict of row count -> seconds, got {latency!r}")
         max_len = getattr(target, "max_seq_len", 4096) or 4096
-        return EagleDrafter(net, max_len=max_len, project=project, project_vocab=vocab)
-
-
-def fast_drafting(net: EagleNet, target: TargetModel) -> tuple[EagleNet, object, Tensor | None]:
-    """(net, project, project_vocab) for drafting: on a target served by the native quantized kernels, the
-    draft layer's linears and its draft-vocabulary head become native group-32 int8 (q8, round-to-nearest);
-    else the net as it is, projecting with the target's quantized lm_head if it has one.
-
-    Measured on the int4 Skylake target (one draft depth, 1-4 rows, a loaded 2-core machine: ratios only):
-    the full 49k-token int4 lm_head 24-29 ms, the 4k-token draft-vocabulary head in fp32 7-14 ms and as
-    q8 1.3-2.5 ms; the fp32 draft layer 22-45 ms, q8 14-18 ms. A net with the full vocabulary
-    (draft_vocab 0) keeps projecting through the target's own quantized lm_head.
-    """
-    import copy
-
-    from ..models.llama import Linear
-    from ..models.quant import NativeLinear, QuantLinear, native_kernels, quantize_q8_rtn, swap_linears
-
-    lm = getattr(target, "lm_head", None)
-    lm = lm if isinstance(lm, QuantLinear) else None
-    natives = native_kernels()
-    if lm is None or natives is None:
-        return net, lm, None
-    fast = copy.deepcopy(net)
-    qw = {
-        n: quantize_q8_rtn(m.weight.detach())
-        for n, m in fast.named_modules()
-        if isinstance(m, (Linear, nn.Linear)) and m.in_features % 32 == 0
-    }
-    swap_linears(fast, qw, {"q8": "native"}, natives)
-    fast.layer.attn.exact_attention = False  # the draft layer keeps SDPA (its tree masks over the draft cache)
-    if net.vocab_map is None:
-        return fast, lm, None
-    return fast, NativeLinear("q8", quantize_q8_rtn(net.lm_weight).parts, None, natives), net.vocab_map
+        return EagleDrafter(net, max_len=max_len, project=project, project_vocab=vocab, native=native, latency=latency)

@@ -87,7 +87,7 @@ class FusedDecoder {
     TORCH_CHECK(embed_.size(1) == H_, "FusedDecoder: embed must be (V, ", H_, ")");
     check_f32(inv_freq_, "inv_freq", 1);
     TORCH_CHECK(inv_freq_.size(0) == hd_ / 2, "FusedDecoder: inv_freq must have head_dim/2 entries");
-    check_vec(final_norm_, "final norm", H_);
+    if (final_norm_.numel() > 0) check_vec(final_norm_, "final norm", H_);  // empty: hidden = pre-norm x
     const int64_t qkv = (nh_ + 2 * nkv_) * hd_;
     for (size_t l = 0; l < layers.size() / 10; ++l) {
       const torch::Tensor* t = &layers[l * 10];
@@ -111,6 +111,18 @@ class FusedDecoder {
 
   int64_t num_layers() const { return (int64_t)layers_.size(); }
 
+  // EAGLE input (drafters/eagle.py, EagleNet.forward): with it set, forward takes the features f (M, H)
+  // and a row's input is fc([emb_norm(embed(tok)) ; feat_norm(f)]) instead of embed(tok).
+  void set_eagle_input(torch::Tensor emb_norm, torch::Tensor feat_norm, torch::Tensor fc, torch::Tensor fc_bias,
+                       int64_t fc_kind) {
+    check_vec(emb_norm, "emb_norm", H_);
+    check_vec(feat_norm, "feat_norm", H_);
+    emb_norm_ = emb_norm;
+    feat_norm_ = feat_norm;
+    fc_ = make_lin(fc, fc_bias, fc_kind, H_, 2 * H_, "fc");
+    has_fc_ = true;
+  }
+
   // Per-phase wall time of the forwards since the last call (ms), when profiling is on:
   // [other (norms, RoPE, cache writes, silu, residuals), qkv, attention, wo, w13, w2, lm_head]
   void set_profile(bool on) { profile_ = on; }
@@ -130,7 +142,8 @@ class FusedDecoder {
       torch::Tensor tokens, torch::Tensor positions, std::vector<int64_t> seg_rows,
       std::vector<int64_t> seg_start, std::vector<std::vector<torch::Tensor>> seg_k,
       std::vector<std::vector<torch::Tensor>> seg_v, std::vector<torch::Tensor> seg_mask,
-      std::optional<torch::Tensor> logit_rows, bool want_logits) {
+      std::optional<torch::Tensor> logit_rows, bool want_logits,
+      std::optional<torch::Tensor> features = std::nullopt) {
     TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == torch::kInt64 && tokens.is_contiguous(),
                 "FusedDecoder.forward: tokens must be a contiguous int64 (M,) tensor");
     TORCH_CHECK(positions.sizes() == tokens.sizes() && positions.scalar_type() == torch::kInt64 &&
@@ -202,6 +215,21 @@ class FusedDecoder {
     cs_.resize(M * hd_);  // per row: cos[0..half), sin[0..half)
     const float* emb = embed_.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) std::memcpy(&x_[m * H_], emb + tok[m] * H_, H_ * sizeof(float));
+    TORCH_CHECK(has_fc_ == features.has_value(), "FusedDecoder.forward: features must be given exactly when ",
+                "set_eagle_input was called");
+    if (has_fc_) {
+      const torch::Tensor& f = *features;
+      TORCH_CHECK(f.dim() == 2 && f.size(0) == M && f.size(1) == H_ && f.scalar_type() == torch::kFloat32 &&
+                      f.is_contiguous(),
+                  "FusedDecoder.forward: features must be contiguous float32 (", M, ", ", H_, ")");
+      cat_.resize(M * 2 * H_);
+      const int isa0 = default_isa();
+      for (int64_t m = 0; m < M; ++m) {
+        rmsnorm(&x_[m * H_], emb_norm_.data_ptr<float>(), &cat_[m * 2 * H_], 1, isa0);
+        rmsnorm(f.data_ptr<float>() + m * H_, feat_norm_.data_ptr<float>(), &cat_[m * 2 * H_ + H_], 1, isa0);
+      }
+      linear(fc_, cat_.data(), M, x_.data(), pick_path(""));
+    }
     const int64_t* pos = positions.data_ptr<int64_t>();
     const float* inv = inv_freq_.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
@@ -264,7 +292,10 @@ class FusedDecoder {
       for (int64_t i = 0; i < M * H_; ++i) x_[i] = x_[i] + h_[i];
     }
     auto hidden = torch::empty({M, H_}, torch::kFloat32);
-    rmsnorm(x_.data(), final_norm_.data_ptr<float>(), hidden.data_ptr<float>(), M, isa);
+    if (final_norm_.numel() > 0)
+      rmsnorm(x_.data(), final_norm_.data_ptr<float>(), hidden.data_ptr<float>(), M, isa);
+    else
+      std::memcpy(hidden.data_ptr<float>(), x_.data(), M * H_ * sizeof(float));
     tick(0);
     if (!want_logits || !has_lm_) return {torch::empty({0}, torch::kFloat32), hidden};
     torch::Tensor hl = hidden;
@@ -400,10 +431,11 @@ class FusedDecoder {
   float eps_, scale_;
   torch::Tensor embed_, inv_freq_, final_norm_;
   std::vector<LayerW> layers_;
-  Lin lm_;
-  bool has_lm_ = false;
+  Lin lm_, fc_;
+  bool has_lm_ = false, has_fc_ = false;
+  torch::Tensor emb_norm_, feat_norm_;
   // scratch, reused across calls (one forward at a time per decoder)
-  std::vector<float> x_, h_, qkv_, att_, ff_, act_, cs_;
+  std::vector<float> x_, h_, qkv_, att_, ff_, act_, cs_, cat_;
   std::vector<int32_t> idx_;
   std::vector<int64_t> off_, cnt_, contig_;
   std::vector<attn::Query> aq_;

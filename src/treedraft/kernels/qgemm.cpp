@@ -199,7 +199,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // keeps the GIL: the thread pool and the decoder's scratch buffers serve one caller at a time
       .def("forward", &td::FusedDecoder::forward,
            py::arg("tokens"), py::arg("positions"), py::arg("seg_rows"), py::arg("seg_start"), py::arg("seg_k"),
-           py::arg("seg_v"), py::arg("seg_mask"), py::arg("logit_rows"), py::arg("want_logits"));
+           py::arg("seg_v"), py::arg("seg_mask"), py::arg("logit_rows"), py::arg("want_logits"),
+           py::arg("features") = py::none())
+      .def("set_eagle_input", &td::FusedDecoder::set_eagle_input,
+           "EAGLE draft layer input: forward(features=f) feeds fc([emb_norm(embed(tok)); feat_norm(f)])",
+           py::arg("emb_norm"), py::arg("feat_norm"), py::arg("fc"), py::arg("fc_bias"), py::arg("fc_kind"));
   m.def(
       "set_attn_block_gemm", [](bool on) { td::attn::g_block_gemm = on; },
       "AVX-512 attention: shared key chunks as per-block GEMMs (True) or chunk by chunk (same bits; for timing)");
