@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from step_overhead import TimedDecoder  # this folder is on sys.path when run as a script
 
 import treedraft
 from treedraft.budget import interpolate
@@ -46,21 +47,6 @@ from treedraft.engine import GenerationConfig, GenerationStats
 from treedraft.models import fused
 from treedraft.prompts import MT_BENCH_FILE, find_shared_data, read_prompt_file
 from treedraft.scheduler import Scheduler, measured_latency, measured_step_rows
-
-
-class TimedDecoder:
-    """Delegates to a native FusedDecoder and adds up the wall time of its ``forward`` calls."""
-
-    def __init__(self, dec: object) -> None:
-        self.dec, self.seconds, self.calls = dec, 0.0, 0
-
-    def forward(self, *args: object) -> object:
-        """The native forward, timed."""
-        t = time.perf_counter()
-        out = self.dec.forward(*args)
-        self.seconds += time.perf_counter() - t
-        self.calls += 1
-        return out
 
 
 def install_timer(model: torch.nn.Module) -> TimedDecoder | None:
