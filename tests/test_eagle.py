@@ -298,18 +298,23 @@ def test_training_lowers_the_loss_and_resumes(tmp_path: Path) -> None:
 # ---- the shipped drafter on the real model ---------------------------------------------------
 @pytest.mark.slow
 def test_shipped_eagle_greedy_equals_plain_real_model() -> None:
+    """The shipped drafter on the real model: output = plain, both with this machine's tree sizing (which may
+    draft rarely where rows are expensive) and with the whole 32-node budget (drafts must be accepted then)."""
     import treedraft
     from treedraft.drafters.eagle import shipped_eagle_for
 
-    if shipped_eagle_for("smollm2-135m-instruct") is None:
+    d = shipped_eagle_for("smollm2-135m-instruct")
+    if d is None:
         pytest.skip("no shipped EAGLE drafter")
     llm = treedraft.load(drafter=None, weights="int4")
-    d = llm.drafters.get("eagle")
+    sized = llm.drafters.get("eagle")
+    full = EagleDrafter.for_target(llm.model, d, "smollm2-135m-instruct", latency=None)
     for q in ("Write a short poem about the sea.", "Explain what a hash table is."):
         plain = llm.generate(q, drafter=None, max_new_tokens=64)
-        spec = llm.generate(q, drafter=d, max_new_tokens=64, max_tree_nodes=32)
+        spec = llm.generate(q, drafter=full, max_new_tokens=64, max_tree_nodes=32)
         assert spec.token_ids == plain.token_ids
-        assert spec.stats.mean_accepted_length > 1.1  # drafts are accepted (measured 1.47 on the first prompt)
+        assert spec.stats.mean_accepted_length > 1.1  # drafts are accepted (measured 1.7 over 6 MT-Bench prompts)
+        assert llm.generate(q, drafter=sized, max_new_tokens=64, max_tree_nodes=32).token_ids == plain.token_ids
 
 
 def test_fast_drafting_on_a_native_target_drafts_like_the_float_net(tmp_path: Path) -> None:
