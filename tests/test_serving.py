@@ -694,7 +694,9 @@ def test_suffix_drafts_stay_within_a_tenant_unless_shared(share: bool) -> None:
         warm, text_warm = accepted(KEYS[0])  # key A again: its first answer is in its index now
         other, text_other = accepted(KEYS[1])  # key B: a cold index of its own, unless the operator shares
     assert text == text_warm == text_other  # drafts never change the greedy output
-    assert warm >= cold + 20, (cold, warm)  # nearly the whole 48-token answer comes from A's first pass
+    # nearly the whole 48-token answer comes from A's first pass (cold drafts come from the request's own
+    # index: the tiny model loops, so the cold pass gets ~30 already)
+    assert warm >= 42 and warm >= cold + 10, (cold, warm)
     assert other == (warm if share else cold), (cold, warm, other)
     assert {r.tenant for r in llm.suffix_store.records()} == {tenant_id(KEYS[0]), tenant_id(KEYS[1])}
 
