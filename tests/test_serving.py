@@ -732,7 +732,7 @@ def test_suffix_bound_is_per_tenant_in_the_server() -> None:
         assert len(store.records(a)) == 1 and store.tenant_tokens(b) <= 100
         assert store.num_tokens > 100  # the bound is per tenant, not global
         warm = run(KEYS[0], "The quick brown fox")  # A's first answer is still indexed
-        assert warm >= cold + 20, (cold, warm)
+        assert warm >= 42 and warm >= cold + 10, (cold, warm)  # as in the tenancy test above
         for prompt in ("Pack my box", "Sphinx of black quartz", "How vexingly quick"):
             run(KEYS[0], prompt)  # A's own traffic evicts A's oldest requests
             assert store.tenant_tokens(a) <= 100
