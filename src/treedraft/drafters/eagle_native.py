@@ -64,6 +64,7 @@ def native_draft_step(fast: torch.nn.Module, head: Any) -> NativeDraftStep | Non
     """The one-call draft step of ``fast`` (an EagleNet whose linears are native, from ``fast_drafting``) with
     ``head`` (a native linear over the draft vocabulary), or None when the native extension cannot run it."""
     from .. import kernels
+    from ..models.fused import layer_tensors, linear_bias
     from ..models.quant import NativeLinear
 
     if not kernels.available():
@@ -80,15 +81,10 @@ def native_draft_step(fast: torch.nn.Module, head: Any) -> NativeDraftStep | Non
         return None
     c = fast.config
 
-    def bias(m) -> Tensor:
-        return _EMPTY_F32 if m.bias is None else m.bias.detach().float().contiguous()
-
     def f32(t: Tensor) -> Tensor:
         return t.detach().float().contiguous()
 
-    tensors: list[Tensor] = [f32(blk.attn_norm.weight), f32(blk.ffn_norm.weight)]
-    for m in lins:
-        tensors += [m.packed.data, bias(m)]
+    tensors, kinds = layer_tensors(blk)
     dec = ext.FusedDecoder(
         hidden=c.hidden_size,
         heads=c.num_heads,
@@ -100,10 +96,10 @@ def native_draft_step(fast: torch.nn.Module, head: Any) -> NativeDraftStep | Non
         embed=emb.detach(),
         inv_freq=f32(fast.inv_freq),
         layers=tensors,
-        kinds=[m.packed.kind for m in lins],
+        kinds=kinds,
         final_norm=_EMPTY_F32,  # EAGLE's layer output is the predicted final-norm feature itself
         lm_head=head.packed.data,
-        lm_head_bias=bias(head),
+        lm_head_bias=linear_bias(head),
         lm_head_kind=head.packed.kind,
         vocab=head.out_features,
     )
@@ -111,7 +107,7 @@ def native_draft_step(fast: torch.nn.Module, head: Any) -> NativeDraftStep | Non
         emb_norm=f32(fast.emb_norm.weight),
         feat_norm=f32(fast.feat_norm.weight),
         fc=fast.fc.packed.data,
-        fc_bias=bias(fast.fc),
+        fc_bias=linear_bias(fast.fc),
         fc_kind=fast.fc.packed.kind,
     )
     return NativeDraftStep(dec, head.out_features)

@@ -103,6 +103,24 @@ def _deps(model) -> _Watch:
     return _Watch(dicts, keys, [d.get(k) for d, k in slots], len(model.layers))
 
 
+_EMPTY_F32 = torch.empty(0, dtype=torch.float32)
+
+
+def linear_bias(m) -> Tensor:
+    """A native linear's bias as fused.h takes it: contiguous float32, or an empty tensor for none."""
+    return _EMPTY_F32 if m.bias is None else m.bias.detach().float().contiguous()
+
+
+def layer_tensors(block) -> tuple[list[Tensor], list[int]]:
+    """One decoder layer's tensors in fused.h's order (attn_norm, ffn_norm, then data and bias of wqkv, wo,
+    w13, w2) and the four linears' kinds; the caller has checked the linears are native."""
+    lins = (block.attn.wqkv, block.attn.wo, block.ffn.w13, block.ffn.w2)
+    tensors = [w.detach().float().contiguous() for w in (block.attn_norm.weight, block.ffn_norm.weight)]
+    for m in lins:
+        tensors += [m.packed.data, linear_bias(m)]
+    return tensors, [m.packed.kind for m in lins]
+
+
 def _build(model, deps: _Watch) -> _State:
     """A FusedDecoder for ``model``, or the reason it cannot have one."""
     from treedraft import kernels
@@ -128,23 +146,16 @@ def _build(model, deps: _Watch) -> _State:
     eps = {b.attn_norm.eps for b in model.layers} | {b.ffn_norm.eps for b in model.layers} | {model.norm.eps}
     if len(eps) != 1:
         return no(f"RMSNorm eps differs between layers: {sorted(eps)}")
-    empty = torch.empty(0, dtype=torch.float32)
-
-    def bias(m) -> Tensor:
-        return empty if m.bias is None else m.bias.detach().float().contiguous()
-
     for i, b in enumerate(model.layers):
-        lins = (b.attn.wqkv, b.attn.wo, b.ffn.w13, b.ffn.w2)
-        for m in lins:
+        for m in (b.attn.wqkv, b.attn.wo, b.ffn.w13, b.ffn.w2):
             if not isinstance(m, NativeLinear):
                 return no(f"layers.{i}: {type(m).__name__} is not a native linear")
         norms = (b.attn_norm.weight, b.ffn_norm.weight)
         if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
             return no(f"layers.{i}: norm weights must be contiguous float32")
-        tensors += [w.detach() for w in norms]
-        for m in lins:
-            tensors += [m.packed.data, bias(m)]
-            kinds.append(m.packed.kind)
+        t, k = layer_tensors(b)
+        tensors += t
+        kinds += k
     lm = model.lm_head
     lm_native = isinstance(lm, NativeLinear)
     dec = ext.FusedDecoder(
@@ -161,7 +172,7 @@ def _build(model, deps: _Watch) -> _State:
         kinds=kinds,
         final_norm=model.norm.weight.detach().float().contiguous(),
         lm_head=lm.packed.data if lm_native else torch.empty(0, dtype=torch.uint8),
-        lm_head_bias=bias(lm) if lm_native else empty,
+        lm_head_bias=linear_bias(lm) if lm_native else _EMPTY_F32,
         lm_head_kind=lm.packed.kind if lm_native else 0,
         vocab=lm.out_features if lm_native else cfg.vocab_size,
     )
