@@ -21,28 +21,15 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from ..budget import LatencyCurve as _LatencyCurve
 
-class LatencyCurve:
-    """Seconds of one target forward of n rows, linearly interpolated between measured sizes."""
+
+class LatencyCurve(_LatencyCurve):
+    """Seconds of one target forward of n rows, linearly interpolated between measured sizes (as measured,
+    made non-decreasing; no lower hull, unlike the suffix drafter's smoothing)."""
 
     def __init__(self, latency: Mapping[int, float]) -> None:
-        if not latency or 1 not in latency:
-            raise ValueError(f"a latency curve needs the one-row forward, got sizes {sorted(latency or {})}")
-        if any(n < 1 or t <= 0 for n, t in latency.items()):
-            raise ValueError("latency sizes must be >= 1 rows and times > 0 seconds")
-        self.sizes = np.array(sorted(latency), dtype=np.float64)
-        self.times = np.array([latency[int(n)] for n in self.sizes], dtype=np.float64)
-        # one forward never gets cheaper with more rows: take the running max (measurement noise)
-        self.times = np.maximum.accumulate(self.times)
-
-    def __call__(self, rows: np.ndarray | int) -> np.ndarray:
-        """Seconds for ``rows`` (array or int); beyond the largest size, extrapolated linearly from the last two."""
-        r = np.asarray(rows, dtype=np.float64)
-        out = np.interp(r, self.sizes, self.times)
-        if len(self.sizes) >= 2:
-            slope = (self.times[-1] - self.times[-2]) / (self.sizes[-1] - self.sizes[-2])
-            out = np.where(r > self.sizes[-1], self.times[-1] + slope * (r - self.sizes[-1]), out)
-        return out
+        super().__init__(latency, lower_hull=False)
 
 
 def best_size(values_desc: np.ndarray, curve: LatencyCurve, draft_seconds: float, max_nodes: int) -> int:

@@ -26,11 +26,10 @@ is expected to return; a weak one earns a node or none.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from ..budget import LatencyCurve  # one curve for the suffix, EAGLE and batch sizing
 from .suffix_index import DraftPaths
 
 # P(the target's next token = the continuation after an e-token match), by bucket of e (lower bounds):
@@ -96,46 +95,6 @@ class AcceptanceModel:
         """One verified node backed by an e-token match: accepted or not."""
         self._expected += 1.0 - self.prior_prob(e)
         self._failed += 0.0 if accepted else 1.0
-
-
-class LatencyCurve:
-    """Forward seconds by row count (root included), interpolated linearly between measured sizes."""
-
-    def __init__(self, latency: Mapping[int, float]) -> None:
-        pts = sorted((int(n), float(t)) for n, t in latency.items())
-        if not pts or pts[0][0] != 1 or any(t <= 0 for _, t in pts):
-            raise ValueError(f"the latency curve needs positive times including the one-row forward, got {pts}")
-        # Load on a shared machine only ever slows a measurement down, so the curve is the *lower* convex hull
-        # of the points (a forward's cost is convex in its rows: flat while the weights dominate, then linear):
-        # a point above it (24 rows slower than 32) is noise. Then more rows never cost less.
-        hull: list[tuple[int, float]] = []
-        for q in pts:
-            while len(hull) >= 2 and _cross(hull[-2], hull[-1], q) <= 0:
-                hull.pop()
-            hull.append(q)
-        self.sizes = np.array([n for n, _ in hull], dtype=np.float64)
-        self.times = np.maximum.accumulate(np.array([t for _, t in hull], dtype=np.float64))
-        self._table: list[float] = []
-
-    def table(self, rows: int) -> list[float]:
-        """[seconds for r rows, r = 0 .. rows] as a list (index 0 unused), cached: the per-step lookups."""
-        if len(self._table) <= rows:
-            self._table = [0.0, *self(np.arange(1, max(2 * rows, 64) + 1)).tolist()]
-        return self._table
-
-    def __call__(self, rows: np.ndarray | int) -> np.ndarray:
-        """Seconds for ``rows`` rows (beyond the largest measured size: extended with its last slope)."""
-        r = np.asarray(rows, dtype=np.float64)
-        out = np.interp(r, self.sizes, self.times)
-        if len(self.sizes) >= 2:
-            slope = (self.times[-1] - self.times[-2]) / (self.sizes[-1] - self.sizes[-2])
-            out = np.where(r > self.sizes[-1], self.times[-1] + max(slope, 0.0) * (r - self.sizes[-1]), out)
-        return out
-
-
-def _cross(a: tuple[int, float], b: tuple[int, float], c: tuple[int, float]) -> float:
-    """> 0 when a -> b -> c turns left (b lies below the segment a-c)."""
-    return (b[0] - a[0]) * (c[1] - a[1]) - (b[1] - a[1]) * (c[0] - a[0])
 
 
 def node_depths(parents: Sequence[int]) -> list[int]:
