@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..budget import interpolate
 from ..interfaces import target_device
 from ..models.cache import file_key
 from ..models.plan import cached_measurement, measurement_path, store_measurement
@@ -88,18 +89,9 @@ def choose_tree(
     outside: set[int] = set()
 
     def lat(n: int) -> float:
-        if n in latency:
-            return latency[n]
         if n < sizes[0] or n > sizes[-1]:
             outside.add(n)
-            pair = sizes[:2] if n < sizes[0] else sizes[-2:]
-            if len(pair) < 2:
-                return latency[pair[0]]
-            lo, hi = pair
-        else:
-            lo = max(s for s in sizes if s <= n)
-            hi = min(s for s in sizes if s >= n)
-        return max(0.0, latency[lo] + (latency[hi] - latency[lo]) * (n - lo) / (hi - lo))
+        return interpolate(latency, n)  # the row budget's rule: linear, extrapolated from the nearest two
 
     def tok_per_s(n: int) -> float:
         t = lat(n + 1) + (draft_cost if n else 0.0)
