@@ -12,7 +12,7 @@ unit bytes) settings of ``treedraft.kernels.set_tuning`` (no effect on bits), as
 and without it, alternating) and print busy/quiet per build.
 
     python benchmarks/fused_ab.py --baseline /tmp/base/src/treedraft/kernels [--context 512] [--reps 40]
-        [--busy] [--tunings 0:16384,8192:16384,4096:65536]
+        [--busy] [--tunings 0:16384,8192:16384,4096:65536] [--kv-dtype float16]
 
 Run on branch rt2 (base = its parent commit d9f2bbb's kernels) on the 2-core Xeon at load average 13-15:
 bitwise equal for k = 1 and 16 and every tuning; timings were dominated by the other jobs (1-row forwards
@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--ks", default="1,16")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32", help="KV cache storage")
     ap.add_argument("--busy", action="store_true", help="also time with one core kept busy by a spinner")
     ap.add_argument("--tunings", default="", help="PF:UNIT,... variants of the new build (set_tuning bytes)")
     a = ap.parse_args()
@@ -91,6 +92,7 @@ def main() -> None:
 
     V, ctx = m.vocab_size, a.context
     g = torch.Generator().manual_seed(0)
+    m.kv_dtype = getattr(torch, a.kv_dtype)
     cache = m.new_cache(ctx + 128)
     ks = [int(k) for k in a.ks.split(",")]
     calls = {}
@@ -145,7 +147,10 @@ def main() -> None:
                 phases[(n, k)] = [t / a.reps for t in decs[n].take_timings()]
         for d in decs.values():
             d.set_profile(False)
-    print(f"\n{a.weights}, context {ctx}, {a.threads} threads, {a.reps} reps interleaved; ms median / min")
+    print(
+        f"\n{a.weights}, {a.kv_dtype} KV, context {ctx}, {a.threads} threads, {a.reps} reps interleaved; "
+        "ms median / min"
+    )
     for busy in (False, True) if a.busy else (False,):
         print(f"\n{'one core busy' if busy else 'quiet'}:")
         print("| rows | build | median / min ms | base/build (median) |")
