@@ -238,7 +238,7 @@ namespace attn {
 
 // A full chunk of 16 keys at ranks c0..c0+15 for nq queries (slots idx[c0..] or c0.. when idx is
 // null, the same for every query): the AVX-512 / AVX2 register paths when hd is 16, 32, 64 or 128,
-// else chunk_ref per query. All give the same bits. `ahead` (AVX-512 path only): rows to prefetch.
+// else chunk_ref per query. All give the same bits. `ahead`: rows the register paths prefetch.
 template <int I, class T>
 inline void chunk_full(int nq, const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs,
                        const int32_t* idx, int c0, int hd, float scale, float* const* m, float* const* l,
@@ -250,9 +250,13 @@ inline void chunk_full(int nq, const float* const* q, const T* k, int64_t ks, co
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (I == kAvx2) {
-    if (chunk16_fast_avx2(nq, q, k, ks, v, vs, idx, c0, hd, scale, m, l, acc)) return;
+    if (chunk16_fast_avx2(nq, q, k, ks, v, vs, idx, c0, hd, scale, m, l, acc, ahead)) return;
   }
 #endif
+  if (ahead.k) {  // no key loop to spread it over
+    prefetch_rows(ahead.k, ahead.ks, kChunk, hd);
+    prefetch_rows(ahead.v, ahead.vs, kChunk, hd);
+  }
   for (int i = 0; i < nq; ++i) chunk_ref<I>(q[i], k, ks, v, vs, idx, c0, kChunk, hd, scale, *m[i], *l[i], acc[i]);
 }
 
@@ -313,7 +317,7 @@ void attend_block(int nq, const float* const* q, const int32_t* const* idx, cons
 #endif
   for (; c < common; ++c) {
     Ahead<T> ahead;  // the next shared chunk (into the next block too: often this thread's next unit)
-    if constexpr (I == kAvx512) {
+    if constexpr (I != kScalar) {  // the register paths spread it over the chunk (attn_kv.h Ahead)
       if (c + 1 < reach)
         ahead = {k + (int64_t)(c + 1) * kChunk * ks, v + (int64_t)(c + 1) * kChunk * vs, ks, vs};
     } else if (c + 1 < common) {
