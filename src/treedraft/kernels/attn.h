@@ -235,7 +235,6 @@ inline void chunk_ref(const float* q, const T* k, int64_t ks, const T* v, int64_
 namespace td {
 namespace attn {
 
-
 // A full chunk of 16 keys at ranks c0..c0+15 for nq queries (slots idx[c0..] or c0.. when idx is
 // null, the same for every query): the AVX-512 / AVX2 register paths when hd is 16, 32, 64 or 128,
 // else chunk_ref per query. All give the same bits. `ahead`: rows the register paths prefetch.
