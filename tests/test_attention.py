@@ -191,6 +191,22 @@ def test_fp16_kv_equals_fp32_on_the_rounded_values(path: str, hd: int, prefix: i
     assert torch.equal(plain[0], kernels.attend(q, k, v, allowed, hd**-0.5, path=path)[i])
 
 
+@pytest.mark.skipif("avx512" not in kernels.paths(), reason="AVX-512 register path")
+@pytest.mark.parametrize("hd", [16, 32, 64, 128])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_one_row_gqa_groups_equal_scalar_bitwise(hd: int, kv_dtype: torch.dtype) -> None:
+    """A 1-row step's GQA group (1..5 query heads per kv head) through AVX-512's joint-score chunk path
+    (kernels/attn_avx512.h: each key loaded once for the group's queries) gives the scalar path's bits."""
+    g = torch.Generator().manual_seed(hd)
+    nkv, L = 2, 300  # 2 full blocks + 44 keys: full chunks across a block edge and a partial chunk
+    k, v = (torch.randn(nkv, L, hd, generator=g) * 3).to(kv_dtype), torch.randn(nkv, L, hd, generator=g).to(kv_dtype)
+    for group in range(1, 6):
+        q = torch.randn(1, nkv * group, hd, generator=g)
+        fast = kernels.attend(q, k, v, None, hd**-0.5, path="avx512")
+        assert torch.equal(fast, kernels.attend(q, k, v, None, hd**-0.5, path="scalar")), group
+        assert torch.equal(fast, kernels.attend(q, k, v, None, hd**-0.5, path="avx2")), group
+
+
 def test_sdpa_is_not_row_invariant_here() -> None:
     """The property the kernel exists for is not free: SDPA's masked tree rows differ from the 1-row call."""
     g = torch.Generator().manual_seed(0)

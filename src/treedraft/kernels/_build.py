@@ -20,6 +20,7 @@ _SOURCES = ["qgemm.cpp"]
 _HEADERS = [
     "attn.h",
     "attn_avx2.h",
+    "attn_avx512.h",
     "attn_gemm.h",
     "attn_kv.h",
     "attn_sched.h",

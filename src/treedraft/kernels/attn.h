@@ -230,148 +230,32 @@ inline void chunk_ref(const float* q, const T* k, int64_t ks, const T* v, int64_
 
 }  // namespace attn
 }  // namespace td
-#include "attn_avx2.h"  // chunk16_fast_avx2: the AVX2 register path of chunk_ref
+#include "attn_avx2.h"    // chunk16_fast_avx2: the AVX2 register path of chunk_ref
+#include "attn_avx512.h"  // chunk16_fast, scores16: the AVX-512 register path of chunk_ref
 namespace td {
 namespace attn {
 
-#if defined(__AVX512F__)
-// Lane sums of 16 zmm accumulators, each reduced by dot's tree (l += l+8, +4, +2, +1), done jointly
-// with shuffles: every addition adds the same two partial sums as tree8 does for that key, so the
-// result lanes are bitwise dot<kAvx512>'s values; lane order restored by one permute (kPerm).
-inline __m512i reduce16_perm();
-inline __m512 reduce16(const __m512* a, bool permute = true) {
-  __m512 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)  // (l += l+8): [key 2i: 8 lanes | key 2i+1: 8 lanes]
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // (l += l+4): 4 keys x 4 lanes
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)  // (l += l+2): 8 keys x 2 lanes
-    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
-  // (l += l+1): 16 keys x 1 lane
-  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
-  return permute ? _mm512_permutexvar_ps(reduce16_perm(), e) : e;
-}
-
-// Which output lane of the unpermuted reduce16 holds key j, found once by reducing a[j] = j.
-inline __m512i reduce16_perm() {
-  static const __m512i perm = [] {
-    __m512 a[16];
-    for (int j = 0; j < 16; ++j) a[j] = _mm512_set1_ps((float)j);
-    alignas(64) float e[16];
-    _mm512_store_ps(e, reduce16(a, false));
-    alignas(64) int32_t idx[16];
-    for (int lane = 0; lane < 16; ++lane) idx[(int)(e[lane] / 16.f)] = lane;
-    return _mm512_load_si512((const void*)idx);
-  }();
-  return perm;
-}
-
-// The 16 scores dot(q, k_j) * scale of a full chunk (key j at kp[j]), hd = 16 * NV, as dot<kAvx512>.
-template <int NV, class T>
-inline __m512 scores16(const float* q, const T* const* kp, float scale) {
-  __m512 qv[NV], a[16];
-  for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
-  for (int j = 0; j < 16; ++j) {
-    __m512 t = _mm512_setzero_ps();
-    for (int i = 0; i < NV; ++i) t = _mm512_fmadd_ps(qv[i], load16(kp[j] + 16 * i), t);
-    a[j] = t;
-  }
-  return _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
-}
-
-// chunk_ref for a full chunk of 16 keys (key j at kp[j], value at vp[j]) and Q queries at once
-// (Q = 1..4: independent queries hide the latency of each one's sequential l / acc chains and share
-// the value loads), hd = 16 * NV, AVX-512: per query the same operations on the same values as chunk_ref.
-template <int NV, int Q, class T>
-inline void chunk16_avx512(const float* const* q, const T* const* kp, const T* const* vp, float scale,
-                           float* const* m, float* const* l, float* const* acc) {
-  alignas(64) float p[Q][16];
-  __m512 av[Q][NV];
-  float mc[Q];
-  for (int u = 0; u < Q; ++u) {
-    const __m512 s = scores16<NV>(q[u], kp, scale);
-    const float smax = _mm512_reduce_max_ps(s);
-    mc[u] = smax > *m[u] ? smax : *m[u];  // max is exact; a +-0 tie cannot change exp_fixed's value
-    const float al = exp_fixed(*m[u] - mc[u]);
-    *l[u] = *l[u] * al;
-    _mm512_store_ps(p[u], exp_fixed16(_mm512_sub_ps(s, _mm512_set1_ps(mc[u]))));
-    const __m512 va = _mm512_set1_ps(al);
-    for (int i = 0; i < NV; ++i) av[u][i] = _mm512_mul_ps(_mm512_loadu_ps(acc[u] + 16 * i), va);
-  }
-  float lu[Q];
-  for (int u = 0; u < Q; ++u) lu[u] = *l[u];
-  for (int j = 0; j < 16; ++j) {
-    for (int u = 0; u < Q; ++u) lu[u] = lu[u] + p[u][j];
-    for (int i = 0; i < NV; ++i) {
-      const __m512 vv = load16(vp[j] + 16 * i);
-      for (int u = 0; u < Q; ++u) av[u][i] = _mm512_fmadd_ps(_mm512_set1_ps(p[u][j]), vv, av[u][i]);
-    }
-  }
-  for (int u = 0; u < Q; ++u) {
-    *l[u] = lu[u];
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc[u] + 16 * i, av[u][i]);
-    *m[u] = mc[u];
-  }
-}
-
-// nq queries through chunk16_avx512 in groups of up to 4 (2 when hd = 128: the accumulators must
-// stay in registers) when hd is 16, 32, 64 or 128; false (nothing done) otherwise.
-template <int NV, class T>
-inline void chunk16_group(int nq, const float* const* q, const T* const* kp, const T* const* vp,
-                          float scale, float* const* m, float* const* l, float* const* acc) {
-  constexpr int kQ = NV >= 8 ? 2 : 4;
-  int i = 0;
-  for (; i + kQ <= nq; i += kQ) chunk16_avx512<NV, kQ>(q + i, kp, vp, scale, m + i, l + i, acc + i);
-  switch (nq - i) {
-    case 3: chunk16_avx512<NV, 3>(q + i, kp, vp, scale, m + i, l + i, acc + i); break;
-    case 2: chunk16_avx512<NV, 2>(q + i, kp, vp, scale, m + i, l + i, acc + i); break;
-    case 1: chunk16_avx512<NV, 1>(q + i, kp, vp, scale, m + i, l + i, acc + i); break;
-    default: break;
-  }
-}
-
-template <class T>
-inline bool chunk16_fast(int nq, const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs,
-                         const int32_t* idx, int c0, int hd, float scale, float* const* m, float* const* l,
-                         float* const* acc) {
-  if (hd != 16 && hd != 32 && hd != 64 && hd != 128) return false;
-  const T* kp[16];
-  const T* vp[16];
-  for (int j = 0; j < 16; ++j) {
-    const int64_t slot = idx ? idx[c0 + j] : c0 + j;
-    kp[j] = k + slot * ks;
-    vp[j] = v + slot * vs;
-  }
-  switch (hd) {
-    case 16: chunk16_group<1>(nq, q, kp, vp, scale, m, l, acc); break;
-    case 32: chunk16_group<2>(nq, q, kp, vp, scale, m, l, acc); break;
-    case 64: chunk16_group<4>(nq, q, kp, vp, scale, m, l, acc); break;
-    default: chunk16_group<8>(nq, q, kp, vp, scale, m, l, acc); break;
-  }
-  return true;
-}
-#endif
-
 // A full chunk of 16 keys at ranks c0..c0+15 for nq queries (slots idx[c0..] or c0.. when idx is
 // null, the same for every query): the AVX-512 / AVX2 register paths when hd is 16, 32, 64 or 128,
-// else chunk_ref per query. All give the same bits.
+// else chunk_ref per query. All give the same bits. `ahead`: rows the register paths prefetch.
 template <int I, class T>
 inline void chunk_full(int nq, const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs,
                        const int32_t* idx, int c0, int hd, float scale, float* const* m, float* const* l,
-                       float* const* acc) {
+                       float* const* acc, const Ahead<T>& ahead = {}) {
 #if defined(__AVX512F__)
   if constexpr (I == kAvx512) {
-    if (chunk16_fast(nq, q, k, ks, v, vs, idx, c0, hd, scale, m, l, acc)) return;
+    if (chunk16_fast(nq, q, k, ks, v, vs, idx, c0, hd, scale, m, l, acc, ahead)) return;
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (I == kAvx2) {
-    if (chunk16_fast_avx2(nq, q, k, ks, v, vs, idx, c0, hd, scale, m, l, acc)) return;
+    if (chunk16_fast_avx2(nq, q, k, ks, v, vs, idx, c0, hd, scale, m, l, acc, ahead)) return;
   }
 #endif
+  if (ahead.k) {  // no key loop to spread it over
+    prefetch_rows(ahead.k, ahead.ks, kChunk, hd);
+    prefetch_rows(ahead.v, ahead.vs, kChunk, hd);
+  }
   for (int i = 0; i < nq; ++i) chunk_ref<I>(q[i], k, ks, v, vs, idx, c0, kChunk, hd, scale, *m[i], *l[i], acc[i]);
 }
 
@@ -408,7 +292,7 @@ void attend_block(int nq, const float* const* q, const int32_t* const* idx, cons
   float *ma[kMaxGroup], *la[kMaxGroup], *aa[kMaxGroup];
   int ia[kMaxGroup];
   const int cb = b * kBlockChunks, ce = cb + kBlockChunks;
-  int na = 0, common = ce;
+  int na = 0, common = ce, reach = std::numeric_limits<int>::max();
   for (int i = 0; i < nq; ++i) {
     if (n[i] <= cb * kChunk) continue;
     float* s = st[i];
@@ -417,6 +301,7 @@ void attend_block(int nq, const float* const* q, const int32_t* const* idx, cons
     s[hd + 1] = 0.f;
     qa[na] = q[i], aa[na] = s, ma[na] = s + hd, la[na] = s + hd + 1, ia[na] = i;
     common = std::min(common, std::min(shared[i], n[i]) / kChunk);
+    reach = std::min(reach, std::min(shared[i], n[i]) / kChunk);  // chunks shared beyond this block
     ++na;
   }
   int c = cb;
@@ -430,11 +315,15 @@ void attend_block(int nq, const float* const* q, const int32_t* const* idx, cons
   }
 #endif
   for (; c < common; ++c) {
-    if (c + 1 < common) {
+    Ahead<T> ahead;  // the next shared chunk (into the next block too: often this thread's next unit)
+    if constexpr (I != kScalar) {  // the register paths spread it over the chunk (attn_kv.h Ahead)
+      if (c + 1 < reach)
+        ahead = {k + (int64_t)(c + 1) * kChunk * ks, v + (int64_t)(c + 1) * kChunk * vs, ks, vs};
+    } else if (c + 1 < common) {
       prefetch_rows(k + (int64_t)(c + 1) * kChunk * ks, ks, kChunk, hd);
       prefetch_rows(v + (int64_t)(c + 1) * kChunk * vs, vs, kChunk, hd);
     }
-    chunk_full<I>(na, qa, k, ks, v, vs, nullptr, c * kChunk, hd, scale, ma, la, aa);
+    chunk_full<I>(na, qa, k, ks, v, vs, nullptr, c * kChunk, hd, scale, ma, la, aa, ahead);
   }
   for (int a = 0; a < na; ++a) {
     const int i = ia[a], end = std::min(n[i], ce * kChunk);

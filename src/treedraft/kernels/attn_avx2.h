@@ -37,10 +37,11 @@ inline __m256 scores8_avx2(const float* q, const T* const* kp) {
   return _mm256_permutevar8x32_ps(e, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// chunk_ref for a full chunk of 16 keys (key j at kp[j], value at vp[j]) and one query, hd = 16 * NV.
+// chunk_ref for a full chunk of 16 keys (key j at kp[j], value at vp[j]) and one query, hd = 16 * NV;
+// prefetches the rows of `ahead` (the next chunk, attn_kv.h) along the way.
 template <int NV, class T>
 inline void chunk16_avx2(const float* q, const T* const* kp, const T* const* vp, float scale, float& m,
-                         float& l, float* acc) {
+                         float& l, float* acc, const Ahead<T>& ahead) {
   const __m256 vs = _mm256_set1_ps(scale);
   const __m256 s0 = _mm256_mul_ps(scores8_avx2<NV>(q, kp), vs);
   const __m256 s1 = _mm256_mul_ps(scores8_avx2<NV>(q, kp + 8), vs);
@@ -58,6 +59,7 @@ inline void chunk16_avx2(const float* q, const T* const* kp, const T* const* vp,
   const __m256 va = _mm256_set1_ps(al);
   for (int i = 0; i < 2 * NV; ++i) av[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * i), va);
   for (int j = 0; j < 16; ++j) {
+    ahead.row(j, 16 * NV);
     lu = lu + p[j];
     const __m256 pj = _mm256_set1_ps(p[j]);
     for (int i = 0; i < 2 * NV; ++i) av[i] = _mm256_fmadd_ps(pj, load8(vp[j] + 8 * i), av[i]);
@@ -67,11 +69,12 @@ inline void chunk16_avx2(const float* q, const T* const* kp, const T* const* vp,
   m = mc;
 }
 
-// nq queries through chunk16_avx2 when hd is 16, 32, 64 or 128; false (nothing done) otherwise.
+// nq queries through chunk16_avx2 when hd is 16, 32, 64 or 128 (the first one prefetches `ahead`);
+// false (nothing done) otherwise.
 template <class T>
 inline bool chunk16_fast_avx2(int nq, const float* const* q, const T* k, int64_t ks, const T* v,
                               int64_t vs, const int32_t* idx, int c0, int hd, float scale, float* const* m,
-                              float* const* l, float* const* acc) {
+                              float* const* l, float* const* acc, Ahead<T> ahead) {
   if (hd != 16 && hd != 32 && hd != 64 && hd != 128) return false;
   const T* kp[16];
   const T* vp[16];
@@ -80,12 +83,12 @@ inline bool chunk16_fast_avx2(int nq, const float* const* q, const T* k, int64_t
     kp[j] = k + slot * ks;
     vp[j] = v + slot * vs;
   }
-  for (int i = 0; i < nq; ++i) {
+  for (int i = 0; i < nq; ++i, ahead.k = nullptr) {
     switch (hd) {
-      case 16: chunk16_avx2<1>(q[i], kp, vp, scale, *m[i], *l[i], acc[i]); break;
-      case 32: chunk16_avx2<2>(q[i], kp, vp, scale, *m[i], *l[i], acc[i]); break;
-      case 64: chunk16_avx2<4>(q[i], kp, vp, scale, *m[i], *l[i], acc[i]); break;
-      default: chunk16_avx2<8>(q[i], kp, vp, scale, *m[i], *l[i], acc[i]); break;
+      case 16: chunk16_avx2<1>(q[i], kp, vp, scale, *m[i], *l[i], acc[i], ahead); break;
+      case 32: chunk16_avx2<2>(q[i], kp, vp, scale, *m[i], *l[i], acc[i], ahead); break;
+      case 64: chunk16_avx2<4>(q[i], kp, vp, scale, *m[i], *l[i], acc[i], ahead); break;
+      default: chunk16_avx2<8>(q[i], kp, vp, scale, *m[i], *l[i], acc[i], ahead); break;
     }
   }
   return true;

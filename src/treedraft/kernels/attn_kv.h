@@ -95,5 +95,28 @@ inline void prefetch_rows(const T* p, int64_t stride, int rows, int hd) {
 #endif
 }
 
+// Software prefetch of the next chunk, spread over a chunk's key loop (a block of prefetches at the
+// chunk's start stalls the core on the line-fill buffers): rows j of k (stride ks) and v (stride vs);
+// k null: none.
+template <class T>
+struct Ahead {
+  const T* k = nullptr;
+  const T* v = nullptr;
+  int64_t ks = 0, vs = 0;
+  void row(int j, int hd) const {
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(TD_NO_PREFETCH)
+    if (!k) return;
+    const char* pk = (const char*)(k + j * ks);
+    const char* pv = (const char*)(v + j * vs);
+    for (int d = 0; d < hd * (int)sizeof(T); d += 64) {
+      _mm_prefetch(pk + d, _MM_HINT_T0);
+      _mm_prefetch(pv + d, _MM_HINT_T0);
+    }
+#else
+    (void)j, (void)hd;
+#endif
+  }
+};
+
 }  // namespace attn
 }  // namespace td
