@@ -186,3 +186,24 @@ def test_a_chain_of_several_occurrences_keeps_the_rounding_of_count_ratios() -> 
     got = idx.expand(nxt, m, 64, 64, min_prob=0.2)  # the 0.1 branch is dropped: the chain is alone in the heap
     want = reference_expand(idx, nxt, m, 64, 64, 0.2, 1024)
     assert got.tokens == [2, 3, 4, 5] and got.probs == want.probs and got.probs[1] != 0.9
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 5)), min_size=0, max_size=30),
+    budget=st.integers(1, 40),
+)
+def test_merging_one_grown_tree_is_the_general_merge(shape: list[tuple[int, int]], budget: int) -> None:
+    from treedraft.drafters.hybrid import merge_trees
+    from treedraft.tree import TokenTree
+
+    seqs: list[list[int]] = []
+    for at, tok in shape:  # sequences sharing prefixes: a trie with branches
+        base = seqs[at % len(seqs)] if seqs else []
+        seqs.append(base[: at % (len(base) + 1)] + [tok])
+    tree = TokenTree.from_sequences(9, seqs)
+    root_only = TokenTree((9,), (-1,))
+    general = merge_trees([tree, tree], budget)  # two grown trees: the general trie merge
+    for trees in ([tree], [tree, root_only], [root_only, tree, root_only]):
+        got = merge_trees(trees, budget)
+        assert (got.tokens, got.parents) == (general.tokens, general.parents)

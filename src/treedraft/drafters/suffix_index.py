@@ -33,6 +33,7 @@ _BLOCK = 2048  # match(): candidates x columns compared per numpy gather
 _COLS = np.arange(_BLOCK, dtype=np.int64)
 _SMALL = 16  # match(): at most this many seed occurrences are matched in plain Python
 _SCALAR_PUSH = 4096  # extend(): up to this many tokens, positions are appended one by one (no sort)
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,31 @@ class SuffixIndex:
 
     def extend(self, tokens: Sequence[int], end: bool = False) -> None:
         """Append tokens to the open sequence (``end=True`` closes it with a separator)."""
-        arr = np.asarray(tokens, dtype=np.int64)
-        if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+        if len(tokens) > _SCALAR_PUSH:
+            self._extend_sorted(np.asarray(tokens, dtype=np.int64), end)
+            return
+        # per-step updates of a request's own index, a prompt, a finished request: plain Python
+        vals = tokens.tolist() if isinstance(tokens, np.ndarray) else [int(t) for t in tokens]
+        if vals and (min(vals) < 0 or max(vals) > _INT32_MAX):
+            raise ValueError(f"token ids must be in [0, 2^31), got {min(vals)}..{max(vals)}")
+        start = self._n
+        self._reserve(len(vals) + (1 if end else 0))
+        if vals:
+            self._text[start : start + len(vals)] = vals
+        if end:
+            self._text[start + len(vals)] = SEP
+        self._n = start + len(vals) + (1 if end else 0)
+        pos, cnt = self._pos, self._cnt
+        for i, t in enumerate(vals, start):
+            buf, c = pos.get(t), cnt.get(t, 0)
+            if buf is None or c == len(buf):
+                buf = self._grow(t, c + 1)
+            buf[c] = i
+            cnt[t] = c + 1
+
+    def _extend_sorted(self, arr: np.ndarray, end: bool) -> None:
+        """:meth:`extend` for many tokens: positions grouped by token with one sort."""
+        if arr.size and (arr.min() < 0 or arr.max() > _INT32_MAX):
             raise ValueError(f"token ids must be in [0, 2^31), got {int(arr.min())}..{int(arr.max())}")
         k = int(arr.size) + (1 if end else 0)
         self._reserve(k)
@@ -89,17 +113,6 @@ class SuffixIndex:
         if end:
             self._text[start + arr.size] = SEP
         self._n += k
-        if arr.size == 0:
-            return
-        if arr.size <= _SCALAR_PUSH:  # per-step updates of a request's own index, a request's prompt
-            pos, cnt = self._pos, self._cnt
-            for i, t in enumerate(arr.tolist()):
-                buf, c = pos.get(t), cnt.get(t, 0)
-                if buf is None or c == len(buf):
-                    buf = self._grow(t, c + 1)
-                buf[c] = start + i
-                cnt[t] = c + 1
-            return
         order = np.argsort(arr, kind="stable")  # positions grouped by token, ascending within a token
         toks = arr[order]
         cuts = (np.flatnonzero(np.diff(toks)) + 1).tolist()
