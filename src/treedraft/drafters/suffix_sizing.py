@@ -118,13 +118,17 @@ def calibrated_values(paths: DraftPaths, model: AcceptanceModel) -> list[float]:
     parents, probs = paths.parents, paths.probs
     if not parents:
         return []
-    depth = node_depths(parents)
-    h = model.probs(paths.match_len, max(depth))  # h[d - 1] = h(m + d - 1) (called every step: no numpy)
+    # h[d - 1] = h(m + d - 1) for every depth d a node can have (called every step: no numpy)
+    h = model.probs(paths.match_len, len(parents))
     vals: list[float] = []
-    for p, prob, d in zip(parents, probs, depth):
+    depth: list[int] = []
+    for p, prob in zip(parents, probs):
         if p < 0:
-            vals.append(h[d - 1] * min(1.0, prob))
+            depth.append(1)
+            vals.append(h[0] * min(1.0, prob))
             continue
+        d = depth[p] + 1
+        depth.append(d)
         parent_prob = probs[p]
         ratio = min(1.0, prob / parent_prob) if parent_prob > 0 else 0.0
         vals.append(vals[p] * h[d - 1] * ratio)
