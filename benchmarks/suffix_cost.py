@@ -152,6 +152,15 @@ def run(codes: list[Code], recs: list[dict], passes: list[str], name: str, reps:
     return out
 
 
+def python_speed() -> float:
+    """CPU ms of this thread for a 10^6-iteration Python loop: how fast the interpreter runs right now (load and
+    stolen time in a VM slow it down too), to read the absolute numbers by."""
+    t0, acc = time.thread_time(), 0
+    for i in range(1_000_000):
+        acc += i
+    return (time.thread_time() - t0) * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--records", type=Path, required=True)
@@ -205,6 +214,7 @@ def main() -> None:
                 )
     for v in verdicts:
         print(v)
+    print(f"reference: a 10^6-iteration Python loop took {python_speed():.0f} ms of thread CPU time")
     if any("DIFFERENT" in v for v in verdicts):
         raise SystemExit(1)
 
