@@ -42,6 +42,7 @@ from pathlib import Path
 
 import treedraft
 from treedraft.drafters import registry
+from treedraft.drafters.hybrid import fresh_copy
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter
 from treedraft.drafters.suffix import SuffixDrafter
 from treedraft.drafters.suffix_store import SuffixStore
@@ -117,7 +118,7 @@ def main() -> None:
         ):
             warm.add(recorder.record_tokens(r["prompt_ids"], r["output_ids"]))
     for name, d in drafters.items():  # warm-up (kernels, caches); hybrid-suffix's on a throwaway store
-        llm.generate("Hello", drafter=hybrid_suffix(SuffixStore()) if name == "hybrid-suffix" else d, max_new_tokens=8)
+        llm.generate("Hello", drafter=fresh_copy(d) if name == "hybrid-suffix" else d, max_new_tokens=8)
 
     def run(pass_: str, i: int, method: str, rep: int, messages: list[dict], drafter: object, **kw) -> dict:
         ids = llm.encode_prompt(messages)
@@ -172,7 +173,8 @@ def main() -> None:
                     if (pass_, i, method, rep) in done:
                         continue
                     if pass_ == "turn1-cold" and method == "hybrid-suffix":
-                        d = hybrid_suffix(SuffixStore())  # cold: nothing indexed but this request
+                        # cold: nothing indexed but this request (the same Medusa member, a fresh suffix store)
+                        d = fresh_copy(d)
                     rec = run(pass_, i, method, rep, messages, d, **kw)
                     if pass_ == "turn1-cold" and method == "plain":
                         warm.add(recorder.record_tokens(rec["prompt_ids"], rec["output_ids"]))

@@ -583,3 +583,75 @@ def test_busy_process_spins_while_the_block_runs() -> None:
     with busy_process() as hog:
         assert hog.poll() is None  # still running
     assert hog.poll() is not None
+
+
+class DrafterSpy:
+    """A text generator that records, at the start of every generation, how many tokens the drafter's
+    suffix store already held, then generates with the wrapped one."""
+
+    def __init__(self, inner: TextGenerator) -> None:
+        self.inner, self.seen, self.drafters = inner, [], []
+        self.eos_token_ids = inner.eos_token_ids
+
+    def generate(self, ids, config, drafter):
+        self.seen.append(drafter.store.num_tokens)
+        self.drafters.append(drafter)
+        return self.inner.generate(ids, config, drafter)
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_fresh_drafter_state_gives_every_run_an_empty_suffix_index(engine: TextGenerator, fresh: bool) -> None:
+    from treedraft.drafters.suffix import SuffixDrafter
+    from treedraft.drafters.suffix_store import SuffixStore
+
+    shared = SuffixDrafter(SuffixStore(max_tokens=777, share=True), tenant="t")
+    spy = DrafterSpy(engine)
+    method = EngineMethod(spy, GenerationConfig(max_new_tokens=MAX_NEW), shared, fresh_state=fresh)
+    ids = fake_encode("abcabcabcabc abcabc")
+    first, second = method(ids), method(ids)
+    assert first.token_ids == second.token_ids  # the state changes speed, never the output
+    if fresh:  # each run indexed nothing before it, and the drafter the method holds learned nothing
+        assert spy.seen == [0, 0] and shared.store.num_tokens == 0
+        a, b = spy.drafters
+        assert a is not shared and b is not a and a.store is not b.store
+        assert (a.tenant, a.store.max_tokens, a.store.share, a.latency) == ("t", 777, True, shared.latency)
+        assert a.store.num_tokens > 0  # the run itself was recorded, into its own store only
+    else:  # the second run drafts from the first one's recorded output
+        assert spy.seen[0] == 0 and spy.seen[1] > 0 and shared.store.num_tokens > spy.seen[1]
+
+
+def test_fresh_copy_of_a_hybrid_restarts_only_its_learning_members() -> None:
+    from treedraft.drafters.hybrid import HybridDrafter, fresh_copy
+    from treedraft.drafters.suffix import SuffixDrafter
+    from treedraft.drafters.suffix_store import SuffixStore
+
+    lookup, suffix = PromptLookupDrafter(), SuffixDrafter(SuffixStore())
+    suffix.store.add([1, 2, 3, 4])
+    hyb = HybridDrafter([lookup, suffix], name="h", lead_extra=0)
+    new = fresh_copy(hyb)
+    assert new is not hyb and (new.name, new.lead_extra) == ("h", 0)
+    assert new.drafters[0] is lookup  # nothing learned across requests: shared
+    assert new.drafters[1].store.num_tokens == 0 and suffix.store.num_tokens == 4
+    assert fresh_copy(lookup) is lookup and fresh_copy(None) is None
+
+
+def test_busy_core_defaults_to_fresh_drafter_state_and_refuses_a_store_next_to_it() -> None:
+    import shlex
+
+    from treedraft.bench.cli import _command_line, fresh_drafter_state
+    from treedraft.cli import build_parser
+
+    def parse(*extra: str):
+        return build_parser().parse_args(["bench", "--model", "tiny", *extra])
+
+    assert fresh_drafter_state(parse()) is False
+    assert fresh_drafter_state(parse("--busy-core")) is True
+    assert fresh_drafter_state(parse("--fresh-drafter-state")) is True
+    assert fresh_drafter_state(parse("--busy-core", "--no-fresh-drafter-state")) is False
+    assert fresh_drafter_state(parse("--suffix-store", "/tmp/x")) is False
+    with pytest.raises(BenchError, match="--no-fresh-drafter-state"):
+        fresh_drafter_state(parse("--busy-core", "--suffix-store", "/tmp/x"))
+    for extra in (["--fresh-drafter-state"], ["--busy-core", "--no-fresh-drafter-state"], []):
+        a = parse(*extra)
+        again = build_parser().parse_args(shlex.split(_command_line(a, None))[1:])
+        assert again.fresh_drafter_state == a.fresh_drafter_state

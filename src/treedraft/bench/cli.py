@@ -59,8 +59,11 @@ def build_methods(
     dtype: Any = None,
     heads: str | None = "default",
     pld_tokens: int = 10,
+    fresh_state: bool = False,
 ) -> tuple[dict[str, Method], dict[str, str]]:
-    """Construct the requested methods; each one that cannot be built is skipped with the reason."""
+    """Construct the requested methods; each one that cannot be built is skipped with the reason.
+
+    ``fresh_state``: treedraft's drafters start every run with nothing learned (see ``EngineMethod``)."""
     methods: dict[str, Method] = {}
     skipped: dict[str, str] = {}
     sp = config.sampling
@@ -80,7 +83,7 @@ def build_methods(
             elif name == "plain":
                 methods[name] = EngineMethod(llm.text, config, None)
             else:
-                methods[name] = EngineMethod(llm.text, config, llm.get_drafter(name, heads=heads))
+                methods[name] = EngineMethod(llm.text, config, llm.get_drafter(name, heads=heads), fresh_state)
         except Exception as e:
             skipped[name] = f"{type(e).__name__}: {e}"
     return methods, skipped
@@ -103,6 +106,18 @@ def default_out_dir(stamp: str | None = None) -> Path:
         n += 1
         out = base.with_name(f"{base.name}-{n}")
     return out
+
+
+def fresh_drafter_state(a: argparse.Namespace) -> bool:
+    """--fresh-drafter-state as given, else on exactly with --busy-core; refused next to --suffix-store."""
+    fresh = a.busy_core if a.fresh_drafter_state is None else a.fresh_drafter_state
+    if fresh and a.suffix_store is not None:
+        raise BenchError(
+            "--fresh-drafter-state (the default with --busy-core) gives every run an empty in-memory suffix "
+            f"index, so --suffix-store {a.suffix_store} would go unused; drop --suffix-store, or pass "
+            "--no-fresh-drafter-state to draft from the store (runs then also learn from earlier runs)"
+        )
+    return fresh
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -136,6 +151,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.max_new_tokens <= 0:
         raise BenchError(f"--max-new-tokens must be positive, got {a.max_new_tokens}")
 
+    fresh = fresh_drafter_state(a)
     t = time.perf_counter()
     from ..cli import suffix_kwargs
 
@@ -153,7 +169,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
     encoded = [(p, llm.encode_prompt(p.text, raw=a.raw)) for p in prompts]
     dtype = pick_dtype(a.dtype, pick_device(a.device))
     methods, skipped = build_methods(
-        methods_wanted, llm, resolve(a.model), cfg, dtype=dtype, heads=a.heads, pld_tokens=a.pld_tokens
+        methods_wanted,
+        llm,
+        resolve(a.model),
+        cfg,
+        dtype=dtype,
+        heads=a.heads,
+        pld_tokens=a.pld_tokens,
+        fresh_state=fresh,
     )
     print(
         f"[bench] loaded in {time.perf_counter() - t:.1f}s; methods: {', '.join(methods) or '-'}"
@@ -178,6 +201,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         "warmup": a.warmup,
         "max_tree_nodes": a.max_tree_nodes,
         "hf_prompt_lookup_num_tokens": a.pld_tokens,
+        "fresh_drafter_state": fresh,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -252,6 +276,8 @@ def _command_line(a: argparse.Namespace, dataset: Path | None) -> str:
         parts.append("--raw")
     if a.busy_core:
         parts.append("--busy-core")
+    if a.fresh_drafter_state is not None:
+        parts.append("--fresh-drafter-state" if a.fresh_drafter_state else "--no-fresh-drafter-state")
     if a.out:  # the default is a fresh folder per run: a rerun should not reuse this one
         parts += ["--out", str(a.out)]
     return shlex.join(parts)
@@ -328,6 +354,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="repeat every run while a spinning process keeps one core busy; the report gives busy/quiet "
         "wall-time ratios per method (doubles the run time)",
+    )
+    b.add_argument(
+        "--fresh-drafter-state",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="every timed run (and its --busy-core repeat) drafts with a fresh drafter: nothing learned from "
+        "earlier runs (the suffix index starts empty), so no run is sped up by another's output "
+        "(default: on with --busy-core, else off: runs share one drafter, as requests to a server do)",
     )
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_bench)

@@ -141,6 +141,9 @@ class EngineMethod:
     engine: Any  # treedraft.text.TextGenerator (the engine wrapped by the text layer: EOS ends a generation)
     config: Any  # treedraft.engine.GenerationConfig
     drafter: Any = None
+    # each call drafts with a fresh copy of ``drafter`` (nothing learned from earlier runs, e.g. an empty
+    # suffix index), so a run's speed does not depend on which runs came before it (--fresh-drafter-state)
+    fresh_state: bool = False
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -149,7 +152,12 @@ class EngineMethod:
 
     def __call__(self, prompt_ids: list[int]) -> MethodOutput:
         """Generate with the engine; stats are the engine's own."""
-        r = self.engine.generate(prompt_ids, self.config, self.drafter)
+        drafter = self.drafter
+        if self.fresh_state:
+            from ..drafters.hybrid import fresh_copy
+
+            drafter = fresh_copy(drafter)
+        r = self.engine.generate(prompt_ids, self.config, drafter)
         return MethodOutput(list(r.token_ids), r.stats, r.finish_reason)
 
 

@@ -229,7 +229,13 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
             "## One core busy",
             "",
             "Each run repeated right after while a spinning process keeps one core busy; "
-            "ratio = wall time busy / quiet, per prompt.",
+            "ratio = wall time busy / quiet, per prompt. "
+            + (
+                "Every run drafted with a fresh drafter (nothing learned from earlier runs)."
+                if result.config.get("fresh_drafter_state")
+                else "Runs shared their drafters: a busy repeat may draft from its quiet run's output "
+                "(a suffix index), which flatters its ratio (--fresh-drafter-state)."
+            ),
             "",
             "| method | median | max | worst prompt | prompts |",
             "|---|---|---|---|---|",

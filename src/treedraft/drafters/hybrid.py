@@ -41,6 +41,9 @@ def merge_trees(trees: Sequence[TokenTree], max_nodes: int) -> TokenTree:
             "would verify them as deterministic drafts, which is not lossless; "
             "use a sampling drafter on its own, or make it propose deterministic (top-k) children"
         )
+    grown = [t for t in trees if len(t) > 1]
+    if len(grown) == 1 and len(grown[0]) <= max_nodes:
+        return grown[0]  # one tree with drafts (a valid trie: no duplicate siblings) merges into itself
     tokens, parents = [root], [-1]
     index: dict[tuple[int, int], int] = {}
     for t in trees:
@@ -58,6 +61,12 @@ def merge_trees(trees: Sequence[TokenTree], max_nodes: int) -> TokenTree:
                 parents.append(p)
             where[i] = index[key]
     return TokenTree(tuple(tokens), tuple(parents))
+
+
+def fresh_copy(drafter: Drafter | None) -> Drafter | None:
+    """``drafter`` with nothing learned from earlier requests (its ``fresh()``); one without such state as is."""
+    fresh = getattr(drafter, "fresh", None)
+    return fresh() if callable(fresh) else drafter
 
 
 @dataclass
@@ -104,6 +113,10 @@ class HybridDrafter:
         """The same union with every member that keeps per-tenant state (e.g. ``suffix``) bound to ``tenant``."""
         bound = [d.for_tenant(tenant) if callable(getattr(d, "for_tenant", None)) else d for d in self.drafters]
         return dataclasses.replace(self, drafters=bound)
+
+    def fresh(self) -> HybridDrafter:
+        """The same union with every member that learns across requests (``fresh()``, e.g. ``suffix``) started over."""
+        return dataclasses.replace(self, drafters=[fresh_copy(d) for d in self.drafters])
 
     def finish(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         """Tell every member drafter that keeps per-request state (e.g. ``suffix``) that a request ended."""

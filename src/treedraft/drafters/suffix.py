@@ -97,6 +97,15 @@ class SuffixDrafter:
         """A drafter with the same store and settings for another tenant (its own request state)."""
         return dataclasses.replace(self, tenant=tenant)
 
+    def fresh(self) -> SuffixDrafter:
+        """The same settings with nothing learned: an empty in-memory store (same bound and sharing), no request.
+
+        For measurements that must not depend on what earlier runs indexed (``treedraft bench
+        --fresh-drafter-state``); a persistent store is left untouched.
+        """
+        store = None if self.store is None else SuffixStore(max_tokens=self.store.max_tokens, share=self.store.share)
+        return dataclasses.replace(self, store=store)
+
     def record_tokens(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> list[int]:
         """What is indexed for a finished request: the prompt's tail, then the output."""
         keep = len(prompt_ids) if self.prompt_context is None else min(len(prompt_ids), self.prompt_context)

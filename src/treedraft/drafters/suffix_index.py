@@ -18,6 +18,11 @@ at 10^6 tokens a whole draft (match + tree) takes median 0.19 ms, p90 0.40 ms (p
 with ``min_len=2`` (the default drafter's suffix member) median 0.08 ms, p90 0.27 ms, on a loaded 2-core
 machine (benchmarks/results/suffix_bench.md).
 Matches never cross a separator, so one sequence's end never continues into the next one.
+
+Per-step cost on repeated work (long matches, few occurrences; benchmarks/suffix_cost.py): the match is
+extended a block of columns per numpy call (not one token per call), a handful of seed occurrences is
+matched in plain Python, and a branch that is alone in the best-first heap is followed as one chain while
+its occurrences agree. Each is the same result as the one-token-at-a-time walk (tests/test_suffix_fast.py).
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 
 SEP = -1  # separator after every indexed sequence; never a token id
+_BLOCK = 2048  # match(): candidates x columns compared per numpy gather
+_COLS = np.arange(_BLOCK, dtype=np.int64)
+_SMALL = 16  # match(): at most this many seed occurrences are matched in plain Python
+_SCALAR_PUSH = 4096  # extend(): up to this many tokens, positions are appended one by one (no sort)
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclass(frozen=True)
@@ -75,8 +85,31 @@ class SuffixIndex:
 
     def extend(self, tokens: Sequence[int], end: bool = False) -> None:
         """Append tokens to the open sequence (``end=True`` closes it with a separator)."""
-        arr = np.asarray(tokens, dtype=np.int64)
-        if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+        if len(tokens) > _SCALAR_PUSH:
+            self._extend_sorted(np.asarray(tokens, dtype=np.int64), end)
+            return
+        # per-step updates of a request's own index, a prompt, a finished request: plain Python
+        vals = tokens.tolist() if isinstance(tokens, np.ndarray) else [int(t) for t in tokens]
+        if vals and (min(vals) < 0 or max(vals) > _INT32_MAX):
+            raise ValueError(f"token ids must be in [0, 2^31), got {min(vals)}..{max(vals)}")
+        start = self._n
+        self._reserve(len(vals) + (1 if end else 0))
+        if vals:
+            self._text[start : start + len(vals)] = vals
+        if end:
+            self._text[start + len(vals)] = SEP
+        self._n = start + len(vals) + (1 if end else 0)
+        pos, cnt = self._pos, self._cnt
+        for i, t in enumerate(vals, start):
+            buf, c = pos.get(t), cnt.get(t, 0)
+            if buf is None or c == len(buf):
+                buf = self._grow(t, c + 1)
+            buf[c] = i
+            cnt[t] = c + 1
+
+    def _extend_sorted(self, arr: np.ndarray, end: bool) -> None:
+        """:meth:`extend` for many tokens: positions grouped by token with one sort."""
+        if arr.size and (arr.min() < 0 or arr.max() > _INT32_MAX):
             raise ValueError(f"token ids must be in [0, 2^31), got {int(arr.min())}..{int(arr.max())}")
         k = int(arr.size) + (1 if end else 0)
         self._reserve(k)
@@ -85,30 +118,31 @@ class SuffixIndex:
         if end:
             self._text[start + arr.size] = SEP
         self._n += k
-        if arr.size == 0:
-            return
-        if arr.size <= 8:  # per-step updates of a request's own index
-            for i, t in enumerate(arr.tolist()):
-                self._push(t, np.array([start + i], dtype=np.int32))
-            return
-        order = np.argsort(arr, kind="stable")
+        order = np.argsort(arr, kind="stable")  # positions grouped by token, ascending within a token
         toks = arr[order]
-        cuts = np.flatnonzero(np.diff(toks)) + 1
-        for grp in np.split(order, cuts):
-            self._push(int(arr[grp[0]]), (grp + start).astype(np.int32))
+        cuts = (np.flatnonzero(np.diff(toks)) + 1).tolist()
+        where = (order + start).astype(np.int32)
+        for a, b in zip([0, *cuts], [*cuts, len(toks)]):
+            self._push(int(toks[a]), where[a:b])
 
     def add_sequence(self, tokens: Sequence[int]) -> None:
         """Index one finished sequence."""
         self.extend(tokens, end=True)
 
-    def _push(self, tok: int, positions: np.ndarray) -> None:
+    def _grow(self, tok: int, need: int) -> np.ndarray:
+        """``tok``'s position buffer with room for ``need`` entries (doubling), its entries kept."""
         buf, c = self._pos.get(tok), self._cnt.get(tok, 0)
-        if buf is None or c + len(positions) > len(buf):
-            cap = max(4, c + len(positions), 2 * (len(buf) if buf is not None else 0))
-            nb = np.empty(cap, dtype=np.int32)
-            if buf is not None:
-                nb[:c] = buf[:c]
-            self._pos[tok] = buf = nb
+        if buf is not None and need <= len(buf):
+            return buf
+        nb = np.empty(max(4, need, 2 * (len(buf) if buf is not None else 0)), dtype=np.int32)
+        if buf is not None:
+            nb[:c] = buf[:c]
+        self._pos[tok] = nb
+        return nb
+
+    def _push(self, tok: int, positions: np.ndarray) -> None:
+        c = self._cnt.get(tok, 0)
+        buf = self._grow(tok, c + len(positions))
         buf[c : c + len(positions)] = positions
         self._cnt[tok] = c + len(positions)
 
@@ -160,14 +194,18 @@ class SuffixIndex:
         if not context or max_len < 1 or min_len > min(max_len, len(context)):
             return 0, np.empty(0, dtype=np.int64)
         min_len = max(1, min_len)
-        text = self.text
+        text, n = self.text, self._n
+        limit = min(max_len, len(context))
         # seed: occurrences of the rarest of the last min_len tokens, shifted to "right after the suffix"
         w = min(min_len, len(context))
         j = min(range(w), key=lambda i: self._cnt.get(int(context[-1 - i]), 0))
-        nxt = self.positions(context[-1 - j]).astype(np.int64) + (j + 1)
-        if max_occurrences is not None and nxt.size > max_occurrences:
-            nxt = nxt[-max_occurrences:]  # the most recent ones
-        nxt = nxt[(nxt - w >= 0) & (nxt < self._n)]
+        tok = int(context[-1 - j])
+        buf, c = self._pos.get(tok), self._cnt.get(tok, 0)
+        first = 0 if max_occurrences is None else max(0, c - max_occurrences)  # keep the most recent ones
+        if buf is None or c - first <= _SMALL:
+            return self._match_few([] if buf is None else buf[first:c].tolist(), j + 1, context, w, limit)
+        nxt = buf[first:c].astype(np.int64) + (j + 1)
+        nxt = nxt[(nxt - w >= 0) & (nxt < n)]
         for i in range(w):  # all of the last w tokens must match (no separator inside: SEP is never a token)
             if i != j and nxt.size:
                 nxt = nxt[text[nxt - 1 - i] == context[-1 - i]]
@@ -176,16 +214,59 @@ class SuffixIndex:
         if nxt.size == 0:
             return 0, nxt
         m = w
-        limit = min(max_len, len(context))
+        if m >= limit:
+            return m, nxt
+        # extend backwards a block of columns at a time: one gather compares every candidate's next ``width``
+        # tokens before its occurrence with the context's, and the candidates that agree the furthest are
+        # kept (the same set as narrowing one token at a time while any candidate is left, in a few numpy
+        # calls instead of one round per matched token: long matches are the common case on repeated work)
+        want = np.asarray(context[len(context) - limit :], dtype=np.int64)[::-1]  # (limit,) context, newest first
         while m < limit:
-            back = nxt - 1 - m  # the token m+1 places before the continuation
-            ok = back >= 0
-            ok[ok] = text[back[ok]] == context[-1 - m]
-            if not ok.any():
-                break
-            nxt = nxt[ok]
-            m += 1
+            width = min(limit - m, max(1, _BLOCK // nxt.size))
+            back = nxt[:, None] - (1 + m) - _COLS[:width]  # (k, width) positions m+1.. places before each
+            ok = (back >= 0) & (text[np.maximum(back, 0)] == want[m : m + width])
+            full = ok.all(axis=1)
+            if full.any():  # some agree on the whole block: only those can be the longest
+                nxt = nxt[full]
+                m += width
+                continue
+            run = ok.argmin(axis=1)  # (k,) columns each candidate agrees on (the first mismatch)
+            best = int(run.max())
+            if best:
+                nxt = nxt[run == best]
+                m += best
+            break
         return m, nxt
+
+    def _match_few(
+        self, seeds: list[int], shift: int, context: Sequence[int], w: int, limit: int
+    ) -> tuple[int, np.ndarray]:
+        """:meth:`match` for a few seed occurrences, in plain Python (numpy's per-call cost dominates there).
+
+        Each candidate's match length is the common suffix of the context and the text before it (at most
+        ``limit``); the longest ones win, as narrowing one token at a time would leave them.
+        """
+        text, n = self.text, self._n
+        tail = [int(t) for t in context[len(context) - limit :]]  # (limit,) the context's last tokens
+        best, kept = 0, []
+        for s in seeds:
+            q = s + shift  # right after the suffix
+            if q - w < 0 or q >= n or text[q] == SEP:
+                continue
+            before = text[max(0, q - limit) : q].tolist()
+            k = len(before)
+            if before == tail[limit - k :]:
+                length = k
+            else:
+                length = 0
+                while before[k - 1 - length] == tail[limit - 1 - length]:
+                    length += 1
+            if length < w or length < best:
+                continue
+            if length > best:
+                best, kept = length, []
+            kept.append(q)
+        return best, np.array(kept, dtype=np.int64)
 
     def continuations(self, pattern: Sequence[int]) -> dict[int, int]:
         """{next token: count} over every occurrence of ``pattern`` (empty if it never occurs)."""
@@ -216,31 +297,32 @@ class SuffixIndex:
         tokens: list[int] = []
         parents: list[int] = []
         probs: list[float] = []
-        if max_nodes < 1 or max_depth < 1 or nxt.size == 0:
+        if max_nodes < 1 or max_depth < 1 or len(nxt) == 0:
             return DraftPaths(tokens, parents, probs, match_len)
         text, n = self.text, self._n
-        heap: list[tuple[float, int, int, int, np.ndarray]] = []  # (-prob, tiebreak, parent, depth, positions)
+        # (-prob, tiebreak, parent, depth, token, positions after it: a list when few, else an array)
+        heap: list[tuple[float, int, int, int, int, list[int] | np.ndarray]] = []
         tick = 0
 
-        def push_children(pos: np.ndarray, parent: int, depth: int, prob: float) -> None:
+        def push_children(pos: list[int] | np.ndarray, parent: int, depth: int, prob: float) -> None:
             nonlocal tick
             if depth >= max_depth:
                 return
             pos = pos[-max_occurrences:]
-            if pos.size <= 32:  # a long match has few occurrences: plain Python beats numpy's call overhead
-                live_pos = [q for q in pos.tolist() if q < n]
+            if len(pos) <= 32:  # a long match has few occurrences: plain Python beats numpy's call overhead
+                live_pos = [q for q in (pos.tolist() if isinstance(pos, np.ndarray) else pos) if q < n]
                 total = len(live_pos)  # occurrences that end here (SEP) keep their share: they continue nowhere
                 groups: dict[int, list[int]] = {}
-                for q in live_pos:
-                    t = int(text[q])
+                for q, t in zip(live_pos, text[live_pos].tolist() if total > 8 else [int(text[q]) for q in live_pos]):
                     if t != SEP:
                         groups.setdefault(t, []).append(q + 1)
                 for t in sorted(groups):  # the same order as the numpy path (by token id)
                     p = prob * len(groups[t]) / total
                     if p >= min_prob:
                         tick += 1
-                        heapq.heappush(heap, (-p, tick, parent, depth + 1, np.asarray(groups[t], dtype=np.int64)))
+                        heapq.heappush(heap, (-p, tick, parent, depth + 1, t, groups[t]))
                 return
+            assert isinstance(pos, np.ndarray)
             pos = pos[pos < n]
             if pos.size == 0:
                 return
@@ -251,23 +333,79 @@ class SuffixIndex:
             if pos.size == 0:
                 return
             order = np.argsort(nt, kind="stable")  # groups by token, positions ascending within a group
-            _, first, counts = np.unique(nt[order], return_index=True, return_counts=True)
+            toks, first, counts = np.unique(nt[order], return_index=True, return_counts=True)
             spos = pos[order]
-            for a, c in zip(first.tolist(), counts.tolist()):
+            for t, a, c in zip(toks.tolist(), first.tolist(), counts.tolist()):
                 p = prob * c / total
                 if p >= min_prob:
                     tick += 1
-                    heapq.heappush(heap, (-p, tick, parent, depth + 1, spos[a : a + c] + 1))
+                    heapq.heappush(heap, (-p, tick, parent, depth + 1, t, spos[a : a + c] + 1))
 
         push_children(nxt, -1, 0, 1.0)
         while heap and len(tokens) < max_nodes:
-            negp, _, parent, depth, pos = heapq.heappop(heap)
+            negp, _, parent, depth, tok, pos = heapq.heappop(heap)
             me = len(tokens)
-            tokens.append(int(text[pos[0] - 1]))
+            tokens.append(tok)
             parents.append(parent)
             probs.append(-negp)
-            push_children(pos, me, depth, -negp)
+            if heap or depth >= max_depth:
+                push_children(pos, me, depth, -negp)
+                continue
+            # the only branch left: while all its occurrences go on with the same token, each step would
+            # push exactly one child and pop it next, so append that chain directly (same nodes, same order)
+            prob = -negp
+            live = pos[-max_occurrences:]
+            live = [q for q in live if q < n] if isinstance(live, list) else live[live < n]
+            k = len(live)
+            chain = self._common_run(live, min(max_depth - depth, max_nodes - len(tokens)))
+            if not chain:
+                push_children(live, me, depth, prob)
+                continue
+            for t in chain:
+                p = prob * k / k  # as push_children computes it (not always exactly ``prob``)
+                if p < min_prob:
+                    break
+                prob, me, depth = p, me + 1, depth + 1
+                tokens.append(t)
+                parents.append(me - 1)
+                probs.append(p)
+            else:
+                run = len(chain)
+                push_children([q + run for q in live] if isinstance(live, list) else live + run, me, depth, prob)
         return DraftPaths(tokens, parents, probs, match_len)
+
+    def _common_run(self, pos: list[int] | np.ndarray, limit: int) -> list[int]:
+        """The tokens at ``pos + j``, j = 0, 1, .. < ``limit``, while they are the same at every position (no SEP,
+        all inside the text)."""
+        if len(pos) == 0 or limit < 1:
+            return []
+        text, n = self.text, self._n
+        if len(pos) <= 32:
+            segs = [text[q : min(n, q + limit)].tolist() for q in pos]
+            if len(segs) == 1:
+                run = segs[0]
+                return run[: run.index(SEP)] if SEP in run else run
+            out: list[int] = []
+            k = len(segs)
+            for col in zip(*segs):  # stops at the shortest: a position reaching the end of the text
+                t = col[0]
+                if t == SEP or col.count(t) != k:
+                    break
+                out.append(t)
+            return out
+        assert isinstance(pos, np.ndarray)
+        run = 0
+        while run < limit:
+            width = min(limit - run, max(4, _BLOCK // pos.size))
+            at = pos[:, None] + (run + _COLS[:width])  # (k, width)
+            vals = text[np.minimum(at, n - 1)]
+            ok = ((at < n) & (vals == vals[0]) & (vals != SEP)).all(axis=0)  # (width,) columns where all agree
+            if not ok.all():
+                run += int(ok.argmin())
+                break
+            run += width
+        q = int(pos[0])
+        return text[q : q + run].tolist()
 
 
 def brute_force_continuations(seqs: Sequence[Sequence[int]], pattern: Sequence[int]) -> dict[int, int]:

@@ -61,6 +61,7 @@ class AcceptanceModel:
     weight: float = 8.0  # the prior counts as this many failures' worth of evidence
     _failed: float = field(default=0.0, init=False, repr=False)
     _expected: float = field(default=0.0, init=False, repr=False)
+    _table: list[float] = field(default_factory=list, init=False, repr=False)  # prior(e) by e, set in __post_init__
 
     def __post_init__(self) -> None:
         lows = [b for b, _ in self.prior]
@@ -68,6 +69,10 @@ class AcceptanceModel:
             raise ValueError(f"prior buckets must start at 1 and increase, got {lows}")
         if any(not 0.0 < p < 1.0 for _, p in self.prior) or self.weight <= 0:
             raise ValueError("prior probabilities must be in (0, 1) and weight > 0")
+        # prior(e) for e = 0 .. the last bucket's lower bound (beyond it: the last value), looked up every step
+        self._table = [self.prior[0][1]] + [
+            next(q for low, q in reversed(self.prior) if e >= low) for e in range(1, lows[-1] + 1)
+        ]
         self.reset()
 
     def reset(self) -> None:
@@ -76,11 +81,8 @@ class AcceptanceModel:
 
     def prior_prob(self, e: int) -> float:
         """The prior h(e) of match length ``e`` (>= 1)."""
-        p = self.prior[0][1]
-        for low, q in self.prior:
-            if e >= low:
-                p = q
-        return p
+        table = self._table
+        return table[min(max(e, 0), len(table) - 1)]
 
     @property
     def kappa(self) -> float:
@@ -90,6 +92,12 @@ class AcceptanceModel:
     def prob(self, e: int) -> float:
         """Current estimate of h(e)."""
         return max(0.0, 1.0 - self.kappa * (1.0 - self.prior_prob(e)))
+
+    def probs(self, e: int, count: int) -> list[float]:
+        """[h(e), h(e + 1), .., h(e + count - 1)]: :meth:`prob` of ``count`` match lengths from ``e``."""
+        kappa, table = self.kappa, self._table
+        last = len(table) - 1
+        return [max(0.0, 1.0 - kappa * (1.0 - table[min(max(x, 0), last)])) for x in range(e, e + count)]
 
     def observe(self, e: int, accepted: bool) -> None:
         """One verified node backed by an e-token match: accepted or not."""
@@ -107,18 +115,23 @@ def node_depths(parents: Sequence[int]) -> list[int]:
 
 def calibrated_values(paths: DraftPaths, model: AcceptanceModel) -> list[float]:
     """Each node's P(its whole path is accepted): count ratios times h(match + depth - 1) along the path."""
-    m = paths.match_len
-    h: list[float] = []  # h[d - 1] = h(m + d - 1), filled as deeper nodes appear (called every step: no numpy)
+    parents, probs = paths.parents, paths.probs
+    if not parents:
+        return []
+    # h[d - 1] = h(m + d - 1) for every depth d a node can have (called every step: no numpy)
+    h = model.probs(paths.match_len, len(parents))
     vals: list[float] = []
     depth: list[int] = []
-    for p, prob in zip(paths.parents, paths.probs):
-        d = 1 if p < 0 else depth[p] + 1
-        while len(h) < d:
-            h.append(model.prob(m + len(h)))
-        parent_prob, parent_val = (1.0, 1.0) if p < 0 else (paths.probs[p], vals[p])
-        ratio = min(1.0, prob / parent_prob) if parent_prob > 0 else 0.0
+    for p, prob in zip(parents, probs):
+        if p < 0:
+            depth.append(1)
+            vals.append(h[0] * min(1.0, prob))
+            continue
+        d = depth[p] + 1
         depth.append(d)
-        vals.append(parent_val * h[d - 1] * ratio)
+        parent_prob = probs[p]
+        ratio = min(1.0, prob / parent_prob) if parent_prob > 0 else 0.0
+        vals.append(vals[p] * h[d - 1] * ratio)
     return vals
 
 
@@ -133,7 +146,8 @@ def best_prefix(
     """
     if not values:
         return [], 0.0
-    order = sorted(range(len(values)), key=lambda i: (-values[i], i))[:max_nodes]
+    neg = [-v for v in values]
+    order = sorted(range(len(values)), key=neg.__getitem__)[:max_nodes]  # stable: ties keep the lower index first
     lat = curve.table(base_rows + len(order))
     gain, best, best_rate, best_gain = 1.0, 0, 1.0 / lat[base_rows], 1.0
     for n, i in enumerate(order, 1):
@@ -146,6 +160,8 @@ def best_prefix(
 
 def keep_nodes(paths: DraftPaths, keep: Sequence[int], values: Sequence[float]) -> DraftPaths:
     """The sub-tree of ``keep`` (a prefix-closed set of node indexes), ``probs`` replaced by ``values``."""
+    if len(keep) == len(paths.tokens):  # every node (keep is sorted): nothing to renumber
+        return DraftPaths(list(paths.tokens), list(paths.parents), [float(v) for v in values], paths.match_len)
     new = {old: i for i, old in enumerate(keep)}
     return DraftPaths(
         [paths.tokens[i] for i in keep],
