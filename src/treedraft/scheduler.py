@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .budget import NodeStats, RowBudget
-from .interfaces import DraftContext, Drafter, GenerationError, target_device
+from .interfaces import DraftContext, Drafter, GenerationError, request_drafter, target_device
 from .tree import TokenTree, TreeError, full_attention_mask
 from .verify import accept, sample_token, uses_coupling
 
@@ -193,7 +193,7 @@ class Scheduler:
         cache.length = 0
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens = len(prompt)
-        d = eng.drafter if drafter == "default" else drafter
+        d = request_drafter(eng.drafter if drafter == "default" else drafter)
         req = Request(prompt, cfg, d, stats, cache, cfg.sampling.generator(), max_new, tag, tokens=list(prompt))
         self.active.append(req)
         return req

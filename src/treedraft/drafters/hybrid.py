@@ -105,6 +105,11 @@ class HybridDrafter:
         bound = [d.for_tenant(tenant) if callable(getattr(d, "for_tenant", None)) else d for d in self.drafters]
         return dataclasses.replace(self, drafters=bound)
 
+    def for_request(self) -> HybridDrafter:
+        """The same union with every member that keeps per-request state (``for_request``) forked for one request."""
+        forked = [d.for_request() if callable(getattr(d, "for_request", None)) else d for d in self.drafters]
+        return dataclasses.replace(self, drafters=forked)
+
     def finish(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         """Tell every member drafter that keeps per-request state (e.g. ``suffix``) that a request ended."""
         for d in self.drafters:
