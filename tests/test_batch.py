@@ -581,3 +581,30 @@ def test_eagle_requests_batched_draft_the_trees_they_draft_alone() -> None:
         sched.step()
     assert [r.output() for r in reqs] == solo
     assert trees == solo_trees and all(len(t) > 10 for t in trees.values())
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+def test_generate_prefills_natively_in_the_servers_chunks() -> None:
+    """Engine.generate prefills a native model's prompt through the native decoder in native_prefill_rows chunks
+    (the first from slot 0), the server's arithmetic: its tokens equal a serving scheduler's (prefill_chunk 256)."""
+    from treedraft.models import fused
+
+    model = native_tiny(7)
+    engine = Engine(model)
+    prompt = torch.randint(0, V, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    cfg = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    st = fused._state(model)
+    calls, real = [], st.decoder
+
+    class Counting:
+        def forward(self, *args):
+            calls.append((list(args[2]), list(args[3])))  # (rows, start) per segment
+            return real.forward(*args)
+
+    st.decoder = Counting()
+    try:
+        out = engine.generate(prompt, cfg, None).token_ids
+    finally:
+        st.decoder = real
+    assert calls[:3] == [([64], [0]), ([64], [64]), ([22], [128])] and len(calls) == 3 + 11
+    assert out == run_alone(engine, prompt, cfg, drafter=None, prefill_chunk=256, native_prefill=True)
