@@ -196,23 +196,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](torch::Tensor x, torch::Tensor packed, int64_t N, int64_t kind, const std::string& path) {
         return td::serialized([&] { return td::mm(x, packed, N, kind, path); });
       },
-      "y = x @ W^T for a packed weight (GIL released)", py::arg("x"), py::arg("packed"),
-        py::arg("N"), py::arg("kind"), py::arg("path") = "");
+      "y = x @ W^T for a packed weight (GIL released)", py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("kind"),
+      py::arg("path") = "");
   m.def(
       "attend",
       [](torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor allowed, double scale,
-         const std::string& path) { return td::serialized([&] { return td::attend(q, k, v, allowed, scale, path); }); },
-      "row-invariant decode attention (GIL released)", py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("allowed"), py::arg("scale"), py::arg("path") = "");
+         const std::string& path) {
+        return td::serialized([&] { return td::attend(q, k, v, allowed, scale, path); });
+      },
+      "row-invariant decode attention (GIL released)", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("allowed"),
+      py::arg("scale"), py::arg("path") = "");
   m.def(
       "read_bandwidth",
-      [](torch::Tensor buf, int64_t reps) { return td::serialized([&] { return td::read_bandwidth(buf, reps); }); }, "GB/s of the pool streaming a uint8 buffer (best of reps)",
-        py::arg("buf"), py::arg("reps") = 5);
+      [](torch::Tensor buf, int64_t reps) { return td::serialized([&] { return td::read_bandwidth(buf, reps); }); },
+      "GB/s of the pool streaming a uint8 buffer (best of reps)", py::arg("buf"), py::arg("reps") = 5);
   m.def("paths", &td::paths, "compiled code paths, fastest first");
   m.def(
       "set_tuning",
-      [](int64_t pf, int64_t unit) { return td::serialized([&] { return td::set_tuning(pf, unit); }); }, "prefetch distance and smallest work unit in bytes (-1: keep); both now",
-        py::arg("prefetch_bytes") = -1, py::arg("unit_bytes") = -1);
+      [](int64_t pf, int64_t unit) { return td::serialized([&] { return td::set_tuning(pf, unit); }); },
+      "prefetch distance and smallest work unit in bytes (-1: keep); both now", py::arg("prefetch_bytes") = -1,
+      py::arg("unit_bytes") = -1);
   m.def(
       "set_num_threads", [](int64_t n) { td::serialized([&] { td::set_num_threads(n); }); },
       "threads used by mm (caller included)");
@@ -232,7 +235,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "time the phases of each forward")
       .def(
           "take_timings", [](td::FusedDecoder& self) { return td::serialized([&] { return self.take_timings(); }); },
-           "ms per phase since the last call: other, qkv, attention, wo, w13, w2, lm_head")
+          "ms per phase since the last call: other, qkv, attention, wo, w13, w2, lm_head")
       // releases the GIL while it computes; td::native_mutex() keeps the pool and the scratch to one caller
       .def(
           "forward",
@@ -245,17 +248,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                   std::move(seg_v), std::move(seg_mask), logit_rows, want_logits, features);
             });
           },
-           py::arg("tokens"), py::arg("positions"), py::arg("seg_rows"), py::arg("seg_start"), py::arg("seg_k"),
-           py::arg("seg_v"), py::arg("seg_mask"), py::arg("logit_rows"), py::arg("want_logits"),
-           py::arg("features") = py::none())
+          py::arg("tokens"), py::arg("positions"), py::arg("seg_rows"), py::arg("seg_start"), py::arg("seg_k"),
+          py::arg("seg_v"), py::arg("seg_mask"), py::arg("logit_rows"), py::arg("want_logits"),
+          py::arg("features") = py::none())
       .def(
           "set_eagle_input",
           [](td::FusedDecoder& self, torch::Tensor emb_norm, torch::Tensor feat_norm, torch::Tensor fc,
              torch::Tensor fc_bias, int64_t fc_kind) {
             td::serialized([&] { self.set_eagle_input(emb_norm, feat_norm, fc, fc_bias, fc_kind); });
           },
-           "EAGLE draft layer input: forward(features=f) feeds fc([emb_norm(embed(tok)); feat_norm(f)])",
-           py::arg("emb_norm"), py::arg("feat_norm"), py::arg("fc"), py::arg("fc_bias"), py::arg("fc_kind"));
+          "EAGLE draft layer input: forward(features=f) feeds fc([emb_norm(embed(tok)); feat_norm(f)])",
+          py::arg("emb_norm"), py::arg("feat_norm"), py::arg("fc"), py::arg("fc_bias"), py::arg("fc_kind"));
   m.def(
       "set_attn_block_gemm", [](bool on) { td::serialized([&] { td::attn::g_block_gemm = on; }); },
       "AVX-512 attention: shared key chunks as per-block GEMMs (True) or chunk by chunk (same bits; for timing)");
