@@ -375,11 +375,13 @@ def test_real_model_int4_batched_equals_alone() -> None:
         )
     solo = {i: run_alone(eng, p, c, step_rows=16, prefill_chunk=32) for i, (p, c) in enumerate(reqs)}
     assert _batched(eng, reqs, "default", 16, 32) == solo
-    # prefilled whole (as Engine.generate does), the speculative greedy tokens are the plain greedy ones;
-    # chunked prefill (exact attention for later chunks) is another rounding of the same model, so it is
-    # compared with itself above, not with this
+    # prefilled whole (Python path), the speculative greedy tokens are the plain greedy ones; chunked prefill
+    # (exact attention for later chunks) is another rounding of the same model, so it is compared with itself
+    assert run_alone(eng, *reqs[0], step_rows=16) == run_alone(eng, *reqs[0], drafter=None)
+    # Engine.generate prefills natively in 64-row chunks, as the server does (prefill_chunk 256): same tokens.
+    # (The Python whole prefill differs here at the first token: logits 24.79 vs 24.73, a near-tie.)
     plain = eng.generate(reqs[0][0], reqs[0][1], None).token_ids
-    assert run_alone(eng, *reqs[0], step_rows=16) == plain
+    assert run_alone(eng, *reqs[0], step_rows=16, prefill_chunk=256, native_prefill=True) == plain
 
 
 @contextlib.contextmanager
@@ -485,3 +487,126 @@ def test_row_budget_gives_rows_to_accepted_drafts_and_keeps_tokens() -> None:
     assert mean_tree(0) > 2.0
     assert all(mean_tree(i) < 1.5 for i in range(1, 6))
     assert by_i[0].stats.mean_accepted_length > 2.0
+
+
+class Stateful:
+    """Keeps per-request state (the token list it drafts for), like the suffix drafter; ``for_request`` forks it."""
+
+    name = "stateful"
+
+    def __init__(self, forks: list[Stateful]) -> None:
+        self.forks, self.seen = forks, []
+
+    def for_request(self) -> Stateful:
+        twin = Stateful(self.forks)
+        self.forks.append(twin)
+        return twin
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        if not self.seen or self.seen[-1] is not ctx.tokens:
+            self.seen.append(ctx.tokens)
+        return TokenTree((ctx.root,), (-1,))
+
+
+def test_each_request_drafts_with_its_own_fork_of_the_drafter() -> None:
+    """Scheduler.add forks a drafter with ``for_request`` (also the engine's default one): each fork only ever
+    sees its own request; a drafter without it is shared as given."""
+    forks: list[Stateful] = []
+    shared = Stateful(forks)
+    engine = Engine(tiny_llama(seed=5, vocab_size=V), shared)
+    sched = Scheduler(engine, step_rows=8)
+    reqs = [sched.add([3 + i, 4, 5], GenerationConfig(6, ignore_eos=True)) for i in range(3)]
+    plain = HashDrafter()
+    other = sched.add([9, 9], GenerationConfig(4, ignore_eos=True), plain)
+    while any(not r.done for r in sched.active):
+        sched.step()
+    assert [r.drafter for r in reqs] == forks and len(forks) == 3 and not shared.seen
+    assert all(len(f.seen) == 1 and f.seen[0] is r.tokens for f, r in zip(forks, reqs))
+    assert other.drafter is plain and plain.calls > 0
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+def test_a_shared_suffix_drafter_records_each_batched_request_once() -> None:
+    """Batched requests given ONE hybrid-suffix drafter: each request drafts from its own index and the store
+    gets each finished request once. (One shared instance saw another request at every propose: it rebuilt
+    its request index every step and recorded the half-finished output of the request it switched away from.)"""
+    from treedraft.drafters.hybrid import HybridDrafter
+    from treedraft.drafters.prompt_lookup import PromptLookupDrafter
+    from treedraft.drafters.suffix import make_suffix_drafter
+    from treedraft.drafters.suffix_store import SuffixStore
+
+    store = SuffixStore()
+    suffix = make_suffix_drafter(store, "t")
+    shared = HybridDrafter([PromptLookupDrafter(), suffix], name="hybrid-suffix")
+    engine = Engine(native_tiny(2))
+    sched = Scheduler(engine, step_rows=12, prefill_chunk=8)
+    prompts = [[(5 * i + j) % V for j in range(6 + i)] for i in range(3)]
+    reqs = [sched.add(p, GenerationConfig(20, ignore_eos=True), shared) for p in prompts]
+    solo = [run_alone(engine, p, GenerationConfig(20, ignore_eos=True), drafter=None) for p in prompts]
+    while sched.active:
+        sched.step()
+        for r in [r for r in sched.active if r.done]:
+            sched.remove(r)
+    assert [r.output() for r in reqs] == solo  # greedy: the drafts never change the tokens
+    got = sorted(tuple(rec.tokens) for rec in store.records("t"))
+    assert got == sorted(tuple(suffix.record_tokens(p, r.output())) for p, r in zip(prompts, reqs))
+    assert suffix._cur is None  # the given instance never served a request itself
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+def test_eagle_requests_batched_draft_the_trees_they_draft_alone() -> None:
+    """EAGLE keeps a draft KV cache per sequence: batched requests given one EagleDrafter propose exactly the
+    trees each proposes alone, through their own ``for_request`` twins (one shared instance restarted its
+    cache from the latest hidden states at every switch of request, so its trees changed)."""
+    from test_eagle import random_net
+
+    from treedraft.drafters.eagle import EagleDrafter
+
+    trees: dict[int, list[tuple[int, ...]]] = {}  # prompt's first token -> trees proposed for it, in order
+
+    class Recording(EagleDrafter):
+        def propose(self, ctx: DraftContext) -> TokenTree:
+            tree = super().propose(ctx)
+            trees.setdefault(ctx.tokens[0], []).append(tree.tokens)
+            return tree
+
+    model = native_tiny(4)
+    eagle = Recording(random_net(model, 1, depth=3, topk=2), max_len=256)
+    engine = Engine(model)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8], [1, 6, 1, 8]]
+    cfg = GenerationConfig(24, ignore_eos=True, max_tree_nodes=6)
+    solo = [run_alone(engine, p, cfg, drafter=eagle) for p in prompts]
+    solo_trees, trees = trees, {}
+    sched = Scheduler(engine)
+    reqs = [sched.add(p, cfg, eagle) for p in prompts]
+    while any(not r.done for r in reqs):
+        sched.step()
+    assert [r.output() for r in reqs] == solo
+    assert trees == solo_trees and all(len(t) > 10 for t in trees.values())
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+def test_generate_prefills_natively_in_the_servers_chunks() -> None:
+    """Engine.generate prefills a native model's prompt through the native decoder in native_prefill_rows chunks
+    (the first from slot 0), the server's arithmetic: its tokens equal a serving scheduler's (prefill_chunk 256)."""
+    from treedraft.models import fused
+
+    model = native_tiny(7)
+    engine = Engine(model)
+    prompt = torch.randint(0, V, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    cfg = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    st = fused._state(model)
+    calls, real = [], st.decoder
+
+    class Counting:
+        def forward(self, *args):
+            calls.append((list(args[2]), list(args[3])))  # (rows, start) per segment
+            return real.forward(*args)
+
+    st.decoder = Counting()
+    try:
+        out = engine.generate(prompt, cfg, None).token_ids
+    finally:
+        st.decoder = real
+    assert calls[:3] == [([64], [0]), ([64], [64]), ([22], [128])] and len(calls) == 3 + 11
+    assert out == run_alone(engine, prompt, cfg, drafter=None, prefill_chunk=256, native_prefill=True)

@@ -254,7 +254,7 @@ def test_speculative_equals_plain_on_the_real_model_fused(weights: str, kv_dtype
         ids = llm.encode_prompt(prompt)
         before = calls["fused"]
         plain = llm.engine.generate(ids, cfg, None)
-        assert calls["fused"] - before == 47  # every decode step went native
+        assert calls["fused"] - before == -(-len(ids) // 64) + 47  # every 64-row prompt chunk and decode step: native
         spec = llm.engine.generate(ids, cfg, llm.engine.drafter)
         assert spec.token_ids == plain.token_ids, prompt
         assert spec.stats.mean_accepted_length > 1.0

@@ -222,13 +222,17 @@ class Engine:
         generator and calls ``stats.cut``. ``stats`` is updated before each yield. When the generation
         ends (either way), a drafter with ``finish(prompt_ids, output_ids)`` gets the delivered tokens.
         This is the one-request case of the batched loop (:class:`treedraft.scheduler.Scheduler`), on the
-        engine's reused KV cache.
+        engine's reused KV cache, with the server's prefill: on a model with a native decoder the prompt runs
+        through it in chunks of ``native_prefill_rows`` (faster than the Python whole-prompt prefill, and the same
+        arithmetic as ``treedraft serve``, so the CLI's greedy text is the server's); else whole, in Python.
         """
         from .scheduler import Scheduler
 
         owner = object()  # ownership token: a stream resumed after another one took the cache must not run on
         self.check_prompt(prompt_ids)
-        sched = Scheduler(self)
+        native = getattr(self.model, "native_prefill_rows", None)
+        rows = native() if callable(native) else None
+        sched = Scheduler(self, prefill_chunk=rows, native_prefill=rows is not None)
         req = sched.add(prompt_ids, config, drafter, stats, cache=self._cache_for(owner))
         try:
             while not req.done:

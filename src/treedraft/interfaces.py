@@ -6,9 +6,10 @@ the models can depend on this module without depending on each other.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -119,3 +120,31 @@ class Drafter(Protocol):
     def propose(self, ctx: DraftContext) -> TokenTree:
         """A token tree rooted at ``ctx.root`` of at most ``ctx.max_nodes`` nodes."""
         ...
+
+
+def request_twin(drafter: Any, **fresh: Any) -> Any:
+    """A shallow copy of ``drafter`` with the attributes ``fresh`` replaced, then ``reset()`` (when it has one).
+
+    What a drafter's ``for_request`` builds on: the twin shares the heavy parts (weights, stores) and gets its own
+    per-request state; see :func:`request_drafter`.
+    """
+    twin = copy.copy(drafter)
+    for name, value in fresh.items():
+        setattr(twin, name, value)
+    reset = getattr(twin, "reset", None)
+    if callable(reset):
+        reset()
+    return twin
+
+
+def request_drafter(drafter: Drafter | None) -> Drafter | None:
+    """The drafter one request drafts with: ``drafter.for_request()`` when it keeps per-request state, else itself.
+
+    A drafter that keeps the current request's state between steps (the suffix drafter's index of the request's
+    own tokens and its acceptance model, EAGLE's draft KV cache) sees another request at every call when one
+    instance serves a batch: it rebuilds that state each step (slow), records half-finished outputs into its
+    store, and its trees (so a seeded typical-acceptance request's text) depend on the batch. ``for_request``
+    gives a twin with its own request state over the same shared parts (weights, suffix store, tenant).
+    """
+    fork = getattr(drafter, "for_request", None)
+    return fork() if callable(fork) else drafter

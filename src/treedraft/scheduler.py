@@ -16,8 +16,8 @@ a seeded sampled request gives the same tokens alone or batched (the coupled los
 :func:`treedraft.verify.accept_coupled`; seeded typical acceptance keeps its ``max_tree_nodes``, see
 :meth:`Scheduler._tree_budget`). With fp32 MKL linears a row's rounding depends on the number of rows, so a
 batched greedy output may differ from the solo one at near-ties. Prefill chunking (and ``native_prefill``)
-is part of a request's arithmetic: its greedy tokens can differ from :meth:`Engine.generate`'s whole-prompt
-prefill at near-ties; alone or batched under the same settings they are identical.
+is part of a request's arithmetic: :meth:`Engine.generate` prefills natively in ``native_prefill_rows`` chunks
+(Python whole prompts without a native decoder); other settings can differ from it at near-ties.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .budget import NodeStats, RowBudget
-from .interfaces import DraftContext, Drafter, GenerationError, target_device
+from .interfaces import DraftContext, Drafter, GenerationError, request_drafter, target_device
 from .tree import TokenTree, TreeError, full_attention_mask
 from .verify import accept, sample_token, uses_coupling
 
@@ -133,8 +133,8 @@ class Scheduler:
         a request's chunks always start at multiples of ``chunk_rows``, whatever else runs in the step:
         ``prefill_chunk``, or with ``native_prefill`` on a model with a native decoder (``native_prefill_rows``)
         at most the rows it runs, so prompts are prefilled natively (several requests' chunks per step, up to
-        ``prefill_chunk``; much faster than the Python path, but rounded differently from
-        :meth:`Engine.generate`'s whole prefill, so greedy text can differ from the CLI's at near-ties).
+        ``prefill_chunk``; faster than the Python path, and what :meth:`Engine.generate` runs, so with
+        ``prefill_chunk >= native_prefill_rows`` greedy text equals the CLI's).
     latency: the forward's latency curve (rows -> seconds, :func:`measured_latency`): with two or more
         decoding requests their tree sizes come from :class:`treedraft.budget.RowBudget` (the nodes whose
         expected acceptance pays for their rows) instead of equal shares; ``step_rows`` then caps one
@@ -193,7 +193,7 @@ class Scheduler:
         cache.length = 0
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens = len(prompt)
-        d = eng.drafter if drafter == "default" else drafter
+        d = request_drafter(eng.drafter if drafter == "default" else drafter)
         req = Request(prompt, cfg, d, stats, cache, cfg.sampling.generator(), max_new, tag, tokens=list(prompt))
         self.active.append(req)
         return req

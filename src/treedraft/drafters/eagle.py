@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..interfaces import DraftContext, TargetModel
+from ..interfaces import DraftContext, TargetModel, request_twin
 from ..models.llama import Block, KVCache, LlamaConfig, RMSNorm, rope_frequencies
 from ..tree import TokenTree
 from .eagle_native import fast_drafting
@@ -302,6 +302,10 @@ class EagleDrafter:
         self.cache.length = 0
         self.base = 0  # pair index held in cache slot 0
         self.tokens: list[int] = []  # tokens x_0 .. x_r of the committed pairs (pair j uses x_{j+1})
+
+    def for_request(self) -> EagleDrafter:
+        """A twin for one request: the same net and native step, its own draft KV cache (from this calibration)."""
+        return request_twin(self, cache=self.net.new_cache(self.cache.max_len), _skip=0, _backoff=0)
 
     @property
     def committed(self) -> int:

@@ -118,6 +118,11 @@ class HybridDrafter:
         """The same union with every member that learns across requests (``fresh()``, e.g. ``suffix``) started over."""
         return dataclasses.replace(self, drafters=[fresh_copy(d) for d in self.drafters])
 
+    def for_request(self) -> HybridDrafter:
+        """The same union with every member that keeps per-request state (``for_request``) forked for one request."""
+        forked = [d.for_request() if callable(getattr(d, "for_request", None)) else d for d in self.drafters]
+        return dataclasses.replace(self, drafters=forked)
+
     def finish(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         """Tell every member drafter that keeps per-request state (e.g. ``suffix``) that a request ended."""
         for d in self.drafters:

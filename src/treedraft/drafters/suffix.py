@@ -106,6 +106,11 @@ class SuffixDrafter:
         store = None if self.store is None else SuffixStore(max_tokens=self.store.max_tokens, share=self.store.share)
         return dataclasses.replace(self, store=store)
 
+    def for_request(self) -> SuffixDrafter:
+        """A twin for one request (the scheduler's per-request drafter): same store, tenant and settings, its own
+        request index and acceptance model."""
+        return dataclasses.replace(self)
+
     def record_tokens(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> list[int]:
         """What is indexed for a finished request: the prompt's tail, then the output."""
         keep = len(prompt_ids) if self.prompt_context is None else min(len(prompt_ids), self.prompt_context)

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,23 @@
 #include "mm_core.h"
 
 namespace td {
+
+// One native call at a time per process: the thread pool (g_pool), its settings and each FusedDecoder's
+// scratch serve one caller. The calls below release the GIL while they compute (so the server's event
+// loop, HTTP streaming and detokenizing run meanwhile) and take this lock instead, after the release: a
+// thread waiting for it never holds the GIL, so a forward in flight never blocks Python code.
+std::mutex& native_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+// Run f() without the GIL, under native_mutex(); the GIL is back before the result reaches Python.
+template <class F>
+auto serialized(F&& f) -> decltype(f()) {
+  py::gil_scoped_release nogil;
+  std::lock_guard<std::mutex> lk(native_mutex());
+  return f();
+}
 
 torch::Tensor mm(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t kind,
                  const std::string& path_name) {
@@ -172,16 +190,35 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "treedraft quantized (Q4_1 / Q8_0) CPU GEMM";
-  m.def("mm", &td::mm, "y = x @ W^T for a packed weight", py::arg("x"), py::arg("packed"),
-        py::arg("N"), py::arg("kind"), py::arg("path") = "");
-  m.def("attend", &td::attend, "row-invariant decode attention", py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("allowed"), py::arg("scale"), py::arg("path") = "");
-  m.def("read_bandwidth", &td::read_bandwidth, "GB/s of the pool streaming a uint8 buffer (best of reps)",
-        py::arg("buf"), py::arg("reps") = 5);
+  // every entry point that touches the pool, its settings or a decoder's scratch runs td::serialized
+  m.def(
+      "mm",
+      [](torch::Tensor x, torch::Tensor packed, int64_t N, int64_t kind, const std::string& path) {
+        return td::serialized([&] { return td::mm(x, packed, N, kind, path); });
+      },
+      "y = x @ W^T for a packed weight (GIL released)", py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("kind"),
+      py::arg("path") = "");
+  m.def(
+      "attend",
+      [](torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor allowed, double scale,
+         const std::string& path) {
+        return td::serialized([&] { return td::attend(q, k, v, allowed, scale, path); });
+      },
+      "row-invariant decode attention (GIL released)", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("allowed"),
+      py::arg("scale"), py::arg("path") = "");
+  m.def(
+      "read_bandwidth",
+      [](torch::Tensor buf, int64_t reps) { return td::serialized([&] { return td::read_bandwidth(buf, reps); }); },
+      "GB/s of the pool streaming a uint8 buffer (best of reps)", py::arg("buf"), py::arg("reps") = 5);
   m.def("paths", &td::paths, "compiled code paths, fastest first");
-  m.def("set_tuning", &td::set_tuning, "prefetch distance and smallest work unit in bytes (-1: keep); both now",
-        py::arg("prefetch_bytes") = -1, py::arg("unit_bytes") = -1);
-  m.def("set_num_threads", &td::set_num_threads, "threads used by mm (caller included)");
+  m.def(
+      "set_tuning",
+      [](int64_t pf, int64_t unit) { return td::serialized([&] { return td::set_tuning(pf, unit); }); },
+      "prefetch distance and smallest work unit in bytes (-1: keep); both now", py::arg("prefetch_bytes") = -1,
+      py::arg("unit_bytes") = -1);
+  m.def(
+      "set_num_threads", [](int64_t n) { td::serialized([&] { td::set_num_threads(n); }); },
+      "threads used by mm (caller included)");
   m.def("get_num_threads", &td::get_num_threads, "threads used by mm");
   // module_local: two builds of this extension (e.g. benchmarks/mm_ab.py's baseline) can share a process
   py::class_<td::FusedDecoder>(m, "FusedDecoder", py::module_local(), "one native call per decode forward (fused.h)")
@@ -193,19 +230,39 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kinds"), py::arg("final_norm"), py::arg("lm_head"), py::arg("lm_head_bias"),
            py::arg("lm_head_kind"), py::arg("vocab"))
       .def("num_layers", &td::FusedDecoder::num_layers)
-      .def("set_profile", &td::FusedDecoder::set_profile, "time the phases of each forward")
-      .def("take_timings", &td::FusedDecoder::take_timings,
-           "ms per phase since the last call: other, qkv, attention, wo, w13, w2, lm_head")
-      // keeps the GIL: the thread pool and the decoder's scratch buffers serve one caller at a time
-      .def("forward", &td::FusedDecoder::forward,
-           py::arg("tokens"), py::arg("positions"), py::arg("seg_rows"), py::arg("seg_start"), py::arg("seg_k"),
-           py::arg("seg_v"), py::arg("seg_mask"), py::arg("logit_rows"), py::arg("want_logits"),
-           py::arg("features") = py::none())
-      .def("set_eagle_input", &td::FusedDecoder::set_eagle_input,
-           "EAGLE draft layer input: forward(features=f) feeds fc([emb_norm(embed(tok)); feat_norm(f)])",
-           py::arg("emb_norm"), py::arg("feat_norm"), py::arg("fc"), py::arg("fc_bias"), py::arg("fc_kind"));
+      .def(
+          "set_profile", [](td::FusedDecoder& self, bool on) { td::serialized([&] { self.set_profile(on); }); },
+          "time the phases of each forward")
+      .def(
+          "take_timings", [](td::FusedDecoder& self) { return td::serialized([&] { return self.take_timings(); }); },
+          "ms per phase since the last call: other, qkv, attention, wo, w13, w2, lm_head")
+      // releases the GIL while it computes; td::native_mutex() keeps the pool and the scratch to one caller
+      .def(
+          "forward",
+          [](td::FusedDecoder& self, torch::Tensor tokens, torch::Tensor positions, std::vector<int64_t> seg_rows,
+             std::vector<int64_t> seg_start, std::vector<std::vector<torch::Tensor>> seg_k,
+             std::vector<std::vector<torch::Tensor>> seg_v, std::vector<torch::Tensor> seg_mask,
+             std::optional<torch::Tensor> logit_rows, bool want_logits, std::optional<torch::Tensor> features) {
+            return td::serialized([&] {
+              return self.forward(tokens, positions, std::move(seg_rows), std::move(seg_start), std::move(seg_k),
+                                  std::move(seg_v), std::move(seg_mask), logit_rows, want_logits, features);
+            });
+          },
+          py::arg("tokens"), py::arg("positions"), py::arg("seg_rows"), py::arg("seg_start"), py::arg("seg_k"),
+          py::arg("seg_v"), py::arg("seg_mask"), py::arg("logit_rows"), py::arg("want_logits"),
+          py::arg("features") = py::none())
+      .def(
+          "set_eagle_input",
+          [](td::FusedDecoder& self, torch::Tensor emb_norm, torch::Tensor feat_norm, torch::Tensor fc,
+             torch::Tensor fc_bias, int64_t fc_kind) {
+            td::serialized([&] { self.set_eagle_input(emb_norm, feat_norm, fc, fc_bias, fc_kind); });
+          },
+          "EAGLE draft layer input: forward(features=f) feeds fc([emb_norm(embed(tok)); feat_norm(f)])",
+          py::arg("emb_norm"), py::arg("feat_norm"), py::arg("fc"), py::arg("fc_bias"), py::arg("fc_kind"));
   m.def(
-      "set_attn_block_gemm", [](bool on) { td::attn::g_block_gemm = on; },
+      "set_attn_block_gemm", [](bool on) { td::serialized([&] { td::attn::g_block_gemm = on; }); },
       "AVX-512 attention: shared key chunks as per-block GEMMs (True) or chunk by chunk (same bits; for timing)");
-  m.def("set_spin_us", &td::set_spin_us, "how long idle workers spin before sleeping");
+  m.def(
+      "set_spin_us", [](int64_t us) { td::serialized([&] { td::set_spin_us(us); }); },
+      "how long idle workers spin before sleeping");
 }

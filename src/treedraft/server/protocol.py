@@ -30,7 +30,7 @@ class ServerSettings:
     max_batch: int = 8  # requests decoded together (one target forward per step)
     step_rows: int | None = None  # tree rows per step shared by the batch (None: from the latency curve)
     prefill_chunk: int | None = 256  # prompt rows per step for joining requests (None: whole prompts)
-    native_prefill: bool = False  # prompt chunks through the native decoder (faster; text may differ from the CLI's)
+    native_prefill: bool = True  # prompt chunks through the native decoder (faster; the CLI's arithmetic too)
     max_tokens_limit: int | None = None  # largest max_tokens accepted (None: context window - 1)
     default_max_tokens: int = 256  # when a request gives none (capped by what the context leaves)
     served_model_names: tuple[str, ...] = ()  # names accepted in "model" (empty: the loaded model's name)
