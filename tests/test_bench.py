@@ -655,3 +655,19 @@ def test_busy_core_defaults_to_fresh_drafter_state_and_refuses_a_store_next_to_i
         a = parse(*extra)
         again = build_parser().parse_args(shlex.split(_command_line(a, None))[1:])
         assert again.fresh_drafter_state == a.fresh_drafter_state
+
+
+def test_warm_up_runs_record_nothing_into_the_shared_drafter(engine: TextGenerator) -> None:
+    """The warm-up run of the first prompt must not leave its output in a learning drafter's index, or the
+    timed run of that prompt drafts its own text (a suffix drafter's bench figure was inflated by it)."""
+    from treedraft.drafters.suffix import SuffixDrafter
+    from treedraft.drafters.suffix_store import SuffixStore
+
+    shared = SuffixDrafter(SuffixStore(max_tokens=10_000, share=True), tenant="t")
+    spy = DrafterSpy(engine)
+    method = EngineMethod(spy, GenerationConfig(max_new_tokens=MAX_NEW), shared)
+    prompts = [(BenchPrompt("w", "x", "writing"), fake_encode("abcabcabcabc abcabc"))]
+    res = run_bench(prompts, {"suffix": method}, warmup=1)
+    assert len(spy.seen) == 2 and spy.drafters[0] is not shared  # the warm-up drafted with a copy
+    assert spy.seen[1] == 0  # so the timed run started from an empty index
+    assert shared.store.num_tokens > 0 and res.records[0].method == "suffix"  # the timed run itself was recorded

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..drafters.hybrid import fresh_copy
 from ..prompts import MT_BENCH_FILE, SHARED_DATA, Prompt, PromptFileError, find_shared_data, read_prompt_file
 
 DEFAULT_DATASET = SHARED_DATA / MT_BENCH_FILE
@@ -154,10 +155,14 @@ class EngineMethod:
         """Generate with the engine; stats are the engine's own."""
         drafter = self.drafter
         if self.fresh_state:
-            from ..drafters.hybrid import fresh_copy
-
             drafter = fresh_copy(drafter)
         r = self.engine.generate(prompt_ids, self.config, drafter)
+        return MethodOutput(list(r.token_ids), r.stats, r.finish_reason)
+
+    def warm(self, prompt_ids: list[int]) -> MethodOutput:
+        """An untimed warm-up run whose drafter is a fresh copy: what it learns (e.g. its output in a suffix
+        index) never reaches the timed runs, or the timed run of the warm-up prompt would draft its own text."""
+        r = self.engine.generate(prompt_ids, self.config, fresh_copy(self.drafter))
         return MethodOutput(list(r.token_ids), r.stats, r.finish_reason)
 
 
@@ -327,10 +332,11 @@ def run_bench(
     live = dict(methods)
     records: list[Record] = []
 
-    def call(name: str, prompt: BenchPrompt, ids: Sequence[int]) -> Record | None:
+    def call(name: str, prompt: BenchPrompt, ids: Sequence[int], warm: bool = False) -> Record | None:
         try:
+            fn = getattr(live[name], "warm", None) if warm else None  # warm-ups learn nothing that is kept
             t0 = time.perf_counter()
-            out = _as_output(live[name](list(ids)))
+            out = _as_output((fn or live[name])(list(ids)))
             wall = time.perf_counter() - t0
         except Exception as e:
             skipped[name] = f"failed on prompt {prompt.id}: {type(e).__name__}: {e}"
@@ -346,7 +352,7 @@ def run_bench(
     for w in range(warmup):
         p, ids = prompts[w % len(prompts)]
         for name in list(live):
-            call(name, p, ids)
+            call(name, p, ids, warm=True)
 
     names = list(live)
     bar = tqdm(total=len(prompts) * len(names), desc="bench", unit="run", disable=not progress, file=sys.stderr)
