@@ -671,3 +671,17 @@ def test_warm_up_runs_record_nothing_into_the_shared_drafter(engine: TextGenerat
     assert len(spy.seen) == 2 and spy.drafters[0] is not shared  # the warm-up drafted with a copy
     assert spy.seen[1] == 0  # so the timed run started from an empty index
     assert shared.store.num_tokens > 0 and res.records[0].method == "suffix"  # the timed run itself was recorded
+
+
+def test_each_bench_method_learns_into_its_own_suffix_index(engine: TextGenerator) -> None:
+    """Two methods with a suffix member in one run must not share the LLM's in-memory index: the second to run
+    a prompt drafted the first one's output of it (hybrid-suffix 5.4 mean accepted on cold first turns)."""
+    cfg = GenerationConfig(max_new_tokens=4)
+    llm = LLM(engine.engine, None, "tiny", "cpu")
+    methods, skipped = bench.build_methods(["suffix"], llm, Path("/nonexistent.gguf"), cfg)
+    assert not skipped
+    shared = llm.get_drafter("suffix")
+    mine = methods["suffix"].drafter
+    assert mine is not shared and mine.store is not None and mine.store is not shared.store
+    methods["suffix"](fake_encode("abab abab abab"))
+    assert mine.store.num_tokens > 0 and shared.store.num_tokens == 0

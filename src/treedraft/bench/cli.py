@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..drafters.hybrid import fresh_copy
 from . import harness
 from .baselines import HFMethod, llama_cpp_method, load_hf_baseline
 from .harness import (
@@ -83,7 +84,11 @@ def build_methods(
             elif name == "plain":
                 methods[name] = EngineMethod(llm.text, config, None)
             else:
-                methods[name] = EngineMethod(llm.text, config, llm.get_drafter(name, heads=heads), fresh_state)
+                # each method its own copy of a learning drafter: `suffix` and `hybrid-suffix` in one run would
+                # otherwise share the LLM's in-memory suffix index, and the second to run a prompt would draft
+                # the first one's output of it (a persistent --suffix-store stays shared: fresh() keeps it)
+                drafter = fresh_copy(llm.get_drafter(name, heads=heads))
+                methods[name] = EngineMethod(llm.text, config, drafter, fresh_state)
         except Exception as e:
             skipped[name] = f"{type(e).__name__}: {e}"
     return methods, skipped
