@@ -25,7 +25,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..interfaces import DraftContext, Drafter
+from ..interfaces import DraftContext, Drafter, request_drafter
 from ..tree import TokenTree, TreeError
 
 
@@ -120,7 +120,7 @@ class HybridDrafter:
 
     def for_request(self) -> HybridDrafter:
         """The same union with every member that keeps per-request state (``for_request``) forked for one request."""
-        forked = [d.for_request() if callable(getattr(d, "for_request", None)) else d for d in self.drafters]
+        forked = [request_drafter(d) for d in self.drafters]
         return dataclasses.replace(self, drafters=forked)
 
     def finish(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
