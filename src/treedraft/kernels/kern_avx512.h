@@ -16,19 +16,6 @@ inline void store16(float* dst, __m512 v, int ncols) {
     _mm512_mask_storeu_ps(dst, (__mmask16)((1u << ncols) - 1), v);
 }
 
-// Software prefetch distance (bytes past the block being read) for the row chunk r0..r0+rb of a tile; speed only.
-// The first chunk streams the tile from memory and prefetches g_prefetch_ahead bytes ahead of it. With
-// several chunks (M > the row block) the later ones re-read the tile from cache and, before, issued no
-// prefetch: at 16 rows half of each tile's time had no memory traffic, the other half stalled on it. Now
-// the last chunk prefetches the same block of the next tile (tile_bytes ahead), so the next tile's first
-// chunk finds it in cache and streaming overlaps the compute of both chunks. 0 = none.
-inline int64_t prefetch_ahead(const Act& a, int r0, int rb, int block_bytes) {
-  const int pf = g_prefetch_ahead;
-  if (pf <= 0) return 0;
-  if (r0 == 0) return pf;
-  return r0 + rb >= a.M ? (int64_t)a.B * block_bytes : 0;
-}
-
 // Q4_1: per (row, block) 8 vpmaddubsw summed in int16 (|sum| <= 8 * 2 * 15 * 127 = 30480, no
 // saturation since activations are clamped to [-127, 127]), one vpmaddwd, then the fp32 update.
 // Per (row, block) that is 8 vpmaddubsw + 7 vpaddw + vpmaddwd + vcvtdq2ps + vmulps + 2 vfmadd = 20
@@ -39,15 +26,15 @@ void tile_q4_1_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int
                          int ncols) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i ones = _mm512_set1_epi16(1);
-  const int64_t ahead = prefetch_ahead(a, r0, RB, kQ41Bytes);
+  const int pf = g_prefetch_ahead;
   __m512 acc[RB];
   _Pragma("GCC unroll 8")
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int b = 0; b < a.B; ++b, w += kQ41Bytes) {
-    if (ahead > 0) {
+    if (r0 == 0 && pf > 0) {  // later row chunks of this tile re-read blocks the first one brought in
       _Pragma("GCC unroll 5")
       for (int l = 0; l < kQ41Bytes; l += 64)
-        _mm_prefetch((const char*)(w + ahead + l), _MM_HINT_T0);
+        _mm_prefetch((const char*)(w + pf + l), _MM_HINT_T0);
     }
     // the block's 16 x 32 weights, unpacked once: wv[i] holds k = 4i..4i+3 (i < 4) and
     // 16+4(i-4).. (i >= 4) of all 16 columns; they stay in registers for all RB rows
@@ -88,22 +75,23 @@ void tile_q4_1_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int
 // is widened at once by vpmaddwd with ones (no int16 accumulation as in Q4_1).
 // Per (row, block): 8 x (vpbroadcastd load, masked vpsubb, vpmaddubsw, vpmaddwd, vpaddd) + the fp32
 // update; against 16 x (vpbroadcastd, vpmaddwd, vpaddd) on sign-extended int16 weights before
-// (same 16 port-0 multiplies, half the broadcasts and adds, and no per-block vpmovsxbw: ~0.75-0.85x the
-// cycles in benchmarks/tile_cycles.cpp). |w| and the sign masks are computed once per block for RB rows.
+// (the same 16 port-0 multiplies: without VNNI two vpmaddubsw results cannot share one vpmaddwd; but half
+// the broadcasts and adds and no per-block vpmovsxbw: ~0.8-0.95x the cycles of the old tile in a
+// one-thread cache-resident A/B). |w| and the sign masks are computed once per block for RB rows.
 template <int RB>
 void tile_q8_0_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo,
                          int ncols) {
-  const int64_t ahead = prefetch_ahead(a, r0, RB, kQ80Bytes);
+  const int pf = g_prefetch_ahead;
   const __m512i ones = _mm512_set1_epi16(1);
   const __m512i zero = _mm512_setzero_si512();
   __m512 acc[RB];
   _Pragma("GCC unroll 8")
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int b = 0; b < a.B; ++b, w += kQ80Bytes) {
-    if (ahead > 0) {
+    if (r0 == 0 && pf > 0) {
       _Pragma("GCC unroll 9")
       for (int l = 0; l < kQ80Bytes; l += 64)
-        _mm_prefetch((const char*)(w + ahead + l), _MM_HINT_T0);
+        _mm_prefetch((const char*)(w + pf + l), _MM_HINT_T0);
     }
     __m512i wa[8];  // |w| of k = 4i..4i+3, all 16 columns (as unsigned bytes: |-128| = 128)
     __mmask64 neg[8];  // w < 0
