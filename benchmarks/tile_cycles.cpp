@@ -25,10 +25,10 @@ int main(int argc, char** argv){
   for(int t=0;t<T*B;t++){ uint16_t* d=(uint16_t*)(w41.data()+t*kQ41Bytes+256); for(int i=0;i<32;i++) d[i]=0x2000+(g()&0xff);
     uint16_t* e=(uint16_t*)(w80.data()+t*kQ80Bytes+512); for(int i=0;i<16;i++) e[i]=0x2000+(g()&0xff);}
   for(int M: {1,2,4,8,16}){
-    std::vector<int8_t> q(M*K); std::vector<int16_t> q16(M*K); std::vector<float> d(M*B), s(M*B), out(M*T*16);
-    for(int i=0;i<M*K;i++){ q[i]=(int8_t)((int)(g()%255)-127); q16[i]=q[i]; }
+    std::vector<int8_t> q(M*K); std::vector<float> d(M*B), s(M*B), out(M*T*16);
+    for(int i=0;i<M*K;i++){ q[i]=(int8_t)((int)(g()%255)-127); }
     for(auto& v: d) v=0.01f; for(auto& v: s) v=0.1f;
-    Act a; a.M=M; a.K=K; a.B=B; a.q=q.data(); a.q16=q16.data(); a.d=d.data(); a.s=s.data();
+    Act a; a.M=M; a.K=K; a.B=B; a.q=q.data(); a.d=d.data(); a.s=s.data();
     for(int kind=0;kind<2;kind++){
       double best=1e9;
       for(int rep=0;rep<30;rep++){

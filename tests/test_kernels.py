@@ -172,6 +172,42 @@ def test_thread_counts_bitwise_equal(kind: str) -> None:
 
 
 @needs_ext
+def test_q8_0_extreme_values_exact() -> None:
+    """Q8_0 at the int16 limits of vpmaddubsw: w = -128 / 127 against x = -127 / 127 gives the exact sums.
+
+    Scales 1.0 and activations that are integers with a +-127 in every block make the kernel's result the
+    exact integer dot product (< 2^24, exact in float32). A pair of products reaches 2 * 128 * 127 = 32512
+    (fits int16); adding two vpmaddubsw results in int16 (65024) or a saturating |-128| would break it.
+    """
+    K, B = 576, 18
+    g = torch.Generator().manual_seed(11)
+    rows = [
+        torch.full((K,), -128),
+        torch.full((K,), 127),
+        torch.tensor([-128, 127]).repeat(K // 2),
+        torch.tensor([-128, -128, 127, 0]).repeat(K // 4),
+    ] + [torch.randint(-128, 128, (K,), generator=g) for _ in range(17)]  # N = 21: a partial last tile
+    q = torch.stack(rows).to(torch.int8)
+    N = q.shape[0]
+    pw = tk.pack_q8_0(torch.ones(N, B), q)
+    assert torch.equal(pw.dequantize(), q.float())  # -128 survives the packed layout
+    xr = [
+        torch.full((K,), -127.0),
+        torch.full((K,), 127.0),
+        torch.tensor([-127.0, 127.0]).repeat(K // 2),
+        torch.tensor([-127.0, -127.0, 127.0, 5.0]).repeat(K // 4),
+    ]
+    for _ in range(6):
+        x = torch.randint(-127, 128, (K,), generator=g).float()
+        x[::32] = 127.0  # block max 127: activation scale exactly 1.0, codes = x
+        xr.append(x)
+    X = torch.stack(xr)
+    exact = (X.double() @ q.double().T).float()  # integers < 2^24
+    for path in tk.paths():
+        assert torch.equal(tk.mm(X, pw, path=path), exact), path
+
+
+@needs_ext
 def test_tuning_changes_no_bits() -> None:
     """Prefetch distance and work-unit size are speed knobs only: outputs stay bitwise equal; bad values raise."""
     pw, _, _ = packed("q4_1", 1000, 576, seed=9)

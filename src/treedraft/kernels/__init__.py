@@ -160,8 +160,8 @@ class PackedWeight:
             m = m.permute(0, 2, 1).reshape(T * TILE, B).float()
             w = q.float().view(-1, B, QK) * d[..., None] + m[..., None]
         else:
-            qs = blocks[:, :, :512].contiguous().view(torch.int8).reshape(T, B, 16, TILE, 2)
-            q = qs.permute(0, 3, 1, 2, 4).reshape(T * TILE, self.K)  # k = 2p + j
+            qs = blocks[:, :, :512].contiguous().view(torch.int8).reshape(T, B, 8, TILE, 4)
+            q = qs.permute(0, 3, 1, 2, 4).reshape(T * TILE, self.K)  # k = 4i + j
             d = blocks[:, :, 512:544].contiguous().view(torch.float16)
             d = d.permute(0, 2, 1).reshape(T * TILE, B).float()
             w = q.float().view(-1, B, QK) * d[..., None]
@@ -216,8 +216,8 @@ def pack_q8_0(scale: torch.Tensor, q: torch.Tensor) -> PackedWeight:
     B, T = K // QK, -(-N // TILE)
     _check("q", q, (N, K), (torch.int8,))
     _check("scale", scale, (N, B), (torch.float32, torch.float16))
-    qp = torch.nn.functional.pad(q, (0, 0, 0, T * TILE - N)).view(T, TILE, B, 16, 2)  # c, b, p, j
-    qs = qp.permute(0, 2, 3, 1, 4).reshape(T, B, 512).view(torch.uint8)
+    qp = torch.nn.functional.pad(q, (0, 0, 0, T * TILE - N)).view(T, TILE, B, 8, 4)  # c, b, i, j
+    qs = qp.permute(0, 2, 3, 1, 4).reshape(T, B, 512).view(torch.uint8)  # byte 4c + j of qs[i]: k = 4i + j
     blocks = torch.cat([qs, _fp16_scales("scale", scale, T)], dim=2)
     return PackedWeight(blocks.reshape(-1).contiguous(), N, K, Q8_0)
 

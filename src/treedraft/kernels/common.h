@@ -7,8 +7,9 @@
 //     byte 4c+j of nib[i] = q[c][4i+j] | q[c][16+4i+j] << 4      (c: column in tile, j: 0..3)
 //     so the low nibbles of nib[i] hold k = 4i..4i+3, the high nibbles k = 16+4i..16+4i+3,
 //     and one 64-byte vector holds 4 consecutive k for all 16 columns.
-//   Q8_0 block (544 bytes): qs[16][32] int8 | d[16] fp16
-//     byte 2c+j of qs[p] = q[c][2p+j]
+//   Q8_0 block (544 bytes): qs[8][64] int8 | d[16] fp16
+//     byte 4c+j of qs[i] = q[c][4i+j]   (one 64-byte vector: 4 consecutive k of all 16 columns, as
+//     for Q4_1, so both kinds feed vpmaddubsw with one broadcast 4-byte activation group)
 //
 // Activations are quantized per row and 32-block to int8 (llama.cpp's Q8_1 idea):
 // x ~= d * q, q in [-127, 127], s = d * sum(q) (needed for Q4_1's min term).
@@ -34,10 +35,9 @@ struct Act {
   int M = 0;                     // rows
   int K = 0;                     // row length
   int B = 0;                     // blocks per row (K / 32)
-  const int8_t* q = nullptr;     // (B, M, 32) quantized values
-  const int16_t* q16 = nullptr;  // (B, M, 32) the same values widened (Q8_0 path only)
-  const float* d = nullptr;      // (B, M) scales
-  const float* s = nullptr;      // (B, M) d * sum(q)
+  const int8_t* q = nullptr;  // (B, M, 32) quantized values
+  const float* d = nullptr;   // (B, M) scales
+  const float* s = nullptr;   // (B, M) d * sum(q)
 };
 
 // Runtime tunables of the matmul, neither changes any result bit (set by qgemm.set_tuning):

@@ -125,7 +125,13 @@ class FusedDecoder {
 
   // Per-phase wall time of the forwards since the last call (ms), when profiling is on:
   // [other (norms, RoPE, cache writes, silu, residuals), qkv, attention, wo, w13, w2, lm_head]
-  void set_profile(bool on) { profile_ = on; }
+  void set_profile(bool on) { profile_ = g_time_quant = on; }
+  // Of the linear phases above: ms spent quantizing their activations since the last call (profiling only).
+  double take_quant_timing() {
+    const double ms = g_quant_ns * 1e-6;
+    g_quant_ns = 0;
+    return ms;
+  }
   std::vector<double> take_timings() {
     std::vector<double> out(prof_.size());
     for (size_t i = 0; i < prof_.size(); ++i) out[i] = prof_[i] * 1e-6;

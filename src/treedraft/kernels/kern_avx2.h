@@ -64,9 +64,12 @@ void tile_q4_1_avx2_rb(const uint8_t* w0, const Act& a, int r0, float* out, int 
   }
 }
 
+// Q8_0: llama.cpp's vpsignb trick: vpmaddubsw(|w|, sign(x, w)) = w x per byte pair exactly (pairs
+// <= 2 * 128 * 127 < 32767), widened at once by vpmaddwd with ones (two pairs could exceed int16).
 template <int RB>
 void tile_q8_0_avx2_rb(const uint8_t* w0, const Act& a, int r0, float* out, int ldo, int ncols) {
-  const int16_t* x0 = a.q16 + (int64_t)r0 * kQK;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* x0 = a.q + (int64_t)r0 * kQK;
   const float* d0 = a.d + r0;
   for (int h = 0; h < 2; ++h) {
     __m256 acc[RB];
@@ -77,15 +80,15 @@ void tile_q8_0_avx2_rb(const uint8_t* w0, const Act& a, int r0, float* out, int 
       __m256i s32[RB];
       _Pragma("GCC unroll 8")
       for (int r = 0; r < RB; ++r) s32[r] = _mm256_setzero_si256();
-      _Pragma("GCC unroll 16")
-      for (int p = 0; p < 16; ++p) {
-        const __m256i v =
-            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 32 * p + 16 * h)));
+      _Pragma("GCC unroll 8")
+      for (int i = 0; i < 8; ++i) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 64 * i + 32 * h));
+        const __m256i av = _mm256_abs_epi8(v);  // |-128| = 0x80 = 128 as the unsigned operand
         _Pragma("GCC unroll 8")
         for (int r = 0; r < RB; ++r) {
-          const __m256i xp =
-              _mm256_set1_epi32(load_i32(x0 + ((int64_t)b * a.M + r) * kQK + 2 * p));
-          s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(v, xp));
+          const __m256i xv = _mm256_set1_epi32(load_i32(x0 + ((int64_t)b * a.M + r) * kQK + 4 * i));
+          const __m256i p = _mm256_maddubs_epi16(av, _mm256_sign_epi8(xv, v));
+          s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(p, ones));
         }
       }
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 512 + 16 * h)));

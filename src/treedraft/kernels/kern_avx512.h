@@ -16,7 +16,6 @@ inline void store16(float* dst, __m512 v, int ncols) {
     _mm512_mask_storeu_ps(dst, (__mmask16)((1u << ncols) - 1), v);
 }
 
-
 // Q4_1: per (row, block) 8 vpmaddubsw summed in int16 (|sum| <= 8 * 2 * 15 * 127 = 30480, no
 // saturation since activations are clamped to [-127, 127]), one vpmaddwd, then the fp32 update.
 // Per (row, block) that is 8 vpmaddubsw + 7 vpaddw + vpmaddwd + vcvtdq2ps + vmulps + 2 vfmadd = 20
@@ -69,13 +68,24 @@ void tile_q4_1_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int
   for (int r = 0; r < RB; ++r) store16(out + (int64_t)(r0 + r) * ldo, acc[r], ncols);
 }
 
-// Q8_0: weights sign-extended to int16 (vpmovsxbw), activation pairs broadcast as int16,
-// vpmaddwd + vpaddd per 2 k (int8 x int8 has no unsigned operand for vpmaddubsw).
+// Q8_0 (llama.cpp's signed-by-signed trick for vpmaddubsw, which takes one unsigned operand): per
+// 4-k group |w| as the unsigned operand and x with w's sign applied (a masked byte subtract from zero;
+// AVX-512BW has no vpsignb), so |w| * sign(w) x = w x exactly. No saturation: |w| <= 128, |x| <= 127,
+// a pair sums to <= 2 * 128 * 127 = 32512 < 32767; but two pairs can exceed int16, so every vpmaddubsw
+// is widened at once by vpmaddwd with ones (no int16 accumulation as in Q4_1).
+// Per (row, block): 8 x (vpbroadcastd load, masked vpsubb, vpmaddubsw, vpmaddwd, vpaddd) + the fp32
+// update; against 16 x (vpbroadcastd, vpmaddwd, vpaddd) on sign-extended int16 weights before
+// (the same 16 port-0 multiplies: without VNNI two vpmaddubsw results cannot share one vpmaddwd; but half
+// the broadcasts and adds and no per-block vpmovsxbw: ~0.8-0.95x the cycles of the old tile in a
+// one-thread cache-resident A/B). |w| and the sign masks are computed once per block for RB rows.
 template <int RB>
 void tile_q8_0_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo,
                          int ncols) {
   const int pf = g_prefetch_ahead;
+  const __m512i ones = _mm512_set1_epi16(1);
+  const __m512i zero = _mm512_setzero_si512();
   __m512 acc[RB];
+  _Pragma("GCC unroll 8")
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int b = 0; b < a.B; ++b, w += kQ80Bytes) {
     if (r0 == 0 && pf > 0) {
@@ -83,27 +93,35 @@ void tile_q8_0_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int
       for (int l = 0; l < kQ80Bytes; l += 64)
         _mm_prefetch((const char*)(w + pf + l), _MM_HINT_T0);
     }
-    // the block's weights widened once (wv[p]: k = 2p, 2p+1 of all 16 columns), kept in
-    // registers for all RB rows
-    __m512i wv[16];
-    for (int p = 0; p < 16; ++p)
-      wv[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + 32 * p)));
+    __m512i wa[8];  // |w| of k = 4i..4i+3, all 16 columns (as unsigned bytes: |-128| = 128)
+    __mmask64 neg[8];  // w < 0
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < 8; ++i) {
+      const __m512i v = _mm512_loadu_si512((const void*)(w + 64 * i));
+      wa[i] = _mm512_abs_epi8(v);
+      neg[i] = _mm512_movepi8_mask(v);
+    }
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + 512)));
-    const int16_t* xb = a.q16 + ((int64_t)b * a.M + r0) * kQK;  // row r at xb + 32 r
+    const int8_t* xb = a.q + ((int64_t)b * a.M + r0) * kQK;  // row r at xb + 32 r
     const float* db = a.d + (int64_t)b * a.M + r0;
     _Pragma("GCC unroll 8")
     for (int r = 0; r < RB; ++r) {
-      const int16_t* xr = xb + r * kQK;
-      __m512i s0 = _mm512_madd_epi16(wv[0], _mm512_set1_epi32(load_i32(xr)));
-      __m512i s1 = _mm512_madd_epi16(wv[1], _mm512_set1_epi32(load_i32(xr + 2)));
-      for (int p = 2; p < 16; p += 2) {
-        s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(wv[p], _mm512_set1_epi32(load_i32(xr + 2 * p))));
-        s1 = _mm512_add_epi32(s1, _mm512_madd_epi16(wv[p + 1], _mm512_set1_epi32(load_i32(xr + 2 * p + 2))));
+      const int8_t* xr = xb + r * kQK;
+      __m512i s0 = zero, s1 = zero;
+      _Pragma("GCC unroll 8")
+      for (int i = 0; i < 8; i += 2) {
+        const __m512i x0 = _mm512_set1_epi32(load_i32(xr + 4 * i));
+        const __m512i x1 = _mm512_set1_epi32(load_i32(xr + 4 * i + 4));
+        const __m512i p0 = _mm512_maddubs_epi16(wa[i], _mm512_mask_sub_epi8(x0, neg[i], zero, x0));
+        const __m512i p1 = _mm512_maddubs_epi16(wa[i + 1], _mm512_mask_sub_epi8(x1, neg[i + 1], zero, x1));
+        s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(p0, ones));
+        s1 = _mm512_add_epi32(s1, _mm512_madd_epi16(p1, ones));
       }
       const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));  // exact integer sum
       acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(db[r])), acc[r]);
     }
   }
+  _Pragma("GCC unroll 8")
   for (int r = 0; r < RB; ++r) store16(out + (int64_t)(r0 + r) * ldo, acc[r], ncols);
 }
 

@@ -67,9 +67,9 @@ inline void tile_q8_0_scalar(const uint8_t* w, const Act& a, int r0, int rb, flo
       for (int b = 0; b < a.B; ++b, wb += kQ80Bytes) {
         const int8_t* x = a.q + ((int64_t)b * a.M + r) * kQK;
         int32_t isum = 0;
-        for (int p = 0; p < 16; ++p)
-          for (int j = 0; j < 2; ++j)
-            isum += (int32_t)(int8_t)wb[32 * p + 2 * c + j] * x[2 * p + j];
+        for (int i = 0; i < 8; ++i)
+          for (int j = 0; j < 4; ++j)
+            isum += (int32_t)(int8_t)wb[64 * i + 4 * c + j] * x[4 * i + j];
         uint16_t dh;
         std::memcpy(&dh, wb + 512 + 2 * c, 2);
         const float sc = fp16_to_f32(dh) * a.d[(int64_t)b * a.M + r];

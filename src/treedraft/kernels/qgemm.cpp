@@ -236,6 +236,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "take_timings", [](td::FusedDecoder& self) { return td::serialized([&] { return self.take_timings(); }); },
           "ms per phase since the last call: other, qkv, attention, wo, w13, w2, lm_head")
+      .def(
+          "take_quant_timing",
+          [](td::FusedDecoder& self) { return td::serialized([&] { return self.take_quant_timing(); }); },
+          "ms of the linear phases spent quantizing activations since the last call")
       // releases the GIL while it computes; td::native_mutex() keeps the pool and the scratch to one caller
       .def(
           "forward",
