@@ -184,6 +184,30 @@ def suffix_sizing(target: TargetModel) -> dict[str, Any]:
     return {"latency": measured_latency(target), "alpha": 4.0, "max_spec_tokens": 64, "max_depth": 64}
 
 
+def draft_cost_on_curve(target: TargetModel, medusa: Any, latency: dict[int, float], reps: int = 5) -> float:
+    """Seconds one depth-1 Medusa propose costs, on the scale of ``latency`` (the cached curve): its time
+    now over a one-row forward's time now, times the curve's one-row time (load slows both alike)."""
+    import statistics
+    import time
+
+    import torch
+
+    from ..training.calibrate import measure_latency
+
+    heads = medusa.heads
+    w = next(heads.parameters())
+    h = torch.zeros(heads.config.hidden_size, dtype=w.dtype, device=w.device)
+    root = torch.tensor(0, device=w.device) if heads.config.root_conditioned else None
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        heads.draft_logits(h, root, 1)
+        times.append(time.perf_counter() - t)
+    room = getattr(target, "max_seq_len", 512)
+    one_row = measure_latency(target, max(1, min(256, room - 2)), (1,), reps=reps)[1]
+    return statistics.median(times[1:]) / one_row * latency[1]
+
+
 def _hybrid_suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
     from .hybrid import HybridDrafter
     from .suffix import make_suffix_drafter
@@ -193,9 +217,14 @@ def _hybrid_suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions)
     # chains beat prompt lookup's fixed-rule branches, which only add rows next to them (benchmarks/
     # suffix_replay.py on the MT-Bench second turns: 2.24x against 2.14x with prompt lookup and 2.07x for
     # prompt lookup alone, est. x plain on the quiet Xeon curve; first turns 1.19x against 1.17x).
-    suffix = make_suffix_drafter(options.suffix_store, options.tenant, min_match=1, **suffix_sizing(target))
+    sizing = suffix_sizing(target)
+    suffix = make_suffix_drafter(options.suffix_store, options.tenant, min_match=1, **sizing)
+    medusa: Any = _medusa(target, tokenizer, options)
+    latency = sizing.get("latency")
+    if latency is not None:  # the heads are paid: they draft only the nodes that pay for their rows and time
+        medusa.draft_cost = draft_cost_on_curve(target, medusa, latency)
     # lead_extra=0: when the suffix chain leads (>= 2 expected tokens), the heads are not run at all
-    return HybridDrafter([_medusa(target, tokenizer, options), suffix], name="hybrid-suffix", lead_extra=0)
+    return HybridDrafter([medusa, suffix], name="hybrid-suffix", lead_extra=0, latency=latency)
 
 
 def eagle_dir(options: DrafterOptions) -> Path | None:
