@@ -184,28 +184,40 @@ def suffix_sizing(target: TargetModel) -> dict[str, Any]:
     return {"latency": measured_latency(target), "alpha": 4.0, "max_spec_tokens": 64, "max_depth": 64}
 
 
-def draft_cost_on_curve(target: TargetModel, medusa: Any, latency: dict[int, float], reps: int = 5) -> float:
-    """Seconds one depth-1 Medusa propose costs, on the scale of ``latency`` (the cached curve): its time
-    now over a one-row forward's time now, times the curve's one-row time (load slows both alike)."""
-    import statistics
+def draft_cost_on_curve(target: TargetModel, medusa: Any, latency: dict[int, float], reps: int = 11) -> float:
+    """Seconds one one-node Medusa propose costs, on the scale of ``latency`` (the cached curve).
+
+    Timed as in decoding, each draft right after a one-row forward of the target (whose weights evict the heads'
+    from the caches: back to back, drafting measured ~2/3 of its cost in the decode loop), then scaled by the
+    curve's one-row time over the one-row forwards timed here (load slows both alike).
+    """
     import time
 
     import torch
 
-    from ..training.calibrate import measure_latency
+    from ..interfaces import DraftContext, target_device
 
-    heads = medusa.heads
-    w = next(heads.parameters())
-    h = torch.zeros(heads.config.hidden_size, dtype=w.dtype, device=w.device)
-    root = torch.tensor(0, device=w.device) if heads.config.root_conditioned else None
-    times = []
-    for _ in range(reps + 1):
-        t = time.perf_counter()
-        heads.draft_logits(h, root, 1)
-        times.append(time.perf_counter() - t)
-    room = getattr(target, "max_seq_len", 512)
-    one_row = measure_latency(target, max(1, min(256, room - 2)), (1,), reps=reps)[1]
-    return statistics.median(times[1:]) / one_row * latency[1]
+    dev = target_device(target)
+    w = next(medusa.heads.parameters())
+    ctx = DraftContext([0], torch.zeros(medusa.heads.config.hidden_size, dtype=w.dtype, device=w.device), 2, 1)
+    context = max(1, min(256, getattr(target, "max_seq_len", 512) - 2))
+    g = torch.Generator().manual_seed(0)
+    cache = target.new_cache(context + 2)  # type: ignore[attr-defined]
+    with torch.inference_mode():
+        prompt = torch.randint(0, target.vocab_size, (1, context), generator=g).to(dev)
+        target.forward(prompt, torch.arange(context, device=dev), cache, 0, logits_for=slice(-1, None))
+        cache.keep(0, range(context))
+        fwd, draft = [], []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            target.forward(prompt[:, :1], torch.arange(context, context + 1, device=dev), cache, context)
+            t1 = time.perf_counter()
+            medusa.propose(ctx)  # the whole call, as the hybrid makes it: heads, ranking, tree
+            t2 = time.perf_counter()
+            fwd.append(t1 - t0)
+            draft.append(t2 - t1)
+    ratio = sorted(draft[1:])[reps // 2] / sorted(fwd[1:])[reps // 2]  # medians, the warm-up dropped
+    return ratio * latency[1]
 
 
 def _hybrid_suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
