@@ -13,6 +13,14 @@ confident 24-token chain costs a third more verify time for little (benchmarks/s
 With ``lead_extra=0`` the others are not even asked (the Medusa heads' drafting costs ~6 ms a step on a
 loaded 2-core CPU, more than half a one-row int4 verify step when quiet).
 
+With ``latency`` (the target's forward seconds by rows, root included), members that can price their
+nodes before drafting (``node_values(max_depth)`` and ``draft_cost``: the Medusa heads) are *paid*: after the
+scored members proposed, a paid member is asked for its first k nodes only if they raise the step's expected
+committed tokens per second (:func:`paid_nodes`), else not run at all. On this project's CPU a third verify
+row costs ~1/3 of a step and the heads' drafting ~1/7, while their top guess is accepted ~1/3 of the time,
+so the heads draft where the suffix member has nothing to say and stay idle next to its chains
+(benchmarks/default_vs_lookup.py).
+
 Only deterministic trees (no ``child_q``) can be merged: a node whose children were
 *sampled* would, in the union, also get other drafters' children (and lose its q),
 and the lossless rule would then verify it as if chosen deterministically, which
@@ -22,9 +30,10 @@ changes the output distribution. Such trees are refused with a :class:`TreeError
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..budget import LatencyCurve
 from ..interfaces import DraftContext, Drafter, request_drafter
 from ..tree import TokenTree, TreeError
 
@@ -63,6 +72,28 @@ def merge_trees(trees: Sequence[TokenTree], max_nodes: int) -> TokenTree:
     return TokenTree(tuple(tokens), tuple(parents))
 
 
+def paid_nodes(
+    values: Sequence[float], gain: float, rows: int, miss: float, draft_cost: float, curve: LatencyCurve
+) -> int:
+    """How many of a paid member's nodes (its own order, best first) to draft: the k maximising tokens per second.
+
+    The step now verifies ``rows`` rows (root included) for ``gain`` expected committed tokens (1 + the scored
+    members' node values). The member's first k nodes add at most k rows and ``miss`` x the sum of their
+    values (``miss``: P(no scored node at depth 1 is accepted); where one is, the member's different guess
+    is rejected), and its drafting costs ``draft_cost`` seconds once. 0 = do not run it (ties: fewer nodes).
+    """
+    if not values:
+        return 0
+    lat = curve.table(rows + len(values))
+    best, best_rate, w = 0, gain / lat[rows], 0.0
+    for k, v in enumerate(values, 1):
+        w += v
+        rate = (gain + miss * w) / (lat[rows + k] + draft_cost)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
 def fresh_copy(drafter: Drafter | None) -> Drafter | None:
     """``drafter`` with nothing learned from earlier requests (its ``fresh()``); one without such state as is."""
     fresh = getattr(drafter, "fresh", None)
@@ -75,21 +106,50 @@ class HybridDrafter:
     name: str = "hybrid"
     lead_score: float = 2.0  # a scored member expecting at least this many accepted tokens goes first
     lead_extra: int | None = 2  # nodes the others may add next to a leading tree (None = up to the budget)
+    # forward seconds by rows (root included): paid members draft only the nodes that pay (None = always all)
+    latency: Mapping[int, float] | None = None
+    _curve: LatencyCurve | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._curve = None if self.latency is None else LatencyCurve(self.latency)
 
     def propose(self, ctx: DraftContext) -> TokenTree:
         """The members' trees merged into one of at most ``ctx.max_nodes`` nodes (confident scored trees first)."""
         trees: list[TokenTree | None] = [None] * len(self.drafters)
         lead: list[tuple[float, int]] = []  # (-score, member index) of the members that lead this step
+        gain, rows, first = 1.0, 1, 0.0  # the scored trees' expected tokens, rows, P(a depth-1 node accepted)
         for i, d in enumerate(self.drafters):  # scored members first: a leader may make the others unneeded
+            valued = getattr(d, "propose_valued", None) if self._curve is not None else None
             scored = getattr(d, "propose_scored", None)
-            if callable(scored):
+            if callable(valued):
+                tree, values = valued(ctx)
+                trees[i], score = tree, float(sum(values))
+                first += sum(v for v, p in zip(values, tree.parents[1:]) if p == 0)
+            elif callable(scored):
                 trees[i], score = scored(ctx)
-                if score >= self.lead_score:
-                    lead.append((-score, i))
+                first += score
+            else:
+                continue
+            gain, rows = gain + score, rows + len(trees[i]) - 1  # type: ignore[arg-type]
+            if score >= self.lead_score:
+                lead.append((-score, i))
         skip = bool(lead) and self.lead_extra == 0  # the others could add nothing: do not even draft them
+        stub = TokenTree((int(ctx.root),), (-1,))
         for i, d in enumerate(self.drafters):
-            if trees[i] is None:
-                trees[i] = TokenTree((int(ctx.root),), (-1,)) if skip else d.propose(ctx)
+            if trees[i] is not None:
+                continue
+            priced = getattr(d, "node_values", None) if self._curve is not None and not skip else None
+            values = priced(ctx.max_depth) if callable(priced) else None
+            if skip:
+                trees[i] = stub
+            elif values is not None and self._curve is not None:
+                miss = max(0.0, 1.0 - min(1.0, first))
+                k = paid_nodes(
+                    values[: ctx.max_nodes - 1], gain, rows, miss, getattr(d, "draft_cost", 0.0), self._curve
+                )
+                trees[i] = stub if k == 0 else d.propose(dataclasses.replace(ctx, max_nodes=k + 1))
+            else:
+                trees[i] = d.propose(ctx)
         return self._merge([t for t in trees if t is not None], lead, ctx)
 
     def _merge(self, trees: list[TokenTree], lead: list[tuple[float, int]], ctx: DraftContext) -> TokenTree:

@@ -373,6 +373,10 @@ class MedusaDrafter:
     heads: MedusaHeads
     choices: tuple[tuple[int, ...], ...] = ()
     name: str = "medusa"
+    # what a propose costs (seconds, on the scale of the target's latency curve); the hybrid drafter weighs
+    # it against the heads' expected accepted tokens (node_values) before asking for a tree
+    draft_cost: float = 0.0
+    _values: dict[int, list[float] | None] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.choices = tuple(tuple(c) for c in (self.choices or self.heads.config.choices or DEFAULT_CHOICES))
@@ -387,6 +391,29 @@ class MedusaDrafter:
         if depth > self.heads.config.num_heads:
             raise ValueError(f"tree depth {depth} needs {depth} heads; these heads have {self.heads.config.num_heads}")
         self.topk = [1 + max((c[d] for c in self.choices if len(c) > d), default=0) for d in range(depth)]
+
+    def ordered_choices(self, max_depth: int) -> list[tuple[int, ...]]:
+        """The choices down to ``max_depth``, in the order :meth:`propose` places them (by depth, then ranks)."""
+        return sorted((c for c in self.choices if len(c) <= max_depth), key=lambda c: (len(c), tuple(c)))
+
+    def node_values(self, max_depth: int) -> list[float] | None:
+        """Each node's expected acceptance, in :meth:`ordered_choices` order: the product of the shipped
+        per-depth rank accuracies along its path (the rule the machine tree is grown by); None without them."""
+        if max_depth in self._values:
+            return self._values[max_depth]
+        from ..training.calibrate import shipped_accuracies
+
+        acc = shipped_accuracies(self.heads.config)
+        out: list[float] | None = None
+        if acc is not None:
+            out = []
+            for c in self.ordered_choices(max_depth):
+                v = 1.0
+                for d, r in enumerate(c):
+                    v *= acc[d][r] if r < len(acc[d]) else 0.0
+                out.append(v)
+        self._values[max_depth] = out
+        return out
 
     @staticmethod
     def for_target(target: TargetModel, heads_dir: str | Path, model_name: str | None = None) -> MedusaDrafter:
@@ -423,8 +450,7 @@ class MedusaDrafter:
         # prefix-closed choices always include a depth-1 one, and the engine asks for max_depth >= 1;
         # from_choices places them by (depth, ranks): the first max_nodes - 1 of that order are the tree,
         # so only the heads down to their depth run (a batch's small per-request trees draft cheaply)
-        choices = sorted((c for c in self.choices if len(c) <= ctx.max_depth), key=lambda c: (len(c), tuple(c)))
-        choices = choices[: max(1, ctx.max_nodes - 1)]
+        choices = self.ordered_choices(ctx.max_depth)[: max(1, ctx.max_nodes - 1)]
         depth = max(len(c) for c in choices)
         logits = self.heads.draft_logits(h, root, depth)  # (depth, V')
         ks = self.topk[:depth]

@@ -184,6 +184,42 @@ def suffix_sizing(target: TargetModel) -> dict[str, Any]:
     return {"latency": measured_latency(target), "alpha": 4.0, "max_spec_tokens": 64, "max_depth": 64}
 
 
+def draft_cost_on_curve(target: TargetModel, medusa: Any, latency: dict[int, float], reps: int = 11) -> float:
+    """Seconds one one-node Medusa propose costs, on the scale of ``latency`` (the cached curve).
+
+    Timed as in decoding, each draft right after a one-row forward of the target (whose weights evict the heads'
+    from the caches: back to back, drafting measured ~2/3 of its cost in the decode loop), then scaled by the
+    curve's one-row time over the one-row forwards timed here (load slows both alike).
+    """
+    import time
+
+    import torch
+
+    from ..interfaces import DraftContext, target_device
+
+    dev = target_device(target)
+    w = next(medusa.heads.parameters())
+    ctx = DraftContext([0], torch.zeros(medusa.heads.config.hidden_size, dtype=w.dtype, device=w.device), 2, 1)
+    context = max(1, min(256, getattr(target, "max_seq_len", 512) - 2))
+    g = torch.Generator().manual_seed(0)
+    cache = target.new_cache(context + 2)  # type: ignore[attr-defined]
+    with torch.inference_mode():
+        prompt = torch.randint(0, target.vocab_size, (1, context), generator=g).to(dev)
+        target.forward(prompt, torch.arange(context, device=dev), cache, 0, logits_for=slice(-1, None))
+        cache.keep(0, range(context))
+        fwd, draft = [], []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            target.forward(prompt[:, :1], torch.arange(context, context + 1, device=dev), cache, context)
+            t1 = time.perf_counter()
+            medusa.propose(ctx)  # the whole call, as the hybrid makes it: heads, ranking, tree
+            t2 = time.perf_counter()
+            fwd.append(t1 - t0)
+            draft.append(t2 - t1)
+    ratio = sorted(draft[1:])[reps // 2] / sorted(fwd[1:])[reps // 2]  # medians, the warm-up dropped
+    return ratio * latency[1]
+
+
 def _hybrid_suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
     from .hybrid import HybridDrafter
     from .suffix import make_suffix_drafter
@@ -193,9 +229,14 @@ def _hybrid_suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions)
     # chains beat prompt lookup's fixed-rule branches, which only add rows next to them (benchmarks/
     # suffix_replay.py on the MT-Bench second turns: 2.24x against 2.14x with prompt lookup and 2.07x for
     # prompt lookup alone, est. x plain on the quiet Xeon curve; first turns 1.19x against 1.17x).
-    suffix = make_suffix_drafter(options.suffix_store, options.tenant, min_match=1, **suffix_sizing(target))
+    sizing = suffix_sizing(target)
+    suffix = make_suffix_drafter(options.suffix_store, options.tenant, min_match=1, **sizing)
+    medusa: Any = _medusa(target, tokenizer, options)
+    latency = sizing.get("latency")
+    if latency is not None:  # the heads are paid: they draft only the nodes that pay for their rows and time
+        medusa.draft_cost = draft_cost_on_curve(target, medusa, latency)
     # lead_extra=0: when the suffix chain leads (>= 2 expected tokens), the heads are not run at all
-    return HybridDrafter([_medusa(target, tokenizer, options), suffix], name="hybrid-suffix", lead_extra=0)
+    return HybridDrafter([medusa, suffix], name="hybrid-suffix", lead_extra=0, latency=latency)
 
 
 def eagle_dir(options: DrafterOptions) -> Path | None:

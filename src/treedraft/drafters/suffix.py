@@ -200,6 +200,15 @@ class SuffixDrafter:
 
         The hybrid drafter uses the score to decide whose branches come first under the node budget.
         """
+        tree, values = self.propose_valued(ctx)
+        return tree, float(sum(values))
+
+    def propose_valued(self, ctx: DraftContext) -> tuple[TokenTree, list[float]]:
+        """:meth:`propose`'s tree and each draft node's value (node i + 1's P(path accepted); calibrated with
+        ``latency``, else the empirical path probability); their sum is :meth:`propose_scored`'s score.
+
+        The hybrid drafter prices its paid members (Medusa heads) against these values.
+        """
         self._sync(ctx)
         budget, depth = ctx.max_nodes - 1, ctx.max_depth
         best = DraftPaths([], [], [], 0)
@@ -213,7 +222,8 @@ class SuffixDrafter:
                 if g.score > best.score:
                     best = g
         self._last = (len(ctx.tokens), best) if self._curve is not None and best.tokens else None
-        return TokenTree((int(ctx.root), *best.tokens), (-1, *(p + 1 for p in best.parents))), best.score
+        tree = TokenTree((int(ctx.root), *best.tokens), (-1, *(p + 1 for p in best.parents)))
+        return tree, [float(v) for v in best.probs]
 
 
 def tenant_id(api_key: str | None = None, user: str | None = None) -> str:
