@@ -142,3 +142,27 @@ def test_registry_default_prices_the_heads_and_keeps_greedy_output(tmp_path: Pat
     prompt = [1, 5, 9, 5, 9, 5, 9, 3, 5]
     cfg = GenerationConfig(max_new_tokens=24)
     assert Engine(m).generate(prompt, cfg, d).token_ids == Engine(m).generate(prompt, cfg, None).token_ids
+
+
+def test_heads_draft_cost_is_measured_once_per_machine_and_cached(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path / "cache"))
+    m = tiny_llama()
+    medusa = MedusaDrafter(_heads_with_accuracies(m), ((0,), (0, 0), (1,)))
+    calls = {"n": 0}
+    real = medusa.propose
+
+    def counting(ctx):
+        calls["n"] += 1
+        return real(ctx)
+
+    object.__setattr__(medusa, "propose", counting)
+    lat = {1: 0.01, 2: 0.011}
+    first = registry.draft_cost_on_curve(m, medusa, lat, reps=3)
+    assert calls["n"] == 4 and first > 0.0  # the warm-up + 3 timed drafts
+    again = registry.draft_cost_on_curve(m, medusa, {1: 0.02, 2: 0.022}, reps=3)
+    assert calls["n"] == 4  # read from the cache, not measured again
+    assert again == pytest.approx(2 * first)  # the cached ratio, scaled by this curve's one-row time
+    (entry,) = (tmp_path / "cache" / "tune").glob(f"{registry.MEDUSA_DRAFT_COST_KIND}-*.json")
+    entry.write_text("{not json")  # a corrupt entry is measured again, not a crash
+    registry.draft_cost_on_curve(m, medusa, lat, reps=3)
+    assert calls["n"] == 8

@@ -184,8 +184,15 @@ def suffix_sizing(target: TargetModel) -> dict[str, Any]:
     return {"latency": measured_latency(target), "alpha": 4.0, "max_spec_tokens": 64, "max_depth": 64}
 
 
+MEDUSA_DRAFT_COST_KIND = "medusa-draft-cost"
+
+
 def draft_cost_on_curve(target: TargetModel, medusa: Any, latency: dict[int, float], reps: int = 11) -> float:
     """Seconds one one-node Medusa propose costs, on the scale of ``latency`` (the cached curve).
+
+    The ratio to a one-row forward is measured once per machine, target and heads shape and cached beside
+    the latency curve (like it, re-measured when it was taken under load and the machine is quiet now), so
+    every process on a machine gates the heads alike.
 
     Timed as in decoding, each draft right after a one-row forward of the target (whose weights evict the heads'
     from the caches: back to back, drafting measured ~2/3 of its cost in the decode loop), then scaled by the
@@ -196,28 +203,48 @@ def draft_cost_on_curve(target: TargetModel, medusa: Any, latency: dict[int, flo
     import torch
 
     from ..interfaces import DraftContext, target_device
+    from ..models.plan import cached_measurement
+    from ..training.calibrate import _target_facts
 
     dev = target_device(target)
     w = next(medusa.heads.parameters())
-    ctx = DraftContext([0], torch.zeros(medusa.heads.config.hidden_size, dtype=w.dtype, device=w.device), 2, 1)
-    context = max(1, min(256, getattr(target, "max_seq_len", 512) - 2))
-    g = torch.Generator().manual_seed(0)
-    cache = target.new_cache(context + 2)  # type: ignore[attr-defined]
-    with torch.inference_mode():
-        prompt = torch.randint(0, target.vocab_size, (1, context), generator=g).to(dev)
-        target.forward(prompt, torch.arange(context, device=dev), cache, 0, logits_for=slice(-1, None))
-        cache.keep(0, range(context))
-        fwd, draft = [], []
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            target.forward(prompt[:, :1], torch.arange(context, context + 1, device=dev), cache, context)
-            t1 = time.perf_counter()
-            medusa.propose(ctx)  # the whole call, as the hybrid makes it: heads, ranking, tree
-            t2 = time.perf_counter()
-            fwd.append(t1 - t0)
-            draft.append(t2 - t1)
-    ratio = sorted(draft[1:])[reps // 2] / sorted(fwd[1:])[reps // 2]  # medians, the warm-up dropped
-    return ratio * latency[1]
+
+    def measure() -> dict:
+        ctx = DraftContext([0], torch.zeros(medusa.heads.config.hidden_size, dtype=w.dtype, device=w.device), 2, 1)
+        context = max(1, min(256, getattr(target, "max_seq_len", 512) - 2))
+        g = torch.Generator().manual_seed(0)
+        cache = target.new_cache(context + 2)  # type: ignore[attr-defined]
+        with torch.inference_mode():
+            prompt = torch.randint(0, target.vocab_size, (1, context), generator=g).to(dev)
+            target.forward(prompt, torch.arange(context, device=dev), cache, 0, logits_for=slice(-1, None))
+            cache.keep(0, range(context))
+            fwd, draft = [], []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                target.forward(prompt[:, :1], torch.arange(context, context + 1, device=dev), cache, context)
+                t1 = time.perf_counter()
+                medusa.propose(ctx)  # the whole call, as the hybrid makes it: heads, ranking, tree
+                t2 = time.perf_counter()
+                fwd.append(t1 - t0)
+                draft.append(t2 - t1)
+        return {"ratio": sorted(draft[1:])[reps // 2] / sorted(fwd[1:])[reps // 2]}  # medians, warm-up dropped
+
+    def load(v: dict) -> float:
+        ratio = float(v["ratio"])
+        if not 0.0 <= ratio < 100.0:
+            raise ValueError(f"implausible draft cost ratio {ratio}")
+        return ratio
+
+    cfg = medusa.heads.config
+    key = {
+        **_target_facts(target),
+        "heads": type(medusa.heads).__name__,
+        "num_heads": getattr(cfg, "num_heads", None),
+        "head_params": sum(p.numel() for p in medusa.heads.parameters()),
+        "head_dtype": str(w.dtype),
+        "reps": reps,
+    }
+    return cached_measurement(MEDUSA_DRAFT_COST_KIND, key, measure, load, dev) * latency[1]
 
 
 def _hybrid_suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
