@@ -99,3 +99,11 @@ def hf_smollm():
 
     p = resolve("smollm2-135m-instruct")
     return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm_int4(warm_cache):
+    """The bundled SmolLM2 as users get it here (int4 weights, native kernels when built), no drafter: for
+    drafter tests on the real model, whose greedy outputs do not depend on the float path (a decode step
+    costs a fraction of the fp32 Python path's; the int4 kernel choice comes from warm_cache)."""
+    return load_real(drafter=None, weights="int4")
