@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -25,17 +26,48 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@contextlib.contextmanager
+def start_threads() -> Iterator[None]:
+    """Torch at the startup thread count inside (restored after): real-model work in a module that holds one
+    thread measures (step latency, Medusa tree) under the same cache keys as the rest of the session."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(START_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def load_real(**kw):
     """``treedraft.load(**kw)`` with the startup thread count (restored after), so the loads of a test
     session share one set of cached measurements whatever thread count the calling test holds."""
     import treedraft
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(START_THREADS)
-    try:
+    with start_threads():
         return treedraft.load(**kw)
-    finally:
-        torch.set_num_threads(before)
+
+
+def fixed_matmul_plan() -> dict[int, str]:
+    """An fp32 kernel plan chosen without timing that runs every kernel of the packed path: one row by the
+    duplicated-row GEMM (wxt), the longest bucket padded (xwt@64), the other buckets cycling through their
+    candidates (plain, transposed copy, skinny GEMM and the zero-padded variants)."""
+    from treedraft.models.matmul import MATMUL_BUCKETS, _padded_candidates
+
+    plan = {b: _padded_candidates(b)[i % len(_padded_candidates(b))] for i, b in enumerate(MATMUL_BUCKETS)}
+    plan.update({1: "wxt", 64: "xwt@64"})
+    return plan
+
+
+def load_real_fp32_fixed_plan(**kw):
+    """:func:`load_real` with ``weights='fp32'`` packed with :func:`fixed_matmul_plan` instead of the measured
+    plan: timing every kernel for 20 row buckets over the real weights is the slowest first-use step of a cold
+    cache (~40 s quiet, minutes under load) and proves nothing about correctness; the measurement itself is
+    tested on tiny models (test_models_layer.py::test_pack_tuned_caches_the_kernel_plan, test_model.py)."""
+    import treedraft.api
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(treedraft.api, "pack_tuned", lambda net, path, dtype: net.pack(fixed_matmul_plan()))
+        return load_real(weights="fp32", **kw)
 
 
 @pytest.fixture(scope="session")
@@ -54,8 +86,8 @@ def warm_cache() -> None:
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The bundled SmolLM2 (own runtime, packed for CPU decode), no drafter."""
-    return load_real(drafter=None, weights="fp32")  # the float reference; quantized runs: test_quant
+    """The bundled SmolLM2 (own runtime, packed for CPU decode with a fixed kernel plan), no drafter."""
+    return load_real_fp32_fixed_plan(drafter=None)  # the float reference; quantized runs: test_quant
 
 
 @pytest.fixture(scope="session")
@@ -67,3 +99,11 @@ def hf_smollm():
 
     p = resolve("smollm2-135m-instruct")
     return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm_int4(warm_cache):
+    """The bundled SmolLM2 as users get it here (int4 weights, native kernels when built), no drafter: for
+    drafter tests on the real model, whose greedy outputs do not depend on the float path (a decode step
+    costs a fraction of the fp32 Python path's; the int4 kernel choice comes from warm_cache)."""
+    return load_real(drafter=None, weights="int4")

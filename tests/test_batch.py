@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import start_threads
 from spec_stats import one_thread  # noqa: F401
 
 from treedraft import kernels
@@ -356,6 +357,7 @@ def test_step_rows_from_latency() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("warm_cache")  # int4 kernels from the session's weights=auto measurement
 def test_real_model_int4_batched_equals_alone() -> None:
     """SmolLM2 int4 (native kernels): greedy and seeded requests batched give their solo tokens."""
     import treedraft
@@ -364,24 +366,25 @@ def test_real_model_int4_batched_equals_alone() -> None:
         pytest.skip("native kernels unavailable")
     # the default hybrid-suffix: its index learns from the other requests' outputs, so trees differ between the
     # solo and the batched runs; seeded text must not (the coupled rule)
-    llm = treedraft.load(weights="int4")
-    eng, tok = llm.engine, llm.tokenizer
-    texts = ["Write a haiku about the sea.", "What is 17 times 23?", "List three primary colors.", "Say hi."]
-    reqs = []
-    for i, t in enumerate(texts):
-        sp = SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i) if i % 2 else GREEDY
-        reqs.append(
-            (tok.apply_chat_template([{"role": "user", "content": t}]), GenerationConfig(24, sp, ignore_eos=True))
-        )
-    solo = {i: run_alone(eng, p, c, step_rows=16, prefill_chunk=32) for i, (p, c) in enumerate(reqs)}
-    assert _batched(eng, reqs, "default", 16, 32) == solo
-    # prefilled whole (Python path), the speculative greedy tokens are the plain greedy ones; chunked prefill
-    # (exact attention for later chunks) is another rounding of the same model, so it is compared with itself
-    assert run_alone(eng, *reqs[0], step_rows=16) == run_alone(eng, *reqs[0], drafter=None)
-    # Engine.generate prefills natively in 64-row chunks, as the server does (prefill_chunk 256): same tokens.
-    # (The Python whole prefill differs here at the first token: logits 24.79 vs 24.73, a near-tie.)
-    plain = eng.generate(reqs[0][0], reqs[0][1], None).token_ids
-    assert run_alone(eng, *reqs[0], step_rows=16, prefill_chunk=256, native_prefill=True) == plain
+    with start_threads():  # this module holds one thread: the session's measurements
+        llm = treedraft.load(weights="int4")
+        eng, tok = llm.engine, llm.tokenizer
+        texts = ["Write a haiku about the sea.", "What is 17 times 23?", "List three primary colors.", "Say hi."]
+        reqs = []
+        for i, t in enumerate(texts):
+            sp = SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i) if i % 2 else GREEDY
+            reqs.append(
+                (tok.apply_chat_template([{"role": "user", "content": t}]), GenerationConfig(24, sp, ignore_eos=True))
+            )
+        solo = {i: run_alone(eng, p, c, step_rows=16, prefill_chunk=32) for i, (p, c) in enumerate(reqs)}
+        assert _batched(eng, reqs, "default", 16, 32) == solo
+        # prefilled whole (Python path), the speculative greedy tokens are the plain greedy ones; chunked prefill
+        # (exact attention for later chunks) is another rounding of the same model, so it is compared with itself
+        assert run_alone(eng, *reqs[0], step_rows=16) == run_alone(eng, *reqs[0], drafter=None)
+        # Engine.generate prefills natively in 64-row chunks, as the server does (prefill_chunk 256): same tokens.
+        # (The Python whole prefill differs here at the first token: logits 24.79 vs 24.73, a near-tie.)
+        plain = eng.generate(reqs[0][0], reqs[0][1], None).token_ids
+        assert run_alone(eng, *reqs[0], step_rows=16, prefill_chunk=256, native_prefill=True) == plain
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_real
 from safetensors.torch import save_file
 from spec_stats import assert_fits, fits, goodness_of_fit, one_thread, reference_rule  # noqa: F401
 from test_engine import Exact
@@ -297,16 +298,16 @@ def test_training_lowers_the_loss_and_resumes(tmp_path: Path) -> None:
 
 # ---- the shipped drafter on the real model ---------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.usefixtures("warm_cache")  # int4 kernels from the session's weights=auto measurement
 def test_shipped_eagle_greedy_equals_plain_real_model() -> None:
     """The shipped drafter on the real model: output = plain, both with this machine's tree sizing (which may
     draft rarely where rows are expensive) and with the whole 32-node budget (drafts must be accepted then)."""
-    import treedraft
     from treedraft.drafters.eagle import shipped_eagle_for
 
     d = shipped_eagle_for("smollm2-135m-instruct")
     if d is None:
         pytest.skip("no shipped EAGLE drafter")
-    llm = treedraft.load(drafter=None, weights="int4")
+    llm = load_real(drafter=None, weights="int4")  # loaded with the session's thread count (this module holds one)
     sized = llm.drafters.get("eagle")
     full = EagleDrafter.for_target(llm.model, d, "smollm2-135m-instruct", latency=None)
     for q in ("Write a short poem about the sea.", "Explain what a hash table is."):

@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import start_threads
 from native_utils import make_native, tiny_config
 from spec_stats import assert_fits, fits, goodness_of_fit, one_thread  # noqa: F401
 
@@ -156,19 +157,21 @@ def test_seeded_speculative_equals_seeded_plain_for_every_drafter() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("warm_cache")  # int4 kernels from the session's weights=auto measurement
 def test_real_model_seeded_default_drafter_equals_plain() -> None:
     """SmolLM2 int4, default drafter (hybrid-suffix) with an index warmed by the same prompt: spec == plain."""
     import treedraft
 
     if not kernels.available():
         pytest.skip("native kernels unavailable")
-    llm = treedraft.load(weights="int4")
-    assert llm.engine.drafter.name == "hybrid-suffix"
-    text = "Write a short poem about the sea."
-    for seed in (1, 2):
-        kw = dict(max_new_tokens=48, temperature=0.8, top_p=0.95, seed=seed)
-        llm.generate(text, temperature=0.8, seed=seed + 100, max_new_tokens=48)  # feeds the suffix index
-        spec = llm.generate(text, **kw)
-        plain = llm.generate(text, drafter=None, **kw)
-        assert spec.token_ids == plain.token_ids
-        assert spec.stats.accepted_tokens > 0
+    with start_threads():  # this module holds one thread: the session's measurements
+        llm = treedraft.load(weights="int4")
+        assert llm.engine.drafter.name == "hybrid-suffix"
+        text = "Write a short poem about the sea."
+        for seed in (1, 2):
+            kw = dict(max_new_tokens=48, temperature=0.8, top_p=0.95, seed=seed)
+            llm.generate(text, temperature=0.8, seed=seed + 100, max_new_tokens=48)  # feeds the suffix index
+            spec = llm.generate(text, **kw)
+            plain = llm.generate(text, drafter=None, **kw)
+            assert spec.token_ids == plain.token_ids
+            assert spec.stats.accepted_tokens > 0

@@ -355,7 +355,8 @@ def test_tenant_id_hashes_the_key_and_separates_users() -> None:
 
 # ---- the real model -----------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_real_model_greedy_equal_plain_and_warm_index_accepts(smollm, tmp_path: Path) -> None:
+def test_real_model_greedy_equal_plain_and_warm_index_accepts(smollm_int4, tmp_path: Path) -> None:
+    smollm = smollm_int4
     store = SuffixStore(tmp_path)
     d = SuffixDrafter(store, "t1")
     prompt = "Explain in three sentences why the sky is blue."
@@ -388,7 +389,8 @@ def test_real_model_greedy_equal_plain_and_warm_index_accepts(smollm, tmp_path: 
 
 
 @pytest.mark.slow
-def test_real_model_default_includes_suffix_and_greedy_equals_plain(smollm) -> None:
+def test_real_model_default_includes_suffix_and_greedy_equals_plain(smollm_int4) -> None:
+    smollm = smollm_int4
     from treedraft.drafters import registry
 
     store = SuffixStore()  # its own store: the LLM's is counted by the test above
