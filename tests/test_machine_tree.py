@@ -167,3 +167,23 @@ def test_tree_cache_is_keyed_by_the_draft_path(setup) -> None:
     assert _build(m, heads_dir).choices != tuple(tuple(c) for c in res["choices"]) and len(calls) == 1
     calibrate.store_machine_tree(m, heads_dir, "tiny", rec, path)
     assert _build(m, heads_dir).choices == tuple(tuple(c) for c in res["choices"]) and len(calls) == 1
+
+
+def test_measurement_keys_follow_the_native_kernel_sources(setup, monkeypatch) -> None:
+    """A latency curve (or tree, or draft cost) measured with older native kernels is not reused after they change."""
+    import torch
+
+    from treedraft.kernels import _build
+
+    m, heads_dir, _ = setup
+    assert calibrate._target_facts(m)["kernels"] is None  # pure PyTorch linears: no native build in the key
+
+    class NativeLinear(torch.nn.Linear):  # stands in for a linear running the native kernels
+        pass
+
+    m.layers[0].ffn.w2 = NativeLinear(m.layers[0].ffn.w2.in_features, m.layers[0].ffn.w2.out_features, bias=False)
+    monkeypatch.setattr(_build, "build_key", lambda: "kernels-v1")
+    before = calibrate.tree_key(m, heads_dir, "tiny")
+    monkeypatch.setattr(_build, "build_key", lambda: "kernels-v2")
+    after = calibrate.tree_key(m, heads_dir, "tiny")
+    assert before["kernels"] == "kernels-v1" and after["kernels"] == "kernels-v2"

@@ -183,7 +183,18 @@ def _target_facts(target: object) -> dict[str, Any]:
         "hidden": getattr(target, "hidden_size", None),
         "vocab": getattr(target, "vocab_size", None),
         "fused": _fused_decode(target),  # one native call per decode step: a much cheaper 1-token step
+        # the native kernels' sources and flags: a kernel change re-measures instead of reusing a stale curve
+        "kernels": _kernel_key(linears),
     }
+
+
+def _kernel_key(linears: list[str]) -> str | None:
+    """The native build's key when any linear runs native kernels (None for pure-PyTorch targets)."""
+    if not any("Native" in n for n in linears):
+        return None
+    from ..kernels._build import build_key
+
+    return build_key()
 
 
 def _fused_decode(target: object) -> bool:
