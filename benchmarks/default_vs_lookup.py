@@ -28,24 +28,9 @@ from treedraft.drafters.hybrid import HybridDrafter
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter
 from treedraft.drafters.suffix_store import SuffixStore
 from treedraft.interfaces import DraftContext
-from treedraft.tree import TokenTree
+from treedraft.tree import TokenTree, matched_depth
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mt_bench_questions.jsonl"
-
-
-def path_depth(tree: TokenTree, future: list[int]) -> int:
-    """How many of ``future``'s tokens the tree holds as a path below its root."""
-    kids: dict[int, dict[int, int]] = {}
-    for i, p in enumerate(tree.parents):
-        if p >= 0:
-            kids.setdefault(p, {})[tree.tokens[i]] = i
-    node = d = 0
-    for t in future:
-        nxt = kids.get(node, {}).get(t)
-        if nxt is None:
-            break
-        node, d = nxt, d + 1
-    return d
 
 
 @dataclasses.dataclass
@@ -222,7 +207,7 @@ def main() -> None:
                             mm["calls"] += 1
                             mm["secs"] += secs
                             mm["nodes"] += len(tree) - 1
-                            depths[name] = path_depth(tree, future)
+                            depths[name] = matched_depth(tree, future)
                             mm["accepted"] += depths[name]
                             rec[name] = (len(tree) - 1, score, round(secs * 1e3, 3), depths[name])
                         best = max(depths.values(), default=0)

@@ -35,6 +35,7 @@ from types import ModuleType
 from typing import Any
 
 import treedraft
+from treedraft.tree import matched_depth
 
 # the quiet Xeon int4 curve of benchmarks/suffix_replay.py (ms by rows); only its shape matters here
 QUIET_CURVE = {1: 10.8, 2: 11.9, 4: 19.1, 8: 29.3, 12: 41.5, 16: 51.8, 24: 70.0, 32: 90.9, 48: 139.6, 64: 208.3}
@@ -98,21 +99,6 @@ class FixedTree:
         return self.tree_cls(tuple(root if i == 0 else (root + 7 * i) % 49152 for i in range(12)), self.parents)
 
 
-def accepted_depth(tree: Any, future: list[int]) -> int:
-    """Draft tokens of ``tree`` along ``future`` (greedy acceptance)."""
-    kids: dict[int, dict[int, int]] = {}
-    for i, p in enumerate(tree.parents):
-        if p >= 0:
-            kids.setdefault(p, {})[tree.tokens[i]] = i
-    node = d = 0
-    for t in future:
-        node = kids.get(node, {}).get(t, -1)
-        if node < 0:
-            break
-        d += 1
-    return d
-
-
 def replay(code: Code, drafter: Any, prompt: list[int], out: list[int], times: list[float], trees: list) -> None:
     """One greedy generation replayed: propose, accept along ``out``, extend; CPU seconds per propose appended."""
     toks = list(prompt) + out[:1]
@@ -123,7 +109,7 @@ def replay(code: Code, drafter: Any, prompt: list[int], out: list[int], times: l
         tree = drafter.propose(ctx)
         times.append(time.thread_time() - t0)
         trees.append((tree.tokens, tree.parents))
-        a = accepted_depth(tree, out[k:])
+        a = matched_depth(tree, out[k:])
         toks.extend(out[k : k + a + 1])
         k += a + 1
     fin = getattr(drafter, "finish", None)

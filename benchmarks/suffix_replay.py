@@ -24,26 +24,11 @@ from treedraft.drafters.suffix import SuffixDrafter
 from treedraft.drafters.suffix_sizing import LatencyCurve
 from treedraft.drafters.suffix_store import SuffixStore
 from treedraft.interfaces import DraftContext
-from treedraft.tree import TokenTree
+from treedraft.tree import matched_depth
 
 # one fused int4 step of SmolLM2-135M at a 256-token cache, 1 thread, quiet Xeon Skylake-SP (tune cache), ms
 QUIET_CURVE = {1: 10.8, 2: 11.9, 4: 19.1, 8: 29.3, 12: 41.5, 16: 51.8, 24: 70.0, 32: 90.9, 48: 139.6, 64: 208.3}
 FLAT_CURVE = {1: 1.0, 8: 1.02, 16: 1.05, 32: 1.1, 64: 1.25}  # rows nearly free (a large accelerator)
-
-
-def accepted_depth(tree: TokenTree, future: list[int]) -> int:
-    """Draft tokens of ``tree`` along ``future`` (greedy acceptance)."""
-    kids: dict[int, dict[int, int]] = {}
-    for i, p in enumerate(tree.parents):
-        if p >= 0:
-            kids.setdefault(p, {})[tree.tokens[i]] = i
-    node = d = 0
-    for t in future:
-        node = kids.get(node, {}).get(t, -1)
-        if node < 0:
-            break
-        d += 1
-    return d
 
 
 def replay(drafter: object, prompt: list[int], out: list[int], curve: LatencyCurve, max_nodes: int = 64) -> dict:
@@ -53,7 +38,7 @@ def replay(drafter: object, prompt: list[int], out: list[int], curve: LatencyCur
     while k < len(out):
         ctx = DraftContext(toks, None, max_nodes, len(out) - k, len(prompt))
         tree = drafter.propose(ctx)  # type: ignore[attr-defined]
-        a = accepted_depth(tree, out[k:])
+        a = matched_depth(tree, out[k:])
         toks.extend(out[k : k + a + 1])
         k += a + 1
         steps, rows, secs = steps + 1, rows + len(tree), secs + float(curve(len(tree)))
@@ -75,7 +60,7 @@ def oracle(prompt: list[int], out: list[int], curve: LatencyCurve) -> dict:
     best = [max(range(a + 1), key=lambda k: (k + 1) / float(curve(k + 1))) for a in range(len(out) + 1)]
     toks, k, steps, rows, secs = list(prompt) + out[:1], 1, 0, 0, 0.0
     while k < len(out):
-        a = accepted_depth(d.propose(DraftContext(toks, None, 64, len(out) - k, len(prompt))), out[k:])
+        a = matched_depth(d.propose(DraftContext(toks, None, 64, len(out) - k, len(prompt))), out[k:])
         toks.extend(out[k : k + best[a] + 1])
         k, steps, rows = k + best[a] + 1, steps + 1, rows + best[a] + 1
         secs += float(curve(best[a] + 1))

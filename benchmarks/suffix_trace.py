@@ -27,24 +27,9 @@ from treedraft.drafters.hybrid import HybridDrafter
 from treedraft.drafters.suffix import SuffixDrafter
 from treedraft.drafters.suffix_store import SuffixStore
 from treedraft.interfaces import DraftContext
-from treedraft.tree import TokenTree
+from treedraft.tree import TokenTree, matched_depth
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mt_bench_questions.jsonl"
-
-
-def path_depth(tree: TokenTree, future: list[int]) -> int:
-    """How many of ``future``'s tokens the tree holds as a path below its root."""
-    node, d = 0, 0
-    kids: dict[int, dict[int, int]] = {}
-    for i, p in enumerate(tree.parents):
-        if p >= 0:
-            kids.setdefault(p, {})[tree.tokens[i]] = i
-    for t in future:
-        nxt = kids.get(node, {}).get(t)
-        if nxt is None:
-            break
-        node, d = nxt, d + 1
-    return d
 
 
 def depth_of(tree: TokenTree) -> int:
@@ -109,10 +94,10 @@ def analyse(steps: list[dict], out: list[int]) -> list[dict]:
     rows = []
     for s in steps:
         fut = out[s["pos"] : s["pos"] + 300]  # tokens after the root (out[pos-1] is the root)
-        acc = path_depth(s["merged"], fut)
+        acc = matched_depth(s["merged"], fut)
         row = {k: v for k, v in s.items() if k not in ("trees", "merged", "chain")}
         row["accepted"] = acc
-        row["member_depth"] = [(n, path_depth(t, fut)) for n, t, _ in s["trees"]]
+        row["member_depth"] = [(n, matched_depth(t, fut)) for n, t, _ in s["trees"]]
         ch = s.get("chain") or []
         agree = 0
         for a, b in zip(ch, fut):

@@ -201,3 +201,15 @@ def test_same_token_under_different_parents_is_fine() -> None:
     t = TokenTree((1, 2, 2, 2), (-1, 0, 1, 2))
     assert t.depths() == [0, 1, 2, 3]
     assert retrieve_indices(t).tolist() == [[0, 1, 2, 3]]
+
+
+def test_matched_depth_follows_the_tokens_down_one_path() -> None:
+    from treedraft.tree import matched_depth
+
+    # root 0 -> 5 -> {6 -> 8, 7}; root 0 -> 9
+    t = TokenTree((0, 5, 9, 6, 7, 8), (-1, 0, 0, 1, 1, 3))
+    assert matched_depth(t, [5, 6, 8, 1]) == 3  # the deepest path, then a token the tree lacks
+    assert matched_depth(t, [5, 7, 8]) == 2  # 8 sits below 6, not below 7
+    assert matched_depth(t, [9]) == 1
+    assert matched_depth(t, [6]) == 0  # 6 is not a child of the root
+    assert matched_depth(t, []) == 0

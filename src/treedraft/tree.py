@@ -147,6 +147,24 @@ class TokenTree:
         )
 
 
+def matched_depth(tree: TokenTree, tokens: Sequence[int]) -> int:
+    """How many of ``tokens`` the tree holds as a path below its root (what greedy acceptance would take).
+
+    Works on any object with ``tokens`` and ``parents`` (benchmarks compare against older TokenTree copies).
+    """
+    kids: dict[int, dict[int, int]] = {}
+    for i, p in enumerate(tree.parents):
+        if p >= 0:
+            kids.setdefault(p, {})[tree.tokens[i]] = i
+    node = d = 0
+    for t in tokens:
+        nxt = kids.get(node, {}).get(t)
+        if nxt is None:
+            break
+        node, d = nxt, d + 1
+    return d
+
+
 def _ancestor_bits(parents: Sequence[int]) -> np.ndarray:
     """(N, N) bool array: row i has True at i and at every ancestor of i (parents precede children).
 
