@@ -211,5 +211,6 @@ def test_matched_depth_follows_the_tokens_down_one_path() -> None:
     assert matched_depth(t, [5, 6, 8, 1]) == 3  # the deepest path, then a token the tree lacks
     assert matched_depth(t, [5, 7, 8]) == 2  # 8 sits below 6, not below 7
     assert matched_depth(t, [9]) == 1
+    assert matched_depth(t, [5, 1, 6]) == 1  # the walk stops at the first miss: 6 after it does not count
     assert matched_depth(t, [6]) == 0  # 6 is not a child of the root
     assert matched_depth(t, []) == 0
