@@ -153,16 +153,15 @@ class EngineMethod:
 
     def __call__(self, prompt_ids: list[int]) -> MethodOutput:
         """Generate with the engine; stats are the engine's own."""
-        drafter = self.drafter
-        if self.fresh_state:
-            drafter = fresh_copy(drafter)
-        r = self.engine.generate(prompt_ids, self.config, drafter)
-        return MethodOutput(list(r.token_ids), r.stats, r.finish_reason)
+        return self._run(prompt_ids, fresh_copy(self.drafter) if self.fresh_state else self.drafter)
 
     def warm(self, prompt_ids: list[int]) -> MethodOutput:
         """An untimed warm-up run whose drafter is a fresh copy: what it learns (e.g. its output in a suffix
         index) never reaches the timed runs, or the timed run of the warm-up prompt would draft its own text."""
-        r = self.engine.generate(prompt_ids, self.config, fresh_copy(self.drafter))
+        return self._run(prompt_ids, fresh_copy(self.drafter))
+
+    def _run(self, prompt_ids: list[int], drafter: Any) -> MethodOutput:
+        r = self.engine.generate(prompt_ids, self.config, drafter)
         return MethodOutput(list(r.token_ids), r.stats, r.finish_reason)
 
 
