@@ -641,6 +641,46 @@ def test_loadtest_end_to_end_on_the_tiny_server(key_server: LiveServer, tmp_path
     assert (lv["completed"], lv["errors"], lv["error_kinds"]) == (0, 4, {"http 401": 4})
 
 
+@pytest.mark.parametrize("repeat", [False, True])
+def test_loadtest_levels_send_their_own_prompts(monkeypatch: pytest.MonkeyPatch, repeat: bool) -> None:
+    """By default no level resends a prompt an earlier level (or the warm-up) sent: a server with a prefix
+    cache or a suffix index of earlier outputs would answer the repeats faster and inflate the later level;
+    --repeat-prompts keeps the repeated-work load. Prompts running out is said, not hidden."""
+    sent: list[tuple[str, int | None]] = []
+
+    async def fake_stream(client, url, body, headers):
+        sent.append((body["messages"][0]["content"], body.get("seed")))
+        return loadtest.RequestResult(ok=True, ttft=0.01, e2e=0.02, completion_tokens=2, gaps=[0.01])
+
+    monkeypatch.setattr(loadtest, "stream_one", fake_stream)
+    cfg = loadtest.LoadTestConfig(
+        url="http://127.0.0.1:9",
+        concurrency=[1, 3],
+        requests=3,
+        max_tokens=2,
+        prompts=[f"p{i}" for i in range(7)],
+        model="tiny",
+        seed=100,
+        warmup=1,
+        repeat_prompts=repeat,
+    )
+    said: list[str] = []
+    res = asyncio.run(loadtest.run_loadtest(cfg, log=said.append))
+    got = [p for p, _ in sent]
+    if repeat:
+        assert got[0] == "p0" and sorted(got[1:4]) == sorted(got[4:]) == ["p0", "p1", "p2"]
+        assert res["config"]["level_starts"] == [0, 0]
+    else:
+        assert got[0] == "p0" and sorted(got[1:4]) == ["p1", "p2", "p3"] and sorted(got[4:]) == ["p4", "p5", "p6"]
+        assert res["config"]["level_starts"] == [1, 4]
+        assert sorted(s for _, s in sent) == list(range(100, 107))  # each request its own seed too
+    assert not [m for m in said if "prompts repeat" in m]
+    sent.clear()
+    cfg.requests = 4  # 1 + 2 x 4 = 9 requests for 7 prompts
+    asyncio.run(loadtest.run_loadtest(cfg, log=said.append))
+    assert bool([m for m in said if "prompts repeat from request 8" in m]) != repeat
+
+
 def test_loadtest_time_limit_cancels_what_is_left(server: LiveServer) -> None:
     cfg = loadtest.LoadTestConfig(
         url=server.url,

@@ -239,6 +239,10 @@ class LoadTestConfig:
     request_timeout: float = 300.0
     max_seconds: float = 600.0
     warmup: int = 1
+    # False: every request of the run gets its own prompt (warm-up, then level after level), so no level
+    # is answered from what an earlier one cached (prefix cache, suffix index of earlier outputs);
+    # True: every level resends the same prompts (a repeated-work load)
+    repeat_prompts: bool = False
 
     def __post_init__(self) -> None:
         self.url = check_loopback(self.url)
@@ -270,12 +274,32 @@ def _body(cfg: LoadTestConfig, model: str, i: int) -> dict:
     return body
 
 
+def level_starts(cfg: LoadTestConfig) -> list[int]:
+    """Index of each level's first request in the prompt list (request i of that level sends prompt
+    start + i, modulo the list): consecutive after the warm-up, or all 0 with ``repeat_prompts``."""
+    if cfg.repeat_prompts:
+        return [0] * len(cfg.concurrency)
+    return [cfg.warmup + k * cfg.requests for k in range(len(cfg.concurrency))]
+
+
+def prompt_wrap_warning(cfg: LoadTestConfig) -> str | None:
+    """The warning to print when distinct prompts run out (requests would resend earlier prompts), else None."""
+    need = cfg.warmup + cfg.requests * (1 if cfg.repeat_prompts else len(cfg.concurrency))
+    if need <= len(cfg.prompts):
+        return None
+    return (
+        f"warning: {need} requests but {len(cfg.prompts)} prompts: prompts repeat from request "
+        f"{len(cfg.prompts) + 1} on, and a server that caches prefills or drafts from earlier outputs answers "
+        "repeats faster; give more prompts (--prompts) or fewer --requests / levels"
+    )
+
+
 async def _level(
-    client: Any, cfg: LoadTestConfig, model: str, headers: dict[str, str], concurrency: int
+    client: Any, cfg: LoadTestConfig, model: str, headers: dict[str, str], concurrency: int, start: int = 0
 ) -> LevelResult:
     url = f"{cfg.url}/v1/chat/completions"
     results: list[RequestResult] = []
-    next_i = iter(range(cfg.requests))
+    next_i = iter(range(start, start + cfg.requests))
 
     async def client_task() -> None:
         for i in next_i:  # shared iterator: each request is taken by exactly one task
@@ -320,8 +344,11 @@ async def run_loadtest(cfg: LoadTestConfig, log: Any = None) -> dict:
             if not w.ok:
                 say(f"warning: warm-up request failed ({w.error})")
         levels = []
-        for c in cfg.concurrency:
-            lv = await _level(client, cfg, model, headers, c)
+        wrap = prompt_wrap_warning(cfg)
+        if wrap:
+            say(wrap)
+        for c, start in zip(cfg.concurrency, level_starts(cfg)):
+            lv = await _level(client, cfg, model, headers, c, start)
             lat = lv.latency
             say(
                 f"concurrency {c:4d}: {lv.tokens_per_s:8.1f} tok/s, {lv.requests_per_s:6.2f} req/s, "
@@ -334,7 +361,7 @@ async def run_loadtest(cfg: LoadTestConfig, log: Any = None) -> dict:
         "model": model,
         "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("api_key", "prompts")}
-        | {"num_prompts": len(cfg.prompts), "api_key": bool(cfg.api_key)},
+        | {"num_prompts": len(cfg.prompts), "api_key": bool(cfg.api_key), "level_starts": level_starts(cfg)},
         "levels": levels,
     }
 
@@ -368,6 +395,7 @@ def cmd_loadtest(a: argparse.Namespace) -> int:
         request_timeout=a.request_timeout,
         max_seconds=a.max_seconds,
         warmup=a.warmup,
+        repeat_prompts=a.repeat_prompts,
     )
     result = asyncio.run(run_loadtest(cfg))
     paths = write_outputs(result, Path(a.out) if a.out else default_out_dir())
@@ -404,4 +432,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--max-seconds", type=float, default=600.0, help="time limit per level")
     p.add_argument("--warmup", type=int, default=1, help="untimed requests before the first level")
+    p.add_argument(
+        "--repeat-prompts",
+        action="store_true",
+        help="every level resends the same prompts (default: each request its own prompt, so no level is "
+        "answered from what an earlier one left in the server's prefix cache or suffix index)",
+    )
     p.set_defaults(func=cmd_loadtest)
