@@ -42,6 +42,15 @@ __all__ = [
 ]
 
 
+def _prune_cut(score: list[float], budget: int) -> float | None:
+    """The ``budget``-th best cumulative log-prob of the drafted nodes (``score[0]`` = root, excluded), None while
+    at most ``budget`` are drafted. A child scores at most its parent and loses ties to it (deeper), so a
+    frontier node scoring at or below this cut cannot place a child among the ``budget`` kept nodes."""
+    if len(score) - 1 <= budget:
+        return None
+    return sorted(score[1:], reverse=True)[budget - 1]
+
+
 class EagleDrafter:
     """Dynamic-tree drafter over an :class:`EagleNet`, with a draft KV cache kept across steps."""
 
@@ -240,10 +249,10 @@ class EagleDrafter:
         forwards = 1  # draft forwards this step (the commit gave depth 1)
         for d in range(1, depth):
             expand = sorted(frontier, key=lambda i: -score[i])[:k]
-            if len(tok) - 1 > budget:  # children score <= their parent: those of a node ranked at or below the
-                cut = sorted(score[1:], reverse=True)[budget - 1]  # budget-th node never enter the kept tree
+            cut = _prune_cut(score, budget)
+            if cut is not None:
                 expand = [i for i in expand if score[i] > cut]
-                if not expand:
+                if not expand:  # no frontier node can place a child in the kept tree: deeper drafts are wasted
                     break
             # an estimated (not timed) draft cost keeps the tree a function of the inputs
             cal = self.calibration
