@@ -9,21 +9,13 @@ import numpy as np
 import pytest
 import torch
 from test_eagle import cfg, random_net, tiny
-from test_hybrid_paid import CURVE, Valued, _ctx
+from test_hybrid_paid import CURVE, Valued
 
 from treedraft.budget import LatencyCurve
 from treedraft.drafters import eagle as eagle_mod
 from treedraft.drafters.eagle import EagleDrafter
 from treedraft.drafters.eagle_cost import EAGLE_DRAFT_COST_KIND, eagle_draft_costs_on_curve
-from treedraft.drafters.eagle_tree import (
-    RankAcceptance,
-    StepBase,
-    accepted_nodes,
-    best_size,
-    choose_size,
-    prior_values,
-    worth_expanding,
-)
+from treedraft.drafters.eagle_tree import RankAcceptance, accepted_nodes, prior_values
 from treedraft.drafters.hybrid import HybridDrafter, paid_nodes
 from treedraft.engine import Engine
 from treedraft.interfaces import DraftContext
@@ -201,86 +193,3 @@ def test_eagle_draft_cost_is_measured_once_per_machine_and_cached(tmp_path: Path
     entry.write_text("{not json")  # a corrupt entry is measured again, not a crash
     eagle_draft_costs_on_curve(model, d, 0.01, reps=3)
     assert calls["n"] == 18
-
-
-def test_step_base_prices_a_tree_as_an_addition_to_the_other_members() -> None:
-    curve = LatencyCurve(CURVE)
-    v = np.array([0.5])
-    # alone, 0.5 s of drafting: 1.5 / 11.5 = 0.130 > 1 / 10 -> the node pays
-    assert best_size(v, curve, 0.5, 1) == 1 and choose_size(v, curve, 0.5) == (1, True)
-    # next to a scored node (2 rows, 1.5 tokens, its depth-1 guess right half the time): 1.75 / 14.5 = 0.121 <
-    # 1.5 / 11.5 -> none kept, and the drafting did not pay against that step undrafted (1.5 / 11)
-    base = StepBase(gain=1.5, rows=2, miss=0.5)
-    assert best_size(v, curve, 0.5, 1, base) == 0 and choose_size(v, curve, 0.5, base) == (0, False)
-    # rows free: it pays again, by miss x its value: 1.75 / 10.5 > 1.5 / 10
-    flat = LatencyCurve({1: 10.0, 64: 10.0})
-    assert choose_size(v, flat, 0.5, base) == (1, True)
-    assert worth_expanding(np.array([0.5]), 0.5, flat, 0.0, 0.1, base)
-    assert not worth_expanding(np.array([0.5]), 0.5, curve, 0.0, 0.1, base)
-
-
-class SelfSized:
-    """A paid member that sizes its own tree (``propose_paid``); records what the hybrid passed."""
-
-    name = "sized"
-
-    def __init__(self) -> None:
-        self.got: list[tuple[int, StepBase]] = []
-        self.draft_cost = 0.0
-
-    def node_values(self, max_depth: int) -> list[float]:
-        return [0.5, 0.1]
-
-    def propose_paid(self, ctx: DraftContext, nodes: int, base: StepBase) -> TokenTree:
-        self.got.append((nodes, base))
-        return TokenTree((ctx.root, 100, 101, 102), (-1, 0, 1, 2))
-
-
-def test_the_hybrid_asks_a_self_sizing_member_with_the_other_members_as_base() -> None:
-    sized = SelfSized()
-    flat = {1: 1.0, 64: 1.0}
-    h = HybridDrafter([sized, Valued([7], [0.25])], latency=flat)
-    tree = h.propose(_ctx())
-    ((nodes, base),) = sized.got
-    assert nodes == 2 and base == StepBase(gain=1.25, rows=2, miss=0.75)
-    assert tree.tokens == (3, 100, 101, 102, 7)  # its own tree, as it sized it
-
-
-def test_eagle_propose_paid_keeps_fewer_nodes_next_to_a_confident_member() -> None:
-    model, _ = _drafter()
-    net = random_net(model, 4, draft_vocab=20, depth=4, topk=3)
-    toks = [1, 2, 3, 4, 5, 6]
-    _, hid = model.forward(torch.tensor([toks[:-1]]), torch.arange(5))
-    ctx = DraftContext(toks, hid[0, -1], 24, 4, 5, hid[0])
-    curve = {1: 0.01, 2: 0.011, 4: 0.019, 8: 0.029, 16: 0.05}
-    alone = EagleDrafter(net, max_len=128, latency=curve, draft_step_seconds=0.0)
-    alone.CAL_PRIOR = 1e9  # calibration factor 1: the draft's own probabilities
-    n_alone = len(alone.propose_paid(ctx, 1, StepBase())) - 1
-    d = EagleDrafter(net, max_len=128, latency=curve, draft_step_seconds=0.0)
-    d.CAL_PRIOR = 1e9
-    n_next = len(d.propose_paid(ctx, 1, StepBase(gain=3.0, rows=4, miss=0.05))) - 1
-    assert n_alone >= 1 and n_next < n_alone
-    assert d._base == StepBase()  # reset after the call
-    plain = EagleDrafter(net, max_len=128)  # no curve: exactly the priced nodes
-    assert len(plain.propose_paid(ctx, 2, StepBase())) == 3
-
-
-# ---- the shipped drafter on the real model ---------------------------------------------------
-@pytest.mark.slow
-def test_hybrid_eagle_greedy_equals_plain_real_model(smollm_int4) -> None:
-    """hybrid-eagle (EAGLE paid + suffix) on the real int4 model: output = plain, a first turn and the same
-    question again (the suffix member then leads with its chains and EAGLE idles), drafts accepted."""
-    from treedraft.drafters.eagle import shipped_eagle_for
-
-    if shipped_eagle_for("smollm2-135m-instruct") is None:
-        pytest.skip("no shipped EAGLE drafter")
-    llm = smollm_int4
-    h = llm.drafters.get("hybrid-eagle")
-    assert isinstance(h, HybridDrafter) and isinstance(h.drafters[0], EagleDrafter)
-    assert h.drafters[0].draft_costs[0] > 0.0  # priced by this machine's cached measurement
-    for q in ("Write a short poem about the sea.", "Explain what a hash table is."):
-        plain = llm.generate(q, drafter=None, max_new_tokens=64)
-        for _ in range(2):
-            spec = llm.generate(q, drafter=h, max_new_tokens=64)
-            assert spec.token_ids == plain.token_ids
-            assert spec.stats.mean_accepted_length > 1.1

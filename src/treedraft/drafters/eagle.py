@@ -17,7 +17,6 @@ point masses (verify.accept_speculative).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from ..interfaces import DraftContext, TargetModel, request_twin
 from ..tree import TokenTree
 from .eagle_native import fast_drafting
 from .eagle_net import EAGLE_JSON, EAGLE_WEIGHTS, EagleConfig, EagleMismatchError, EagleNet, shipped_eagle_for
-from .eagle_tree import ALONE, RankAcceptance, StepBase, accepted_nodes, choose_size, prior_values, worth_expanding
+from .eagle_tree import RankAcceptance, accepted_nodes, choose_size, prior_values, worth_expanding
 
 __all__ = [
     "EAGLE_JSON",
@@ -98,7 +97,6 @@ class EagleDrafter:
         self.last_expected = 1.0  # 1 + the summed draft values of the last tree (EAGLE-2's E[accepted + bonus])
         self._acc = self._exp = 0.0  # decayed sums: accepted draft tokens, expected (uncalibrated) values
         self._skip = self._backoff = 0  # steps left to skip drafting; the current back-off length
-        self._base = ALONE  # the rest of the step this tree joins (a hybrid's other members), while proposing
         self.draft_costs: tuple[float, float] = (0.0, 0.0)  # seconds: (commit + depth 1, each further depth)
         self._ranks = RankAcceptance(self.nodes or self.depth * self.topk, prior_values(c, self.nodes or 16))
         self.cache = net.new_cache(max_len + self.depth * self.topk + 1)
@@ -226,18 +224,6 @@ class EagleDrafter:
         self._pending = (feats, first, ctx.tokens[first])
         self.last_expected = 1.0
 
-    def propose_paid(self, ctx: DraftContext, nodes: int, base: StepBase) -> TokenTree:
-        """The tree a hybrid drafter asks for after pricing ``nodes`` nodes by :meth:`node_values`: sized by this
-        machine's curve (when the drafter has one) with the draft's own confidences of this step, as an addition to
-        ``base`` (the other members' rows and expected tokens); else at most ``nodes`` nodes."""
-        if self.curve is None:
-            return self.propose(dataclasses.replace(ctx, max_nodes=nodes + 1))
-        self._base = base
-        try:
-            return self.propose(ctx)
-        finally:
-            self._base = ALONE
-
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> TokenTree:
         """An EAGLE-2 tree of at most ``ctx.max_nodes`` nodes (root included) and ``ctx.max_depth`` depth."""
@@ -273,7 +259,6 @@ class EagleDrafter:
             if self.curve is not None and not worth_expanding(
                 np.minimum(1.0, cal * np.exp(np.array(score[1:]))), min(1.0, cal * math.exp(score[expand[0]])),
                 self.curve, self._drafting_seconds(forwards), self._drafting_seconds(forwards + 1) - self._drafting_seconds(forwards),
-                self._base,
             ):  # fmt: skip
                 break
             start = base + len(slot_of)
@@ -299,7 +284,7 @@ class EagleDrafter:
         vals = np.exp(np.array([score[i] for i in keep]))
         if self.curve is not None:  # a tree that does not beat a plain step (no drafting) backs drafting off
             n, paid = choose_size(
-                np.minimum(1.0, self.calibration * vals), self.curve, self._drafting_seconds(forwards), self._base
+                np.minimum(1.0, self.calibration * vals), self.curve, self._drafting_seconds(forwards)
             )
             keep = keep[:n]
             self._skip = self._backoff = 0 if paid else min(self.MAX_SKIP, max(1, 2 * self._backoff))

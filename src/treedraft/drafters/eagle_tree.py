@@ -18,7 +18,6 @@ Drafting deeper is worth one more draft forward only while some frontier node co
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,62 +33,35 @@ class LatencyCurve(_LatencyCurve):
         super().__init__(latency, lower_hull=False)
 
 
-@dataclass(frozen=True)
-class StepBase:
-    """What the step verifies besides this tree (a hybrid's other members): ``gain`` expected committed tokens
-    (1 = the bonus token alone), ``rows`` rows (1 = the root alone), and ``miss`` = P(none of their depth-1
-    nodes is accepted), by which this tree's node values count (where one is, this tree's guess is rejected)."""
-
-    gain: float = 1.0
-    rows: int = 1
-    miss: float = 1.0
-
-
-ALONE = StepBase()
-
-
-def best_size(
-    values_desc: np.ndarray, curve: LatencyCurve, draft_seconds: float, max_nodes: int, base: StepBase = ALONE
-) -> int:
-    """N in [0, max_nodes] maximising (gain + miss x the N best values) / (latency(rows + N) + draft_seconds)."""
+def best_size(values_desc: np.ndarray, curve: LatencyCurve, draft_seconds: float, max_nodes: int) -> int:
+    """N in [0, max_nodes] maximising (1 + sum of the N best values) / (latency(N + 1) + draft_seconds)."""
     v = np.asarray(values_desc, dtype=np.float64)[: max(0, max_nodes)]
-    gain = base.gain + base.miss * np.concatenate(([0.0], np.cumsum(v)))  # (N+1,): expected tokens, best N nodes
-    cost = curve(np.arange(base.rows, base.rows + len(gain))) + draft_seconds
+    gain = 1.0 + np.concatenate(([0.0], np.cumsum(v)))  # (N+1,): expected tokens with the best N nodes
+    cost = curve(np.arange(1, len(gain) + 1)) + draft_seconds
     return int(np.argmax(gain / cost))  # first maximum: the smaller tree on ties
 
 
-def _rate(v: np.ndarray, n: int, curve: LatencyCurve, draft_seconds: float, base: StepBase) -> float:
-    """Expected committed tokens per second of the step with the best ``n`` of ``v`` added."""
-    return (base.gain + base.miss * v[:n].sum()) / (float(curve(base.rows + n)) + draft_seconds)
-
-
-def choose_size(
-    values_desc: np.ndarray, curve: LatencyCurve, draft_seconds: float, base: StepBase = ALONE
-) -> tuple[int, bool]:
-    """(N* = :func:`best_size` over all values, whether that step beats the same step without this tree and
-    without drafting it: plain decoding when alone)."""
+def choose_size(values_desc: np.ndarray, curve: LatencyCurve, draft_seconds: float) -> tuple[int, bool]:
+    """(N* = :func:`best_size` over all values, whether that tree beats a plain step, which drafts nothing)."""
     v = np.asarray(values_desc, dtype=np.float64)
-    n = best_size(v, curve, draft_seconds, len(v), base)
-    return n, bool(_rate(v, n, curve, draft_seconds, base) * float(curve(base.rows)) >= base.gain)
+    n = best_size(v, curve, draft_seconds, len(v))
+    rate = (1.0 + v[:n].sum()) / (float(curve(n + 1)) + draft_seconds)
+    return n, bool(rate * float(curve(1)) >= 1.0)
 
 
 def worth_expanding(
-    values_desc: np.ndarray,
-    frontier_best: float,
-    curve: LatencyCurve,
-    draft_seconds: float,
-    step_seconds: float,
-    base: StepBase = ALONE,
+    values_desc: np.ndarray, frontier_best: float, curve: LatencyCurve, draft_seconds: float, step_seconds: float
 ) -> bool:
     """Whether one more draft depth can pay: the current best tree vs the same tree plus one child as likely
     as the best frontier node (an upper bound: a child's value never exceeds its parent's), paying one more
     draft forward of ``step_seconds``."""
     v = np.sort(np.asarray(values_desc, dtype=np.float64))[::-1]
-    now = _rate(v, best_size(v, curve, draft_seconds, len(v), base), curve, draft_seconds, base)
+    n = best_size(v, curve, draft_seconds, len(v))
+    now = (1.0 + v[:n].sum()) / (float(curve(n + 1)) + draft_seconds)
     # the optimistic child joins the best tree, which may then take more of the existing nodes too
     w = np.sort(np.concatenate((v, [frontier_best])))[::-1]
-    later = draft_seconds + step_seconds
-    then = _rate(w, best_size(w, curve, later, len(w), base), curve, later, base)
+    m = best_size(w, curve, draft_seconds + step_seconds, len(w))
+    then = (1.0 + w[:m].sum()) / (float(curve(m + 1)) + draft_seconds + step_seconds)
     return bool(then > now)
 
 

@@ -14,12 +14,9 @@ With ``lead_extra=0`` the others are not even asked (the Medusa heads' drafting 
 loaded 2-core CPU, more than half a one-row int4 verify step when quiet).
 
 With ``latency`` (the target's forward seconds by rows, root included), members that can price their
-nodes before drafting (``node_values(max_depth)`` and ``draft_cost`` or ``draft_cost_for(k)``: the Medusa heads,
-EAGLE) are *paid*: after the scored members proposed, a paid member is asked for its first k nodes only if they
-raise the step's expected committed tokens per second (:func:`paid_nodes`), else not run at all (and told so:
-``idle(ctx)``, EAGLE's draft cache still takes in the committed tokens). A member that can size its tree from
-this step's own confidences (``propose_paid(ctx, k, base)``: EAGLE on a latency curve) is asked that way, with the
-other members' rows and expected tokens as the base its nodes add to. On this project's CPU a third verify
+nodes before drafting (``node_values(max_depth)`` and ``draft_cost``: the Medusa heads) are *paid*: after the
+scored members proposed, a paid member is asked for its first k nodes only if they raise the step's expected
+committed tokens per second (:func:`paid_nodes`), else not run at all. On this project's CPU a third verify
 row costs ~1/3 of a step and the heads' drafting ~1/7, while their top guess is accepted ~1/3 of the time,
 so the heads draft where the suffix member has nothing to say and stay idle next to its chains
 (benchmarks/default_vs_lookup.py).
@@ -39,7 +36,6 @@ from dataclasses import dataclass, field
 from ..budget import LatencyCurve
 from ..interfaces import DraftContext, Drafter, request_drafter
 from ..tree import TokenTree, TreeError
-from .eagle_tree import StepBase
 
 
 def merge_trees(trees: Sequence[TokenTree], max_nodes: int) -> TokenTree:
@@ -173,13 +169,7 @@ class HybridDrafter:
                     [per_k(k) for k in range(1, len(values) + 1)] if callable(per_k) else getattr(d, "draft_cost", 0.0)
                 )
                 k = paid_nodes(values, gain, rows, miss, cost, self._curve)
-                sized = getattr(d, "propose_paid", None)  # sizes its tree itself, from this step's confidences
-                if k == 0:
-                    trees[i] = _idle(d, ctx, stub)
-                elif callable(sized):
-                    trees[i] = sized(ctx, k, StepBase(gain, rows, miss))
-                else:
-                    trees[i] = d.propose(dataclasses.replace(ctx, max_nodes=k + 1))
+                trees[i] = _idle(d, ctx, stub) if k == 0 else d.propose(dataclasses.replace(ctx, max_nodes=k + 1))
             else:
                 trees[i] = d.propose(ctx)
         return self._merge([t for t in trees if t is not None], lead, ctx)
