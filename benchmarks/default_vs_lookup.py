@@ -81,35 +81,6 @@ class TimedValued(TimedScored):
 
 
 @dataclasses.dataclass
-class TimedPaid(Timed):
-    """:class:`Timed` for a member that sizes its own paid tree (``propose_paid``: EAGLE on a latency curve)."""
-
-    def propose_paid(self, ctx: DraftContext, nodes: int, base: object) -> TokenTree:
-        """The member's tree (timed)."""
-        t = time.perf_counter()
-        tree = self.inner.propose_paid(ctx, nodes, base)  # type: ignore[attr-defined]
-        self.log.append((self.inner.name, time.perf_counter() - t, tree, None))  # type: ignore[attr-defined]
-        return tree
-
-
-class KOnly:
-    """A paid member without ``propose_paid``: the hybrid asks it for exactly the k nodes its gate priced."""
-
-    def __init__(self, inner: object) -> None:
-        self.inner = inner
-
-    def __getattr__(self, k: str) -> object:
-        if k == "propose_paid":
-            raise AttributeError(k)
-        return getattr(self.inner, k)
-
-    def for_request(self) -> KOnly:
-        """The inner drafter's per-request twin, still without propose_paid."""
-        fork = getattr(self.inner, "for_request", None)
-        return KOnly(fork() if callable(fork) else self.inner)
-
-
-@dataclasses.dataclass
 class Steps:
     """Wraps the hybrid: a step marker (the context length) in the log before each propose."""
 
@@ -138,8 +109,6 @@ def instrument(d: HybridDrafter) -> tuple[Steps, list]:
     def wrap(m: object) -> Timed:
         if callable(getattr(m, "propose_valued", None)):
             return TimedValued(m, log)
-        if callable(getattr(m, "propose_paid", None)):
-            return TimedPaid(m, log)
         return (TimedScored if callable(getattr(m, "propose_scored", None)) else Timed)(m, log)
 
     return Steps(dataclasses.replace(d, drafters=[wrap(m) for m in d.drafters]), log), log
@@ -173,12 +142,6 @@ def main() -> None:
 
     registry.register("hybrid-suffix-ungated", ungated, "the default without paid heads", replace=True)
 
-    def eagle_k(target: object, tokenizer: object, options: registry.DrafterOptions) -> object:
-        """hybrid-eagle with EAGLE asked for exactly the k nodes the gate priced (no sizing by its own confidences)."""
-        h = registry.build("hybrid-eagle", target, tokenizer, options)
-        return dataclasses.replace(h, drafters=[KOnly(h.drafters[0]), *h.drafters[1:]])
-
-    registry.register("hybrid-eagle-k", eagle_k, "hybrid-eagle, EAGLE drafting exactly k nodes", replace=True)
     opts = registry.DrafterOptions(llm.model_name, llm.heads)
     passes = a.passes.split(",")
     methods = ("plain", "prompt-lookup", *a.drafter.split(","))
