@@ -193,3 +193,24 @@ def test_eagle_draft_cost_is_measured_once_per_machine_and_cached(tmp_path: Path
     entry.write_text("{not json")  # a corrupt entry is measured again, not a crash
     eagle_draft_costs_on_curve(model, d, 0.01, reps=3)
     assert calls["n"] == 18
+
+
+# ---- the shipped drafter on the real model ---------------------------------------------------
+@pytest.mark.slow
+def test_hybrid_eagle_greedy_equals_plain_real_model(smollm_int4) -> None:
+    """hybrid-eagle (EAGLE paid + suffix) on the real int4 model: output = plain, a first turn and the same
+    question again (the suffix member then leads with its chains and EAGLE idles), drafts accepted."""
+    from treedraft.drafters.eagle import shipped_eagle_for
+
+    if shipped_eagle_for("smollm2-135m-instruct") is None:
+        pytest.skip("no shipped EAGLE drafter")
+    llm = smollm_int4
+    h = llm.drafters.get("hybrid-eagle")
+    assert isinstance(h, HybridDrafter) and isinstance(h.drafters[0], EagleDrafter)
+    assert h.drafters[0].draft_costs[0] > 0.0  # priced by this machine's cached measurement
+    for q in ("Write a short poem about the sea.", "Explain what a hash table is."):
+        plain = llm.generate(q, drafter=None, max_new_tokens=64)
+        for _ in range(2):
+            spec = llm.generate(q, drafter=h, max_new_tokens=64)
+            assert spec.token_ids == plain.token_ids
+            assert spec.stats.mean_accepted_length > 1.1
