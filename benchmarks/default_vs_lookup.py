@@ -141,6 +141,7 @@ def main() -> None:
         return dataclasses.replace(registry.build("hybrid-suffix", target, tokenizer, options), latency=None)
 
     registry.register("hybrid-suffix-ungated", ungated, "the default without paid heads", replace=True)
+
     opts = registry.DrafterOptions(llm.model_name, llm.heads)
     passes = a.passes.split(",")
     methods = ("plain", "prompt-lookup", *a.drafter.split(","))

@@ -52,6 +52,16 @@ class TimedDecoder:
         self.dec, self.forward = dec, timer.wrap("target_forward", dec.forward)
 
 
+def by_rows(tm: Timer, native):
+    """The native draft step timed per kind of call: the commit (causal, mask None) vs one tree depth."""
+
+    def timed(feats, toks, pos, cache, start, mask, rows):
+        kind = "draft_commit" if mask is None else f"draft_depth_e{int(toks.shape[0])}"
+        return tm.wrap(kind, native)(feats, toks, pos, cache, start, mask, rows)
+
+    return timed
+
+
 def main() -> None:
     """Profile and print one JSON line per node budget."""
     ap = argparse.ArgumentParser()
@@ -85,7 +95,7 @@ def main() -> None:
                 setattr(eag, name, tm.wrap(name, saved[name]))
             if eag.native is not None:
                 saved["native"] = eag.native
-                eag.native = tm.wrap("draft_native_call", eag.native)
+                eag.native = by_rows(tm, saved["native"])
             else:
                 eag.net.forward = tm.wrap("draft_layer", eag.net.forward)
             if eag.project is not None:
@@ -96,6 +106,7 @@ def main() -> None:
         tot_s: dict[str, float] = defaultdict(float)
         tot_n: dict[str, int] = defaultdict(int)
         pairs: list[tuple[int, int]] = []
+        nodes_verified = 0
         for p in prompts:
             stats = GenerationStats()
             cfg = GenerationConfig(max_new_tokens=a.tokens, max_tree_nodes=n, ignore_eos=True)
@@ -115,11 +126,13 @@ def main() -> None:
             steps += len(stats.steps) - k0
             acc += sum(s.accepted for s in stats.steps[k0:])
             pairs += [(s.tree_depth, s.accepted) for s in stats.steps[k0:]]
+            nodes_verified += sum(s.tree_size - 1 for s in stats.steps[k0:])
         for name, fn in saved.items():
             setattr(eag, name, fn)
         if eag is not None and "draft_layer" in tm.s:
             del eag.net.forward
         ms = {k: round(1000 * v / steps, 2) for k, v in tot_s.items()}
+        per_call = {k: round(1000 * v / max(1, tot_n[k]), 2) for k, v in tot_s.items()}
         print(
             json.dumps(
                 {
@@ -127,11 +140,14 @@ def main() -> None:
                     "tok_per_s": round(toks / wall, 1),
                     "mean_accepted": round(acc / steps + 1, 2),
                     "draft_expected": round(expected / steps, 2),
+                    "draft_nodes_verified_per_step": round(nodes_verified / steps, 2),
+                    "accepted_per_step": round(acc / steps, 2),
                     "calibration": round(eag.calibration, 3) if eag is not None else None,
                     "acceptance_per_depth": [round(x, 3) for x in acceptance_per_depth(pairs)],
                     "ms_per_step": round(1000 * wall / steps, 2),
                     "phase_ms_per_step": ms,
                     "calls_per_step": {k: round(v / steps, 2) for k, v in tot_n.items()},
+                    "ms_per_call": per_call,
                 }
             ),
             flush=True,

@@ -17,227 +17,38 @@ point masses (verify.accept_speculative).
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..interfaces import DraftContext, TargetModel, request_twin
-from ..models.llama import Block, KVCache, LlamaConfig, RMSNorm, rope_frequencies
 from ..tree import TokenTree
 from .eagle_native import fast_drafting
-from .eagle_tree import choose_size, worth_expanding
+from .eagle_net import EAGLE_JSON, EAGLE_WEIGHTS, EagleConfig, EagleMismatchError, EagleNet, shipped_eagle_for
+from .eagle_tree import RankAcceptance, accepted_nodes, choose_size, prior_values, worth_expanding
 
-__all__ = ["EagleConfig", "EagleDrafter", "EagleMismatchError", "EagleNet", "fast_drafting", "shipped_eagle_for"]
-
-EAGLE_JSON = "eagle.json"
-EAGLE_WEIGHTS = "eagle.safetensors"
-HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
-
-
-class EagleMismatchError(ValueError):
-    """An EAGLE drafter trained for another target model (or a malformed drafter directory)."""
-
-
-@dataclass(frozen=True)
-class EagleConfig:
-    """Shape of the draft layer (the target's, one layer) and the default tree."""
-
-    base_model: str
-    hidden_size: int
-    vocab_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-5
-    draft_vocab: int = 0  # >0: the lm_head scores only the first N ids of vocab_map (frequency-ranked)
-    depth: int = 6  # tree depth (draft forwards per step)
-    topk: int = 8  # children per expanded node and nodes expanded per depth
-    nodes: int = 0  # draft nodes kept per tree (root excluded); 0 = the engine's budget
-    extra: dict = field(default_factory=dict)  # training facts (data, loss, per-depth accuracy)
-
-    @staticmethod
-    def for_target(target: TargetModel, base_model: str, **kw) -> EagleConfig:
-        """The config of a draft layer shaped like one layer of ``target`` (a models/llama Transformer)."""
-        c = getattr(target, "config", None)
-        if not isinstance(c, LlamaConfig):
-            raise EagleMismatchError(
-                f"an EAGLE drafter copies the target's layer shape from a Llama config; {type(target).__name__} has none"
-            )
-        return EagleConfig(
-            base_model=base_model,
-            hidden_size=c.hidden_size,
-            vocab_size=c.vocab_size,
-            num_heads=c.num_heads,
-            num_kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            intermediate_size=c.intermediate_size,
-            rope_theta=c.rope_theta,
-            rms_eps=c.rms_eps,
-            **kw,
-        )
-
-    def llama(self) -> LlamaConfig:
-        """The one-layer LlamaConfig of the draft decoder layer."""
-        return LlamaConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_layers=1,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            rope_theta=self.rope_theta,
-            rms_eps=self.rms_eps,
-            head_dim_override=self.head_dim,
-        )
-
-    @staticmethod
-    def from_json(d: dict, where: Path) -> EagleConfig:
-        """From an eagle.json dict; unknown or missing keys raise EagleMismatchError naming them."""
-        known = {f.name for f in fields(EagleConfig)}
-        required = {f.name for f in fields(EagleConfig) if f.default is f.default_factory is MISSING}
-        if not isinstance(d, dict) or set(d) - known or required - set(d):
-            bad = sorted(set(d) - known) if isinstance(d, dict) else []
-            miss = sorted(required - set(d)) if isinstance(d, dict) else sorted(required)
-            raise EagleMismatchError(
-                f"{where} does not match this version of treedraft (unknown keys {bad}, missing keys {miss}); "
-                "retrain with `treedraft train-eagle`"
-            )
-        return EagleConfig(**d)
+__all__ = [
+    "EAGLE_JSON",
+    "EAGLE_WEIGHTS",
+    "EagleConfig",
+    "EagleDrafter",
+    "EagleMismatchError",
+    "EagleNet",
+    "fast_drafting",
+    "shipped_eagle_for",
+]
 
 
-class EagleNet(nn.Module):
-    """fc + one decoder layer; ``forward(feat, tok, pos)`` -> predicted next features (B, T, H)."""
-
-    def __init__(
-        self, cfg: EagleConfig, embed_weight: Tensor, lm_head_weight: Tensor, vocab_map: Tensor | None = None
-    ) -> None:
-        super().__init__()
-        self.config = cfg
-        H = cfg.hidden_size
-        # both inputs RMS-normalised first (as EAGLE-3 does): the target's final-norm features are ~17x the
-        # size of its token embeddings, which otherwise starves the token path (measured: top-1 0.09 vs ...)
-        self.emb_norm = RMSNorm(H, cfg.rms_eps)
-        self.feat_norm = RMSNorm(H, cfg.rms_eps)
-        self.fc = nn.Linear(2 * H, H, bias=True)
-        self.layer = Block(cfg.llama(), 0)
-        self.register_buffer("inv_freq", rope_frequencies(cfg.llama()), persistent=False)
-        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)  # (V, H), frozen
-        self.set_vocab(lm_head_weight, vocab_map)
-
-    def set_vocab(self, lm_head_weight: Tensor, vocab_map: Tensor | None) -> None:
-        """Attach the target's frozen lm_head, restricted to the first ``draft_vocab`` ids of vocab_map."""
-        n = self.config.draft_vocab
-        if n:
-            if vocab_map is None or len(vocab_map) < n:
-                raise EagleMismatchError(f"draft_vocab={n} needs a vocab_map of at least {n} token ids")
-            vocab_map = vocab_map[:n].long()
-        else:
-            vocab_map = None
-        self.register_buffer("vocab_map", vocab_map, persistent=False)  # (V',) token ids, None = all
-        w = lm_head_weight.detach()
-        w = w if vocab_map is None else w[vocab_map.to(w.device)]
-        self.register_buffer("lm_weight", w.float().contiguous(), persistent=False)  # (V', H)
-
-    def forward(
-        self, feat: Tensor, tok: Tensor, pos: Tensor, cache: KVCache | None = None, start: int = 0, mask=None
-    ) -> Tensor:
-        """feat (B, T, H) features f_j, tok (B, T) tokens x_{j+1}, pos (T,) or (B, T) -> (B, T, H) f_{j+1}.
-
-        cache/start: keys/values go to slots [start, start+T); mask (T, start+T) or (B, 1, T, start+T)
-        bool, True = may attend (None: causal)."""
-        dt = self.emb_norm.weight.dtype
-        e = self.embed_weight[tok].to(dt)  # (B, T, H)
-        x = self.fc(torch.cat([self.emb_norm(e), self.feat_norm(feat.to(dt))], dim=-1))
-        if pos.dim() == 1:
-            pos = pos[None].expand(x.shape[0], -1)
-        ang = pos[..., None].float() * self.inv_freq  # (B, T, hd/2)
-        ang = torch.cat((ang, ang), dim=-1)[:, None]  # (B, 1, T, hd)
-        if mask is not None and mask.dim() == 2:
-            mask = mask[None, None]
-        if mask is None and cache is not None and start > 0:
-            T = x.shape[1]
-            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)[None, None]
-        return self.layer(x, ang.cos().to(dt), ang.sin().to(dt), mask, cache, start)
-
-    def logits(self, f: Tensor) -> Tensor:
-        """(..., H) features -> (..., V') float32 scores over the draft vocabulary."""
-        return f.float() @ self.lm_weight.T
-
-    def new_cache(self, max_len: int) -> KVCache:
-        """An empty one-layer KV cache for ``max_len`` pairs."""
-        c, p = self.config, self.emb_norm.weight
-        return KVCache(1, 1, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
-
-    # ---- persistence ---------------------------------------------------
-    def save(self, d: str | Path, dtype: torch.dtype | None = None) -> None:
-        """Write eagle.safetensors (weights in ``dtype`` if given) + eagle.json into directory ``d``."""
-        from safetensors.torch import save_file
-
-        d = Path(d)
-        d.mkdir(parents=True, exist_ok=True)
-        sd = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
-        if self.vocab_map is not None:
-            sd["vocab_map"] = self.vocab_map.to(torch.int32).cpu()
-        save_file(sd, str(d / EAGLE_WEIGHTS))
-        (d / EAGLE_JSON).write_text(json.dumps(asdict(self.config), indent=1))
-
-    @staticmethod
-    def load(d: str | Path, target: TargetModel, base_model: str | None = None) -> EagleNet:
-        """Load a drafter directory for ``target``; EagleMismatchError when it was trained for another model."""
-        from safetensors.torch import load_file
-
-        d = Path(d)
-        if not (d / EAGLE_JSON).is_file():
-            raise FileNotFoundError(f"{d}: no {EAGLE_JSON}; expected a directory written by `treedraft train-eagle`")
-        try:
-            cfg = EagleConfig.from_json(json.loads((d / EAGLE_JSON).read_text()), d / EAGLE_JSON)
-        except json.JSONDecodeError as e:
-            raise EagleMismatchError(f"{d / EAGLE_JSON} is not valid JSON ({e})") from e
-        problems = []
-        if base_model and cfg.base_model != base_model:
-            problems.append(f"base model {cfg.base_model!r} != {base_model!r}")
-        if cfg.hidden_size != target.hidden_size:
-            problems.append(f"hidden size {cfg.hidden_size} != {target.hidden_size}")
-        if cfg.vocab_size != target.vocab_size:
-            problems.append(f"vocab size {cfg.vocab_size} != {target.vocab_size}")
-        if problems:
-            raise EagleMismatchError(
-                f"the EAGLE drafter in {d} was trained for another model: {'; '.join(problems)}. "
-                "Train one for this model with `treedraft train-eagle --model ...`."
-            )
-        emb, lm = target.input_embedding_weight(), target.output_projection_weight()
-        if emb is None or lm is None:
-            raise ValueError(
-                f"the eagle drafter needs the target's embedding and lm_head; {type(target).__name__} has none"
-            )
-        sd = load_file(str(d / EAGLE_WEIGHTS))
-        vm = sd.pop("vocab_map", None)
-        if vm is not None and (int(vm.min()) < 0 or int(vm.max()) >= cfg.vocab_size):
-            raise EagleMismatchError(f"{d / EAGLE_WEIGHTS}: vocab_map has ids outside [0, {cfg.vocab_size})")
-        net = EagleNet(cfg, emb, lm, None if vm is None else vm.long())
-        want = {k: tuple(v.shape) for k, v in net.state_dict().items()}
-        got = {k: tuple(v.shape) for k, v in sd.items()}
-        if want != got:
-            diff = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
-            raise EagleMismatchError(
-                f"{d / EAGLE_WEIGHTS} does not match {d / EAGLE_JSON}: tensors {diff[:4]} differ "
-                f"(file {[got.get(k) for k in diff[:4]]}, config {[want.get(k) for k in diff[:4]]})"
-            )
-        net.load_state_dict({k: v.float() for k, v in sd.items()})
-        return net.to(lm.device).eval().requires_grad_(False)
-
-
-def shipped_eagle_for(model_name: str) -> Path | None:
-    """Directory of the EAGLE drafter shipped in the package for a registry model name, if any."""
-    d = HEADS_DIR / model_name
-    return d if (d / EAGLE_JSON).is_file() else None
+def _prune_cut(score: list[float], budget: int) -> float | None:
+    """The ``budget``-th best cumulative log-prob of the drafted nodes (``score[0]`` = root, excluded), None while
+    at most ``budget`` are drafted. A child scores at most its parent and loses ties to it (deeper), so a
+    frontier node scoring at or below this cut cannot place a child among the ``budget`` kept nodes."""
+    if len(score) - 1 <= budget:
+        return None
+    return sorted(score[1:], reverse=True)[budget - 1]
 
 
 class EagleDrafter:
@@ -286,6 +97,8 @@ class EagleDrafter:
         self.last_expected = 1.0  # 1 + the summed draft values of the last tree (EAGLE-2's E[accepted + bonus])
         self._acc = self._exp = 0.0  # decayed sums: accepted draft tokens, expected (uncalibrated) values
         self._skip = self._backoff = 0  # steps left to skip drafting; the current back-off length
+        self.draft_costs: tuple[float, float] = (0.0, 0.0)  # seconds: (commit + depth 1, each further depth)
+        self._ranks = RankAcceptance(self.nodes or self.depth * self.topk, prior_values(c, self.nodes or 16))
         self.cache = net.new_cache(max_len + self.depth * self.topk + 1)
         self.reset()
 
@@ -297,14 +110,15 @@ class EagleDrafter:
         """Forget the committed pairs (a new sequence starts)."""
         # features of skipped steps not yet in the cache: (f_at .., at, x_at) (the token guards against another sequence)
         self._pending: tuple[Tensor, int, int] | None = None
-        # (expected draft value, root position, root token) of the last tree, until its outcome is seen
-        self._drafted: tuple[float, int, int] | None = None
+        # (expected draft value, root position, root token, kept tree) of the last tree, until its outcome is seen
+        self._drafted: tuple[float, int, int, TokenTree] | None = None
         self.cache.length = 0
         self.base = 0  # pair index held in cache slot 0
         self.tokens: list[int] = []  # tokens x_0 .. x_r of the committed pairs (pair j uses x_{j+1})
 
     def for_request(self) -> EagleDrafter:
-        """A twin for one request: the same net and native step, its own draft KV cache (from this calibration)."""
+        """A twin for one request: the same net, native step and per-rank acceptance, its own draft KV cache (from
+        this calibration)."""
         return request_twin(self, cache=self.net.new_cache(self.cache.max_len), _skip=0, _backoff=0)
 
     @property
@@ -367,12 +181,14 @@ class EagleDrafter:
         """Add the last tree's outcome (tokens committed since, less the bonus) against its expected value."""
         if self._drafted is None:
             return
-        value, at, root = self._drafted
+        value, at, root, tree = self._drafted
         self._drafted = None
         r = len(ctx.tokens) - 1
         if r > at and ctx.tokens[at] == root:  # the same sequence, one step later
-            self._acc = self.CAL_DECAY * self._acc + (r - at - 1)
+            hit = accepted_nodes(tree, ctx.tokens[at + 1 : r])  # this tree's nodes on the committed path
+            self._acc = self.CAL_DECAY * self._acc + len(hit)  # (in a hybrid, another member's may be longer)
             self._exp = self.CAL_DECAY * self._exp + value
+            self._ranks.add(len(tree) - 1, hit)
 
     @property
     def calibration(self) -> float:
@@ -380,18 +196,44 @@ class EagleDrafter:
         probabilities of the draft, not of the target: an overconfident draft gets a factor < 1)."""
         return (self._acc + self.CAL_PRIOR) / (self._exp + self.CAL_PRIOR)
 
+    def node_values(self, max_depth: int) -> list[float] | None:
+        """Expected acceptance of the tree's nodes in rank order (best cumulative draft log-prob first), as
+        measured on this drafter's recent verified trees (prior: the held-out per-depth top-1 as a chain);
+        what the hybrid drafter prices this member's first k nodes by. ``max_depth`` caps how many ranks."""
+        n = self._ranks.size if max_depth >= self.depth else min(self._ranks.size, max_depth * self.topk)
+        return self._ranks.values()[:n].tolist()
+
+    def draft_cost_for(self, nodes: int) -> float:
+        """Seconds a propose of ``nodes`` draft nodes costs (what the hybrid drafter weighs): the commit with
+        depth 1, then one draft forward per further depth a tree of that size can reach (at most ``depth``)."""
+        return self._drafting_seconds(max(1, min(nodes, self.depth)))
+
+    def _drafting_seconds(self, forwards: int) -> float:
+        """Seconds of a propose that ran ``forwards`` draft forwards (the commit is the first): the measured
+        ``draft_costs`` when set (registry.eagle_draft_costs_on_curve), else ``forwards`` x draft_step_seconds."""
+        first, more = self.draft_costs
+        if first or more:
+            return first + more * (forwards - 1)
+        return forwards * self.step_seconds
+
+    def idle(self, ctx: DraftContext) -> None:
+        """This step drafts nothing (a hybrid did not ask): learn the last tree's outcome and hold the
+        committed features until the next propose feeds them in one draft forward."""
+        self._calibrate(ctx)
+        feats, first = self._new_feats(ctx)
+        self._pending = (feats, first, ctx.tokens[first])
+        self.last_expected = 1.0
+
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> TokenTree:
         """An EAGLE-2 tree of at most ``ctx.max_nodes`` nodes (root included) and ``ctx.max_depth`` depth."""
-        self._calibrate(ctx)
         budget = ctx.max_nodes - 1 if not self.nodes else min(self.nodes, ctx.max_nodes - 1)
-        depth = min(self.depth, ctx.max_depth)
+        depth = min(self.depth, ctx.max_depth, max(1, budget))  # a tree of N nodes is at most N deep
         if self._skip > 0 and budget >= 1 and depth >= 1:  # back-off: hold the features for the next commit
             self._skip -= 1
-            feats, first = self._new_feats(ctx)
-            self._pending = (feats, first, ctx.tokens[first])
-            self.last_expected = 1.0
+            self.idle(ctx)
             return TokenTree((ctx.root,), (-1,))
+        self._calibrate(ctx)
         lp, f_root = self._commit(ctx)
         if budget < 1 or depth < 1:
             self.last_expected = 1.0
@@ -407,11 +249,16 @@ class EagleDrafter:
         forwards = 1  # draft forwards this step (the commit gave depth 1)
         for d in range(1, depth):
             expand = sorted(frontier, key=lambda i: -score[i])[:k]
+            cut = _prune_cut(score, budget)
+            if cut is not None:
+                expand = [i for i in expand if score[i] > cut]
+                if not expand:  # no frontier node can place a child in the kept tree: deeper drafts are wasted
+                    break
             # an estimated (not timed) draft cost keeps the tree a function of the inputs
             cal = self.calibration
             if self.curve is not None and not worth_expanding(
                 np.minimum(1.0, cal * np.exp(np.array(score[1:]))), min(1.0, cal * math.exp(score[expand[0]])),
-                self.curve, forwards * self.step_seconds, self.step_seconds,
+                self.curve, self._drafting_seconds(forwards), self._drafting_seconds(forwards + 1) - self._drafting_seconds(forwards),
             ):  # fmt: skip
                 break
             start = base + len(slot_of)
@@ -436,18 +283,21 @@ class EagleDrafter:
         keep = sorted(range(1, len(tok)), key=lambda i: (-score[i], dep[i], i))[:budget]
         vals = np.exp(np.array([score[i] for i in keep]))
         if self.curve is not None:  # a tree that does not beat a plain step (no drafting) backs drafting off
-            n, paid = choose_size(np.minimum(1.0, self.calibration * vals), self.curve, forwards * self.step_seconds)
+            n, paid = choose_size(
+                np.minimum(1.0, self.calibration * vals), self.curve, self._drafting_seconds(forwards)
+            )
             keep = keep[:n]
             self._skip = self._backoff = 0 if paid else min(self.MAX_SKIP, max(1, 2 * self._backoff))
         self.last_expected = 1.0 + float(vals[: len(keep)].sum())  # the draft's own (uncalibrated) E[tokens]
-        self._drafted = (self.last_expected - 1.0, r, ctx.root)
         new = {0: 0}
         tokens, parents = [ctx.root], [-1]
         for i in keep:
             new[i] = len(tokens)
             tokens.append(tok[i])
             parents.append(new[par[i]])
-        return TokenTree(tuple(tokens), tuple(parents))
+        tree = TokenTree(tuple(tokens), tuple(parents))
+        self._drafted = (self.last_expected - 1.0, r, ctx.root, tree)
+        return tree
 
     def _logits(self, f: Tensor) -> Tensor:
         """(rows, H) predicted features -> (rows, V') float32 draft scores."""

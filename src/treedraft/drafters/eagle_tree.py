@@ -17,7 +17,8 @@ Drafting deeper is worth one more draft forward only while some frontier node co
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -62,3 +63,67 @@ def worth_expanding(
     m = best_size(w, curve, draft_seconds + step_seconds, len(w))
     then = (1.0 + w[:m].sum()) / (float(curve(m + 1)) + draft_seconds + step_seconds)
     return bool(then > now)
+
+
+def accepted_nodes(tree: Any, committed: Sequence[int]) -> list[int]:
+    """Ranks (node index - 1) of ``tree``'s nodes on the path the step committed: ``committed`` = the tokens after
+    the root that the target accepted (the bonus token excluded)."""
+    kids: dict[tuple[int, int], int] = {(p, t): i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)) if i}
+    out, node = [], 0
+    for t in committed:
+        node = kids.get((node, int(t)), -1)
+        if node < 0:
+            break
+        out.append(node - 1)
+    return out
+
+
+def prior_values(cfg: Any, n: int) -> np.ndarray:
+    """(n,) prior acceptance of the tree's nodes by rank before any tree was verified: the held-out per-depth
+    top-1 of the shipped training run (eagle.json extra.training) multiplied along a chain for the first ranks,
+    then halving per rank; 0.5, 0.25, ... without training facts."""
+    epochs = ((getattr(cfg, "extra", None) or {}).get("training") or {}).get("epochs") or [{}]
+    top1 = [float(a) for a in epochs[-1].get("heldout_top1") or [] if 0.0 <= float(a) <= 1.0]
+    v, out = 1.0, []
+    for j in range(n):
+        v *= top1[j] if j < len(top1) else 0.5
+        out.append(v)
+    return np.array(out, dtype=np.float64)
+
+
+class RankAcceptance:
+    """How often the tree's node of each rank (best cumulative draft log-prob first) lies on the committed path,
+    over recent verified trees (decayed counts per rank, only where the tree had that rank), plus a prior worth
+    ``PRIOR_TREES`` trees."""
+
+    DECAY = 0.98  # per tree that held the rank: follows roughly the last 50
+    PRIOR_TREES = 4.0
+
+    def __init__(self, size: int, prior: np.ndarray) -> None:
+        if size < 1:
+            raise ValueError(f"RankAcceptance needs at least one rank, got {size}")
+        p = np.zeros(size)
+        p[: min(size, len(prior))] = np.clip(prior[:size], 0.0, 1.0)
+        self.size, self.prior = size, p
+        self.hits, self.seen = np.zeros(size), np.zeros(size)
+
+    def add(self, nodes: int, accepted: Sequence[int]) -> None:
+        """One verified tree of ``nodes`` draft nodes (ranks 0 .. nodes-1), of which ranks ``accepted`` were accepted."""
+        n = min(nodes, self.size)
+        self.hits[:n] *= self.DECAY
+        self.seen[:n] = self.DECAY * self.seen[:n] + 1.0
+        for j in accepted:
+            if j < n:
+                self.hits[j] += 1.0
+
+    def copy(self) -> RankAcceptance:
+        """An independent copy (the same counts from here on apart)."""
+        out = RankAcceptance(self.size, self.prior)
+        out.hits, out.seen = self.hits.copy(), self.seen.copy()
+        return out
+
+    def values(self) -> np.ndarray:
+        """(size,) expected acceptance per rank, made non-increasing (a later rank never pays more than an earlier one)."""
+        w = self.PRIOR_TREES
+        v = (self.hits + w * self.prior) / (self.seen + w)
+        return np.minimum.accumulate(v)

@@ -73,25 +73,44 @@ def merge_trees(trees: Sequence[TokenTree], max_nodes: int) -> TokenTree:
 
 
 def paid_nodes(
-    values: Sequence[float], gain: float, rows: int, miss: float, draft_cost: float, curve: LatencyCurve
+    values: Sequence[float],
+    gain: float,
+    rows: int,
+    miss: float,
+    draft_cost: float | Sequence[float],
+    curve: LatencyCurve,
 ) -> int:
     """How many of a paid member's nodes (its own order, best first) to draft: the k maximising tokens per second.
 
     The step now verifies ``rows`` rows (root included) for ``gain`` expected committed tokens (1 + the scored
     members' node values). The member's first k nodes add at most k rows and ``miss`` x the sum of their
     values (``miss``: P(no scored node at depth 1 is accepted); where one is, the member's different guess
-    is rejected), and its drafting costs ``draft_cost`` seconds once. 0 = do not run it (ties: fewer nodes).
+    is rejected), and its drafting costs ``draft_cost`` seconds once (or ``draft_cost[k - 1]`` for k nodes, a
+    member whose drafting grows with its tree: EAGLE's draft forwards per depth). 0 = do not run it (ties: fewer
+    nodes).
     """
     if not values:
         return 0
+    if not isinstance(draft_cost, (int, float)) and len(draft_cost) < len(values):
+        raise ValueError(f"draft_cost gives {len(draft_cost)} costs for {len(values)} node values")
     lat = curve.table(rows + len(values))
     best, best_rate, w = 0, gain / lat[rows], 0.0
     for k, v in enumerate(values, 1):
         w += v
-        rate = (gain + miss * w) / (lat[rows + k] + draft_cost)
+        cost = draft_cost if isinstance(draft_cost, (int, float)) else draft_cost[k - 1]
+        rate = (gain + miss * w) / (lat[rows + k] + cost)
         if rate > best_rate:
             best, best_rate = k, rate
     return best
+
+
+def _idle(drafter: Drafter, ctx: DraftContext, stub: TokenTree) -> TokenTree:
+    """``stub`` for a member not run this step, after telling it (``idle(ctx)``) when it keeps state per step
+    (EAGLE's draft KV cache must still take in the committed tokens' features)."""
+    idle = getattr(drafter, "idle", None)
+    if callable(idle):
+        idle(ctx)
+    return stub
 
 
 def fresh_copy(drafter: Drafter | None) -> Drafter | None:
@@ -141,13 +160,16 @@ class HybridDrafter:
             priced = getattr(d, "node_values", None) if self._curve is not None and not skip else None
             values = priced(ctx.max_depth) if callable(priced) else None
             if skip:
-                trees[i] = stub
+                trees[i] = _idle(d, ctx, stub)
             elif values is not None and self._curve is not None:
                 miss = max(0.0, 1.0 - min(1.0, first))
-                k = paid_nodes(
-                    values[: ctx.max_nodes - 1], gain, rows, miss, getattr(d, "draft_cost", 0.0), self._curve
+                values = values[: ctx.max_nodes - 1]
+                per_k = getattr(d, "draft_cost_for", None)
+                cost = (
+                    [per_k(k) for k in range(1, len(values) + 1)] if callable(per_k) else getattr(d, "draft_cost", 0.0)
                 )
-                trees[i] = stub if k == 0 else d.propose(dataclasses.replace(ctx, max_nodes=k + 1))
+                k = paid_nodes(values, gain, rows, miss, cost, self._curve)
+                trees[i] = _idle(d, ctx, stub) if k == 0 else d.propose(dataclasses.replace(ctx, max_nodes=k + 1))
             else:
                 trees[i] = d.propose(ctx)
         return self._merge([t for t in trees if t is not None], lead, ctx)

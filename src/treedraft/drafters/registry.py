@@ -275,7 +275,7 @@ def eagle_dir(options: DrafterOptions) -> Path | None:
     return shipped_eagle_for(options.model_name)
 
 
-def _eagle(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
+def _eagle(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Any:
     from .eagle import EagleDrafter
 
     d = eagle_dir(options)
@@ -284,7 +284,28 @@ def _eagle(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Draf
             f"no EAGLE drafter is shipped for {options.model_name!r}; "
             "train one with `treedraft train-eagle` and pass --heads DIR (the directory holding eagle.json)"
         )
-    return EagleDrafter.for_target(target, d, options.model_name or None)
+    eagle = EagleDrafter.for_target(target, d, options.model_name or None)
+    if eagle.curve is not None:  # sized by this machine's curve: its own drafting priced the same way
+        from .eagle_cost import eagle_draft_costs_on_curve
+
+        eagle.draft_costs = eagle_draft_costs_on_curve(target, eagle, float(eagle.curve(1)))
+    return eagle
+
+
+def _hybrid_eagle(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
+    from .hybrid import HybridDrafter
+    from .suffix import make_suffix_drafter
+
+    # hybrid-suffix with the EAGLE drafter in the Medusa heads' place, paid the same way: asked for its first
+    # k nodes only when their measured per-rank acceptance pays for their rows and its draft forwards
+    sizing = suffix_sizing(target)
+    suffix = make_suffix_drafter(options.suffix_store, options.tenant, min_match=1, **sizing)
+    return HybridDrafter(
+        [_eagle(target, tokenizer, options), suffix],
+        name="hybrid-eagle",
+        lead_extra=0,
+        latency=sizing.get("latency"),
+    )
 
 
 def _eagle_lookup(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
@@ -310,6 +331,11 @@ register(
 )
 register("eagle", _eagle, "EAGLE feature drafter with EAGLE-2 dynamic trees (shipped, or --heads DIR)")
 register("eagle-lookup", _eagle_lookup, "EAGLE tree + prompt-lookup branches, verified in one pass")
+register(
+    "hybrid-eagle",
+    _hybrid_eagle,
+    "EAGLE tree + suffix chains, EAGLE drafting only the nodes that pay (hybrid-suffix with EAGLE for the heads)",
+)
 register(
     "suffix",
     _suffix,
