@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -209,3 +210,50 @@ class LatencyCurve:
 def _cross(a: tuple[int, float], b: tuple[int, float], c: tuple[int, float]) -> float:
     """> 0 when a -> b -> c turns left (b lies below the segment a-c)."""
     return (b[0] - a[0]) * (c[1] - a[1]) - (b[1] - a[1]) * (c[0] - a[0])
+
+
+STEP_ROWS_KIND = "step-rows"
+STEP_ROWS_FACTOR = 3.0  # a batched step may cost this many one-token steps
+STEP_ROWS_MAX = 64
+
+
+def step_rows_from_latency(latency: dict[int, float], factor: float = STEP_ROWS_FACTOR) -> int:
+    """Rows per step: the largest measured forward size costing at most ``factor`` one-token forwards.
+
+    ``latency`` maps a forward's row count to seconds (:func:`treedraft.training.calibrate.measure_latency`).
+    On a CPU the cost of a forward grows slowly with its rows (weights are streamed once), so this is
+    where extra rows stop being nearly free: a lone request gets a tree of up to that size, a batch of k
+    shares it (k one-token rows when k exceeds it, i.e. plain decoding, batched).
+    """
+    if 1 not in latency:
+        raise ValueError(f"the latency curve needs the one-row forward, got sizes {sorted(latency)}")
+    if factor < 1:
+        raise ValueError(f"factor must be >= 1, got {factor}")
+    return max(n for n, t in latency.items() if t <= factor * latency[1])
+
+
+def measured_latency(model: Any) -> dict[int, float]:
+    """This machine's forward latency curve for ``model``: seconds per row count at a 256-token context
+    (measured once per machine and model, cached; what :func:`measured_step_rows` and the EAGLE tree use)."""
+    from .models.plan import cached_measurement
+    from .training.calibrate import _target_facts, latency_sizes, measure_latency
+
+    def measure() -> dict:
+        room = getattr(model, "max_seq_len", 512)
+        lat = measure_latency(model, max(1, min(256, room - STEP_ROWS_MAX - 1)), latency_sizes(STEP_ROWS_MAX), reps=3)
+        return {str(k): v for k, v in lat.items()}
+
+    def load(v: dict) -> dict[int, float]:
+        lat = {int(k): float(t) for k, t in v.items()}
+        if 1 not in lat:
+            raise ValueError(f"the latency curve needs the one-row forward, got sizes {sorted(lat)}")
+        return lat
+
+    from .interfaces import target_device
+
+    return cached_measurement(STEP_ROWS_KIND, _target_facts(model), measure, load, target_device(model))
+
+
+def measured_step_rows(model: Any, factor: float = STEP_ROWS_FACTOR) -> int:
+    """:func:`step_rows_from_latency` on this machine's latency curve for ``model`` (measured once, cached)."""
+    return step_rows_from_latency(measured_latency(model), factor)
