@@ -146,22 +146,39 @@ class RowBudget:
         tokens they give at least, which this choice does not change.
         """
         n = len(stats)
-        cand: list[tuple[float, int, int]] = []  # (-p, request, position)
+        rows, tokens = fixed_rows + n, float(n + fixed_tokens)
+        # A request's nodes must be taken as a prefix of its list, and its first node also pays one propose
+        # (draft_cost). Order the nodes by value per marginal second: each request's list is cut into groups of
+        # non-increasing density (pool-adjacent-violators: its first node carries the propose, so a cheap chain
+        # of sure nodes forms one group), groups of all requests are merged by density, and the best prefix of
+        # that order is taken. With no propose cost this is "most probable nodes first"; with one, a few requests
+        # draft long chains instead of every request paying a propose for one node.
+        rc = max(1e-9, self.seconds(rows + 1) - self.seconds(rows))  # marginal seconds of a row, for the order only
+        groups: list[tuple[float, int, int, list[float]]] = []  # (-density, request, first position, values)
         for i, (st, cap) in enumerate(zip(stats, caps)):
+            chain: list[list[float]] = []  # [sum p, cost, first position, *values] per group
             for j, p in enumerate(self.estimates(st, cap - 1), start=1):
-                cand.append((-p, i, j))
-        cand.sort()  # most probable first; a request's estimates do not increase, so its positions stay in order
-        rows, tokens, drafting = fixed_rows + n, float(n + fixed_tokens), 0
+                chain.append([p, rc + (self.draft_cost if j == 1 else 0.0), j, p])
+                while len(chain) >= 2 and chain[-1][0] / chain[-1][1] > chain[-2][0] / chain[-2][1]:
+                    last = chain.pop()
+                    chain[-1][0] += last[0]
+                    chain[-1][1] += last[1]
+                    chain[-1].extend(last[3:])
+            groups += [(-g[0] / g[1], i, int(g[2]), g[3:]) for g in chain]
+        groups.sort(key=lambda g: g[:3])  # densest first; ties: lower request, then its earlier group
+        cand = [(i, j + k) for _d, i, j, vals in groups for k in range(len(vals))]
+        values = [v for *_x, vals in groups for v in vals]
+        drafting = 0
         best_ratio, best_k = tokens / self.seconds(max(1, rows)), 0
-        for k, (negp, _i, j) in enumerate(cand, start=1):
+        for k, ((_i, j), p) in enumerate(zip(cand, values), start=1):
             rows += 1
-            tokens -= negp
+            tokens += p
             drafting += j == 1
             ratio = tokens / (self.seconds(rows) + drafting * self.draft_cost)
             if ratio > best_ratio:
                 best_ratio, best_k = ratio, k
         taken = [0] * n
-        for _negp, i, _j in cand[:best_k]:
+        for i, _j in cand[:best_k]:
             taken[i] += 1
         sizes = [1 + t for t in taken]
         for i, st in enumerate(stats):
