@@ -45,6 +45,7 @@ import treedraft
 from treedraft.budget import interpolate
 from treedraft.engine import GenerationConfig, GenerationStats
 from treedraft.models import fused
+from treedraft.prefix_cache import PrefixCache
 from treedraft.prompts import MT_BENCH_FILE, find_shared_data, read_prompt_file
 from treedraft.scheduler import Scheduler, measured_latency, measured_step_rows
 
@@ -116,11 +117,13 @@ def run_level(
     text: bool,
     native_prefill: bool = True,
     curve: dict[int, float] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> Run:
     """Decode every prompt with at most ``c`` active requests (the next joins as one finishes)."""
     eng = llm.engine
     curve = curve or latency or {1: 1.0}
     sched = Scheduler(eng, step_rows=step_rows, prefill_chunk=256, latency=latency, native_prefill=native_prefill)
+    sched.prefix_cache = prefix_cache  # shared by the levels of one variant (as one server's)
     run, queue = Run(c), list(range(len(prompts)))
     out: dict[int, list[int]] = {}
     streams: dict[object, object] = {}
@@ -144,7 +147,7 @@ def run_level(
             st = sched.last_step
             run.steps += 1
             run.rows += st.rows
-            run.modeled += interpolate(curve, st.rows)
+            run.modeled += interpolate(curve, st.rows) if st.rows else 0.0  # (a step of cached first tokens only)
             if st.prefill_rows == 0:
                 run.decode_steps += 1
                 run.decode_rows += st.rows
@@ -187,7 +190,7 @@ def main() -> None:
         "--variants",
         default="old,new",
         help="comma list: old (equal row shares, Python prefill), native (equal shares, native prefill), "
-        "new (latency-curve row budget, native prefill)",
+        "new (latency-curve row budget, native prefill), prefix (new + a prefix cache, as serve's default)",
     )
     ap.add_argument(
         "--latency",
@@ -225,7 +228,7 @@ def main() -> None:
         flush=True,
     )
     run_level(llm, prompts[:1], 1, GenerationConfig(max_new_tokens=8), drafter, rows, None, timer, "warm-up", False)
-    variants = {"old": (False, False), "native": (False, True), "new": (True, True)}  # (budget, native prefill)
+    variants = {"old": (False, False), "native": (False, True), "new": (True, True), "prefix": (True, True)}
     modes = [(c, v) for v in a.variants.split(",") for c in levels]
     by_mode: dict[tuple[int, str], list[Run]] = {m: [] for m in modes}
     refs: dict[bool, list[list[int]]] = {}  # greedy: runs with the same prefill arithmetic give the same tokens
@@ -236,14 +239,18 @@ def main() -> None:
         else:
             order = modes if r % 2 == 0 else modes[::-1]
         warmed: set[str] = set()
+        caches: dict[str, PrefixCache] = {}  # per variant and round ('prefix'; --memory fresh: per run)
         for c, v in order:
             budget, native = variants[v]
             tenant = {"shared": "", "fresh": f"run-{r}-{c}-{v}", "loadtest": f"run-{r}-{v}"}[a.memory]
             lt = lat if budget else None
+            pc = None
+            if v == "prefix":
+                pc = caches.setdefault(tenant, PrefixCache(256 << 20, 64))
             if a.memory == "loadtest" and v not in warmed:
                 warmed.add(v)
-                run_level(llm, prompts[:1], 1, cfg, drafter, rows, lt, timer, tenant, False, native)
-            run = run_level(llm, prompts, c, cfg, drafter, rows, lt, timer, tenant, a.text, native, model_lat)
+                run_level(llm, prompts[:1], 1, cfg, drafter, rows, lt, timer, tenant, False, native, None, pc)
+            run = run_level(llm, prompts, c, cfg, drafter, rows, lt, timer, tenant, a.text, native, model_lat, pc)
             if refs.setdefault(native, run.outputs) != run.outputs:
                 print(f"MISMATCH: round {r} c={c} {v}: outputs differ from an earlier run", flush=True)
             by_mode[(c, v)].append(run)

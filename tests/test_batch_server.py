@@ -176,3 +176,55 @@ def test_serve_cli_batching_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytes
     assert (s.max_batch, s.step_rows, s.prefill_chunk) == (8, None, 256)
     assert main(["serve", "--max-batch", "0"]) == 2
     assert "max_batch must be >= 1" in capsys.readouterr().err
+
+
+def test_repeated_prompts_reuse_the_prefix_cache_and_keep_their_solo_text() -> None:
+    """Prompts sent again (whole, or sharing a 16-token-aligned prefix) start from the server's prefix cache:
+    greedy and seeded streams equal their solo runs; another tenant (``user``) reuses nothing."""
+    llm = native_tiny_llm()
+    rng = random.Random(3)
+    bases = ["".join(rng.choice("abcdefgh ijk") for _ in range(rng.randint(40, 60))) for _ in range(3)]
+    waves = [
+        [(b, 0.0, None) for b in bases],
+        [(bases[0], 0.0, None), (bases[1], 0.8, 5), (bases[2][:-3] + "xyz", 0.0, None), (bases[0] + "!", 0.8, 9)],
+    ]
+    settings = ServerSettings(max_batch=4, step_rows=STEP_ROWS, prefill_chunk=CHUNK, poll_interval_s=0.02)
+    app = create_app(llm, settings)
+    with LiveServer(app) as srv:
+        for wave in waves:
+
+            async def run_wave(wave=wave):
+                return await asyncio.gather(*(_client(srv.url, _body(p, 12, t, s, None), None) for p, t, s in wave))
+
+            for (p, t, s), (text, finish, _) in zip(wave, asyncio.run(run_wave())):
+                assert (text, finish) == solo(llm, p, max_new_tokens=12, temperature=t, seed=s), (p, t, s)
+        pc = app.state.treedraft.worker.sched.prefix_cache
+        assert (pc.hits, pc.partial_hits) == (2, 2)
+        other = {**_body(bases[0], 12, 0.0, None, None), "stream": False, "user": "someone-else"}
+        r = httpx.post(f"{srv.url}/v1/completions", json=other, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == solo(llm, bases[0], max_new_tokens=12)[0]
+        assert (pc.hits, pc.partial_hits) == (2, 2)  # the same prompt from another tenant: prefilled anew
+
+
+def test_serve_cli_prefix_cache_flag(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """--prefix-cache-mb reaches the settings and the scheduler's byte limit (0 = off); a negative one is refused."""
+    import uvicorn
+
+    import treedraft.cli
+    import treedraft.server.cli as serve_cli
+    from treedraft.cli import main
+    from treedraft.server.metrics import Metrics
+    from treedraft.server.worker import Worker
+
+    got: dict = {}
+    monkeypatch.setattr(treedraft.cli, "load_from_args", lambda a: native_tiny_llm())
+    monkeypatch.setattr(serve_cli, "create_app", lambda llm, settings: got.setdefault("settings", settings))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    for args, mb in (([], 256), (["--prefix-cache-mb", "0"], 0), (["--prefix-cache-mb", "3"], 3)):
+        assert main(["serve", "--step-rows", "8", *args]) == 0
+        s = got.pop("settings")
+        assert s.prefix_cache_mb == mb
+        pc = Worker(native_tiny_llm(), s, Metrics("tiny"))._scheduler().prefix_cache
+        assert (pc is None) if mb == 0 else (pc.max_bytes == mb << 20)
+    assert main(["serve", "--prefix-cache-mb", "-1"]) == 2
+    assert "prefix_cache_mb must be >= 0" in capsys.readouterr().err

@@ -85,3 +85,34 @@ def test_estimates_follow_the_request_not_only_the_pool() -> None:
     assert all(x >= y for x, y in zip(eg, eg[1:]))  # non-increasing
     with pytest.raises(ValueError, match="one-row"):
         RowBudget({2: 0.1})
+
+
+def _expected_rate(b: RowBudget, stats: list[NodeStats], sizes: list[int]) -> float:
+    """Expected tokens per second of a step with these tree sizes (the budget's own model)."""
+    tokens = sum(1 + sum(b.estimates(st, s - 1)[: s - 1]) for st, s in zip(stats, sizes))
+    return tokens / (b.seconds(sum(sizes)) + sum(s > 1 for s in sizes) * b.draft_cost)
+
+
+def test_a_propose_cost_concentrates_sure_chains_on_few_requests() -> None:
+    """Eight requests whose drafts are all accepted (repeated text), each propose costing 2.3 ms: ordering nodes by
+    probability alone interleaves the requests (every one pays a propose for one node) and drafts nothing; the
+    chain groups let one or two requests draft long chains, which the curve pays for."""
+    curve = {1: 0.0085, 2: 0.0087, 4: 0.0108, 8: 0.0178, 12: 0.0239, 16: 0.0304, 24: 0.0462, 32: 0.0643}
+    b = RowBudget(curve)
+    b.draft_cost = 0.0023
+    stats = []
+    for i in range(
+        8
+    ):  # all nearly sure; a little less deeper and for later requests, so by probability they interleave
+        st = NodeStats()
+        st.tries = [100.0] * len(st.tries)
+        st.hits = [100.0 - 0.5 * j - 0.15 * i for j in range(len(st.hits))]
+        st.idle = 0
+        stats.append(st)
+    sizes = b.allocate(stats, [12] * 8)
+    assert sum(s > 1 for s in sizes) in (1, 2) and sum(sizes) >= 16, sizes
+    assert _expected_rate(b, stats, sizes) > _expected_rate(b, stats, [1] * 8) * 1.05
+    for k in range(1, 9):  # better than every request drafting the same short chain
+        assert _expected_rate(b, stats, sizes) > _expected_rate(b, stats, [1 + k] * 8)
+    b.draft_cost = 0.0  # free proposes: most probable nodes first, as before
+    assert b.allocate([_history(0.97), _history(0.5)], [9, 9])[1] == 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -145,22 +146,39 @@ class RowBudget:
         tokens they give at least, which this choice does not change.
         """
         n = len(stats)
-        cand: list[tuple[float, int, int]] = []  # (-p, request, position)
+        rows, tokens = fixed_rows + n, float(n + fixed_tokens)
+        # A request's nodes must be taken as a prefix of its list, and its first node also pays one propose
+        # (draft_cost). Order the nodes by value per marginal second: each request's list is cut into groups of
+        # non-increasing density (pool-adjacent-violators: its first node carries the propose, so a cheap chain
+        # of sure nodes forms one group), groups of all requests are merged by density, and the best prefix of
+        # that order is taken. With no propose cost this is "most probable nodes first"; with one, a few requests
+        # draft long chains instead of every request paying a propose for one node.
+        rc = max(1e-9, self.seconds(rows + 1) - self.seconds(rows))  # marginal seconds of a row, for the order only
+        groups: list[tuple[float, int, int, list[float]]] = []  # (-density, request, first position, values)
         for i, (st, cap) in enumerate(zip(stats, caps)):
+            chain: list[list[float]] = []  # [sum p, cost, first position, *values] per group
             for j, p in enumerate(self.estimates(st, cap - 1), start=1):
-                cand.append((-p, i, j))
-        cand.sort()  # most probable first; a request's estimates do not increase, so its positions stay in order
-        rows, tokens, drafting = fixed_rows + n, float(n + fixed_tokens), 0
+                chain.append([p, rc + (self.draft_cost if j == 1 else 0.0), j, p])
+                while len(chain) >= 2 and chain[-1][0] / chain[-1][1] > chain[-2][0] / chain[-2][1]:
+                    last = chain.pop()
+                    chain[-1][0] += last[0]
+                    chain[-1][1] += last[1]
+                    chain[-1].extend(last[3:])
+            groups += [(-g[0] / g[1], i, int(g[2]), g[3:]) for g in chain]
+        groups.sort(key=lambda g: g[:3])  # densest first; ties: lower request, then its earlier group
+        cand = [(i, j + k) for _d, i, j, vals in groups for k in range(len(vals))]
+        values = [v for *_x, vals in groups for v in vals]
+        drafting = 0
         best_ratio, best_k = tokens / self.seconds(max(1, rows)), 0
-        for k, (negp, _i, j) in enumerate(cand, start=1):
+        for k, ((_i, j), p) in enumerate(zip(cand, values), start=1):
             rows += 1
-            tokens -= negp
+            tokens += p
             drafting += j == 1
             ratio = tokens / (self.seconds(rows) + drafting * self.draft_cost)
             if ratio > best_ratio:
                 best_ratio, best_k = ratio, k
         taken = [0] * n
-        for _negp, i, _j in cand[:best_k]:
+        for i, _j in cand[:best_k]:
             taken[i] += 1
         sizes = [1 + t for t in taken]
         for i, st in enumerate(stats):
@@ -209,3 +227,50 @@ class LatencyCurve:
 def _cross(a: tuple[int, float], b: tuple[int, float], c: tuple[int, float]) -> float:
     """> 0 when a -> b -> c turns left (b lies below the segment a-c)."""
     return (b[0] - a[0]) * (c[1] - a[1]) - (b[1] - a[1]) * (c[0] - a[0])
+
+
+STEP_ROWS_KIND = "step-rows"
+STEP_ROWS_FACTOR = 3.0  # a batched step may cost this many one-token steps
+STEP_ROWS_MAX = 64
+
+
+def step_rows_from_latency(latency: dict[int, float], factor: float = STEP_ROWS_FACTOR) -> int:
+    """Rows per step: the largest measured forward size costing at most ``factor`` one-token forwards.
+
+    ``latency`` maps a forward's row count to seconds (:func:`treedraft.training.calibrate.measure_latency`).
+    On a CPU the cost of a forward grows slowly with its rows (weights are streamed once), so this is
+    where extra rows stop being nearly free: a lone request gets a tree of up to that size, a batch of k
+    shares it (k one-token rows when k exceeds it, i.e. plain decoding, batched).
+    """
+    if 1 not in latency:
+        raise ValueError(f"the latency curve needs the one-row forward, got sizes {sorted(latency)}")
+    if factor < 1:
+        raise ValueError(f"factor must be >= 1, got {factor}")
+    return max(n for n, t in latency.items() if t <= factor * latency[1])
+
+
+def measured_latency(model: Any) -> dict[int, float]:
+    """This machine's forward latency curve for ``model``: seconds per row count at a 256-token context
+    (measured once per machine and model, cached; what :func:`measured_step_rows` and the EAGLE tree use)."""
+    from .models.plan import cached_measurement
+    from .training.calibrate import _target_facts, latency_sizes, measure_latency
+
+    def measure() -> dict:
+        room = getattr(model, "max_seq_len", 512)
+        lat = measure_latency(model, max(1, min(256, room - STEP_ROWS_MAX - 1)), latency_sizes(STEP_ROWS_MAX), reps=3)
+        return {str(k): v for k, v in lat.items()}
+
+    def load(v: dict) -> dict[int, float]:
+        lat = {int(k): float(t) for k, t in v.items()}
+        if 1 not in lat:
+            raise ValueError(f"the latency curve needs the one-row forward, got sizes {sorted(lat)}")
+        return lat
+
+    from .interfaces import target_device
+
+    return cached_measurement(STEP_ROWS_KIND, _target_facts(model), measure, load, target_device(model))
+
+
+def measured_step_rows(model: Any, factor: float = STEP_ROWS_FACTOR) -> int:
+    """:func:`step_rows_from_latency` on this machine's latency curve for ``model`` (measured once, cached)."""
+    return step_rows_from_latency(measured_latency(model), factor)

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .budget import NodeStats, RowBudget
-from .interfaces import DraftContext, Drafter, GenerationError, request_drafter, target_device
+from .budget import STEP_ROWS_MAX, NodeStats, RowBudget, measured_latency, measured_step_rows, step_rows_from_latency
+from .interfaces import DraftContext, Drafter, GenerationError, request_drafter
+from .prefix_cache import PrefixCache
 from .tree import TokenTree, TreeError, full_attention_mask
 from .verify import accept, sample_token, uses_coupling
 
@@ -63,6 +64,9 @@ class Request:
     error: BaseException | None = None  # set when this request failed (its drafter, say); it then leaves
     t_start: float = 0.0
     node_stats: NodeStats = field(default_factory=NodeStats)  # its drafts' acceptance by node position
+    first_logits: Tensor | None = None  # (V,) its whole prompt came from the prefix cache: draw the first token
+    prompt_hidden: list[Tensor] | None = None  # (n_i, H) prompt chunks' hidden states, for the prefix cache
+    scope: str = ""  # whose prefix-cache entries it may reuse (the server's tenant)
 
     @property
     def done(self) -> bool:
@@ -135,6 +139,9 @@ class Scheduler:
         at most the rows it runs, so prompts are prefilled natively (several requests' chunks per step, up to
         ``prefill_chunk``; faster than the Python path, and what :meth:`Engine.generate` runs, so with
         ``prefill_chunk >= native_prefill_rows`` greedy text equals the CLI's).
+    prefix_cache_bytes: keep finished prompt prefills up to this many bytes (:mod:`treedraft.prefix_cache`; 0: off):
+        a joining request whose prompt, or a chunk-aligned prefix of it, is cached (in its ``scope``) skips those
+        rows of its prefill and keeps its solo tokens.
     latency: the forward's latency curve (rows -> seconds, :func:`measured_latency`): with two or more
         decoding requests their tree sizes come from :class:`treedraft.budget.RowBudget` (the nodes whose
         expected acceptance pays for their rows) instead of equal shares; ``step_rows`` then caps one
@@ -148,6 +155,7 @@ class Scheduler:
         prefill_chunk: int | None = None,
         latency: dict[int, float] | None = None,
         native_prefill: bool = False,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         if step_rows is not None and step_rows < 1:
             raise ValueError(f"step_rows must be >= 1, got {step_rows}")
@@ -162,6 +170,7 @@ class Scheduler:
         self.native_prefill = rows is not None
         self.chunk_rows = prefill_chunk if rows is None else min(prefill_chunk, rows)
         self.budget = RowBudget(latency) if latency else None
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, self.chunk_rows) if prefix_cache_bytes > 0 else None
         self._sized = False
         self.active: list[Request] = []
         self._torch_threads: int | None = host_torch_threads(engine.model)
@@ -178,6 +187,7 @@ class Scheduler:
         stats: GenerationStats | None = None,
         cache: Any = None,
         tag: Any = None,
+        scope: str = "",
     ) -> Request:
         """Admit a request (it joins at the next step); GenerationError for a prompt that cannot be served."""
         from .engine import GenerationConfig, GenerationStats
@@ -195,8 +205,27 @@ class Scheduler:
         stats.prompt_tokens = len(prompt)
         d = request_drafter(eng.drafter if drafter == "default" else drafter)
         req = Request(prompt, cfg, d, stats, cache, cfg.sampling.generator(), max_new, tag, tokens=list(prompt))
+        req.scope = scope
+        if self.prefix_cache is not None and getattr(cache, "kv", None) is not None:
+            self._reuse_prefix(req)
         self.active.append(req)
         return req
+
+    def _reuse_prefix(self, req: Request) -> None:
+        """Start ``req`` from the prefix cache's longest reusable prefix of its prompt (or record its prefill)."""
+        req.prompt_hidden = []
+        hit = self.prefix_cache.lookup(req.prompt, req.drafter is not None, req.scope)
+        if hit is None:
+            return
+        e, n = hit.entry, hit.n
+        req.cache.kv[:, :, :, :n] = e.kv[:, :, :, :n]
+        req.cache.length = req.prefilled = n
+        req.prompt_hidden.append(None if e.hidden is None else e.hidden[:n])
+        req.add_hidden(None if e.hidden is None else e.hidden[:n])
+        if n == len(req.prompt):
+            req.first_logits = e.logits
+            req.last_hidden = None if e.hidden is None else e.hidden[-1]
+            req.prompt_hidden = None  # already cached
 
     def remove(self, req: Request) -> None:
         """Take a request out (finished, failed or cancelled); a drafter with ``finish`` gets its delivered tokens."""
@@ -256,7 +285,7 @@ class Scheduler:
                 break  # FIFO: the next joining request waits for the next step
             chunks.append(self._chunk(req, n))
             left = None if left is None else left - n
-        decoding = [r for r in self.active if not r.prefilling and not r.done]
+        decoding = [r for r in self.active if not r.prefilling and not r.done and r.first_logits is None]
         budgets = self._budgets(decoding, sum(len(c.tokens) for c in chunks))
         plan: list[_Rows] = []
         for req, b in zip(decoding, budgets):
@@ -335,9 +364,14 @@ class Scheduler:
         t0 = time.perf_counter()
         plan = self._plan()
         failed = [(r, []) for r in self.active if r.error is not None]
+        firsts = [
+            (r, [self._first(r, r.first_logits, r.last_hidden)]) for r in self.active if r.first_logits is not None
+        ]
+        for r, _ in firsts:
+            r.first_logits = None
         if not plan:
-            self.last_step = StepTimes()
-            return failed
+            self.last_step = StepTimes(committed=len(firsts))
+            return failed + firsts
         tv = time.perf_counter()
         results = self._forward(plan)
         tr = time.perf_counter()
@@ -362,7 +396,18 @@ class Scheduler:
             tr - tv,
             te - tr,
         )
-        return failed + out
+        return failed + firsts + out
+
+    def _first(self, req: Request, logits: Tensor, hidden: Tensor | None) -> int:
+        """Draw the first token from the prompt's last logits row (V,); ``hidden``: that position's (H,) state."""
+        cfg = req.config
+        root = sample_token(cfg.rule, logits, cfg.sampling, req.gen, len(req.tokens))
+        req.last_hidden = hidden
+        req.tokens.append(root)
+        req.n_out = 1
+        req.t_start = time.perf_counter()
+        req.stats.new_tokens, req.stats.t_decode = 1, time.perf_counter() - req.t_start
+        return root
 
     def _commit(self, p: _Rows, logits: Tensor, hidden: Tensor | None, tv: float, tr: float) -> list[int]:
         req, cfg = p.req, p.req.config
@@ -371,15 +416,15 @@ class Scheduler:
             req.prefilled += len(p.tokens)
             req.add_hidden(hidden)
             req.stats.t_prefill += tr - tv
+            if req.prompt_hidden is not None:  # recorded for the prefix cache
+                req.prompt_hidden.append(hidden)
             if req.prefilling:
                 return []
-            root = sample_token(cfg.rule, logits[-1], cfg.sampling, req.gen, len(req.tokens))
-            req.last_hidden = None if hidden is None else hidden[-1]
-            req.tokens.append(root)
-            req.n_out = 1
-            req.t_start = time.perf_counter()
-            req.stats.new_tokens, req.stats.t_decode = 1, time.perf_counter() - req.t_start
-            return [root]
+            if req.prompt_hidden is not None:
+                hs = None if any(h is None for h in req.prompt_hidden) else torch.cat(req.prompt_hidden)
+                self.prefix_cache.store(req.prompt, req.cache.kv[:, :, :, : len(req.prompt)], hs, logits[-1], req.scope)
+                req.prompt_hidden = None
+            return [self._first(req, logits[-1], None if hidden is None else hidden[-1])]
         tree, n = p.tree, len(p.tree)
         if n == 1:
             acc_nodes, bonus = (0,), sample_token(cfg.rule, logits[0], cfg.sampling, req.gen, len(req.tokens))
@@ -407,11 +452,6 @@ class Scheduler:
         return new
 
 
-STEP_ROWS_KIND = "step-rows"
-STEP_ROWS_FACTOR = 3.0  # a batched step may cost this many one-token steps
-STEP_ROWS_MAX = 64
-
-
 def host_torch_threads(model: Any) -> int | None:
     """Torch threads for a step's Python-side ops: 1 when the native fused decoder runs the forwards, else None.
 
@@ -426,46 +466,6 @@ def host_torch_threads(model: Any) -> int | None:
         return 1 if fused.decoder_for(model) is not None else None
     except (AttributeError, TypeError):  # not the own Llama module
         return None
-
-
-def step_rows_from_latency(latency: dict[int, float], factor: float = STEP_ROWS_FACTOR) -> int:
-    """Rows per step: the largest measured forward size costing at most ``factor`` one-token forwards.
-
-    ``latency`` maps a forward's row count to seconds (:func:`treedraft.training.calibrate.measure_latency`).
-    On a CPU the cost of a forward grows slowly with its rows (weights are streamed once), so this is
-    where extra rows stop being nearly free: a lone request gets a tree of up to that size, a batch of k
-    shares it (k one-token rows when k exceeds it, i.e. plain decoding, batched).
-    """
-    if 1 not in latency:
-        raise ValueError(f"the latency curve needs the one-row forward, got sizes {sorted(latency)}")
-    if factor < 1:
-        raise ValueError(f"factor must be >= 1, got {factor}")
-    return max(n for n, t in latency.items() if t <= factor * latency[1])
-
-
-def measured_latency(model: Any) -> dict[int, float]:
-    """This machine's forward latency curve for ``model``: seconds per row count at a 256-token context
-    (measured once per machine and model, cached; what :func:`measured_step_rows` and the EAGLE tree use)."""
-    from .models.plan import cached_measurement
-    from .training.calibrate import _target_facts, latency_sizes, measure_latency
-
-    def measure() -> dict:
-        room = getattr(model, "max_seq_len", 512)
-        lat = measure_latency(model, max(1, min(256, room - STEP_ROWS_MAX - 1)), latency_sizes(STEP_ROWS_MAX), reps=3)
-        return {str(k): v for k, v in lat.items()}
-
-    def load(v: dict) -> dict[int, float]:
-        lat = {int(k): float(t) for k, t in v.items()}
-        if 1 not in lat:
-            raise ValueError(f"the latency curve needs the one-row forward, got sizes {sorted(lat)}")
-        return lat
-
-    return cached_measurement(STEP_ROWS_KIND, _target_facts(model), measure, load, target_device(model))
-
-
-def measured_step_rows(model: Any, factor: float = STEP_ROWS_FACTOR) -> int:
-    """:func:`step_rows_from_latency` on this machine's latency curve for ``model`` (measured once, cached)."""
-    return step_rows_from_latency(measured_latency(model), factor)
 
 
 def run_alone(

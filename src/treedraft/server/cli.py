@@ -25,6 +25,7 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
         step_rows=a.step_rows,
         prefill_chunk=a.prefill_chunk or None,
         native_prefill=a.native_prefill,
+        prefix_cache_mb=a.prefix_cache_mb,
         max_tokens_limit=a.max_tokens_limit,
         default_max_tokens=a.default_max_tokens,
         served_model_names=tuple(a.served_model_name or ()),
@@ -129,6 +130,14 @@ def register(subparsers: Any) -> None:
         "step, up to --prefill-chunk rows; default on): faster than the Python prefill and the same arithmetic "
         "as `treedraft generate`, so greedy text equals the CLI's when --prefill-chunk is at least 64. "
         "--no-native-prefill: prompts in --prefill-chunk pieces through the Python path",
+    )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=256,
+        help="memory for finished prompt prefills (keys/values, hidden states, first-token logits): a request "
+        "whose prompt, or a prefix of it ending on a 64-token chunk boundary, was prefilled before for the same "
+        "tenant skips those rows and gets the same tokens; least recently used entries go first (0 = off)",
     )
     p.add_argument(
         "--max-tokens-limit",

@@ -31,6 +31,7 @@ class ServerSettings:
     step_rows: int | None = None  # tree rows per step shared by the batch (None: from the latency curve)
     prefill_chunk: int | None = 256  # prompt rows per step for joining requests (None: whole prompts)
     native_prefill: bool = True  # prompt chunks through the native decoder (faster; the CLI's arithmetic too)
+    prefix_cache_mb: int = 256  # finished prompt prefills kept for reuse, per tenant (0: off; scheduler docs)
     max_tokens_limit: int | None = None  # largest max_tokens accepted (None: context window - 1)
     default_max_tokens: int = 256  # when a request gives none (capped by what the context leaves)
     served_model_names: tuple[str, ...] = ()  # names accepted in "model" (empty: the loaded model's name)
@@ -51,6 +52,8 @@ class ServerSettings:
             raise ValueError(f"step_rows must be >= 1, got {self.step_rows}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0 (0 turns the prefix cache off), got {self.prefix_cache_mb}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.default_max_tokens < 1:

@@ -247,7 +247,11 @@ class Worker:
         if s.step_rows is not None:
             log.info("batched decoding: up to %d requests per step, %d tree rows per step", s.max_batch, s.step_rows)
             return Scheduler(
-                self.llm.engine, step_rows=s.step_rows, prefill_chunk=s.prefill_chunk, native_prefill=s.native_prefill
+                self.llm.engine,
+                step_rows=s.step_rows,
+                prefill_chunk=s.prefill_chunk,
+                native_prefill=s.native_prefill,
+                prefix_cache_bytes=s.prefix_cache_mb << 20,
             )
         rows, latency = measured_step_rows(model), measured_latency(model)
         log.info(
@@ -256,7 +260,14 @@ class Worker:
             s.max_batch,
             rows,
         )
-        return Scheduler(self.llm.engine, rows, s.prefill_chunk, latency=latency, native_prefill=s.native_prefill)
+        return Scheduler(
+            self.llm.engine,
+            rows,
+            s.prefill_chunk,
+            latency=latency,
+            native_prefill=s.native_prefill,
+            prefix_cache_bytes=s.prefix_cache_mb << 20,
+        )
 
     def _loop(self) -> None:
         try:
@@ -297,7 +308,7 @@ class Worker:
         stats = GenerationStats()
         try:
             drafter = self._for_tenant(self._drafter(job.drafter), job.tenant)
-            req = self.sched.add(job.prompt_ids, job.config, drafter, stats, tag=job)
+            req = self.sched.add(job.prompt_ids, job.config, drafter, stats, tag=job, scope=job.tenant or "")
         except Exception as e:
             job.deliver(Failed(self._api_error(job, e)))
             self.metrics.record(stats, job.t_arrival, now, None, time.perf_counter(), 0, "error")
