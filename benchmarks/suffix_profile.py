@@ -20,7 +20,7 @@ from pathlib import Path
 
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter
 from treedraft.drafters.suffix import SuffixDrafter
-from treedraft.drafters.suffix_sizing import LatencyCurve
+from treedraft.drafters.suffix_sizing import ACCEPT_PRIOR, AcceptanceModel, LatencyCurve
 from treedraft.drafters.suffix_store import SuffixStore
 from treedraft.interfaces import DraftContext
 from treedraft.tree import matched_depth
@@ -46,7 +46,7 @@ def replay(make, runs, curve, stats: dict, warm: list | None = None) -> dict:
     """Replay every run with one drafter per pass (the store shared across prompts, as in the bench), its store
     first warmed with the ``warm`` runs (e.g. the first turns: the model's own first answers)."""
     d = make()
-    for r in warm or []:
+    for r in warm or []:  # (a cold pass: no warm runs, and a fresh drafter per prompt below)
         fin = getattr(d, "finish", None)
         if callable(fin):
             fin(r["prompt_ids"], r["output_ids"])
@@ -86,6 +86,8 @@ def replay(make, runs, curve, stats: dict, warm: list | None = None) -> dict:
         fin = getattr(d, "finish", None)
         if callable(fin):
             fin(prompt, out)
+        if warm is None:
+            d = make()
     return tot
 
 
@@ -96,6 +98,7 @@ def main() -> None:
     ap.add_argument("--curve", required=True, help="JSON file {rows: seconds} (e.g. the cached step-rows value)")
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--warm", default="turn1-cold", help="pass whose plain outputs warm the store first ('' = none)")
+    ap.add_argument("--prior1", type=float, help="h(1) of the acceptance prior (default: ACCEPT_PRIOR's)")
     a = ap.parse_args()
     recs = [json.loads(ln) for ln in a.records.read_text().splitlines()]
     runs = [r for r in recs if r["pass"] == a.pass_ and r["method"] == "plain"]
@@ -112,12 +115,21 @@ def main() -> None:
         "suffix, expand then cut (sfx6)": lambda: SuffixDrafter(SuffixStore(), priced=False, **sized),
         "suffix, priced expansion (default member)": lambda: SuffixDrafter(SuffixStore(), **sized),
     }
+    if a.prior1 is not None:
+        prior = ((1, a.prior1), *ACCEPT_PRIOR[1:])
+
+        def with_prior() -> SuffixDrafter:
+            d = SuffixDrafter(SuffixStore(), **sized)
+            d.acceptance = AcceptanceModel(prior)
+            return d
+
+        pols[f"suffix, h(1) = {a.prior1}"] = with_prior
     print(f"{len(runs)} {a.pass_} outputs; curve ms { ({k: round(v * 1e3, 1) for k, v in pts.items()}) }")
     print("| policy | steps | tok/step | rows/step | rows/tok | draft ms/step | est verify ms/step | est x plain |")
     print("|---|---|---|---|---|---|---|---|")
     for name, make in pols.items():
         stats = {"val": defaultdict(lambda: [0, 0, 0.0]), "depth": defaultdict(lambda: [0, 0])}
-        t = replay(make, runs, curve, stats, warm if a.pass_ != a.warm else [])
+        t = replay(make, runs, curve, stats, None if a.pass_ == "turn1-cold" else warm)
         st = t["steps"]
         x = t["tokens"] * float(curve(1)) / (t["verify"] + t["draft"])
         print(

@@ -17,6 +17,15 @@ optionally persistent). Each step, in each index:
    acceptance probability (empirical ratios times P(accepted | match length at that node), a prior
    updated by this request's outcomes) against the marginal cost of one more verify row. A request's own
    chain that runs into the end of the context continues periodically (a model repeating itself).
+   The tree is expanded best-first by that calibrated value and stops at the first node that lowers the
+   expected tokens per second (``priced``): the same tree as expanding ``alpha x match`` nodes and cutting
+   afterwards, without building the nodes that are cut.
+
+Per step, each index's match continues the previous step's where one of its occurrences goes on with
+the tokens committed since (``follow``; :meth:`SuffixIndex.follow`), instead of seeding a new lookup: on a
+second turn the chains run for dozens of steps. Both cut the member's draft time per step (the suffix
+member drafted ~5x prompt lookup's per step on MT-Bench second turns, its whole loss to it;
+benchmarks/suffix_profile.py, benchmarks/results/sfx7.md).
 
 The tree with the higher score (the expected number of accepted tokens: under the empirical model, or
 calibrated with ``latency``) is proposed, as in the paper. Trees are deterministic (no ``child_q``), so the hybrid drafter can merge
