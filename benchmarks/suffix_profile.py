@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -98,6 +99,8 @@ def main() -> None:
     ap.add_argument("--curve", required=True, help="JSON file {rows: seconds} (e.g. the cached step-rows value)")
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--warm", default="turn1-cold", help="pass whose plain outputs warm the store first ('' = none)")
+    ap.add_argument("--repeats", type=int, default=1, help="replays per policy (draft time: the median)")
+    ap.add_argument("--detail", action="store_true", help="value calibration and nodes by depth per policy")
     ap.add_argument("--prior1", type=float, help="h(1) of the acceptance prior (default: ACCEPT_PRIOR's)")
     a = ap.parse_args()
     recs = [json.loads(ln) for ln in a.records.read_text().splitlines()]
@@ -112,7 +115,10 @@ def main() -> None:
     sized = {"latency": pts, "alpha": 4.0, "max_spec_tokens": 64, "max_depth": 64, "min_match": 1}
     pols = {
         "prompt-lookup": PromptLookupDrafter,
-        "suffix, expand then cut (sfx6)": lambda: SuffixDrafter(SuffixStore(), priced=False, **sized),
+        "suffix, expand then cut, re-match each step (sfx6)": lambda: SuffixDrafter(
+            SuffixStore(), priced=False, follow=False, **sized
+        ),
+        "suffix, priced, re-match each step": lambda: SuffixDrafter(SuffixStore(), follow=False, **sized),
         "suffix, priced expansion (default member)": lambda: SuffixDrafter(SuffixStore(), **sized),
     }
     if a.prior1 is not None:
@@ -127,22 +133,29 @@ def main() -> None:
     print(f"{len(runs)} {a.pass_} outputs; curve ms { ({k: round(v * 1e3, 1) for k, v in pts.items()}) }")
     print("| policy | steps | tok/step | rows/step | rows/tok | draft ms/step | est verify ms/step | est x plain |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, make in pols.items():
-        stats = {"val": defaultdict(lambda: [0, 0, 0.0]), "depth": defaultdict(lambda: [0, 0])}
-        t = replay(make, runs, curve, stats, None if a.pass_ == "turn1-cold" else warm)
+    res: dict[str, list[dict]] = defaultdict(list)
+    stats: dict[str, dict] = {}
+    for _ in range(a.repeats):  # policies alternate; the draft time reported is each one's median over repeats
+        for name, make in pols.items():
+            stats[name] = {"val": defaultdict(lambda: [0, 0, 0.0]), "depth": defaultdict(lambda: [0, 0])}
+            res[name].append(replay(make, runs, curve, stats[name], None if a.pass_ == "turn1-cold" else warm))
+    for name, ts in res.items():
+        t = dict(ts[0])
+        t["draft"] = statistics.median(x["draft"] for x in ts)
         st = t["steps"]
         x = t["tokens"] * float(curve(1)) / (t["verify"] + t["draft"])
         print(
             f"| {name} | {st:.0f} | {t['tokens'] / st:.2f} | {t['rows'] / st:.2f} | {t['rows'] / t['tokens']:.3f} | "
             f"{t['draft'] / st * 1e3:.2f} | {t['verify'] / st * 1e3:.2f} | {x:.3f} |"
         )
-        if stats["val"]:
-            print("  value bucket: nodes, accepted rate, mean value")
-            for b in sorted(stats["val"]):
-                n, h, v = stats["val"][b]
+    for name, sv in stats.items():
+        if sv["val"] and a.detail:
+            print(f"{name}: value bucket: nodes, accepted rate, mean value")
+            for b in sorted(sv["val"]):
+                n, h, v = sv["val"][b]
                 print(f"    {b / 10:.1f}-{(b + 1) / 10:.1f}: {n} {h / n:.3f} {v / n:.3f}")
             print("  depth: nodes, accepted")
-            print("    " + ", ".join(f"{dd}:{n}/{h}" for dd, (n, h) in sorted(stats["depth"].items())[:24]))
+            print("    " + ", ".join(f"{dd}:{n}/{h}" for dd, (n, h) in sorted(sv["depth"].items())[:24]))
 
 
 if __name__ == "__main__":
