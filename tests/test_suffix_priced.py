@@ -7,8 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_suffix_fast import repetitive_text
 
+from treedraft.drafters.suffix import SuffixDrafter
 from treedraft.drafters.suffix_index import SuffixIndex
 from treedraft.drafters.suffix_sizing import AcceptanceModel, LatencyCurve, RatePricer, best_prefix, calibrated_values
+from treedraft.drafters.suffix_store import SuffixStore
+from treedraft.interfaces import DraftContext
 
 CURVES = [
     {1: 1.0, 64: 1.001},  # rows nearly free: every node pays
@@ -101,3 +104,26 @@ def test_follow_caps_the_match_length_at_max_len() -> None:
     got = idx.follow([4, 5], m, nxt, 4)
     assert got is not None and got[0] == 4 and got[1].tolist() == [5]
     assert idx.follow([9], m, nxt, 4) is None  # the occurrence goes on with 4, not 9
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=repetitive_text(), seed=st.integers(0, 3))
+def test_a_drafter_following_its_matches_drafts_the_trees_of_one_that_rematches(data, seed) -> None:
+    seqs, _ = data
+    text = seqs[seed % len(seqs)]  # a request that copies an earlier one (the store holds them all)
+    drafters = []
+    for follow in (True, False):
+        store = SuffixStore()
+        for s in seqs:
+            if s:
+                store.add(s)
+        drafters.append(SuffixDrafter(store, min_match=1, max_match=10**6, follow=follow))
+    toks = [text[0]] if text else [0]
+    i = 1
+    while i < len(text):
+        ctx = [DraftContext(toks, None, 16, 8, 1) for _ in drafters]
+        a, b = (d.propose(c) for d, c in zip(drafters, ctx))
+        assert (a.tokens, a.parents) == (b.tokens, b.parents)
+        step = 1 + (i % 3)  # commit 1-3 tokens, as accepted drafts + the bonus token would
+        toks.extend(text[i : i + step])
+        i += step
