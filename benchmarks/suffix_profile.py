@@ -43,7 +43,7 @@ def accepted_nodes(tree: object, out: list[int]) -> set[int]:
     return got
 
 
-def replay(make, runs, curve, stats: dict, warm: list | None = None) -> dict:
+def replay(make, runs, curve, stats: dict, warm: list | None = None, max_nodes: int = 64) -> dict:
     """Replay every run with one drafter per pass (the store shared across prompts, as in the bench), its store
     first warmed with the ``warm`` runs (e.g. the first turns: the model's own first answers)."""
     d = make()
@@ -57,7 +57,7 @@ def replay(make, runs, curve, stats: dict, warm: list | None = None) -> dict:
         toks = list(prompt) + out[:1]
         k = 1
         while k < len(out):
-            ctx = DraftContext(toks, None, 64, len(out) - k, len(prompt))
+            ctx = DraftContext(toks, None, max_nodes, len(out) - k, len(prompt))
             t0 = time.perf_counter()
             if hasattr(d, "propose_valued"):
                 tree, values = d.propose_valued(ctx)
@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--curve", required=True, help="JSON file {rows: seconds} (e.g. the cached step-rows value)")
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--warm", default="turn1-cold", help="pass whose plain outputs warm the store first ('' = none)")
+    ap.add_argument("--max-nodes", type=int, default=64, help="the engine's tree budget per step (root included)")
     ap.add_argument("--repeats", type=int, default=1, help="replays per policy (draft time: the median)")
     ap.add_argument("--detail", action="store_true", help="value calibration and nodes by depth per policy")
     ap.add_argument("--prior1", type=float, help="h(1) of the acceptance prior (default: ACCEPT_PRIOR's)")
@@ -138,7 +139,9 @@ def main() -> None:
     for _ in range(a.repeats):  # policies alternate; the draft time reported is each one's median over repeats
         for name, make in pols.items():
             stats[name] = {"val": defaultdict(lambda: [0, 0, 0.0]), "depth": defaultdict(lambda: [0, 0])}
-            res[name].append(replay(make, runs, curve, stats[name], None if a.pass_ == "turn1-cold" else warm))
+            res[name].append(
+                replay(make, runs, curve, stats[name], None if a.pass_ == "turn1-cold" else warm, a.max_nodes)
+            )
     for name, ts in res.items():
         t = dict(ts[0])
         t["draft"] = statistics.median(x["draft"] for x in ts)
