@@ -77,8 +77,13 @@ def test_calibrated_expansion_values_each_node_as_calibrated_values_does(data, m
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=repetitive_text(), split=st.integers(1, 12), local=st.booleans())
-def test_following_the_last_match_equals_a_fresh_match(data, split, local) -> None:
+@given(
+    data=repetitive_text(),
+    split=st.integers(1, 12),
+    local=st.booleans(),
+    max_len=st.sampled_from([1, 2, 3, 5, 8, 10**6]),
+)
+def test_following_the_last_match_equals_a_fresh_match(data, split, local, max_len) -> None:
     seqs, ctx = data
     head, new = ctx[: max(1, len(ctx) - split)], ctx[max(1, len(ctx) - split) :]
     if local:  # the request's own index: it holds the context and grows with it
@@ -86,29 +91,36 @@ def test_following_the_last_match_equals_a_fresh_match(data, split, local) -> No
         idx.extend(head)
     else:  # an index of earlier requests, unchanged between the steps
         idx = SuffixIndex.from_sequences(seqs)
-    m, nxt = idx.match(head, 10**6, 1)
+    m, nxt = idx.match(head, max_len, 1)
     if local:
         idx.extend(new)
-    got = idx.follow(new, m, nxt, 10**6)
-    m2, nxt2 = idx.match(head + new, 10**6, 1)
-    if got is None:  # no occurrence went on: a fresh match is shorter than m + len(new)
-        assert not new or m == 0 or m2 < m + len(new)
-    else:
+    got = idx.follow(new, m, nxt, max_len)
+    m2, nxt2 = idx.match(head + new, max_len, 1)
+    if got is None:  # no occurrence went on (a fresh match is shorter), or it would pass the cap
+        assert not new or m == 0 or m2 < m + len(new) or m + len(new) > max_len
+    else:  # below the cap: exactly the fresh match (at the cap a fresh match counts more occurrences)
         assert got[0] == m2 and got[1].tolist() == nxt2.tolist()
 
 
-def test_follow_caps_the_match_length_at_max_len() -> None:
+def test_follow_hands_a_match_reaching_max_len_back_to_a_fresh_match() -> None:
     idx = SuffixIndex.from_sequences([[1, 2, 3, 4, 5, 6, 7, 8]])
-    m, nxt = idx.match([1, 2, 3], 4, 1)
+    m, nxt = idx.match([1, 2, 3], 5, 1)
     assert (m, nxt.tolist()) == (3, [3])
-    got = idx.follow([4, 5], m, nxt, 4)
-    assert got is not None and got[0] == 4 and got[1].tolist() == [5]
-    assert idx.follow([9], m, nxt, 4) is None  # the occurrence goes on with 4, not 9
+    got = idx.follow([4, 5], m, nxt, 5)
+    assert got is not None and got[0] == 5 and got[1].tolist() == [5]
+    assert idx.follow([9], m, nxt, 5) is None  # the occurrence goes on with 4, not 9
+    assert idx.follow([4, 5, 6], m, nxt, 5) is None  # 6 tokens > max_len: a capped match needs a fresh lookup
+    # why: capped at 2 tokens, [9, 3, 4] matches every "3 4" (two occurrences); following [1, 2, 3] + [4]
+    # would keep only the one after "1 2 3"
+    idx2 = SuffixIndex.from_sequences([[1, 2, 3, 4, 5], [7, 3, 4, 6]])
+    m, nxt = idx2.match([1, 2, 3], 2, 1)
+    assert idx2.follow([4], m, nxt, 2) is None
+    assert len(idx2.match([1, 2, 3, 4], 2, 1)[1]) == 2
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=repetitive_text(), seed=st.integers(0, 3))
-def test_a_drafter_following_its_matches_drafts_the_trees_of_one_that_rematches(data, seed) -> None:
+@given(data=repetitive_text(), seed=st.integers(0, 3), max_match=st.sampled_from([2, 4, 10**6]))
+def test_a_drafter_following_its_matches_drafts_the_trees_of_one_that_rematches(data, seed, max_match) -> None:
     seqs, _ = data
     text = seqs[seed % len(seqs)]  # a request that copies an earlier one (the store holds them all)
     drafters = []
@@ -117,7 +129,7 @@ def test_a_drafter_following_its_matches_drafts_the_trees_of_one_that_rematches(
         for s in seqs:
             if s:
                 store.add(s)
-        drafters.append(SuffixDrafter(store, min_match=1, max_match=10**6, follow=follow))
+        drafters.append(SuffixDrafter(store, min_match=1, max_match=max_match, follow=follow))
     toks = [text[0]] if text else [0]
     i = 1
     while i < len(text):

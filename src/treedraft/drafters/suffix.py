@@ -205,7 +205,7 @@ class SuffixDrafter:
     def _match(self, index: SuffixIndex, context: Sequence[int], local: bool) -> tuple[int, np.ndarray]:
         """``index.match`` of ``context``, followed on from the last step's match where one of its occurrences
         goes on with the tokens committed since (:meth:`SuffixIndex.follow`: no new seeding, the same result
-        while the index only grew by this request's tokens)."""
+        while the index only grew by this request's tokens; a match reaching ``max_match`` is re-matched)."""
         key = "local" if local else "store"
         prev, got = self._prev.get(key), None
         if prev is not None and self.follow:

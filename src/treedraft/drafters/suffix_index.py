@@ -274,11 +274,15 @@ class SuffixIndex:
         The occurrences that go on with ``new`` match ``m + len(new)`` tokens, and no occurrence can match more
         (it would have matched more than ``m`` before), so they are the new longest match: what :meth:`match`
         returns, when ``(m, nxt)`` was exact (every occurrence seen) and the index only grew at its end since.
-        Capped at ``max_len`` (the kept occurrences then continue the previous ones). None when none goes on
-        (a fresh :meth:`match` is needed). Cost: O(len(nxt) x len(new)), no seeding.
+        None when none goes on (a fresh :meth:`match` is needed). Cost: O(len(nxt) x len(new)), no seeding.
+
+        Also None when ``m + len(new)`` exceeds ``max_len``: a match capped at ``max_len`` tokens counts every
+        occurrence of the context's last ``max_len`` tokens, and the followed ones (those that also match the
+        tokens before) are only a subset of them, shrinking step by step (on MT-Bench second turns down to
+        one occurrence where a fresh match had seven: other counts, shorter priced chains, more steps).
         """
         k = len(new)
-        if k == 0 or m < 1 or len(nxt) == 0:
+        if k == 0 or m < 1 or len(nxt) == 0 or m + k > max_len:
             return None
         text, n = self.text, self._n
         if len(nxt) <= _SMALL:
@@ -287,14 +291,14 @@ class SuffixIndex:
             kept = [q for q in kept if text[q] != SEP]
             if not kept:
                 return None
-            return min(m + k, max_len), np.array(kept, dtype=np.int64)
+            return m + k, np.array(kept, dtype=np.int64)
         ok = nxt + k < n
         cand = nxt[ok]
         for j, t in enumerate(new):
             cand = cand[text[cand + j] == int(t)]
         cand = cand + k
         cand = cand[text[cand] != SEP]
-        return (min(m + k, max_len), cand) if cand.size else None
+        return (m + k, cand) if cand.size else None
 
     def continuations(self, pattern: Sequence[int]) -> dict[int, int]:
         """{next token: count} over every occurrence of ``pattern`` (empty if it never occurs)."""
