@@ -70,6 +70,14 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--report-only", action="store_true", help="rewrite OUT/report.md from OUT/records.jsonl")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:FIELD=VALUE,..",
+        help="also run hybrid-suffix with its suffix member's fields changed (e.g. 'sfx6:priced=0,follow=0'), "
+        "as method hybrid-suffix-NAME with its own warm store, filled like hybrid-suffix's",
+    )
     a = ap.parse_args()
     passes = [p for p in a.passes.split(",") if p]
     bad = [p for p in passes if p not in PASSES]
@@ -111,14 +119,23 @@ def main() -> None:
         "hybrid": registry.build("hybrid", llm.model, llm.tokenizer, opts),
         "hybrid-suffix": hybrid_suffix(warm),
     }
+    stores = {"hybrid-suffix": warm}  # each hybrid-suffix variant's warm store
+    for spec in a.variant:
+        name, _, fields = spec.partition(":")
+        change = {k: type(getattr(SuffixDrafter, k))(int(v)) for k, v in (f.split("=") for f in fields.split(",") if f)}
+        stores[f"hybrid-suffix-{name}"] = SuffixStore()
+        d = hybrid_suffix(stores[f"hybrid-suffix-{name}"])
+        d.drafters = [dataclasses.replace(m, **change) if isinstance(m, SuffixDrafter) else m for m in d.drafters]
+        drafters[f"hybrid-suffix-{name}"] = d
     recorder = suffix_member(drafters["hybrid-suffix"])
-    for r in records:  # rebuild the warm store exactly as the finished runs left it
-        if (r["pass"] == "turn1-cold" and r["method"] == "plain") or (
-            r["pass"] != "turn1-cold" and r["method"] == "hybrid-suffix"
-        ):
-            warm.add(recorder.record_tokens(r["prompt_ids"], r["output_ids"]))
+    for r in records:  # rebuild the warm stores exactly as the finished runs left them
+        for method, store in stores.items():
+            if (r["pass"] == "turn1-cold" and r["method"] == "plain") or (
+                r["pass"] != "turn1-cold" and r["method"] == method
+            ):
+                store.add(recorder.record_tokens(r["prompt_ids"], r["output_ids"]))
     for name, d in drafters.items():  # warm-up (kernels, caches); hybrid-suffix's on a throwaway store
-        llm.generate("Hello", drafter=fresh_copy(d) if name == "hybrid-suffix" else d, max_new_tokens=8)
+        llm.generate("Hello", drafter=fresh_copy(d) if name in stores else d, max_new_tokens=8)
 
     def run(pass_: str, i: int, method: str, rep: int, messages: list[dict], drafter: object, **kw) -> dict:
         ids = llm.encode_prompt(messages)
@@ -168,16 +185,17 @@ def main() -> None:
             reps = a.cold_repeats if pass_ == "turn1-cold" else 1
             for rep in range(reps):
                 for method, d in drafters.items():
-                    if rep > 0 and method not in ("hybrid", "hybrid-suffix"):
+                    if rep > 0 and method != "hybrid" and method not in stores:
                         continue
                     if (pass_, i, method, rep) in done:
                         continue
-                    if pass_ == "turn1-cold" and method == "hybrid-suffix":
+                    if pass_ == "turn1-cold" and method in stores:
                         # cold: nothing indexed but this request (the same Medusa member, a fresh suffix store)
                         d = fresh_copy(d)
                     rec = run(pass_, i, method, rep, messages, d, **kw)
                     if pass_ == "turn1-cold" and method == "plain":
-                        warm.add(recorder.record_tokens(rec["prompt_ids"], rec["output_ids"]))
+                        for store in stores.values():
+                            store.add(recorder.record_tokens(rec["prompt_ids"], rec["output_ids"]))
             print(f"{time.strftime('%H:%M:%S')} prompt {i + 1}/{len(questions)}: {pass_} done", flush=True)
         (a.out / "report.md").write_text(report(records, settings, questions))
     (a.out / "report.md").write_text(report(records, settings, questions))
@@ -230,8 +248,9 @@ def report(records: list[dict], settings: dict, questions: list[dict]) -> str:
         plain_tps = {r["prompt"]: r["new_tokens"] / r["t_decode"] for r in rs if r["method"] == "plain"}
         plain_out = {r["prompt"]: r["output_ids"] for r in rs if r["method"] == "plain"}
         reps = sorted({r["rep"] for r in rs})
-        for m in METHODS:
-            for rep in reps if m in ("hybrid", "hybrid-suffix") and len(reps) > 1 else [None]:
+        variants = sorted({r["method"] for r in rs} - set(METHODS))  # --variant runs
+        for m in (*METHODS, *variants):
+            for rep in reps if (m == "hybrid" or m.startswith("hybrid-suffix")) and len(reps) > 1 else [None]:
                 n, s, steps, committed, sel = tot(m, rep)
                 nodes = 1 + sum(r["drafted"] for r in sel) / max(1, steps)
                 if not sel:

@@ -17,6 +17,15 @@ optionally persistent). Each step, in each index:
    acceptance probability (empirical ratios times P(accepted | match length at that node), a prior
    updated by this request's outcomes) against the marginal cost of one more verify row. A request's own
    chain that runs into the end of the context continues periodically (a model repeating itself).
+   The tree is expanded best-first by that calibrated value and stops at the first node that lowers the
+   expected tokens per second (``priced``): the same tree as expanding ``alpha x match`` nodes and cutting
+   afterwards, without building the nodes that are cut.
+
+Per step, each index's match continues the previous step's where one of its occurrences goes on with
+the tokens committed since (``follow``; :meth:`SuffixIndex.follow`), instead of seeding a new lookup: on a
+second turn the chains run for dozens of steps. Both cut the member's draft time per step (the suffix
+member drafted ~5x prompt lookup's per step on MT-Bench second turns, its whole loss to it;
+benchmarks/suffix_profile.py, benchmarks/results/sfx7.md).
 
 The tree with the higher score (the expected number of accepted tokens: under the empirical model, or
 calibrated with ``latency``) is proposed, as in the paper. Trees are deterministic (no ``child_q``), so the hybrid drafter can merge
@@ -35,12 +44,15 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..interfaces import DraftContext
 from ..tree import TokenTree
 from .suffix_index import DraftPaths, SuffixIndex
 from .suffix_sizing import (
     AcceptanceModel,
     LatencyCurve,
+    RatePricer,
     best_prefix,
     calibrated_values,
     expansion_cap,
@@ -70,6 +82,10 @@ class SuffixDrafter:
     # (suffix_sizing); None = the alpha rule alone
     latency: Mapping[int, float] | None = None
     periodic: bool = True  # with latency: a request's own chain reaching the context's end repeats (a loop)
+    # with latency: expand best-first by calibrated value and stop where a row stops paying (suffix_sizing.
+    # RatePricer), instead of expanding alpha x match nodes by empirical probability and cutting afterwards
+    priced: bool = True
+    follow: bool = True  # continue the last step's match where it goes on (SuffixIndex.follow), not re-match
     name: str = "suffix"
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel, init=False, repr=False)
     _curve: LatencyCurve | None = field(default=None, init=False, repr=False)
@@ -78,6 +94,8 @@ class SuffixDrafter:
     _cur_prompt_len: int = field(default=0, init=False, repr=False)
     _cur_tenant: str = field(default="", init=False, repr=False)  # the tenant when the request began
     _local: SuffixIndex = field(default_factory=SuffixIndex, init=False, repr=False)
+    # last step's match per index ("local", "store"): (index, its length, context length, m, nxt)
+    _prev: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.alpha <= 0 or self.max_spec_tokens < 1 or self.max_depth < 1 or self.max_match < 1:
@@ -138,6 +156,7 @@ class SuffixDrafter:
             self.flush()
             self._cur, self._cur_prompt_len, self._cur_tenant = toks, ctx.prompt_len, self.tenant
             self._local = SuffixIndex()
+            self._prev = {}
             self.acceptance.reset()  # outcomes are per request: no tenant's history shapes another's trees
             self._last = None
         elif self._last is not None:
@@ -154,7 +173,7 @@ class SuffixDrafter:
         ``local``: ``index`` holds exactly ``context`` (the request's own index), so a chain may run on
         periodically past its end.
         """
-        m, nxt = index.match(context, self.max_match, self.min_match, self.max_occurrences)
+        m, nxt = self._match(index, context, local)
         if m < self.min_match:
             return DraftPaths([], [], [], m)
         limit, depth = min(max_nodes, self.max_spec_tokens), min(max_depth, self.max_depth)
@@ -162,12 +181,42 @@ class SuffixDrafter:
             size = min(limit, max(1, math.floor(self.alpha * m)))
             return index.expand(nxt, m, size, depth, self.min_prob, self.expand_occurrences)
         size = expansion_cap(m, self.alpha, limit)
+        loops = local and self.periodic and nxt.size and len(index) == len(context)
+        if self.priced:  # best-first by calibrated value, stopped where one more row stops paying
+            pricer = RatePricer(self._curve, max_nodes=size)
+            accept = self.acceptance.probs(m, min(size + 1, depth))  # accept[d - 1] = h(m + d - 1)
+            priced = index.expand(nxt, m, size, depth, self.min_prob, self.expand_occurrences, accept, pricer.take)
+            period = len(context) - int(nxt.max()) if loops else 0  # the chain reaches the end after this many
+            if (
+                not loops
+                or len(priced.tokens) < period  # cannot hold the chain to the end: nothing to extend
+                or min(depth, size) <= period
+                or periodic_extend(priced, context, int(nxt.max()), min(depth, size)) is priced
+            ):
+                return keep_nodes(priced, range(pricer.best), priced.probs)
+            # the chain runs into the end of the context (a loop): extended periodically, priced below
         raw = index.expand(nxt, m, size, depth, self.min_prob, self.expand_occurrences)
-        if local and self.periodic and nxt.size and len(index) == len(context):
+        if loops:
             raw = periodic_extend(raw, context, int(nxt.max()), min(depth, size))
         values = calibrated_values(raw, self.acceptance)
         keep, _ = best_prefix(values, self._curve, max_nodes=size)
         return keep_nodes(raw, keep, values)
+
+    def _match(self, index: SuffixIndex, context: Sequence[int], local: bool) -> tuple[int, np.ndarray]:
+        """``index.match`` of ``context``, followed on from the last step's match where one of its occurrences
+        goes on with the tokens committed since (:meth:`SuffixIndex.follow`: no new seeding, the same result
+        while the index only grew by this request's tokens; a match reaching ``max_match`` is re-matched)."""
+        key = "local" if local else "store"
+        prev, got = self._prev.get(key), None
+        if prev is not None and self.follow:
+            idx, ilen, clen, m, nxt = prev
+            k = len(context) - clen
+            if idx is index and k > 0 and len(index) - ilen == (k if local else 0):
+                got = index.follow(context[clen:], m, nxt, self.max_match)
+        if got is None:
+            got = index.match(context, self.max_match, self.min_match, self.max_occurrences)
+        self._prev[key] = (index, len(index), len(context), *got) if got[0] >= self.min_match else None
+        return got
 
     def _observe(self, toks: Sequence[int]) -> None:
         """Score the last proposed tree against what the target committed since: update h(match length)."""

@@ -28,7 +28,7 @@ its occurrences agree. Each is the same result as the one-token-at-a-time walk (
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -268,6 +268,38 @@ class SuffixIndex:
             kept.append(q)
         return best, np.array(kept, dtype=np.int64)
 
+    def follow(self, new: Sequence[int], m: int, nxt: np.ndarray, max_len: int = 64) -> tuple[int, np.ndarray] | None:
+        """The next step's :meth:`match` from this step's ``(m, nxt)``, after the context grew by the tokens ``new``.
+
+        The occurrences that go on with ``new`` match ``m + len(new)`` tokens, and no occurrence can match more
+        (it would have matched more than ``m`` before), so they are the new longest match: what :meth:`match`
+        returns, when ``(m, nxt)`` was exact (every occurrence seen) and the index only grew at its end since.
+        None when none goes on (a fresh :meth:`match` is needed). Cost: O(len(nxt) x len(new)), no seeding.
+
+        Also None when ``m + len(new)`` exceeds ``max_len``: a match capped at ``max_len`` tokens counts every
+        occurrence of the context's last ``max_len`` tokens, and the followed ones (those that also match the
+        tokens before) are only a subset of them, shrinking step by step (on MT-Bench second turns down to
+        one occurrence where a fresh match had seven: other counts, shorter priced chains, more steps).
+        """
+        k = len(new)
+        if k == 0 or m < 1 or len(nxt) == 0 or m + k > max_len:
+            return None
+        text, n = self.text, self._n
+        if len(nxt) <= _SMALL:
+            want = [int(t) for t in new]
+            kept = [q + k for q in nxt.tolist() if q + k < n and text[q : q + k].tolist() == want]
+            kept = [q for q in kept if text[q] != SEP]
+            if not kept:
+                return None
+            return m + k, np.array(kept, dtype=np.int64)
+        ok = nxt + k < n
+        cand = nxt[ok]
+        for j, t in enumerate(new):
+            cand = cand[text[cand + j] == int(t)]
+        cand = cand + k
+        cand = cand[text[cand] != SEP]
+        return (m + k, cand) if cand.size else None
+
     def continuations(self, pattern: Sequence[int]) -> dict[int, int]:
         """{next token: count} over every occurrence of ``pattern`` (empty if it never occurs)."""
         if not pattern:
@@ -286,6 +318,8 @@ class SuffixIndex:
         max_depth: int,
         min_prob: float = 0.0,
         max_occurrences: int = 1024,
+        accept: Sequence[float] | None = None,
+        take: Callable[[float], bool] | None = None,
     ) -> DraftPaths:
         """Best-first tree of the most probable continuations after the occurrences ``nxt``.
 
@@ -293,18 +327,34 @@ class SuffixIndex:
         empirical probability of that continuation (SuffixDecoding's score). At most ``max_nodes`` nodes
         (root excluded), ``max_depth`` deep, none below ``min_prob``. Only the most recent
         ``max_occurrences`` occurrences are counted (all of them unless a match is very frequent).
+
+        Priced expansion: with ``accept`` (a node at depth d also multiplies its value by ``accept[d - 1]``,
+        all in [0, 1]) nodes come out best-first by that *value* instead, and ``probs`` holds the values;
+        ``take(value)`` (called before each node is added) ends the expansion when it returns False.
         """
         tokens: list[int] = []
         parents: list[int] = []
         probs: list[float] = []
         if max_nodes < 1 or max_depth < 1 or len(nxt) == 0:
             return DraftPaths(tokens, parents, probs, match_len)
+        deepest = min(max_depth, max_nodes + 1)  # a child is valued when pushed, even one the budget leaves out
+        if accept is not None and len(accept) < deepest:
+            raise ValueError(f"accept needs a factor per depth up to {deepest}, got {len(accept)}")
         text, n = self.text, self._n
-        # (-prob, tiebreak, parent, depth, token, positions after it: a list when few, else an array)
-        heap: list[tuple[float, int, int, int, int, list[int] | np.ndarray]] = []
+        # (-value, tiebreak, parent, depth, token, positions after it (a list when few, else an array), prob);
+        # value = prob without ``accept``
+        heap: list[tuple[float, int, int, int, int, list[int] | np.ndarray, float]] = []
         tick = 0
 
-        def push_children(pos: list[int] | np.ndarray, parent: int, depth: int, prob: float) -> None:
+        def push(prob: float, parent: int, depth: int, t: int, pos: list[int] | np.ndarray, value: float) -> None:
+            nonlocal tick
+            tick += 1
+            v = prob if accept is None else value * accept[depth - 1]  # value: the parent's x the count ratio
+            heapq.heappush(heap, (-v, tick, parent, depth, t, pos, prob))
+
+        def push_children(
+            pos: list[int] | np.ndarray, parent: int, depth: int, prob: float, value: float = 1.0
+        ) -> None:
             nonlocal tick
             if depth >= max_depth:
                 return
@@ -319,8 +369,7 @@ class SuffixIndex:
                 for t in sorted(groups):  # the same order as the numpy path (by token id)
                     p = prob * len(groups[t]) / total
                     if p >= min_prob:
-                        tick += 1
-                        heapq.heappush(heap, (-p, tick, parent, depth + 1, t, groups[t]))
+                        push(p, parent, depth + 1, t, groups[t], value * len(groups[t]) / total)
                 return
             assert isinstance(pos, np.ndarray)
             pos = pos[pos < n]
@@ -338,40 +387,43 @@ class SuffixIndex:
             for t, a, c in zip(toks.tolist(), first.tolist(), counts.tolist()):
                 p = prob * c / total
                 if p >= min_prob:
-                    tick += 1
-                    heapq.heappush(heap, (-p, tick, parent, depth + 1, t, spos[a : a + c] + 1))
+                    push(p, parent, depth + 1, t, spos[a : a + c] + 1, value * c / total)
 
         push_children(nxt, -1, 0, 1.0)
         while heap and len(tokens) < max_nodes:
-            negp, _, parent, depth, tok, pos = heapq.heappop(heap)
+            if take is not None and not take(-heap[0][0]):
+                break
+            negv, _, parent, depth, tok, pos, prob = heapq.heappop(heap)
             me = len(tokens)
             tokens.append(tok)
             parents.append(parent)
-            probs.append(-negp)
+            probs.append(-negv)
             if heap or depth >= max_depth:
-                push_children(pos, me, depth, -negp)
+                push_children(pos, me, depth, prob, -negv)
                 continue
             # the only branch left: while all its occurrences go on with the same token, each step would
             # push exactly one child and pop it next, so append that chain directly (same nodes, same order)
-            prob = -negp
+            value = -negv
             live = pos[-max_occurrences:]
             live = [q for q in live if q < n] if isinstance(live, list) else live[live < n]
             k = len(live)
             chain = self._common_run(live, min(max_depth - depth, max_nodes - len(tokens)))
             if not chain:
-                push_children(live, me, depth, prob)
+                push_children(live, me, depth, prob, value)
                 continue
             for t in chain:
                 p = prob * k / k  # as push_children computes it (not always exactly ``prob``)
-                if p < min_prob:
+                v = p if accept is None else value * accept[depth] * k / k
+                if p < min_prob or (take is not None and not take(v)):
                     break
-                prob, me, depth = p, me + 1, depth + 1
+                prob, value, me, depth = p, v, me + 1, depth + 1
                 tokens.append(t)
                 parents.append(me - 1)
-                probs.append(p)
+                probs.append(v)
             else:
                 run = len(chain)
-                push_children([q + run for q in live] if isinstance(live, list) else live + run, me, depth, prob)
+                shifted = [q + run for q in live] if isinstance(live, list) else live + run
+                push_children(shifted, me, depth, prob, value)
         return DraftPaths(tokens, parents, probs, match_len)
 
     def _common_run(self, pos: list[int] | np.ndarray, limit: int) -> list[int]:

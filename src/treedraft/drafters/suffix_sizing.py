@@ -62,6 +62,7 @@ class AcceptanceModel:
     _failed: float = field(default=0.0, init=False, repr=False)
     _expected: float = field(default=0.0, init=False, repr=False)
     _table: list[float] = field(default_factory=list, init=False, repr=False)  # prior(e) by e, set in __post_init__
+    _h: list[float] = field(default_factory=list, init=False, repr=False)  # h(e) by e at the current kappa ([] = stale)
 
     def __post_init__(self) -> None:
         lows = [b for b, _ in self.prior]
@@ -78,6 +79,7 @@ class AcceptanceModel:
     def reset(self) -> None:
         """Forget the outcomes (a new request): back to the prior."""
         self._failed = self._expected = 0.0
+        self._h = []
 
     def prior_prob(self, e: int) -> float:
         """The prior h(e) of match length ``e`` (>= 1)."""
@@ -95,14 +97,19 @@ class AcceptanceModel:
 
     def probs(self, e: int, count: int) -> list[float]:
         """[h(e), h(e + 1), .., h(e + count - 1)]: :meth:`prob` of ``count`` match lengths from ``e``."""
-        kappa, table = self.kappa, self._table
-        last = len(table) - 1
-        return [max(0.0, 1.0 - kappa * (1.0 - table[min(max(x, 0), last)])) for x in range(e, e + count)]
+        h = self._h
+        if not h:  # h(x) for x = 0 .. the last bucket's bound at the current kappa (reset by observe)
+            kappa = self.kappa
+            h = self._h = [max(0.0, 1.0 - kappa * (1.0 - q)) for q in self._table]
+        e = max(e, 0)
+        out = h[e : e + count]
+        return out + [h[-1]] * (count - len(out)) if len(out) < count else out
 
     def observe(self, e: int, accepted: bool) -> None:
         """One verified node backed by an e-token match: accepted or not."""
         self._expected += 1.0 - self.prior_prob(e)
         self._failed += 0.0 if accepted else 1.0
+        self._h = []
 
 
 def node_depths(parents: Sequence[int]) -> list[int]:
@@ -208,3 +215,34 @@ def periodic_extend(paths: DraftPaths, context: Sequence[int], start: int, max_d
 def expansion_cap(match_len: int, alpha: float, limit: int) -> int:
     """SuffixDecoding's adaptive size: at most ``alpha x match length`` nodes (>= 1), within ``limit``."""
     return max(0, min(limit, max(1, math.floor(alpha * match_len))))
+
+
+class RatePricer:
+    """:func:`best_prefix` while the tree is being expanded: ``take(value)`` says whether to add the next node.
+
+    Offered best-first values (never increasing), the expected rate ``(1 + sum of values) / latency(rows)``
+    is quasi-concave in the node count, because the gain is concave and the curve convex (:class:`LatencyCurve`
+    is its measured points' lower convex hull). So once one more node lowers the rate, no later prefix can
+    beat the best one: the expansion stops there instead of building nodes that are then cut. ``best`` is
+    the node count with the highest rate seen (ties: the fewest), ``gain`` their summed values.
+    """
+
+    def __init__(self, curve: LatencyCurve, base_rows: int = 1, max_nodes: int = 64) -> None:
+        self._lat = curve.table(base_rows + max_nodes + 1)
+        self._base = base_rows
+        self.n, self.best, self._sum, self.gain = 0, 0, 0.0, 0.0
+        self._rate = 1.0 / self._lat[base_rows]
+        self._best_rate = self._rate
+
+    def take(self, value: float) -> bool:
+        """Add a node of ``value`` (no higher than the ones before) unless it lowers the expected rate."""
+        rows = self._base + self.n + 1
+        if rows >= len(self._lat):
+            return False
+        rate = (1.0 + self._sum + value) / self._lat[rows]
+        if rate < self._rate:
+            return False
+        self.n, self._sum, self._rate = self.n + 1, self._sum + value, rate
+        if rate > self._best_rate:
+            self.best, self.gain, self._best_rate = self.n, self._sum, rate
+        return True
