@@ -17,6 +17,13 @@ for i in $(seq 120); do curl -sf http://127.0.0.1:18741/health >/dev/null && bre
 # each request its own prompt (the new default): no level drafts or prefills from an earlier level's answers
 $TD loadtest --url http://127.0.0.1:18741 --concurrency 1,8 --requests 8 --max-tokens 256 --ignore-eos --warmup 1 --out $R/loadtest-s7-c1-c8-256 2>&1 | tail -12
 kill $SP; wait $SP 2>/dev/null
+# the same server code as at the session's start (f3a5a14: before the prefix cache and the propose-aware row
+# budget), same client and prompts: does the batched decode path differ? (git archive f3a5a14 src | tar -x -C /work/base7)
+PYTHONPATH=/work/base7/src $PY -m treedraft.cli serve --weights int4 --max-batch 8 --host 127.0.0.1 --port 18743 > $L/serve-base.log 2>&1 &
+SP=$!
+for i in $(seq 120); do curl -sf http://127.0.0.1:18743/health >/dev/null && break; sleep 2; done
+$TD loadtest --url http://127.0.0.1:18743 --concurrency 1,8 --requests 8 --max-tokens 256 --ignore-eos --warmup 1 --out $R/loadtest-s7-c1-c8-256-base-f3a5a14 2>&1 | tail -12
+kill $SP; wait $SP 2>/dev/null
 # the sessions 4-6 method (every level resends the same 8 prompts), on a fresh server: for comparison only
 $TD serve --weights int4 --max-batch 8 --host 127.0.0.1 --port 18742 > $L/serve2.log 2>&1 &
 SP=$!
