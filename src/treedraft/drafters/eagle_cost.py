@@ -20,6 +20,30 @@ from ..interfaces import DraftContext, TargetModel, target_device
 EAGLE_DRAFT_COST_KIND = "eagle-draft-cost"
 
 
+def median(xs: list[float]) -> float:
+    """The upper median of ``xs`` (the middle element after sorting)."""
+    return sorted(xs)[len(xs) // 2]
+
+
+def timed_after_forwards(
+    target: TargetModel, ids: torch.Tensor, cache: Any, context: int, n: int, call: Any
+) -> tuple[list[float], list[float]]:
+    """Seconds of ``n`` one-row target forwards at position ``context`` (token ``ids[:, :1]``) and of
+    ``call(i)`` right after the i-th, as drafting runs in decoding (the forward's weights evict the drafter's
+    from the caches); the measurement loop of the drafters' cached draft costs."""
+    dev = ids.device
+    fwd, draft = [], []
+    for i in range(n):
+        t0 = time.perf_counter()
+        target.forward(ids[:, :1], torch.arange(context, context + 1, device=dev), cache, context)
+        t1 = time.perf_counter()
+        call(i)
+        t2 = time.perf_counter()
+        fwd.append(t1 - t0)
+        draft.append(t2 - t1)
+    return fwd, draft
+
+
 def eagle_draft_costs_on_curve(
     target: TargetModel, eagle: Any, one_row_seconds: float, reps: int = 11
 ) -> tuple[float, float]:
@@ -53,22 +77,17 @@ def eagle_draft_costs_on_curve(
             budget = 1 + max(1, c.nodes or 16)
             ctx = DraftContext(toks[: context + 1], feats[-1], budget, 2, context, feats)
             d.propose(ctx)  # the prompt's commit: not timed
-            fwd, first, both = [], [], []
-            r = context
-            for i in range(2 * (reps + 1)):
-                r += 1
+
+            def propose(i: int) -> None:  # step i: one more accepted pair; alternately depth 1 only and 1-2
+                r = context + 1 + i
                 f = feats[r % context].reshape(1, -1)
-                t0 = time.perf_counter()
-                target.forward(ids[:, :1], torch.arange(context, context + 1, device=dev), cache, context)
-                t1 = time.perf_counter()
-                depth = 1 + i % 2  # alternately depth 1 only and depths 1-2
-                d.propose(DraftContext(toks[: r + 1], f[0], budget, depth, context, f))
-                t2 = time.perf_counter()
-                fwd.append(t1 - t0)
-                (first if depth == 1 else both).append(t2 - t1)
-        med = sorted(fwd[2:])[len(fwd[2:]) // 2]
-        one = sorted(first[1:])[len(first[1:]) // 2] / med
-        two = sorted(both[1:])[len(both[1:]) // 2] / med
+                d.propose(DraftContext(toks[: r + 1], f[0], budget, 1 + i % 2, context, f))
+
+            fwd, draft = timed_after_forwards(target, ids, cache, context, 2 * (reps + 1), propose)
+        first, both = draft[0::2], draft[1::2]
+        med = median(fwd[2:])
+        one = median(first[1:]) / med
+        two = median(both[1:]) / med
         return {"first": one, "depth": max(0.0, two - one)}
 
     def load(v: dict) -> tuple[float, float]:

@@ -198,13 +198,12 @@ def draft_cost_on_curve(target: TargetModel, medusa: Any, latency: dict[int, flo
     from the caches: back to back, drafting measured ~2/3 of its cost in the decode loop), then scaled by the
     curve's one-row time over the one-row forwards timed here (load slows both alike).
     """
-    import time
-
     import torch
 
     from ..interfaces import DraftContext, target_device
     from ..models.plan import cached_measurement
     from ..training.calibrate import _target_facts
+    from .eagle_cost import median, timed_after_forwards
 
     dev = target_device(target)
     w = next(medusa.heads.parameters())
@@ -218,16 +217,9 @@ def draft_cost_on_curve(target: TargetModel, medusa: Any, latency: dict[int, flo
             prompt = torch.randint(0, target.vocab_size, (1, context), generator=g).to(dev)
             target.forward(prompt, torch.arange(context, device=dev), cache, 0, logits_for=slice(-1, None))
             cache.keep(0, range(context))
-            fwd, draft = [], []
-            for _ in range(reps + 1):
-                t0 = time.perf_counter()
-                target.forward(prompt[:, :1], torch.arange(context, context + 1, device=dev), cache, context)
-                t1 = time.perf_counter()
-                medusa.propose(ctx)  # the whole call, as the hybrid makes it: heads, ranking, tree
-                t2 = time.perf_counter()
-                fwd.append(t1 - t0)
-                draft.append(t2 - t1)
-        return {"ratio": sorted(draft[1:])[reps // 2] / sorted(fwd[1:])[reps // 2]}  # medians, warm-up dropped
+            # the whole call, as the hybrid makes it: heads, ranking, tree
+            fwd, draft = timed_after_forwards(target, prompt, cache, context, reps + 1, lambda i: medusa.propose(ctx))
+        return {"ratio": median(draft[1:]) / median(fwd[1:])}  # warm-up dropped
 
     def load(v: dict) -> float:
         ratio = float(v["ratio"])
