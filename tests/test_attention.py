@@ -151,10 +151,9 @@ def test_rows_bitwise_equal_across_row_counts_and_threads(prefix: int) -> None:
 @pytest.mark.parametrize("T", [1, 2, 3, 5, 6, 22])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_block_gemm_equals_chunk_path_bitwise(hd: int, T: int, kv_dtype: torch.dtype) -> None:
-    """AVX-512's per-block GEMM passes (kernels/attn_gemm.h) give the chunk-by-chunk path's bits, tree and plain.
-
-    3 queries per kv head and row: T = 2 takes the pair score path (6 queries), T >= 3 the transposed-key
-    one (scores_kt, 4 queries at a time plus a remainder of 1, 2 or 3), fp16 values widened once per block."""
+    """AVX-512's per-block GEMM passes (kernels/attn_gemm.h) give the chunk-by-chunk path's bits, tree and plain,
+    for float32 and float16 caches (3 queries per kv head and row: T = 1 stays on the chunk path, T >= 2 has
+    >= 6 queries per GEMM call, odd counts leave a last query outside the score pairs)."""
     ext = kernels._ext()
     g = torch.Generator().manual_seed(hd + T)
     nh, nkv, prefix = 9, 3, 300  # 2 full blocks + 44 shared keys (2 full chunks and a partial one)

@@ -1,15 +1,12 @@
 // The shared chunks of one key block for many queries at once, as three small register-blocked GEMM-like
 // passes (AVX-512; included by attn.h after chunk16_avx512):
-//   1. scores: S[u][j] = dot(q_u, k_j) * scale for every query u and key j of the block's shared chunks.
-//      >= kKtMinQ queries: each 16-key tile is transposed (and widened from fp16) once, then 4 queries at a
-//      time keep the 16 keys in the lanes (scores_kt: dot's 16 lane sums as 16 vectors, added as its tree,
-//      no shuffles per query); fewer: 2 queries x 8 keys per inner loop (16 zmm accumulators, each key row
-//      loaded once for both queries), reduced by reduce16 (the same lane tree as dot<kAvx512>);
+//   1. scores: S[u][j] = dot(q_u, k_j) * scale for every query u and key j of the block's shared chunks,
+//      2 queries x 8 keys per inner loop (16 zmm accumulators, each key row loaded once for both queries),
+//      reduced by reduce16 (the same lane tree as dot<kAvx512>);
 //   2. softmax pieces: per query and chunk, m' = max(m, max s); a = exp(m - m'); l = l * a;
 //      p = exp(s - m'); l = l + p_j in key order (the queries' chains interleaved), a kept per chunk;
 //   3. P x V: QB queries x hd accumulators in registers for the whole block; per chunk acc = acc * a,
-//      then acc = fma(p_j, v_j, acc) in key order, each value row loaded once for the QB queries (fp16
-//      values are widened once per block into a float buffer when more than QB queries would re-read them).
+//      then acc = fma(p_j, v_j, acc) in key order, each value row loaded once for the QB queries.
 // Per (query, key) and per query these are exactly chunk_ref's operations on the same operands in the
 // same order (only the loop nesting across queries and keys changes), so the bits equal every other
 // path's whatever the number of queries: a row of a 16-row tree step equals the 1-row step bitwise.
@@ -19,7 +16,6 @@
 
 #include <cstdint>
 #include <limits>
-#include <type_traits>
 
 namespace td {
 namespace attn {
@@ -51,6 +47,32 @@ inline void scores_2x8(const float* q0, const float* q1, const T* k, int64_t ks,
   _mm256_storeu_ps(s1, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
 }
 
+// Pass 1 for nq queries over nk keys (a multiple of 16) starting at k: S row u at s + u * kGemmMaxKeys.
+// Keys outer (8 at a time, kept in L1 for every query), query pairs inner; an odd last query (every
+// query when hd = 128: its 2 x 8 query registers would not fit) goes 16 keys at a time through scores16.
+template <int NV, class T>
+inline void gemm_scores(int nq, const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs,
+                        int nk, float scale, float* s) {
+  const int npair = NV <= 4 ? nq / 2 * 2 : 0;
+  if (npair > 0)
+    for (int j0 = 0; j0 < nk; j0 += 8) {
+      if (j0 + 24 <= nk) prefetch_rows(k + (j0 + 16) * ks, ks, 8, 16 * NV);
+      prefetch_rows<_MM_HINT_T1>(v + j0 * vs, vs, 8, 16 * NV);  // for pass 3
+      for (int u = 0; u < npair; u += 2)
+        scores_2x8<NV>(q[u], q[u + 1], k + j0 * ks, ks, scale, s + u * kGemmMaxKeys + j0,
+                       s + (u + 1) * kGemmMaxKeys + j0);
+    }
+  for (int j0 = 0; j0 < nk && npair < nq; j0 += 16) {
+    if (npair == 0) {
+      if (j0 + 32 <= nk) prefetch_rows(k + (j0 + 16) * ks, ks, 16, 16 * NV);
+      prefetch_rows<_MM_HINT_T1>(v + j0 * vs, vs, 16, 16 * NV);
+    }
+    const T* kp[16];
+    for (int j = 0; j < 16; ++j) kp[j] = k + (j0 + j) * ks;
+    for (int u = npair; u < nq; ++u) _mm512_storeu_ps(s + u * kGemmMaxKeys + j0, scores16<NV>(q[u], kp, scale));
+  }
+}
+
 // In-register transpose of a 16 x 16 tile: r[i] lane j -> r[j] lane i.
 inline void transpose16(__m512* r) {
   __m512 t[16];
@@ -77,96 +99,6 @@ inline void transpose16(__m512* r) {
     o[12 + e] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
   }
   for (int i = 0; i < 16; ++i) r[i] = o[i];
-}
-
-// Keys 0..15 at k (stride ks) transposed and widened: kt[(16 i + l) * 16 + j] = element 16 i + l of key j.
-template <int NV, class T>
-inline void transpose_keys(const T* k, int64_t ks, float* kt) {
-  for (int i = 0; i < NV; ++i) {
-    __m512 r[16];
-    for (int j = 0; j < 16; ++j) r[j] = load16(k + j * ks + 16 * i);
-    transpose16(r);  // r[l]: element 16 i + l of the 16 keys
-    for (int l = 0; l < 16; ++l) _mm512_store_ps(kt + (16 * i + l) * 16, r[l]);
-  }
-}
-
-// Scores of Q queries against the 16 keys of a transposed tile kt (transpose_keys), keys in the lanes:
-// out[u][j] = dot(q_u, k_j) * scale. Per key lane, A_l = fma chains over i ascending from 0 of
-// q[16 i + l] * k_j[16 i + l] are dot<kAvx512>'s 16 lane accumulators, then added as its tree
-// (A_l + A_{l+8}, then + 4, + 2, + 1), so each lane is bitwise dot<kAvx512> * scale. No shuffles: the
-// transpose is paid once per tile for all queries. The A_l go through a small L1 buffer (Q + 1 zmm live
-// while they are summed, the tree then reads them back).
-template <int NV, int Q>
-__attribute__((noinline)) void scores_kt(const float* const* q, const float* kt, float scale, float* const* out) {
-  alignas(64) float a[16][Q][16];
-  for (int l = 0; l < 16; ++l) {
-    __m512 acc[Q];
-    for (int u = 0; u < Q; ++u) acc[u] = _mm512_setzero_ps();
-    for (int i = 0; i < NV; ++i) {
-      const __m512 kv = _mm512_load_ps(kt + (16 * i + l) * 16);
-      for (int u = 0; u < Q; ++u) acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(q[u][16 * i + l]), kv, acc[u]);
-    }
-    for (int u = 0; u < Q; ++u) _mm512_store_ps(a[l][u], acc[u]);
-  }
-  const __m512 vs = _mm512_set1_ps(scale);
-  for (int u = 0; u < Q; ++u) {
-    __m512 b[8];
-    for (int l = 0; l < 8; ++l) b[l] = _mm512_add_ps(_mm512_load_ps(a[l][u]), _mm512_load_ps(a[l + 8][u]));
-    for (int l = 0; l < 4; ++l) b[l] = _mm512_add_ps(b[l], b[l + 4]);
-    for (int l = 0; l < 2; ++l) b[l] = _mm512_add_ps(b[l], b[l + 2]);
-    _mm512_storeu_ps(out[u], _mm512_mul_ps(_mm512_add_ps(b[0], b[1]), vs));
-  }
-}
-
-// Fewer queries than this keep gemm_scores' pair path (the transpose costs about what it saves there).
-constexpr int kKtMinQ = 8;
-
-// Pass 1 for nq queries over nk keys (a multiple of 16) starting at k: S row u at s + u * kGemmMaxKeys.
-// Keys outer (8 at a time, kept in L1 for every query), query pairs inner; an odd last query (every
-// query when hd = 128: its 2 x 8 query registers would not fit) goes 16 keys at a time through scores16.
-template <int NV, class T>
-inline void gemm_scores(int nq, const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs,
-                        int nk, float scale, float* s) {
-  if (nq >= kKtMinQ) {  // keys transposed once per 16-key tile, then scores_kt for 4 queries at a time
-    alignas(64) float kt[16 * 16 * NV];
-    for (int j0 = 0; j0 < nk; j0 += 16) {
-      if (j0 + 32 <= nk) prefetch_rows(k + (j0 + 16) * ks, ks, 16, 16 * NV);
-      prefetch_rows<_MM_HINT_T1>(v + j0 * vs, vs, 16, 16 * NV);  // for pass 3
-      transpose_keys<NV>(k + j0 * ks, ks, kt);
-      float* o[4];
-      int u = 0;
-      for (; u + 4 <= nq; u += 4) {
-        for (int t = 0; t < 4; ++t) o[t] = s + (u + t) * kGemmMaxKeys + j0;
-        scores_kt<NV, 4>(q + u, kt, scale, o);
-      }
-      for (int t = 0; u + t < nq; ++t) o[t] = s + (u + t) * kGemmMaxKeys + j0;
-      switch (nq - u) {
-        case 3: scores_kt<NV, 3>(q + u, kt, scale, o); break;
-        case 2: scores_kt<NV, 2>(q + u, kt, scale, o); break;
-        case 1: scores_kt<NV, 1>(q + u, kt, scale, o); break;
-        default: break;
-      }
-    }
-    return;
-  }
-  const int npair = NV <= 4 ? nq / 2 * 2 : 0;
-  if (npair > 0)
-    for (int j0 = 0; j0 < nk; j0 += 8) {
-      if (j0 + 24 <= nk) prefetch_rows(k + (j0 + 16) * ks, ks, 8, 16 * NV);
-      prefetch_rows<_MM_HINT_T1>(v + j0 * vs, vs, 8, 16 * NV);  // for pass 3
-      for (int u = 0; u < npair; u += 2)
-        scores_2x8<NV>(q[u], q[u + 1], k + j0 * ks, ks, scale, s + u * kGemmMaxKeys + j0,
-                       s + (u + 1) * kGemmMaxKeys + j0);
-    }
-  for (int j0 = 0; j0 < nk && npair < nq; j0 += 16) {
-    if (npair == 0) {
-      if (j0 + 32 <= nk) prefetch_rows(k + (j0 + 16) * ks, ks, 16, 16 * NV);
-      prefetch_rows<_MM_HINT_T1>(v + j0 * vs, vs, 16, 16 * NV);
-    }
-    const T* kp[16];
-    for (int j = 0; j < 16; ++j) kp[j] = k + (j0 + j) * ks;
-    for (int u = npair; u < nq; ++u) _mm512_storeu_ps(s + u * kGemmMaxKeys + j0, scores16<NV>(q[u], kp, scale));
-  }
 }
 
 // Pass 2 for queries [u0, u0 + 16) (rows of s past nq are zeros, their lanes unused), 16 queries in the
@@ -240,14 +172,6 @@ inline void gemm_pv_tail(int n, int u0, int nc, const T* v, int64_t vs, const fl
   }
 }
 
-// Pass 3 for all nq queries, QB at a time.
-template <int NV, int QB, class T>
-inline void block_pv(int nq, int nc, const T* v, int64_t vs, const float* pt, const float* alpha, float* const* acc) {
-  int u = 0;
-  for (; u + QB <= nq; u += QB) gemm_pv<NV, QB>(u, nc, v, vs, pt, alpha, acc);
-  if (u < nq) gemm_pv_tail<NV, QB>(nq - u, u, nc, v, vs, pt, alpha, acc);
-}
-
 // Keys [0, 16 nc) at k + j * ks / v + j * vs (contiguous slots, the same for every query) for nq <= kGemmMaxQ
 // queries continuing from their states (m, l, acc), hd = 16 * NV, nc <= kBlockChunksMax.
 template <int NV, class T>
@@ -260,16 +184,10 @@ inline void block_gemm(int nq, const float* const* q, const T* k, int64_t ks, co
   for (int u = nq; u < (nq + 15) / 16 * 16; ++u)  // padding rows of the last 16-query tile
     for (int j = 0; j < 16 * nc; ++j) s[u * kGemmMaxKeys + j] = 0.f;
   for (int u = 0; u < nq; u += 16) gemm_softmax16(u, nq, nc, s, pt, alpha, m, l);
+  int u = 0;
   constexpr int QB = NV >= 8 ? 3 : NV >= 4 ? 6 : 8;  // QB x NV accumulators <= 24 zmm
-  if constexpr (!std::is_same_v<T, float>) {
-    if (nq > QB) {  // fp16 values widened once (exactly) instead of once per QB queries
-      alignas(64) float vf[kGemmMaxKeys * 16 * NV];
-      for (int j = 0; j < 16 * nc; ++j)
-        for (int i = 0; i < NV; ++i) _mm512_store_ps(vf + (j * NV + i) * 16, load16(v + j * vs + 16 * i));
-      return block_pv<NV, QB>(nq, nc, vf, 16 * NV, pt, alpha, acc);
-    }
-  }
-  block_pv<NV, QB>(nq, nc, v, vs, pt, alpha, acc);
+  for (; u + QB <= nq; u += QB) gemm_pv<NV, QB>(u, nc, v, vs, pt, alpha, acc);
+  if (u < nq) gemm_pv_tail<NV, QB>(nq - u, u, nc, v, vs, pt, alpha, acc);
 }
 
 // block_gemm when hd is 16, 32, 64 or 128; false (nothing done) otherwise.
