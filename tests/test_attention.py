@@ -148,15 +148,19 @@ def test_rows_bitwise_equal_across_row_counts_and_threads(prefix: int) -> None:
 
 @pytest.mark.skipif("avx512" not in kernels.paths(), reason="block GEMM path is AVX-512 only")
 @pytest.mark.parametrize("hd", [16, 32, 64, 128])
-@pytest.mark.parametrize("T", [1, 3, 6, 22])
-def test_block_gemm_equals_chunk_path_bitwise(hd: int, T: int) -> None:
-    """AVX-512's per-block GEMM passes (kernels/attn_gemm.h) give the chunk-by-chunk path's bits, tree and plain."""
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 6, 22])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_block_gemm_equals_chunk_path_bitwise(hd: int, T: int, kv_dtype: torch.dtype) -> None:
+    """AVX-512's per-block GEMM passes (kernels/attn_gemm.h) give the chunk-by-chunk path's bits, tree and plain,
+    for float32 and float16 caches (3 queries per kv head and row: T = 1 stays on the chunk path, T >= 2 has
+    >= 6 queries per GEMM call, odd counts leave a last query outside the score pairs)."""
     ext = kernels._ext()
     g = torch.Generator().manual_seed(hd + T)
     nh, nkv, prefix = 9, 3, 300  # 2 full blocks + 44 shared keys (2 full chunks and a partial one)
     L = prefix + T
     q = torch.randn(T, nh, hd, generator=g)
-    k, v = torch.randn(nkv, L, hd, generator=g) * 3, torch.randn(nkv, L, hd, generator=g)
+    k = (torch.randn(nkv, L, hd, generator=g) * 3).to(kv_dtype)
+    v = torch.randn(nkv, L, hd, generator=g).to(kv_dtype)
     allowed = _tree_allowed(_random_tree(T, g), prefix)
     allowed[T // 2, 140:150] = False  # one row with a hole: fewer shared chunks in its block
     try:
