@@ -233,7 +233,7 @@ def test_automatic_fallbacks(monkeypatch, calls) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("weights", "kv_dtype"), [("int4", "auto"), ("int8", "auto"), ("int4", "float16")])
+@pytest.mark.parametrize(("weights", "kv_dtype"), [("int4", "auto"), ("int8", "auto"), ("int4", "float32")])
 def test_speculative_equals_plain_on_the_real_model_fused(weights: str, kv_dtype: str, monkeypatch, calls) -> None:
     """Greedy hybrid-drafter output equals plain greedy output with every decode step through the fused path."""
     import treedraft
@@ -248,7 +248,7 @@ def test_speculative_equals_plain_on_the_real_model_fused(weights: str, kv_dtype
     monkeypatch.setenv(fused.ENV_DISABLE, "0")
     llm = treedraft.load(weights=weights, kv_dtype=kv_dtype)
     assert fused.status(llm.model) is None
-    assert llm.model.new_cache(8).kv.dtype == (torch.float16 if kv_dtype == "float16" else torch.float32)
+    assert llm.model.new_cache(8).kv.dtype == (torch.float32 if kv_dtype == "float32" else torch.float16)  # auto: fp16
     cfg = GenerationConfig(max_new_tokens=48, ignore_eos=True)
     for prompt in ("Write a haiku about the sea.", "Repeat after me: the quick brown fox jumps over the lazy dog."):
         ids = llm.encode_prompt(prompt)
@@ -258,6 +258,34 @@ def test_speculative_equals_plain_on_the_real_model_fused(weights: str, kv_dtype
         spec = llm.engine.generate(ids, cfg, llm.engine.drafter)
         assert spec.token_ids == plain.token_ids, prompt
         assert spec.stats.mean_accepted_length > 1.0
+
+
+def test_auto_kv_dtype_is_float16_only_for_quantized_weights_on_the_own_runtime() -> None:
+    """'auto' stores the cache in fp16 when the chosen weights are int4/int8, else in the weights' dtype."""
+    from treedraft.api import kv_dtype_for
+
+    assert kv_dtype_for("auto", "own", {"weights": "auto", "resolved": "int4"}) == torch.float16
+    assert kv_dtype_for("auto", "own", {"weights": "int8", "resolved": "int8"}) == torch.float16
+    assert kv_dtype_for("auto", "own", {"weights": "auto", "chosen": "fp32"}) is None  # auto resolved to fp32
+    assert kv_dtype_for("auto", "own", None) is None  # --weights fp32
+    assert kv_dtype_for("auto", "hf", {"resolved": "int4"}) is None
+    assert kv_dtype_for("float32", "own", {"resolved": "int4"}) == torch.float32
+    assert kv_dtype_for("float16", "own", None) == torch.float16
+
+
+def test_cli_kv_dtype_flag_reaches_load_and_rejects_bad_values(monkeypatch, capsys) -> None:
+    """--kv-dtype on the model commands and bench: the value reaches load(); a bad one names the choices."""
+    from treedraft import cli
+
+    seen: dict = {}
+    monkeypatch.setattr("treedraft.load", lambda *a, **k: seen.update(k))
+    cli.load_from_args(cli.build_parser().parse_args(["generate", "--kv-dtype", "float32", "hi"]))
+    assert seen["kv_dtype"] == "float32"
+    assert cli.build_parser().parse_args(["serve"]).kv_dtype == "auto"
+    assert cli.build_parser().parse_args(["bench", "--kv-dtype", "float16"]).kv_dtype == "float16"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["generate", "--kv-dtype", "bfloat16", "hi"])
+    assert "float16" in capsys.readouterr().err
 
 
 def test_load_rejects_an_unknown_kv_dtype() -> None:

@@ -32,7 +32,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="linear weights on cpu: int4 (the GGUF's own 4-bit blocks), int8, fp32, or auto "
         "(fastest measured here whose quality check passes)",
     )
+    add_kv_dtype_arg(p)
     add_suffix_args(p)
+
+
+def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """--kv-dtype (own runtime), shared with bench."""
+    from .api import KV_DTYPES
+
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=sorted(KV_DTYPES),
+        help="KV cache storage of the own runtime: auto (float16 with int4/int8 weights, else the weights' "
+        "dtype), float32, float16",
+    )
 
 
 def add_suffix_args(p: argparse.ArgumentParser) -> None:
@@ -113,6 +127,7 @@ def load_from_args(a: argparse.Namespace):
         dtype=a.dtype,
         runtime=a.runtime,
         weights=a.weights,
+        kv_dtype=a.kv_dtype,
         **suffix_kwargs(a),
     )
 

@@ -161,7 +161,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from ..cli import suffix_kwargs
 
     llm = load(
-        a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights, **suffix_kwargs(a)
+        a.model,
+        drafter=None,
+        device=a.device,
+        dtype=a.dtype,
+        runtime=a.runtime,
+        weights=a.weights,
+        kv_dtype=a.kv_dtype,
+        **suffix_kwargs(a),
     )
     cfg = llm.config(
         max_new_tokens=a.max_new_tokens,
@@ -338,8 +345,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=WEIGHTS,
         help="target linear weights on cpu (see `treedraft generate --help`)",
     )
-    from ..cli import add_suffix_args
+    from ..cli import add_kv_dtype_arg, add_suffix_args
 
+    add_kv_dtype_arg(b)
     add_suffix_args(b)  # method "suffix" learns from every run, the warm-up (first prompt) included: see README
     b.add_argument("--raw", action="store_true", help="no chat template")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")

@@ -179,6 +179,8 @@ def _target_facts(target: object) -> dict[str, Any]:
         "params": sum(p.numel() for p in params),
         "linears": linears,
         "dtype": str(params[0].dtype) if params else "?",
+        # the KV cache's bytes are part of every step (an fp16 cache reads half): a curve per cache dtype
+        "kv_dtype": str(getattr(target, "kv_dtype", None)),
         "device": str(target_device(target)),
         "hidden": getattr(target, "hidden_size", None),
         "vocab": getattr(target, "vocab_size", None),
