@@ -256,6 +256,18 @@ def mm(x: torch.Tensor, w: PackedWeight, *, path: str = "") -> torch.Tensor:
     return ext.mm(x.float().contiguous(), w.data, w.N, w.kind, path)
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The native GEMM's int8 activation codes of x (M, K): q (M, K) int8, d (M, K/32), s = d * sum(q) (M, K/32)."""
+    if x.dim() != 2 or x.shape[1] % 32:
+        raise ValueError(f"quantize_activations: x must be (M, K) with K a multiple of 32, got {tuple(x.shape)}")
+    ext = _ext()
+    if ext is None:
+        raise RuntimeError(f"quantize_activations: native kernel unavailable ({unavailable_reason()})")
+    q, d, s = ext.quantize(x.float().contiguous())  # (B, M, 32), (B, M), (B, M)
+    M = x.shape[0]
+    return q.permute(1, 0, 2).reshape(M, -1), d.T.contiguous(), s.T.contiguous()
+
+
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float, *, path: str = ""
 ) -> torch.Tensor:

@@ -58,6 +58,24 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t kind,
   return y;
 }
 
+// The GEMM's activation quantization of x (M, K) float32 (K a multiple of 32), as the kernels see it:
+// codes (B, M, 32) int8, scales d (B, M) and s = d * sum(codes) (B, M) float32, B = K / 32.
+std::vector<torch::Tensor> quantize_act(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "qgemm.quantize: x must be a contiguous float32 (M, K) tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kQK == 0, "qgemm.quantize: K=", K, " is not a multiple of 32");
+  ActBuf buf;
+  quantize_rows(x.data_ptr<float>(), M, K, buf);
+  const int64_t B = K / kQK;
+  auto q = torch::empty({B, M, kQK}, torch::kInt8);
+  auto d = torch::empty({B, M}, torch::kFloat32), s = torch::empty({B, M}, torch::kFloat32);
+  std::memcpy(q.data_ptr<int8_t>(), buf.q.data(), M * K);
+  std::memcpy(d.data_ptr<float>(), buf.d.data(), M * B * sizeof(float));
+  std::memcpy(s.data_ptr<float>(), buf.s.data(), M * B * sizeof(float));
+  return {q, d, s};
+}
+
 // Read bandwidth (GB/s) of the GEMM's thread pool streaming `buf` (see read_probe), best of reps.
 double read_bandwidth(torch::Tensor buf, int64_t reps) {
   TORCH_CHECK(buf.scalar_type() == torch::kUInt8 && buf.is_contiguous() && buf.numel() > 0,
@@ -206,6 +224,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "row-invariant decode attention (GIL released)", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("allowed"),
       py::arg("scale"), py::arg("path") = "");
+  m.def(
+      "quantize", [](torch::Tensor x) { return td::serialized([&] { return td::quantize_act(x); }); },
+      "activation quantization of x (M, K): codes (K/32, M, 32) int8, d and s (K/32, M)", py::arg("x"));
   m.def(
       "read_bandwidth",
       [](torch::Tensor buf, int64_t reps) { return td::serialized([&] { return td::read_bandwidth(buf, reps); }); },
