@@ -57,6 +57,16 @@ inline Pool& pool() {
   return *g_pool;
 }
 
+#if defined(__AVX512F__)
+// The code of v = x * id: round to nearest even, clamped to [-127, 127]. Clamping first and rounding in the
+// conversion equals rounding first (the bounds are integers, rounding is monotonic), and max_ps(NaN, -127)
+// = -127 as the scalar path's std::max(-127.f, NaN) gives; an infinite v (id = inf after a denormal d) clamps.
+inline __m512i clamp_round(__m512 v, __m512 nlim, __m512 lim) {
+  return _mm512_cvt_roundps_epi32(_mm512_min_ps(_mm512_max_ps(v, nlim), lim),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+#endif
+
 // Quantize one row's block of 32 floats. Identical arithmetic on every path (IEEE division,
 // multiply, round-to-nearest-even), so a row's codes never depend on the path or the batch.
 inline void quantize_block(const float* x, int8_t* q, float* d_out, float* s_out) {
@@ -67,11 +77,9 @@ inline void quantize_block(const float* x, int8_t* q, float* d_out, float* s_out
   const float d = amax / 127.f;
   const float id = d != 0.f ? 1.f / d : 0.f;
   const __m512 vid = _mm512_set1_ps(id), lim = _mm512_set1_ps(127.f);
-  const __m512 r0 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(a0, vid),
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
-  const __m512 r1 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(a1, vid),
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
-  const __m512i i0 = _mm512_cvtps_epi32(r0), i1 = _mm512_cvtps_epi32(r1);
+  const __m512 nlim = _mm512_sub_ps(_mm512_setzero_ps(), lim);
+  const __m512i i0 = clamp_round(_mm512_mul_ps(a0, vid), nlim, lim);
+  const __m512i i1 = clamp_round(_mm512_mul_ps(a1, vid), nlim, lim);
   _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(i0));
   _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(i1));
   const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
@@ -127,11 +135,8 @@ inline void quantize_16blocks(const float* x, int8_t* q, int64_t qstride, float*
   const __m512 lim = _mm512_set1_ps(127.f), nlim = _mm512_sub_ps(_mm512_setzero_ps(), lim);
   for (int j = 0; j < 16; ++j) {
     const __m512 vid = _mm512_set1_ps(ids[j]);
-    const __m512 r0 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * j), vid),
-        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), nlim), lim);
-    const __m512 r1 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * j + 16), vid),
-        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), nlim), lim);
-    const __m512i i0 = _mm512_cvtps_epi32(r0), i1 = _mm512_cvtps_epi32(r1);
+    const __m512i i0 = clamp_round(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * j), vid), nlim, lim);
+    const __m512i i1 = clamp_round(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * j + 16), vid), nlim, lim);
     _mm_storeu_si128((__m128i*)(q + j * qstride), _mm512_cvtsepi32_epi8(i0));
     _mm_storeu_si128((__m128i*)(q + j * qstride + 16), _mm512_cvtsepi32_epi8(i1));
     v[j] = _mm512_castsi512_ps(_mm512_add_epi32(i0, i1));
@@ -220,7 +225,9 @@ inline void mm_act(const Act& a, const uint8_t* wp, int64_t N, int kind, const P
   const int64_t T = (N + kTile - 1) / kTile;
   const int64_t blk = kind == kQ4_1 ? kQ41Bytes : kQ80Bytes;
   const TileFn fn = kind == kQ4_1 ? path.q4_1 : path.q8_0;
-  const int rbmax = path.row_block;
+  // row chunks of at most path.row_block, evened out (20 rows: 10 + 10, not 16 + 4; a row's bits do not
+  // depend on its chunk)
+  const int64_t nchunks = (M + path.row_block - 1) / path.row_block, rb = (M + nchunks - 1) / nchunks;
   Pool& pl = pool();
   // Units of >= g_unit_bytes of weights (a claim costs an atomic), at most 128 per thread: a thread
   // streams its own contiguous region of units (pool.h), so finer units only even out the finish
@@ -235,8 +242,8 @@ inline void mm_act(const Act& a, const uint8_t* wp, int64_t N, int kind, const P
     for (int64_t t = u * per; t < t1; ++t) {
       const uint8_t* w = wp + t * B * blk;
       const int ncols = (int)std::min<int64_t>(kTile, N - t * kTile);
-      for (int64_t r = 0; r < M; r += rbmax)
-        fn(w, a, (int)r, (int)std::min<int64_t>(rbmax, M - r), yp + t * kTile, (int)N, ncols);
+      for (int64_t r = 0; r < M; r += rb)
+        fn(w, a, (int)r, (int)std::min<int64_t>(rb, M - r), yp + t * kTile, (int)N, ncols);
     }
   };
   pl.run(work, (int)nunits);
