@@ -1,7 +1,8 @@
 """Fused decoder row passes at a real hidden size (kernels/fused.h rows(), mm_core.h quantize_row): at
-SmolLM2's widths (576 hidden, 1536 intermediate) a many-row step runs its norms, RoPE, cache writes,
-silu and activation quantization over the thread pool, 16 blocks at a time; a 1-row step runs them on the
-caller. Every row must keep its bits whatever the thread count, the row count and the path taken."""
+SmolLM2's widths (576 hidden, 1536 intermediate) a many-row step can run its norms, RoPE, cache writes,
+silu and activation quantization (16 blocks at a time) over the thread pool; a 1-row step runs them on
+the caller. Every row must keep its bits whatever the thread count, the row count and the path taken.
+The pool row passes are off by default (kernels.set_row_pass_blocks): these tests turn them on."""
 
 from __future__ import annotations
 
@@ -66,10 +67,21 @@ def _chain_mask(n: int, start: int) -> torch.Tensor:
     return mask
 
 
+@pytest.fixture
+def row_passes_on_pool():
+    """Row passes of >= 64 blocks over the pool (default: all on the caller); restored afterwards."""
+    old = kernels.set_row_pass_blocks(64)
+    yield
+    kernels.set_row_pass_blocks(old)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_many_row_step_equals_one_row_steps_and_thread_counts(kv_dtype: torch.dtype, monkeypatch) -> None:
-    """16 rows (pool row passes at 2 threads) == the same rows as 1-row steps (caller only), bit for bit,
-    at 1 and 2 threads; the cache slots written by the row passes equal the 1-row steps' ones."""
+def test_many_row_step_equals_one_row_steps_and_thread_counts(
+    kv_dtype: torch.dtype, monkeypatch, row_passes_on_pool
+) -> None:
+    """16 rows (pool row passes at 2 threads) == the same rows as 1-row steps (caller only) == 16 rows with
+    every row pass on the caller, bit for bit, at 1 and 2 threads; the cache slots written by the row
+    passes equal the 1-row steps' ones."""
     model = _model()
     model.kv_dtype = kv_dtype
     monkeypatch.setenv(fused.ENV_DISABLE, "0")
@@ -80,12 +92,14 @@ def test_many_row_step_equals_one_row_steps_and_thread_counts(kv_dtype: torch.dt
     pos = torch.tensor([P + i // 2 for i in range(n)])
     out = {}
     try:
-        for threads in (2, 1):
+        for key, threads, blocks in ((2, 2, 64), (1, 1, 64), ("caller", 2, None)):
             kernels.set_num_threads(threads)
+            kernels.set_row_pass_blocks(blocks)
             with torch.inference_mode():
                 cache = _prefill(model, prompt)
                 lt, ht = model(toks[None], pos, cache, start=P, mask=_chain_mask(n, P))
-                out[threads] = (lt, ht, [c[:, :, P : P + n].clone() for c in cache.k + cache.v])
+                out[key] = (lt, ht, [c[:, :, P : P + n].clone() for c in cache.k + cache.v])
+        kernels.set_row_pass_blocks(64)
         kernels.set_num_threads(2)
         with torch.inference_mode():
             for chain in (0, 1):
@@ -98,11 +112,12 @@ def test_many_row_step_equals_one_row_steps_and_thread_counts(kv_dtype: torch.dt
                         assert torch.equal(c[:, :, P + d], ct[:, :, node])
     finally:
         kernels.set_num_threads(1)
-    assert all(torch.equal(a, b) for a, b in zip(out[1][:2], out[2][:2], strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(out[1][2], out[2][2], strict=True))
+    for key in (1, "caller"):
+        assert all(torch.equal(a, b) for a, b in zip(out[key][:2], out[2][:2], strict=True)), key
+        assert all(torch.equal(a, b) for a, b in zip(out[key][2], out[2][2], strict=True)), key
 
 
-def test_many_row_step_close_to_python_path(monkeypatch) -> None:
+def test_many_row_step_close_to_python_path(monkeypatch, row_passes_on_pool) -> None:
     """The fused 16-row step stays within float rounding of the Python path (torch norms, RoPE, silu)."""
     model = _model()
     g = torch.Generator().manual_seed(4)

@@ -381,7 +381,7 @@ class FusedDecoder {
   // row alone with a fixed operation order, so its bits do not depend on the thread or on M.
   template <class F>
   static void rows(int64_t M, int64_t len, F&& fn) {
-    if (M >= 2 && M * (len / kQK) >= kParBlocks && pool().size() > 1)
+    if (rows_on_pool(M, len))
       pool().run([&](int m) { fn((int64_t)m); }, (int)M);
     else
       for (int64_t m = 0; m < M; ++m) fn(m);

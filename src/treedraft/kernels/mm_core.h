@@ -194,14 +194,25 @@ struct ActBuf {
   }
 };
 
-// Row passes worth the pool: enough 32-blocks that a worker's wake-up and the shared cache lines cost
-// less than the work it takes over (a row's bits never depend on the thread that computes it).
-constexpr int64_t kParBlocks = 64;
+// Row passes (activation quantization, fused.h's per-row work) of at least this many 32-blocks in all go
+// over the pool; smaller ones stay on the caller (a row's bits never depend on the thread that computes
+// it). Set by qgemm.set_row_pass_blocks. Default: every pass on the caller. Measured on the 2-core Xeon at
+// load average ~7 (three jobs), the pool setting 64 made 4-16-row forwards 6-11% slower, wall and caller CPU
+// time alike (benchmarks/row_pass_ab.py; the worker, sharing its core, finishes its rows late and the
+// caller waits); on a quiet machine it should take ~half of the ~4 ms of row work of a 16-row step off
+// the caller: re-measure there before changing this default.
+constexpr int64_t kRowPassCaller = int64_t(1) << 40;
+inline int64_t g_par_blocks = kRowPassCaller;
+
+// Whether M rows of len floats each go over the pool (mm_core's quantize_rows, fused.h's rows()).
+inline bool rows_on_pool(int64_t M, int64_t len) {
+  return M >= 2 && M * (len / kQK) >= g_par_blocks && pool().size() > 1;
+}
 
 // Quantize x (M, K) row-major into buf (prepared here); rows spread over the pool when worth it.
 inline void quantize_rows(const float* x, int64_t M, int64_t K, ActBuf& buf) {
   buf.prepare(M, K);
-  if (M >= 2 && M * (K / kQK) >= kParBlocks && pool().size() > 1)
+  if (rows_on_pool(M, K))
     pool().run([&](int m) { buf.quantize_row(x + (int64_t)m * K, m); }, (int)M);
   else
     for (int64_t m = 0; m < M; ++m) buf.quantize_row(x + m * K, m);

@@ -288,6 +288,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "set_attn_block_gemm", [](bool on) { td::serialized([&] { td::attn::g_block_gemm = on; }); },
       "AVX-512 attention: shared key chunks as per-block GEMMs (True) or chunk by chunk (same bits; for timing)");
   m.def(
+      "set_row_pass_blocks",
+      [](int64_t n) {
+        return td::serialized([&] {
+          TORCH_CHECK(n >= 0, "qgemm.set_row_pass_blocks: need n >= 0");
+          const int64_t old = td::g_par_blocks;
+          td::g_par_blocks = n;
+          return old;
+        });
+      },
+      "smallest row pass (in 32-blocks of all rows) run over the pool; returns the previous value (same bits)");
+  m.def(
       "set_spin_us", [](int64_t us) { td::serialized([&] { td::set_spin_us(us); }); },
       "how long idle workers spin before sleeping");
 }
