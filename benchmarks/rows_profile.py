@@ -3,8 +3,8 @@
 Each k-row forward (k = 1: one token; k > 1: a binary tree, parent of i is (i - 1) // 2) runs on top of a
 ``--context``-token KV cache of the bundled model; the row counts are interleaved per repetition. Per
 forward it records the wall time of ``model.forward`` (Python included) and the C++ phase timers of
-``FusedDecoder`` (``set_profile``): other (norms, RoPE, KV writes, silu, residuals, on the calling thread
-alone), the linears (split into activation quantization on the calling thread and the pool's GEMM), the
+``FusedDecoder`` (``set_profile``): other (norms, RoPE, KV writes, silu, residuals and the layers' activation
+quantization fused with them, as row passes), the linears (the lm_head's own quantization split out), the
 attention and the lm_head. "outside" = forward wall - sum of the phases (Python wrapper, argument packing,
 mask parsing, embedding lookup, cos/sin). Prints per-phase medians over ``--reps`` (and the minimum total).
 
@@ -82,7 +82,8 @@ def main() -> None:
         vals = [min(x[0] for x in r), wall, outside, ph[0], q, lin - q, ph[2], ph[6]]
         print(f"| {k} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
     print(
-        "\nquantize = activation quantization inside the linears (calling thread; includes the lm_head's); "
+        "\nquantize = activation quantization inside mm_into (calling thread): the lm_head's (and the EAGLE fc's); "
+        "the layers' quantization is fused into the row passes and counted in other (fused.h); "
         "q4 GEMM = qkv+wo+w13+w2 phases minus quantize"
     )
 

@@ -3,7 +3,7 @@
 // (tree) steps pay, without the thread pool, activation quantization or memory streaming.
 // "cycles" assume a 2.0 GHz TSC (steady_clock seconds * 2e9). Build and run from the repo root:
 //   g++ -O3 -march=native -ffp-contract=off -std=c++17 -Isrc -DKERN='"treedraft/kernels/kern_avx512.h"' \
-//       -DFN41=tile_q4_1_avx512 -DFN80=tile_q8_0_avx512 -DRBMAX=8 benchmarks/tile_cycles.cpp -o /tmp/tile_cycles
+//       -DFN41=tile_q4_1_avx512 -DFN80=tile_q8_0_avx512 -DRBMAX=16 benchmarks/tile_cycles.cpp -o /tmp/tile_cycles
 //   /tmp/tile_cycles 16        # 16 tiles (256 columns), K = 576
 // Point KERN at an older copy of the header to compare (same packed layout), run both interleaved.
 
@@ -24,7 +24,7 @@ int main(int argc, char** argv){
   // sane fp16 scales
   for(int t=0;t<T*B;t++){ uint16_t* d=(uint16_t*)(w41.data()+t*kQ41Bytes+256); for(int i=0;i<32;i++) d[i]=0x2000+(g()&0xff);
     uint16_t* e=(uint16_t*)(w80.data()+t*kQ80Bytes+512); for(int i=0;i<16;i++) e[i]=0x2000+(g()&0xff);}
-  for(int M: {1,2,4,8,16}){
+  for(int M: {1,2,4,8,12,16}){
     std::vector<int8_t> q(M*K); std::vector<float> d(M*B), s(M*B), out(M*T*16);
     for(int i=0;i<M*K;i++){ q[i]=(int8_t)((int)(g()%255)-127); }
     for(auto& v: d) v=0.01f; for(auto& v: s) v=0.1f;

@@ -315,3 +315,36 @@ def test_read_bandwidth_probe() -> None:
     assert 0.05 < bw < 10_000, bw  # GB/s: anything outside is a unit or timing bug
     with pytest.raises(ValueError, match="mbytes >= 1"):
         tk.read_bandwidth(0)
+
+
+@needs_ext
+@pytest.mark.parametrize("K", [32, 480, 512, 576, 1184, 1536])
+@pytest.mark.parametrize("M", [1, 5])
+def test_activation_codes_bitwise_equal_reference(M: int, K: int) -> None:
+    """Codes, d and s of the native quantization (16 blocks at a time where a row has them, the rest one by
+    one; rows over the pool at 2 threads) equal the float32 reference bit for bit, ties, zero blocks,
+    clamped extremes and denormal scales included, and do not depend on M, the thread count or where
+    the rows run (caller or pool)."""
+    g = torch.Generator().manual_seed(K + M)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-3, 3, K // 32).repeat_interleave(32)
+    x[0, 32:64] = 0.0  # an all-zero block: d = 0, codes 0
+    x[-1, :32] = torch.arange(32) - 15.5  # halves: amax 16.5, many x * id land near .5
+    x[-1, -32:] = torch.tensor([127.0, -127.0] * 16) * 2.0**-140  # denormal inputs
+    if K >= 96:
+        x[M // 2, 64:96] = torch.tensor([-3.0e38, 3.0e38] * 16)  # huge values
+    qr, dr = quantize_act(x)
+    sr = dr * qr.sum(-1)
+    for threads, blocks in ((1, None), (2, None), (2, 0)):  # blocks=0: rows over the pool
+        tk.set_num_threads(threads)
+        old = tk.set_row_pass_blocks(blocks)
+        try:
+            q, d, s = tk.quantize_activations(x)
+            rows = [tk.quantize_activations(x[m : m + 1].contiguous()) for m in range(M)]
+        finally:
+            tk.set_num_threads(1)
+            tk.set_row_pass_blocks(old)
+        assert torch.equal(q, qr.view(M, K).to(torch.int8))
+        assert torch.equal(d.view(torch.int32), dr.view(torch.int32))
+        assert torch.equal(s.view(torch.int32), sr.view(torch.int32))
+        for m, (q1, d1, s1) in enumerate(rows):  # a row alone gets the bits it gets in the batch
+            assert torch.equal(q1[0], q[m]) and torch.equal(d1[0], d[m]) and torch.equal(s1[0], s[m])

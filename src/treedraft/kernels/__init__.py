@@ -256,6 +256,36 @@ def mm(x: torch.Tensor, w: PackedWeight, *, path: str = "") -> torch.Tensor:
     return ext.mm(x.float().contiguous(), w.data, w.N, w.kind, path)
 
 
+def set_row_pass_blocks(blocks: int | None) -> int | None:
+    """Run row passes of at least ``blocks`` 32-blocks over the thread pool (None: all on the calling thread).
+
+    Row passes are the fused decoder's per-row work (norms, RoPE, cache writes, silu, activation
+    quantization); no result bit depends on this. Returns the previous setting (None for "caller only").
+    """
+    if blocks is not None and blocks < 0:
+        raise ValueError(f"set_row_pass_blocks: blocks must be >= 0 or None, got {blocks}")
+    ext = _ext()
+    if ext is None:
+        return None
+    old = ext.set_row_pass_blocks(_ROW_PASS_CALLER if blocks is None else int(blocks))
+    return None if old >= _ROW_PASS_CALLER else old
+
+
+_ROW_PASS_CALLER = 1 << 40  # mm_core.h kRowPassCaller
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The native GEMM's int8 activation codes of x (M, K): q (M, K) int8, d (M, K/32), s = d * sum(q) (M, K/32)."""
+    if x.dim() != 2 or x.shape[1] % 32:
+        raise ValueError(f"quantize_activations: x must be (M, K) with K a multiple of 32, got {tuple(x.shape)}")
+    ext = _ext()
+    if ext is None:
+        raise RuntimeError(f"quantize_activations: native kernel unavailable ({unavailable_reason()})")
+    q, d, s = ext.quantize(x.float().contiguous())  # (B, M, 32), (B, M), (B, M)
+    M = x.shape[0]
+    return q.permute(1, 0, 2).reshape(M, -1), d.T.contiguous(), s.T.contiguous()
+
+
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float, *, path: str = ""
 ) -> torch.Tensor:

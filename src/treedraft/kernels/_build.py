@@ -26,6 +26,7 @@ _HEADERS = [
     "attn_sched.h",
     "common.h",
     "fused.h",
+    "fused_ops.h",
     "mm_core.h",
     "pool.h",
     "kern_scalar.h",

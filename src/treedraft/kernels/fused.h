@@ -16,6 +16,11 @@
 //   silu*up:  g / (1 + exp_fixed(-g)) * u (attn::exp_fixed: the same bits on every ISA path)
 //   residual: x[i] + y[i]
 // KV caches may be float32 or float16 (attn_kv.h: written rounded to nearest even, read widened exactly).
+//
+// The per-row elementwise work runs as row passes over the thread pool (rows(): one unit per row), each
+// fused with its neighbours so a row is read once: residual + RMSNorm + the next linear's activation
+// quantization (ActBuf::quantize_row; the normed floats never reach memory), RoPE + the row's cache write,
+// silu*up + quantization, the attention output's quantization. Which thread runs a row changes no bit.
 #pragma once
 #include <torch/extension.h>
 
@@ -30,29 +35,10 @@
 
 #include "attn.h"
 #include "attn_sched.h"
+#include "fused_ops.h"
 #include "mm_core.h"
 
 namespace td {
-
-inline int default_isa() {
-#if defined(__AVX512F__)
-  return attn::kAvx512;
-#elif defined(__AVX2__) && defined(__FMA__)
-  return attn::kAvx2;
-#else
-  return attn::kScalar;
-#endif
-}
-
-inline float dot_isa(int isa, const float* a, const float* b, int n) {
-#if defined(__AVX512F__)
-  if (isa == attn::kAvx512) return attn::dot<attn::kAvx512>(a, b, n);
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-  if (isa == attn::kAvx2) return attn::dot<attn::kAvx2>(a, b, n);
-#endif
-  return attn::dot<attn::kScalar>(a, b, n);
-}
 
 // One packed linear: weight bytes, output features, kind (kQ4_1 / kQ8_0), optional float32 bias (N,).
 struct Lin {
@@ -217,7 +203,6 @@ class FusedDecoder {
     qkv_.resize(M * qkvN);
     att_.resize(M * nh_ * hd_);
     ff_.resize(M * 2 * I_);
-    act_.resize(M * I_);
     cs_.resize(M * hd_);  // per row: cos[0..half), sin[0..half)
     const float* emb = embed_.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) std::memcpy(&x_[m * H_], emb + tok[m] * H_, H_ * sizeof(float));
@@ -248,60 +233,58 @@ class FusedDecoder {
     const Path& path = pick_path("");
     last_ = std::chrono::steady_clock::now();
     const int isa = default_isa();
+    seg_of_.resize(M);
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t r = row0[s]; r < row0[s + 1]; ++r) seg_of_[r] = s;
+    const int64_t A = nh_ * hd_;
     for (int64_t l = 0; l < L; ++l) {
       const LayerW& w = layers_[l];
-      rmsnorm(x_.data(), w.attn_norm.data_ptr<float>(), h_.data(), M, isa);
+      // (the previous layer's w2 residual) -> RMSNorm -> codes of the qkv input
+      act_q_.prepare(M, H_);
+      rows(M, H_, [&](int64_t m) { residual_norm_quant(m, l > 0, w.attn_norm.data_ptr<float>(), isa); });
       tick(0);
-      linear(w.wqkv, h_.data(), M, qkv_.data(), path);
+      linear_q(w.wqkv, M, qkv_.data(), path);
       tick(1);
-      for (int64_t m = 0; m < M; ++m) {  // RoPE on the q and k heads of each row
+      rows(M, qkvN, [&](int64_t m) {  // RoPE on the row's q and k heads, its keys/values to the cache
         const float* c = &cs_[m * hd_];
         for (int64_t hh = 0; hh < nh_ + nkv_; ++hh) rope(&qkv_[m * qkvN + hh * hd_], c, c + half, half);
-      }
-      for (int64_t s = 0; s < S; ++s) {  // keys/values to the segment's cache slots
-        const bool half = seg_k[s][l].scalar_type() == torch::kHalf;
-        char* kc = (char*)seg_k[s][l].data_ptr();
-        char* vc = (char*)seg_v[s][l].data_ptr();
-        const int64_t cap = seg_k[s][l].size(2);
-        for (int64_t t = 0; t < seg_rows[s]; ++t) {
-          const float* src = &qkv_[(row0[s] + t) * qkvN + nh_ * hd_];
-          for (int64_t g = 0; g < nkv_; ++g) {
-            const int64_t slot = (g * cap + seg_start[s] + t) * hd_;
-            if (half) {  // round to nearest even, as torch's float32 -> float16 copy does
-              attn::half_t* kh = (attn::half_t*)kc + slot;
-              attn::half_t* vh = (attn::half_t*)vc + slot;
-              for (int64_t d = 0; d < hd_; ++d) {
-                kh[d] = attn::f32_to_half(src[g * hd_ + d]);
-                vh[d] = attn::f32_to_half(src[(nkv_ + g) * hd_ + d]);
-              }
-            } else {
-              std::memcpy((float*)kc + slot, src + g * hd_, hd_ * sizeof(float));
-              std::memcpy((float*)vc + slot, src + (nkv_ + g) * hd_, hd_ * sizeof(float));
-            }
-          }
-        }
-      }
+        const int64_t s = seg_of_[m];
+        write_kv(&qkv_[m * qkvN + nh_ * hd_], seg_k[s][l], seg_v[s][l], seg_start[s] + m - row0[s], nkv_, hd_);
+      });
       tick(0);
       attention(l, S, row0, seg_k, seg_v, isa);
       tick(2);
-      linear(w.wo, att_.data(), M, h_.data(), path);
+      act_q_.prepare(M, A);
+      rows(M, A, [&](int64_t m) { act_q_.quantize_row(&att_[m * A], m); });
+      linear_q(w.wo, M, h_.data(), path);
       tick(3);
-      for (int64_t i = 0; i < M * H_; ++i) x_[i] = x_[i] + h_[i];
-      rmsnorm(x_.data(), w.ffn_norm.data_ptr<float>(), h_.data(), M, isa);
+      act_q_.prepare(M, H_);
+      rows(M, H_, [&](int64_t m) { residual_norm_quant(m, true, w.ffn_norm.data_ptr<float>(), isa); });
       tick(0);
-      linear(w.w13, h_.data(), M, ff_.data(), path);
+      linear_q(w.w13, M, ff_.data(), path);
       tick(4);
-      for (int64_t m = 0; m < M; ++m) silu_mul(&ff_[m * 2 * I_], &ff_[m * 2 * I_ + I_], &act_[m * I_], I_, isa);
+      act_q_.prepare(M, I_);
+      rows(M, I_, [&](int64_t m) {  // silu(gate) * up -> codes of the w2 input
+        float* t = row_scratch(I_);
+        silu_mul(&ff_[m * 2 * I_], &ff_[m * 2 * I_ + I_], t, I_, isa);
+        act_q_.quantize_row(t, m);
+      });
       tick(0);
-      linear(w.w2, act_.data(), M, h_.data(), path);
+      linear_q(w.w2, M, h_.data(), path);
       tick(5);
-      for (int64_t i = 0; i < M * H_; ++i) x_[i] = x_[i] + h_[i];
     }
     auto hidden = torch::empty({M, H_}, torch::kFloat32);
-    if (final_norm_.numel() > 0)
-      rmsnorm(x_.data(), final_norm_.data_ptr<float>(), hidden.data_ptr<float>(), M, isa);
-    else
-      std::memcpy(hidden.data_ptr<float>(), x_.data(), M * H_ * sizeof(float));
+    float* hp = hidden.data_ptr<float>();
+    rows(M, H_, [&](int64_t m) {  // the last w2 residual, then the final norm
+      float* xr = &x_[m * H_];
+      const float* hr = &h_[m * H_];
+      if (L > 0)
+        for (int64_t i = 0; i < H_; ++i) xr[i] = xr[i] + hr[i];
+      if (final_norm_.numel() > 0)
+        rmsnorm(xr, final_norm_.data_ptr<float>(), hp + m * H_, 1, isa);
+      else
+        std::memcpy(hp + m * H_, xr, H_ * sizeof(float));
+    });
     tick(0);
     if (!want_logits || !has_lm_) return {torch::empty({0}, torch::kFloat32), hidden};
     torch::Tensor hl = hidden;
@@ -364,6 +347,29 @@ class FusedDecoder {
     }
   }
 
+  // Linear on the codes in act_q_ (its M rows already quantized), plus the bias.
+  void linear_q(const Lin& w, int64_t M, float* y, const Path& path) {
+    mm_act(act_q_.view(), w.data.data_ptr<uint8_t>(), w.N, w.kind, path, y);
+    if (w.bias.numel() > 0) {
+      const float* b = w.bias.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < w.N; ++n) y[m * w.N + n] = y[m * w.N + n] + b[n];
+    }
+  }
+
+  // Row m: optionally x += h (the residual of the linear before), then RMSNorm with weight w, quantized
+  // into act_q_ (prepared for (M, H)). The normed floats exist only in a per-thread scratch row.
+  void residual_norm_quant(int64_t m, bool residual, const float* w, int isa) {
+    float* xr = &x_[m * H_];
+    if (residual) {
+      const float* hr = &h_[m * H_];
+      for (int64_t i = 0; i < H_; ++i) xr[i] = xr[i] + hr[i];
+    }
+    float* t = row_scratch(H_);
+    rmsnorm(xr, w, t, 1, isa);
+    act_q_.quantize_row(t, m);
+  }
+
   void rmsnorm(const float* x, const float* w, float* y, int64_t M, int isa) const {
     for (int64_t m = 0; m < M; ++m) {
       const float* xr = x + m * H_;
@@ -372,39 +378,6 @@ class FusedDecoder {
       float* yr = y + m * H_;
       for (int64_t i = 0; i < H_; ++i) yr[i] = w[i] * (xr[i] * r);
     }
-  }
-
-  static void rope(float* v, const float* c, const float* s, int64_t half) {
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = v[i], b = v[i + half];
-      v[i] = a * c[i] - b * s[i];
-      v[i + half] = b * c[i] + a * s[i];
-    }
-  }
-
-  static void silu_mul(const float* g, const float* u, float* out, int64_t n, int isa) {
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    if (isa == attn::kAvx512) {
-      const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
-      for (; i + 16 <= n; i += 16) {
-        const __m512 gv = _mm512_loadu_ps(g + i);
-        const __m512 e = attn::exp_fixed16(_mm512_sub_ps(zero, gv));
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
-      }
-    }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-    if (isa == attn::kAvx2) {
-      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-      for (; i + 8 <= n; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 e = attn::exp_fixed8(_mm256_sub_ps(zero, gv));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-      }
-    }
-#endif
-    for (; i < n; ++i) out[i] = g[i] / (1.f + attn::exp_fixed(0.f - g[i])) * u[i];
   }
 
   // Queries ordered (segment, kv head, row, head of the group); one attn::Group per (segment, kv head),
@@ -441,9 +414,10 @@ class FusedDecoder {
   bool has_lm_ = false, has_fc_ = false;
   torch::Tensor emb_norm_, feat_norm_;
   // scratch, reused across calls (one forward at a time per decoder)
-  std::vector<float> x_, h_, qkv_, att_, ff_, act_, cs_, cat_;
+  std::vector<float> x_, h_, qkv_, att_, ff_, cs_, cat_;
   std::vector<int32_t> idx_;
-  std::vector<int64_t> off_, cnt_, contig_;
+  std::vector<int64_t> off_, cnt_, contig_, seg_of_;
+  ActBuf act_q_;  // the codes of the next linear's input (block-major, see mm_core.h)
   std::vector<attn::Query> aq_;
   std::vector<attn::Group> ag_;
   attn::Runner runner_;

@@ -57,6 +57,16 @@ inline Pool& pool() {
   return *g_pool;
 }
 
+#if defined(__AVX512F__)
+// The code of v = x * id: round to nearest even, clamped to [-127, 127]. Clamping first and rounding in the
+// conversion equals rounding first (the bounds are integers, rounding is monotonic), and max_ps(NaN, -127)
+// = -127 as the scalar path's std::max(-127.f, NaN) gives; an infinite v (id = inf after a denormal d) clamps.
+inline __m512i clamp_round(__m512 v, __m512 nlim, __m512 lim) {
+  return _mm512_cvt_roundps_epi32(_mm512_min_ps(_mm512_max_ps(v, nlim), lim),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+#endif
+
 // Quantize one row's block of 32 floats. Identical arithmetic on every path (IEEE division,
 // multiply, round-to-nearest-even), so a row's codes never depend on the path or the batch.
 inline void quantize_block(const float* x, int8_t* q, float* d_out, float* s_out) {
@@ -67,11 +77,9 @@ inline void quantize_block(const float* x, int8_t* q, float* d_out, float* s_out
   const float d = amax / 127.f;
   const float id = d != 0.f ? 1.f / d : 0.f;
   const __m512 vid = _mm512_set1_ps(id), lim = _mm512_set1_ps(127.f);
-  const __m512 r0 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(a0, vid),
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
-  const __m512 r1 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(a1, vid),
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
-  const __m512i i0 = _mm512_cvtps_epi32(r0), i1 = _mm512_cvtps_epi32(r1);
+  const __m512 nlim = _mm512_sub_ps(_mm512_setzero_ps(), lim);
+  const __m512i i0 = clamp_round(_mm512_mul_ps(a0, vid), nlim, lim);
+  const __m512i i1 = clamp_round(_mm512_mul_ps(a1, vid), nlim, lim);
   _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(i0));
   _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(i1));
   const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
@@ -91,10 +99,124 @@ inline void quantize_block(const float* x, int8_t* q, float* d_out, float* s_out
   *s_out = d * (float)sum;
 }
 
+#if defined(__AVX512F__)
+// Transposed reduction of 16 vectors: lane j of the result = op over the 16 lanes of v[j] (op exact
+// and commutative: float max, integer add, so the lane order inside the tree is free). Four levels of
+// 128-bit-lane / in-lane shuffles, 15 ops each, instead of 16 separate horizontal reductions.
+template <class Op>
+inline __m512 transpose_reduce16(const __m512* v, Op op) {
+  __m512 r[8], t[4], u[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit lanes: (v2i 0^2, v2i 1^3, v2i+1 0^2, v2i+1 1^3)
+    r[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // lane k: block 4i + k, 4 partials
+    t[i] = op(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88), _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // lane k: blocks 8i + k and 8i + 4 + k, 2 partials each
+    u[i] = op(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  // element 4k + j: block k + 4j; permute to element n = block n
+  const __m512 w = op(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), w);
+}
+
+// 16 consecutive blocks of one row (x: 512 floats): quantize_block's arithmetic for each, with the
+// per-block max / sum reductions, the division and the reciprocal done 16 blocks at a time.
+// Block j's codes go to q + j * qstride, its d / s to d_out[j * dstride] / s_out[j * dstride].
+inline void quantize_16blocks(const float* x, int8_t* q, int64_t qstride, float* d_out, float* s_out,
+                              int64_t dstride) {
+  __m512 v[16];
+  for (int j = 0; j < 16; ++j)
+    v[j] = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + 32 * j)), _mm512_abs_ps(_mm512_loadu_ps(x + 32 * j + 16)));
+  const __m512 amax = transpose_reduce16(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+  const __m512 d = _mm512_div_ps(amax, _mm512_set1_ps(127.f));
+  // id = d != 0 ? 1 / d : 0 (unordered compare: a NaN d gives 1 / d as the scalar `!=` does)
+  const __m512 id =
+      _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_UQ), _mm512_set1_ps(1.f), d);
+  alignas(64) float ids[16];
+  _mm512_store_ps(ids, id);
+  const __m512 lim = _mm512_set1_ps(127.f), nlim = _mm512_sub_ps(_mm512_setzero_ps(), lim);
+  for (int j = 0; j < 16; ++j) {
+    const __m512 vid = _mm512_set1_ps(ids[j]);
+    const __m512i i0 = clamp_round(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * j), vid), nlim, lim);
+    const __m512i i1 = clamp_round(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * j + 16), vid), nlim, lim);
+    _mm_storeu_si128((__m128i*)(q + j * qstride), _mm512_cvtsepi32_epi8(i0));
+    _mm_storeu_si128((__m128i*)(q + j * qstride + 16), _mm512_cvtsepi32_epi8(i1));
+    v[j] = _mm512_castsi512_ps(_mm512_add_epi32(i0, i1));
+  }
+  const __m512i sum = _mm512_castps_si512(transpose_reduce16(v, [](__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  }));
+  alignas(64) float dd[16], ss[16];
+  _mm512_store_ps(dd, d);
+  _mm512_store_ps(ss, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum)));  // d * (float)sum, |sum| <= 4064: exact
+  for (int j = 0; j < 16; ++j) {
+    d_out[j * dstride] = dd[j];
+    s_out[j * dstride] = ss[j];
+  }
+}
+#endif
+
+// Quantized activations in the kernels' block-major (B, M, 32) layout, owned by the caller.
 struct ActBuf {
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  int64_t M = 0, K = 0;
+
+  // Sizes the buffers for M rows of length K (a multiple of 32); call before quantize_row.
+  void prepare(int64_t rows, int64_t len) {
+    M = rows;
+    K = len;
+    q.resize(rows * len);
+    d.resize(rows * (len / kQK));
+    s.resize(rows * (len / kQK));
+  }
+
+  Act view() const {
+    Act a;
+    a.M = (int)M;
+    a.K = (int)K;
+    a.B = (int)(K / kQK);
+    a.q = q.data();
+    a.d = d.data();
+    a.s = s.data();
+    return a;
+  }
+
+  // Quantize row m (x: K floats) into its slots. Thread-safe for distinct m once prepared.
+  void quantize_row(const float* x, int64_t m) {
+    const int64_t B = K / kQK;
+    int64_t b = 0;
+#if defined(__AVX512F__)
+    for (; b + 16 <= B; b += 16)
+      quantize_16blocks(x + b * kQK, q.data() + (b * M + m) * kQK, M * kQK, d.data() + b * M + m, s.data() + b * M + m,
+                        M);
+#endif
+    for (; b < B; ++b)
+      quantize_block(x + b * kQK, q.data() + (b * M + m) * kQK, d.data() + b * M + m, s.data() + b * M + m);
+  }
 };
+
+// Row passes (activation quantization, fused.h's per-row work) of at least this many 32-blocks in all go
+// over the pool; smaller ones stay on the caller (a row's bits never depend on the thread that computes
+// it). Set by qgemm.set_row_pass_blocks. Default: every pass on the caller. Measured on the 2-core Xeon at
+// load average ~7 (three jobs), the pool setting 64 made 4-16-row forwards 6-11% slower, wall and caller CPU
+// time alike (benchmarks/row_pass_ab.py; the worker, sharing its core, finishes its rows late and the
+// caller waits); on a quiet machine it should take ~half of the ~4 ms of row work of a 16-row step off
+// the caller: re-measure there before changing this default.
+constexpr int64_t kRowPassCaller = int64_t(1) << 40;
+inline int64_t g_par_blocks = kRowPassCaller;
+
+// Whether M rows of len floats each go over the pool (mm_core's quantize_rows, fused.h's rows()).
+inline bool rows_on_pool(int64_t M, int64_t len) {
+  return M >= 2 && M * (len / kQK) >= g_par_blocks && pool().size() > 1;
+}
+
+// Quantize x (M, K) row-major into buf (prepared here); rows spread over the pool when worth it.
+inline void quantize_rows(const float* x, int64_t M, int64_t K, ActBuf& buf) {
+  buf.prepare(M, K);
+  if (rows_on_pool(M, K))
+    pool().run([&](int m) { buf.quantize_row(x + (int64_t)m * K, m); }, (int)M);
+  else
+    for (int64_t m = 0; m < M; ++m) buf.quantize_row(x + m * K, m);
+}
 
 // Validate the call; returns the tile function of the requested path.
 inline const Path& pick_path(const std::string& name) {
@@ -106,35 +228,17 @@ inline const Path& pick_path(const std::string& name) {
 }
 
 
-// y (M, N) row-major = x (M, K) row-major @ W^T for a packed weight wp of `kind`; no checks (the
-// callers validate shapes). Shared by the Python-facing mm and the fused decoder (fused.h).
-inline void mm_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, int kind,
-                    const Path& path, float* yp) {
+// y (M, N) row-major = a @ W^T for activations already quantized (a.M rows of a.K) and a packed
+// weight wp of `kind`; no checks (the callers validate shapes).
+inline void mm_act(const Act& a, const uint8_t* wp, int64_t N, int kind, const Path& path, float* yp) {
+  const int64_t M = a.M, B = a.B;
   if (M == 0 || N == 0) return;
-  const int64_t T = (N + kTile - 1) / kTile, B = K / kQK;
+  const int64_t T = (N + kTile - 1) / kTile;
   const int64_t blk = kind == kQ4_1 ? kQ41Bytes : kQ80Bytes;
-  thread_local ActBuf buf;
-  const auto tq0 = g_time_quant ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
-  buf.q.resize(M * K);
-  buf.d.resize(M * B);
-  buf.s.resize(M * B);
-  // block-major (B, M, 32) codes so a kernel finds the rows of one block at constant offsets
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < B; ++b)
-      quantize_block(xp + m * K + b * kQK, buf.q.data() + (b * M + m) * kQK,
-                     buf.d.data() + b * M + m, buf.s.data() + b * M + m);
-  Act a;
-  a.M = (int)M;
-  a.K = (int)K;
-  a.B = (int)B;
-  a.q = buf.q.data();
-  a.d = buf.d.data();
-  a.s = buf.s.data();
-  if (g_time_quant)
-    g_quant_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - tq0).count();
-
   const TileFn fn = kind == kQ4_1 ? path.q4_1 : path.q8_0;
-  const int rbmax = path.row_block;
+  // row chunks of at most path.row_block, evened out (20 rows: 10 + 10, not 16 + 4; a row's bits do not
+  // depend on its chunk)
+  const int64_t nchunks = (M + path.row_block - 1) / path.row_block, rb = (M + nchunks - 1) / nchunks;
   Pool& pl = pool();
   // Units of >= g_unit_bytes of weights (a claim costs an atomic), at most 128 per thread: a thread
   // streams its own contiguous region of units (pool.h), so finer units only even out the finish
@@ -149,11 +253,24 @@ inline void mm_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, in
     for (int64_t t = u * per; t < t1; ++t) {
       const uint8_t* w = wp + t * B * blk;
       const int ncols = (int)std::min<int64_t>(kTile, N - t * kTile);
-      for (int64_t r = 0; r < M; r += rbmax)
-        fn(w, a, (int)r, (int)std::min<int64_t>(rbmax, M - r), yp + t * kTile, (int)N, ncols);
+      for (int64_t r = 0; r < M; r += rb)
+        fn(w, a, (int)r, (int)std::min<int64_t>(rb, M - r), yp + t * kTile, (int)N, ncols);
     }
   };
   pl.run(work, (int)nunits);
+}
+
+// y (M, N) row-major = x (M, K) row-major @ W^T for a packed weight wp of `kind`; no checks (the
+// callers validate shapes). Shared by the Python-facing mm and the fused decoder (fused.h).
+inline void mm_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, int kind,
+                    const Path& path, float* yp) {
+  if (M == 0 || N == 0) return;
+  thread_local ActBuf buf;
+  const auto tq0 = g_time_quant ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+  quantize_rows(xp, M, K, buf);  // block-major (B, M, 32) codes: a kernel finds a block's rows at constant offsets
+  if (g_time_quant)
+    g_quant_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - tq0).count();
+  mm_act(buf.view(), wp, N, kind, path, yp);
 }
 
 // Streaming read of n bytes by the pool (256 KB units, 64-byte vector loads, no writes): the read

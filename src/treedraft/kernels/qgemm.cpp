@@ -58,6 +58,24 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t kind,
   return y;
 }
 
+// The GEMM's activation quantization of x (M, K) float32 (K a multiple of 32), as the kernels see it:
+// codes (B, M, 32) int8, scales d (B, M) and s = d * sum(codes) (B, M) float32, B = K / 32.
+std::vector<torch::Tensor> quantize_act(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "qgemm.quantize: x must be a contiguous float32 (M, K) tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kQK == 0, "qgemm.quantize: K=", K, " is not a multiple of 32");
+  ActBuf buf;
+  quantize_rows(x.data_ptr<float>(), M, K, buf);
+  const int64_t B = K / kQK;
+  auto q = torch::empty({B, M, kQK}, torch::kInt8);
+  auto d = torch::empty({B, M}, torch::kFloat32), s = torch::empty({B, M}, torch::kFloat32);
+  std::memcpy(q.data_ptr<int8_t>(), buf.q.data(), M * K);
+  std::memcpy(d.data_ptr<float>(), buf.d.data(), M * B * sizeof(float));
+  std::memcpy(s.data_ptr<float>(), buf.s.data(), M * B * sizeof(float));
+  return {q, d, s};
+}
+
 // Read bandwidth (GB/s) of the GEMM's thread pool streaming `buf` (see read_probe), best of reps.
 double read_bandwidth(torch::Tensor buf, int64_t reps) {
   TORCH_CHECK(buf.scalar_type() == torch::kUInt8 && buf.is_contiguous() && buf.numel() > 0,
@@ -207,6 +225,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "row-invariant decode attention (GIL released)", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("allowed"),
       py::arg("scale"), py::arg("path") = "");
   m.def(
+      "quantize", [](torch::Tensor x) { return td::serialized([&] { return td::quantize_act(x); }); },
+      "activation quantization of x (M, K): codes (K/32, M, 32) int8, d and s (K/32, M)", py::arg("x"));
+  m.def(
       "read_bandwidth",
       [](torch::Tensor buf, int64_t reps) { return td::serialized([&] { return td::read_bandwidth(buf, reps); }); },
       "GB/s of the pool streaming a uint8 buffer (best of reps)", py::arg("buf"), py::arg("reps") = 5);
@@ -266,6 +287,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "set_attn_block_gemm", [](bool on) { td::serialized([&] { td::attn::g_block_gemm = on; }); },
       "AVX-512 attention: shared key chunks as per-block GEMMs (True) or chunk by chunk (same bits; for timing)");
+  m.def(
+      "set_row_pass_blocks",
+      [](int64_t n) {
+        return td::serialized([&] {
+          TORCH_CHECK(n >= 0, "qgemm.set_row_pass_blocks: need n >= 0");
+          const int64_t old = td::g_par_blocks;
+          td::g_par_blocks = n;
+          return old;
+        });
+      },
+      "smallest row pass (in 32-blocks of all rows) run over the pool; returns the previous value (same bits)");
   m.def(
       "set_spin_us", [](int64_t us) { td::serialized([&] { td::set_spin_us(us); }); },
       "how long idle workers spin before sleeping");
