@@ -3,6 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-v1
 PROMPT ?= Explain in three sentences why the sky is blue.
+# pytest-xdist workers of `make test`; --dist loadfile keeps each test file (and its module fixtures) in one worker
+TEST_WORKERS ?= 2
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -25,7 +27,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
-	$(PY) -m pytest -q -x --durations=10
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 # the extended tests too (minutes each: Gemma 3 270M end to end through transformers)
 test-extended: $(STAMP)
