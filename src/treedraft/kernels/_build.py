@@ -133,6 +133,15 @@ def _build(out: Path, name: str) -> ModuleType:
     )
 
 
+def _wait_for_other_build(out: Path, timeout_s: float = 300.0) -> None:
+    """Wait while another process builds into ``out``: torch's cpp_extension holds ``out/lock`` while its
+    linker writes the .so in place, so a concurrent process (pytest -n) could import half a file. Bounded:
+    a lock left by a killed build does not block loading a complete .so for longer than ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (out / "lock").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def load_extension(reload: bool = False) -> ModuleType | None:
     """The extension module (built at first use), or None with the reason in build_info()."""
     if _state["loaded"] and not reload:  # fast path of every mm call
@@ -150,6 +159,7 @@ def load_extension(reload: bool = False) -> ModuleType | None:
             so = out / f"{name}.so"
             _state["path"] = str(so)
             if so.is_file():
+                _wait_for_other_build(out)
                 mod = _import_built(so, name) if name not in sys.modules else sys.modules[name]
             else:
                 mod = _build(out, name)

@@ -18,6 +18,7 @@ mask, logits_for)`` / ``cache.keep``. Here that is mapped onto a transformers mo
 from __future__ import annotations
 
 import inspect
+import os
 import shutil
 from pathlib import Path
 
@@ -326,9 +327,15 @@ def _converted_gguf(path: Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")  # per process: concurrent conversions never share it
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.replace(out)
+    if out.exists() and not (out / "config.json").is_file():
+        shutil.rmtree(out, ignore_errors=True)  # a leftover without config.json
+    try:
+        tmp.replace(out)
+    except OSError:  # another process converted it first (a non-empty directory is not replaced)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").is_file():
+            raise
     return out

@@ -186,6 +186,7 @@ def apply_weights(
     least ``min_agreement``; the choice and the per-format kernels are cached per machine, torch version,
     thread count and model file (TREEDRAFT_RETUNE=1 measures again).
     """
+    from .cache import atomic_write_text
     from .registry import cache_dir
 
     check_weights(weights)
@@ -211,11 +212,10 @@ def apply_weights(
         measured: dict[str, dict[str, QWeight]] = {}
         if cached is None:
             cached = _measure_auto(model, qweights, natives, probe_ids, min_agreement, log, measured)
-            f.parent.mkdir(parents=True, exist_ok=True)
-            f.write_text(json.dumps(cached))
+            atomic_write_text(f, json.dumps(cached))  # concurrent loads (pytest -n) never read half a file
             for w, kernels in cached["kernels_by_format"].items():  # what --weights int4/int8 would measure
                 if not tune_file(w).is_file():
-                    tune_file(w).write_text(json.dumps({"kernels": kernels}))
+                    atomic_write_text(tune_file(w), json.dumps({"kernels": kernels}))
         info.update(cached)
         weights = cached["chosen"]
         if weights == "fp32":
@@ -226,8 +226,7 @@ def apply_weights(
         qw = qweights(weights)
         if cached is None:
             cached = {"kernels": choose_kernels(qw, natives, log)}
-            f.parent.mkdir(parents=True, exist_ok=True)
-            f.write_text(json.dumps(cached))
+            atomic_write_text(f, json.dumps(cached))
         info["kernels"] = cached["kernels"]
     swap_linears(model, qw, info["kernels"], natives)
     info["resolved"] = weights

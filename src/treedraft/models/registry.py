@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from importlib import util as import_util
 from pathlib import Path
 
@@ -79,7 +80,7 @@ def load_own(path: Path, dtype: torch.dtype, device: str, max_seq_len: int | Non
     sd = {
         k: v.contiguous() for k, v in model.state_dict().items() if not (cfg.tie_embeddings and k == "lm_head.weight")
     }
-    tmp = cached.with_suffix(".tmp")
+    tmp = cached.with_name(f".{cached.stem}.{os.getpid()}.tmp")  # per process: concurrent loads never share it
     save_file(sd, str(tmp))
     tmp.replace(cached)
     return model.to(device=device, dtype=dtype), meta
