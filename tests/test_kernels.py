@@ -119,7 +119,7 @@ def test_matches_reference_within_derived_bounds(kind: str, N: int, K: int) -> N
 @needs_ext
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_paths_bitwise_equal(kind: str) -> None:
-    """avx512, avx2 and scalar code paths give bitwise identical results (same arithmetic order)."""
+    """avx512vnni, avx512, avx2 and scalar code paths give bitwise identical results (exact integer sums, same float order)."""
     pw, _, _ = packed(kind, 75, 320, seed=3)
     x = torch.randn(13, 320, generator=torch.Generator().manual_seed(2))
     ys = {p: tk.mm(x, pw, path=p) for p in tk.paths()}

@@ -68,7 +68,7 @@ def unavailable_reason() -> str | None:
 
 
 def paths() -> list[str]:
-    """Compiled code paths, fastest first (e.g. ['avx512', 'avx2', 'scalar'])."""
+    """Compiled code paths, fastest first (e.g. ['avx512vnni', 'avx512', 'avx2', 'scalar'])."""
     ext = _ext()
     return list(ext.paths()) if ext is not None else []
 

@@ -29,6 +29,9 @@ struct Path {
 
 inline std::vector<Path> compiled_paths() {
   std::vector<Path> p;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  p.push_back({"avx512vnni", tile_q4_1_vnni, tile_q8_0_vnni, kRowBlockAvx512});
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   p.push_back({"avx512", tile_q4_1_avx512, tile_q8_0_avx512, kRowBlockAvx512});
 #endif

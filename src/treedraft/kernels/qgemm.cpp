@@ -144,7 +144,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
 #elif defined(__AVX2__) && defined(__FMA__)
     isa = attn::kAvx2;
 #endif
-  } else if (path_name == "avx512") {
+  } else if (path_name == "avx512" || path_name == "avx512vnni") {  // attention has no VNNI variant
 #if defined(__AVX512F__)
     isa = attn::kAvx512;
 #else
