@@ -232,6 +232,52 @@ def test_automatic_fallbacks(monkeypatch, calls) -> None:
             m2(torch.randint(0, V, (1, 2), generator=g), torch.arange(9, 11), c1, start=9)
 
 
+def test_decoder_rebuilt_after_each_kind_of_change_and_unchecked_otherwise(monkeypatch) -> None:
+    """The per-step validity check is O(1) until something is assigned (models/watch.py); each kind of change
+    the decoder depends on (module, parameter, buffer, NativeLinear.packed, exact_attention, .to()) rebuilds it."""
+    from treedraft.models import watch
+
+    monkeypatch.setenv(fused.ENV_DISABLE, "0")
+    model = _tiny_native(seed=7, bias=True)
+    full = []
+    orig = fused._Watch.valid
+
+    def counting(self, m):
+        if watch.count() != self.seen:
+            full.append(1)
+        return orig(self, m)
+
+    monkeypatch.setattr(fused._Watch, "valid", counting)
+    dec = fused.decoder_for(model)
+    assert dec is not None
+    full.clear()
+    for _ in range(5):
+        assert fused.decoder_for(model) is dec
+    assert full == []  # nothing changed: no slot scan
+    torch.nn.Linear(4, 4)  # an unrelated module anywhere in the process: one scan, same decoder
+    assert fused.decoder_for(model) is dec and fused.decoder_for(model) is dec
+    assert len(full) == 1
+    other = _tiny_native(seed=8, bias=True)
+    changes = [
+        lambda: setattr(model.layers[1].ffn, "w2", other.layers[1].ffn.w2),  # a module
+        lambda: setattr(model.norm, "weight", torch.nn.Parameter(model.norm.weight.clone())),  # a parameter
+        lambda: setattr(model.layers[0].attn.wqkv, "bias", model.layers[0].attn.wqkv.bias.clone()),  # a buffer
+        lambda: setattr(model.layers[2].attn.wo, "packed", other.layers[2].attn.wo.packed),  # not registered
+        lambda: setattr(model.layers[0].attn, "exact_attention", True),  # not registered (same value)
+        lambda: model.to(torch.float32),  # _apply swaps buffers without the hooks
+    ]
+    for i, change in enumerate(changes):
+        full.clear()
+        change()
+        new = fused.decoder_for(model)
+        assert new is not None and full == [1], i  # the change was seen: one full scan
+        if i < 4:  # a different object in a watched slot: rebuilt (the last two keep the same objects)
+            assert new is not dec, i
+        dec = new
+        full.clear()
+        assert fused.decoder_for(model) is dec and full == [], i  # checked out: unchecked again
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("weights", "kv_dtype"), [("int4", "auto"), ("int8", "auto"), ("int4", "float32")])
 def test_speculative_equals_plain_on_the_real_model_fused(weights: str, kv_dtype: str, monkeypatch, calls) -> None:

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import watch
+
 ENV_DISABLE = "TREEDRAFT_NO_FUSED"
 _EMPTY_MASK = torch.empty(0, dtype=torch.bool)
 _CACHE_DTYPES = (torch.float32, torch.float16)  # KV cache storage the native decoder reads (kernels/attn_kv.h)
@@ -68,11 +70,18 @@ class _Watch:
     keys: list[str]
     objs: list[Any]
     nlayers: int
+    seen: int = -1  # watch.count() when every slot last checked out
 
     def valid(self, model) -> bool:
-        return len(model.layers) == self.nlayers and all(
-            map(operator.is_, map(dict.get, self.dicts, self.keys), self.objs)
-        )
+        if len(model.layers) != self.nlayers:
+            return False
+        now = watch.count()
+        if now == self.seen:  # nothing assigned anywhere since the last full check (watch.py)
+            return True
+        ok = all(map(operator.is_, map(dict.get, self.dicts, self.keys), self.objs))
+        if ok:
+            self.seen = now
+        return ok
 
 
 def _deps(model) -> _Watch:
@@ -100,7 +109,7 @@ def _deps(model) -> _Watch:
         lin(b.attn, "wqkv"), lin(b.attn, "wo"), lin(b.ffn, "w13"), lin(b.ffn, "w2")
     lin(model, "lm_head")
     dicts, keys = [d for d, _ in slots], [k for _, k in slots]
-    return _Watch(dicts, keys, [d.get(k) for d, k in slots], len(model.layers))
+    return _Watch(dicts, keys, [d.get(k) for d, k in slots], len(model.layers), watch.count())
 
 
 _EMPTY_F32 = torch.empty(0, dtype=torch.float32)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import watch
 from .bf16 import bf16_gemm_available, linear_bf16, pack_bf16  # noqa: F401  (re-exported: drafters use them)
 from .kvcache import KVCache, Segment
 from .matmul import (  # noqa: F401  (re-exported: callers import them from here)
@@ -108,6 +109,11 @@ class Attention(nn.Module):
         # fused q/k/v projection: one matmul instead of three (rows: q, k, v)
         self.wqkv = Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.qkv_bias)
         self.wo = Linear(q_out, cfg.hidden_size, bias=False)
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name == "exact_attention":  # read by the fused decoder, not a registered attribute (watch.py)
+            watch.bump()
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache | None, start: int
@@ -241,6 +247,7 @@ class Transformer(nn.Module):
         head_dim 64, theta 1e4), so a cast buffer is recomputed in float32 from the config on its new device.
         """
         out = super()._apply(fn, recurse)
+        watch.bump()  # _apply replaces buffers without the registration hooks
         if self.inv_freq.dtype != torch.float32:
             self.inv_freq = rope_frequencies(self.config, self.inv_freq.device)
         return out

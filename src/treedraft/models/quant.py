@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from . import watch
 from .gguf_blocks import dequantize_q4, dequantize_q8
 
 WEIGHTS = ("auto", "fp32", "int8", "int4")
@@ -150,6 +151,11 @@ class NativeLinear(QuantLinear):
         self._k = kernels
         self.packed = kernels.pack_q4_1(*parts) if fmt == "q4" else kernels.pack_q8_0(*parts)
         self._nbytes = sum(p.numel() * p.element_size() for p in parts[:-1]) + n * k // (2 if fmt == "q4" else 1)
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name == "packed":  # read by the fused decoder, not a registered attribute (watch.py)
+            watch.bump()
 
     def mm(self, x: Tensor) -> Tensor:
         return self._k.mm(x.float().contiguous(), self.packed)
