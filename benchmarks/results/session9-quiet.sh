@@ -22,4 +22,6 @@ step rows_profile
 $PY benchmarks/rows_profile.py 2>&1 | tail -12
 step fused_latency
 $PY benchmarks/fused_latency.py --reps 15 2>&1 | tail -14
+step suffix_repeated 20
+$PY benchmarks/suffix_repeated.py --prompts 20 --max-new 256 --weights int4 --cold-repeats 1 --passes turn1-cold,turn2,turn1-repeat --out $R/suffix_repeated-s9-20x256 2>&1 | tail -25
 step done

@@ -1,6 +1,7 @@
 // AVX-512BW kernels: one zmm holds 16 output columns; a weight tile is unpacked once per block
 // and applied to RB activation rows held in registers (integer dot products as llama.cpp's
-// ggml_vec_dot_q4_1_q8_1: vpmaddubsw unsigned nibbles x signed int8, vpmaddwd with ones).
+// ggml_vec_dot_q4_1_q8_1: vpmaddubsw unsigned nibbles x signed int8, vpmaddwd with ones; or vpdpbusd
+// where AVX512_VNNI is compiled in: the "avx512vnni" path, same bits).
 #pragma once
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -16,18 +17,79 @@ inline void store16(float* dst, __m512 v, int ncols) {
     _mm512_mask_storeu_ps(dst, (__mmask16)((1u << ncols) - 1), v);
 }
 
-// Q4_1: per (row, block) 8 vpmaddubsw summed in int16 (|sum| <= 8 * 2 * 15 * 127 = 30480, no
-// saturation since activations are clamped to [-127, 127]), one vpmaddwd, then the fp32 update.
-// Per (row, block) that is 8 vpmaddubsw + 7 vpaddw + vpmaddwd + vcvtdq2ps + vmulps + 2 vfmadd = 20
-// vector ops (the 12 ops unpacking the block are shared by the RB rows); the row loop is unrolled so
-// accumulators, broadcasts and weights stay in registers (26 zmm at RB = 8). RB goes up to 16: a 16-row
-// step unpacks each block once instead of twice, and its accumulators still fit in the 32 zmm (a
-// cache-resident 16-row tile costs ~7% fewer cycles than two 8-row passes, benchmarks/tile_cycles.cpp).
-template <int RB>
-void tile_q4_1_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo,
-                         int ncols) {
+// Integer dot products per (row, block), in int32 lanes, one per output column: w holds the block's 16
+// columns as 8 vectors of 4-byte k groups (unsigned), xr the row's 32 int8 codes. Both variants sum the
+// same exact integers, so every output bit is the same whichever runs.
+//
+// Q4_1 without VNNI (as llama.cpp's ggml_vec_dot_q4_1_q8_1): 8 vpmaddubsw (unsigned nibbles x signed int8)
+// summed in int16 (|sum| <= 8 * 2 * 15 * 127 = 30480, no saturation since activations are clamped to
+// [-127, 127]), widened once by vpmaddwd with ones.
+// With AVX512_VNNI (Ice Lake and later Xeons, AMD Zen 4/5): vpdpbusd multiplies unsigned by signed bytes,
+// sums each group of 4 products and adds to int32 lanes in one instruction: 8 vpdpbusd in two chains +
+// vpaddd against 8 vpmaddubsw + 7 vpaddw + vpmaddwd.
+template <bool VNNI>
+__attribute__((always_inline)) inline __m512i dot_q4(const __m512i* wv, const int8_t* xr) {
+#if defined(__AVX512VNNI__)
+  if constexpr (VNNI) {
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < 8; i += 2) {
+      s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(load_i32(xr + 4 * i)));
+      s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(load_i32(xr + 4 * i + 4)));
+    }
+    return _mm512_add_epi32(s0, s1);
+  }
+#endif
+  __m512i xv[8];  // the row's 4-byte groups broadcast (k = 4i.. and 16+4i..)
+  _Pragma("GCC unroll 8")
+  for (int i = 0; i < 8; ++i) xv[i] = _mm512_set1_epi32(load_i32(xr + 4 * i));
+  __m512i s16 = _mm512_maddubs_epi16(wv[0], xv[0]);
+  _Pragma("GCC unroll 7")
+  for (int i = 1; i < 8; ++i) s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(wv[i], xv[i]));
+  return _mm512_madd_epi16(s16, _mm512_set1_epi16(1));
+}
+
+// Q8_0 (llama.cpp's signed-by-signed trick: the byte multiplies take one unsigned operand): per 4-k group
+// |w| as the unsigned operand and x with w's sign applied (a masked byte subtract from zero; AVX-512BW has
+// no vpsignb), so |w| * sign(w) x = w x exactly. Without VNNI no saturation needs care: |w| <= 128,
+// |x| <= 127, a pair sums to <= 2 * 128 * 127 = 32512 < 32767; but two pairs can exceed int16, so every
+// vpmaddubsw is widened at once by vpmaddwd with ones. Per (row, block): 8 x (vpbroadcastd load, masked
+// vpsubb, vpmaddubsw, vpmaddwd, vpaddd), against 16 x (vpbroadcastd, vpmaddwd, vpaddd) on sign-extended
+// int16 weights before (~0.8-0.95x the cycles in a one-thread cache-resident A/B); with VNNI, vpdpbusd
+// replaces vpmaddubsw + vpmaddwd + vpaddd.
+template <bool VNNI>
+__attribute__((always_inline)) inline __m512i dot_q8(const __m512i* wa, const __mmask64* neg,
+                                                      const int8_t* xr) {
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i s0 = zero, s1 = zero;
+  _Pragma("GCC unroll 8")
+  for (int i = 0; i < 8; i += 2) {
+    const __m512i x0 = _mm512_set1_epi32(load_i32(xr + 4 * i));
+    const __m512i x1 = _mm512_set1_epi32(load_i32(xr + 4 * i + 4));
+    const __m512i y0 = _mm512_mask_sub_epi8(x0, neg[i], zero, x0);
+    const __m512i y1 = _mm512_mask_sub_epi8(x1, neg[i + 1], zero, x1);
+#if defined(__AVX512VNNI__)
+    if constexpr (VNNI) {
+      s0 = _mm512_dpbusd_epi32(s0, wa[i], y0);
+      s1 = _mm512_dpbusd_epi32(s1, wa[i + 1], y1);
+      continue;
+    }
+#endif
+    const __m512i ones = _mm512_set1_epi16(1);
+    s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(_mm512_maddubs_epi16(wa[i], y0), ones));
+    s1 = _mm512_add_epi32(s1, _mm512_madd_epi16(_mm512_maddubs_epi16(wa[i + 1], y1), ones));
+  }
+  return _mm512_add_epi32(s0, s1);  // exact integer sum
+}
+
+// Q4_1 tile: per block the 12 ops unpacking it are shared by the RB rows; per (row, block) the dot above,
+// then vcvtdq2ps + vmulps + 2 vfmadd. The row loop is unrolled so accumulators, broadcasts and weights stay
+// in registers (26 zmm at RB = 8). RB goes up to 16: a 16-row step unpacks each block once instead of
+// twice, and its accumulators still fit in the 32 zmm (a cache-resident 16-row tile costs ~7% fewer cycles
+// than two 8-row passes, benchmarks/tile_cycles.cpp).
+template <int RB, bool VNNI>
+void tile_q4_1_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo, int ncols) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const __m512i ones = _mm512_set1_epi16(1);
   const int pf = g_prefetch_ahead;
   __m512 acc[RB];
   _Pragma("GCC unroll 16")
@@ -54,14 +116,7 @@ void tile_q4_1_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int
     const float* sb = a.s + (int64_t)b * a.M + r0;
     _Pragma("GCC unroll 16")
     for (int r = 0; r < RB; ++r) {
-      const int8_t* xr = xb + r * kQK;
-      __m512i xv[8];  // the row's 4-byte groups broadcast (k = 4i.. and 16+4i..)
-      _Pragma("GCC unroll 8")
-      for (int i = 0; i < 8; ++i) xv[i] = _mm512_set1_epi32(load_i32(xr + 4 * i));
-      __m512i s16 = _mm512_maddubs_epi16(wv[0], xv[0]);
-      _Pragma("GCC unroll 7")
-      for (int i = 1; i < 8; ++i) s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(wv[i], xv[i]));
-      const __m512 f = _mm512_cvtepi32_ps(_mm512_madd_epi16(s16, ones));
+      const __m512 f = _mm512_cvtepi32_ps(dot_q4<VNNI>(wv, xb + r * kQK));
       acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(db[r])), acc[r]);
       acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sb[r]), acc[r]);
     }
@@ -70,22 +125,10 @@ void tile_q4_1_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int
   for (int r = 0; r < RB; ++r) store16(out + (int64_t)(r0 + r) * ldo, acc[r], ncols);
 }
 
-// Q8_0 (llama.cpp's signed-by-signed trick for vpmaddubsw, which takes one unsigned operand): per
-// 4-k group |w| as the unsigned operand and x with w's sign applied (a masked byte subtract from zero;
-// AVX-512BW has no vpsignb), so |w| * sign(w) x = w x exactly. No saturation: |w| <= 128, |x| <= 127,
-// a pair sums to <= 2 * 128 * 127 = 32512 < 32767; but two pairs can exceed int16, so every vpmaddubsw
-// is widened at once by vpmaddwd with ones (no int16 accumulation as in Q4_1).
-// Per (row, block): 8 x (vpbroadcastd load, masked vpsubb, vpmaddubsw, vpmaddwd, vpaddd) + the fp32
-// update; against 16 x (vpbroadcastd, vpmaddwd, vpaddd) on sign-extended int16 weights before
-// (the same 16 port-0 multiplies: without VNNI two vpmaddubsw results cannot share one vpmaddwd; but half
-// the broadcasts and adds and no per-block vpmovsxbw: ~0.8-0.95x the cycles of the old tile in a
-// one-thread cache-resident A/B). |w| and the sign masks are computed once per block for RB rows.
-template <int RB>
-void tile_q8_0_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo,
-                         int ncols) {
+// Q8_0 tile: |w| and the sign masks are computed once per block for RB rows.
+template <int RB, bool VNNI>
+void tile_q8_0_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo, int ncols) {
   const int pf = g_prefetch_ahead;
-  const __m512i ones = _mm512_set1_epi16(1);
-  const __m512i zero = _mm512_setzero_si512();
   __m512 acc[RB];
   _Pragma("GCC unroll 16")
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
@@ -108,18 +151,7 @@ void tile_q8_0_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int
     const float* db = a.d + (int64_t)b * a.M + r0;
     _Pragma("GCC unroll 16")
     for (int r = 0; r < RB; ++r) {
-      const int8_t* xr = xb + r * kQK;
-      __m512i s0 = zero, s1 = zero;
-      _Pragma("GCC unroll 8")
-      for (int i = 0; i < 8; i += 2) {
-        const __m512i x0 = _mm512_set1_epi32(load_i32(xr + 4 * i));
-        const __m512i x1 = _mm512_set1_epi32(load_i32(xr + 4 * i + 4));
-        const __m512i p0 = _mm512_maddubs_epi16(wa[i], _mm512_mask_sub_epi8(x0, neg[i], zero, x0));
-        const __m512i p1 = _mm512_maddubs_epi16(wa[i + 1], _mm512_mask_sub_epi8(x1, neg[i + 1], zero, x1));
-        s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(p0, ones));
-        s1 = _mm512_add_epi32(s1, _mm512_madd_epi16(p1, ones));
-      }
-      const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));  // exact integer sum
+      const __m512 f = _mm512_cvtepi32_ps(dot_q8<VNNI>(wa, neg, xb + r * kQK));
       acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(db[r])), acc[r]);
     }
   }
@@ -127,98 +159,22 @@ void tile_q8_0_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int
   for (int r = 0; r < RB; ++r) store16(out + (int64_t)(r0 + r) * ldo, acc[r], ncols);
 }
 
+template <int RB>
+void tile_q4_1_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo, int ncols) {
+  tile_q4_1_rb<RB, false>(w, a, r0, out, ldo, ncols);
+}
+template <int RB>
+void tile_q8_0_avx512_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo, int ncols) {
+  tile_q8_0_rb<RB, false>(w, a, r0, out, ldo, ncols);
+}
 #if defined(__AVX512VNNI__)
-// VNNI variants (AVX512_VNNI: Ice Lake and later Xeons, AMD Zen 4): vpdpbusd multiplies unsigned by
-// signed bytes, sums each group of 4 products and adds to int32 lanes in one instruction. The integer
-// sums are exact on both sides (no int16 stage here, none that saturates on the vpmaddubsw side), so
-// each (row, block) dot product, and hence every output bit, equals tile_*_avx512_rb's.
-// Q4_1 per (row, block): 8 vpdpbusd in two chains + vpaddd, against 8 vpmaddubsw + 7 vpaddw + vpmaddwd.
 template <int RB>
 void tile_q4_1_vnni_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo, int ncols) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const int pf = g_prefetch_ahead;
-  __m512 acc[RB];
-  _Pragma("GCC unroll 16")
-  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
-  for (int b = 0; b < a.B; ++b, w += kQ41Bytes) {
-    if (r0 == 0 && pf > 0) {
-      _Pragma("GCC unroll 5")
-      for (int l = 0; l < kQ41Bytes; l += 64)
-        _mm_prefetch((const char*)(w + pf + l), _MM_HINT_T0);
-    }
-    __m512i wv[8];  // as in tile_q4_1_avx512_rb
-    _Pragma("GCC unroll 4")
-    for (int i = 0; i < 4; ++i) {
-      const __m512i v = _mm512_loadu_si512((const void*)(w + 64 * i));
-      wv[i] = _mm512_and_si512(v, low4);
-      wv[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-    }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + 256)));
-    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + 288)));
-    const int8_t* xb = a.q + ((int64_t)b * a.M + r0) * kQK;
-    const float* db = a.d + (int64_t)b * a.M + r0;
-    const float* sb = a.s + (int64_t)b * a.M + r0;
-    _Pragma("GCC unroll 16")
-    for (int r = 0; r < RB; ++r) {
-      const int8_t* xr = xb + r * kQK;
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      _Pragma("GCC unroll 8")
-      for (int i = 0; i < 8; i += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(load_i32(xr + 4 * i)));
-        s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(load_i32(xr + 4 * i + 4)));
-      }
-      const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-      acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(db[r])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sb[r]), acc[r]);
-    }
-  }
-  _Pragma("GCC unroll 16")
-  for (int r = 0; r < RB; ++r) store16(out + (int64_t)(r0 + r) * ldo, acc[r], ncols);
+  tile_q4_1_rb<RB, true>(w, a, r0, out, ldo, ncols);
 }
-
-// Q8_0 per (row, block): the sign trick of tile_q8_0_avx512_rb with vpdpbusd in place of
-// vpmaddubsw + vpmaddwd + vpaddd (|w| <= 128 times |x| <= 127 summed in int32: exact).
 template <int RB>
 void tile_q8_0_vnni_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo, int ncols) {
-  const int pf = g_prefetch_ahead;
-  const __m512i zero = _mm512_setzero_si512();
-  __m512 acc[RB];
-  _Pragma("GCC unroll 16")
-  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
-  for (int b = 0; b < a.B; ++b, w += kQ80Bytes) {
-    if (r0 == 0 && pf > 0) {
-      _Pragma("GCC unroll 9")
-      for (int l = 0; l < kQ80Bytes; l += 64)
-        _mm_prefetch((const char*)(w + pf + l), _MM_HINT_T0);
-    }
-    __m512i wa[8];
-    __mmask64 neg[8];
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < 8; ++i) {
-      const __m512i v = _mm512_loadu_si512((const void*)(w + 64 * i));
-      wa[i] = _mm512_abs_epi8(v);
-      neg[i] = _mm512_movepi8_mask(v);
-    }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + 512)));
-    const int8_t* xb = a.q + ((int64_t)b * a.M + r0) * kQK;
-    const float* db = a.d + (int64_t)b * a.M + r0;
-    _Pragma("GCC unroll 16")
-    for (int r = 0; r < RB; ++r) {
-      const int8_t* xr = xb + r * kQK;
-      __m512i s0 = zero, s1 = zero;
-      _Pragma("GCC unroll 8")
-      for (int i = 0; i < 8; i += 2) {
-        const __m512i x0 = _mm512_set1_epi32(load_i32(xr + 4 * i));
-        const __m512i x1 = _mm512_set1_epi32(load_i32(xr + 4 * i + 4));
-        s0 = _mm512_dpbusd_epi32(s0, wa[i], _mm512_mask_sub_epi8(x0, neg[i], zero, x0));
-        s1 = _mm512_dpbusd_epi32(s1, wa[i + 1], _mm512_mask_sub_epi8(x1, neg[i + 1], zero, x1));
-      }
-      const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-      acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(db[r])), acc[r]);
-    }
-  }
-  _Pragma("GCC unroll 16")
-  for (int r = 0; r < RB; ++r) store16(out + (int64_t)(r0 + r) * ldo, acc[r], ncols);
+  tile_q8_0_rb<RB, true>(w, a, r0, out, ldo, ncols);
 }
 #endif
 
