@@ -348,3 +348,24 @@ def test_activation_codes_bitwise_equal_reference(M: int, K: int) -> None:
         assert torch.equal(s.view(torch.int32), sr.view(torch.int32))
         for m, (q1, d1, s1) in enumerate(rows):  # a row alone gets the bits it gets in the batch
             assert torch.equal(q1[0], q[m]) and torch.equal(d1[0], d[m]) and torch.equal(s1[0], s[m])
+
+
+@needs_ext
+@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="reads the CPU flags from /proc/cpuinfo")
+def test_fastest_compiled_path_is_the_best_this_cpu_has() -> None:
+    """The build uses -march=native: the first path is the best integer-dot ISA of this CPU (VNNI where present)."""
+    flags: set[str] = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        want = "avx512vnni"
+    elif {"avx512f", "avx512bw"} <= flags:
+        want = "avx512"
+    elif {"avx2", "fma", "f16c"} <= flags:
+        want = "avx2"
+    else:
+        want = "scalar"
+    assert tk.paths()[0] == want, (tk.paths(), sorted(flags & {"avx512f", "avx512bw", "avx512_vnni", "avx2"}))
+    assert tk.paths()[-1] == "scalar"
