@@ -12,7 +12,7 @@ unit bytes) settings of ``treedraft.kernels.set_tuning`` (no effect on bits), as
 and without it, alternating) and print busy/quiet per build.
 
     python benchmarks/fused_ab.py --baseline /tmp/base/src/treedraft/kernels [--context 512] [--reps 40]
-        [--busy] [--tunings 0:16384,8192:16384,4096:65536] [--kv-dtype float16]
+        [--busy] [--tunings 0:16384,8192:16384,4096:65536] [--kv-dtype float16] [--batch 8]
         [--threads 1 --clock thread]
 
 Run on branch rt2 (base = its parent commit d9f2bbb's kernels) on the 2-core Xeon at load average 13-15:
@@ -69,6 +69,9 @@ def main() -> None:
     ap.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32", help="KV cache storage")
     ap.add_argument("--busy", action="store_true", help="also time with one core kept busy by a spinner")
     ap.add_argument("--tunings", default="", help="PF:UNIT,... variants of the new build (set_tuning bytes)")
+    ap.add_argument(
+        "--batch", type=int, default=0, help="also N caches x 1 row in one packed forward (the batched server's step)"
+    )
     a = ap.parse_args()
     clock = time.thread_time if a.clock == "thread" else time.perf_counter
     tk.set_num_threads(a.threads)
@@ -115,6 +118,25 @@ def main() -> None:
             m.forward(toks[:, :k], pos, cache, ctx, None if k == 1 else tree_mask(k, ctx))
             st.decoder = rec.dec
             calls[k] = rec.args
+        if a.batch:  # N requests' caches of ctx tokens each, one new row per request, one packed forward
+            from treedraft.models.llama import Segment
+
+            caches = []
+            for i in range(a.batch):
+                c = m.new_cache(ctx + 8)
+                m.forward(torch.randint(0, V, (1, ctx), generator=g), torch.arange(ctx), c, 0)
+                c.keep(0, range(ctx))
+                caches.append(c)
+            rec = Recorder(st.decoder)
+            st.decoder = rec
+            m.forward_packed(
+                torch.randint(0, V, (a.batch,), generator=g),
+                torch.full((a.batch,), ctx),
+                [Segment(c, ctx, 1, None) for c in caches],
+            )
+            st.decoder = rec.dec
+            ks.append(f"{a.batch}x1")
+            calls[ks[-1]] = rec.args
         for k in ks:
             lb, hb = fwd("base", k)
             for n in list(decs)[1:]:
