@@ -122,7 +122,7 @@ def main() -> None:
             from treedraft.models.llama import Segment
 
             caches = []
-            for i in range(a.batch):
+            for _ in range(a.batch):
                 c = m.new_cache(ctx + 8)
                 m.forward(torch.randint(0, V, (1, ctx), generator=g), torch.arange(ctx), c, 0)
                 c.keep(0, range(ctx))
