@@ -16,6 +16,7 @@ import time
 import torch
 
 import treedraft
+from treedraft.drafters.hybrid import fresh_copy
 from treedraft.engine import GenerationConfig
 from treedraft.models.llama import Segment
 from treedraft.prompts import MT_BENCH_FILE, find_shared_data, read_prompt_file
@@ -35,7 +36,8 @@ model = eng.model
 data = find_shared_data(MT_BENCH_FILE) or "/work/shared/data/" + MT_BENCH_FILE
 prompts = [p.text for p in read_prompt_file(data)]
 rows = a.step_rows or measured_step_rows(model)
-drafter = llm.get_drafter(a.drafter) if a.drafter not in ("none", "plain") else None
+base_drafter = llm.get_drafter(a.drafter) if a.drafter not in ("none", "plain") else None
+drafter = base_drafter
 cfg = GenerationConfig(max_new_tokens=a.tokens, ignore_eos=True)
 print(
     f"weights {a.weights}, drafter {getattr(drafter, 'name', None)}, step_rows {rows}, threads {torch.get_num_threads()}"
@@ -67,10 +69,12 @@ def run(k: int, together: bool) -> tuple[float, int, int]:
     ps = [llm.encode_prompt([{"role": "user", "content": prompts[i % len(prompts)]}]) for i in range(k)]
     t, n, steps = time.perf_counter(), 0, 0
     groups = [ps] if together else [[p] for p in ps]
+    # a fresh drafter (empty suffix index) per run: else the run that goes second drafts from the first's answers
+    fresh = None if base_drafter is None else fresh_copy(base_drafter)
     for group in groups:
         sched = Scheduler(eng, step_rows=rows, prefill_chunk=256)
         for p in group:
-            sched.add(p, cfg, drafter)
+            sched.add(p, cfg, fresh)
         while sched.active:
             for _r, new in sched.step():
                 n += len(new)
