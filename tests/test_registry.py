@@ -121,3 +121,29 @@ def test_suffix_is_registered_and_uses_the_options_store_and_tenant() -> None:
     # without a store each build gets its own in-memory one (one per LLM through its DrafterCache)
     a, b = registry.build("suffix", object()), registry.build("suffix", object())  # type: ignore[arg-type]
     assert a.store is not None and b.store is not None and a.store is not b.store
+
+
+def test_publish_dir_replaces_a_leftover_and_keeps_a_concurrent_publication(tmp_path) -> None:
+    """Cache directories (tokenizer, converted HF weights) appear by one rename: a leftover without its marker
+    file is replaced, another process's complete publication is kept and this process's copy dropped."""
+    from treedraft.models.cache import publish_dir, temp_sibling
+
+    out = tmp_path / "tok"
+
+    def written(text: str) -> Path:
+        tmp = temp_sibling(out)
+        tmp.mkdir()
+        (tmp / "tokenizer.json").write_text(text)
+        return tmp
+
+    out.mkdir()
+    (out / "partial.bin").write_text("x")  # an interrupted older write: no marker
+    tmp = written("first")
+    assert publish_dir(tmp, out, "tokenizer.json")
+    assert (out / "tokenizer.json").read_text() == "first" and not (out / "partial.bin").exists()
+    assert not tmp.exists()
+    tmp = written("second")  # another process published first: its copy stays, this one is dropped
+    assert publish_dir(tmp, out, "tokenizer.json")
+    assert (out / "tokenizer.json").read_text() == "first" and not tmp.exists()
+    (tmp_path / "lone").mkdir()  # a temporary without the marker publishes nothing usable
+    assert not publish_dir(tmp_path / "lone", tmp_path / "empty", "tokenizer.json")

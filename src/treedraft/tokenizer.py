@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,13 +31,12 @@ class Tokenizer:
         else:
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             if cache_dir is not None:  # whole directory by a rename: a concurrent load never sees half of it
-                tmp = cache_dir.with_name(f".{cache_dir.name}.{os.getpid()}.tmp")
+                from .models.cache import publish_dir, temp_sibling
+
+                tmp = temp_sibling(cache_dir)
                 shutil.rmtree(tmp, ignore_errors=True)
                 tok.save_pretrained(str(tmp))
-                try:
-                    tmp.replace(cache_dir)
-                except OSError:  # another process cached it first (a non-empty directory is not replaced)
-                    shutil.rmtree(tmp, ignore_errors=True)
+                publish_dir(tmp, cache_dir, "tokenizer.json")  # not published: converted again next time
         return cls(tok)
 
     @classmethod

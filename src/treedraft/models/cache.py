@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 
@@ -18,9 +19,29 @@ def file_key(p: Path) -> str:
     return hashlib.sha1(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
+def temp_sibling(path: Path) -> Path:
+    """Where this process writes ``path``'s content before a rename publishes it (per process: concurrent
+    writers of the same cache entry, e.g. pytest-xdist workers, never share a temporary)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename (a reader never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = temp_sibling(path)
     tmp.write_text(text)
     tmp.replace(path)
+
+
+def publish_dir(tmp: Path, out: Path, marker: str) -> bool:
+    """Move the directory ``tmp`` (this process's, see :func:`temp_sibling`) to ``out`` by one rename, so a
+    concurrent reader finds all of it or nothing. A leftover ``out`` without the file ``marker`` is removed
+    first; when another process published ``out`` first (a non-empty directory is not replaced), ``tmp`` is
+    dropped. Returns whether ``out`` now holds ``marker``."""
+    if out.exists() and not (out / marker).is_file():
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        tmp.replace(out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return (out / marker).is_file()

@@ -18,7 +18,6 @@ mask, logits_for)`` / ``cache.keep``. Here that is mapped onto a transformers mo
 from __future__ import annotations
 
 import inspect
-import os
 import shutil
 from pathlib import Path
 
@@ -311,6 +310,7 @@ def _from_pretrained(src: Path, **kw):
 
 def _converted_gguf(path: Path) -> Path:
     """Dequantize a GGUF file through transformers once; cache it as an HF directory (fp32 safetensors)."""
+    from .cache import publish_dir, temp_sibling
     from .registry import cache_dir, file_key
 
     out = cache_dir() / "hf" / file_key(path)
@@ -327,15 +327,9 @@ def _converted_gguf(path: Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")  # per process: concurrent conversions never share it
+    tmp = temp_sibling(out)
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp))
-    if out.exists() and not (out / "config.json").is_file():
-        shutil.rmtree(out, ignore_errors=True)  # a leftover without config.json
-    try:
-        tmp.replace(out)
-    except OSError:  # another process converted it first (a non-empty directory is not replaced)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "config.json").is_file():
-            raise
+    if not publish_dir(tmp, out, "config.json"):
+        raise OSError(f"could not move the converted model from {tmp} to {out}")
     return out

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from importlib import util as import_util
 from pathlib import Path
 
 import torch
 
-from .cache import cache_dir, file_key
+from .cache import cache_dir, file_key, temp_sibling
 from .loaders import ModelLoadError, from_state_dict, gguf_config, load_gguf, load_hf_dir
 
 __all__ = ["DEFAULT_MODEL", "REGISTRY", "cache_dir", "file_key", "load_own", "resolve"]
@@ -80,7 +79,7 @@ def load_own(path: Path, dtype: torch.dtype, device: str, max_seq_len: int | Non
     sd = {
         k: v.contiguous() for k, v in model.state_dict().items() if not (cfg.tie_embeddings and k == "lm_head.weight")
     }
-    tmp = cached.with_name(f".{cached.stem}.{os.getpid()}.tmp")  # per process: concurrent loads never share it
+    tmp = temp_sibling(cached)
     save_file(sd, str(tmp))
     tmp.replace(cached)
     return model.to(device=device, dtype=dtype), meta
