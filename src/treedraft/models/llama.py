@@ -94,11 +94,12 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(watch.WatchedAttrs, nn.Module):
     # True: decode steps (cache, start > 0, T <= EXACT_MAX_T) use treedraft.kernels.attend, whose tree rows
     # equal the plain one-token step bitwise (set by quant.swap_linears with the native int8-activation
     # linears, which turn SDPA's ~1e-7 masked/unmasked differences into different tokens)
     exact_attention: bool = False
+    WATCHED = ("exact_attention",)  # read by the fused decoder, not a registered attribute (watch.py)
     EXACT_MAX_T = 64
 
     def __init__(self, cfg: LlamaConfig, layer: int) -> None:
@@ -109,11 +110,6 @@ class Attention(nn.Module):
         # fused q/k/v projection: one matmul instead of three (rows: q, k, v)
         self.wqkv = Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.qkv_bias)
         self.wo = Linear(q_out, cfg.hidden_size, bias=False)
-
-    def __setattr__(self, name: str, value) -> None:
-        super().__setattr__(name, value)
-        if name == "exact_attention":  # read by the fused decoder, not a registered attribute (watch.py)
-            watch.bump()
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache | None, start: int

@@ -140,8 +140,10 @@ def _round_up_bf16(x: Tensor) -> Tensor:
     return torch.where(low, torch.nextafter(b, torch.full_like(b, float("inf"))), b)
 
 
-class NativeLinear(QuantLinear):
+class NativeLinear(watch.WatchedAttrs, QuantLinear):
     """A q4/q8 weight packed by the optional native kernel package ``treedraft.kernels``."""
+
+    WATCHED = ("packed",)  # read by the fused decoder, not a registered attribute (watch.py)
 
     kernel = "native"
 
@@ -151,11 +153,6 @@ class NativeLinear(QuantLinear):
         self._k = kernels
         self.packed = kernels.pack_q4_1(*parts) if fmt == "q4" else kernels.pack_q8_0(*parts)
         self._nbytes = sum(p.numel() * p.element_size() for p in parts[:-1]) + n * k // (2 if fmt == "q4" else 1)
-
-    def __setattr__(self, name: str, value) -> None:
-        super().__setattr__(name, value)
-        if name == "packed":  # read by the fused decoder, not a registered attribute (watch.py)
-            watch.bump()
 
     def mm(self, x: Tensor) -> Tensor:
         return self._k.mm(x.float().contiguous(), self.packed)

@@ -6,7 +6,7 @@ native forward has just evicted those ~600 Python objects from the caches: ~5% o
 full check runs only after something could have changed: PyTorch's global registration hooks count every
 submodule, parameter and buffer assignment (``setattr``, ``register_*``) in the process, and the
 attributes the decoder reads that are not registered (``NativeLinear.packed``,
-``Attention.exact_attention``) and ``Transformer._apply`` (``.to()`` / ``.half()`` replace buffers in
+``Attention.exact_attention``, listed in their ``WATCHED`` through :class:`WatchedAttrs`) and ``Transformer._apply`` (``.to()`` / ``.half()`` replace buffers in
 place of the registration path) count themselves. Writing a module's private ``_modules`` / ``_parameters``
 / ``_buffers`` dicts directly is not seen: replace modules and weights through attribute assignment.
 """
@@ -27,6 +27,18 @@ def bump(*_args) -> None:
 def count() -> int:
     """Changes recorded so far in this process."""
     return _count
+
+
+class WatchedAttrs:
+    """Mixin (before ``nn.Module``) for a module whose plain attributes named in ``WATCHED`` feed the fused
+    decoder: assigning one records a change, as the registration hooks do for modules and tensors."""
+
+    WATCHED: tuple[str, ...] = ()
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name in self.WATCHED:
+            bump()
 
 
 _HOOKS = (
