@@ -340,21 +340,20 @@ class FusedDecoder {
 
   void linear(const Lin& w, const float* x, int64_t M, float* y, const Path& path) {
     mm_into(x, M, w.K, w.data.data_ptr<uint8_t>(), w.N, w.kind, path, y);
-    if (w.bias.numel() > 0) {
-      const float* b = w.bias.data_ptr<float>();
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < w.N; ++n) y[m * w.N + n] = y[m * w.N + n] + b[n];
-    }
+    add_bias(w, M, y);
   }
 
   // Linear on the codes in act_q_ (its M rows already quantized), plus the bias.
   void linear_q(const Lin& w, int64_t M, float* y, const Path& path) {
     mm_act(act_q_.view(), w.data.data_ptr<uint8_t>(), w.N, w.kind, path, y);
-    if (w.bias.numel() > 0) {
-      const float* b = w.bias.data_ptr<float>();
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < w.N; ++n) y[m * w.N + n] = y[m * w.N + n] + b[n];
-    }
+    add_bias(w, M, y);
+  }
+
+  static void add_bias(const Lin& w, int64_t M, float* y) {
+    if (w.bias.numel() == 0) return;
+    const float* b = w.bias.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < w.N; ++n) y[m * w.N + n] = y[m * w.N + n] + b[n];
   }
 
   // Row m: optionally x += h (the residual of the linear before), then RMSNorm with weight w, quantized
