@@ -116,3 +116,20 @@ def test_a_propose_cost_concentrates_sure_chains_on_few_requests() -> None:
         assert _expected_rate(b, stats, sizes) > _expected_rate(b, stats, [1 + k] * 8)
     b.draft_cost = 0.0  # free proposes: most probable nodes first, as before
     assert b.allocate([_history(0.97), _history(0.5)], [9, 9])[1] == 1
+
+
+def test_a_step_overhead_beyond_the_curve_makes_drafts_pay() -> None:
+    """Time every step costs whatever its rows (a batch's own attention, acceptance, streaming) raises the value of
+    a drafted token: a coin-flip draft that does not pay on the bare curve does once the steps are seen to take
+    longer than the curve says; a step period far off the curve (the worker waited) is not taken as evidence."""
+    b = RowBudget(CPU)
+    weak = [_history(0.6, seed=i) for i in range(8)]
+    assert b.allocate(weak, [9] * 8) == [1] * 8
+    b.observe_step(8, 100 * CPU[8])  # a pause, not a step's cost: ignored
+    assert b.overhead == 0.0
+    for _ in range(20):
+        b.observe_step(8, CPU[8] + 0.03)  # every step takes 30 ms more than its forward
+    assert b.overhead == pytest.approx(0.03, rel=1e-6)
+    assert sum(b.allocate(weak, [9] * 8)) > 8
+    b.observe_step(8, CPU[8] * 0.5)  # faster than the curve: no negative overhead
+    assert 0.0 < b.overhead < 0.03

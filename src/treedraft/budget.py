@@ -36,6 +36,8 @@ PROBE_EVERY = 64
 PROBE_NODES = 3  # draft nodes of a probe: enough for a scored drafter (suffix) to lead the hybrid's tree
 TABLE_ROWS = 1024  # the curve is tabulated up to this many rows
 MIN_P = 0.02  # positions less likely than this are not candidates
+OVERHEAD_DECAY = 0.8  # weight of the previous estimate of a step's cost beyond the curve
+OVERHEAD_OUTLIER = 4.0  # a step period above this many times the curve's forward is not evidence (a pause)
 
 
 def _prior(j: int) -> float:
@@ -82,6 +84,11 @@ class RowBudget:
         self.probe_every = probe_every
         self.pool = NodeStats()
         self.draft_cost = 0.0  # seconds per propose (decayed mean over the batch's proposals)
+        # seconds a batched step costs beyond the curve's forward of its rows (decayed mean, >= 0): the curve is
+        # one request's forward at a 256-token context; a batch adds per-request work that draft rows do not change
+        # (each request's own keys/values read by attention, acceptance, streaming, the Python around the step)
+        self.overhead = 0.0
+        self._overhead_seen = False
         self._table = [interpolate(self.latency, max(1, r)) for r in range(TABLE_ROWS)]  # rows -> seconds
         self._pool_est: list[float] | None = None  # the pool's estimates, recomputed after it changes
 
@@ -136,6 +143,19 @@ class RowBudget:
         else:
             st.idle += 1
 
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """One batched step of ``rows`` rows took ``seconds`` from its start to the next step's start, drafting
+        excluded: fold its excess over the curve into :attr:`overhead` (what every step costs whatever its
+        draft rows, so it raises the value of the tokens drafts add)."""
+        curve = self.seconds(max(1, rows))
+        if seconds <= 0 or seconds > OVERHEAD_OUTLIER * curve:
+            return  # the worker waited or was paused: not the step's cost
+        excess = max(0.0, seconds - curve)
+        if not self._overhead_seen:
+            self.overhead, self._overhead_seen = excess, True
+        else:
+            self.overhead = OVERHEAD_DECAY * self.overhead + (1.0 - OVERHEAD_DECAY) * excess
+
     def allocate(
         self, stats: Sequence[NodeStats], caps: Sequence[int], fixed_rows: int = 0, fixed_tokens: int = 0
     ) -> list[int]:
@@ -168,13 +188,13 @@ class RowBudget:
         groups.sort(key=lambda g: g[:3])  # densest first; ties: lower request, then its earlier group
         cand = [(i, j + k) for _d, i, j, vals in groups for k in range(len(vals))]
         values = [v for *_x, vals in groups for v in vals]
-        drafting = 0
-        best_ratio, best_k = tokens / self.seconds(max(1, rows)), 0
+        drafting, fixed = 0, self.overhead
+        best_ratio, best_k = tokens / (self.seconds(max(1, rows)) + fixed), 0
         for k, ((_i, j), p) in enumerate(zip(cand, values), start=1):
             rows += 1
             tokens += p
             drafting += j == 1
-            ratio = tokens / (self.seconds(rows) + drafting * self.draft_cost)
+            ratio = tokens / (self.seconds(rows) + fixed + drafting * self.draft_cost)
             if ratio > best_ratio:
                 best_ratio, best_k = ratio, k
         taken = [0] * n
@@ -253,11 +273,11 @@ def measured_latency(model: Any) -> dict[int, float]:
     """This machine's forward latency curve for ``model``: seconds per row count at a 256-token context
     (measured once per machine and model, cached; what :func:`measured_step_rows` and the EAGLE tree use)."""
     from .models.plan import cached_measurement
-    from .training.calibrate import _target_facts, latency_sizes, measure_latency
+    from .training.calibrate import LATENCY_METHOD, _target_facts, latency_sizes, measure_latency
 
     def measure() -> dict:
         room = getattr(model, "max_seq_len", 512)
-        lat = measure_latency(model, max(1, min(256, room - STEP_ROWS_MAX - 1)), latency_sizes(STEP_ROWS_MAX), reps=3)
+        lat = measure_latency(model, max(1, min(256, room - STEP_ROWS_MAX - 1)), latency_sizes(STEP_ROWS_MAX), reps=5)
         return {str(k): v for k, v in lat.items()}
 
     def load(v: dict) -> dict[int, float]:
@@ -268,7 +288,8 @@ def measured_latency(model: Any) -> dict[int, float]:
 
     from .interfaces import target_device
 
-    return cached_measurement(STEP_ROWS_KIND, _target_facts(model), measure, load, target_device(model))
+    key = {**_target_facts(model), "latency": LATENCY_METHOD}
+    return cached_measurement(STEP_ROWS_KIND, key, measure, load, target_device(model))
 
 
 def measured_step_rows(model: Any, factor: float = STEP_ROWS_FACTOR) -> int:

@@ -172,6 +172,7 @@ class Scheduler:
         self.budget = RowBudget(latency) if latency else None
         self.prefix_cache = PrefixCache(prefix_cache_bytes, self.chunk_rows) if prefix_cache_bytes > 0 else None
         self._sized = False
+        self._prev: tuple[float, int, float] | None = None  # (start, rows, drafting s) of the last sized step
         self.active: list[Request] = []
         self._torch_threads: int | None = host_torch_threads(engine.model)
         self.last_step = StepTimes()  # timings of the latest step (benchmarks, metrics)
@@ -362,6 +363,10 @@ class Scheduler:
 
     def _step(self) -> list[tuple[Request, list[int]]]:
         t0 = time.perf_counter()
+        if self._prev is not None and self.budget is not None:  # the last sized step's whole period
+            start, rows, drafting = self._prev
+            self.budget.observe_step(rows, t0 - start - drafting)
+        self._prev = None
         plan = self._plan()
         failed = [(r, []) for r in self.active if r.error is not None]
         firsts = [
@@ -386,6 +391,8 @@ class Scheduler:
                 out.append((p.req, new))
         te = time.perf_counter()
         t_draft = sum(p.t_draft for p in plan)
+        if self._sized:
+            self._prev = (t0, sum(len(p.tokens) for p in plan), t_draft)
         self.last_step = StepTimes(
             len(plan),
             sum(len(p.tokens) for p in plan),
