@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import sys
 
 import pytest
 
@@ -30,6 +31,7 @@ from treedraft.engine import Engine, GenerationStats  # noqa: E402
 from treedraft.models.tiny import tiny_llama  # noqa: E402
 from treedraft.scheduler import run_alone  # noqa: E402
 from treedraft.server import ServerSettings, create_app  # noqa: E402
+from treedraft.server.worker import GIL_SWITCH_INTERVAL_S  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -154,6 +156,9 @@ def test_64_concurrent_streams_equal_their_solo_outputs() -> None:
     assert delta("treedraft:batch_size_bucket", le="16.0") == steps  # never more than max_batch
     assert delta("treedraft:spec_decode_num_accepted_tokens_total") > 0
     assert torch.get_num_threads() == 1
+    # the worker shortened the GIL switch interval (the event loop must not hold the GIL for 5 ms while the
+    # worker waits to accept a step's tokens)
+    assert sys.getswitchinterval() <= GIL_SWITCH_INTERVAL_S
 
 
 def test_serve_cli_batching_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:

@@ -153,3 +153,26 @@ def test_threads_sets_torch_and_the_native_pool(capsys, monkeypatch) -> None:
     finally:
         torch.set_num_threads(old[0])
         kernels.set_num_threads(old[1])
+
+
+def test_cli_loads_freeze_the_models_objects_out_of_the_gc(monkeypatch) -> None:
+    """A full GC collection walks every live object (~335k for the default model: 75-200 ms with the GIL held, in
+    the middle of a decode step); the CLI's long-lived processes freeze what the load built."""
+    import argparse
+    import gc
+
+    import treedraft
+    from treedraft.cli import load_from_args
+
+    marker = [object()]
+    monkeypatch.setattr(treedraft, "load", lambda *a, **k: marker)
+    args = argparse.Namespace(
+        model="m", drafter=None, heads=None, device="cpu", dtype=None, runtime=None, weights=None, kv_dtype=None
+    )
+    monkeypatch.setattr("treedraft.cli.suffix_kwargs", lambda a: {})
+    try:
+        assert load_from_args(args) is marker
+        assert gc.get_freeze_count() > 0 and not any(o is marker for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
+    assert any(o is marker for o in gc.get_objects())

@@ -115,11 +115,13 @@ def apply_threads(n: int | None) -> None:
 
 
 def load_from_args(a: argparse.Namespace):
+    """The LLM the model flags name, loaded for this process's lifetime (its objects frozen out of the GC)."""
     from . import load
+    from .api import freeze_gc
 
     apply_threads(getattr(a, "threads", None))
 
-    return load(
+    llm = load(
         a.model,
         drafter=a.drafter,
         heads=a.heads,
@@ -130,6 +132,8 @@ def load_from_args(a: argparse.Namespace):
         kv_dtype=a.kv_dtype,
         **suffix_kwargs(a),
     )
+    freeze_gc()
+    return llm
 
 
 def _gen_kwargs(a: argparse.Namespace) -> dict:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -30,6 +32,27 @@ if TYPE_CHECKING:
     from ..interfaces import Drafter
 
 log = logging.getLogger("treedraft.server")
+
+# The GIL switch interval while a worker runs (seconds; CPython's default is 5 ms). The event loop thread streams
+# the previous step's tokens while the native forward runs without the GIL; on two busy cores it often has not
+# finished when the forward returns, and the worker, which needs the GIL back to accept the step's tokens, then
+# waited up to the whole default interval: at 8 concurrent requests the acceptance phase of a step took 2.5-3 ms
+# instead of 0.5 (benchmarks/serve_cpu.py with TREEDRAFT_STEP_TRACE, AMD EPYC Zen 5, 2 cores).
+GIL_SWITCH_INTERVAL_S = 0.0005
+# TREEDRAFT_STEP_TRACE=FILE: append one line per step (start, seconds in the step, jobs, rows, prefill rows, tokens,
+# forward / planning+drafting / acceptance seconds) for benchmarks/serve_cpu.py --trace
+STEP_TRACE = os.environ.get("TREEDRAFT_STEP_TRACE") or None
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread an OS-level name (``top -H``, /proc/PID/task/TID/comm; Linux, 15 bytes), so the
+    model worker's CPU time can be told from the event loop's; a no-op where prctl is unavailable."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass
@@ -203,7 +226,8 @@ class Worker:
         self._thread = threading.Thread(target=self._loop, name="treedraft-worker", daemon=True)
 
     def start(self) -> None:
-        """Start the worker thread."""
+        """Start the worker thread (and shorten the process's GIL switch interval, see GIL_SWITCH_INTERVAL_S)."""
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -270,6 +294,7 @@ class Worker:
         )
 
     def _loop(self) -> None:
+        _name_os_thread("td-worker")  # its kernel pool threads inherit the name
         try:
             self.sched = self._scheduler()
         except Exception:
@@ -317,6 +342,7 @@ class Worker:
         self.running[job] = _Live(req, text, stats, now)
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         try:
             events = self.sched.step()
         except Exception as e:  # the forward itself failed (e.g. a cache overflow): every job in it fails
@@ -331,6 +357,13 @@ class Worker:
             self._collect(events, out)
         finally:
             Job.deliver_all(out)
+        if STEP_TRACE is not None:
+            ls = self.sched.last_step
+            with open(STEP_TRACE, "a") as f:
+                f.write(
+                    f"{t0:.6f} {time.perf_counter() - t0:.6f} {len(self.running)} {ls.rows} {ls.prefill_rows} "
+                    f"{ls.committed} {ls.t_forward:.6f} {ls.t_draft + ls.t_plan:.6f} {ls.t_commit:.6f}\n"
+                )
 
     def _collect(self, events: list[tuple[Request, list[int]]], out: list[tuple[Job, Chunk | Done | Failed]]) -> None:
         """Turn a step's tokens into each job's item (one chunk per job and step: its tokens' text together)."""
