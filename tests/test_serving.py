@@ -624,6 +624,7 @@ def test_loadtest_end_to_end_on_the_tiny_server(key_server: LiveServer, tmp_path
         assert (lv["completed"], lv["errors"], lv["output_tokens"]) == (4, 0, 24), lv
         assert lv["tokens_per_s"] > 0 and lv["latency"]["ttft_p99"] >= lv["latency"]["ttft_p50"] > 0
         assert lv["latency"]["itl_p50"] is not None
+        assert 0 < lv["client_cpu_s"] < 60  # the client's own CPU time during the level is reported
     assert res["config"]["api_key"] is True and KEYS[0] not in (out / "loadtest.json").read_text()
     after = scrape(key_server.url)
     assert (
@@ -631,6 +632,7 @@ def test_loadtest_end_to_end_on_the_tiny_server(key_server: LiveServer, tmp_path
     )  # what the server counted equals what the client reported
     md = (out / "report.md").read_text()
     assert md.count("\n| 1 |") == 1 and md.count("\n| 3 |") == 1
+    assert "| client CPU |" in md and re.search(r"\n\| 3 \|.*\| \d+% \| 0/4 \|", md)
     assert (out / "loadtest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| concurrency |" in capsys.readouterr().out
     # a wrong key: the model lookup fails with a hint; with --model given, every request is an error

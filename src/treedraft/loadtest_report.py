@@ -22,7 +22,7 @@ def report_markdown(result: dict) -> str:
     )
     header = (
         "| concurrency | tok/s | vs c=1 | req/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
-        "| ITL p50 / p99 (ms) | e2e p50 / p99 (s) | errors |"
+        "| ITL p50 / p99 (ms) | e2e p50 / p99 (s) | client CPU | errors |"
     )
     lines = [
         f"# treedraft loadtest: {result['model']} at {result['url']}",
@@ -30,7 +30,7 @@ def report_markdown(result: dict) -> str:
         settings,
         "",
         header,
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = next((lv["tokens_per_s"] for lv in result["levels"] if lv["concurrency"] == 1), None)
     for lv in result["levels"]:
@@ -40,17 +40,20 @@ def report_markdown(result: dict) -> str:
         errs = f"{lv['errors']}/{lv['requests']}" + (
             f" ({', '.join(f'{k}: {n}' for k, n in sorted(lv['error_kinds'].items()))})" if lv["errors"] else ""
         )
+        cpu = lv.get("client_cpu_s")
+        client = "-" if cpu is None or not lv["wall_s"] else f"{100 * cpu / lv['wall_s']:.0f}%"
         lines.append(
             f"| {lv['concurrency']} | {lv['tokens_per_s']:.1f} | {speed} | {lv['requests_per_s']:.2f} | "
             + " | ".join(f"{_ms(lat[k + '_p50'])} / {_ms(lat[k + '_p99'])}" for k in ("ttft", "tpot", "itl"))
-            + f" | {e2e} | {errs} |"
+            + f" | {e2e} | {client} | {errs} |"
         )
     lines += [
         "",
         (
             "Throughput = completion tokens of successful requests / wall time of the level. TTFT: send to "
             "first content; TPOT: per request, (end - first content) / (tokens - 1); ITL: gaps between "
-            "streamed content events."
+            "streamed content events. Client CPU: this load-test process's CPU time over the level's wall "
+            "time (100% = one core); on the server's own machine it is taken from the server."
         ),
         "",
     ]
