@@ -385,6 +385,18 @@ def test_real_model_int4_batched_equals_alone() -> None:
         # (The Python whole prefill differs here at the first token: logits 24.79 vs 24.73, a near-tie.)
         plain = eng.generate(reqs[0][0], reqs[0][1], None).token_ids
         assert run_alone(eng, *reqs[0], step_rows=16, prefill_chunk=256, native_prefill=True) == plain
+        # the native prefill is row-invariant, so the server's prefix cache reuses any shared prefix: here the chat
+        # template's system prompt (not a multiple of the 64-row chunk); the reusing request keeps its solo tokens
+        sched = Scheduler(eng, 16, 256, native_prefill=True, prefix_cache_bytes=64 << 20)
+        for i in (0, 2):
+            req = sched.add(*reqs[i], drafter=None)
+            while not req.done:
+                sched.step()
+            sched.remove(req)
+            assert req.output() == run_alone(eng, *reqs[i], drafter=None, prefill_chunk=256, native_prefill=True)
+        shared = next(k for k, (a, b) in enumerate(zip(reqs[0][0], reqs[2][0])) if a != b)
+        assert sched.prefix_cache.partial_hits == 1 and sched.prefix_cache.reused_tokens == shared
+        assert shared % 64 != 0 and shared > 16
 
 
 @contextlib.contextmanager

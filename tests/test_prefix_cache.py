@@ -47,6 +47,22 @@ def test_lookup_whole_prompt_then_longest_chunk_aligned_prefix() -> None:
     assert whole.lookup(a).n == 10 and whole.lookup([*a, 3]) is None
 
 
+def test_any_boundary_reuse_confirms_tokens_not_just_hashes(monkeypatch) -> None:
+    """chunk_rows=1 (a row-invariant native prefill): the longest shared prefix whatever its length; a hash match
+    whose tokens differ (forced here: every prefix hashes alike) is never reused."""
+    from treedraft import prefix_cache
+
+    pc = PrefixCache(1 << 20, chunk_rows=1)
+    pc.store([5, 6, 7, 8, 9], *_entry(5))
+    assert pc.lookup([5, 6, 7, 1, 2]).n == 3
+    assert pc.lookup([5, 6, 7, 8]).n == 3  # a prefix of the entry: its last row still runs
+    monkeypatch.setattr(prefix_cache, "_prefix_hashes", lambda toks: [0] * (len(toks) + 1))
+    pc = PrefixCache(1 << 20, chunk_rows=1)
+    pc.store([5, 6, 7, 8, 9], *_entry(5))
+    assert pc.lookup([4, 6, 7, 8, 9, 10]) is None
+    assert pc.lookup([5, 6, 1, 8, 9, 10]).n == 2
+
+
 def test_need_hidden_skips_entries_without_hidden_states_and_scopes_are_apart() -> None:
     pc = PrefixCache(1 << 20, chunk_rows=4)
     pc.store([1, 2, 3, 4, 5], *_entry(5, hidden=False))
@@ -118,7 +134,7 @@ def test_batched_with_prefix_cache_equals_alone(prefill_chunk, native, lo, hi, d
         for p, c in reqs
     ]
     sched = Scheduler(engine, 8, prefill_chunk, native_prefill=native, prefix_cache_bytes=64 << 20)
-    assert sched.prefix_cache.chunk_rows == (64 if native else 8)
+    assert sched.prefix_cache.chunk_rows == (1 if native else 8)  # native prefill is row-invariant
     rows_in = 0
     for wave in (reqs[:3], reqs[3:]):  # the first wave fills the cache, the second reuses it
         handles = {sched.add(p, c, d, GenerationStats()): i for i, (p, c) in enumerate(reqs) if (p, c) in wave}

@@ -170,7 +170,9 @@ class Scheduler:
         self.native_prefill = rows is not None
         self.chunk_rows = prefill_chunk if rows is None else min(prefill_chunk, rows)
         self.budget = RowBudget(latency) if latency else None
-        self.prefix_cache = PrefixCache(prefix_cache_bytes, self.chunk_rows) if prefix_cache_bytes > 0 else None
+        # a native prefill is row-invariant (a row's bits do not depend on its chunk): any shared prefix is reusable
+        align = 1 if self.native_prefill else self.chunk_rows
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, align) if prefix_cache_bytes > 0 else None
         self._sized = False
         self._prev: tuple[float, int, float] | None = None  # (start, rows, drafting s) of the last sized step
         self.active: list[Request] = []
