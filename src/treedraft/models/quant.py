@@ -192,7 +192,10 @@ def quantize_q4_rtn(w: Tensor) -> QWeight:
     n, k = w.shape
     g = w.float().reshape(n, k // GROUP, GROUP)
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15.0).clamp_min(1e-30)
+    # scale and minimum as the packed format stores them (fp16, as GGUF's d and m): the codes are rounded against
+    # the values the kernels will use, so the packed weights are exactly code * scale + min
+    lo = lo.to(torch.float16).float()
+    scale = ((hi - lo) / 15.0).clamp_min(6.2e-5).to(torch.float16).float()
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
     return QWeight("q4", (scale, lo, q), "rtn4")
 
@@ -201,7 +204,8 @@ def quantize_q8_rtn(w: Tensor) -> QWeight:
     """Round-to-nearest symmetric group-32 int8 (Q8_0-style) from float weights (N, K)."""
     n, k = w.shape
     g = w.float().reshape(n, k // GROUP, GROUP)
-    scale = (g.abs().amax(-1) / 127.0).clamp_min(1e-30)
+    # the scale as the packed format stores it (fp16, as GGUF's d; see quantize_q4_rtn)
+    scale = (g.abs().amax(-1) / 127.0).clamp_min(6.2e-5).to(torch.float16).float()
     q = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
     return QWeight("q8", (scale, q), "rtn8")
 
