@@ -439,8 +439,12 @@ def test_prompts_are_prefilled_by_the_native_decoder_in_chunks() -> None:
         cache.keep(0, [0])
         with fused_off():
             rest = model.forward_packed(ids[1:], torch.arange(1, 40), [Segment(cache, 1, 39, None)])
-    torch.testing.assert_close(native[0], torch.cat([first[0], rest[0]]), atol=1e-4, rtol=1e-4)  # logits
-    torch.testing.assert_close(native[1], torch.cat([first[1], rest[1]]), atol=1e-4, rtol=1e-4)  # hidden
+    # up to rounding: both paths quantize each row's activations to int8, and a value that rounding moves across a
+    # code boundary changes its row by ~one code step (seen: 1 row of 40, 0.013 in the logits); a wrong prefill
+    # (positions, masks, the cache) changes every row by far more
+    for got, want in ((native[0], torch.cat([first[0], rest[0]])), (native[1], torch.cat([first[1], rest[1]]))):
+        row_err = (got - want).abs().amax(-1)
+        assert int((row_err > 1e-4).sum()) <= 2 and float(row_err.max()) < 0.05, row_err
 
     st = fused._state(model)
     calls = []

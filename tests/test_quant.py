@@ -401,3 +401,34 @@ def test_auto_stores_the_kernel_choice_of_each_format_for_explicit_weights(tmp_p
     for w in ("int4", "int8"):
         again = quant_load.apply_weights(_tiny(), None, w)
         assert again["kernels"] == info["kernels_by_format"][w] and again["resolved"] == w
+
+
+def test_rtn_scales_are_the_fp16_values_the_packed_formats_store() -> None:
+    """Codes are rounded against the scale (and Q4 minimum) as packed (fp16, like GGUF's d and m): packing them
+    changes nothing (no 'rounding changed it' warning) and code x scale (+ min) is within a code step of w (half a
+    step, plus what rounding the scale and minimum to fp16 moves the end codes)."""
+    from treedraft.models.quant import quantize_q8_rtn
+
+    torch.manual_seed(0)
+    w = torch.randn(48, 64) * torch.logspace(-4, 0, 48)[:, None]  # rows down to subnormal-fp16 scales
+    w[3] = 0.0  # an all-zero row: a positive scale, codes 0
+    for qw in (quantize_q4_rtn(w), quantize_q8_rtn(w)):
+        scale = qw.parts[0]
+        assert torch.equal(scale.to(torch.float16).float(), scale) and bool((scale > 0).all())
+        if qw.fmt == "q4":
+            lo, q = qw.parts[1], qw.parts[2]
+            assert torch.equal(lo.to(torch.float16).float(), lo)
+            back = q.float().reshape(48, 2, 32) * scale[..., None] + lo[..., None]
+            step = scale
+        else:
+            q = qw.parts[1]
+            back = q.float().reshape(48, 2, 32) * scale[..., None]
+            step = scale
+        err = (back - w.reshape(48, 2, 32)).abs().amax(-1)
+        assert bool((err <= step).all()), (qw.fmt, err / step)
+        kernels = pytest.importorskip("treedraft.kernels")
+        if not kernels.available():
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # any pack warning fails the test
+            build_linear(qw, "native", None, kernels)

@@ -187,6 +187,12 @@ class QWeight:
         return dequantize_q4(*self.parts) if self.fmt == "q4" else dequantize_q8(*self.parts)
 
 
+def _as_fp16(scale: Tensor) -> Tensor:
+    """Positive scales as the nearest fp16 values (subnormals included), never 0: the smallest fp16 instead."""
+    h = scale.to(torch.float16).float()
+    return torch.where(h > 0, h, torch.full_like(h, 2.0**-24))
+
+
 def quantize_q4_rtn(w: Tensor) -> QWeight:
     """Round-to-nearest asymmetric group-32 4-bit (Q4_1-style min/max) from float weights (N, K)."""
     n, k = w.shape
@@ -195,7 +201,7 @@ def quantize_q4_rtn(w: Tensor) -> QWeight:
     # scale and minimum as the packed format stores them (fp16, as GGUF's d and m): the codes are rounded against
     # the values the kernels will use, so the packed weights are exactly code * scale + min
     lo = lo.to(torch.float16).float()
-    scale = ((hi - lo) / 15.0).clamp_min(6.2e-5).to(torch.float16).float()
+    scale = _as_fp16((hi - lo) / 15.0)
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
     return QWeight("q4", (scale, lo, q), "rtn4")
 
@@ -205,7 +211,7 @@ def quantize_q8_rtn(w: Tensor) -> QWeight:
     n, k = w.shape
     g = w.float().reshape(n, k // GROUP, GROUP)
     # the scale as the packed format stores it (fp16, as GGUF's d; see quantize_q4_rtn)
-    scale = (g.abs().amax(-1) / 127.0).clamp_min(6.2e-5).to(torch.float16).float()
+    scale = _as_fp16(g.abs().amax(-1) / 127.0)
     q = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
     return QWeight("q8", (scale, q), "rtn8")
 
