@@ -133,3 +133,27 @@ def test_a_step_overhead_beyond_the_curve_makes_drafts_pay() -> None:
     assert sum(b.allocate(weak, [9] * 8)) > 8
     b.observe_step(8, CPU[8] * 0.5)  # faster than the curve: no negative overhead
     assert 0.0 < b.overhead < 0.03
+
+
+def test_a_request_whose_probes_miss_is_probed_ever_more_rarely() -> None:
+    """Each draft step with nothing accepted doubles the wait for the next probe (up to 2^PROBE_BACKOFF x
+    probe_every); an accepted node resets it, so a request that starts repeating known text is still found."""
+    from treedraft.budget import PROBE_BACKOFF
+
+    b = RowBudget(CPU, probe_every=3)
+    weak, strong = _history(0.1), [_history(0.2) for _ in range(7)]
+
+    def steps_to_probe() -> int:
+        n = 0
+        while b.allocate([weak, *strong], [9] * 8)[0] == 1:
+            b.observe(weak, 1, [0], 0.0)
+            n += 1
+        return n
+
+    waits = []
+    for _ in range(PROBE_BACKOFF + 2):
+        waits.append(steps_to_probe())
+        b.observe(weak, 4, [0], 0.0)  # the probe: nothing accepted
+    assert waits[0] <= 3 and waits[1:] == [3 * 2**k for k in range(1, PROBE_BACKOFF)] + [3 * 2**PROBE_BACKOFF] * 2
+    b.observe(weak, 4, [0, 1], 0.0)  # a probe that hits
+    assert weak.misses == 0 and steps_to_probe() == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,21 @@ def test_a_paid_member_drafts_only_where_the_scored_members_have_nothing() -> No
     # without the curve the member drafts its whole tree next to the scored one, as before
     h = HybridDrafter([paid, Valued([7], [0.5])])
     assert h.propose(_ctx()).tokens == (3, 100, 101, 7) and paid.asked == [64]
+
+
+def test_in_a_batched_step_a_paid_member_is_weighed_against_the_whole_step() -> None:
+    """Alone, the heads' paying node is drafted; in a step that also verifies 7 other requests' rows, the same
+    node (its row and its propose delay every request) does not pay, and the member is not run at all."""
+    paid = Paid([0.5, 0.1], cost=1.0)
+    h = HybridDrafter([paid, Valued([], [])], latency=CURVE)
+    assert h.propose(_ctx()).tokens == (3, 100) and paid.asked == [2]
+    paid.asked.clear()
+    batched = dataclasses.replace(_ctx(4), step_rows=7, step_tokens=7.0)
+    assert h.propose(batched).tokens == (3,) and paid.asked == []
+    # a step whose fixed cost dwarfs a row and a propose: the node pays again (tokens are dear)
+    dear = dataclasses.replace(batched, step_fixed=1000.0)
+    assert h.propose(dear).tokens == (3, 100, 101) and paid.asked == [3]
+    assert paid_nodes([0.5], 1.0, 1, 1.0, 1.0, LatencyCurve(CURVE), fixed=1000.0) == 1
 
 
 def test_a_member_that_cannot_price_its_nodes_always_drafts() -> None:

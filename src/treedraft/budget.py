@@ -33,6 +33,7 @@ PRIOR_WEIGHT = 0.5  # pseudo-observations of the pool's estimate in a request's 
 UNSEEN_FALLOFF = 0.9  # prior of a position no request has drafted yet, relative to the position before it
 POOL_DECAY = 0.98
 PROBE_EVERY = 64
+PROBE_BACKOFF = 4  # the wait for a probe doubles per missed draft step, up to probe_every x 2^4
 PROBE_NODES = 3  # draft nodes of a probe: enough for a scored drafter (suffix) to lead the hybrid's tree
 TABLE_ROWS = 1024  # the curve is tabulated up to this many rows
 MIN_P = 0.02  # positions less likely than this are not candidates
@@ -52,6 +53,7 @@ class NodeStats:
     hits: list[float] = field(default_factory=lambda: [0.0] * (POSITIONS + 1))
     tries: list[float] = field(default_factory=lambda: [0.0] * (POSITIONS + 1))
     idle: int = 1 << 30  # steps since this request last got a draft row (a new request is probed at once)
+    misses: int = 0  # draft steps in a row of which no node was accepted (each doubles the wait for a probe)
 
     def observe(self, tree_size: int, accepted: Sequence[int], decay: float) -> None:
         """One verify step: nodes 1..tree_size-1 were drafted, ``accepted`` (node ids, root first) won."""
@@ -134,6 +136,7 @@ class RowBudget:
         A lone request's big trees (a Medusa tree's node 2 is node 1's sibling) say little about the small
         trees of a batch, where a node's position is mostly its depth: they are kept out of the pool."""
         if tree_size > 1:
+            st.misses = 0 if len(accepted) > 1 else st.misses + 1
             st.observe(tree_size, accepted, DECAY)
             if pool:
                 self.pool.observe(tree_size, accepted, POOL_DECAY)
@@ -202,7 +205,10 @@ class RowBudget:
             taken[i] += 1
         sizes = [1 + t for t in taken]
         for i, st in enumerate(stats):
-            if sizes[i] == 1 and caps[i] > 1 and st.idle >= self.probe_every:
+            # (a request whose drafts keep missing is probed ever more rarely: on fresh text in a full batch a
+            # probe's rows and propose were ~7% of the step time for nothing, benchmarks/results/session10.md)
+            wait = self.probe_every << min(st.misses, PROBE_BACKOFF)
+            if sizes[i] == 1 and caps[i] > 1 and st.idle >= wait:
                 # probe, so the request's estimate follows what its drafter can do now
                 sizes[i] = min(caps[i], 1 + PROBE_NODES)
         return sizes

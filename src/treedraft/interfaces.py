@@ -105,6 +105,13 @@ class DraftContext:
     # (n, H) target's final hidden states at the n positions committed since the previous propose (the
     # whole prompt at the first), in order; the last row is ``hidden``. None when the target gives none.
     accepted_hidden: Tensor | None = None
+    # The rest of a batched step this tree joins (the scheduler's row budget granted ``max_nodes``): the other
+    # requests' and prompts' rows, the tokens they give, and the seconds the step costs beyond the latency
+    # curve. 0 rows: a lone request. A drafter that prices its own nodes (the hybrid's paid members) then
+    # weighs them against the whole step, where one more row or a propose delays every request in it.
+    step_rows: int = 0
+    step_tokens: float = 0.0
+    step_fixed: float = 0.0
 
     @property
     def root(self) -> int:

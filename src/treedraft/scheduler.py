@@ -250,12 +250,16 @@ class Scheduler:
             cap = min(cap, share)
         return min(cap, self.engine.model.max_seq_len - req.cache.length)
 
-    def _draft(self, req: Request, budget: int) -> _Rows:
+    def _draft(self, req: Request, budget: int, step: tuple[int, float, float] = (0, 0.0, 0.0)) -> _Rows:
+        """This request's rows of the step: its drafter's tree of at most ``budget`` nodes (``step``: the rest of a
+        batched step, see :class:`DraftContext`'s ``step_*``)."""
         eng, ts = self.engine, time.perf_counter()
         max_depth = req.max_new - req.n_out - 1  # the bonus token takes one slot of the budget
         root = req.tokens[-1]
         if req.drafter is not None and budget > 1 and max_depth > 0:
-            ctx = DraftContext(req.tokens, req.last_hidden, budget, max_depth, len(req.prompt), req.take_hidden())
+            ctx = DraftContext(
+                req.tokens, req.last_hidden, budget, max_depth, len(req.prompt), req.take_hidden(), *step
+            )
             name = getattr(req.drafter, "name", type(req.drafter).__name__)
             try:
                 tree = req.drafter.propose(ctx)
@@ -289,11 +293,16 @@ class Scheduler:
             chunks.append(self._chunk(req, n))
             left = None if left is None else left - n
         decoding = [r for r in self.active if not r.prefilling and not r.done and r.first_logits is None]
-        budgets = self._budgets(decoding, sum(len(c.tokens) for c in chunks))
+        prefill_rows = sum(len(c.tokens) for c in chunks)
+        budgets = self._budgets(decoding, prefill_rows)
+        total = prefill_rows + sum(budgets)
+        fixed = self.budget.overhead if self._sized and self.budget is not None else 0.0
         plan: list[_Rows] = []
         for req, b in zip(decoding, budgets):
+            # the rest of a batched step: other rows, one token per other decoding request at least
+            step = (total - b, float(len(decoding) - 1), fixed) if len(decoding) > 1 else (0, 0.0, 0.0)
             try:
-                plan.append(self._draft(req, b))
+                plan.append(self._draft(req, b, step))
             except Exception as e:  # this request's drafter failed: it alone leaves
                 req.error = e
         return plan + chunks

@@ -79,6 +79,7 @@ def paid_nodes(
     miss: float,
     draft_cost: float | Sequence[float],
     curve: LatencyCurve,
+    fixed: float = 0.0,
 ) -> int:
     """How many of a paid member's nodes (its own order, best first) to draft: the k maximising tokens per second.
 
@@ -86,19 +87,19 @@ def paid_nodes(
     members' node values). The member's first k nodes add at most k rows and ``miss`` x the sum of their
     values (``miss``: P(no scored node at depth 1 is accepted); where one is, the member's different guess
     is rejected), and its drafting costs ``draft_cost`` seconds once (or ``draft_cost[k - 1]`` for k nodes, a
-    member whose drafting grows with its tree: EAGLE's draft forwards per depth). 0 = do not run it (ties: fewer
-    nodes).
+    member whose drafting grows with its tree: EAGLE's draft forwards per depth). ``fixed``: seconds the step costs
+    beyond the curve whatever its rows (a batched step's own overhead). 0 = do not run it (ties: fewer nodes).
     """
     if not values:
         return 0
     if not isinstance(draft_cost, (int, float)) and len(draft_cost) < len(values):
         raise ValueError(f"draft_cost gives {len(draft_cost)} costs for {len(values)} node values")
     lat = curve.table(rows + len(values))
-    best, best_rate, w = 0, gain / lat[rows], 0.0
+    best, best_rate, w = 0, gain / (lat[rows] + fixed), 0.0
     for k, v in enumerate(values, 1):
         w += v
         cost = draft_cost if isinstance(draft_cost, (int, float)) else draft_cost[k - 1]
-        rate = (gain + miss * w) / (lat[rows + k] + cost)
+        rate = (gain + miss * w) / (lat[rows + k] + fixed + cost)
         if rate > best_rate:
             best, best_rate = k, rate
     return best
@@ -168,7 +169,10 @@ class HybridDrafter:
                 cost = (
                     [per_k(k) for k in range(1, len(values) + 1)] if callable(per_k) else getattr(d, "draft_cost", 0.0)
                 )
-                k = paid_nodes(values, gain, rows, miss, cost, self._curve)
+                # in a batched step the member's rows and its propose delay the whole step (ctx.step_*)
+                k = paid_nodes(
+                    values, gain + ctx.step_tokens, rows + ctx.step_rows, miss, cost, self._curve, ctx.step_fixed
+                )
                 trees[i] = _idle(d, ctx, stub) if k == 0 else d.propose(dataclasses.replace(ctx, max_nodes=k + 1))
             else:
                 trees[i] = d.propose(ctx)
