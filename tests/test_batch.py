@@ -323,6 +323,41 @@ def test_remove_mid_stream_frees_the_slot_and_records_delivered_tokens() -> None
     assert len(d.finished[1][1]) == 6 and not sched.active
 
 
+def test_before_forward_runs_once_per_forward_after_drafting() -> None:
+    """The server's hand-off hook: after every request of the step drafted, before the forward, once per step that
+    runs one (a step with nothing to verify does not call it)."""
+    engine = Engine(tiny_llama(seed=6, vocab_size=V))
+    sched = Scheduler(engine, step_rows=8)
+    events: list[str] = []
+
+    class Recording(HashDrafter):
+        def propose(self, ctx: DraftContext) -> TokenTree:
+            events.append("draft")
+            return super().propose(ctx)
+
+    forward = engine.model.forward_packed
+
+    def counted(*a, **k):
+        events.append("forward")
+        return forward(*a, **k)
+
+    engine.model.forward_packed = counted
+    sched.before_forward = lambda: events.append("hook")
+    d = Recording()
+    sched.add([5, 6, 7], GenerationConfig(4, ignore_eos=True), d)
+    sched.add([8, 9], GenerationConfig(4, ignore_eos=True), d)
+    steps = 0
+    while sched.active:
+        events.append("step")
+        sched.step()
+        steps += 1
+        for r in [r for r in sched.active if r.done]:
+            sched.remove(r)
+    per_step = "|".join(events).split("step|")[1:]
+    assert len(per_step) == steps and all(s.rstrip("|").endswith("hook|forward") for s in per_step), events
+    assert events.count("hook") == events.count("forward") >= 4 and "draft" in events
+
+
 def test_failing_drafter_fails_only_its_request() -> None:
     engine = Engine(tiny_llama(seed=7, vocab_size=V))
     sched = Scheduler(engine, step_rows=8)

@@ -23,7 +23,7 @@ is part of a request's arithmetic: :meth:`Engine.generate` prefills natively in 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -178,6 +178,9 @@ class Scheduler:
         self.active: list[Request] = []
         self._torch_threads: int | None = host_torch_threads(engine.model)
         self.last_step = StepTimes()  # timings of the latest step (benchmarks, metrics)
+        # called once per step after planning and drafting, just before the forward (which runs without the GIL):
+        # the server hands the previous step's tokens to its event loop there (see server/worker.py)
+        self.before_forward: Callable[[], None] | None = None
 
     def __len__(self) -> int:
         return len(self.active)
@@ -388,6 +391,8 @@ class Scheduler:
         if not plan:
             self.last_step = StepTimes(committed=len(firsts))
             return failed + firsts
+        if self.before_forward is not None:
+            self.before_forward()
         tv = time.perf_counter()
         results = self._forward(plan)
         tr = time.perf_counter()
