@@ -780,3 +780,50 @@ def test_suffix_bound_is_per_tenant_in_the_server() -> None:
             assert store.tenant_tokens(a) <= 100
         assert all("fox" not in llm.tokenizer.decode(list(r.tokens)) for r in store.records(a))
     assert len(store.records(b)) >= 1 and store.tenant_tokens(b) <= 100
+
+
+def test_loadtest_raw_client_parses_chunked_and_plain_event_streams() -> None:
+    """The lean client behind `treedraft loadtest` for http:// servers: events split across chunks (and an event
+    split mid-line), a body without chunked framing, a non-200 answer and a stream cut before [DONE]."""
+
+    def serve(status: bytes, body: bytes, chunked: bool, cut: int = 0):
+        async def handler(reader, writer):
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += await reader.read(1024)
+            assert head.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n") and b"Host: 127.0.0.1:" in head
+            extra = b"Transfer-Encoding: chunked\r\n" if chunked else b"Content-Length: %d\r\n" % len(body)
+            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: text/event-stream\r\n" + extra + b"\r\n")
+            if chunked:
+                parts = [body[i : i + 7] for i in range(0, len(body), 7)]
+                writer.write(b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts))
+                writer.write(b"" if cut else b"0\r\n\r\n")
+            else:
+                writer.write(body)
+            await writer.drain()
+            writer.close()
+
+        return handler
+
+    def chunk(text: str) -> str:
+        return json.dumps({"choices": [{"index": 0, "delta": {"content": text}}]})
+
+    usage = json.dumps({"choices": [], "usage": {"completion_tokens": 2}})
+    stream = f"data: {chunk('he')}\n\ndata: {chunk('llo')}\n\ndata: {usage}\n\ndata: [DONE]\n\n".encode()
+
+    async def one(status: bytes, body: bytes, chunked: bool, cut: int = 0) -> loadtest.RequestResult:
+        srv = await asyncio.start_server(serve(status, body, chunked, cut), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        try:
+            client = loadtest.RawStreamClient(url, 10.0)
+            return await loadtest.stream_one(client, f"{url}/v1/chat/completions", {"x": 1}, {"Authorization": "B"})
+        finally:
+            srv.close()
+
+    for chunked in (True, False):
+        r = asyncio.run(one(b"200 OK", stream, chunked))
+        assert r.ok and r.error is None and r.completion_tokens == 2 and len(r.gaps) == 1 and r.ttft is not None
+    bad = asyncio.run(one(b"429 Too Many Requests", b'{"error": {}}', False))
+    assert not bad.ok and bad.error == "http 429"
+    cut = asyncio.run(one(b"200 OK", stream[:40], True, cut=1))
+    assert not cut.ok and cut.error == "stream ended without [DONE]"

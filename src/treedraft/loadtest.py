@@ -205,7 +205,7 @@ class RawStreamClient:
         payload = json.dumps(body).encode()
         head = [
             f"POST {path} HTTP/1.1",
-            f"Host: {self.host}:{self.port}",
+            f"Host: {f'[{self.host}]' if ':' in self.host else self.host}:{self.port}",
             "Content-Type: application/json",
             "Accept: text/event-stream",
             f"Content-Length: {len(payload)}",
