@@ -119,6 +119,14 @@ def test_draft_logits_are_the_first_heads_and_drafting_copies_only_round() -> No
             torch.testing.assert_close(got, want, rtol=0, atol=0.03 * float(want.abs().max()))
             torch.testing.assert_close(got, full[:n], rtol=0, atol=0.06 * float(full.abs().max()))
             assert not torch.equal(got, full[:n])  # it really is the int8 path
+            # the heads' blocks run as one stacked call: bitwise what one native call per head gives
+            x, kmm = h.reshape(1, -1), nd.k.mm
+            per_head = []
+            for k in range(n):
+                u = x + kmm(e.reshape(1, -1).contiguous(), nd.root[k])
+                w, b = nd.blocks[k]
+                per_head.append(u + torch.nn.functional.silu(kmm(u.contiguous(), w) + b))
+            assert torch.equal(nd.features(heads, h, root, n), torch.cat(per_head))
         elif heads._draft_w is not None:  # bf16 inputs and weights, float32 sums, bf16 result: the float32
             z = heads.hidden(h, root, n)  # scores up to that rounding
             want = z.bfloat16().float() @ heads.base_weight.bfloat16().float().T
@@ -128,6 +136,11 @@ def test_draft_logits_are_the_first_heads_and_drafting_copies_only_round() -> No
             torch.testing.assert_close(got, full[:n], rtol=1e-5, atol=1e-5)
     heads._native = heads._draft_w = None
     torch.testing.assert_close(heads.draft_logits(h, root, 2), full[:2], rtol=1e-5, atol=1e-5)
+    plain = MedusaHeads(_cfg(m, num_heads=3), m.lm_head.weight)  # not root-conditioned
+    if plain.pack_for_drafting() and plain._native is not None:
+        nd, x = plain._native, h.reshape(1, -1)
+        per_head = [x + torch.nn.functional.silu(nd.k.mm(x, w) + b) for w, b in nd.blocks[:2]]
+        assert torch.equal(nd.features(plain, h, None, 2), torch.cat(per_head))
     sep = MedusaHeads(_cfg(m, num_heads=2, shared_lm_head=False), m.lm_head.weight)
     assert sep.pack_for_drafting() is False  # only the shared projection has a drafting copy
     torch.testing.assert_close(sep.draft_logits(h, None, 1), sep(h)[:1])
