@@ -33,7 +33,9 @@ PRIOR_WEIGHT = 0.5  # pseudo-observations of the pool's estimate in a request's 
 UNSEEN_FALLOFF = 0.9  # prior of a position no request has drafted yet, relative to the position before it
 POOL_DECAY = 0.98
 PROBE_EVERY = 64
-PROBE_BACKOFF = 4  # the wait for a probe doubles per missed draft step, up to probe_every x 2^4
+# the wait for a probe doubles per missed draft step, up to probe_every x 2^2 = 256 steps (a 256-token request
+# is then probed twice, not four or five times; a longer one that starts repeating known text is still found)
+PROBE_BACKOFF = 2
 PROBE_NODES = 3  # draft nodes of a probe: enough for a scored drafter (suffix) to lead the hybrid's tree
 TABLE_ROWS = 1024  # the curve is tabulated up to this many rows
 MIN_P = 0.02  # positions less likely than this are not candidates
@@ -205,8 +207,8 @@ class RowBudget:
             taken[i] += 1
         sizes = [1 + t for t in taken]
         for i, st in enumerate(stats):
-            # (a request whose drafts keep missing is probed ever more rarely: on fresh text in a full batch a
-            # probe's rows and propose were ~7% of the step time for nothing, benchmarks/results/session10.md)
+            # (a request whose drafts keep missing is probed more rarely: on fresh text in a full batch a probe's
+            # rows and propose were ~7% of the step time for nothing, benchmarks/results/session10.md)
             wait = self.probe_every << min(st.misses, PROBE_BACKOFF)
             if sizes[i] == 1 and caps[i] > 1 and st.idle >= wait:
                 # probe, so the request's estimate follows what its drafter can do now
