@@ -64,6 +64,18 @@ def test_pack_roundtrip_is_exact(kind: str) -> None:
     assert torch.equal(pw.dequantize(), w)
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_first_rows_is_the_leading_rows_packed(kind: str) -> None:
+    """A row prefix (whole tiles) of a packed weight is the weight of those rows: a view of the same bytes."""
+    pw, w, _ = packed(kind, 37, 96)
+    top = pw.first_rows(32)
+    assert (top.N, top.K, top.kind) == (32, 96, pw.kind) and torch.equal(top.dequantize(), w[:32])
+    assert top.data.data_ptr() == pw.data.data_ptr() and pw.first_rows(37) is pw
+    for bad in (0, 20, 48):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            pw.first_rows(bad)
+
+
 def test_pack_rejects_bad_input() -> None:
     """Wrong K, wrong dtype and out-of-range nibbles are named in the error."""
     (d, m, q), _ = rand_q4_1(16, 64)

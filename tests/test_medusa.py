@@ -87,6 +87,15 @@ def test_drafter_tree_follows_choices_and_head_ranks() -> None:
     assert calls == [1, 1, 2, 2]
 
 
+def _head_q8(heads: MedusaHeads, k: int, kernels):
+    """Head k's own int8 copies, packed alone: (root projection or None, residual block weight, its bias)."""
+    from treedraft.drafters.medusa_native import pack_q8
+
+    lin = heads.blocks[k][0].linear
+    root = None if heads.root_proj is None else pack_q8(heads.root_proj[k].weight, kernels)
+    return root, pack_q8(lin.weight, kernels), lin.bias.detach().float()
+
+
 def test_draft_logits_are_the_first_heads_and_drafting_copies_only_round() -> None:
     torch.manual_seed(0)
     m = tiny_llama(seed=2)
@@ -112,8 +121,8 @@ def test_draft_logits_are_the_first_heads_and_drafting_copies_only_round() -> No
             e = heads.embed_weight[root]
             want = []
             for k in range(n):
-                u = h + e @ nd.root[k].dequantize().T
-                w, b = nd.blocks[k]
+                r, w, b = _head_q8(heads, k, nd.k)
+                u = h + e @ r.dequantize().T
                 want.append(u + torch.nn.functional.silu(u @ w.dequantize().T + b))
             want = torch.stack(want) @ nd.proj.dequantize().T
             torch.testing.assert_close(got, want, rtol=0, atol=0.03 * float(want.abs().max()))
@@ -123,8 +132,8 @@ def test_draft_logits_are_the_first_heads_and_drafting_copies_only_round() -> No
             x, kmm = h.reshape(1, -1), nd.k.mm
             per_head = []
             for k in range(n):
-                u = x + kmm(e.reshape(1, -1).contiguous(), nd.root[k])
-                w, b = nd.blocks[k]
+                r, w, b = _head_q8(heads, k, nd.k)
+                u = x + kmm(e.reshape(1, -1).contiguous(), r)
                 per_head.append(u + torch.nn.functional.silu(kmm(u.contiguous(), w) + b))
             assert torch.equal(nd.features(heads, h, root, n), torch.cat(per_head))
         elif heads._draft_w is not None:  # bf16 inputs and weights, float32 sums, bf16 result: the float32
@@ -139,7 +148,9 @@ def test_draft_logits_are_the_first_heads_and_drafting_copies_only_round() -> No
     plain = MedusaHeads(_cfg(m, num_heads=3), m.lm_head.weight)  # not root-conditioned
     if plain.pack_for_drafting() and plain._native is not None:
         nd, x = plain._native, h.reshape(1, -1)
-        per_head = [x + torch.nn.functional.silu(nd.k.mm(x, w) + b) for w, b in nd.blocks[:2]]
+        per_head = [
+            x + torch.nn.functional.silu(nd.k.mm(x, w) + b) for _, w, b in (_head_q8(plain, k, nd.k) for k in range(2))
+        ]
         assert torch.equal(nd.features(plain, h, None, 2), torch.cat(per_head))
     sep = MedusaHeads(_cfg(m, num_heads=2, shared_lm_head=False), m.lm_head.weight)
     assert sep.pack_for_drafting() is False  # only the shared projection has a drafting copy

@@ -38,32 +38,20 @@ class NativeDraft:
     def __init__(self, heads: MedusaHeads, kernels: Any) -> None:
         self.k = kernels
         self.proj = pack_q8(heads.base_weight, kernels)  # (V', H)
-        self.blocks: list[tuple[Any, Tensor]] | None = None  # per head: (W, bias) of its one residual block
-        self.root: list[Any] | None = None  # per head: its root projection
-        # the first n heads' block (and root) weights stacked as one (n H, H) matrix, per n: one native call for
-        # all heads instead of one per head (a row's outputs do not depend on the other columns or rows of a
-        # call, so each head's block is the same arithmetic as alone; see features())
-        self._stacked: dict[int, tuple[Any, Tensor, Any | None]] = {}
-        self._heads_w: list[tuple[Tensor, Tensor, Tensor | None]] = []
+        # all heads' residual blocks (and root projections) stacked as one (K H, H) matrix each, packed once: the
+        # first n heads are its leading n H rows (PackedWeight.first_rows), one native call for all of them. A
+        # row's outputs do not depend on the other rows or columns of a call, so each head's block is the same
+        # arithmetic as a call of its own (see features()).
+        self.blocks: tuple[Any, Tensor] | None = None  # (W (K H, H), biases (K H,)) of the heads' one residual block
+        self.root: Any | None = None  # (K H, H): the heads' root projections
         if heads.config.num_layers == 1:
-            self.blocks = []
-            for i, blk in enumerate(heads.blocks):
-                lin = blk[0].linear
-                self.blocks.append((pack_q8(lin.weight, kernels), lin.bias.detach().float().contiguous()))
-                r = None if heads.root_proj is None else heads.root_proj[i].weight.detach()
-                self._heads_w.append((lin.weight.detach(), self.blocks[-1][1], r))
+            lins = [blk[0].linear for blk in heads.blocks]
+            self.blocks = (
+                pack_q8(torch.cat([lin.weight.detach() for lin in lins]), kernels),
+                torch.cat([lin.bias.detach().float() for lin in lins]).contiguous(),
+            )
             if heads.root_proj is not None:
-                self.root = [pack_q8(p.weight, kernels) for p in heads.root_proj]
-
-    def _stack(self, n: int) -> tuple[Any, Tensor, Any | None]:
-        """(blocks (n H, H), biases (n H,), roots (n H, H) or None) of the first n heads, packed once."""
-        got = self._stacked.get(n)
-        if got is None:
-            ws, bs, rs = zip(*self._heads_w[:n])
-            roots = None if rs[0] is None else pack_q8(torch.cat(rs), self.k)
-            got = (pack_q8(torch.cat(ws), self.k), torch.cat(bs).contiguous(), roots)
-            self._stacked[n] = got
-        return got
+                self.root = pack_q8(torch.cat([p.weight.detach() for p in heads.root_proj]), kernels)
 
     @staticmethod
     def build(heads: MedusaHeads) -> NativeDraft | None:
@@ -86,12 +74,12 @@ class NativeDraft:
         mm = self.k.mm
         x = h.float().reshape(1, -1).contiguous()  # (1, H)
         H = x.shape[1]
-        w, b, roots = self._stack(n)
+        w, b = self.blocks[0].first_rows(n * H), self.blocks[1][: n * H]
         if self.root is not None:
             if root is None:
                 raise ValueError("these heads are root-conditioned: pass the root token ids")
             e = heads.embed_weight[root].float().reshape(1, -1).contiguous()  # (1, H)
-            u = (x + mm(e, roots).reshape(n, H)).contiguous()  # (n, H): head i's input x + root_i(e)
+            u = (x + mm(e, self.root.first_rows(n * H)).reshape(n, H)).contiguous()  # (n, H): x + root_i(e)
         else:
             u = x.expand(n, H).contiguous()
         # all heads' blocks in one call: row i times every head's block, of which head i's is kept (the others'

@@ -145,6 +145,15 @@ class PackedWeight:
         """'Q4_1' or 'Q8_0'."""
         return _KIND_NAMES[self.kind]
 
+    def first_rows(self, n: int) -> PackedWeight:
+        """The first ``n`` output rows as a packed weight of their own: a view of the leading tiles, no copy
+        (``n`` a multiple of the 16-row tile below N, or N itself)."""
+        if n == self.N:
+            return self
+        if n % TILE or not 0 < n < self.N:
+            raise ValueError(f"first_rows: n must be a positive multiple of {TILE} up to N={self.N}, got {n}")
+        return PackedWeight(self.data[: n // TILE * (self.K // QK) * _BLOCK_BYTES[self.kind]], n, self.K, self.kind)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 (N, K) weight this packs (exact: the same fp16 scales the kernel uses)."""
         T, B = -(-self.N // TILE), self.K // QK
