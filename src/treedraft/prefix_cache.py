@@ -89,10 +89,14 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _boundaries(self, n: int) -> range:
-        """Chunk-aligned prefix lengths shorter than ``n``, longest first."""
+    def _prefix_keys(self, scope: str, toks: Sequence[int], n: int) -> list[tuple[int, tuple[str, int, int]]]:
+        """(m, key of the m-token prefix of ``toks`` in ``scope``) for the chunk-aligned m shorter than ``n``,
+        longest first."""
         c = self.chunk_rows
-        return range(0) if c is None else range(((n - 1) // c) * c, 0, -c)
+        if c is None:
+            return []
+        hashes = _prefix_hashes(toks)
+        return [(m, (scope, m, hashes[m])) for m in range(((n - 1) // c) * c, 0, -c)]
 
     def lookup(self, prompt: Sequence[int], need_hidden: bool = False, scope: str = "") -> PrefixHit | None:
         """The longest reusable prefix of ``prompt`` in ``scope`` (None: nothing); ``need_hidden``: only entries
@@ -105,9 +109,8 @@ class PrefixCache:
             self.hits += 1
             self.reused_tokens += len(toks)
             return PrefixHit(e, len(toks))
-        hashes = _prefix_hashes(toks) if self.chunk_rows is not None else []
-        for m in self._boundaries(len(toks)):
-            owner = self._prefixes.get((scope, m, hashes[m]))
+        for m, k in self._prefix_keys(scope, toks, len(toks)):
+            owner = self._prefixes.get(k)
             e = None if owner is None else self._entries.get(owner)
             if e is not None and e.tokens[:m] == toks[:m] and (e.hidden is not None or not need_hidden):
                 self._entries.move_to_end(owner)
@@ -133,9 +136,8 @@ class PrefixCache:
         self._drop(key)
         self._entries[key] = e
         self.nbytes += e.nbytes
-        hashes = _prefix_hashes(toks) if self.chunk_rows is not None else []
-        for m in self._boundaries(n + 1):  # prefixes ending on a chunk boundary, the whole prompt included
-            self._prefixes[(scope, m, hashes[m])] = key
+        for _m, k in self._prefix_keys(scope, toks, n + 1):  # prefixes ending on a chunk boundary, the whole prompt too
+            self._prefixes[k] = key
         while self.nbytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
 
@@ -145,10 +147,10 @@ class PrefixCache:
             return
         self.nbytes -= e.nbytes
         scope, toks = key
-        hashes = _prefix_hashes(toks) if self.chunk_rows is not None else []
-        for m in self._boundaries(len(toks) + 1):  # (a prefix another entry shares is forgotten too: a lost hit)
-            if self._prefixes.get((scope, m, hashes[m])) == key:
-                del self._prefixes[(scope, m, hashes[m])]
+        # (a prefix another entry shares is forgotten too: a lost hit)
+        for _m, k in self._prefix_keys(scope, toks, len(toks) + 1):
+            if self._prefixes.get(k) == key:
+                del self._prefixes[k]
 
 
 __all__ = ["PrefixCache", "PrefixEntry", "PrefixHit"]
