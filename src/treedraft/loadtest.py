@@ -262,12 +262,16 @@ class RawStreamClient:
 async def stream_one(client: Any, url: str, body: dict, headers: dict[str, str]) -> RequestResult:
     """Send one streaming chat completion and time its events (``client``: a :class:`RawStreamClient` for
     http://, else an httpx.AsyncClient)."""
+    import httpx
+
     t0 = time.perf_counter()
     res = RequestResult(ok=False)
-    state = {"last": None, "events": 0}
+    last: float | None = None
+    events = 0
 
     def on_data(data: bytes | str) -> bool:
         """One event's payload; True at [DONE]."""
+        nonlocal last, events
         if data in (b"[DONE]", "[DONE]"):
             res.ok = res.error is None
             return True
@@ -280,12 +284,12 @@ async def stream_one(client: Any, url: str, body: dict, headers: dict[str, str])
         for ch in obj.get("choices", ()):
             if (ch.get("delta") or {}).get("content") or ch.get("text"):
                 now = time.perf_counter()
-                if state["last"] is None:
+                if last is None:
                     res.ttft = now - t0
                 else:
-                    res.gaps.append(now - state["last"])
-                state["last"] = now
-                state["events"] += 1
+                    res.gaps.append(now - last)
+                last = now
+                events += 1
         return False
 
     try:
@@ -293,20 +297,15 @@ async def stream_one(client: Any, url: str, body: dict, headers: dict[str, str])
             await asyncio.wait_for(_stream_raw(client, urlsplit(url).path, body, headers, on_data, res), client.timeout)
         else:
             await _stream_httpx(client, url, body, headers, on_data, res)
-    except (asyncio.TimeoutError, TimeoutError):
+    except (asyncio.TimeoutError, TimeoutError, httpx.TimeoutException):
         res.error = "timeout"
     except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not OpenAI's chunk shape
         res.error = "invalid event"
-    except Exception as e:  # connection refused/reset, or httpx's transport errors
-        if type(e).__module__.startswith("httpx") and "Timeout" in type(e).__name__:
-            res.error = "timeout"
-        elif isinstance(e, (OSError, asyncio.IncompleteReadError)) or type(e).__module__.startswith("httpx"):
-            res.error = f"connection: {type(e).__name__}"
-        else:
-            raise
+    except (OSError, asyncio.IncompleteReadError, httpx.HTTPError) as e:  # refused, reset, cut
+        res.error = f"connection: {type(e).__name__}"
     res.ok = res.ok and res.error is None
     if res.ok and not res.completion_tokens:
-        res.completion_tokens = state["events"]  # a server that does not send usage: count content events
+        res.completion_tokens = events  # a server that does not send usage: count content events
     res.e2e = time.perf_counter() - t0
     return res
 
@@ -414,11 +413,9 @@ async def _level(
     results: list[RequestResult] = []
     next_i = iter(range(start, start + cfg.requests))
 
-    streamer = RawStreamClient(cfg.url, cfg.request_timeout) if cfg.url.startswith("http://") else client
-
     async def client_task() -> None:
         for i in next_i:  # shared iterator: each request is taken by exactly one task
-            results.append(await stream_one(streamer, url, _body(cfg, model, i), headers))
+            results.append(await stream_one(client, url, _body(cfg, model, i), headers))
 
     t0, cpu0 = time.perf_counter(), time.process_time()
     tasks = [asyncio.create_task(client_task()) for _ in range(min(concurrency, cfg.requests))]
@@ -454,9 +451,10 @@ async def run_loadtest(cfg: LoadTestConfig, log: Any = None) -> dict:
                     + (" (give --api-key)" if r.status_code == 401 else "")
                 )
             model = r.json()["data"][0]["id"]
-        warm = RawStreamClient(cfg.url, cfg.request_timeout) if cfg.url.startswith("http://") else client
+        # the streams: the lean client for http://, httpx for https://
+        streamer = RawStreamClient(cfg.url, cfg.request_timeout) if cfg.url.startswith("http://") else client
         for i in range(cfg.warmup):
-            w = await stream_one(warm, f"{cfg.url}/v1/chat/completions", _body(cfg, model, i), headers)
+            w = await stream_one(streamer, f"{cfg.url}/v1/chat/completions", _body(cfg, model, i), headers)
             if not w.ok:
                 say(f"warning: warm-up request failed ({w.error})")
         levels = []
@@ -464,7 +462,7 @@ async def run_loadtest(cfg: LoadTestConfig, log: Any = None) -> dict:
         if wrap:
             say(wrap)
         for c, start in zip(cfg.concurrency, level_starts(cfg)):
-            lv = await _level(client, cfg, model, headers, c, start)
+            lv = await _level(streamer, cfg, model, headers, c, start)
             lat = lv.latency
             say(
                 f"concurrency {c:4d}: {lv.tokens_per_s:8.1f} tok/s, {lv.requests_per_s:6.2f} req/s, "
