@@ -407,11 +407,12 @@ class Scheduler:
                 out.append((p.req, new))
         te = time.perf_counter()
         t_draft = sum(p.t_draft for p in plan)
+        rows = sum(len(p.tokens) for p in plan)
         if self._sized:
-            self._prev = (t0, sum(len(p.tokens) for p in plan), t_draft)
+            self._prev = (t0, rows, t_draft)
         self.last_step = StepTimes(
             len(plan),
-            sum(len(p.tokens) for p in plan),
+            rows,
             sum(len(p.tokens) for p in plan if p.tree is None),
             sum(len(n) for _, n in out),
             t_draft,
