@@ -5,7 +5,7 @@ timed by wrapping its methods (commit of the accepted pairs, the draft layer per
 head, top-k + tree bookkeeping), the target's forward by wrapping its native FusedDecoder.
 
     python benchmarks/eagle_profile.py [--weights int4] [--prompts 2] [--tokens 64] [--nodes 4 8 16]
-        [--drafter eagle|eagle-lookup] [--full-tree] [--depth D]
+        [--drafter eagle|eagle-lookup] [--full-tree] [--depth D] [--heads DIR]
 """
 
 from __future__ import annotations
@@ -74,11 +74,12 @@ def main() -> None:
         "--full-tree", action="store_true", help="no expected-gain sizing: every tree fills --nodes (draft quality)"
     )
     ap.add_argument("--depth", type=int, default=None, help="draft depth (default: the drafter's)")
+    ap.add_argument("--heads", default=None, help="EAGLE drafter directory (default: the shipped one)")
     a = ap.parse_args()
     llm = treedraft.load(drafter=None, weights=a.weights)
     qs = [json.loads(line)["turns"][0] for line in DATA.read_text().splitlines()[: a.prompts]]
     prompts = [llm.encode_prompt(q) for q in qs]
-    d = llm.get_drafter(a.drafter)
+    d = llm.get_drafter(a.drafter) if a.heads is None else llm.get_drafter(a.drafter, heads=a.heads)
     eag = next((m for m in (d, *getattr(d, "drafters", ())) if m.name == "eagle"), None)
     if eag is not None and a.full_tree:
         eag.curve, eag.nodes = None, 0

@@ -13,12 +13,14 @@ import torch
 from treedraft import bench
 from treedraft.api import LLM
 from treedraft.bench import (
+    ALL_CATEGORIES,
     BenchError,
     BenchPrompt,
     EngineMethod,
     MethodOutput,
     Record,
     load_prompts,
+    report,
     run_bench,
     select_prompts,
     summarize,
@@ -292,10 +294,15 @@ def test_report_files_are_written(result: bench.BenchResult, tmp_path: Path) -> 
     assert "## Output mismatches" in md and "| `wrong` | 1 | writing | 3 | differs |" in md
     assert f"| `truncated` | 1 | writing | 5 | truncated | {MAX_NEW} / 5 |" in md
     assert "## Speedup vs `hf` per category" in md
-    for key in ("speedup_png", "hist_png"):
+    for key in ("speedup_png", "hist_png", "depth_png"):
         data = paths[key].read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
     doc = json.loads(paths["json"].read_text())
+    # the depth plot draws every method that drafted (its pooled per-depth acceptance) and leaves plain out
+    lines = report.plot_acceptance_per_depth(doc["summary"], tmp_path / "d.png", max_depth=3)
+    drafted = {m for m, s in doc["summary"][ALL_CATEGORIES].items() if s["acceptance_per_depth"]}
+    assert drafted and "plain" not in drafted and set(lines) == drafted
+    assert all(v == doc["summary"][ALL_CATEGORIES][m]["acceptance_per_depth"][:3] for m, v in lines.items())
     assert len(doc["records"]) == len(result.records) == 10
     assert doc["reference"] == "plain" and doc["baselines"] == ["hf", "plain"]
     rec = doc["records"][0]

@@ -334,10 +334,38 @@ def plot_accepted_hist(result: BenchResult, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_acceptance_per_depth(summary: dict, path: Path, max_depth: int = 12) -> dict[str, list[float]]:
+    """Acceptance at each tree depth (P(accepted >= d | the tree reached depth d), all prompts pooled), one line
+    per method that drafted: where a drafter's guesses stop being accepted. Returns the plotted lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per = {m: (s["acceptance_per_depth"] or [])[:max_depth] for m, s in summary[ALL_CATEGORIES].items()}
+    per = {m: v for m, v in per.items() if v}
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    if per:
+        for m, v in per.items():
+            ax.plot(range(1, len(v) + 1), v, marker="o", label=m)
+        ax.set_xticks(range(1, max(len(v) for v in per.values()) + 1))
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no method drafted any tokens", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("tree depth d")
+    ax.set_ylabel("P(accepted >= d | tree reached d)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return per
+
+
 def write_report(
     result: BenchResult, out_dir: str | Path, decode: Callable[[list[int]], str] | None = None
 ) -> dict[str, Path]:
-    """Write records.json, report.md, speedup_by_category.png and accepted_length_hist.png into out_dir."""
+    """Write records.json, report.md, speedup_by_category.png, accepted_length_hist.png and
+    acceptance_per_depth.png into out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(result)
@@ -347,6 +375,7 @@ def write_report(
         "markdown": out / "report.md",
         "speedup_png": out / "speedup_by_category.png",
         "hist_png": out / "accepted_length_hist.png",
+        "depth_png": out / "acceptance_per_depth.png",
     }
     doc = {
         "config": result.config,
@@ -364,4 +393,5 @@ def write_report(
     paths["markdown"].write_text(markdown_report(result, summary, mism), encoding="utf-8")
     plot_speedup(summary, result, paths["speedup_png"])
     plot_accepted_hist(result, paths["hist_png"])
+    plot_acceptance_per_depth(summary, paths["depth_png"])
     return paths
