@@ -6,6 +6,13 @@ M < N shards: no drafter trained on those shards (with the same --heldout) saw a
 
     python benchmarks/eagle_heldout.py --data /work/eagle-data/v2/data --max-shards 6 --heldout 0.1 \
         src/treedraft/heads/smollm2-135m-instruct my-eagle [--weights int4] [--depths 4]
+
+``--all`` scores every sequence of ``--data`` instead: data that no drafter trained on, e.g. the MT-Bench first
+turns' answers (the bench's prompts, not ShareGPT's), made the same way:
+
+    treedraft train-eagle --weights int4 --max-new-tokens 256 --shard-size 80 --gen-concurrency 8 \
+        --prompts ../shared/data/mt_bench_questions.jsonl --train-data mtb --gen-only
+    python benchmarks/eagle_heldout.py --data mtb --all src/treedraft/heads/smollm2-135m-instruct my-eagle
 """
 
 from __future__ import annotations
@@ -30,11 +37,17 @@ def main() -> None:
     ap.add_argument("--depths", type=int, default=4)
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--all",
+        action="store_true",
+        help="score every sequence of --data (data no drafter trained on, e.g. the MT-Bench answers)",
+    )
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     llm = treedraft.load(drafter=None, weights=a.weights)
     data = load_eagle_shards(a.data, a.max_shards)
-    _, held = split_spans(sequence_spans(data["seq"]), a.heldout)
+    spans = sequence_spans(data["seq"])
+    held = spans if a.all else split_spans(spans, a.heldout)[1]
     rows = sum(b - a_ for a_, b in held)
     for d in a.dirs:
         net = EagleNet.load(d, llm.model, llm.model_name)

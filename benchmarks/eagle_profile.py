@@ -5,7 +5,7 @@ timed by wrapping its methods (commit of the accepted pairs, the draft layer per
 head, top-k + tree bookkeeping), the target's forward by wrapping its native FusedDecoder.
 
     python benchmarks/eagle_profile.py [--weights int4] [--prompts 2] [--tokens 64] [--nodes 4 8 16]
-        [--drafter eagle|eagle-lookup] [--full-tree] [--depth D] [--heads DIR]
+        [--drafter eagle|eagle-lookup] [--full-tree] [--depth D] [--topk K] [--heads DIR]
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ def main() -> None:
         "--full-tree", action="store_true", help="no expected-gain sizing: every tree fills --nodes (draft quality)"
     )
     ap.add_argument("--depth", type=int, default=None, help="draft depth (default: the drafter's)")
+    ap.add_argument("--topk", type=int, default=None, help="children per expanded node (default: the drafter's)")
     ap.add_argument("--heads", default=None, help="EAGLE drafter directory (default: the shipped one)")
     a = ap.parse_args()
     llm = treedraft.load(drafter=None, weights=a.weights)
@@ -85,6 +86,8 @@ def main() -> None:
         eag.curve, eag.nodes = None, 0
     if eag is not None and a.depth:
         eag.depth = a.depth
+    if eag is not None and a.topk:
+        eag.topk = a.topk
     st = fused._state(llm.model)
     for n in a.nodes:
         tm = Timer()
