@@ -325,10 +325,19 @@ def plot_accepted_hist(result: BenchResult, path: Path) -> None:
             )
         ax.set_xticks(range(1, top + 1))
         ax.legend(fontsize=8)
-    else:
+    _finish_drafting_plot(
+        fig, ax, path, bool(per), "tokens committed per verify step (bonus included)", "fraction of steps"
+    )
+
+
+def _finish_drafting_plot(fig, ax, path: Path, drew: bool, xlabel: str, ylabel: str) -> None:
+    """Label, save and close a per-drafting-method plot (a note when no method drafted)."""
+    import matplotlib.pyplot as plt
+
+    if not drew:
         ax.text(0.5, 0.5, "no method drafted any tokens", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("tokens committed per verify step (bonus included)")
-    ax.set_ylabel("fraction of steps")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -351,13 +360,7 @@ def plot_acceptance_per_depth(summary: dict, path: Path, max_depth: int = 12) ->
         ax.set_xticks(range(1, max(len(v) for v in per.values()) + 1))
         ax.set_ylim(0, 1)
         ax.legend(fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no method drafted any tokens", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("tree depth d")
-    ax.set_ylabel("P(accepted >= d | tree reached d)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish_drafting_plot(fig, ax, path, bool(per), "tree depth d", "P(accepted >= d | tree reached d)")
     return per
 
 
