@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -381,3 +382,43 @@ def test_fastest_compiled_path_is_the_best_this_cpu_has() -> None:
         want = "scalar"
     assert tk.paths()[0] == want, (tk.paths(), sorted(flags & {"avx512f", "avx512bw", "avx512_vnni", "avx2"}))
     assert tk.paths()[-1] == "scalar"
+
+
+def _topk_reference(x: torch.Tensor, k: int):
+    """Each row's k largest entries in float64 log-softmax, best first, equal values by the lower column."""
+    lp = torch.log_softmax(x.double(), -1)
+    out_v, out_i = [], []
+    for row in lp.tolist():
+        order = sorted(range(len(row)), key=lambda j: (-row[j], j))[:k]
+        out_i.append(order)
+        out_v.append([row[j] for j in order])
+    return torch.tensor(out_v, dtype=torch.float64), torch.tensor(out_i)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(("R", "V", "k"), [(1, 4096, 4), (5, 1000, 8), (3, 37, 37), (2, 64, 1)])
+def test_topk_rows_matches_a_float64_reference(native: bool, R: int, V: int, k: int, monkeypatch) -> None:
+    if native and not tk.available():
+        pytest.skip(f"native kernel unavailable: {tk.unavailable_reason()}")
+    if not native:
+        monkeypatch.setattr(tk, "_ext", lambda: None)
+    g = torch.Generator().manual_seed(R * V + k)
+    x = torch.randn(R, V, generator=g) * 4
+    x[0, 3] = x[0, V - 1] = x[0].max() + 1.0  # a tie for the best: the lower column first
+    vals, ids = tk.topk_rows(x, k, log_softmax=True)
+    ref_v, ref_i = _topk_reference(x, k)
+    assert vals.dtype == np.float64 and ids.dtype == np.int64 and vals.shape == ids.shape == (R, k)
+    assert ids.tolist() == ref_i.tolist()
+    # the native exp is a float32 polynomial: values agree with float64 to float32 resolution, far below
+    # the gaps a draft's ranking acts on
+    assert np.abs(vals - ref_v.numpy()).max() < 1e-6
+    raw, ids2 = tk.topk_rows(x, k)  # the entries themselves
+    assert ids2.tolist() == ids.tolist()
+    assert raw.tolist() == np.take_along_axis(x.double().numpy(), ids, -1).tolist()
+
+
+def test_topk_rows_rejects_bad_k() -> None:
+    with pytest.raises(ValueError, match="1 <= k <= V"):
+        tk.topk_rows(torch.zeros(2, 8), 9)
+    with pytest.raises(ValueError, match="1 <= k <= V"):
+        tk.topk_rows(torch.zeros(8), 2)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..interfaces import DraftContext, TargetModel, request_twin
+from ..kernels import topk_rows
 from ..tree import TokenTree
 from .eagle_native import fast_drafting
 from .eagle_net import EAGLE_JSON, EAGLE_WEIGHTS, EagleConfig, EagleMismatchError, EagleNet, shipped_eagle_for
@@ -127,7 +128,7 @@ class EagleDrafter:
         return self.base + self.cache.length
 
     def _run(self, feats: Tensor, toks: Tensor, pos: Tensor, start: int, mask: Tensor | None, last_only: bool):
-        """One draft forward of e rows at cache slots [start, start + e) -> (log-probs (R, V') ndarray, feats (e, H)).
+        """One draft forward of e rows at cache slots [start, start + e) -> (logits (R, V') float32, feats (e, H)).
 
         R = 1 (the last row) when ``last_only`` else e. mask (e, start + e) bool, None = causal."""
         if self.native is not None:
@@ -136,9 +137,7 @@ class EagleDrafter:
         else:
             out = self.net(feats[None], toks[None], pos, self.cache, start, mask)[0]  # (e, H)
             logits = self._logits(out[-1:] if last_only else out)
-        lg = logits.float().numpy().astype(np.float64)
-        m = lg.max(-1, keepdims=True)
-        return lg - (m + np.log(np.exp(lg - m).sum(-1, keepdims=True))), out
+        return logits.float(), out
 
     def _new_feats(self, ctx: DraftContext) -> tuple[Tensor, int]:
         """(n, H) features f_{first} .. f_{r-1} of the pairs committed since the last draft, and ``first``
@@ -157,8 +156,8 @@ class EagleDrafter:
         return feats, first
 
     @torch.inference_mode()
-    def _commit(self, ctx: DraftContext) -> tuple[np.ndarray, Tensor]:
-        """Feed the pairs committed since the last step; returns the depth-1 log-probs (1, V') and the root's
+    def _commit(self, ctx: DraftContext) -> tuple[Tensor, Tensor]:
+        """Feed the pairs committed since the last step; returns the depth-1 draft logits (1, V') and the root's
         predicted feature f_r (H,)."""
         r = len(ctx.tokens) - 1
         feats, first = self._new_feats(ctx)
@@ -172,10 +171,10 @@ class EagleDrafter:
         dev = self.net.emb_norm.weight.device
         toks = torch.tensor(ctx.tokens[first + 1 : r + 1], device=dev)  # (n,) x_{j+1}
         pos = torch.arange(first, r, device=dev)
-        lp, out = self._run(feats.to(dev), toks, pos, slot, None, last_only=True)
+        logits, out = self._run(feats.to(dev), toks, pos, slot, None, last_only=True)
         self.cache.length = slot + feats.shape[0]
         self.tokens = list(ctx.tokens[: r + 1])
-        return lp, out[-1]
+        return logits, out[-1]
 
     def _calibrate(self, ctx: DraftContext) -> None:
         """Add the last tree's outcome (tokens committed since, less the bonus) against its expected value."""
@@ -234,7 +233,7 @@ class EagleDrafter:
             self.idle(ctx)
             return TokenTree((ctx.root,), (-1,))
         self._calibrate(ctx)
-        lp, f_root = self._commit(ctx)
+        logits, f_root = self._commit(ctx)
         if budget < 1 or depth < 1:
             self.last_expected = 1.0
             return TokenTree((ctx.root,), (-1,))
@@ -245,7 +244,7 @@ class EagleDrafter:
         anc: dict[int, list[int]] = {0: []}  # draft cache slots of a node's expanded proper ancestors
         feat_of: dict[int, Tensor] = {0: f_root}
         base = self.cache.length
-        frontier = self._children([0], lp, k, tok, par, score, dep)
+        frontier = self._children([0], logits, k, tok, par, score, dep)
         forwards = 1  # draft forwards this step (the commit gave depth 1)
         for d in range(1, depth):
             expand = sorted(frontier, key=lambda i: -score[i])[:k]
@@ -257,7 +256,7 @@ class EagleDrafter:
             # an estimated (not timed) draft cost keeps the tree a function of the inputs
             cal = self.calibration
             if self.curve is not None and not worth_expanding(
-                np.minimum(1.0, cal * np.exp(np.array(score[1:]))), min(1.0, cal * math.exp(score[expand[0]])),
+                [min(1.0, cal * math.exp(x)) for x in score[1:]], min(1.0, cal * math.exp(score[expand[0]])),
                 self.curve, self._drafting_seconds(forwards), self._drafting_seconds(forwards + 1) - self._drafting_seconds(forwards),
             ):  # fmt: skip
                 break
@@ -273,22 +272,21 @@ class EagleDrafter:
             feats = torch.stack([feat_of[par[i]] for i in expand])  # (e, H)
             toks = torch.tensor([tok[i] for i in expand], device=dev)
             pos = torch.full((len(expand),), r + d - 1, dtype=torch.long, device=dev)
-            lp, out = self._run(feats, toks, pos, start, torch.from_numpy(mask).to(dev), last_only=False)
+            logits, out = self._run(feats, toks, pos, start, torch.from_numpy(mask).to(dev), last_only=False)
             forwards += 1
             for row, i in enumerate(expand):
                 slot_of[i], feat_of[i] = start + row, out[row]
-            frontier = self._children(expand, lp, k, tok, par, score, dep)
+            frontier = self._children(expand, logits, k, tok, par, score, dep)
         self.cache.length = base  # drafts never stay in the cache
         # rerank: the best nodes by cumulative log-prob; ties keep parents (shallower, earlier) first
         keep = sorted(range(1, len(tok)), key=lambda i: (-score[i], dep[i], i))[:budget]
-        vals = np.exp(np.array([score[i] for i in keep]))
+        vals = [math.exp(score[i]) for i in keep]
         if self.curve is not None:  # a tree that does not beat a plain step (no drafting) backs drafting off
-            n, paid = choose_size(
-                np.minimum(1.0, self.calibration * vals), self.curve, self._drafting_seconds(forwards)
-            )
+            cal = self.calibration
+            n, paid = choose_size([min(1.0, cal * v) for v in vals], self.curve, self._drafting_seconds(forwards))
             keep = keep[:n]
             self._skip = self._backoff = 0 if paid else min(self.MAX_SKIP, max(1, 2 * self._backoff))
-        self.last_expected = 1.0 + float(vals[: len(keep)].sum())  # the draft's own (uncalibrated) E[tokens]
+        self.last_expected = 1.0 + math.fsum(vals[: len(keep)])  # the draft's own (uncalibrated) E[tokens]
         new = {0: 0}
         tokens, parents = [ctx.root], [-1]
         for i in keep:
@@ -305,22 +303,20 @@ class EagleDrafter:
             return self.project(f.to(self.net.lm_weight.dtype)).float()
         return self.net.logits(f)
 
-    def _children(self, nodes: list[int], lp: np.ndarray, k: int, tok, par, score, dep) -> list[int]:
-        """Add the top-k children of each of ``nodes`` (log-probs (len(nodes), V') rows); return their indices."""
-        k = min(k, lp.shape[-1])
-        top = np.argpartition(-lp, k - 1, axis=-1)[:, :k] if k < lp.shape[-1] else np.tile(np.arange(k), (len(lp), 1))
-        vals = np.take_along_axis(lp, top, -1)
-        order = np.argsort(-vals, axis=-1, kind="stable")
-        top, vals = np.take_along_axis(top, order, -1), np.take_along_axis(vals, order, -1)
+    def _children(self, nodes: list[int], logits: Tensor, k: int, tok, par, score, dep) -> list[int]:
+        """Add the top-k children of each of ``nodes`` (draft logits (len(nodes), V') float32 rows, scored by their
+        log-softmax); return their indices. Ties between equal logits: the lower column first."""
+        vals, top = topk_rows(logits, min(k, logits.shape[-1]), log_softmax=True)
         ids = top if self._vm_np is None else self._vm_np[top]
         out = []
         for i, vs, ts in zip(nodes, vals.tolist(), ids.tolist()):
+            s, d = score[i], dep[i] + 1
             for val, t in zip(vs, ts):
                 out.append(len(tok))
-                tok.append(int(t))
+                tok.append(t)
                 par.append(i)
-                score.append(score[i] + val)
-                dep.append(dep[i] + 1)
+                score.append(s + val)
+                dep.append(d)
         return out
 
     @staticmethod

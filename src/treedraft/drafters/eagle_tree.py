@@ -17,6 +17,7 @@ Drafting deeper is worth one more draft forward only while some frontier node co
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,36 +34,47 @@ class LatencyCurve(_LatencyCurve):
         super().__init__(latency, lower_hull=False)
 
 
-def best_size(values_desc: np.ndarray, curve: LatencyCurve, draft_seconds: float, max_nodes: int) -> int:
+def _best(
+    values_desc: Sequence[float], lat: Sequence[float], draft_seconds: float, max_nodes: int
+) -> tuple[int, float]:
+    """(N in [0, max_nodes], its tokens per second): N maximising (1 + the N best values) / (lat[N + 1] +
+    draft_seconds), the first maximum (the smaller tree on ties). Plain floats: the trees are a few dozen nodes,
+    where each NumPy call's overhead costs more than the whole loop (this runs at every draft depth)."""
+    gain, best, rate = 1.0, 0, 1.0 / (lat[1] + draft_seconds)
+    for n, v in enumerate(values_desc[: max(0, max_nodes)], 1):
+        gain += v
+        r = gain / (lat[n + 1] + draft_seconds)
+        if r > rate:
+            best, rate = n, r
+    return best, rate
+
+
+def best_size(values_desc: Sequence[float], curve: LatencyCurve, draft_seconds: float, max_nodes: int) -> int:
     """N in [0, max_nodes] maximising (1 + sum of the N best values) / (latency(N + 1) + draft_seconds)."""
-    v = np.asarray(values_desc, dtype=np.float64)[: max(0, max_nodes)]
-    gain = 1.0 + np.concatenate(([0.0], np.cumsum(v)))  # (N+1,): expected tokens with the best N nodes
-    cost = curve(np.arange(1, len(gain) + 1)) + draft_seconds
-    return int(np.argmax(gain / cost))  # first maximum: the smaller tree on ties
+    v = [float(x) for x in values_desc]
+    return _best(v, curve.table(len(v) + 1), draft_seconds, max_nodes)[0]
 
 
-def choose_size(values_desc: np.ndarray, curve: LatencyCurve, draft_seconds: float) -> tuple[int, bool]:
+def choose_size(values_desc: Sequence[float], curve: LatencyCurve, draft_seconds: float) -> tuple[int, bool]:
     """(N* = :func:`best_size` over all values, whether that tree beats a plain step, which drafts nothing)."""
-    v = np.asarray(values_desc, dtype=np.float64)
-    n = best_size(v, curve, draft_seconds, len(v))
-    rate = (1.0 + v[:n].sum()) / (float(curve(n + 1)) + draft_seconds)
-    return n, bool(rate * float(curve(1)) >= 1.0)
+    v = [float(x) for x in values_desc]
+    lat = curve.table(len(v) + 1)
+    n, rate = _best(v, lat, draft_seconds, len(v))
+    return n, bool(rate * lat[1] >= 1.0)
 
 
 def worth_expanding(
-    values_desc: np.ndarray, frontier_best: float, curve: LatencyCurve, draft_seconds: float, step_seconds: float
+    values: Sequence[float], frontier_best: float, curve: LatencyCurve, draft_seconds: float, step_seconds: float
 ) -> bool:
     """Whether one more draft depth can pay: the current best tree vs the same tree plus one child as likely
     as the best frontier node (an upper bound: a child's value never exceeds its parent's), paying one more
-    draft forward of ``step_seconds``."""
-    v = np.sort(np.asarray(values_desc, dtype=np.float64))[::-1]
-    n = best_size(v, curve, draft_seconds, len(v))
-    now = (1.0 + v[:n].sum()) / (float(curve(n + 1)) + draft_seconds)
+    draft forward of ``step_seconds``. ``values``: the drafted nodes' values, in any order."""
+    v = sorted((float(x) for x in values), reverse=True)
+    lat = curve.table(len(v) + 2)
+    now = _best(v, lat, draft_seconds, len(v))[1]
     # the optimistic child joins the best tree, which may then take more of the existing nodes too
-    w = np.sort(np.concatenate((v, [frontier_best])))[::-1]
-    m = best_size(w, curve, draft_seconds + step_seconds, len(w))
-    then = (1.0 + w[:m].sum()) / (float(curve(m + 1)) + draft_seconds + step_seconds)
-    return bool(then > now)
+    bisect.insort(v, float(frontier_best), key=lambda x: -x)
+    return _best(v, lat, draft_seconds + step_seconds, len(v))[1] > now
 
 
 def accepted_nodes(tree: Any, committed: Sequence[int]) -> list[int]:

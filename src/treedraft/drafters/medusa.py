@@ -14,12 +14,12 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..interfaces import DraftContext, TargetModel
+from ..kernels import topk_rows
 from ..models.llama import bf16_gemm_available, linear_bf16, matmul, pack_bf16
 from ..tree import TokenTree
 
@@ -340,24 +340,13 @@ class MedusaHeads(nn.Module):
 def top_k_rows(scores: Tensor, k: int) -> list[list[int]]:
     """Indices of the k largest scores of every row of (n, V) ``scores``, best first (ties: lower index first).
 
-    On the CPU, for small k, by k NumPy argmax passes per row: torch.topk parallelises over OpenMP threads
-    and took 2.5-13 ms for (4, 16384) on a loaded 2-core machine, these passes ~0.1 ms.
+    On the CPU through :func:`treedraft.kernels.topk_rows` (one native pass per row; torch.topk parallelises over
+    OpenMP threads and took 2.5-13 ms for (4, 16384) on a loaded 2-core machine).
     """
     k = min(k, scores.shape[-1])
     if scores.device.type != "cpu" or k > 16:
         return scores.topk(k, dim=-1).indices.tolist()
-    a = scores.detach().float().numpy().copy()  # (n, V), scratch: picked entries are set to -inf
-    out = []
-    for row in a:
-        ids: list[int] = []
-        for _ in range(k):
-            j = int(row.argmax())
-            if ids and j in ids:  # only -inf / NaN left: leave the ranking to torch
-                return scores.topk(k, dim=-1).indices.tolist()
-            ids.append(j)
-            row[j] = -np.inf
-        out.append(ids)
-    return out
+    return topk_rows(scores.detach().float(), k)[1].tolist()
 
 
 def shipped_heads_for(model_name: str) -> Path | None:

@@ -32,6 +32,7 @@ _HEADERS = [
     "kern_scalar.h",
     "kern_avx512.h",
     "kern_avx2.h",
+    "topk.h",
 ]
 # -fvisibility=hidden: the headers' inline globals (the thread pool, g_threads) stay private to each
 # build; by default they are GNU-unique symbols, shared by every build loaded in one process (two

@@ -15,6 +15,7 @@
 #include "attn_sched.h"
 #include "fused.h"
 #include "mm_core.h"
+#include "topk.h"
 
 namespace td {
 
@@ -231,6 +232,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "read_bandwidth",
       [](torch::Tensor buf, int64_t reps) { return td::serialized([&] { return td::read_bandwidth(buf, reps); }); },
       "GB/s of the pool streaming a uint8 buffer (best of reps)", py::arg("buf"), py::arg("reps") = 5);
+  m.def(
+      "topk_rows",
+      [](torch::Tensor x, int64_t k, bool normalize) {
+        TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+                    "qgemm.topk_rows: x must be a contiguous float32 (R, V) tensor");
+        TORCH_CHECK(k >= 1 && k <= x.size(1), "qgemm.topk_rows: need 1 <= k <= V, got k=", k);
+        auto vals = torch::empty({x.size(0), k}, x.options().dtype(torch::kFloat64));
+        auto ids = torch::empty({x.size(0), k}, x.options().dtype(torch::kInt64));
+        td::topk_rows(x.data_ptr<float>(), x.size(0), x.size(1), k, normalize, vals.data_ptr<double>(),
+                      ids.data_ptr<int64_t>());
+        return std::make_tuple(vals, ids);
+      },
+      "each row's k largest entries (ties: lower column first) as (value or its log-softmax in float64, column)",
+      py::arg("x"), py::arg("k"), py::arg("normalize"));
   m.def("paths", &td::paths, "compiled code paths, fastest first");
   m.def(
       "set_tuning",
