@@ -296,6 +296,35 @@ def test_training_lowers_the_loss_and_resumes(tmp_path: Path) -> None:
         train_eagle(tmp_path / "data", model, cfg_, EagleTrainConfig(epochs=4), tmp_path / "ck", progress=False)
 
 
+def test_extra_training_data_leaves_out_the_held_out_prompts(tmp_path: Path, monkeypatch) -> None:
+    """--extra-train-data: its sequences train too, except those of the main data's held-out prompts; the draft
+    vocabulary and the held-out split are the main data's alone."""
+    from treedraft.training import eagle_train
+
+    model = tiny(5, scale=2.0)
+    write_tiny_shards(model, tmp_path / "a", n=12, new=8, seed=1)
+    write_tiny_shards(model, tmp_path / "b", n=12, new=8, seed=2)  # stands in for other answers to the same prompts
+    tc = EagleTrainConfig(epochs=1, lr=1e-3, tokens_per_batch=64, heldout=0.25, unroll=1, eval_unroll=1)
+    cfg_ = EagleConfig.for_target(model, "tiny", draft_vocab=24)
+    seen: list[list[tuple[int, int]]] = []
+    real = eagle_train.make_batches
+    monkeypatch.setattr(eagle_train, "make_batches", lambda spans, n: seen.append(list(spans)) or real(spans, n))
+    alone_net, alone = train_eagle(tmp_path / "a", model, cfg_, tc, tmp_path / "c1", progress=False)
+    net, both = train_eagle(
+        tmp_path / "a", model, cfg_, tc, tmp_path / "c2", progress=False, extra_data=[tmp_path / "b"]
+    )
+    a, b = load_eagle_shards(tmp_path / "a"), load_eagle_shards(tmp_path / "b")
+    # make_batches calls per run: the training spans, then the held-out ones (evaluation)
+    held = {int(a["seq"][x]) for x, _ in seen[1]}
+    assert len(held) == 3 and both["heldout_sequences"] == alone["heldout_sequences"] == 3
+    assert seen[3] == seen[1]  # the same held-out split with the extra data
+    assert not held & {int(a["seq"][x]) for x, _ in seen[2] if x < len(a["seq"])}
+    extra = [(x - len(a["seq"]), y - len(a["seq"])) for x, y in seen[2] if x >= len(a["seq"])]
+    assert sorted(int(b["seq"][x]) for x, _ in extra) == sorted(set(range(12)) - held)
+    assert both["train_rows"] == alone["train_rows"] + sum(y - x for x, y in extra)
+    assert torch.equal(net.vocab_map, alone_net.vocab_map)
+
+
 # ---- the shipped drafter on the real model ---------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.usefixtures("warm_cache")  # int4 kernels from the session's weights=auto measurement

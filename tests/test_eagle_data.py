@@ -14,6 +14,7 @@ from test_batch import native_tiny
 
 from treedraft.engine import Engine, GenerationConfig
 from treedraft.training import eagle_data
+from treedraft.training.data import DataCacheMismatchError
 from treedraft.training.eagle_data import PROGRESS_FILE, generate_eagle_dataset
 from treedraft.training.eagle_train import load_eagle_shards
 
@@ -123,6 +124,35 @@ def test_resume_skips_finished_shards(tmp_path: Path, monkeypatch: pytest.Monkey
         load_eagle_shards(tmp_path, max_shards=2)
 
 
+def test_sampled_answers_are_seeded_and_kept_apart_from_greedy_data(tmp_path: Path) -> None:
+    """--gen-temperature: answers drawn per prompt from seed + index (a rerun gives the same ones), unlike the
+    greedy ones somewhere; features still the target's; a directory never mixes greedy and sampled shards."""
+    llm = FakeLLM()
+    kw = dict(max_new_tokens=NEW, concurrency=3, shard_size=3, progress=False)
+    generate_eagle_dataset(llm, PROMPTS, tmp_path / "g", **kw)
+    generate_eagle_dataset(llm, PROMPTS, tmp_path / "s", temperature=1.5, seed=7, **kw)
+    generate_eagle_dataset(llm, PROMPTS, tmp_path / "s2", temperature=1.5, seed=7, concurrency=1, progress=False,
+                           max_new_tokens=NEW)  # fmt: skip
+    g, s, s2 = by_prompt(tmp_path / "g"), by_prompt(tmp_path / "s"), by_prompt(tmp_path / "s2")
+    assert all(s[i][0] == s2[i][0] for i in s)  # seeded per prompt: batching does not change the draws
+    assert any(s[i][0] != g[i][0] for i in s)
+    model = llm.engine.model
+    toks, hid, ans = s[3]
+    ids = [1, *toks[: len(toks) - sum(ans)]]  # the prompt ids (its first token is not a target)
+    answer = toks[len(ids) - 1 :]
+    seq = torch.tensor([ids + answer[:-1]])
+    _, ref = model(seq, torch.arange(seq.shape[1]), model.new_cache(seq.shape[1]), 0)
+    torch.testing.assert_close(hid.float(), ref[0].half().float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(DataCacheMismatchError, match="--gen-temperature"):
+        generate_eagle_dataset(llm, PROMPTS, tmp_path / "s", **kw)  # greedy into the sampled directory
+    with pytest.raises(DataCacheMismatchError, match="--gen-seed"):
+        generate_eagle_dataset(llm, PROMPTS, tmp_path / "s", temperature=1.5, seed=8, **kw)
+    meta = tmp_path / "g" / "meta.json"  # a greedy directory written before the temperature was recorded
+    meta.write_text(meta.read_text().replace('"temperature": 0.0,', ""))
+    with pytest.raises(DataCacheMismatchError, match="holds greedy answers"):
+        generate_eagle_dataset(llm, PROMPTS, tmp_path / "g", temperature=1.5, seed=7, **kw)
+
+
 @pytest.mark.parametrize(
     "args,msg",
     [
@@ -130,6 +160,8 @@ def test_resume_skips_finished_shards(tmp_path: Path, monkeypatch: pytest.Monkey
         (["--gen-only", "--no-generate", "--train-data", "x"], "exclude each other"),
         (["--out", "o", "--max-shards", "0"], "--max-shards must be >= 1"),
         (["--out", "o", "--gen-concurrency", "0"], "--gen-concurrency"),
+        (["--out", "o", "--gen-temperature", "-1"], "--gen-temperature must be >= 0"),
+        (["--out", "o", "--extra-train-data", "nowhere"], "--extra-train-data nowhere: no shard"),
     ],
 )
 def test_train_eagle_cli_checks(tmp_path: Path, args: list[str], msg: str) -> None:

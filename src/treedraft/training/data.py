@@ -101,6 +101,8 @@ _META_FLAGS = {
     "num_prompts": "--num-prompts",
     "prompt_file": "--prompts",
     "prompts_sha1": "--prompts / --num-prompts",
+    "temperature": "--gen-temperature",
+    "seed": "--gen-seed",
 }
 # a key is only informative when the stronger identity in the value is known on both sides
 _COVERED_BY = {"model": "model_file", "prompt_file": "prompts_sha1", "num_prompts": "prompts_sha1"}

@@ -30,6 +30,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--gen-concurrency", type=int, default=8, help="requests answered together by the batched scheduler")
     t.add_argument("--shard-size", type=int, default=32, help="prompts per data shard (the unit of resuming)")
     t.add_argument(
+        "--gen-temperature",
+        type=float,
+        default=0.0,
+        help="sample the answers at this temperature (0 = greedy): more varied contexts, e.g. as --extra-train-data",
+    )
+    t.add_argument("--gen-seed", type=int, default=0, help="with --gen-temperature: prompt i is drawn with seed + i")
+    t.add_argument(
+        "--extra-train-data",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="more shard directories over the same prompts (e.g. sampled answers), for training only; their "
+        "answers to --train-data's held-out prompts are left out (repeatable)",
+    )
+    t.add_argument(
         "--train-data",
         default=None,
         help="data directory (resumable; default: data-cache/<model>--<prompts>-<n>-new<N>-prompt<N>-eagle)",
@@ -87,6 +102,9 @@ def validate(a: argparse.Namespace) -> None:
     _check(a.num_prompts is None or a.num_prompts >= 1, f"--num-prompts must be >= 1, got {a.num_prompts}")
     _check(a.lr > 0 and a.ce_weight >= 0, "--lr must be > 0 and --ce-weight >= 0")
     _check(0 <= a.heldout < 0.5, f"--heldout must be in [0, 0.5), got {a.heldout}")
+    _check(a.gen_temperature >= 0, f"--gen-temperature must be >= 0, got {a.gen_temperature}")
+    for d in a.extra_train_data:
+        _check(any(Path(d).glob("shard_*.safetensors")), f"--extra-train-data {d}: no shard_*.safetensors there")
     _check(
         not a.no_generate or (a.train_data and any(Path(a.train_data).glob("shard_*.safetensors"))),
         "--no-generate needs --train-data DIR holding shard_*.safetensors",
@@ -115,7 +133,8 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
     else:
         prompts = read_prompts(a.prompts)[: a.num_prompts]
         name = cache_name(llm.model_name, a.prompts, a.num_prompts, a.max_new_tokens, a.max_prompt_tokens)
-        data = Path(a.train_data) if a.train_data else Path("data-cache") / f"{name}-eagle"
+        sampled = f"-t{a.gen_temperature:g}-s{a.gen_seed}" if a.gen_temperature > 0 else ""
+        data = Path(a.train_data) if a.train_data else Path("data-cache") / f"{name}-eagle{sampled}"
         # features from the serving loop and weights: bitwise what the drafter reads at inference
         generate_eagle_dataset(
             llm,
@@ -127,6 +146,8 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
             shard_size=a.shard_size,
             prompt_file=a.prompts,
             max_shards=a.max_shards,
+            temperature=a.gen_temperature,
+            seed=a.gen_seed,
         )
     t_data = time.perf_counter() - t0
     if a.gen_only:
@@ -155,6 +176,7 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
         init_from_target=a.init_from_target,
         init_from=a.init_from,
         max_shards=a.max_shards,
+        extra_data=a.extra_train_data,
     )
     meta_file = data / "meta.json"
     report.update(
@@ -166,6 +188,7 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
         init_from=a.init_from,
         data_seconds=round(t_data, 1),
         max_shards=a.max_shards,
+        extra_train_data=a.extra_train_data,
     )
     from dataclasses import replace
 

@@ -25,33 +25,44 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .data import _check_existing_shards, _write_meta, check_meta, dataset_meta, encode_fitting
+from .data import DataCacheMismatchError, _check_existing_shards, _write_meta, check_meta, dataset_meta, encode_fitting
 
 PROGRESS_FILE = "progress.json"
 
 
 @torch.inference_mode()
 def scheduled_greedy(
-    engine, prompts: Sequence[tuple[int, Sequence[int]]], max_new_tokens: int, eos: frozenset[int], concurrency: int = 8
+    engine,
+    prompts: Sequence[tuple[int, Sequence[int]]],
+    max_new_tokens: int,
+    eos: frozenset[int],
+    concurrency: int = 8,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> Iterator[tuple[int, list[int], Tensor]]:
     """Greedy answers through the batched scheduler; yields (key, answer ids, hidden (P - 1 + A, H)) as they finish.
 
     prompts: (key, prompt ids) pairs, admitted in order with at most ``concurrency`` in flight. An answer
     ends at its first EOS (kept) or after ``max_new_tokens``. hidden[j] is the target's final-norm hidden
     state at position j, j = 0 .. P + A - 2 (the last answer token has no successor to predict).
+    temperature > 0: sampled answers instead (the prompt with key i drawn with seed ``seed + i``, so a resumed
+    run draws the same answers): other contexts over the same prompts, which the EAGLE loss can use as they are
+    (its token targets are the target's distributions at each position, not the sampled tokens).
     """
     from ..engine import GenerationConfig
+    from ..sampling import SamplingParams
     from ..scheduler import Scheduler
 
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     sched = Scheduler(engine)
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, max_tree_nodes=1, ignore_eos=True)
     todo = list(prompts)[::-1]  # pop() from the end = admission in input order
     parts: dict[int, list[Tensor]] = {}  # id(request) -> its hidden chunks so far
     while todo or sched.active:
         while todo and len(sched) < concurrency:
             key, ids = todo.pop()
+            sampling = SamplingParams(temperature, seed=seed + key) if temperature > 0 else SamplingParams()
+            cfg = GenerationConfig(max_new_tokens=max_new_tokens, max_tree_nodes=1, ignore_eos=True, sampling=sampling)
             req = sched.add(ids, cfg, drafter=None, tag=key)
             req.keep_hidden = True  # no drafter, but its hidden states are the data
             parts[id(req)] = []
@@ -88,6 +99,8 @@ def generate_eagle_dataset(
     progress: bool = True,
     prompt_file: str | Path | None = None,
     max_shards: int | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> Path:
     """Generate (resumably) EAGLE shards for ``prompts`` into ``out_dir`` with the batched scheduler.
 
@@ -95,6 +108,8 @@ def generate_eagle_dataset(
     ``meta.json`` is checked/written as by :func:`treedraft.training.data.generate_dataset` (resuming with
     other settings raises DataCacheMismatchError); finished shards are kept and skipped. max_shards: only
     the first N shards are generated (the rest can follow in a later run with a larger N or None).
+    temperature > 0: sampled answers (seed + prompt index per prompt; see :func:`scheduled_greedy`), recorded in
+    meta.json so that a resumed run cannot mix greedy and sampled shards.
     """
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -103,7 +118,15 @@ def generate_eagle_dataset(
     encoded = encode_fitting(llm, prompts, max_prompt_tokens)
     meta = dataset_meta(llm, prompts, len(encoded), max_new_tokens, max_prompt_tokens, shard_size, prompt_file)
     meta["keep_prompt"] = True
+    meta["temperature"] = float(temperature)
+    if temperature > 0:
+        meta["seed"] = int(seed)
     old = check_meta(out, meta)
+    if old and "temperature" not in old and temperature > 0:  # written before the key existed: greedy answers
+        raise DataCacheMismatchError(
+            f"data directory {out} holds greedy answers; sampled ones (--gen-temperature {temperature}) go into "
+            "another directory (--train-data)"
+        )
     meta["shard_size"] = shard_size = int(old.get("shard_size") or shard_size)
     shards = [encoded[s : s + shard_size] for s in range(0, len(encoded), shard_size)]
     _check_existing_shards(out, shards)
@@ -121,7 +144,7 @@ def generate_eagle_dataset(
     t0, new_tokens, written = time.perf_counter(), 0, len(shards) - len(pending)
     feed = [(idx, ids) for si in pending for idx, ids in shards[si]]
     for idx, answer, hid in scheduled_greedy(
-        llm.engine, feed, max_new_tokens, llm.tokenizer.eos_token_ids, concurrency
+        llm.engine, feed, max_new_tokens, llm.tokenizer.eos_token_ids, concurrency, temperature, seed
     ):
         si = shard_of[idx]
         results[si][idx] = (answer, hid)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -219,10 +220,14 @@ def train_eagle(
     progress: bool = True,
     init_from: str | Path | None = None,
     max_shards: int | None = None,
+    extra_data: Sequence[str | Path] = (),
 ) -> tuple[EagleNet, dict]:
     """Train (resumably, from ``ckpt_dir``) an EAGLE drafter for ``target``; returns it and a report.
 
-    init_from: start from the weights of an earlier drafter directory (e.g. trained on part of the data)."""
+    init_from: start from the weights of an earlier drafter directory (e.g. trained on part of the data).
+    extra_data: more shard directories over the same prompt file (e.g. sampled answers), for training only: the
+    held-out split is ``data_dir``'s, and their answers to its held-out prompts are left out (the held-out figure
+    stays one on prompts never trained on). The draft vocabulary is counted on ``data_dir`` alone."""
     from tqdm import tqdm
 
     torch.manual_seed(tcfg.seed)
@@ -231,6 +236,17 @@ def train_eagle(
     if H != cfg.hidden_size:
         raise ValueError(f"{data_dir} holds hidden size {H} but the target has {cfg.hidden_size}: other model's data")
     vm = frequency_vocab(data["tokens"], cfg.vocab_size) if cfg.draft_vocab else None
+    train_spans, held = split_spans(sequence_spans(data["seq"]), tcfg.heldout)
+    held_ids = {int(data["seq"][a]) for a, _ in held}
+    for d in extra_data:
+        more = load_eagle_shards(d)
+        if more["hidden"].shape[1] != H:
+            raise ValueError(f"{d} holds hidden size {more['hidden'].shape[1]}, {data_dir} {H}: other model's data")
+        base = len(data["seq"])
+        train_spans += [
+            (a + base, b + base) for a, b in sequence_spans(more["seq"]) if int(more["seq"][a]) not in held_ids
+        ]
+        data = {k: torch.cat([data[k], more[k]]) for k in data}
     net = EagleNet(cfg, target.input_embedding_weight(), target.output_projection_weight(), vm)
     init_weights(net, target if init_from_target else None)
     if init_from is not None:
@@ -240,7 +256,6 @@ def train_eagle(
             k: v.float() for k, v in load_file(str(Path(init_from) / "eagle.safetensors")).items() if k != "vocab_map"
         }
         net.load_state_dict(sd)
-    train_spans, held = split_spans(sequence_spans(data["seq"]), tcfg.heldout)
     batches = make_batches(train_spans, tcfg.tokens_per_batch)
     opt = torch.optim.AdamW(net.parameters(), lr=tcfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     total_steps = tcfg.epochs * len(batches)
@@ -253,6 +268,8 @@ def train_eagle(
     ckpt_dir = Path(ckpt_dir)
     ck = ckpt_dir / "eagle_ckpt.pt"
     key = {"cfg": asdict(cfg), "tcfg": asdict(tcfg), "rows": int(len(data["seq"])), "init_from": str(init_from)}
+    if extra_data:
+        key["extra_data"] = [str(d) for d in extra_data]
     step, report = 0, {"epochs": [], "train_rows": sum(b - a for a, b in train_spans), "heldout_sequences": len(held)}
     if ck.is_file():
         st = torch.load(ck, weights_only=False)
