@@ -1,44 +1,86 @@
 // This CPU's register-only peaks for the two instructions the kernels lean on: vpdpbusd (int8 dot products,
-// the Q4_1 / Q8_0 GEMM tiles) and vfmadd231ps (fp32 FMA, attention) on zmm registers, 24 independent
-// accumulators (no loads or stores in the loop), per thread. Run two copies at once to see both cores.
+// the Q4_1 / Q8_0 GEMM tiles) and vfmadd231ps (fp32 FMA, attention) on zmm registers, per thread; plus the
+// tile kernel's own instruction mix (16 rows x 8 vpdpbusd per weight block, 8 weight registers, activations
+// broadcast from memory) with no weight streaming. Each measurement runs in its own function with 16
+// independent accumulators, so nothing spills (session 12's version kept 24 int and 24 float accumulators
+// live in one function: 48 zmm > 32, spilled in the loop, and read vpdpbusd at about half its rate).
 // AVX-512 VNNI machines only. Build and run:
 //   g++ -O3 -march=native -o /tmp/cpu_peak benchmarks/cpu_peak.cpp && /tmp/cpu_peak
-//   /tmp/cpu_peak & /tmp/cpu_peak; wait
-// Session 12 (Zen 5 EPYC VM, quiet): fp32 ~115 G FMA/s per thread (7.2 zmm FMAs per ns), int8 vpdpbusd
-// 175-225 G MAC/s per thread (2.7-3.5 zmm per ns), alone or two at once.
+//   /tmp/cpu_peak & /tmp/cpu_peak; wait          # both cores at once
+// Session 13 (Zen 4 EPYC VM, 2.6 GHz nominal, a data-generation job on both cores): vpdpbusd ~2.6-2.9 zmm per
+// ns (165-185 G int8 MAC/s per thread) in both forms; vfmadd231ps 3.6 zmm per ns (58 G FMA/s).
 #include <immintrin.h>
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+
+static const long kIters = 20000000;
+
+static double secs_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+__attribute__((noinline)) static void dpbusd_registers() {
+  __m512i acc[16], w[8], x[8];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_epi32(i);
+  for (int i = 0; i < 8; ++i) w[i] = _mm512_set1_epi8((char)(3 + i)), x[i] = _mm512_set1_epi8((char)(5 - i));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long n = 0; n < kIters; ++n) {
+    _Pragma("GCC unroll 16") for (int r = 0; r < 16; ++r) {
+      _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) acc[r] = _mm512_dpbusd_epi32(acc[r], w[i], x[(i + r) & 7]);
+    }
+  }
+  const double s = secs_since(t0);
+  long sink = 0;
+  for (int i = 0; i < 16; ++i) sink += _mm512_reduce_add_epi32(acc[i]);
+  std::printf("vpdpbusd zmm, register sources: %.1f G int8 MAC/s (%.2f instr/ns) [%ld]\n",
+              kIters * 128.0 * 64 / s / 1e9, kIters * 128.0 / s / 1e9, sink);
+}
+
+__attribute__((noinline)) static void dpbusd_tile_mix(const signed char* xa) {
+  __m512i acc[16], w[8];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_epi32(i);
+  for (int i = 0; i < 8; ++i) w[i] = _mm512_set1_epi8((char)(3 + i));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long n = 0; n < kIters; ++n) {
+    const signed char* xb = xa + (n & 7) * 4;
+    _Pragma("GCC unroll 16") for (int r = 0; r < 16; ++r) {
+      _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) {
+        int v;
+        std::memcpy(&v, xb + 32 * r + 4 * i, 4);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], w[i], _mm512_set1_epi32(v));
+      }
+    }
+  }
+  const double s = secs_since(t0);
+  long sink = 0;
+  for (int i = 0; i < 16; ++i) sink += _mm512_reduce_add_epi32(acc[i]);
+  std::printf("vpdpbusd zmm, tile mix (memory broadcasts): %.1f G int8 MAC/s (%.2f instr/ns) [%ld]\n",
+              kIters * 128.0 * 64 / s / 1e9, kIters * 128.0 / s / 1e9, sink);
+}
+
+__attribute__((noinline)) static void fma_registers() {
+  __m512 f[16];
+  for (int i = 0; i < 16; ++i) f[i] = _mm512_set1_ps((float)i);
+  const __m512 x = _mm512_set1_ps(1.0001f), y = _mm512_set1_ps(0.9999f);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long n = 0; n < kIters * 8; ++n) {
+    _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) f[i] = _mm512_fmadd_ps(f[i], x, y);
+  }
+  const double s = secs_since(t0);
+  float fs = 0;
+  for (int i = 0; i < 16; ++i) fs += _mm512_reduce_add_ps(f[i]);
+  std::printf("vfmadd231ps zmm: %.1f G fp32 FMA/s (%.2f instr/ns) [%g]\n", kIters * 128.0 * 16 / s / 1e9,
+              kIters * 128.0 / s / 1e9, fs);
+}
 
 int main() {
-  __m512i acc[24];
-  __m512 f[24];
-  for (int i = 0; i < 24; ++i) {
-    acc[i] = _mm512_set1_epi32(i);
-    f[i] = _mm512_set1_ps((float)i);
-  }
-  const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(5);
-  const __m512 x = _mm512_set1_ps(1.0001f), y = _mm512_set1_ps(0.9999f);
-  const long N = 100000000;
+  alignas(64) static signed char xa[64 * 16];
+  for (int i = 0; i < 64 * 16; ++i) xa[i] = (signed char)(i * 7);
   for (int rep = 0; rep < 2; ++rep) {
-    auto t0 = std::chrono::steady_clock::now();
-    for (long n = 0; n < N; ++n) {
-      _Pragma("GCC unroll 24") for (int i = 0; i < 24; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
-    }
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    long sink = 0;
-    for (int i = 0; i < 24; ++i) sink += _mm512_reduce_add_epi32(acc[i]);
-    std::printf("vpdpbusd zmm: %.1f G int8 MAC/s (%.2f instr/ns) [%ld]\n", N * 24.0 * 64 / s / 1e9, N * 24.0 / s / 1e9,
-                sink);
-    t0 = std::chrono::steady_clock::now();
-    for (long n = 0; n < N; ++n) {
-      _Pragma("GCC unroll 24") for (int i = 0; i < 24; ++i) f[i] = _mm512_fmadd_ps(f[i], x, y);
-    }
-    s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    float fs = 0;
-    for (int i = 0; i < 24; ++i) fs += _mm512_reduce_add_ps(f[i]);
-    std::printf("vfmadd231ps zmm: %.1f G fp32 FMA/s (%.2f instr/ns) [%g]\n", N * 24.0 * 16 / s / 1e9, N * 24.0 / s / 1e9,
-                fs);
+    dpbusd_registers();
+    dpbusd_tile_mix(xa);
+    fma_registers();
   }
 }

@@ -234,6 +234,8 @@ def draft_cost_on_curve(target: TargetModel, medusa: Any, latency: dict[int, flo
         "num_heads": getattr(cfg, "num_heads", None),
         "head_params": sum(p.numel() for p in medusa.heads.parameters()),
         "head_dtype": str(w.dtype),
+        # the rows of the projection a propose streams (a smaller drafting vocabulary costs less)
+        "draft_vocab": None if medusa.heads.base_weight is None else int(medusa.heads.base_weight.shape[0]),
         "reps": reps,
     }
     return cached_measurement(MEDUSA_DRAFT_COST_KIND, key, measure, load, dev) * latency[1]
