@@ -182,3 +182,11 @@ def test_heads_draft_cost_is_measured_once_per_machine_and_cached(tmp_path: Path
     entry.write_text("{not json")  # a corrupt entry is measured again, not a crash
     registry.draft_cost_on_curve(m, medusa, lat, reps=3)
     assert calls["n"] == 8
+    # a smaller drafting vocabulary streams less per propose: its cost is its own measurement, not the cached one
+    heads = medusa.heads
+    heads.vocab_map = torch.arange(m.vocab_size // 2)
+    heads.base_weight = heads.base_weight[: m.vocab_size // 2].contiguous()
+    registry.draft_cost_on_curve(m, medusa, lat, reps=3)
+    assert calls["n"] == 12
+    registry.draft_cost_on_curve(m, medusa, lat, reps=3)
+    assert calls["n"] == 12  # and that one is cached in turn
