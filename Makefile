@@ -40,7 +40,7 @@ bench: $(STAMP)
 
 # the shipped EAGLE drafter from the session-7 file, every data and training step (hours on 2 cores; resumable)
 train-eagle: $(STAMP)
-	scripts/train_eagle_shipped.sh $(or $(OUT),eagle-train)
+	scripts/train_eagle_shipped.sh $(OUT)
 
 # Scale-out on Ray Serve (optional, not in `make install`): add ray[serve], run its tests (a local cluster on 127.0.0.1)
 test-ray: $(STAMP)

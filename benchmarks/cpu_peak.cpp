@@ -7,8 +7,8 @@
 // AVX-512 VNNI machines only. Build and run:
 //   g++ -O3 -march=native -o /tmp/cpu_peak benchmarks/cpu_peak.cpp && /tmp/cpu_peak
 //   /tmp/cpu_peak & /tmp/cpu_peak; wait          # both cores at once
-// Session 13 (Zen 4 EPYC VM, 2.6 GHz nominal, a data-generation job on both cores): vpdpbusd ~2.6-2.9 zmm per
-// ns (165-185 G int8 MAC/s per thread) in both forms; vfmadd231ps 3.6 zmm per ns (58 G FMA/s).
+// Session 13 (Zen 4 EPYC VM, 2.6 GHz nominal): vpdpbusd 2.6-3.1 zmm per ns (165-200 G int8 MAC/s per thread) in
+// both forms; vfmadd231ps 3.3-3.6 zmm per ns (53-58 G FMA/s).
 #include <immintrin.h>
 
 #include <chrono>

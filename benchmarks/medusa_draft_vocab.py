@@ -13,6 +13,7 @@ are the target's greedy ones whatever N (checked against the first size's).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -52,8 +53,8 @@ def main() -> None:
     print("|---|---|---|---|")
     for _ in range(a.rounds):
         for n in sizes:
-            heads.vocab_map = vm[:n].contiguous()
-            heads.base_weight = lm.detach()[vm[:n]].to(heads.base_weight.dtype).contiguous()
+            heads.config = dataclasses.replace(heads.config, draft_vocab=n)  # as a medusa.json saying n would
+            heads.set_base(lm, vm)
             heads.pack_for_drafting()
             steps = toks = 0
             wall = draft = 0.0

@@ -183,9 +183,7 @@ def test_heads_draft_cost_is_measured_once_per_machine_and_cached(tmp_path: Path
     registry.draft_cost_on_curve(m, medusa, lat, reps=3)
     assert calls["n"] == 8
     # a smaller drafting vocabulary streams less per propose: its cost is its own measurement, not the cached one
-    heads = medusa.heads
-    heads.vocab_map = torch.arange(m.vocab_size // 2)
-    heads.base_weight = heads.base_weight[: m.vocab_size // 2].contiguous()
+    medusa.heads.set_base(m.lm_head.weight, torch.arange(m.vocab_size // 2))
     registry.draft_cost_on_curve(m, medusa, lat, reps=3)
     assert calls["n"] == 12
     registry.draft_cost_on_curve(m, medusa, lat, reps=3)
