@@ -6,10 +6,15 @@ value or measures and stores it; a missing, unreadable or unusable entry, or ``T
 measures again. Kernel plans (:func:`pack_tuned`), quantized-linear kernel choices and Medusa trees
 all go through it.
 
-Busy machines: an entry records the 1-minute load average it was measured under. One measured while the
-machine was oversubscribed (load above the core count: other processes took part of the timings) is
-used as is while the machine stays busy, and measured again the first time it is used on a quiet
-machine (load below half the cores), so a timing taken under someone else's load does not stick.
+Busy machines: an entry records how much CPU *other* processes used while it was measured (:class:`CpuWindow`:
+all CPUs' busy and stolen time from /proc/stat minus this process's own, in cores; the 1-minute load average
+where /proc/stat is missing). One measured while others took at least half a core is used as is while the
+machine stays busy, and measured again the first time it is used while others take under a quarter of a core
+(sampled for a quarter of a second), so a timing taken under someone else's load does not stick. Counting
+others' CPU rather than the load average matters: the load average includes this process itself, so a long
+benchmark (which keeps both cores busy on its own) never looked quiet and kept a timing taken under another
+job's load for its whole run (session 13: EAGLE's drafting cost, measured during a test run, cost it a tenth
+of its speed in the next 80-prompt bench).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import hashlib
 import json
 import os
 import platform
+import time
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -111,17 +117,85 @@ def load_average() -> float:
         return 0.0
 
 
+BUSY_OTHERS = 0.5  # cores' worth of other processes' CPU during a measurement that marks it busy
+QUIET_OTHERS = 0.25  # ... and below which the machine counts as quiet again (re-measure a busy entry)
+QUIET_SAMPLE_S = 0.25  # how long a busy entry's check watches the machine
+
+
+def _cpu_ticks() -> float | None:
+    """Seconds all CPUs spent busy (user, nice, system, irq, softirq, steal) since boot; None without /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuWindow:
+    """Other processes' CPU use (in cores) between construction and :meth:`others`.
+
+    All CPUs' busy time (stolen time included: a hypervisor's other guests count as others) minus this
+    process's own user + system time, over the wall time. None where /proc/stat is unavailable."""
+
+    def __init__(self) -> None:
+        self._t, self._busy, self._own = time.monotonic(), _cpu_ticks(), self._own_seconds()
+
+    @staticmethod
+    def _own_seconds() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def others(self) -> float | None:
+        """Cores' worth of CPU that other processes used since construction (>= 0), or None."""
+        busy = _cpu_ticks()
+        wall = time.monotonic() - self._t
+        if busy is None or self._busy is None or wall <= 0:
+            return None
+        return max(0.0, (busy - self._busy - (self._own_seconds() - self._own)) / wall)
+
+
+def others_now(seconds: float = QUIET_SAMPLE_S) -> float | None:
+    """Other processes' CPU use over the next ``seconds`` (this thread sleeps meanwhile), or None."""
+    w = CpuWindow()
+    time.sleep(seconds)
+    return w.others()
+
+
 def measured_busy(entry: Mapping[str, Any], now: float | None = None) -> bool:
-    """Whether a cached entry was measured on an oversubscribed machine that is quiet now (measure again)."""
+    """Whether a cached entry was measured on a busy machine that is quiet now (measure it again).
+
+    With ``others`` recorded (cores of other processes' CPU during the measurement): busy at >= BUSY_OTHERS,
+    quiet when others now (``now``, else sampled) < QUIET_OTHERS. Older entries, or no /proc/stat: the load
+    average, busy above the core count and quiet below half of it."""
+    others = entry.get("others")
+    if others is not None:
+        if float(others) < BUSY_OTHERS:
+            return False
+        now = others_now() if now is None else now
+        return now is not None and now < QUIET_OTHERS
     cores = os.cpu_count() or 1
     now = load_average() if now is None else now
     return float(entry.get("load", 0.0)) > cores and now < cores / 2
 
 
-def store_measurement(kind: str, key_parts: Mapping[str, Any], value: Any, device: str | torch.device = "cpu") -> Path:
-    """Write ``value`` (JSON-serialisable) as the cached measurement, with the load it was taken under."""
+def store_measurement(
+    kind: str,
+    key_parts: Mapping[str, Any],
+    value: Any,
+    device: str | torch.device = "cpu",
+    others: float | None = None,
+) -> Path:
+    """Write ``value`` (JSON-serialisable) as the cached measurement, with the load it was taken under
+    (and other processes' CPU use during it, in cores, when the caller watched it with a CpuWindow)."""
     f, key = measurement_path(kind, key_parts, device)
-    atomic_write_text(f, json.dumps({"key": key, "value": value, "load": load_average()}, indent=1, default=str))
+    entry = {"key": key, "value": value, "load": load_average()}
+    if others is not None:
+        entry["others"] = round(others, 3)
+    atomic_write_text(f, json.dumps(entry, indent=1, default=str))
     return f
 
 
@@ -144,12 +218,13 @@ def cached_measurement(
             if json.loads(json.dumps(key, default=str)) != d["key"]:
                 raise ValueError("key mismatch")
             if measured_busy(d):
-                raise ValueError("measured under load; the machine is quiet now")
+                raise ValueError("measured while other processes were busy; the machine is quiet now")
             return load(d["value"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # unreadable or unusable entry: measure again and overwrite it
+    window = CpuWindow()
     value = measure()
-    store_measurement(kind, key_parts, value, device)
+    store_measurement(kind, key_parts, value, device, others=window.others())
     return load(value)
 
 
