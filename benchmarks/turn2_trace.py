@@ -1,0 +1,70 @@
+"""Per-step trace of a drafter on MT-Bench second turns against the copy runs in the text (issue 13).
+
+For each step of ``--method`` on the first ``--prompts`` second turns (first turn by plain greedy decoding), the
+copy run at the step's position (benchmarks/turn2_ceiling.py: the longest continuation occurring earlier in
+prompt + answer), bucketed, against the step's drafted depth, accepted tokens and tree nodes; "whole chain
+accepted, run longer" = the step accepted every drafted depth while the text went on copying (a chain cut short).
+
+    python benchmarks/turn2_trace.py [--prompts 20] [--method hybrid-suffix]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+from turn2_ceiling import copy_runs  # benchmarks/ is on sys.path when run as a script
+
+import treedraft
+from treedraft.drafters.hybrid import fresh_copy
+from treedraft.prompts import MT_BENCH_FILE, find_shared_data
+
+
+def bucket(run: int) -> str:
+    """Label of a copy-run length."""
+    return "none" if run == 0 else "1-3" if run < 4 else "4-7" if run < 8 else "8-15" if run < 16 else ">= 16"
+
+
+def main() -> None:
+    """Print the per-bucket table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--method", default="hybrid-suffix")
+    a = ap.parse_args()
+    llm = treedraft.load(weights="int4")
+    qs = [json.loads(line) for line in open(find_shared_data(MT_BENCH_FILE))][: a.prompts]
+    agg: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0, 0, 0, 0])
+    for q in qs:
+        first = llm.generate([{"role": "user", "content": q["turns"][0]}], drafter=None, max_new_tokens=a.max_new)
+        conv = [
+            {"role": "user", "content": q["turns"][0]},
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": q["turns"][1]},
+        ]
+        r = llm.generate(conv, drafter=fresh_copy(llm.get_drafter(a.method)), max_new_tokens=a.max_new)
+        runs = copy_runs(llm.encode_prompt(conv), list(r.token_ids))
+        pos = 0
+        for s in r.stats.steps:
+            run = runs[pos] if pos < len(runs) else 0
+            t = agg[bucket(run)]
+            t[0] += 1
+            t[1] += s.tree_depth
+            t[2] += s.accepted
+            t[3] += s.tree_size
+            t[4] += s.accepted >= s.tree_depth and s.tree_depth < run
+            pos += s.accepted + 1
+    print(f"{a.method}, {len(qs)} second turns x {a.max_new}")
+    print(
+        "| run at the step's position | steps | drafted depth | accepted (+1 bonus) | nodes | whole chain accepted, run longer |"
+    )
+    print("|---|---|---|---|---|---|")
+    for b in ("none", "1-3", "4-7", "8-15", ">= 16"):
+        if b in agg:
+            n, d, acc, nodes, short = agg[b]
+            print(f"| {b} | {n} | {d / n:.2f} | {acc / n:.2f} | {nodes / n:.1f} | {short / n:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
