@@ -308,6 +308,26 @@ def test_cpu_window_counts_other_processes_cpu_not_our_own(monkeypatch) -> None:
     assert w.others() is None
 
 
+def test_a_sample_of_other_processes_serves_the_entries_of_one_load(monkeypatch) -> None:
+    windows = []
+
+    class Window:
+        def __init__(self) -> None:
+            windows.append(self)
+
+        def others(self) -> float:
+            return 0.7
+
+    monkeypatch.setattr(plan, "CpuWindow", Window)
+    monkeypatch.setattr(plan, "_last_sample", None)
+    monkeypatch.setattr(plan.time, "sleep", lambda s: None)
+    clock = {"t": 50.0}
+    monkeypatch.setattr(plan.time, "monotonic", lambda: clock["t"])
+    assert plan.others_now() == 0.7 and plan.others_now() == 0.7 and len(windows) == 1
+    clock["t"] += plan._SAMPLE_REUSE_S + 1  # later: watched again
+    assert plan.others_now() == 0.7 and len(windows) == 2
+
+
 def test_cpu_ticks_reads_proc_stat_busy_and_stolen_time() -> None:
     ticks = plan._cpu_ticks()
     if ticks is None:

@@ -158,11 +158,20 @@ class CpuWindow:
         return max(0.0, (busy - self._busy - (self._own_seconds() - self._own)) / wall)
 
 
+_SAMPLE_REUSE_S = 10.0  # a load reads several cached entries: one sample serves them all
+_last_sample: tuple[float, float | None] | None = None  # (monotonic time, others) of the latest sample
+
+
 def others_now(seconds: float = QUIET_SAMPLE_S) -> float | None:
-    """Other processes' CPU use over the next ``seconds`` (this thread sleeps meanwhile), or None."""
+    """Other processes' CPU use over the next ``seconds`` (this thread sleeps meanwhile), or None; a sample
+    taken in the last few seconds is reused."""
+    global _last_sample
+    if _last_sample is not None and time.monotonic() - _last_sample[0] < _SAMPLE_REUSE_S:
+        return _last_sample[1]
     w = CpuWindow()
     time.sleep(seconds)
-    return w.others()
+    _last_sample = (time.monotonic(), w.others())
+    return _last_sample[1]
 
 
 def measured_busy(entry: Mapping[str, Any], now: float | None = None) -> bool:
