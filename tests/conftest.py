@@ -27,6 +27,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def timing_cache_ignores_other_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cached timings in the test process are stored as quiet and never re-measured for load: the other
+    pytest-xdist worker is "another process" to models/plan.py's busy rule, and whether it happens to be idle
+    at a sample must not decide whether a test measures again (tests of the rule patch these themselves)."""
+    from treedraft.models import plan
+
+    monkeypatch.setattr(plan.CpuWindow, "others", lambda self: 0.0)
+    monkeypatch.setattr(plan, "others_now", lambda seconds=plan.QUIET_SAMPLE_S: 1.0)
+    monkeypatch.setattr(plan, "load_average", lambda: 0.0)
+
+
 @contextlib.contextmanager
 def start_threads() -> Iterator[None]:
     """Torch at the startup thread count inside (restored after): real-model work in a module that holds one

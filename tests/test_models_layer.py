@@ -16,6 +16,9 @@ from treedraft.models.llama import LlamaConfig, rope_frequencies
 from treedraft.models.loaders import gguf_config, load_gguf, load_hf_dir
 from treedraft.models.tiny import tiny_llama
 
+REAL_OTHERS = plan.CpuWindow.others  # conftest's autouse fixture replaces it; the busy-rule tests want it back
+REAL_OTHERS_NOW = plan.others_now
+
 
 @pytest.fixture(autouse=True)
 def _own_cache(tmp_path, monkeypatch) -> None:
@@ -243,6 +246,7 @@ def test_cached_measurement_measures_once_and_again_when_corrupt_or_retune(monke
 
 
 def test_a_measurement_taken_under_load_is_taken_again_once_the_machine_is_quiet(monkeypatch) -> None:
+    monkeypatch.setattr(plan.CpuWindow, "others", REAL_OTHERS)
     monkeypatch.setattr(plan, "_cpu_ticks", lambda: None)  # no /proc/stat: the load-average rule
     cores = 4
     monkeypatch.setattr(plan.os, "cpu_count", lambda: cores)
@@ -298,6 +302,7 @@ def test_cpu_window_counts_other_processes_cpu_not_our_own(monkeypatch) -> None:
     monkeypatch.setattr(plan.time, "monotonic", lambda: clock["wall"])
     monkeypatch.setattr(plan, "_cpu_ticks", lambda: clock["busy"])
     monkeypatch.setattr(plan.CpuWindow, "_own_seconds", staticmethod(lambda: clock["own"]))
+    monkeypatch.setattr(plan.CpuWindow, "others", REAL_OTHERS)
     w = plan.CpuWindow()
     # 2 s: every CPU-second busy was ours (2 threads x 2 s) -> nobody else
     clock.update(wall=102.0, busy=54.0, own=7.0)
@@ -319,6 +324,7 @@ def test_a_sample_of_other_processes_serves_the_entries_of_one_load(monkeypatch)
             return 0.7
 
     monkeypatch.setattr(plan, "CpuWindow", Window)
+    monkeypatch.setattr(plan, "others_now", REAL_OTHERS_NOW)
     monkeypatch.setattr(plan, "_last_sample", None)
     monkeypatch.setattr(plan.time, "sleep", lambda s: None)
     clock = {"t": 50.0}
