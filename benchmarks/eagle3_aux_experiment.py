@@ -31,11 +31,11 @@ from treedraft.models.llama import RMSNorm
 from treedraft.training.eagle_train import (
     batch_loss,
     collate,
+    evaluate,
     load_eagle_shards,
     make_batches,
     sequence_spans,
     split_spans,
-    unrolled_forward,
 )
 
 
@@ -74,22 +74,6 @@ def with_aux(data: dict, aux: torch.Tensor | None, batch: list, fusion: AuxFusio
     return b
 
 
-@torch.no_grad()
-def evaluate(net, fusion, data, aux, spans, passes=4, tpb=256) -> list[float]:
-    hit, tot = [0] * passes, [0] * passes
-    vm = net.vocab_map
-    for batch in make_batches(spans, tpb):
-        b = with_aux(data, aux, batch, fusion)
-        for k, out in enumerate(unrolled_forward(net, b["feat"], b["tok"], passes)):
-            pred = net.logits(out).argmax(-1)
-            pred = pred if vm is None else vm[pred]
-            ok = b["next_is_answer"].clone()
-            ok[:, :k] = False
-            hit[k] += int(((pred == b["next"]) & ok).sum())
-            tot[k] += int(ok.sum())
-    return [round(h / max(1, t), 4) for h, t in zip(hit, tot)]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--init", required=True)
@@ -121,12 +105,16 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "log.jsonl", "a")
 
+    def top1(d: dict, x: torch.Tensor | None, spans: list) -> list[float]:
+        acc = evaluate(net, d, spans, 4, 256, lambda dd, batch: with_aux(dd, x, batch, fusion))
+        return [round(v, 4) for v in acc]
+
     def report(tag: str) -> None:
         net.eval()
         r = {
             "tag": tag,
-            "eval_top1": evaluate(net, fusion, ev, ev_aux, ev_spans),
-            "heldout_top1": evaluate(net, fusion, data, aux, held[:80]),
+            "eval_top1": top1(ev, ev_aux, ev_spans),
+            "heldout_top1": top1(data, aux, held[:80]),
         }
         print(json.dumps(r), flush=True)
         log.write(json.dumps(r) + "\n")

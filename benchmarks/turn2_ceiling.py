@@ -59,6 +59,17 @@ def oracle_ms(runs: list[int], lat: dict[int, float], novel_ms: float, min_run: 
     return cost[0]
 
 
+def second_turn(llm, q: dict, max_new: int) -> tuple:
+    """(plain greedy first answer, the second turn's messages with it in the context) of an MT-Bench question."""
+    first = llm.generate([{"role": "user", "content": q["turns"][0]}], drafter=None, max_new_tokens=max_new)
+    conv = [
+        {"role": "user", "content": q["turns"][0]},
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": q["turns"][1]},
+    ]
+    return first, conv
+
+
 def decode_s(r) -> float:
     """Decode seconds of a generation (its steps' drafting, verify and the rest; prefill excluded)."""
     return sum(s.t_draft + s.t_verify + s.t_rest for s in r.stats.steps)
@@ -80,14 +91,9 @@ def main() -> None:
     timed = {m: [0.0, 0] for m in ("plain", "default", "hybrid")}
 
     for q in qs:
-        first = llm.generate([{"role": "user", "content": q["turns"][0]}], drafter=None, max_new_tokens=a.max_new)
+        first, conv = second_turn(llm, q, a.max_new)
         r1 = llm.generate([{"role": "user", "content": q["turns"][0]}], max_new_tokens=a.max_new)  # the default
         novel.append((decode_s(first) / len(first.token_ids), decode_s(r1) / len(r1.token_ids)))
-        conv = [
-            {"role": "user", "content": q["turns"][0]},
-            {"role": "assistant", "content": first.text},
-            {"role": "user", "content": q["turns"][1]},
-        ]
         second = llm.generate(conv, drafter=None, max_new_tokens=a.max_new)
         for m in timed:
             r = (

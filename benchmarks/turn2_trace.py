@@ -14,7 +14,7 @@ import argparse
 import collections
 import json
 
-from turn2_ceiling import copy_runs  # benchmarks/ is on sys.path when run as a script
+from turn2_ceiling import copy_runs, second_turn  # benchmarks/ is on sys.path when run as a script
 
 import treedraft
 from treedraft.drafters.hybrid import fresh_copy
@@ -37,12 +37,7 @@ def main() -> None:
     qs = [json.loads(line) for line in open(find_shared_data(MT_BENCH_FILE))][: a.prompts]
     agg: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0, 0, 0, 0])
     for q in qs:
-        first = llm.generate([{"role": "user", "content": q["turns"][0]}], drafter=None, max_new_tokens=a.max_new)
-        conv = [
-            {"role": "user", "content": q["turns"][0]},
-            {"role": "assistant", "content": first.text},
-            {"role": "user", "content": q["turns"][1]},
-        ]
+        _, conv = second_turn(llm, q, a.max_new)
         r = llm.generate(conv, drafter=fresh_copy(llm.get_drafter(a.method)), max_new_tokens=a.max_new)
         runs = copy_runs(llm.encode_prompt(conv), list(r.token_ids))
         pos = 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -188,12 +188,21 @@ def batch_loss(net: EagleNet, b: dict[str, Tensor], passes: int, ce_weight: floa
 
 
 @torch.no_grad()
-def evaluate(net: EagleNet, data: dict[str, Tensor], spans: list, passes: int, tokens_per_batch: int) -> list[float]:
-    """Per-depth top-1 on answer rows: depth k+1 = pass k's argmax equals the target's greedy token."""
+def evaluate(
+    net: EagleNet,
+    data: dict[str, Tensor],
+    spans: list,
+    passes: int,
+    tokens_per_batch: int,
+    batch_fn: Callable[[dict[str, Tensor], list], dict[str, Tensor]] | None = None,
+) -> list[float]:
+    """Per-depth top-1 on answer rows: depth k+1 = pass k's argmax equals the target's greedy token.
+
+    batch_fn: builds a batch from (data, spans) in collate's place (e.g. with extra input features)."""
     hit, tot = [0] * passes, [0] * passes
     vm = net.vocab_map
     for batch in make_batches(spans, tokens_per_batch):
-        b = collate(data, batch)
+        b = (batch_fn or collate)(data, batch)
         for k, out in enumerate(unrolled_forward(net, b["feat"], b["tok"], passes)):
             pred = net.logits(out).argmax(-1)
             pred = pred if vm is None else vm[pred]
