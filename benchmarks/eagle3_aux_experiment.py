@@ -6,7 +6,8 @@ depth that reads true target features; deeper depths read the draft's own predic
 drafter. Trains one epoch with the shipped recipe (``--unroll 3``, lr 3e-4, CE weight 0.5, 256 tokens a batch)
 on ``--data`` (+ its aux_*.safetensors from benchmarks/eagle3_aux_features.py), with ``--no-aux`` the same
 epoch without the fusion (the control), and prints per-depth top-1 on ``--eval`` (every sequence) and on the
-held-out split of ``--data``.
+held-out split of ``--data``. ``--extra-layers N`` appends N decoder layers to the draft (a deeper drafter: copies
+of its layer with the attention output and FFN down projections zeroed, so they start as the identity).
 
     python benchmarks/eagle3_aux_experiment.py --init src/treedraft/heads/smollm2-135m-instruct \
         --data /work/eagle-s13/data --eval /work/eagle-s13/mtb --out /work/s14/aux-run [--no-aux]
@@ -27,7 +28,7 @@ from torch import nn
 
 import treedraft
 from treedraft.drafters.eagle import EagleNet
-from treedraft.models.llama import RMSNorm
+from treedraft.models.llama import Block, RMSNorm
 from treedraft.training.eagle_train import (
     batch_loss,
     collate,
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--eval", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-aux", action="store_true")
+    ap.add_argument("--extra-layers", type=int, default=0)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--aux-lr", type=float, default=None, help="lr of the fusion (default --lr)")
     ap.add_argument("--unroll", type=int, default=3)
@@ -99,6 +101,14 @@ def main() -> None:
         aux, ev_aux = load_aux(a.data), load_aux(a.eval)
         assert len(aux) == len(data["seq"]) and len(ev_aux) == len(ev["seq"])
         fusion = AuxFusion(net.config.hidden_size, aux.shape[1] // net.config.hidden_size, net.config.rms_eps)
+    blocks = [net.layer]
+    for _ in range(a.extra_layers):
+        blk = Block(net.config.llama(), 0)
+        blk.load_state_dict(net.layer.state_dict())
+        with torch.no_grad():
+            blk.attn.wo.weight.zero_()
+            blk.ffn.w2.weight.zero_()
+        blocks.append(blk.train())
     train, held = split_spans(sequence_spans(data["seq"]), 0.1)
     ev_spans = sequence_spans(ev["seq"])
     out = Path(a.out)
@@ -106,7 +116,7 @@ def main() -> None:
     log = open(out / "log.jsonl", "a")
 
     def top1(d: dict, x: torch.Tensor | None, spans: list) -> list[float]:
-        acc = evaluate(net, d, spans, 4, 256, lambda dd, batch: with_aux(dd, x, batch, fusion))
+        acc = evaluate(net, d, spans, 4, 256, lambda dd, batch: with_aux(dd, x, batch, fusion), blocks)
         return [round(v, 4) for v in acc]
 
     def report(tag: str) -> None:
@@ -125,7 +135,7 @@ def main() -> None:
     order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(0)).tolist()
     if a.max_batches:
         order = order[: a.max_batches]
-    groups = [{"params": list(net.parameters()), "lr": a.lr}]
+    groups = [{"params": list(net.parameters()) + [p for b in blocks[1:] for p in b.parameters()], "lr": a.lr}]
     if fusion is not None:
         groups.append({"params": list(fusion.parameters()), "lr": a.aux_lr or a.lr})
     for g in groups:
@@ -138,7 +148,7 @@ def main() -> None:
         for g in opt.param_groups:
             g["lr"] = g["base"] * f
         net.train()
-        loss, stats = batch_loss(net, with_aux(data, aux, batches[bi], fusion), a.unroll, a.ce_weight)
+        loss, stats = batch_loss(net, with_aux(data, aux, batches[bi], fusion), a.unroll, a.ce_weight, blocks)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -152,7 +162,14 @@ def main() -> None:
                 flush=True,
             )
     report("end")
-    torch.save({"net": net.state_dict(), "fusion": None if fusion is None else fusion.state_dict()}, out / "final.pt")
+    torch.save(
+        {
+            "net": net.state_dict(),
+            "fusion": None if fusion is None else fusion.state_dict(),
+            "extra_layers": [b.state_dict() for b in blocks[1:]],
+        },
+        out / "final.pt",
+    )
 
 
 if __name__ == "__main__":

@@ -140,38 +140,48 @@ def unroll_mask(T: int, k: int) -> Tensor:
     return m
 
 
-def unrolled_forward(net: EagleNet, feat: Tensor, tok: Tensor, passes: int) -> list[Tensor]:
-    """Predicted f_{j+1} (B, T, H) for each pass; pass k > 0 reads pass k-1's prediction of f_j."""
-    blk, at = net.layer, net.layer.attn
+def unrolled_forward(
+    net: EagleNet, feat: Tensor, tok: Tensor, passes: int, blocks: Sequence | None = None
+) -> list[Tensor]:
+    """Predicted f_{j+1} (B, T, H) for each pass; pass k > 0 reads pass k-1's prediction of f_j.
+
+    blocks: the decoder layers to run in order (default: the drafter's one layer; more for experiments with a
+    deeper draft), each attending to its own keys/values of every earlier pass."""
+    blocks = [net.layer] if blocks is None else list(blocks)
     B, T, _ = feat.shape
     pos = torch.arange(T, device=feat.device)
     ang = pos[:, None].float() * net.inv_freq
     ang = torch.cat((ang, ang), -1)[None, None]  # (1, 1, T, hd)
     cos, sin = ang.cos(), ang.sin()
     e = net.embed_weight[tok].float()
-    ks, vs, outs = [], [], []
+    kv: list[tuple[list[Tensor], list[Tensor]]] = [([], []) for _ in blocks]
+    outs = []
     inp = feat
-    q_out, kv_out = at.nh * at.hd, at.nkv * at.hd
     for k in range(passes):
         x = net.fc(torch.cat([net.emb_norm(e), net.feat_norm(inp)], -1))
-        q, kk, v = at.wqkv(blk.attn_norm(x)).split((q_out, kv_out, kv_out), -1)
-        q = apply_rope(q.view(B, T, at.nh, at.hd).transpose(1, 2), cos, sin)
-        ks.append(apply_rope(kk.view(B, T, at.nkv, at.hd).transpose(1, 2), cos, sin))
-        vs.append(v.view(B, T, at.nkv, at.hd).transpose(1, 2))
         mask = unroll_mask(T, k).to(feat.device)
-        y = F.scaled_dot_product_attention(
-            q, torch.cat(ks, 2), torch.cat(vs, 2), attn_mask=mask, enable_gqa=at.nkv != at.nh
-        )
-        x = x + at.wo(y.transpose(1, 2).reshape(B, T, q_out))
-        x = x + blk.ffn(blk.ffn_norm(x))
+        for blk, (ks, vs) in zip(blocks, kv):
+            at = blk.attn
+            q_out, kv_out = at.nh * at.hd, at.nkv * at.hd
+            q, kk, v = at.wqkv(blk.attn_norm(x)).split((q_out, kv_out, kv_out), -1)
+            q = apply_rope(q.view(B, T, at.nh, at.hd).transpose(1, 2), cos, sin)
+            ks.append(apply_rope(kk.view(B, T, at.nkv, at.hd).transpose(1, 2), cos, sin))
+            vs.append(v.view(B, T, at.nkv, at.hd).transpose(1, 2))
+            y = F.scaled_dot_product_attention(
+                q, torch.cat(ks, 2), torch.cat(vs, 2), attn_mask=mask, enable_gqa=at.nkv != at.nh
+            )
+            x = x + at.wo(y.transpose(1, 2).reshape(B, T, q_out))
+            x = x + blk.ffn(blk.ffn_norm(x))
         outs.append(x)
         inp = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)  # row j reads the prediction of f_j
     return outs
 
 
-def batch_loss(net: EagleNet, b: dict[str, Tensor], passes: int, ce_weight: float) -> tuple[Tensor, dict]:
+def batch_loss(
+    net: EagleNet, b: dict[str, Tensor], passes: int, ce_weight: float, blocks: Sequence | None = None
+) -> tuple[Tensor, dict]:
     """Mean over passes of smooth-L1(f^, f) + ce_weight * CE(draft || target) on valid rows; and stats."""
-    outs = unrolled_forward(net, b["feat"], b["tok"], passes)
+    outs = unrolled_forward(net, b["feat"], b["tok"], passes, blocks)
     with torch.no_grad():
         target_p = torch.softmax(net.logits(b["tgt"]), -1)  # (B, T, V')
     total, stats = 0.0, {}
@@ -195,6 +205,7 @@ def evaluate(
     passes: int,
     tokens_per_batch: int,
     batch_fn: Callable[[dict[str, Tensor], list], dict[str, Tensor]] | None = None,
+    blocks: Sequence | None = None,
 ) -> list[float]:
     """Per-depth top-1 on answer rows: depth k+1 = pass k's argmax equals the target's greedy token.
 
@@ -203,7 +214,7 @@ def evaluate(
     vm = net.vocab_map
     for batch in make_batches(spans, tokens_per_batch):
         b = (batch_fn or collate)(data, batch)
-        for k, out in enumerate(unrolled_forward(net, b["feat"], b["tok"], passes)):
+        for k, out in enumerate(unrolled_forward(net, b["feat"], b["tok"], passes, blocks)):
             pred = net.logits(out).argmax(-1)
             pred = pred if vm is None else vm[pred]
             ok = b["next_is_answer"].clone()
