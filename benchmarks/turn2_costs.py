@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from turn2_ceiling import second_turn  # benchmarks/ is on sys.path when run as a script
+
 import treedraft
 from treedraft.drafters.hybrid import fresh_copy
 from treedraft.prompts import MT_BENCH_FILE, find_shared_data
@@ -29,12 +31,7 @@ def main() -> None:
     methods = a.methods.split(",")
     agg = {m: {"tok": 0, "steps": 0, "nodes": 0, "draft": 0.0, "verify": 0.0, "rest": 0.0} for m in methods}
     for q in qs:
-        first = llm.generate([{"role": "user", "content": q["turns"][0]}], drafter=None, max_new_tokens=a.max_new)
-        conv = [
-            {"role": "user", "content": q["turns"][0]},
-            {"role": "assistant", "content": first.text},
-            {"role": "user", "content": q["turns"][1]},
-        ]
+        _, conv = second_turn(llm, q, a.max_new)
         for m in methods:
             r = llm.generate(conv, drafter=fresh_copy(llm.get_drafter(m)), max_new_tokens=a.max_new)
             s = agg[m]

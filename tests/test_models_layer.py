@@ -219,7 +219,6 @@ def test_machine_key_names_cpu_isa_torch_and_threads(monkeypatch) -> None:
 
 def test_cached_measurement_measures_once_and_again_when_corrupt_or_retune(monkeypatch) -> None:
     monkeypatch.setattr(plan, "load_average", lambda: 0.0)  # a quiet machine throughout
-    monkeypatch.setattr(plan.CpuWindow, "others", lambda self: 0.0)
     calls = []
 
     def measure() -> dict:
