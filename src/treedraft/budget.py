@@ -216,10 +216,58 @@ class RowBudget:
         return sizes
 
 
+class ContextLatency(dict):
+    """A latency curve (rows -> seconds of a forward on a ``context``-token cache, the dict itself) that also
+    knows the same forward on a longer cache (``long``, at ``long_context`` tokens), so its cost at any context
+    length can be estimated: :meth:`at`.
+
+    A tree row attends to every cached token, so its cost grows with the context while the weights' cost does
+    not: on the Zen 4 of session 15 a 16-row forward cost 3.0x a 1-row one on a 256-token cache, 3.7x at 800 and
+    4.3x at 1,600 (the 16-row step 11.7 -> 16.5 -> 23 ms). Trees sized by the 256-token curve were too big for
+    long conversations (benchmarks/turn2_variants.py, benchmarks/results/session15.md).
+    """
+
+    def __init__(self, latency: Mapping[int, float], context: int, long: Mapping[int, float], long_context: int):
+        super().__init__(latency)
+        if long_context <= context:
+            raise ValueError(f"long_context ({long_context}) must exceed context ({context})")
+        if 1 not in long:
+            raise ValueError(f"the long-context curve needs the one-row forward, got sizes {sorted(long)}")
+        self.context, self.long, self.long_context = int(context), dict(long), int(long_context)
+
+    def at(self, context: int) -> dict[int, float]:
+        """rows -> seconds on a ``context``-token cache: per row count measured at both lengths, linear in the
+        context through the two points (the attention part), extrapolated beyond the long one; a size whose
+        longer forward measured faster (noise) keeps its short-context time.
+
+        Never below the short-context curve: on shorter caches the measured forward gets only a little cheaper
+        (16 rows: 10.1 ms at 64 tokens against 11.6 at 256), while trees sized on such a cheaper curve were
+        slower in decoding (20 MT-Bench first turns, 52-138 prompt tokens: 0.996x hybrid against 1.041x on the
+        256-token curve, two rounds; benchmarks/turn2_variants.py --turn 1), where a step's costs beyond the
+        timed forward (mask, acceptance, drafting) weigh more."""
+        out = {}
+        for n, t0 in self.items():
+            t1 = self.long.get(n)
+            if t1 is None:
+                continue
+            slope = max(0.0, (t1 - t0) / (self.long_context - self.context))
+            out[n] = t0 + slope * max(0, context - self.context)
+        return out
+
+
+CONTEXT_BUCKET = 32  # LatencyCurve.at: contexts rounded to this many tokens (one curve per bucket, cached)
+
+
 class LatencyCurve:
-    """Forward seconds by row count (root included), interpolated linearly between measured sizes."""
+    """Forward seconds by row count (root included), interpolated linearly between measured sizes.
+
+    Built from a :class:`ContextLatency`, :meth:`at` gives the curve at a context length (else itself).
+    """
 
     def __init__(self, latency: Mapping[int, float], lower_hull: bool = True) -> None:
+        self._source = latency if isinstance(latency, ContextLatency) else None
+        self._lower_hull = lower_hull
+        self._by_context: dict[int, LatencyCurve] = {}
         pts = sorted((int(n), float(t)) for n, t in latency.items())
         if not pts or pts[0][0] != 1 or any(t <= 0 for _, t in pts):
             raise ValueError(f"the latency curve needs positive times including the one-row forward, got {pts}")
@@ -235,6 +283,19 @@ class LatencyCurve:
         self.sizes = np.array([n for n, _ in hull], dtype=np.float64)
         self.times = np.maximum.accumulate(np.array([t for _, t in hull], dtype=np.float64))
         self._table: list[float] = []
+
+    def at(self, context: int) -> LatencyCurve:
+        """This curve for a forward on a ``context``-token cache (rounded to :data:`CONTEXT_BUCKET` tokens): from
+        its :class:`ContextLatency`, else this curve itself (one measured context: the same curve everywhere)."""
+        if self._source is None:
+            return self
+        key = max(0, int(context)) // CONTEXT_BUCKET * CONTEXT_BUCKET
+        curve = self._by_context.get(key)
+        if curve is None:
+            curve = object.__new__(type(self))  # the same kind of curve (a subclass's smoothing) at that context
+            LatencyCurve.__init__(curve, self._source.at(key), self._lower_hull)
+            self._by_context[key] = curve
+        return curve
 
     def table(self, rows: int) -> list[float]:
         """[seconds for r rows, r = 0 .. rows] as a list (index 0 unused), cached: the per-step lookups."""
@@ -277,15 +338,26 @@ def step_rows_from_latency(latency: dict[int, float], factor: float = STEP_ROWS_
     return max(n for n, t in latency.items() if t <= factor * latency[1])
 
 
+LONG_CONTEXT = 1024  # the second context the latency curve is measured at (ContextLatency)
+
+
 def measured_latency(model: Any) -> dict[int, float]:
     """This machine's forward latency curve for ``model``: seconds per row count at a 256-token context
-    (measured once per machine and model, cached; what :func:`measured_step_rows` and the EAGLE tree use)."""
+    (measured once per machine and model, cached; what :func:`measured_step_rows` and the drafters' sizing use).
+
+    Where the model's cache holds well more (``max_seq_len``), the curve is also measured at
+    :data:`LONG_CONTEXT` tokens and the result is a :class:`ContextLatency`: the drafters size each step's
+    tree on the curve at that step's context (:meth:`LatencyCurve.at`).
+    """
     from .models.plan import cached_measurement
     from .training.calibrate import LATENCY_METHOD, _target_facts, latency_sizes, measure_latency
 
-    def measure() -> dict:
-        room = getattr(model, "max_seq_len", 512)
-        lat = measure_latency(model, max(1, min(256, room - STEP_ROWS_MAX - 1)), latency_sizes(STEP_ROWS_MAX), reps=5)
+    room = getattr(model, "max_seq_len", 512)
+    short = max(1, min(256, room - STEP_ROWS_MAX - 1))
+    long = min(LONG_CONTEXT, room - STEP_ROWS_MAX - 1)
+
+    def measure(context: int = short) -> dict:
+        lat = measure_latency(model, context, latency_sizes(STEP_ROWS_MAX), reps=5)
         return {str(k): v for k, v in lat.items()}
 
     def load(v: dict) -> dict[int, float]:
@@ -297,7 +369,13 @@ def measured_latency(model: Any) -> dict[int, float]:
     from .interfaces import target_device
 
     key = {**_target_facts(model), "latency": LATENCY_METHOD}
-    return cached_measurement(STEP_ROWS_KIND, key, measure, load, target_device(model))
+    lat = cached_measurement(STEP_ROWS_KIND, key, measure, load, target_device(model))
+    if long < 2 * short:  # a small cache: one context is all there is
+        return lat
+    at_long = cached_measurement(
+        STEP_ROWS_KIND, {**key, "context": long}, lambda: measure(long), load, target_device(model)
+    )
+    return ContextLatency(lat, short, at_long, long)
 
 
 def measured_step_rows(model: Any, factor: float = STEP_ROWS_FACTOR) -> int:

@@ -238,6 +238,7 @@ class EagleDrafter:
             self.last_expected = 1.0
             return TokenTree((ctx.root,), (-1,))
         k, r, dev = self.topk, len(ctx.tokens) - 1, f_root.device
+        curve = None if self.curve is None else self.curve.at(len(ctx.tokens))  # this context's row costs
         # candidate nodes (root = 0): token, parent, cumulative log-prob, depth; slot = draft cache slot if expanded
         tok, par, score, dep = [ctx.root], [-1], [0.0], [0]
         slot_of: dict[int, int] = {}
@@ -255,9 +256,9 @@ class EagleDrafter:
                     break
             # an estimated (not timed) draft cost keeps the tree a function of the inputs
             cal = self.calibration
-            if self.curve is not None and not worth_expanding(
+            if curve is not None and not worth_expanding(
                 [min(1.0, cal * math.exp(x)) for x in score[1:]], min(1.0, cal * math.exp(score[expand[0]])),
-                self.curve, self._drafting_seconds(forwards), self._drafting_seconds(forwards + 1) - self._drafting_seconds(forwards),
+                curve, self._drafting_seconds(forwards), self._drafting_seconds(forwards + 1) - self._drafting_seconds(forwards),
             ):  # fmt: skip
                 break
             start = base + len(slot_of)
@@ -281,9 +282,9 @@ class EagleDrafter:
         # rerank: the best nodes by cumulative log-prob; ties keep parents (shallower, earlier) first
         keep = sorted(range(1, len(tok)), key=lambda i: (-score[i], dep[i], i))[:budget]
         vals = [math.exp(score[i]) for i in keep]
-        if self.curve is not None:  # a tree that does not beat a plain step (no drafting) backs drafting off
+        if curve is not None:  # a tree that does not beat a plain step (no drafting) backs drafting off
             cal = self.calibration
-            n, paid = choose_size([min(1.0, cal * v) for v in vals], self.curve, self._drafting_seconds(forwards))
+            n, paid = choose_size([min(1.0, cal * v) for v in vals], curve, self._drafting_seconds(forwards))
             keep = keep[:n]
             self._skip = self._backoff = 0 if paid else min(self.MAX_SKIP, max(1, 2 * self._backoff))
         self.last_expected = 1.0 + math.fsum(vals[: len(keep)])  # the draft's own (uncalibrated) E[tokens]

@@ -170,9 +170,9 @@ class HybridDrafter:
                     [per_k(k) for k in range(1, len(values) + 1)] if callable(per_k) else getattr(d, "draft_cost", 0.0)
                 )
                 # in a batched step the member's rows and its propose delay the whole step (ctx.step_*)
-                k = paid_nodes(
-                    values, gain + ctx.step_tokens, rows + ctx.step_rows, miss, cost, self._curve, ctx.step_fixed
-                )
+                # priced on the curve at this request's context (a longer cache: dearer rows, budget.ContextLatency)
+                curve = self._curve.at(len(ctx.tokens))
+                k = paid_nodes(values, gain + ctx.step_tokens, rows + ctx.step_rows, miss, cost, curve, ctx.step_fixed)
                 trees[i] = _idle(d, ctx, stub) if k == 0 else d.propose(dataclasses.replace(ctx, max_nodes=k + 1))
             else:
                 trees[i] = d.propose(ctx)

@@ -182,8 +182,9 @@ class SuffixDrafter:
             return index.expand(nxt, m, size, depth, self.min_prob, self.expand_occurrences)
         size = expansion_cap(m, self.alpha, limit)
         loops = local and self.periodic and nxt.size and len(index) == len(context)
+        curve = self._curve.at(len(context))  # rows cost more on a longer cache (budget.ContextLatency)
         if self.priced:  # best-first by calibrated value, stopped where one more row stops paying
-            pricer = RatePricer(self._curve, max_nodes=size)
+            pricer = RatePricer(curve, max_nodes=size)
             accept = self.acceptance.probs(m, min(size + 1, depth))  # accept[d - 1] = h(m + d - 1)
             priced = index.expand(nxt, m, size, depth, self.min_prob, self.expand_occurrences, accept, pricer.take)
             period = len(context) - int(nxt.max()) if loops else 0  # the chain reaches the end after this many
@@ -199,7 +200,7 @@ class SuffixDrafter:
         if loops:
             raw = periodic_extend(raw, context, int(nxt.max()), min(depth, size))
         values = calibrated_values(raw, self.acceptance)
-        keep, _ = best_prefix(values, self._curve, max_nodes=size)
+        keep, _ = best_prefix(values, curve, max_nodes=size)
         return keep_nodes(raw, keep, values)
 
     def _match(self, index: SuffixIndex, context: Sequence[int], local: bool) -> tuple[int, np.ndarray]:

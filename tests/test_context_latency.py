@@ -1,0 +1,137 @@
+"""The latency curve at the step's context length: tree rows cost more on a longer cache (budget.ContextLatency)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from treedraft.budget import CONTEXT_BUCKET, ContextLatency, LatencyCurve
+from treedraft.drafters import eagle_tree
+from treedraft.drafters.hybrid import HybridDrafter
+from treedraft.drafters.suffix import SuffixDrafter
+from treedraft.interfaces import DraftContext
+from treedraft.tree import TokenTree
+
+# shaped like session 15's Zen 4 (ms; convex, so the curve's lower hull keeps every point): at 256 tokens
+# 16 rows cost 2.75x one row, at 1,024 tokens 3.9x
+SHORT = {1: 4.0, 2: 4.0, 4: 4.4, 8: 6.4, 16: 11.0, 32: 23.0}
+LONG = {1: 5.0, 2: 5.6, 4: 6.8, 8: 10.4, 16: 19.6, 32: 39.0}
+
+
+def lat() -> ContextLatency:
+    return ContextLatency(SHORT, 256, LONG, 1024)
+
+
+def test_at_interpolates_each_row_count_linearly_in_the_context() -> None:
+    c = lat()
+    assert c.at(256) == SHORT and c.at(1024) == pytest.approx(LONG)
+    mid = c.at(640)  # halfway
+    assert all(mid[n] == pytest.approx((SHORT[n] + LONG[n]) / 2) for n in SHORT)
+    far = c.at(1792)  # extrapolated beyond the long context: the same slope per row count
+    assert far[16] == pytest.approx(28.2) and far[1] == pytest.approx(6.0)
+    assert c.at(0) == SHORT and c.at(100) == SHORT  # shorter caches: the short curve (see ContextLatency.at)
+
+
+def test_a_size_measured_faster_on_the_longer_cache_keeps_its_short_time() -> None:
+    c = ContextLatency({1: 4.0, 8: 6.0}, 256, {1: 3.5, 8: 9.0}, 1024)  # 1 row: noise made the long one faster
+    assert c.at(2048)[1] == 4.0 and c.at(2048)[8] > 9.0
+
+
+def test_bad_contexts_and_curves_are_refused() -> None:
+    with pytest.raises(ValueError, match="long_context"):
+        ContextLatency(SHORT, 1024, LONG, 256)
+    with pytest.raises(ValueError, match="one-row"):
+        ContextLatency(SHORT, 256, {2: 1.0}, 1024)
+
+
+def test_the_context_curve_is_still_the_short_curve_as_a_dict_and_survives_pickling() -> None:
+    c = lat()
+    assert dict(c) == SHORT and c[1] == 4.0
+    back = pickle.loads(pickle.dumps(c))  # a server worker process receives it this way
+    assert back == c and back.at(1024) == pytest.approx(LONG)
+
+
+def test_latency_curve_at_gives_the_curve_of_that_context_cached_per_bucket() -> None:
+    curve = LatencyCurve(lat())
+    assert float(curve(16)) == pytest.approx(11.0)
+    long = curve.at(1024)
+    assert float(long(16)) == pytest.approx(19.6) and float(long(1)) == pytest.approx(5.0)
+    assert curve.at(1024 + CONTEXT_BUCKET - 1) is long  # one curve per bucket
+    assert curve.at(1024 + CONTEXT_BUCKET) is not long
+    plain = LatencyCurve(SHORT)  # one measured context: the same curve everywhere
+    assert plain.at(4000) is plain
+    eagle = eagle_tree.LatencyCurve(lat())  # a subclass keeps its own smoothing at every context
+    assert type(eagle.at(1024)) is eagle_tree.LatencyCurve and float(eagle.at(1024)(8)) == pytest.approx(10.4)
+
+
+def test_the_suffix_drafter_drafts_shorter_chains_deep_in_a_long_context() -> None:
+    """The same 6-token match of a repeated passage: on a short context its chain is priced on the short curve,
+    deep in a long one (rows dearer) the chain it drafts is shorter."""
+    p = list(range(100, 160))
+    filler = list(range(1000, 1000 + 3000))
+
+    def chain_len(prefix: list[int]) -> int:
+        d = SuffixDrafter(None, latency=lat(), alpha=4.0, max_spec_tokens=64, max_depth=64)
+        toks = prefix + p + [7] + p[:6]
+        return len(d.propose(DraftContext(toks, None, 64, 64, 0))) - 1
+
+    short, deep = chain_len([]), chain_len(filler)
+    assert 0 < deep < short, (short, deep)
+    flat = SuffixDrafter(None, latency=SHORT, alpha=4.0, max_spec_tokens=64, max_depth=64)  # no context model
+    toks = filler + p + [7] + p[:6]
+    assert len(flat.propose(DraftContext(toks, None, 64, 64, 0))) - 1 == short
+
+
+class Paid:
+    """A member priced like the Medusa heads (node values before drafting)."""
+
+    name = "paid"
+
+    def __init__(self, values: list[float]) -> None:
+        self.values, self.draft_cost = values, 0.0
+
+    def node_values(self, max_depth: int) -> list[float]:
+        return self.values
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        n = min(len(self.values), ctx.max_nodes - 1)
+        return TokenTree((ctx.root, *range(100, 100 + n)), (-1, *([0] * n)))
+
+
+def test_the_hybrid_pays_for_fewer_nodes_on_a_long_context() -> None:
+    # 3 depth-1 guesses worth 0.3, 0.05, 0.05: on the 256-token curve rows 2-4 cost 0.1 each, all three pay
+    # (1.4 / 4.3 > 1.35 / 4.2 > 1.3 / 4.1 > 1 / 4.0); at 2,048 tokens (1 / 2 / 3 / 4 rows: 6.33 / 7.13 / 7.70 /
+    # 8.27) only the first does (1.3 / 7.13 > 1.35 / 7.70 > 1.4 / 8.27 and > 1 / 6.33)
+    curve = ContextLatency({1: 4.0, 2: 4.1, 4: 4.3}, 256, {1: 5.0, 2: 5.4, 4: 6.0}, 1024)
+    h = HybridDrafter([Paid([0.3, 0.05, 0.05])], latency=curve)
+    assert len(h.propose(DraftContext([1, 2, 3], None, 8, 4))) == 4
+    assert len(h.propose(DraftContext(list(range(2048)), None, 8, 4))) == 2
+    flat = HybridDrafter([Paid([0.3, 0.05, 0.05])], latency=dict(curve))  # one curve for every context
+    assert len(flat.propose(DraftContext(list(range(2048)), None, 8, 4))) == 4
+
+
+def test_measured_latency_adds_a_long_context_curve_where_the_cache_holds_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    from treedraft import scheduler
+    from treedraft.models import plan
+    from treedraft.models.tiny import tiny_llama
+    from treedraft.training import calibrate
+
+    monkeypatch.setattr(plan, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(plan, "measured_busy", lambda entry, now=None: False)
+    calls = []
+
+    def fake(model, context, sizes, reps):
+        calls.append(context)
+        return {n: 0.01 * n + 1e-5 * context * n for n in sizes}  # each row attends to the context
+
+    monkeypatch.setattr(calibrate, "measure_latency", fake)
+    big = tiny_llama(seed=0, vocab_size=32, hidden=32, max_seq_len=2048)
+    lat = scheduler.measured_latency(big)
+    assert isinstance(lat, ContextLatency) and sorted(calls) == [256, 1024]
+    assert lat.at(1536)[4] == pytest.approx(0.04 + 1e-5 * 1536 * 4)
+    assert scheduler.measured_latency(big) == lat and len(calls) == 2  # both cached
+    small = tiny_llama(seed=0, vocab_size=32, hidden=32, max_seq_len=256)  # too small for a second context
+    assert not isinstance(scheduler.measured_latency(small), ContextLatency)
