@@ -12,7 +12,8 @@ Variants: default, hybrid (the reference), plain, mm2 / mm3 (suffix min_match 2 
 nothing, the heads take those steps), curve800 (every sizing priced on a latency curve measured at an
 800-token context instead of the cached 256-token one), flat (every sizing on the 256-token curve whatever
 the context, as before session 15's ContextLatency), unpaid (the heads always draft their priced tree),
-eagle / eagle-mm2 (hybrid-eagle: EAGLE in the heads' place, suffix min_match 1 / 2).
+eagle / eagle-mm2 (hybrid-eagle: EAGLE in the heads' place, suffix min_match 1 / 2), eagle-free (hybrid-eagle with
+EAGLE not paid: its own curve-sized tree whenever the suffix chain does not lead), eagle-only (the EAGLE drafter alone).
 """
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ def build(llm, name: str, curve800: dict[int, float]):
         sizing["latency"] = dict(sizing["latency"])
     mm = 2 if name.endswith("mm2") else 3 if name.endswith("mm3") else 1
     suffix = make_suffix_drafter(None, "", min_match=mm, **sizing)
+    if name == "eagle-only":
+        return _eagle(target, None, opts)
     if name.startswith("eagle"):  # hybrid-eagle: the EAGLE drafter in the heads' place, paid the same way
-        return HybridDrafter(
-            [_eagle(target, None, opts), suffix], name=f"hybrid-eagle[{name}]", lead_extra=0, latency=sizing["latency"]
-        )
+        # (eagle-free: not paid: EAGLE sizes its own tree on its curve whenever the suffix chain does not lead)
+        latency = None if name == "eagle-free" else sizing["latency"]
+        return HybridDrafter([_eagle(target, None, opts), suffix], name=f"hybrid-eagle[{name}]", lead_extra=0, latency=latency)
     medusa = _medusa(target, None, opts)
     latency = sizing["latency"]
     medusa.draft_cost = draft_cost_on_curve(target, medusa, latency)
