@@ -52,7 +52,9 @@ def build(llm, name: str, curve800: dict[int, float]):
     if name.startswith("eagle"):  # hybrid-eagle: the EAGLE drafter in the heads' place, paid the same way
         # (eagle-free: not paid: EAGLE sizes its own tree on its curve whenever the suffix chain does not lead)
         latency = None if name == "eagle-free" else sizing["latency"]
-        return HybridDrafter([_eagle(target, None, opts), suffix], name=f"hybrid-eagle[{name}]", lead_extra=0, latency=latency)
+        return HybridDrafter(
+            [_eagle(target, None, opts), suffix], name=f"hybrid-eagle[{name}]", lead_extra=0, latency=latency
+        )
     medusa = _medusa(target, None, opts)
     latency = sizing["latency"]
     medusa.draft_cost = draft_cost_on_curve(target, medusa, latency)

@@ -345,6 +345,10 @@ def test_cpu_ticks_reads_proc_stat_busy_and_stolen_time() -> None:
 
 
 def test_pack_tuned_caches_the_kernel_plan(tmp_path, monkeypatch) -> None:
+    """Without the native extension (else the fp32 path takes the row-invariant plan, tests/test_f32mm.py)."""
+    from treedraft import kernels
+
+    monkeypatch.setattr(kernels, "available", lambda: False)
     tunes = []
     real = llama.tune_matmul_plan
     monkeypatch.setattr(llama, "tune_matmul_plan", lambda lin, *a: tunes.append(1) or real(lin, reps=1))

@@ -266,6 +266,18 @@ def mm(x: torch.Tensor, w: PackedWeight, *, path: str = "") -> torch.Tensor:
     return ext.mm(x.float().contiguous(), w.data, w.N, w.kind, path)
 
 
+def mm_f32(x: torch.Tensor, w: torch.Tensor, *, path: str = "") -> torch.Tensor:
+    """y (M, N) = x (M, K) @ w (N, K)^T in float32 with every row computed the same way whatever M (kernels/
+    f32mm.h: a tree row equals the 1-token row bitwise, which BLAS does not promise); path: force 'avx2' /
+    'scalar' (same bits). Needs the native kernel (:func:`available`)."""
+    ext = _ext()
+    if ext is None:
+        raise RuntimeError(f"mm_f32 needs the native kernel ({unavailable_reason()})")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"mm_f32: need x (M, K) and w (N, K), got {tuple(x.shape)} and {tuple(w.shape)}")
+    return ext.mm_f32(x.float().contiguous(), w.float().contiguous(), path)
+
+
 def topk_rows(x: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Each row of x (R, V) float32: its k largest entries, best first (equal values: the lower column first), as
     (values (R, k) float64, columns (R, k) int64); with ``log_softmax`` the values are the entries' float64

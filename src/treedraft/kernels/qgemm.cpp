@@ -13,6 +13,7 @@
 
 #include "attn.h"
 #include "attn_sched.h"
+#include "f32mm.h"
 #include "fused.h"
 #include "mm_core.h"
 #include "topk.h"
@@ -56,6 +57,25 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t kind,
 
   mm_into(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), N, (int)kind, path,
           y.data_ptr<float>());
+  return y;
+}
+
+// y (M, N) = x (M, K) @ w (N, K)^T in float32, every row computed the same way whatever M (f32mm.h).
+// path: "" = the best compiled ISA, or "avx512" / "avx2" / "scalar" (tests: every path gives the same bits).
+torch::Tensor mm_f32(torch::Tensor x, torch::Tensor w, const std::string& path) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
+              "qgemm.mm_f32: x must be a contiguous float32 CPU (M, K) tensor");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.device().is_cpu(),
+              "qgemm.mm_f32: w must be a contiguous float32 CPU (N, K) tensor");
+  TORCH_CHECK(x.size(1) == w.size(1), "qgemm.mm_f32: x has K=", x.size(1), ", w has K=", w.size(1));
+  int isa = default_isa();
+  if (path == "scalar") isa = attn::kScalar;
+  else if (path == "avx2") isa = std::min(isa, (int)attn::kAvx2);
+  else TORCH_CHECK(path.empty() || path == "avx512", "qgemm.mm_f32: unknown path ", path);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  f32mm::mm(x.data_ptr<float>(), M, K, w.data_ptr<float>(), N, y.data_ptr<float>(), isa, pool());
   return y;
 }
 
@@ -216,6 +236,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return td::serialized([&] { return td::mm(x, packed, N, kind, path); });
       },
       "y = x @ W^T for a packed weight (GIL released)", py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("kind"),
+      py::arg("path") = "");
+  m.def(
+      "mm_f32",
+      [](torch::Tensor x, torch::Tensor w, const std::string& path) {
+        return td::serialized([&] { return td::mm_f32(x, w, path); });
+      },
+      "y = x @ w^T in float32, rows computed alike whatever M (GIL released)", py::arg("x"), py::arg("w"),
       py::arg("path") = "");
   m.def(
       "attend",

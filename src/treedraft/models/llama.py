@@ -293,6 +293,9 @@ class Transformer(nn.Module):
         for m in linears:
             m.weight_t = m.weight.detach().t().contiguous()
         plan = dict(plan) if plan is not None else tune_matmul_plan(linears)
+        if not any(v.startswith("xwt") for v in plan.values()):
+            for m in linears:  # no kernel of this plan reads the (in, out) copy: do not keep a second set of weights
+                m.weight_t = None
         for m in linears:
             m.plan = plan
         self.matmul_plan = plan

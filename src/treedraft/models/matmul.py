@@ -1,4 +1,5 @@
-"""The per-row-count matmul plan of the float32 CPU path: three equivalent kernels, timed per machine."""
+"""The per-row-count matmul plan of the float32 CPU path: the row-invariant native kernel (``EXACT``, the default
+with the extension), or three BLAS kernels timed per machine."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from torch import Tensor, nn
 # every row count up to 16 (tree sizes on a CPU) gets its own entry, larger ones share a bucket
 MATMUL_BUCKETS = (*range(1, 17), 24, 32, 48, 64)
 MATMUL_STRATEGIES = ("linear", "xwt", "wxt")
+# kernels.mm_f32 (kernels/f32mm.h): every row computed the same way whatever the row count, so a tree row equals
+# the 1-token row bitwise (BLAS changes its blocking with the row count); the fp32 path's plan when the native
+# extension is there (models/plan.py: pack_tuned), for every bucket up to 64 rows (decode steps and trees)
+EXACT = "exact"
 
 
 def _padded_candidates(rows: int) -> list[str]:
@@ -40,6 +45,10 @@ def matmul(strategy: str, x: Tensor, w: Tensor, wt: Tensor | None) -> Tensor:
     linear: F.linear(x, w); xwt: x @ wt with a contiguous (K, N) copy; wxt: (w @ x^T)^T, which BLAS
     runs as a GEMM with a skinny right-hand side (one row is duplicated so it never degrades to GEMV).
     """
+    if strategy == EXACT:
+        from treedraft import kernels
+
+        return kernels.mm_f32(x, w)
     if strategy == "xwt" and wt is not None:
         return x @ wt
     if strategy == "wxt":
@@ -48,6 +57,12 @@ def matmul(strategy: str, x: Tensor, w: Tensor, wt: Tensor | None) -> Tensor:
         xx = torch.cat((x, x)) if x.shape[0] == 1 else x.contiguous()
         return torch.mm(w, xx.t()).t()[: x.shape[0]].contiguous()
     return F.linear(x, w)
+
+
+def exact_plan() -> dict[int, str]:
+    """The row-invariant plan: :data:`EXACT` for every bucket (up to 64 rows); larger calls (a long prompt's
+    prefill, shared by plain and speculative decoding of a request) keep F.linear."""
+    return dict.fromkeys(MATMUL_BUCKETS, EXACT)
 
 
 def planned_matmul(candidate: str, x: Tensor, w: Tensor, wt: Tensor | None) -> Tensor:

@@ -253,10 +253,23 @@ def _checked_plan(v: Any) -> dict[int, str]:
 
 
 def pack_tuned(net: Any, path: Path, dtype: torch.dtype) -> None:
-    """``net.pack()`` with its measured kernel plan cached per machine, model file and dtype.
+    """The fp32 CPU decode path: row-invariant when it can be, else ``net.pack()`` with its measured plan.
 
-    Tuning takes a few seconds once; TREEDRAFT_RETUNE=1 forces a new measurement.
+    With the native extension and float32 weights every linear of a decode step or tree (up to 64 rows) runs
+    ``kernels.mm_f32`` and attention the row-invariant ``kernels.attend`` (``exact_attention``), so greedy
+    speculative decoding reproduces plain decoding bit for bit, as on the int4/int8 paths. Otherwise (no
+    extension, bf16/fp16) the fastest BLAS kernel per row count, measured once per machine (a few seconds;
+    TREEDRAFT_RETUNE=1 measures again): faster for some row counts, but a tree row may then differ from the
+    1-token row in the last bits, and a greedy near-tie can go the other way.
     """
+    from treedraft import kernels
+
+    from .matmul import exact_plan
+
+    if dtype == torch.float32 and kernels.available() and hasattr(net, "exact_attention"):
+        net.pack(exact_plan())
+        net.exact_attention = True
+        return
     # v2: one entry per row count up to 16 and padded kernels (a v1 plan lacks rows 5, 7, 9, ...)
     parts = {"plan": "v2", "model": file_key(path), "dtype": str(dtype)}
 

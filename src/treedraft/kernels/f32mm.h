@@ -1,0 +1,133 @@
+// Row-invariant float32 GEMM for the fp32 weights path: y (M, N) = x (M, K) @ w (N, K)^T.
+//
+// Every output is attn.h's dot(x[m], w[n]) whatever M, the register tile or the thread that computes it:
+// 16 lane accumulators, lane l = fma(x[16i + l], w[16i + l], lane l) over i ascending, the K % 16 tail
+// elements into lanes 0.. with fma, then the lanes added as the tree (l += l+8, l += l+4, l += l+2, l += l+1).
+// So a tree row equals the 1-token row bit for bit (BLAS GEMMs change their blocking with M: MKL's rows
+// differed by up to 8e-5 between a 1-row and a 16-row call here, which can flip a greedy near-tie), and the
+// AVX-512 / AVX2 / scalar paths give the same bits. Weights stream once per call for all rows: register tiles of
+// up to 4 rows x 4 outputs (AVX-512; 1 row x 8 outputs for a decode step), output blocks spread over the pool.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#include "attn.h"  // dot<>, tree8, reduce16 (the lane tree)
+#include "pool.h"
+
+namespace td {
+namespace f32mm {
+
+constexpr int kUnitN = 32;  // outputs per pool work unit (576 outputs: 18 units, even on 2 threads)
+
+// The reference arithmetic (any K): attn::dot<kScalar>.
+inline float dot_ref(const float* x, const float* w, int K) { return attn::dot<attn::kScalar>(x, w, K); }
+
+#if defined(__AVX512F__)
+// Rows x[0..MR) against outputs w[0..NB) (row n at w + n * K), K % 16 == 0; y[m * ldy + n].
+template <int MR, int NB>
+inline void tile_avx512(const float* const* x, const float* w, int64_t K, float* y, int64_t ldy) {
+  static_assert(MR * NB <= 16, "at most 16 accumulators");
+  __m512 a[16];
+  for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
+  const int64_t nv = K / 16;
+  for (int64_t i = 0; i < nv; ++i) {
+    __m512 wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = _mm512_loadu_ps(w + n * K + 16 * i);
+    if (i + 8 < nv)
+      for (int n = 0; n < NB; ++n) _mm_prefetch((const char*)(w + n * K + 16 * (i + 8)), _MM_HINT_T0);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x[m] + 16 * i);
+      for (int n = 0; n < NB; ++n) a[m * NB + n] = _mm512_fmadd_ps(xv, wv[n], a[m * NB + n]);
+    }
+  }
+  alignas(64) float out[16];
+  _mm512_store_ps(out, attn::reduce16(a));  // lane t = accumulator t through dot's lane tree
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NB; ++n) y[m * ldy + n] = out[m * NB + n];
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// AVX2: lanes 0..7 and 8..15 of each output in two accumulators, reduced by tree8 (dot<kAvx2>'s bits).
+template <int MR, int NB>
+inline void tile_avx2(const float* const* x, const float* w, int64_t K, float* y, int64_t ldy) {
+  static_assert(MR * NB <= 6, "at most 12 accumulators");
+  __m256 lo[MR * NB], hi[MR * NB];
+  for (int t = 0; t < MR * NB; ++t) lo[t] = hi[t] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16)
+    for (int m = 0; m < MR; ++m) {
+      const __m256 x0 = _mm256_loadu_ps(x[m] + k), x1 = _mm256_loadu_ps(x[m] + k + 8);
+      for (int n = 0; n < NB; ++n) {
+        lo[m * NB + n] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w + n * K + k), lo[m * NB + n]);
+        hi[m * NB + n] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w + n * K + k + 8), hi[m * NB + n]);
+      }
+    }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NB; ++n) y[m * ldy + n] = attn::tree8(lo[m * NB + n], hi[m * NB + n]);
+}
+#endif
+
+// Outputs [n0, n1) of every row; y row-major (M, N).
+inline void block(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t n0, int64_t n1, float* y,
+                  int isa) {
+  int64_t m = 0;
+#if defined(__AVX512F__)
+  if (isa >= attn::kAvx512 && K % 16 == 0) {
+    while (m < M) {
+      const float* xr[4];
+      const int64_t mr = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+      for (int r = 0; r < mr; ++r) xr[r] = x + (m + r) * K;
+      float* yr = y + m * N;
+      int64_t n = n0;
+      if (mr == 4) {
+        for (; n + 4 <= n1; n += 4) tile_avx512<4, 4>(xr, w + n * K, K, yr + n, N);
+        for (; n < n1; ++n) tile_avx512<4, 1>(xr, w + n * K, K, yr + n, N);
+      } else if (mr == 2) {
+        for (; n + 8 <= n1; n += 8) tile_avx512<2, 8>(xr, w + n * K, K, yr + n, N);
+        for (; n < n1; ++n) tile_avx512<2, 1>(xr, w + n * K, K, yr + n, N);
+      } else {
+        for (; n + 8 <= n1; n += 8) tile_avx512<1, 8>(xr, w + n * K, K, yr + n, N);
+        for (; n < n1; ++n) tile_avx512<1, 1>(xr, w + n * K, K, yr + n, N);
+      }
+      m += mr;
+    }
+    return;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (isa >= attn::kAvx2 && K % 16 == 0) {
+    while (m < M) {
+      const float* xr[2];
+      const int64_t mr = M - m >= 2 ? 2 : 1;
+      for (int r = 0; r < mr; ++r) xr[r] = x + (m + r) * K;
+      float* yr = y + m * N;
+      int64_t n = n0;
+      if (mr == 2) {
+        for (; n + 3 <= n1; n += 3) tile_avx2<2, 3>(xr, w + n * K, K, yr + n, N);
+        for (; n < n1; ++n) tile_avx2<2, 1>(xr, w + n * K, K, yr + n, N);
+      } else {
+        for (; n + 6 <= n1; n += 6) tile_avx2<1, 6>(xr, w + n * K, K, yr + n, N);
+        for (; n < n1; ++n) tile_avx2<1, 1>(xr, w + n * K, K, yr + n, N);
+      }
+      m += mr;
+    }
+    return;
+  }
+#endif
+  for (; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n) y[m * N + n] = dot_ref(x + m * K, w + n * K, (int)K);
+}
+
+// y (M, N) = x (M, K) @ w (N, K)^T over the pool, output blocks of kUnitN.
+inline void mm(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y, int isa, Pool& pool) {
+  const int units = (int)((N + kUnitN - 1) / kUnitN);
+  pool.run([&](int u) { block(x, M, K, w, N, (int64_t)u * kUnitN, std::min<int64_t>(N, (int64_t)(u + 1) * kUnitN), y, isa); },
+           units);
+}
+
+}  // namespace f32mm
+}  // namespace td
