@@ -49,11 +49,17 @@ def test_pack_tuned_gives_fp32_the_exact_plan_without_tuning(tmp_path, monkeypat
     assert torch.equal(planned_matmul(EXACT, x, w, None), kernels.mm_f32(x, w))
 
 
+@pytest.mark.parametrize("fused_on", [True, False])
 @torch.inference_mode()
-def test_exact_fp32_tree_rows_equal_one_token_rows(tmp_path) -> None:
-    """A 6-node tree's logits equal the plain steps' along each root-to-node path, bit for bit."""
+def test_exact_fp32_tree_rows_equal_one_token_rows(tmp_path, monkeypatch, fused_on: bool) -> None:
+    """A 6-node tree's logits equal the plain steps' along each root-to-node path, bit for bit: through the fused
+    decoder (fp32 weights as fused.h kind 2) and through the Python path (mm_f32 + kernels.attend)."""
+    from treedraft.models import fused
+
+    monkeypatch.setenv(fused.ENV_DISABLE, "0" if fused_on else "1")
     m = tiny_llama()
     plan.pack_tuned(m, tmp_path / "model.gguf", torch.float32)
+    assert (fused.status(m) is None) == fused_on, fused.status(m)
     g = torch.Generator().manual_seed(1)
     V, ctx = m.vocab_size, 40
     prompt = torch.randint(0, V, (1, ctx), generator=g)
@@ -104,3 +110,23 @@ def test_real_model_fp32_speculative_equals_plain() -> None:
         spec = llm.engine.generate(ids, cfg, llm.engine.drafter)
         assert spec.token_ids == plain.token_ids, prompt
         assert spec.stats.accepted_tokens > 0  # the trees were verified, not skipped
+
+
+@torch.inference_mode()
+def test_fused_fp32_step_matches_the_python_path(tmp_path, monkeypatch) -> None:
+    """The fused decoder's fp32 step and the Python path's compute the same function (float rounding apart)."""
+    from treedraft.models import fused
+
+    m = tiny_llama()
+    plan.pack_tuned(m, tmp_path / "model.gguf", torch.float32)
+    g = torch.Generator().manual_seed(2)
+    toks = torch.randint(0, m.vocab_size, (1, 21), generator=g)
+    out = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv(fused.ENV_DISABLE, on)
+        c = m.new_cache(32)
+        m.forward(toks[:, :20], torch.arange(20), c, 0)
+        out[on] = m.forward(toks[:, 20:], torch.tensor([20]), c, 20)[0].reshape(-1)
+    assert fused.status(m) is not None  # the last run was the Python path
+    assert torch.allclose(out["0"], out["1"], atol=1e-4, rtol=1e-4)
+    assert out["0"].argmax() == out["1"].argmax()

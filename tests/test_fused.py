@@ -208,7 +208,7 @@ def test_automatic_fallbacks(monkeypatch, calls) -> None:
     monkeypatch.setenv(fused.ENV_DISABLE, "0")
     fp32 = tiny_llama(vocab_size=V, hidden=64)
     fp32.exact_attention = True
-    assert "not a native linear" in fused.status(fp32)
+    assert "neither a native linear nor an exact fp32 one" in fused.status(fp32)  # not packed: BLAS F.linear
     model = _tiny_native(seed=6)
     assert fused.status(model) is None
     model.layers[1].attn.exact_attention = False  # one layer's flag: seen by the next call

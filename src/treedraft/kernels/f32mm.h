@@ -37,8 +37,9 @@ inline void tile_avx512(const float* const* x, const float* w, int64_t K, float*
   for (int64_t i = 0; i < nv; ++i) {
     __m512 wv[NB];
     for (int n = 0; n < NB; ++n) wv[n] = _mm512_loadu_ps(w + n * K + 16 * i);
-    if (i + 8 < nv)
-      for (int n = 0; n < NB; ++n) _mm_prefetch((const char*)(w + n * K + 16 * (i + 8)), _MM_HINT_T0);
+    // the next tile's NB rows are the NB * K floats right after this tile's: fetch them in address order, NB
+    // cache lines per step, so they arrive while this tile computes (a row is only K / 16 steps long)
+    for (int n = 0; n < NB; ++n) _mm_prefetch((const char*)(w + NB * K + (i * NB + n) * 16), _MM_HINT_T0);
     for (int m = 0; m < MR; ++m) {
       const __m512 xv = _mm512_loadu_ps(x[m] + 16 * i);
       for (int n = 0; n < NB; ++n) a[m * NB + n] = _mm512_fmadd_ps(xv, wv[n], a[m * NB + n]);

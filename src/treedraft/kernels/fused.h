@@ -35,6 +35,7 @@
 
 #include "attn.h"
 #include "attn_sched.h"
+#include "f32mm.h"
 #include "fused_ops.h"
 #include "mm_core.h"
 
@@ -203,6 +204,7 @@ class FusedDecoder {
     qkv_.resize(M * qkvN);
     att_.resize(M * nh_ * hd_);
     ff_.resize(M * 2 * I_);
+    af_.resize(M * std::max(H_, I_));  // float inputs of kF32 linears (emit)
     cs_.resize(M * hd_);  // per row: cos[0..half), sin[0..half)
     const float* emb = embed_.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) std::memcpy(&x_[m * H_], emb + tok[m] * H_, H_ * sizeof(float));
@@ -241,9 +243,9 @@ class FusedDecoder {
       const LayerW& w = layers_[l];
       // (the previous layer's w2 residual) -> RMSNorm -> codes of the qkv input
       act_q_.prepare(M, H_);
-      rows(M, H_, [&](int64_t m) { residual_norm_quant(m, l > 0, w.attn_norm.data_ptr<float>(), isa); });
+      rows(M, H_, [&](int64_t m) { residual_norm_quant(m, l > 0, w.attn_norm.data_ptr<float>(), isa, w.wqkv.kind); });
       tick(0);
-      linear_q(w.wqkv, M, qkv_.data(), path);
+      linear_q(w.wqkv, M, qkv_.data(), path, af_.data());
       tick(1);
       rows(M, qkvN, [&](int64_t m) {  // RoPE on the row's q and k heads, its keys/values to the cache
         const float* c = &cs_[m * hd_];
@@ -255,22 +257,22 @@ class FusedDecoder {
       attention(l, S, row0, seg_k, seg_v, isa);
       tick(2);
       act_q_.prepare(M, A);
-      rows(M, A, [&](int64_t m) { act_q_.quantize_row(&att_[m * A], m); });
-      linear_q(w.wo, M, h_.data(), path);
+      if (w.wo.kind != kF32) rows(M, A, [&](int64_t m) { act_q_.quantize_row(&att_[m * A], m); });
+      linear_q(w.wo, M, h_.data(), path, att_.data());
       tick(3);
       act_q_.prepare(M, H_);
-      rows(M, H_, [&](int64_t m) { residual_norm_quant(m, true, w.ffn_norm.data_ptr<float>(), isa); });
+      rows(M, H_, [&](int64_t m) { residual_norm_quant(m, true, w.ffn_norm.data_ptr<float>(), isa, w.w13.kind); });
       tick(0);
-      linear_q(w.w13, M, ff_.data(), path);
+      linear_q(w.w13, M, ff_.data(), path, af_.data());
       tick(4);
       act_q_.prepare(M, I_);
       rows(M, I_, [&](int64_t m) {  // silu(gate) * up -> codes of the w2 input
         float* t = row_scratch(I_);
         silu_mul(&ff_[m * 2 * I_], &ff_[m * 2 * I_ + I_], t, I_, isa);
-        act_q_.quantize_row(t, m);
+        emit(w.w2.kind, t, m, I_);
       });
       tick(0);
-      linear_q(w.w2, M, h_.data(), path);
+      linear_q(w.w2, M, h_.data(), path, af_.data());
       tick(5);
     }
     auto hidden = torch::empty({M, H_}, torch::kFloat32);
@@ -319,7 +321,15 @@ class FusedDecoder {
   }
   static Lin make_lin(const torch::Tensor& data, const torch::Tensor& bias, int64_t kind, int64_t N, int64_t K,
                       const char* name) {
-    TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "FusedDecoder: ", name, " kind must be 0 (Q4_1) or 1 (Q8_0)");
+    TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0 || kind == kF32, "FusedDecoder: ", name,
+                " kind must be 0 (Q4_1), 1 (Q8_0) or 2 (float32)");
+    if (kind == kF32) {  // the fp32 path's weights as they are, (N, K): f32mm.h, every row computed alike
+      TORCH_CHECK(data.scalar_type() == torch::kFloat32 && data.is_contiguous() && data.dim() == 2 &&
+                      data.size(0) == N && data.size(1) == K,
+                  "FusedDecoder: ", name, " (float32) must be a contiguous (", N, ", ", K, ") tensor");
+      if (bias.numel() > 0) check_vec(bias, name, N);
+      return Lin{data, bias, N, K, (int)kind};
+    }
     TORCH_CHECK(data.scalar_type() == torch::kUInt8 && data.is_contiguous(), "FusedDecoder: ", name,
                 " must be contiguous uint8 packed bytes");
     TORCH_CHECK(K % kQK == 0, "FusedDecoder: ", name, " K=", K, " is not a multiple of 32");
@@ -339,14 +349,30 @@ class FusedDecoder {
   }
 
   void linear(const Lin& w, const float* x, int64_t M, float* y, const Path& path) {
-    mm_into(x, M, w.K, w.data.data_ptr<uint8_t>(), w.N, w.kind, path, y);
+    if (w.kind == kF32)
+      f32mm::mm(x, M, w.K, w.data.data_ptr<float>(), w.N, y, default_isa(), pool());
+    else
+      mm_into(x, M, w.K, w.data.data_ptr<uint8_t>(), w.N, w.kind, path, y);
     add_bias(w, M, y);
   }
 
-  // Linear on the codes in act_q_ (its M rows already quantized), plus the bias.
-  void linear_q(const Lin& w, int64_t M, float* y, const Path& path) {
-    mm_act(act_q_.view(), w.data.data_ptr<uint8_t>(), w.N, w.kind, path, y);
+  // Linear on its prepared input, plus the bias: the codes in act_q_ (its M rows already quantized), or for a
+  // float32 weight the float rows xf (M, K) (what the row passes wrote through emit()).
+  void linear_q(const Lin& w, int64_t M, float* y, const Path& path, const float* xf = nullptr) {
+    if (w.kind == kF32) {
+      f32mm::mm(xf, M, w.K, w.data.data_ptr<float>(), w.N, y, default_isa(), pool());
+    } else {
+      mm_act(act_q_.view(), w.data.data_ptr<uint8_t>(), w.N, w.kind, path, y);
+    }
     add_bias(w, M, y);
+  }
+
+  // Row m of the next linear's input (n floats at t): quantized into act_q_, or kept as floats in af_ (kF32).
+  void emit(int kind, const float* t, int64_t m, int64_t n) {
+    if (kind == kF32)
+      std::memcpy(&af_[m * n], t, n * sizeof(float));
+    else
+      act_q_.quantize_row(t, m);
   }
 
   static void add_bias(const Lin& w, int64_t M, float* y) {
@@ -358,7 +384,7 @@ class FusedDecoder {
 
   // Row m: optionally x += h (the residual of the linear before), then RMSNorm with weight w, quantized
   // into act_q_ (prepared for (M, H)). The normed floats exist only in a per-thread scratch row.
-  void residual_norm_quant(int64_t m, bool residual, const float* w, int isa) {
+  void residual_norm_quant(int64_t m, bool residual, const float* w, int isa, int kind) {
     float* xr = &x_[m * H_];
     if (residual) {
       const float* hr = &h_[m * H_];
@@ -366,7 +392,7 @@ class FusedDecoder {
     }
     float* t = row_scratch(H_);
     rmsnorm(xr, w, t, 1, isa);
-    act_q_.quantize_row(t, m);
+    emit(kind, t, m, H_);
   }
 
   void rmsnorm(const float* x, const float* w, float* y, int64_t M, int isa) const {
@@ -413,7 +439,7 @@ class FusedDecoder {
   bool has_lm_ = false, has_fc_ = false;
   torch::Tensor emb_norm_, feat_norm_;
   // scratch, reused across calls (one forward at a time per decoder)
-  std::vector<float> x_, h_, qkv_, att_, ff_, cs_, cat_;
+  std::vector<float> x_, h_, qkv_, att_, ff_, cs_, cat_, af_;
   std::vector<int32_t> idx_;
   std::vector<int64_t> off_, cnt_, contig_, seg_of_;
   ActBuf act_q_;  // the codes of the next linear's input (block-major, see mm_core.h)

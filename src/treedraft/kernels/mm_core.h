@@ -18,7 +18,7 @@
 
 namespace td {
 
-enum Kind { kQ4_1 = 0, kQ8_0 = 1 };
+enum Kind { kQ4_1 = 0, kQ8_0 = 1, kF32 = 2 };  // kF32: float32 (N, K) weights, fused.h only (f32mm.h)
 
 struct Path {
   const char* name;

@@ -99,6 +99,7 @@ def _deps(model) -> _Watch:
     def lin(parent, name: str) -> None:
         m = parent._modules[name]
         slots.extend([(parent._modules, name), (m.__dict__, "packed"), (m._buffers, "bias")])
+        slots.extend([(m._parameters, "weight"), (m._parameters, "bias"), (m.__dict__, "plan")])  # fp32 linears
 
     for key, b in model.layers._modules.items():
         slots.append((model.layers._modules, key))
@@ -120,14 +121,41 @@ def linear_bias(m) -> Tensor:
     return _EMPTY_F32 if m.bias is None else m.bias.detach().float().contiguous()
 
 
+KIND_F32 = 2  # fused.h / mm_core.h kF32: float32 (N, K) weights through kernels/f32mm.h
+
+
+def exact_f32(m) -> bool:
+    """An fp32 linear the fused decoder can run as it is: the row-invariant plan's (models/matmul.py EXACT)."""
+    from .matmul import EXACT, Linear
+
+    w = m.weight if isinstance(m, Linear) else None
+    return (
+        w is not None
+        and w.dtype == torch.float32
+        and w.device.type == "cpu"
+        and bool(m.plan)
+        and set(m.plan.values()) == {EXACT}
+    )
+
+
+def lin_data(m) -> tuple[Tensor, Tensor, int]:
+    """(data, bias, kind) of a native or exact-fp32 linear as fused.h takes them."""
+    if exact_f32(m):
+        return m.weight.detach().contiguous(), linear_bias(m), KIND_F32
+    return m.packed.data, linear_bias(m), m.packed.kind
+
+
 def layer_tensors(block) -> tuple[list[Tensor], list[int]]:
     """One decoder layer's tensors in fused.h's order (attn_norm, ffn_norm, then data and bias of wqkv, wo,
-    w13, w2) and the four linears' kinds; the caller has checked the linears are native."""
+    w13, w2) and the four linears' kinds; the caller has checked the linears are native or exact fp32."""
     lins = (block.attn.wqkv, block.attn.wo, block.ffn.w13, block.ffn.w2)
     tensors = [w.detach().float().contiguous() for w in (block.attn_norm.weight, block.ffn_norm.weight)]
+    kinds = []
     for m in lins:
-        tensors += [m.packed.data, linear_bias(m)]
-    return tensors, [m.packed.kind for m in lins]
+        data, bias, kind = lin_data(m)
+        tensors += [data, bias]
+        kinds.append(kind)
+    return tensors, kinds
 
 
 def _build(model, deps: _Watch) -> _State:
@@ -157,8 +185,8 @@ def _build(model, deps: _Watch) -> _State:
         return no(f"RMSNorm eps differs between layers: {sorted(eps)}")
     for i, b in enumerate(model.layers):
         for m in (b.attn.wqkv, b.attn.wo, b.ffn.w13, b.ffn.w2):
-            if not isinstance(m, NativeLinear):
-                return no(f"layers.{i}: {type(m).__name__} is not a native linear")
+            if not isinstance(m, NativeLinear) and not exact_f32(m):
+                return no(f"layers.{i}: {type(m).__name__} is neither a native linear nor an exact fp32 one")
         norms = (b.attn_norm.weight, b.ffn_norm.weight)
         if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
             return no(f"layers.{i}: norm weights must be contiguous float32")
@@ -166,7 +194,8 @@ def _build(model, deps: _Watch) -> _State:
         tensors += t
         kinds += k
     lm = model.lm_head
-    lm_native = isinstance(lm, NativeLinear)
+    lm_native = isinstance(lm, NativeLinear) or exact_f32(lm)
+    lm_data, lm_bias, lm_kind = lin_data(lm) if lm_native else (torch.empty(0, dtype=torch.uint8), _EMPTY_F32, 0)
     dec = ext.FusedDecoder(
         hidden=cfg.hidden_size,
         heads=cfg.num_heads,
@@ -180,9 +209,9 @@ def _build(model, deps: _Watch) -> _State:
         layers=tensors,
         kinds=kinds,
         final_norm=model.norm.weight.detach().float().contiguous(),
-        lm_head=lm.packed.data if lm_native else torch.empty(0, dtype=torch.uint8),
-        lm_head_bias=linear_bias(lm) if lm_native else _EMPTY_F32,
-        lm_head_kind=lm.packed.kind if lm_native else 0,
+        lm_head=lm_data,
+        lm_head_bias=lm_bias,
+        lm_head_kind=lm_kind,
         vocab=lm.out_features if lm_native else cfg.vocab_size,
     )
     return _State(deps, dec, None, lm_native)
