@@ -16,8 +16,9 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels 
 V = 96
 
 
-def _tiny_native(seed: int = 0, lm_q8: bool = True, bias: bool = False, max_seq_len: int = 128):
-    """A tiny seeded GQA model with every linear native (q4 layers, q8 lm_head), as load(weights='int4') does."""
+def _tiny_native(seed: int = 0, lm_q8: bool = True, bias: bool = False, max_seq_len: int = 128, fp32: bool = False):
+    """A tiny seeded GQA model with every linear native (q4 layers, q8 lm_head), as load(weights='int4') does;
+    ``fp32``: the float32 linears packed with the exact plan instead (fused.h kind 2), as load(weights='fp32')."""
     from treedraft.models.llama import Linear, LlamaConfig, Transformer
     from treedraft.models.quant import quantize_q4_rtn, quantize_q8_rtn, swap_linears
 
@@ -40,6 +41,12 @@ def _tiny_native(seed: int = 0, lm_q8: bool = True, bias: bool = False, max_seq_
                 p.copy_(1 + 0.3 * torch.randn(p.shape))  # non-trivial norm weights
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape))
+    if fp32:  # the fp32 weights as they are, packed with the row-invariant plan (models/plan.py pack_tuned)
+        from treedraft.models.matmul import exact_plan
+
+        model.pack(exact_plan())
+        model.exact_attention = True
+        return model
     qw = {
         n: (quantize_q8_rtn if n == "lm_head" and lm_q8 else quantize_q4_rtn)(m.weight.detach())
         for n, m in model.named_modules()
@@ -168,9 +175,11 @@ def test_logits_for_and_causal_block(monkeypatch) -> None:
     assert ls.shape == (1, 2, V) and torch.equal(ls, lf[:, -2:])
 
 
-def test_packed_segments_equal_separate_calls() -> None:
-    """Two requests packed into one native call get each request's bits from running it alone."""
-    model = _tiny_native(seed=4)
+@pytest.mark.parametrize("fp32", [False, True])
+def test_packed_segments_equal_separate_calls(fp32: bool) -> None:
+    """Two requests packed into one native call get each request's bits from running it alone (int4 and fp32)."""
+    model = _tiny_native(seed=4, bias=fp32, fp32=fp32)
+    assert fused.status(model) is None
     g = torch.Generator().manual_seed(9)
     pa, pb = torch.randint(0, V, (17,), generator=g), torch.randint(0, V, (33,), generator=g)
     ta, tb = torch.randint(0, V, (1,), generator=g), torch.randint(0, V, (7,), generator=g)
