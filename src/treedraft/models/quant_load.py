@@ -245,15 +245,20 @@ def _pack_fp32(model: torch.nn.Module, path: Path | None) -> None:
 def _measure_auto(model, qweights, natives, probe_ids, min_agreement, log, keep: dict | None = None) -> dict:
     """fp32 vs int4 vs int8 on this machine: linear time (1 + 16 rows) and top-1 agreement with fp32.
 
-    fp32 is timed with its fastest kernel for 1 and 16 rows (a plan of just those two row counts: the
-    full plan is measured only when fp32 wins). ``keep`` receives the quantized weights read here.
+    fp32 is timed with the kernel it would run: the row-invariant ``kernels.mm_f32`` with the extension
+    (models/plan.py pack_tuned), else its fastest BLAS kernel for 1 and 16 rows (a plan of just those two row counts:
+    the full plan is measured only when fp32 wins). ``keep`` receives the quantized weights read here.
     """
+    from treedraft import kernels
+
     from .llama import Linear, tune_matmul_plan
+    from .matmul import exact_plan
 
     fp32_mods = [m for m in model.modules() if isinstance(m, Linear)]
     unpacked = callable(getattr(model, "pack", None)) and getattr(model, "matmul_plan", None) is None
     if unpacked and fp32_mods:
-        model.pack(tune_matmul_plan(fp32_mods, buckets=(1, 16)))
+        f32 = fp32_mods[0].weight.dtype == torch.float32 and kernels.available()
+        model.pack(exact_plan() if f32 else tune_matmul_plan(fp32_mods, buckets=(1, 16)))
     times = {"fp32": sum(time_modules(fp32_mods, r) for r in (1, 16))}
     if unpacked and fp32_mods:
         model.unpack()
