@@ -2,8 +2,8 @@
 
 Side by side in one process (the two plans alternate per repetition): the forward latency of 1, 4 and 16 rows on a
 512-token cache (median of 5 rounds) and plain greedy decoding tokens/s (median of 3). Session 16, AMD EPYC Zen 4,
-2 threads, the exact plan through the fused step: 1 / 4 / 16 rows 23.8 / 28.7 / 57.3 ms against 29.2 / 38.2 / 79.5 ms;
-plain 38.0 against 27.2 tok/s.
+2 threads, the exact plan through the fused step, three runs: 1 / 4 / 16 rows 21.5-23.8 / 24.8-28.7 / 57.3-65.1 ms
+against 29.2-46.4 / 38.2-62.9 / 79.5-113.1 ms; plain 38.0-44.3 against 19.9-27.2 tok/s.
 
     python benchmarks/fp32_exact_ab.py
 """

@@ -19,7 +19,7 @@ def test_rows_do_not_depend_on_the_row_count_or_the_path(n: int, k: int) -> None
     g = torch.Generator().manual_seed(n + k)
     w, x = torch.randn(n, k, generator=g), torch.randn(17, k, generator=g)
     full = kernels.mm_f32(x, w)
-    for rows in (1, 2, 3, 4, 5, 8, 13):  # every register tile shape and its remainders
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13):  # every register tile shape (6, 4, 2, 1 rows) and remainder
         assert torch.equal(kernels.mm_f32(x[:rows], w), full[:rows])
     for i in range(17):
         assert torch.equal(kernels.mm_f32(x[i : i + 1], w), full[i : i + 1])

@@ -422,3 +422,13 @@ def test_topk_rows_rejects_bad_k() -> None:
         tk.topk_rows(torch.zeros(2, 8), 9)
     with pytest.raises(ValueError, match="1 <= k <= V"):
         tk.topk_rows(torch.zeros(8), 2)
+
+
+def test_build_key_covers_every_kernel_source() -> None:
+    """Every file of the kernels folder the build compiles or includes is hashed into the build key, so editing any of
+    them builds anew (a header missing from the list would keep serving a stale build)."""
+    from treedraft.kernels import _build
+
+    folder = Path(_build.__file__).parent
+    on_disk = {p.name for p in folder.iterdir() if p.suffix in (".h", ".cpp")}
+    assert on_disk == set(_build._SOURCES + _build._HEADERS)

@@ -25,6 +25,7 @@ _HEADERS = [
     "attn_kv.h",
     "attn_sched.h",
     "common.h",
+    "f32mm.h",
     "fused.h",
     "fused_ops.h",
     "mm_core.h",

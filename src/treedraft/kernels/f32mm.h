@@ -6,7 +6,7 @@
 // So a tree row equals the 1-token row bit for bit (BLAS GEMMs change their blocking with M: MKL's rows
 // differed by up to 8e-5 between a 1-row and a 16-row call here, which can flip a greedy near-tie), and the
 // AVX-512 / AVX2 / scalar paths give the same bits. Weights stream once per call for all rows: register tiles of
-// up to 4 rows x 4 outputs (AVX-512; 1 row x 8 outputs for a decode step), output blocks spread over the pool.
+// up to 6 rows x 4 outputs (AVX-512; 1 row x 8 outputs for a decode step), output blocks spread over the pool.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -30,9 +30,10 @@ inline float dot_ref(const float* x, const float* w, int K) { return attn::dot<a
 // Rows x[0..MR) against outputs w[0..NB) (row n at w + n * K), K % 16 == 0; y[m * ldy + n].
 template <int MR, int NB>
 inline void tile_avx512(const float* const* x, const float* w, int64_t K, float* y, int64_t ldy) {
-  static_assert(MR * NB <= 16, "at most 16 accumulators");
-  __m512 a[16];
-  for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
+  static_assert(MR * NB <= 24, "at most 24 accumulators");
+  constexpr int kAcc = MR * NB <= 16 ? 16 : 32;  // reduce16 takes them 16 at a time (zeros past MR * NB)
+  __m512 a[kAcc];
+  for (int t = 0; t < kAcc; ++t) a[t] = _mm512_setzero_ps();
   const int64_t nv = K / 16;
   for (int64_t i = 0; i < nv; ++i) {
     __m512 wv[NB];
@@ -45,8 +46,9 @@ inline void tile_avx512(const float* const* x, const float* w, int64_t K, float*
       for (int n = 0; n < NB; ++n) a[m * NB + n] = _mm512_fmadd_ps(xv, wv[n], a[m * NB + n]);
     }
   }
-  alignas(64) float out[16];
-  _mm512_store_ps(out, attn::reduce16(a));  // lane t = accumulator t through dot's lane tree
+  alignas(64) float out[kAcc];
+  for (int t = 0; t < kAcc; t += 16)
+    _mm512_store_ps(out + t, attn::reduce16(a + t));  // lane t = accumulator t through dot's lane tree
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NB; ++n) y[m * ldy + n] = out[m * NB + n];
 }
@@ -79,12 +81,15 @@ inline void block(const float* x, int64_t M, int64_t K, const float* w, int64_t 
 #if defined(__AVX512F__)
   if (isa >= attn::kAvx512 && K % 16 == 0) {
     while (m < M) {
-      const float* xr[4];
-      const int64_t mr = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+      const float* xr[6];
+      const int64_t mr = M - m >= 6 ? 6 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
       for (int r = 0; r < mr; ++r) xr[r] = x + (m + r) * K;
       float* yr = y + m * N;
       int64_t n = n0;
-      if (mr == 4) {
+      if (mr == 6) {
+        for (; n + 4 <= n1; n += 4) tile_avx512<6, 4>(xr, w + n * K, K, yr + n, N);
+        for (; n < n1; ++n) tile_avx512<6, 1>(xr, w + n * K, K, yr + n, N);
+      } else if (mr == 4) {
         for (; n + 4 <= n1; n += 4) tile_avx512<4, 4>(xr, w + n * K, K, yr + n, N);
         for (; n < n1; ++n) tile_avx512<4, 1>(xr, w + n * K, K, yr + n, N);
       } else if (mr == 2) {
