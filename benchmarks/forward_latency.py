@@ -260,6 +260,10 @@ def weights_table(model_name: str, formats: list[str], context: int, reps: int) 
             "bound_ms": nbytes / bw * 1e3,
             "ms_1_over_bound": t1 / (nbytes / bw),
             "info": getattr(llm.model, "weights_info", {"weights": f}),
+            # fp32: the row-invariant mm_f32 (exact plan, models/plan.py) or the tuned BLAS plan
+            "fp32_kernel": "mm_f32 (exact)"
+            if set((getattr(llm.model, "matmul_plan", None) or {}).values()) == {"exact"}
+            else "fp32 BLAS plan",
             "profile_1_token": profile_step(llm.model, context),
         }
     return {"context": context, "reps": reps, "read_bandwidth_GBps": bw / 1e9, "formats": rows}
@@ -281,7 +285,7 @@ def weights_markdown(res: dict, env: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for f, r in res["formats"].items():
-        k = ", ".join(f"{a}: {b}" for a, b in r["info"].get("kernels", {}).items()) or "fp32 plan"
+        k = ", ".join(f"{a}: {b}" for a, b in r["info"].get("kernels", {}).items()) or r.get("fp32_kernel", "fp32 plan")
         lines.append(
             f"| {f} | {k} | {r['ms_1']:.1f} | {r['ms_16']:.1f} | {r['tree16_over_1']:.2f} | "
             f"{r['weight_bytes'] / 1e6:.0f} | {r['bound_ms']:.1f} | {r['ms_1_over_bound']:.1f} |"
