@@ -238,6 +238,7 @@ def profile_step(model, context: int, top: int = 12) -> list[dict]:
 def weights_table(model_name: str, formats: list[str], context: int, reps: int) -> dict:
     """Per weight format: 1- and 16-token forward latency, weight bytes, bandwidth bound, one-step profile."""
     import treedraft
+    from treedraft.models.matmul import is_exact_plan
     from treedraft.models.quant import weight_bytes
     from treedraft.training.calibrate import measure_latency
 
@@ -262,7 +263,7 @@ def weights_table(model_name: str, formats: list[str], context: int, reps: int) 
             "info": getattr(llm.model, "weights_info", {"weights": f}),
             # fp32: the row-invariant mm_f32 (exact plan, models/plan.py) or the tuned BLAS plan
             "fp32_kernel": "mm_f32 (exact)"
-            if set((getattr(llm.model, "matmul_plan", None) or {}).values()) == {"exact"}
+            if is_exact_plan(getattr(llm.model, "matmul_plan", None))
             else "fp32 BLAS plan",
             "profile_1_token": profile_step(llm.model, context),
         }

@@ -74,6 +74,25 @@ inline void tile_avx2(const float* const* x, const float* w, int64_t K, float* y
 }
 #endif
 
+#if defined(__AVX512F__)
+// Outputs [n0, n1) of MR rows: NB-wide tiles, then 1-wide ones for the remainder (same per-output arithmetic).
+template <int MR, int NB>
+inline void rows_avx512(const float* const* xr, const float* w, int64_t K, float* yr, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) tile_avx512<MR, NB>(xr, w + n * K, K, yr + n, N);
+  for (; n < n1; ++n) tile_avx512<MR, 1>(xr, w + n * K, K, yr + n, N);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+template <int MR, int NB>
+inline void rows_avx2(const float* const* xr, const float* w, int64_t K, float* yr, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) tile_avx2<MR, NB>(xr, w + n * K, K, yr + n, N);
+  for (; n < n1; ++n) tile_avx2<MR, 1>(xr, w + n * K, K, yr + n, N);
+}
+#endif
+
 // Outputs [n0, n1) of every row; y row-major (M, N).
 inline void block(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t n0, int64_t n1, float* y,
                   int isa) {
@@ -85,20 +104,10 @@ inline void block(const float* x, int64_t M, int64_t K, const float* w, int64_t 
       const int64_t mr = M - m >= 6 ? 6 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
       for (int r = 0; r < mr; ++r) xr[r] = x + (m + r) * K;
       float* yr = y + m * N;
-      int64_t n = n0;
-      if (mr == 6) {
-        for (; n + 4 <= n1; n += 4) tile_avx512<6, 4>(xr, w + n * K, K, yr + n, N);
-        for (; n < n1; ++n) tile_avx512<6, 1>(xr, w + n * K, K, yr + n, N);
-      } else if (mr == 4) {
-        for (; n + 4 <= n1; n += 4) tile_avx512<4, 4>(xr, w + n * K, K, yr + n, N);
-        for (; n < n1; ++n) tile_avx512<4, 1>(xr, w + n * K, K, yr + n, N);
-      } else if (mr == 2) {
-        for (; n + 8 <= n1; n += 8) tile_avx512<2, 8>(xr, w + n * K, K, yr + n, N);
-        for (; n < n1; ++n) tile_avx512<2, 1>(xr, w + n * K, K, yr + n, N);
-      } else {
-        for (; n + 8 <= n1; n += 8) tile_avx512<1, 8>(xr, w + n * K, K, yr + n, N);
-        for (; n < n1; ++n) tile_avx512<1, 1>(xr, w + n * K, K, yr + n, N);
-      }
+      if (mr == 6) rows_avx512<6, 4>(xr, w, K, yr, N, n0, n1);
+      else if (mr == 4) rows_avx512<4, 4>(xr, w, K, yr, N, n0, n1);
+      else if (mr == 2) rows_avx512<2, 8>(xr, w, K, yr, N, n0, n1);
+      else rows_avx512<1, 8>(xr, w, K, yr, N, n0, n1);
       m += mr;
     }
     return;
@@ -111,14 +120,8 @@ inline void block(const float* x, int64_t M, int64_t K, const float* w, int64_t 
       const int64_t mr = M - m >= 2 ? 2 : 1;
       for (int r = 0; r < mr; ++r) xr[r] = x + (m + r) * K;
       float* yr = y + m * N;
-      int64_t n = n0;
-      if (mr == 2) {
-        for (; n + 3 <= n1; n += 3) tile_avx2<2, 3>(xr, w + n * K, K, yr + n, N);
-        for (; n < n1; ++n) tile_avx2<2, 1>(xr, w + n * K, K, yr + n, N);
-      } else {
-        for (; n + 6 <= n1; n += 6) tile_avx2<1, 6>(xr, w + n * K, K, yr + n, N);
-        for (; n < n1; ++n) tile_avx2<1, 1>(xr, w + n * K, K, yr + n, N);
-      }
+      if (mr == 2) rows_avx2<2, 3>(xr, w, K, yr, N, n0, n1);
+      else rows_avx2<1, 6>(xr, w, K, yr, N, n0, n1);
       m += mr;
     }
     return;

@@ -359,11 +359,8 @@ class FusedDecoder {
   // Linear on its prepared input, plus the bias: the codes in act_q_ (its M rows already quantized), or for a
   // float32 weight the float rows xf (M, K) (what the row passes wrote through emit()).
   void linear_q(const Lin& w, int64_t M, float* y, const Path& path, const float* xf = nullptr) {
-    if (w.kind == kF32) {
-      f32mm::mm(xf, M, w.K, w.data.data_ptr<float>(), w.N, y, default_isa(), pool());
-    } else {
-      mm_act(act_q_.view(), w.data.data_ptr<uint8_t>(), w.N, w.kind, path, y);
-    }
+    if (w.kind == kF32) return linear(w, xf, M, y, path);
+    mm_act(act_q_.view(), w.data.data_ptr<uint8_t>(), w.N, w.kind, path, y);
     add_bias(w, M, y);
   }
 
@@ -382,8 +379,8 @@ class FusedDecoder {
       for (int64_t n = 0; n < w.N; ++n) y[m * w.N + n] = y[m * w.N + n] + b[n];
   }
 
-  // Row m: optionally x += h (the residual of the linear before), then RMSNorm with weight w, quantized
-  // into act_q_ (prepared for (M, H)). The normed floats exist only in a per-thread scratch row.
+  // Row m: optionally x += h (the residual of the linear before), then RMSNorm with weight w, handed to the next
+  // linear (of kind `kind`) through emit(): quantized into act_q_ (prepared for (M, H)), or as floats into af_.
   void residual_norm_quant(int64_t m, bool residual, const float* w, int isa, int kind) {
     float* xr = &x_[m * H_];
     if (residual) {

@@ -126,16 +126,10 @@ KIND_F32 = 2  # fused.h / mm_core.h kF32: float32 (N, K) weights through kernels
 
 def exact_f32(m) -> bool:
     """An fp32 linear the fused decoder can run as it is: the row-invariant plan's (models/matmul.py EXACT)."""
-    from .matmul import EXACT, Linear
+    from .matmul import Linear, is_exact_plan
 
     w = m.weight if isinstance(m, Linear) else None
-    return (
-        w is not None
-        and w.dtype == torch.float32
-        and w.device.type == "cpu"
-        and bool(m.plan)
-        and set(m.plan.values()) == {EXACT}
-    )
+    return w is not None and w.dtype == torch.float32 and w.device.type == "cpu" and is_exact_plan(m.plan)
 
 
 def lin_data(m) -> tuple[Tensor, Tensor, int]:

@@ -290,13 +290,18 @@ class Transformer(nn.Module):
         Call again after changing weights; :meth:`unpack` restores plain F.linear.
         """
         linears = [m for m in self.modules() if isinstance(m, Linear)]
+        tune = plan is None
+        if tune:  # tuning times every kernel, the one reading the (in, out) copies too
+            for m in linears:
+                m.weight_t = m.weight.detach().t().contiguous()
+            plan = tune_matmul_plan(linears)
+        plan = dict(plan)
+        uses_wt = any(v.startswith("xwt") for v in plan.values())  # else no second set of weights is kept
         for m in linears:
-            m.weight_t = m.weight.detach().t().contiguous()
-        plan = dict(plan) if plan is not None else tune_matmul_plan(linears)
-        if not any(v.startswith("xwt") for v in plan.values()):
-            for m in linears:  # no kernel of this plan reads the (in, out) copy: do not keep a second set of weights
+            if not uses_wt:
                 m.weight_t = None
-        for m in linears:
+            elif not tune:
+                m.weight_t = m.weight.detach().t().contiguous()
             m.plan = plan
         self.matmul_plan = plan
         return self

@@ -65,6 +65,18 @@ def exact_plan() -> dict[int, str]:
     return dict.fromkeys(MATMUL_BUCKETS, EXACT)
 
 
+def exact_plan_available(dtype: torch.dtype) -> bool:
+    """Whether weights of ``dtype`` can run :func:`exact_plan` here (float32 and the native extension)."""
+    from treedraft import kernels
+
+    return dtype == torch.float32 and kernels.available()
+
+
+def is_exact_plan(plan: dict[int, str] | None) -> bool:
+    """Whether a packed plan is :func:`exact_plan` (every bucket :data:`EXACT`)."""
+    return bool(plan) and set(plan.values()) == {EXACT}
+
+
 def planned_matmul(candidate: str, x: Tensor, w: Tensor, wt: Tensor | None) -> Tensor:
     """:func:`matmul` for a plan entry: ``name`` or ``name@p`` (x zero-padded to p rows, cut back after)."""
     strategy, _, pad = candidate.partition("@")

@@ -262,11 +262,9 @@ def pack_tuned(net: Any, path: Path, dtype: torch.dtype) -> None:
     TREEDRAFT_RETUNE=1 measures again): faster for some row counts, but a tree row may then differ from the
     1-token row in the last bits, and a greedy near-tie can go the other way.
     """
-    from treedraft import kernels
+    from .matmul import exact_plan, exact_plan_available
 
-    from .matmul import exact_plan
-
-    if dtype == torch.float32 and kernels.available() and hasattr(net, "exact_attention"):
+    if exact_plan_available(dtype) and hasattr(net, "exact_attention"):
         net.pack(exact_plan())
         net.exact_attention = True
         return

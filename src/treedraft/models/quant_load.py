@@ -249,16 +249,14 @@ def _measure_auto(model, qweights, natives, probe_ids, min_agreement, log, keep:
     (models/plan.py pack_tuned), else its fastest BLAS kernel for 1 and 16 rows (a plan of just those two row counts:
     the full plan is measured only when fp32 wins). ``keep`` receives the quantized weights read here.
     """
-    from treedraft import kernels
-
     from .llama import Linear, tune_matmul_plan
-    from .matmul import exact_plan
+    from .matmul import exact_plan, exact_plan_available
 
     fp32_mods = [m for m in model.modules() if isinstance(m, Linear)]
     unpacked = callable(getattr(model, "pack", None)) and getattr(model, "matmul_plan", None) is None
     if unpacked and fp32_mods:
-        f32 = fp32_mods[0].weight.dtype == torch.float32 and kernels.available()
-        model.pack(exact_plan() if f32 else tune_matmul_plan(fp32_mods, buckets=(1, 16)))
+        exact = exact_plan_available(fp32_mods[0].weight.dtype)
+        model.pack(exact_plan() if exact else tune_matmul_plan(fp32_mods, buckets=(1, 16)))
     times = {"fp32": sum(time_modules(fp32_mods, r) for r in (1, 16))}
     if unpacked and fp32_mods:
         model.unpack()
