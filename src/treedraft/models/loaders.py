@@ -201,7 +201,7 @@ def load_hf_dir(
 def from_state_dict(cfg: LlamaConfig, sd: dict[str, Tensor], src: str, dtype: torch.dtype, device: str) -> Transformer:
     """A frozen Transformer from its own state dict (lm_head may be absent when embeddings are tied)."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, init=False)
     model = model.to_empty(device="cpu")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     real_missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
