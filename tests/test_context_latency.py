@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from treedraft.budget import CONTEXT_BUCKET, ContextLatency, LatencyCurve
+from treedraft.budget import CHECK_SIZES, CONTEXT_BUCKET, ContextLatency, LatencyCurve
 from treedraft.drafters import eagle_tree
 from treedraft.drafters.hybrid import HybridDrafter
 from treedraft.drafters.suffix import SuffixDrafter
@@ -124,7 +124,8 @@ def test_measured_latency_adds_a_long_context_curve_where_the_cache_holds_one(
     calls = []
 
     def fake(model, context, sizes, reps):
-        calls.append(context)
+        if tuple(sizes) != CHECK_SIZES:  # (a cached curve's check in a later call: not a measurement)
+            calls.append(context)
         return {n: 0.01 * n + 1e-5 * context * n for n in sizes}  # each row attends to the context
 
     monkeypatch.setattr(calibrate, "measure_latency", fake)
@@ -135,3 +136,80 @@ def test_measured_latency_adds_a_long_context_curve_where_the_cache_holds_one(
     assert scheduler.measured_latency(big) == lat and len(calls) == 2  # both cached
     small = tiny_llama(seed=0, vocab_size=32, hidden=32, max_seq_len=256)  # too small for a second context
     assert not isinstance(scheduler.measured_latency(small), ContextLatency)
+
+
+@pytest.fixture()
+def curve_check(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """A tiny target with a private cache whose forwards 'take' ``now`` (rows -> seconds at any context); counts
+    full measurements and checks."""
+    from treedraft.models import plan
+    from treedraft.models.tiny import tiny_llama
+    from treedraft.training import calibrate
+
+    monkeypatch.setattr(plan, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(plan, "measured_busy", lambda entry, now=None: False)
+    monkeypatch.setenv("TREEDRAFT_CURVE_CHECK", "1")
+    state = {"now": dict(SHORT), "full": 0, "checks": 0}
+
+    def fake(model, context, sizes, reps):
+        state["checks" if tuple(sizes) == CHECK_SIZES else "full"] += 1
+        return {n: state["now"].get(n, 0.7 * n) / 1e3 for n in sizes}
+
+    monkeypatch.setattr(calibrate, "measure_latency", fake)
+    return tiny_llama(seed=0, vocab_size=32, hidden=32, max_seq_len=2048), state
+
+
+STEEP = {1: 5.8, 2: 8.6, 4: 12.1, 8: 17.2, 16: 27.3, 32: 52.6}  # a curve cached beside a test run (ms)
+
+
+def _new_process() -> None:
+    from treedraft import budget
+
+    budget._checked.clear()
+    budget._spots.clear()
+
+
+def test_a_cached_curve_of_another_shape_than_a_check_now_is_measured_again(curve_check, capsys) -> None:
+    """A curve cached in a slow phase of the host or beside a test run (2 / 4 / 8 rows at 1.48 / 2.08 / 2.96 one-row
+    forwards where a later check read 1.05 / 1.08 / 1.59, and the default drafter drafted next to nothing) is
+    checked once per process against a few forwards timed now and, when its shape is off, measured again."""
+    from treedraft import budget
+
+    model, state = curve_check
+    state["now"] = dict(STEEP)
+    first = budget.measured_latency(model)  # the first measurement: both contexts, no check
+    assert (state["full"], state["checks"]) == (2, 0) and first[4] / first[1] == pytest.approx(12.1 / 5.8)
+    _new_process()
+    state["now"] = dict(SHORT)  # the machine as it is now
+    lat = budget.measured_latency(model)
+    assert (state["full"], state["checks"]) == (4, 1)  # checked, then both contexts measured again
+    assert lat[4] / lat[1] == pytest.approx(4.4 / 4.0) and lat.long[4] / lat.long[1] == pytest.approx(4.4 / 4.0)
+    assert "no longer matches this machine (2 rows 1.48x cached vs 1.00x now" in capsys.readouterr().err
+    assert budget.measured_latency(model) == lat and (state["full"], state["checks"]) == (4, 1)  # once a process
+    _new_process()
+    assert budget.measured_latency(model) == lat and (state["full"], state["checks"]) == (4, 2)  # matches: kept
+    assert capsys.readouterr().err == ""
+
+
+def test_a_cached_curve_within_the_checks_noise_or_checked_under_load_is_kept(curve_check, monkeypatch) -> None:
+    from treedraft import budget
+    from treedraft.models import plan
+
+    model, state = curve_check
+    budget.measured_latency(model)
+    _new_process()
+    state["now"] = {**SHORT, 8: SHORT[8] * 1.25}  # quiet checks spread by up to ~1.2x
+    assert budget.measured_latency(model)[8] == pytest.approx(SHORT[8] / 1e3) and state["full"] == 2
+    _new_process()
+    state["now"] = dict(STEEP)
+    monkeypatch.setattr(plan.CpuWindow, "others", lambda self: 1.0)  # another process kept a core busy
+    assert budget.measured_latency(model)[8] == pytest.approx(SHORT[8] / 1e3) and state["full"] == 2
+
+
+def test_curve_disagreement_is_the_worst_ratio_factor() -> None:
+    from treedraft.budget import curve_disagreement
+
+    assert curve_disagreement(SHORT, SHORT) == 1.0
+    assert curve_disagreement(SHORT, {k: 2 * v for k, v in SHORT.items()}) == pytest.approx(1.0)  # scale: no matter
+    assert curve_disagreement(STEEP, {1: 4.0, 2: 4.2, 8: 6.4}) == pytest.approx((17.2 / 5.8) / (6.4 / 4.0))
+    assert curve_disagreement({1: 1.0, 8: 2.0}, {1: 1.0, 4: 2.0}) == pytest.approx(2.0 / (1.0 + 3 / 7))  # interpolated

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from treedraft.budget import CHECK_SIZES
 from treedraft.drafters.medusa import DEFAULT_CHOICES, HEADS_DIR, MedusaConfig, MedusaDrafter, MedusaHeads
 from treedraft.drafters.registry import DrafterOptions, build
 from treedraft.models.tiny import tiny_llama
@@ -24,14 +25,16 @@ def setup(tmp_path, monkeypatch):
     native_kernels()  # built/loaded under the real cache: a private one would rebuild it and print a line
     monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("TREEDRAFT_RETUNE", raising=False)
+    monkeypatch.setenv("TREEDRAFT_CURVE_CHECK", "1")
     m = tiny_llama()
     cfg = MedusaConfig("tiny", m.hidden_size, m.vocab_size, num_heads=3, extra={"rank_accuracy": ACC})
     heads_dir = tmp_path / "heads"
     MedusaHeads(cfg, m.lm_head.weight).save(heads_dir)
-    calls = []
+    calls = []  # full measurements (a cached tree's check of its curve, budget.CHECK_SIZES, is not counted here)
 
     def fake_latency(model, context, sizes, reps=5):
-        calls.append((context, tuple(sizes)))
+        if tuple(sizes) != CHECK_SIZES:
+            calls.append((context, tuple(sizes)))
         return {n: LATENCY[n] for n in sizes}
 
     monkeypatch.setattr(calibrate, "measure_latency", fake_latency)
@@ -83,6 +86,40 @@ def test_retune_corrupt_cache_and_other_heads_measure_again(setup, monkeypatch, 
     os.utime(heads_dir / "medusa.json", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     _build(m, heads_dir)
     assert len(calls) == 5
+
+
+def test_a_tree_chosen_on_a_curve_this_machine_no_longer_shows_is_chosen_again(setup, capsys, tmp_path) -> None:
+    """A tree is chosen from the latency curve measured with it; when a check of a few forwards timed now gives a
+    curve of another shape (a tree measured beside a test run or in a slow phase of a shared host: 1 draft node
+    where 3-4 pay), the tree is chosen again, once; a curve that matches keeps it."""
+    m, heads_dir, calls = setup
+    _build(m, heads_dir)
+    (f,) = (tmp_path / "cache" / "tune").glob("medusa-tree-*.json")
+    d = json.loads(f.read_text())
+    steep = {1: 6.0, 2: 8.6, 4: 12.1, 8: 17.2, 12: 21.5, 16: 27.3, 24: 41.2, 32: 52.6, 48: 74.1, 64: 97.7}
+    d["value"]["latency_ms"] = {str(k): v for k, v in steep.items()}
+    d["value"]["choices"] = [[0]]
+    f.write_text(json.dumps(d))
+    capsys.readouterr()
+    again = _build(m, heads_dir)
+    assert len(calls) == 2 and len(again.choices) == 7
+    assert "chosen on a latency curve" in capsys.readouterr().err
+    assert _build(m, heads_dir).choices == again.choices and len(calls) == 2  # its own curve matches: kept
+
+
+def test_a_tree_is_kept_when_other_processes_are_busy_during_the_check(setup, monkeypatch, tmp_path) -> None:
+    """Under other processes' load a new measurement would be no better than the cached one: keep it."""
+    from treedraft.models import plan
+
+    m, heads_dir, calls = setup
+    _build(m, heads_dir)
+    (f,) = (tmp_path / "cache" / "tune").glob("medusa-tree-*.json")
+    d = json.loads(f.read_text())
+    d["value"]["latency_ms"] = {"1": 6.0, "2": 8.6, "4": 12.1, "8": 17.2, "64": 97.7}
+    d["value"]["choices"] = [[0]]
+    f.write_text(json.dumps(d))
+    monkeypatch.setattr(plan.CpuWindow, "others", lambda self: 1.0)
+    assert _build(m, heads_dir).choices == ((0,),) and len(calls) == 1
 
 
 def test_stored_tree_is_used_without_measuring(setup) -> None:

@@ -21,6 +21,8 @@ request's tokens, only how many steps they take.
 from __future__ import annotations
 
 import bisect
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -340,6 +342,58 @@ def step_rows_from_latency(latency: dict[int, float], factor: float = STEP_ROWS_
 
 LONG_CONTEXT = 1024  # the second context the latency curve is measured at (ContextLatency)
 
+# A cached curve is checked once per process against a few forwards timed now (CHECK_SIZES, the fastest of
+# CHECK_REPS interleaved rounds, ~0.3 s for SmolLM2 on a 2-core EPYC): the tree sizing hangs on its shape, and
+# a curve taken in a slow phase of a shared host, or beside a test run, stays wrong for every later process. On
+# the Zen 4 EPYC one cached beside a test run read 2 / 4 / 8 rows at 1.48 / 2.08 / 2.96 one-row forwards
+# against 1.05 / 1.08 / 1.59 timed later, and the default drafter then drafted 0.2 nodes a step and ran at
+# 0.74x its speed with a fresh curve (172.9 against 234.7 tok/s, 6 MT-Bench prompts x 128, 2026-12-03).
+CHECK_SIZES = (1, 2, 4, 8)
+CHECK_REPS = 4
+# re-measure when some k-row / one-row ratio of the check is off the cached one by more than this factor; checks
+# on a quiet machine spread by up to ~1.2x (ten checks: 4 rows 1.03-1.29, 8 rows 1.43-1.92 one-row forwards)
+CHECK_TOLERANCE = 1.35
+CHECK_ENV = "TREEDRAFT_CURVE_CHECK"  # "0": no check (the test suite, whose two workers share the cores)
+
+
+def curve_check_enabled() -> bool:
+    """Whether cached latency curves (and the trees chosen on them) are checked against this machine now."""
+    return os.environ.get(CHECK_ENV, "1") != "0"
+
+
+_checked: dict[str, float] = {}  # step-rows cache file -> disagreement found by this process's check of it
+_spots: dict[tuple[str, str, int], tuple[dict[int, float], float | None]] = {}
+
+
+def spot_check(model: Any, context: int) -> tuple[dict[int, float], float | None]:
+    """(seconds of a ``CHECK_SIZES``-row forward on a ``context``-token cache timed now, the fastest of
+    ``CHECK_REPS`` interleaved rounds; other processes' CPU use meanwhile, in cores, or None), once per process,
+    cache directory, target and context."""
+    import json
+
+    from .models import plan
+    from .training.calibrate import _target_facts, measure_latency
+
+    key = (str(plan.cache_dir()), json.dumps(_target_facts(model), sort_keys=True, default=str), context)
+    if key not in _spots:
+        window = plan.CpuWindow()
+        now = measure_latency(model, context, [k for k in CHECK_SIZES if k <= STEP_ROWS_MAX], reps=CHECK_REPS)
+        _spots[key] = (now, window.others())
+    return _spots[key]
+
+
+def curve_disagreement(cached: Mapping[int, float], now: Mapping[int, float]) -> float:
+    """The largest factor (>= 1) by which a k-row / one-row time ratio of ``now`` differs from ``cached``'s
+    (k: the sizes of ``now`` besides 1; ``cached`` interpolated where it lacks one)."""
+    worst = 1.0
+    for k, t in now.items():
+        if k == 1:
+            continue
+        a = interpolate(dict(cached), k) / cached[1]
+        b = t / now[1]
+        worst = max(worst, a / b, b / a)
+    return worst
+
 
 def measured_latency(model: Any) -> dict[int, float]:
     """This machine's forward latency curve for ``model``: seconds per row count at a 256-token context
@@ -348,15 +402,23 @@ def measured_latency(model: Any) -> dict[int, float]:
     Where the model's cache holds well more (``max_seq_len``), the curve is also measured at
     :data:`LONG_CONTEXT` tokens and the result is a :class:`ContextLatency`: the drafters size each step's
     tree on the curve at that step's context (:meth:`LatencyCurve.at`).
+
+    A cached curve is checked once per process (:data:`CHECK_SIZES`, :func:`curve_disagreement`): one whose
+    shape no longer matches this machine is measured again (both contexts), unless other processes are
+    busy now (then it is kept: a measurement under their load would be no better).
     """
-    from .models.plan import cached_measurement
+    from .interfaces import target_device
+    from .models.plan import BUSY_OTHERS, cached_measurement, measurement_path
     from .training.calibrate import LATENCY_METHOD, _target_facts, latency_sizes, measure_latency
 
     room = getattr(model, "max_seq_len", 512)
     short = max(1, min(256, room - STEP_ROWS_MAX - 1))
     long = min(LONG_CONTEXT, room - STEP_ROWS_MAX - 1)
+    dev = target_device(model)
+    fresh: list[int] = []
 
     def measure(context: int = short) -> dict:
+        fresh.append(context)
         lat = measure_latency(model, context, latency_sizes(STEP_ROWS_MAX), reps=5)
         return {str(k): v for k, v in lat.items()}
 
@@ -366,15 +428,33 @@ def measured_latency(model: Any) -> dict[int, float]:
             raise ValueError(f"the latency curve needs the one-row forward, got sizes {sorted(lat)}")
         return lat
 
-    from .interfaces import target_device
-
     key = {**_target_facts(model), "latency": LATENCY_METHOD}
-    lat = cached_measurement(STEP_ROWS_KIND, key, measure, load, target_device(model))
+    long_key = {**key, "context": long}
+    lat = cached_measurement(STEP_ROWS_KIND, key, measure, load, dev)
+    f = str(measurement_path(STEP_ROWS_KIND, key, dev)[0])
+    if fresh:
+        _checked[f] = 1.0
+    elif f not in _checked and curve_check_enabled():
+        now, others = spot_check(model, short)
+        _checked[f] = off = curve_disagreement(lat, now)
+        if off > CHECK_TOLERANCE and (others is None or others < BUSY_OTHERS):
+            ratios = ", ".join(
+                f"{k} rows {lat[k] / lat[1]:.2f}x cached vs {now[k] / now[1]:.2f}x now"
+                for k in now
+                if k > 1 and k in lat
+            )
+            print(
+                f"treedraft: the cached forward latency curve no longer matches this machine ({ratios}); "
+                "measuring it again",
+                file=sys.stderr,
+                flush=True,
+            )
+            for k in (key, long_key):
+                measurement_path(STEP_ROWS_KIND, k, dev)[0].unlink(missing_ok=True)
+            lat = cached_measurement(STEP_ROWS_KIND, key, measure, load, dev)
     if long < 2 * short:  # a small cache: one context is all there is
         return lat
-    at_long = cached_measurement(
-        STEP_ROWS_KIND, {**key, "context": long}, lambda: measure(long), load, target_device(model)
-    )
+    at_long = cached_measurement(STEP_ROWS_KIND, long_key, lambda: measure(long), load, dev)
     return ContextLatency(lat, short, at_long, long)
 
 

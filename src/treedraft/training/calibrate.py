@@ -279,7 +279,10 @@ def machine_tree(
     parts = tree_key(target, heads_dir, model_id, heads.draft_path)
     dev = target_device(target)
 
+    fresh = []
+
     def measure() -> dict:
+        fresh.append(True)
         f, _ = measurement_path(TREE_KIND, parts, dev)
         print(
             f"treedraft: measuring this machine's latency to choose the Medusa tree (once; cached in {f})",
@@ -296,7 +299,29 @@ def machine_tree(
         print(f" ... {time.perf_counter() - t:.1f} s: {res['nodes']} draft nodes", file=sys.stderr, flush=True)
         return tree_record(res, lat, max_nodes, context, draft_cost_ms=round(draft_cost * 1000, 3))
 
-    return cached_measurement(TREE_KIND, parts, measure, lambda v: _checked_tree(v, heads.config.num_heads), dev)
+    def load(v: Any) -> tuple[tuple[int, ...], ...]:
+        choices = _checked_tree(v, heads.config.num_heads)
+        stored = {int(k): float(t) for k, t in (v.get("latency_ms") or {}).items()}
+        from ..budget import CHECK_TOLERANCE, curve_check_enabled, curve_disagreement, spot_check
+
+        if not fresh and 1 in stored and isinstance(v.get("context"), int) and curve_check_enabled():
+            # chosen on a curve whose shape this machine no longer shows (budget.measured_latency's check, on the
+            # curve stored with the tree): choose again, unless other processes are busy now
+            from ..models.plan import BUSY_OTHERS
+
+            now, others = spot_check(target, v["context"])
+            off = curve_disagreement(stored, now)
+            if off > CHECK_TOLERANCE and (others is None or others < BUSY_OTHERS):
+                print(
+                    f"treedraft: the cached Medusa tree was chosen on a latency curve {off:.2f}x off this machine's "
+                    "now; choosing it again",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                raise ValueError("tree chosen on another latency curve")
+        return choices
+
+    return cached_measurement(TREE_KIND, parts, measure, load, dev)
 
 
 def tree_record(res: dict, latency: dict[int, float], max_nodes: int, context: int, **extra: Any) -> dict:
