@@ -362,24 +362,59 @@ def curve_check_enabled() -> bool:
 
 
 _checked: dict[str, float] = {}  # step-rows cache file -> disagreement found by this process's check of it
-_spots: dict[tuple[str, str, int], tuple[dict[int, float], float | None]] = {}
+CHECK_CONFIRM_REPS = 8  # rounds of the second check that a disagreeing first one gets
+CHECK_MIN_RATIO = 0.9  # a check that times a k-row forward below this many one-row forwards met noise: not used
+_spots: dict[tuple[str, str, int], tuple[dict[int, float], float | None, bool]] = {}
 
 
-def spot_check(model: Any, context: int) -> tuple[dict[int, float], float | None]:
+def spot_check(model: Any, context: int, confirm: bool = False) -> tuple[dict[int, float], float | None]:
     """(seconds of a ``CHECK_SIZES``-row forward on a ``context``-token cache timed now, the fastest of
-    ``CHECK_REPS`` interleaved rounds; other processes' CPU use meanwhile, in cores, or None), once per process,
-    cache directory, target and context."""
+    ``CHECK_REPS`` interleaved rounds; other processes' most CPU use meanwhile, in cores, or None), once per
+    process, cache directory, target and context. ``confirm``: ``CHECK_CONFIRM_REPS`` more rounds (once), each
+    size's fastest over all of them."""
     import json
 
     from .models import plan
     from .training.calibrate import _target_facts, measure_latency
 
     key = (str(plan.cache_dir()), json.dumps(_target_facts(model), sort_keys=True, default=str), context)
+    sizes = [k for k in CHECK_SIZES if k <= STEP_ROWS_MAX]
     if key not in _spots:
         window = plan.CpuWindow()
-        now = measure_latency(model, context, [k for k in CHECK_SIZES if k <= STEP_ROWS_MAX], reps=CHECK_REPS)
-        _spots[key] = (now, window.others())
-    return _spots[key]
+        now = measure_latency(model, context, sizes, reps=CHECK_REPS)
+        _spots[key] = (now, window.others(), False)
+    now, others, confirmed = _spots[key]
+    if confirm and not confirmed:
+        window = plan.CpuWindow()
+        more = measure_latency(model, context, sizes, reps=CHECK_CONFIRM_REPS)
+        o = window.others()
+        now = {k: min(now[k], more[k]) for k in now}
+        others = None if others is None or o is None else max(others, o)
+        _spots[key] = (now, others, True)
+    return now, others
+
+
+def checked_disagreement(model: Any, context: int, cached: Mapping[int, float]) -> tuple[float, dict[int, float]]:
+    """(:func:`curve_disagreement` of ``cached`` with this machine now, the check's curve), 1.0 where the check is
+    not to be acted on: other processes busy (a measurement now would be no better), or timings that cannot be a
+    forward's cost (a k-row forward under ``CHECK_MIN_RATIO`` one-row ones: the one-row rounds met a burst). A
+    first check off by more than ``CHECK_TOLERANCE`` is confirmed by more rounds before it counts."""
+    from .models.plan import BUSY_OTHERS
+
+    def trusted(now: dict[int, float], others: float | None) -> bool:
+        busy = others is not None and others >= BUSY_OTHERS
+        return not busy and all(t >= CHECK_MIN_RATIO * now[1] for t in now.values())
+
+    now, others = spot_check(model, context)
+    if not trusted(now, others):
+        return 1.0, now
+    off = curve_disagreement(cached, now)
+    if off > CHECK_TOLERANCE:
+        now, others = spot_check(model, context, confirm=True)
+        if not trusted(now, others):
+            return 1.0, now
+        off = curve_disagreement(cached, now)
+    return off, now
 
 
 def curve_disagreement(cached: Mapping[int, float], now: Mapping[int, float]) -> float:
@@ -408,7 +443,7 @@ def measured_latency(model: Any) -> dict[int, float]:
     busy now (then it is kept: a measurement under their load would be no better).
     """
     from .interfaces import target_device
-    from .models.plan import BUSY_OTHERS, cached_measurement, measurement_path
+    from .models.plan import cached_measurement, measurement_path
     from .training.calibrate import LATENCY_METHOD, _target_facts, latency_sizes, measure_latency
 
     room = getattr(model, "max_seq_len", 512)
@@ -435,9 +470,9 @@ def measured_latency(model: Any) -> dict[int, float]:
     if fresh:
         _checked[f] = 1.0
     elif f not in _checked and curve_check_enabled():
-        now, others = spot_check(model, short)
-        _checked[f] = off = curve_disagreement(lat, now)
-        if off > CHECK_TOLERANCE and (others is None or others < BUSY_OTHERS):
+        off, now = checked_disagreement(model, short, lat)
+        _checked[f] = off
+        if off > CHECK_TOLERANCE:
             ratios = ", ".join(
                 f"{k} rows {lat[k] / lat[1]:.2f}x cached vs {now[k] / now[1]:.2f}x now"
                 for k in now

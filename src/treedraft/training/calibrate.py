@@ -302,16 +302,13 @@ def machine_tree(
     def load(v: Any) -> tuple[tuple[int, ...], ...]:
         choices = _checked_tree(v, heads.config.num_heads)
         stored = {int(k): float(t) for k, t in (v.get("latency_ms") or {}).items()}
-        from ..budget import CHECK_TOLERANCE, curve_check_enabled, curve_disagreement, spot_check
+        from ..budget import CHECK_TOLERANCE, checked_disagreement, curve_check_enabled
 
         if not fresh and 1 in stored and isinstance(v.get("context"), int) and curve_check_enabled():
             # chosen on a curve whose shape this machine no longer shows (budget.measured_latency's check, on the
-            # curve stored with the tree): choose again, unless other processes are busy now
-            from ..models.plan import BUSY_OTHERS
-
-            now, others = spot_check(target, v["context"])
-            off = curve_disagreement(stored, now)
-            if off > CHECK_TOLERANCE and (others is None or others < BUSY_OTHERS):
+            # curve stored with the tree): choose again
+            off, _ = checked_disagreement(target, v["context"], stored)
+            if off > CHECK_TOLERANCE:
                 print(
                     f"treedraft: the cached Medusa tree was chosen on a latency curve {off:.2f}x off this machine's "
                     "now; choosing it again",
