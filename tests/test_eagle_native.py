@@ -93,6 +93,35 @@ def test_for_target_drafts_natively_and_sizes_by_the_given_latency(tmp_path: Pat
         EagleDrafter.for_target(model, tmp_path, latency="fast")
 
 
+def test_for_target_drafts_natively_on_a_float32_target_too(tmp_path: Path) -> None:
+    """A net with its own draft vocabulary needs nothing of the target's lm_head: on a --weights fp32 target (float
+    lm_head, row-invariant fp32 kernels) it drafts natively and sizes its trees. It used to draft through PyTorch
+    and verify whole unsized trees there: 0.66x plain on SmolLM2 fp32, 1.41x with this (10 MT-Bench x 128)."""
+    from native_utils import tiny_config
+
+    from treedraft.models.llama import Transformer
+    from treedraft.models.plan import pack_tuned
+    from treedraft.models.quant import QuantLinear, native_kernels
+
+    if native_kernels() is None:
+        pytest.skip("native extension unavailable")
+    torch.manual_seed(3)
+    model = Transformer(tiny_config(256, 64)).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.12)
+    pack_tuned(model, tmp_path / "model", torch.float32)  # as a --weights fp32 load packs it
+    assert not isinstance(model.lm_head, QuantLinear)
+    random_net(model, 2, draft_vocab=24, depth=3, topk=3).save(tmp_path / "eagle")
+    d = EagleDrafter.for_target(model, tmp_path / "eagle", latency=XEON)
+    assert d.native is not None and d.curve is not None
+    engine = Engine(model)
+    ref = engine.generate([5, 3, 8, 1], cfg(24), None).token_ids
+    assert engine.generate([5, 3, 8, 1], cfg(24, max_tree_nodes=16), d).token_ids == ref
+    # the full vocabulary projects through the target's lm_head: nothing native to draft with on a float one
+    random_net(model, 2, draft_vocab=0, depth=3, topk=3).save(tmp_path / "full")
+    assert EagleDrafter.for_target(model, tmp_path / "full", latency=XEON).native is None
+
+
 # ---- expected-gain sizing ---------------------------------------------------------------------
 def brute_best(v: list[float], lat, draft: float) -> int:
     rates = [(1 + sum(v[:n])) / (lat(n + 1) + draft) for n in range(len(v) + 1)]
