@@ -217,8 +217,9 @@ def load(
     """Load a target model by registry name, GGUF path or HF directory.
 
     drafter: 'default' (hybrid-suffix: Medusa heads + prompt lookup + suffix branches from earlier outputs,
-    when heads are shipped for this model or given, else prompt lookup), a drafter name (see ``treedraft.drafters.names()``), or None / 'none'
-    for plain decoding.
+    when heads are shipped for this model or given, else prompt lookup; on fp32 weights where an EAGLE drafter is
+    shipped, hybrid-eagle: EAGLE in the heads' place), a drafter name (see ``treedraft.drafters.names()``), or
+    None / 'none' for plain decoding.
     runtime: 'own' (compact Llama module), 'hf' (transformers adapter) or 'auto'.
     weights: 'fp32', 'int8', 'int4' (the GGUF's own 4-bit blocks) or 'auto' (the fastest measured on this
     machine whose quality check passes; see treedraft.models.quant_load). int4/int8: own runtime, cpu, fp32.

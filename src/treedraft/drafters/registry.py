@@ -72,7 +72,10 @@ def choices() -> tuple[str, ...]:
 def describe() -> str:
     """One line per choice, for --help texts."""
     return "; ".join(
-        [f"{DEFAULT}: hybrid-suffix when Medusa heads exist for the model, else prompt-lookup"]
+        [
+            f"{DEFAULT}: hybrid-suffix when Medusa heads exist for the model (hybrid-eagle on fp32 weights where "
+            "an EAGLE drafter is shipped), else prompt-lookup"
+        ]
         + [f"{e.name}: {e.help}" for e in _REGISTRY.values()]
         + [f"{a} = {n}" for a, n in ALIASES.items()]
     )
@@ -95,16 +98,38 @@ def heads_dir(options: DrafterOptions) -> Path | None:
     return shipped_heads_for(options.model_name)
 
 
-def default_name(options: DrafterOptions) -> str:
+def default_name(options: DrafterOptions, target: TargetModel | None = None) -> str:
     """What "default" means: hybrid-suffix (Medusa heads + suffix) when heads exist, else
-    prompt-lookup.
+    prompt-lookup; on float weights (``target`` the own runtime on the CPU with unquantized linears, e.g.
+    ``--weights fp32``) where an EAGLE drafter is shipped, hybrid-eagle (EAGLE in the heads' place).
 
     Measured on the 80 MT-Bench first turns, 256 new tokens (benchmarks/results/bench-mtbench80):
     hybrid 1.45x plain decoding against 1.18x for Medusa alone, with the same outputs. The suffix
     branches cost nothing measurable with a cold index and pay on repeated work
-    (benchmarks/results/suffix_repeated-10x128).
+    (benchmarks/results/suffix_repeated-10x128). A one-row fp32 step streams ~4x an int4 step's bytes, so
+    EAGLE's draft forwards cost little beside it: on the Zen 4, 20 MT-Bench first turns x 128 with fp32
+    weights, hybrid-eagle 1.35x and 1.30x plain against hybrid-suffix 1.26x in two runs (session17.md); with
+    int4 weights EAGLE stays behind (1.17x against 1.39x, bench-s16-zen4-80x256).
     """
-    return "hybrid-suffix" if heads_dir(options) is not None else "prompt-lookup"
+    if heads_dir(options) is None:
+        return "prompt-lookup"
+    if target is not None and float_cpu_target(target) and eagle_dir(options) is not None:
+        return "hybrid-eagle"
+    return "hybrid-suffix"
+
+
+def float_cpu_target(target: Any) -> bool:
+    """Whether ``target`` is the own runtime on the CPU with float (unquantized) weights and native kernels here
+    (so an EAGLE net with its own draft vocabulary drafts natively beside it)."""
+    from ..interfaces import target_device
+    from ..models.llama import Transformer
+    from ..models.quant import QuantLinear, native_kernels
+
+    if not isinstance(target, Transformer) or target_device(target).type != "cpu":
+        return False
+    if any(isinstance(m, QuantLinear) for m in target.modules()):
+        return False
+    return native_kernels() is not None
 
 
 def build(
@@ -114,7 +139,7 @@ def build(
     options = options or DrafterOptions()
     name = canonical(name)
     if name == DEFAULT:
-        name = default_name(options)
+        name = default_name(options, target)
     return _REGISTRY[name].factory(target, tokenizer, options)
 
 
@@ -135,7 +160,7 @@ class DrafterCache:
         opts = self.options if heads is ... else dataclasses.replace(self.options, heads=heads)
         name = canonical(name)
         if name == DEFAULT:
-            name = default_name(opts)
+            name = default_name(opts, self.target)
         key = (name, opts)
         if key not in self._built:
             self._built[key] = _REGISTRY[name].factory(self.target, self.tokenizer, opts)
