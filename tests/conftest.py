@@ -13,8 +13,9 @@ import torch
 # The suite keeps its own cache (converted weights, kernels, and above all the timings it measures while its two
 # xdist workers share the cores, stored as quiet by timing_cache_ignores_other_processes below): in the user's cache
 # they were what `treedraft generate` used next (a latency curve cached beside a test run read 2 / 4 rows at 1.48 /
-# 2.08 one-row forwards against 1.05 / 1.08, and the default drafter ran at 0.74x its speed). The cached curves'
-# check against the machine (budget.CHECK_ENV) is off here for the same reason; its own tests turn it on.
+# 2.08 one-row forwards against 1.05 / 1.08, and the default drafter drafted 0.6 nodes a step instead of 2-3). The
+# cached curves' check against the machine (budget.CHECK_ENV) is off here for the same reason; its own tests turn
+# it on.
 _cache_root = os.environ.get("TREEDRAFT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "treedraft"))
 if os.path.basename(os.path.normpath(_cache_root)) != "tests":  # (xdist workers inherit the controller's setting)
     os.environ["TREEDRAFT_CACHE"] = os.path.join(_cache_root, "tests")

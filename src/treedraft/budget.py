@@ -346,8 +346,9 @@ LONG_CONTEXT = 1024  # the second context the latency curve is measured at (Cont
 # CHECK_REPS interleaved rounds, ~0.3 s for SmolLM2 on a 2-core EPYC): the tree sizing hangs on its shape, and
 # a curve taken in a slow phase of a shared host, or beside a test run, stays wrong for every later process. On
 # the Zen 4 EPYC one cached beside a test run read 2 / 4 / 8 rows at 1.48 / 2.08 / 2.96 one-row forwards
-# against 1.05 / 1.08 / 1.59 timed later, and the default drafter then drafted 0.2 nodes a step and ran at
-# 0.74x its speed with a fresh curve (172.9 against 234.7 tok/s, 6 MT-Bench prompts x 128, 2026-12-03).
+# against 1.05 / 1.08 / 1.59 timed later, and the default drafter then drafted 0.6 nodes a step where it drafts
+# 2-3 (side by side, 12 MT-Bench x 256: second turns 1.09x, first turns 1.02-1.04x slower than with a fresh curve;
+# benchmarks/curve_check_ab.py, 2026-12-03).
 CHECK_SIZES = (1, 2, 4, 8)
 CHECK_REPS = 4
 # re-measure when some k-row / one-row ratio of the check is off the cached one by more than this factor; checks
