@@ -362,7 +362,7 @@ def curve_check_enabled() -> bool:
     return os.environ.get(CHECK_ENV, "1") != "0"
 
 
-_checked: dict[str, float] = {}  # step-rows cache file -> disagreement found by this process's check of it
+_checked: set[str] = set()  # step-rows cache files this process has checked
 CHECK_CONFIRM_REPS = 8  # rounds of the second check that a disagreeing first one gets
 CHECK_MIN_RATIO = 0.9  # a check that times a k-row forward below this many one-row forwards met noise: not used
 _spots: dict[tuple[str, str, int], tuple[dict[int, float], float | None, bool]] = {}
@@ -418,6 +418,15 @@ def checked_disagreement(model: Any, context: int, cached: Mapping[int, float]) 
     return off, now
 
 
+def curve_off(model: Any, context: int, cached: Mapping[int, float]) -> tuple[float, dict[int, float]] | None:
+    """(disagreement, the check's curve) when the curve check is on and finds ``cached`` (measured at ``context``)
+    off this machine's curve now by more than ``CHECK_TOLERANCE`` (:func:`checked_disagreement`), else None."""
+    if not curve_check_enabled():
+        return None
+    off, now = checked_disagreement(model, context, cached)
+    return (off, now) if off > CHECK_TOLERANCE else None
+
+
 def curve_disagreement(cached: Mapping[int, float], now: Mapping[int, float]) -> float:
     """The largest factor (>= 1) by which a k-row / one-row time ratio of ``now`` differs from ``cached``'s
     (k: the sizes of ``now`` besides 1; ``cached`` interpolated where it lacks one)."""
@@ -451,10 +460,11 @@ def measured_latency(model: Any) -> dict[int, float]:
     short = max(1, min(256, room - STEP_ROWS_MAX - 1))
     long = min(LONG_CONTEXT, room - STEP_ROWS_MAX - 1)
     dev = target_device(model)
-    fresh: list[int] = []
+    key = {**_target_facts(model), "latency": LATENCY_METHOD}
+    f = str(measurement_path(STEP_ROWS_KIND, key, dev)[0])
+    replaced: list[bool] = []  # the short curve was stale: the long one, measured with it, is measured again too
 
     def measure(context: int = short) -> dict:
-        fresh.append(context)
         lat = measure_latency(model, context, latency_sizes(STEP_ROWS_MAX), reps=5)
         return {str(k): v for k, v in lat.items()}
 
@@ -464,33 +474,33 @@ def measured_latency(model: Any) -> dict[int, float]:
             raise ValueError(f"the latency curve needs the one-row forward, got sizes {sorted(lat)}")
         return lat
 
-    key = {**_target_facts(model), "latency": LATENCY_METHOD}
-    long_key = {**key, "context": long}
-    lat = cached_measurement(STEP_ROWS_KIND, key, measure, load, dev)
-    f = str(measurement_path(STEP_ROWS_KIND, key, dev)[0])
-    if fresh:
-        _checked[f] = 1.0
-    elif f not in _checked and curve_check_enabled():
-        off, now = checked_disagreement(model, short, lat)
-        _checked[f] = off
-        if off > CHECK_TOLERANCE:
-            ratios = ", ".join(
-                f"{k} rows {lat[k] / lat[1]:.2f}x cached vs {now[k] / now[1]:.2f}x now"
-                for k in now
-                if k > 1 and k in lat
-            )
-            print(
-                f"treedraft: the cached forward latency curve no longer matches this machine ({ratios}); "
-                "measuring it again",
-                file=sys.stderr,
-                flush=True,
-            )
-            for k in (key, long_key):
-                measurement_path(STEP_ROWS_KIND, k, dev)[0].unlink(missing_ok=True)
-            lat = cached_measurement(STEP_ROWS_KIND, key, measure, load, dev)
+    def stale(v: dict) -> bool:  # once per process and cache file: see CHECK_SIZES
+        if f in _checked:
+            return False
+        _checked.add(f)
+        lat = load(v)
+        found = curve_off(model, short, lat)
+        if found is None:
+            return False
+        now = found[1]
+        ratios = ", ".join(
+            f"{k} rows {lat[k] / lat[1]:.2f}x cached vs {now[k] / now[1]:.2f}x now" for k in now if k > 1 and k in lat
+        )
+        print(
+            f"treedraft: the cached forward latency curve no longer matches this machine ({ratios}); measuring it again",
+            file=sys.stderr,
+            flush=True,
+        )
+        replaced.append(True)
+        return True
+
+    lat = cached_measurement(STEP_ROWS_KIND, key, measure, load, dev, stale)
+    _checked.add(f)  # measured just now, or checked
     if long < 2 * short:  # a small cache: one context is all there is
         return lat
-    at_long = cached_measurement(STEP_ROWS_KIND, long_key, lambda: measure(long), load, dev)
+    at_long = cached_measurement(
+        STEP_ROWS_KIND, {**key, "context": long}, lambda: measure(long), load, dev, lambda _: bool(replaced)
+    )
     return ContextLatency(lat, short, at_long, long)
 
 

@@ -120,16 +120,15 @@ def default_name(options: DrafterOptions, target: TargetModel | None = None) -> 
 
 def float_cpu_target(target: Any) -> bool:
     """Whether ``target`` is the own runtime on the CPU with float (unquantized) weights and native kernels here
-    (so an EAGLE net with its own draft vocabulary drafts natively beside it)."""
+    (so an EAGLE net with its own draft vocabulary drafts natively beside it). A quantized load quantizes the
+    lm_head too (Q8_0 beside int4 or int8 layers): its type tells, as in ``eagle_native.fast_drafting``."""
     from ..interfaces import target_device
     from ..models.llama import Transformer
     from ..models.quant import QuantLinear, native_kernels
 
     if not isinstance(target, Transformer) or target_device(target).type != "cpu":
         return False
-    if any(isinstance(m, QuantLinear) for m in target.modules()):
-        return False
-    return native_kernels() is not None
+    return not isinstance(target.lm_head, QuantLinear) and native_kernels() is not None
 
 
 def build(

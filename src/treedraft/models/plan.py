@@ -214,11 +214,14 @@ def cached_measurement(
     measure: Callable[[], Any],
     load: Callable[[Any], T] = lambda v: v,
     device: str | torch.device = "cpu",
+    stale: Callable[[Any], bool] | None = None,
 ) -> T:
     """``load(value)`` of the cached measurement, measuring (``measure()``, JSON-serialisable) when needed.
 
     ``load`` turns the stored JSON back into what the caller uses and raises ValueError, KeyError or
     TypeError for an unusable value: the entry is then measured again, like a missing or corrupt file.
+    ``stale(stored value)``, asked of a cached entry that ``load`` accepted (never of a value just measured): True
+    measures it again too (e.g. budget.measured_latency's check of a curve against this machine now).
     """
     f, key = measurement_path(kind, key_parts, device)
     if f.is_file() and not retune_requested():
@@ -228,7 +231,10 @@ def cached_measurement(
                 raise ValueError("key mismatch")
             if measured_busy(d):
                 raise ValueError("measured while other processes were busy; the machine is quiet now")
-            return load(d["value"])
+            value = load(d["value"])
+            if stale is not None and stale(d["value"]):
+                raise ValueError("stale: measured under other conditions than this machine's now")
+            return value
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # unreadable or unusable entry: measure again and overwrite it
     window = CpuWindow()

@@ -279,10 +279,7 @@ def machine_tree(
     parts = tree_key(target, heads_dir, model_id, heads.draft_path)
     dev = target_device(target)
 
-    fresh = []
-
     def measure() -> dict:
-        fresh.append(True)
         f, _ = measurement_path(TREE_KIND, parts, dev)
         print(
             f"treedraft: measuring this machine's latency to choose the Medusa tree (once; cached in {f})",
@@ -299,26 +296,25 @@ def machine_tree(
         print(f" ... {time.perf_counter() - t:.1f} s: {res['nodes']} draft nodes", file=sys.stderr, flush=True)
         return tree_record(res, lat, max_nodes, context, draft_cost_ms=round(draft_cost * 1000, 3))
 
-    def load(v: Any) -> tuple[tuple[int, ...], ...]:
-        choices = _checked_tree(v, heads.config.num_heads)
+    def stale(v: dict) -> bool:
+        # chosen on a curve whose shape this machine no longer shows (budget.measured_latency's check, on the curve
+        # stored with the tree): choose again
+        from ..budget import curve_off
+
         stored = {int(k): float(t) for k, t in (v.get("latency_ms") or {}).items()}
-        from ..budget import CHECK_TOLERANCE, checked_disagreement, curve_check_enabled
+        if 1 not in stored or not isinstance(v.get("context"), int):
+            return False
+        found = curve_off(target, v["context"], stored)
+        if found is not None:
+            print(
+                f"treedraft: the cached Medusa tree was chosen on a latency curve {found[0]:.2f}x off this machine's "
+                "now; choosing it again",
+                file=sys.stderr,
+                flush=True,
+            )
+        return found is not None
 
-        if not fresh and 1 in stored and isinstance(v.get("context"), int) and curve_check_enabled():
-            # chosen on a curve whose shape this machine no longer shows (budget.measured_latency's check, on the
-            # curve stored with the tree): choose again
-            off, _ = checked_disagreement(target, v["context"], stored)
-            if off > CHECK_TOLERANCE:
-                print(
-                    f"treedraft: the cached Medusa tree was chosen on a latency curve {off:.2f}x off this machine's "
-                    "now; choosing it again",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                raise ValueError("tree chosen on another latency curve")
-        return choices
-
-    return cached_measurement(TREE_KIND, parts, measure, load, dev)
+    return cached_measurement(TREE_KIND, parts, measure, lambda v: _checked_tree(v, heads.config.num_heads), dev, stale)
 
 
 def tree_record(res: dict, latency: dict[int, float], max_nodes: int, context: int, **extra: Any) -> dict:
