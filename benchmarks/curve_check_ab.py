@@ -19,6 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from turn2_ceiling import second_turn  # benchmarks/ is on sys.path when run as a script
+
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
 
 
@@ -55,18 +57,8 @@ def main() -> None:
         llms[name] = treedraft.load(drafter=args.drafter, weights="int4")
     questions = []
     for line in DATA.read_text().splitlines()[: args.prompts]:
-        turns = json.loads(line)["turns"]
-        if args.turn == 1:
-            questions.append(turns[0])
-            continue
-        first = llms["checked"].generate(turns[0], drafter=None, max_new_tokens=args.tokens, temperature=0.0).text
-        questions.append(
-            [
-                {"role": "user", "content": turns[0]},
-                {"role": "assistant", "content": first},
-                {"role": "user", "content": turns[1]},
-            ]
-        )
+        q = json.loads(line)
+        questions.append(q["turns"][0] if args.turn == 1 else second_turn(llms["checked"], q, args.tokens)[1])
     runs = {
         "plain": (llms["checked"], None),
         "stale": (llms["stale"], args.drafter),

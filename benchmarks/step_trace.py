@@ -15,6 +15,8 @@ import collections
 import json
 from pathlib import Path
 
+from turn2_ceiling import second_turn  # benchmarks/ is on sys.path when run as a script
+
 import treedraft
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
@@ -29,16 +31,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=256)
     args = ap.parse_args()
-    turns = json.loads(DATA.read_text().splitlines()[args.prompt])["turns"]
+    q = json.loads(DATA.read_text().splitlines()[args.prompt])
     llm = treedraft.load(weights="int4")
-    prompt: str | list[dict] = turns[0]
-    if args.turn == 2:
-        first = llm.generate(turns[0], drafter=None, max_new_tokens=args.tokens).text
-        prompt = [
-            {"role": "user", "content": turns[0]},
-            {"role": "assistant", "content": first},
-            {"role": "user", "content": turns[1]},
-        ]
+    prompt = q["turns"][0] if args.turn == 1 else second_turn(llm, q, args.tokens)[1]
     for rep in range(args.reps):
         for name, drafter in (("plain", None), ("default", "hybrid-suffix"), ("lookup", "prompt-lookup")):
             r = llm.generate(prompt, drafter=drafter, max_new_tokens=args.tokens)

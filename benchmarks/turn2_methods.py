@@ -15,6 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
+from turn2_ceiling import second_turn  # benchmarks/ is on sys.path when run as a script
+
 import treedraft
 from treedraft.drafters.hybrid import fresh_copy
 
@@ -34,13 +36,7 @@ def main() -> None:
     tot = {name: [0, 0.0] for name, _ in methods}
     equal = 0
     for j, i in enumerate(range(0, len(lines), max(1, len(lines) // args.prompts))):
-        turns = json.loads(lines[i])["turns"]
-        first = llm.generate(turns[0], drafter=None, max_new_tokens=args.tokens).text
-        conv = [
-            {"role": "user", "content": turns[0]},
-            {"role": "assistant", "content": first},
-            {"role": "user", "content": turns[1]},
-        ]
+        _, conv = second_turn(llm, json.loads(lines[i]), args.tokens)
         outs = {}
         for name, d in methods[j % len(methods) :] + methods[: j % len(methods)]:
             r = llm.generate(conv, drafter=d, max_new_tokens=args.tokens)
