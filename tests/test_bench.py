@@ -692,3 +692,18 @@ def test_each_bench_method_learns_into_its_own_suffix_index(engine: TextGenerato
     assert mine is not shared and mine.store is not None and mine.store is not shared.store
     methods["suffix"](fake_encode("abab abab abab"))
     assert mine.store.num_tokens > 0 and shared.store.num_tokens == 0
+
+
+def test_bench_report_names_the_kernel_build(monkeypatch) -> None:
+    """The run config says which native path ran and, when TREEDRAFT_KERNEL_MARCH built for another target
+    (an AVX2 build measured on an AVX-512 machine), that -march: numbers from such a build are not this CPU's best."""
+    from treedraft import kernels
+    from treedraft.bench.cli import _kernels_line
+    from treedraft.kernels import _build
+
+    if not kernels.available():
+        pytest.skip("native kernels unavailable")
+    monkeypatch.delenv(_build.ENV_MARCH, raising=False)
+    assert _kernels_line() == kernels.paths()[0]
+    monkeypatch.setenv(_build.ENV_MARCH, "x86-64-v3")
+    assert _kernels_line() == f"{kernels.paths()[0]} (built with -march=x86-64-v3)"

@@ -365,6 +365,7 @@ def test_activation_codes_bitwise_equal_reference(M: int, K: int) -> None:
 
 @needs_ext
 @pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="reads the CPU flags from /proc/cpuinfo")
+@pytest.mark.skipif(bool(os.environ.get("TREEDRAFT_KERNEL_MARCH")), reason="built for another target than this CPU")
 def test_fastest_compiled_path_is_the_best_this_cpu_has() -> None:
     """The build uses -march=native: the first path is the best integer-dot ISA of this CPU (VNNI where present)."""
     flags: set[str] = set()
@@ -432,3 +433,19 @@ def test_build_key_covers_every_kernel_source() -> None:
     folder = Path(_build.__file__).parent
     on_disk = {p.name for p in folder.iterdir() if p.suffix in (".h", ".cpp")}
     assert on_disk == set(_build._SOURCES + _build._HEADERS)
+
+
+def test_kernel_march_override_changes_flags_and_build_key(monkeypatch) -> None:
+    """TREEDRAFT_KERNEL_MARCH builds for another target (its own key, so its own build and latency curves);
+    a value that is not a -march name is refused with the variable named."""
+    from treedraft.kernels import _build
+
+    monkeypatch.delenv(_build.ENV_MARCH, raising=False)
+    native_key = _build.build_key()
+    assert "-march=native" in _build.cflags()
+    monkeypatch.setenv(_build.ENV_MARCH, "x86-64-v3")
+    assert "-march=x86-64-v3" in _build.cflags() and "-march=native" not in _build.cflags()
+    assert _build.build_key() != native_key
+    monkeypatch.setenv(_build.ENV_MARCH, "native; rm -rf /")
+    with pytest.raises(ValueError, match="TREEDRAFT_KERNEL_MARCH"):
+        _build.cflags()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -213,6 +214,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         "dtype": str(dtype).removeprefix("torch."),
         "torch_threads": torch.get_num_threads(),
         **machine_info(),
+        "kernels": _kernels_line(),
         "warmup": a.warmup,
         "max_tree_nodes": a.max_tree_nodes,
         "hf_prompt_lookup_num_tokens": a.pld_tokens,
@@ -249,6 +251,17 @@ def cmd_bench(a: argparse.Namespace) -> int:
     print(paths["markdown"].read_text(encoding="utf-8"))
     print("[bench] wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
     return 0
+
+
+def _kernels_line() -> str:
+    """The native kernels' best compiled path, and the -march they were built for when overridden
+    (TREEDRAFT_KERNEL_MARCH, e.g. an AVX2 build measured on an AVX-512 machine); "none" without them."""
+    from ..kernels import _build, available, paths
+
+    if not available():
+        return "none"
+    march = os.environ.get(_build.ENV_MARCH, "").strip()
+    return paths()[0] + (f" (built with -march={march})" if march else "")
 
 
 def _command_line(a: argparse.Namespace, dataset: Path | None) -> str:

@@ -181,6 +181,7 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
             "torch_threads",
             "cpu",
             "cpu_flags",
+            "kernels",
             "gpu",
             "date",
         ):

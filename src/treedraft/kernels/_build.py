@@ -40,6 +40,21 @@ _HEADERS = [
 # builds with different Pool layouts then run on one pool object and deadlock)
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fvisibility=hidden"]
 LDFLAGS: list[str] = []
+# TREEDRAFT_KERNEL_MARCH=<gcc -march value> builds for another target than this CPU (e.g. x86-64-v3 = AVX2 +
+# FMA + F16C, what an AMD Zen 3 or a pre-Ice Lake client CPU runs): to package for older machines, or to
+# measure and test the AVX2 code paths end to end on an AVX-512 machine. It is part of the build key, so each
+# target gets its own build and, through calibrate's kernel key, its own latency curves.
+ENV_MARCH = "TREEDRAFT_KERNEL_MARCH"
+
+
+def cflags() -> list[str]:
+    """CFLAGS with -march from TREEDRAFT_KERNEL_MARCH when set (ValueError on a value gcc could not take)."""
+    march = os.environ.get(ENV_MARCH, "").strip()
+    if not march:
+        return list(CFLAGS)
+    if not all(c.isalnum() or c in "-_." for c in march):
+        raise ValueError(f"{ENV_MARCH}={march!r}: give a gcc -march value such as native, x86-64-v3 or znver3")
+    return [f"-march={march}" if f == "-march=native" else f for f in CFLAGS]
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {
@@ -76,7 +91,7 @@ def build_key() -> str:
         h.update((_SRC_DIR / name).read_bytes())
     for part in (
         _cpu_signature(),
-        " ".join(CFLAGS + LDFLAGS),
+        " ".join(cflags() + LDFLAGS),
         torch.__version__,
         sys.version.split()[0],
         platform.machine(),
@@ -127,7 +142,7 @@ def _build(out: Path, name: str) -> ModuleType:
     return cpp_extension.load(
         name=name,
         sources=[str(_SRC_DIR / s) for s in _SOURCES],
-        extra_cflags=CFLAGS,
+        extra_cflags=cflags(),
         extra_ldflags=LDFLAGS,
         extra_include_paths=[str(_SRC_DIR)],
         build_directory=str(out),
