@@ -56,6 +56,7 @@ def cflags() -> list[str]:
         raise ValueError(f"{ENV_MARCH}={march!r}: give a gcc -march value such as native, x86-64-v3 or znver3")
     return [f"-march={march}" if f == "-march=native" else f for f in CFLAGS]
 
+
 _lock = threading.Lock()
 _state: dict[str, Any] = {
     "loaded": False,
