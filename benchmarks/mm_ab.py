@@ -47,14 +47,14 @@ def load_baseline(src: Path, threads: int):
     name = "td_qgemm_base_" + str(abs(hash(str(src.resolve()))) % 10**8)
     out = Path("/tmp") / name
     out.mkdir(exist_ok=True)
-    from treedraft.kernels._build import CFLAGS
+    from treedraft.kernels._build import cflags
 
     mod = cpp_extension.load(
         name=name,
         sources=[str(src / "qgemm.cpp")],
         # CFLAGS has -fvisibility=hidden: the baseline keeps its own thread pool even when its sources
         # predate that flag (an older prebuilt .so may not: its pool is shared with this build's)
-        extra_cflags=CFLAGS,
+        extra_cflags=cflags(),  # TREEDRAFT_KERNEL_MARCH applies to the baseline too
         extra_include_paths=[str(src)],
         build_directory=str(out),
         verbose=False,
