@@ -63,6 +63,7 @@ int main(int argc, char** argv) {
 #elif defined(__AVX2__) && defined(__FMA__)
   constexpr Isa isa = kAvx2;  // e.g. built with -march=znver3: the AVX2 paths as an AVX2-only CPU runs them
 #else
+  constexpr Isa isa = kScalar;
   std::printf("needs an AVX-512 or AVX2 build\n");
   return 0;
 #endif

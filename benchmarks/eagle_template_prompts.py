@@ -7,7 +7,10 @@ are generic and every template, topic and number is written or drawn here.
 
     python benchmarks/eagle_template_prompts.py --n 1600 --seed 0 --out /path/prompts.jsonl
 
-Writes ``{"id", "prompt"}`` lines (the ShareGPT prompt file's format), deduplicated, in a seeded order.
+Writes ``{"id", "prompt"}`` lines (the ShareGPT prompt file's format), deduplicated, in a seeded order, and prints
+how many each kind got: the kinds are drawn in turn, and a kind whose templates run out of distinct prompts
+leaves its turns to the others (at --n 1600 --seed 0, the session-18 set: extraction 337, math 306, reasoning
+302, writing 258, role-play 203, coding 98, STEM 71, humanities 25).
 """
 
 from __future__ import annotations
@@ -264,18 +267,23 @@ def _humanities(r: random.Random) -> str:
 KINDS = [_writing, _roleplay, _reasoning, _math, _coding, _extraction, _stem, _humanities]
 
 
-def prompts(n: int, seed: int) -> list[str]:
-    """n distinct prompts, the eight kinds in turn, drawn with ``seed``."""
+def prompts(n: int, seed: int, counts: dict[str, int] | None = None) -> list[str]:
+    """n distinct prompts, the eight kinds in turn (a duplicate draw gives its turn to the next kind), drawn with
+    ``seed``; ``counts`` (optional) receives how many each kind got."""
     r = random.Random(seed)
     out: list[str] = []
     seen: set[str] = set()
     tries = 0
     while len(out) < n and tries < 50 * n:
-        p = KINDS[tries % len(KINDS)](r)
+        kind = KINDS[tries % len(KINDS)]
+        p = kind(r)
         tries += 1
         if p not in seen:
             seen.add(p)
             out.append(p)
+            if counts is not None:
+                name = kind.__name__.lstrip("_")
+                counts[name] = counts.get(name, 0) + 1
     if len(out) < n:
         raise ValueError(f"only {len(out)} distinct prompts from these templates; ask for fewer than {n}")
     return out
@@ -287,9 +295,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    ps = prompts(a.n, a.seed)
+    counts: dict[str, int] = {}
+    ps = prompts(a.n, a.seed, counts)
     a.out.write_text("".join(json.dumps({"id": f"tmpl-{i}", "prompt": p}) + "\n" for i, p in enumerate(ps)))
-    print(f"{len(ps)} prompts -> {a.out}")
+    print(
+        f"{len(ps)} prompts -> {a.out}; per kind: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+    )
 
 
 if __name__ == "__main__":

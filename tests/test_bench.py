@@ -695,15 +695,26 @@ def test_each_bench_method_learns_into_its_own_suffix_index(engine: TextGenerato
 
 
 def test_bench_report_names_the_kernel_build(monkeypatch) -> None:
-    """The run config says which native path ran and, when TREEDRAFT_KERNEL_MARCH built for another target
-    (an AVX2 build measured on an AVX-512 machine), that -march: numbers from such a build are not this CPU's best."""
+    """The run config says which native path ran and, when the loaded build was made for another target
+    (TREEDRAFT_KERNEL_MARCH: an AVX2 build measured on an AVX-512 machine), that -march, and the report prints it:
+    numbers from such a build are not this CPU's best."""
     from treedraft import kernels
+    from treedraft.bench import report
     from treedraft.bench.cli import _kernels_line
+    from treedraft.bench.harness import BenchResult
     from treedraft.kernels import _build
 
     if not kernels.available():
         pytest.skip("native kernels unavailable")
-    monkeypatch.delenv(_build.ENV_MARCH, raising=False)
-    assert _kernels_line() == kernels.paths()[0]
-    monkeypatch.setenv(_build.ENV_MARCH, "x86-64-v3")
-    assert _kernels_line() == f"{kernels.paths()[0]} (built with -march=x86-64-v3)"
+    assert _kernels_line() == kernels.paths()[0] + (
+        f" (built with -march={_build.build_info()['march']})" if _build.build_info()["march"] else ""
+    )
+    monkeypatch.setenv(_build.ENV_MARCH, "x86-64-v3")  # set after loading: the loaded build's target counts
+    assert _kernels_line() == kernels.paths()[0] + (
+        f" (built with -march={_build.build_info()['march']})" if _build.build_info()["march"] else ""
+    )
+    monkeypatch.setitem(_build._state, "march", "x86-64-v3")  # as a build made with it records
+    line = _kernels_line()
+    assert line == f"{kernels.paths()[0]} (built with -march=x86-64-v3)"
+    res = BenchResult(records=[], methods=[], config={"cpu": "X", "kernels": line})
+    assert f"- kernels: `{line}`" in report.markdown_report(res, {report.ALL_CATEGORIES: {}}, [])

@@ -1,8 +1,8 @@
 """The native kernels built for another CPU target than this one (TREEDRAFT_KERNEL_MARCH): an AVX2-only build
-(x86-64-v3: what a Zen 3 EPYC or a pre-Ice Lake CPU compiles for itself) measured and checked on an AVX-512
+(x86-64-v3: what a Zen 3 EPYC or an AVX2-only Intel CPU compiles for itself) measured and checked on an AVX-512
 machine. Every code path claims the same bits, so the AVX2 build's logits must equal the native build's bitwise
-(a 30-row prefill and a 4-row tree over it, the real model, int4), and speculative decoding must stay equal to
-plain decoding on it. Extended: each child process builds its kernels once (about two minutes)."""
+(a prefill, a 4-row tree and 1-, 2- and 3-row steps over it, the real model, int4), and speculative decoding must
+stay equal to plain decoding on it. Extended: each child process builds its kernels once (about two minutes)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,10 @@ with torch.inference_mode():
             p = parents[p]
     depth = torch.tensor([0, 1, 1, 2])
     tl, _ = m(tree[None], n + depth, cache, start=n, mask=mask)
-torch.save({"prefill": pre, "tree": tl}, out_dir + "/logits.pt")
+    chains = {}
+    for k in (1, 2, 3):  # 1-, 2- and 3-row steps: the tiles' RB = 1..3 code (a chain: causal, no mask)
+        chains[k], _ = m(torch.arange(21, 21 + k)[None], n + torch.arange(k), cache, start=n)
+torch.save({"prefill": pre, "tree": tl, **{f"chain{k}": v for k, v in chains.items()}}, out_dir + "/logits.pt")
 plain, spec, spec_steps = [], [], 0
 for prompt in ("Name three rivers in Europe and describe each.", "Repeat after me: the cat sat on the mat, twice."):
     p = llm.encode_prompt(prompt)
@@ -83,9 +86,9 @@ def test_avx2_build_gives_the_native_builds_bits_and_spec_equals_plain(tmp_path:
     native = _run(tmp_path / "native", None)
     avx2 = _run(tmp_path / "avx2", "x86-64-v3")
     assert native["path"].startswith("avx512") and avx2["path"] == "avx2", (native["path"], avx2["path"])
-    for part in ("prefill", "tree"):
+    for part in ("prefill", "tree", "chain1", "chain2", "chain3"):
         assert torch.equal(native["logits"][part], avx2["logits"][part]), part
     assert avx2["spec"] == avx2["plain"]
     assert avx2["plain"] == native["plain"]
-    assert sum(len(t) for t in avx2["plain"]) == 80  # both prompts ran 40 tokens (no early EOS making it vacuous)
+    assert sum(len(t) for t in avx2["plain"]) == 80  # both prompts decoded their 40 tokens
     assert avx2["spec_steps"] < 80  # and drafts were accepted: the trees took part

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import sys
 import time
@@ -254,13 +253,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def _kernels_line() -> str:
-    """The native kernels' best compiled path, and the -march they were built for when overridden
+    """The loaded native kernels' best compiled path, and the -march they were built for when overridden
     (TREEDRAFT_KERNEL_MARCH, e.g. an AVX2 build measured on an AVX-512 machine); "none" without them."""
-    from ..kernels import _build, available, paths
+    from ..kernels import available, build_info, paths
 
     if not available():
         return "none"
-    march = os.environ.get(_build.ENV_MARCH, "").strip()
+    march = build_info().get("march")
     return paths()[0] + (f" (built with -march={march})" if march else "")
 
 

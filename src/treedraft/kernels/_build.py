@@ -59,6 +59,7 @@ def cflags() -> list[str]:
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {
+    "march": None,  # TREEDRAFT_KERNEL_MARCH of the loaded build (None: -march=native)
     "loaded": False,
     "module": None,
     "reason": None,
@@ -167,7 +168,7 @@ def load_extension(reload: bool = False) -> ModuleType | None:
     with _lock:
         if _state["loaded"] and not reload:
             return _state["module"]
-        _state.update(loaded=True, module=None, reason=None, built=False, seconds=None)
+        _state.update(loaded=True, module=None, reason=None, built=False, seconds=None, march=None)
         if os.environ.get("TREEDRAFT_NO_EXT", "") not in ("", "0"):
             _state["reason"] = "disabled by TREEDRAFT_NO_EXT"
             return None
@@ -187,11 +188,14 @@ def load_extension(reload: bool = False) -> ModuleType | None:
             _state["reason"] = f"build or load failed: {type(e).__name__}: {str(e).strip()[-800:]}"
             return None
         _state["module"] = mod
+        _state["march"] = os.environ.get(ENV_MARCH, "").strip() or None
         _state["seconds"] = time.perf_counter() - t0
         return mod
 
 
 def build_info() -> dict[str, Any]:
-    """Where the module lives, whether this process built it, how long loading took, and why not."""
+    """Where the module lives, whether this process built it, how long loading took, why not, and the -march it was
+    built for when TREEDRAFT_KERNEL_MARCH chose one (None: this CPU's own)."""
     load_extension()
-    return {k: _state[k] for k in ("path", "built", "seconds", "reason")} | {"available": _state["module"] is not None}
+    keys = ("path", "built", "seconds", "reason", "march")
+    return {k: _state[k] for k in keys} | {"available": _state["module"] is not None}

@@ -19,10 +19,10 @@ inline void store8(float* dst, __m256 v, int ncols) {
 }
 
 // Without AVX-512 the compiler has 16 ymm registers: with the k-group loop unrolled it computed all 32 products
-// of a block first and spilled them (68 stack moves a block at RB = 4). The loop kept rolled, each group's
-// products go straight into the rows' int16 sums (exact integer adds, so the order is free and the bits stay
-// the other paths'): 1.2-1.3x fewer cycles per (row, block) at 2-16 rows built for Zen 3 (-march=znver3),
-// cache-resident, one thread.
+// of a block first and spilled them (48 ymm stack moves in the RB = 4 tile; the Q8_0 tile below: 68). The loop
+// kept rolled, each group's products go straight into the rows' int16 sums (exact integer adds, so the order is
+// free and the bits stay the other paths'): ~1.25x fewer cycles per (row, block) at 4+ rows built for Zen 3
+// (-march=znver3), cache-resident, one thread (benchmarks/results/session18.md); 1-2 rows keep the unrolled loop.
 template <int RB>
 void tile_q4_1_avx2_rb(const uint8_t* w0, const Act& a, int r0, float* out, int ldo, int ncols) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -110,7 +110,9 @@ void tile_q8_0_avx2_rb(const uint8_t* w0, const Act& a, int r0, float* out, int 
           s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(p, ones));
         }
       };
-      if constexpr (RB <= 2) {  // as in the Q4_1 tile: unrolled only where it does not spill
+      // as in the Q4_1 tile: unrolled only where it does not spill (fully unrolled at RB = 4: 68 ymm stack moves;
+      // by 2: 1.0-1.15x at 4+ rows)
+      if constexpr (RB <= 2) {
         _Pragma("GCC unroll 8")
         for (int i = 0; i < 8; ++i) group(i);
       } else {
