@@ -718,3 +718,20 @@ def test_bench_report_names_the_kernel_build(monkeypatch) -> None:
     assert line == f"{kernels.paths()[0]} (built with -march=x86-64-v3)"
     res = BenchResult(records=[], methods=[], config={"cpu": "X", "kernels": line})
     assert f"- kernels: `{line}`" in report.markdown_report(res, {report.ALL_CATEGORIES: {}}, [])
+
+
+def test_bench_names_the_llama_cpp_build(monkeypatch) -> None:
+    """The report says which llama.cpp build it compared against: the features its system info sets to 1 (an
+    AVX2-only build on PYTHONPATH shadows a native one), None when llama-cpp-python is not installed."""
+    import sys
+
+    from treedraft.bench.baselines import llama_cpp_build
+
+    fake = SimpleNamespace(
+        __version__="9.9.9",
+        llama_print_system_info=lambda: b"CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 0 | OPENMP = 1 | ",
+    )
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    assert llama_cpp_build() == "9.9.9: SSE3 AVX AVX2 OPENMP"
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import raises ImportError
+    assert llama_cpp_build() is None

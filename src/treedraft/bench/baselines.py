@@ -104,6 +104,21 @@ def load_hf_baseline(path: Path, dtype: Any, device: str) -> Any:
     return m.to(device).eval()
 
 
+def llama_cpp_build() -> str | None:
+    """The importable llama-cpp-python's version and the CPU features its llama.cpp was compiled with (e.g.
+    "0.3.36: AVX AVX2 F16C FMA ..."), so a report says which build it compared against (an AVX2-only build put first
+    on PYTHONPATH shadows a native one); None when it is not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    info = llama_cpp.llama_print_system_info()
+    info = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+    # "CPU : SSE3 = 1 | AVX2 = 1 | OPENMP = 1 | ..." -> the features set to 1
+    on = [k.split(":")[-1].strip() for k, _, v in (f.partition("=") for f in info.split("|")) if v.strip() == "1"]
+    return f"{getattr(llama_cpp, '__version__', '?')}: {' '.join(on) or info.strip()}"
+
+
 def llama_cpp_method(name: str, model_path: Path, config: Any, pld_tokens: int, cache: dict) -> LlamaCppMethod:
     try:
         import llama_cpp

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..drafters.hybrid import fresh_copy
 from . import harness
-from .baselines import HFMethod, llama_cpp_method, load_hf_baseline
+from .baselines import HFMethod, llama_cpp_build, llama_cpp_method, load_hf_baseline
 from .harness import (
     BUILTIN_PROMPTS,
     DEFAULT_BASELINES,
@@ -225,6 +225,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     }
     if str(llm.device).startswith("cuda"):
         run_cfg["gpu"] = torch.cuda.get_device_name(torch.device(llm.device))
+    if any(m.startswith("llama.cpp") for m in methods):
+        run_cfg["llama_cpp"] = llama_cpp_build()
     try:
         import transformers
 

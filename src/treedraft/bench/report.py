@@ -182,6 +182,7 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
             "cpu",
             "cpu_flags",
             "kernels",
+            "llama_cpp",
             "gpu",
             "date",
         ):
