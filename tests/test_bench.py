@@ -706,13 +706,11 @@ def test_bench_report_names_the_kernel_build(monkeypatch) -> None:
 
     if not kernels.available():
         pytest.skip("native kernels unavailable")
-    assert _kernels_line() == kernels.paths()[0] + (
-        f" (built with -march={_build.build_info()['march']})" if _build.build_info()["march"] else ""
-    )
+    march = _build.build_info()["march"]
+    loaded = kernels.paths()[0] + (f" (built with -march={march})" if march else "")
+    assert _kernels_line() == loaded
     monkeypatch.setenv(_build.ENV_MARCH, "x86-64-v3")  # set after loading: the loaded build's target counts
-    assert _kernels_line() == kernels.paths()[0] + (
-        f" (built with -march={_build.build_info()['march']})" if _build.build_info()["march"] else ""
-    )
+    assert _kernels_line() == loaded
     monkeypatch.setitem(_build._state, "march", "x86-64-v3")  # as a build made with it records
     line = _kernels_line()
     assert line == f"{kernels.paths()[0]} (built with -march=x86-64-v3)"

@@ -21,6 +21,7 @@ CHILD = r"""
 import json, sys, torch, treedraft
 from treedraft import kernels
 from treedraft.engine import GenerationConfig, GenerationStats
+from treedraft.tree import TokenTree, full_attention_mask, tree_positions
 out_dir = sys.argv[1]
 llm = treedraft.load(drafter=None, weights="int4")
 m = llm.model
@@ -30,17 +31,8 @@ with torch.inference_mode():
     cache = m.new_cache(max_len=n + 8)
     pre, _ = m(ids[None], torch.arange(n), cache, start=0)
     cache.keep(0, range(n))
-    tree = torch.tensor([11, 12, 13, 14])  # root, two children of it, a grandchild (parents -1, 0, 0, 1)
-    parents = [-1, 0, 0, 1]
-    mask = torch.zeros(4, n + 4, dtype=torch.bool)
-    mask[:, :n] = True
-    for i, p in enumerate(parents):
-        mask[i, n + i] = True
-        while p >= 0:
-            mask[i, n + p] = True
-            p = parents[p]
-    depth = torch.tensor([0, 1, 1, 2])
-    tl, _ = m(tree[None], n + depth, cache, start=n, mask=mask)
+    tree = TokenTree((11, 12, 13, 14), (-1, 0, 0, 1))  # root, two children of it, a grandchild
+    tl, _ = m(torch.tensor(tree.tokens)[None], tree_positions(tree, n), cache, start=n, mask=full_attention_mask(tree, n))
     chains = {}
     for k in (1, 2, 3):  # 1-, 2- and 3-row steps: the tiles' RB = 1..3 code (a chain: causal, no mask)
         chains[k], _ = m(torch.arange(21, 21 + k)[None], n + torch.arange(k), cache, start=n)
