@@ -48,7 +48,7 @@ def check_at_least(limits: tuple[tuple[str, float, float], ...]) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add train-heads and calibrate subcommands."""
+    """Add the train-heads, calibrate, train-eagle and synth-prompts subcommands."""
     from ..cli import add_model_args
 
     t = sub.add_parser("train-heads", help="self-distil Medusa heads for a model")
@@ -142,8 +142,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     c.set_defaults(func=cmd_calibrate)
     from .eagle_cli import register as register_eagle
+    from .synth import register as register_synth
 
     register_eagle(sub)
+    register_synth(sub)
 
 
 def validate_train_args(a: argparse.Namespace) -> None:

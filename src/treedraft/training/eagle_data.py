@@ -39,7 +39,9 @@ def scheduled_greedy(
     concurrency: int = 8,
     temperature: float = 0.0,
     seed: int = 0,
-) -> Iterator[tuple[int, list[int], Tensor]]:
+    top_p: float = 1.0,
+    keep_hidden: bool = True,
+) -> Iterator[tuple[int, list[int], Tensor | None]]:
     """Greedy answers through the batched scheduler; yields (key, answer ids, hidden (P - 1 + A, H)) as they finish.
 
     prompts: (key, prompt ids) pairs, admitted in order with at most ``concurrency`` in flight. An answer
@@ -61,10 +63,12 @@ def scheduled_greedy(
     while todo or sched.active:
         while todo and len(sched) < concurrency:
             key, ids = todo.pop()
-            sampling = SamplingParams(temperature, seed=seed + key) if temperature > 0 else SamplingParams()
+            sampling = (
+                SamplingParams(temperature, top_p=top_p, seed=seed + key) if temperature > 0 else SamplingParams()
+            )
             cfg = GenerationConfig(max_new_tokens=max_new_tokens, max_tree_nodes=1, ignore_eos=True, sampling=sampling)
             req = sched.add(ids, cfg, drafter=None, tag=key)
-            req.keep_hidden = True  # no drafter, but its hidden states are the data
+            req.keep_hidden = keep_hidden  # no drafter, but its hidden states are the data
             parts[id(req)] = []
         for req, _ in sched.step():
             if req.error is not None:
@@ -78,7 +82,8 @@ def scheduled_greedy(
                 continue
             answer = out[:end] if end is not None else out
             sched.remove(req)
-            hid = torch.cat(parts.pop(id(req)))[: len(req.prompt) - 1 + len(answer)]
+            chunks = parts.pop(id(req))
+            hid = torch.cat(chunks)[: len(req.prompt) - 1 + len(answer)] if keep_hidden else None
             yield req.tag, answer, hid
 
 
