@@ -385,6 +385,8 @@ def _main(argv: list[str], capsys) -> tuple[int, str]:
         (["--epochs", "0"], "--epochs must be >= 1"),
         (["--lr", "0"], "--lr must be > 0"),
         (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+        (["--extra-train-data", "nowhere"], "--extra-train-data nowhere: no shard"),
+        (["--init-from", "nowhere"], "--init-from nowhere: no medusa.json"),
     ],
 )
 def test_train_heads_validates_arguments(tmp_path, capsys, args, match) -> None:
@@ -410,3 +412,51 @@ def test_calibrate_validates_arguments(tmp_path, capsys, monkeypatch) -> None:
     assert rc == 2 and "--check-file FILE, or --check-prompts 0" in err
     rc, err = _main(["calibrate", "--check-prompts", "0", "--eval-data", str(tmp_path / "nope")], capsys)
     assert rc == 2 and "--eval-data" in err and "train-heads" in err
+
+
+def test_eagle_format_shards_give_their_answer_rows_and_directories_stay_apart(tmp_path) -> None:
+    """train-eagle's shards (prompt positions + answer flags) train heads on the answer rows only; several
+    directories keep their sequences apart, so no head target crosses from one directory into the next."""
+    from safetensors.torch import save_file
+
+    from treedraft.training.data import load_many_shards
+    from treedraft.training.train import head_targets
+
+    m, d = _tiny_data(tmp_path)
+    tok, hid, seq = load_shards(d)
+    e = tmp_path / "eagle"
+    e.mkdir()
+    prompt_rows = 3 * len(seq.unique())
+    save_file(  # each sequence preceded by 3 prompt rows (token 31, hidden 7)
+        {
+            "tokens": torch.cat([torch.cat([torch.full((3,), 31), tok[seq == i]]) for i in seq.unique()]).int(),
+            "hidden": torch.cat([torch.cat([torch.full((3, hid.shape[1]), 7.0).half(), hid[seq == i]]) for i in seq.unique()]),
+            "seq": torch.cat([torch.full((3 + int((seq == i).sum()),), int(i)) for i in seq.unique()]).int(),
+            "answer": torch.cat([torch.tensor([0, 0, 0] + [1] * int((seq == i).sum())) for i in seq.unique()]).to(torch.int8),
+        },
+        str(e / "shard_00000.safetensors"),
+    )  # fmt: skip
+    t2, h2, s2 = load_shards(e)
+    assert torch.equal(t2, tok) and torch.equal(h2, hid) and torch.equal(s2, seq) and prompt_rows > 0
+    t3, h3, s3 = load_many_shards([d, e])
+    assert torch.equal(t3, torch.cat([tok, tok])) and torch.equal(h3, torch.cat([hid, hid]))
+    assert not set(s3[: len(seq)].tolist()) & set(s3[len(seq) :].tolist())
+    tg = head_targets(t3, s3, 2)
+    last = len(seq) - 1  # the first directory's last row: nothing after it in its sequence
+    assert tg[last].tolist() == [-100, -100]
+
+
+def test_init_from_heads_starts_from_their_weights_and_vocabulary(tmp_path) -> None:
+    m, d = _tiny_data(tmp_path)
+    a, _ = train_heads(d, m.lm_head.weight, _mcfg(m, num_heads=2, draft_vocab=8), TC, tmp_path / "a", progress=False)
+    still = TrainConfig(epochs=1, batch_size=16, heldout_frac=0.0, lr=1e-12, seed=5)
+    b, _ = train_heads(d, m.lm_head.weight, a.config, still, tmp_path / "b", progress=False, init=a)
+    c, _ = train_heads(d, m.lm_head.weight, a.config, still, tmp_path / "c", progress=False)
+    w = "blocks.0.0.linear.weight"
+    assert a.state_dict()[w].abs().max() > 1e-5  # trained away from the zero init
+    torch.testing.assert_close(b.state_dict()[w], a.state_dict()[w], atol=1e-9, rtol=0)
+    assert not torch.allclose(c.state_dict()[w], a.state_dict()[w], atol=1e-6, rtol=0)  # fresh heads differ
+    assert torch.equal(b.vocab_map, a.vocab_map)
+    with pytest.raises(ValueError, match="initial heads' config"):
+        train_heads(d, m.lm_head.weight, _mcfg(m, num_heads=3, draft_vocab=8), still, tmp_path / "x", progress=False,
+                    init=a)  # fmt: skip

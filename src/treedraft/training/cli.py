@@ -85,7 +85,26 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="train on the shards already in --train-data (e.g. an interrupted run); generate nothing",
     )
-    t.add_argument("--eval-data", default=None, help="use this directory for the evaluation answers instead")
+    t.add_argument(
+        "--extra-train-data",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="more shard directories to train on (e.g. train-eagle's data: its answer rows are used; repeatable)",
+    )
+    t.add_argument(
+        "--eval-data",
+        default=None,
+        help="use this directory for the evaluation answers instead (with --no-generate: as it is, e.g. "
+        "train-eagle's data for the --eval-prompts)",
+    )
+    t.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="start from these heads (their shape and draft vocabulary; --num-heads, --num-layers, --projection, "
+        "--draft-vocab, --root-conditioned are then theirs)",
+    )
     t.add_argument("--out", required=True, help="output directory for the heads")
     t.add_argument("--num-heads", type=int, default=4)
     t.add_argument("--num-layers", type=int, default=1)
@@ -169,10 +188,18 @@ def validate_train_args(a: argparse.Namespace) -> None:
         )
     )
     _check(a.lr > 0, f"--lr must be > 0, got {a.lr}")
+    for d in a.extra_train_data:
+        _check(any(Path(d).glob("shard_*.safetensors")), f"--extra-train-data {d}: no shard_*.safetensors there")
+    _check(
+        a.init_from is None or (Path(a.init_from) / "medusa.json").is_file(),
+        f"--init-from {a.init_from}: no medusa.json there (a directory written by train-heads)",
+    )
 
 
 def cmd_train(a: argparse.Namespace) -> int:
     """Generate (cached) self-distillation data, train heads, evaluate, save."""
+    from dataclasses import replace
+
     import torch
 
     from .. import load
@@ -209,7 +236,10 @@ def cmd_train(a: argparse.Namespace) -> int:
             prompt_file=a.prompts,
         )
     eval_dir = None
-    if a.eval_prompts:
+    if a.no_generate and a.eval_data:
+        _check(any(Path(a.eval_data).glob("shard_*.safetensors")), f"--eval-data {a.eval_data}: no shards there")
+        eval_dir = Path(a.eval_data)
+    elif a.eval_prompts:
         eval_dir = (
             Path(a.eval_data)
             if a.eval_data
@@ -225,19 +255,34 @@ def cmd_train(a: argparse.Namespace) -> int:
             prompt_file=a.eval_prompts,
         )
     lm = llm.model.output_projection_weight()
-    mcfg = MedusaConfig(
-        base_model=llm.model_name,
-        hidden_size=llm.model.hidden_size,
-        vocab_size=vocab,
-        num_heads=a.num_heads,
-        num_layers=a.num_layers,
-        shared_lm_head=a.projection == "shared",
-        draft_vocab=a.draft_vocab,
-        root_conditioned=a.root_conditioned,
-    )
+    init = None
+    if a.init_from:
+        from ..drafters.medusa import MedusaHeads
+
+        init = MedusaHeads.load(
+            a.init_from, lm, llm.model_name, llm.model.hidden_size, vocab, llm.model.input_embedding_weight()
+        )
+        mcfg = replace(init.config, extra={})
+    else:
+        mcfg = MedusaConfig(
+            base_model=llm.model_name,
+            hidden_size=llm.model.hidden_size,
+            vocab_size=vocab,
+            num_heads=a.num_heads,
+            num_layers=a.num_layers,
+            shared_lm_head=a.projection == "shared",
+            draft_vocab=a.draft_vocab,
+            root_conditioned=a.root_conditioned,
+        )
     tcfg = TrainConfig(epochs=a.epochs, lr=a.lr, batch_size=a.batch_size, seed=a.seed)
     heads, report = train_heads(
-        train_dir, lm, mcfg, tcfg, Path(a.out) / "ckpt", embed_weight=llm.model.input_embedding_weight()
+        [train_dir, *a.extra_train_data],
+        lm,
+        mcfg,
+        tcfg,
+        Path(a.out) / "ckpt",
+        embed_weight=llm.model.input_embedding_weight(),
+        init=init,
     )
     acc_extra = {}
     if eval_dir is not None:
@@ -249,8 +294,6 @@ def cmd_train(a: argparse.Namespace) -> int:
             "rank_accuracy": rank_accuracy(heads, hid.float(), targets, roots=tok),
             "rank_accuracy_data": str(eval_dir),
         }
-    from dataclasses import replace
-
     heads.config = replace(
         heads.config,
         extra={
@@ -259,6 +302,8 @@ def cmd_train(a: argparse.Namespace) -> int:
             "prompts": a.prompts,
             "num_prompts": a.num_prompts,
             "train_data": str(train_dir),
+            **({"extra_train_data": list(a.extra_train_data)} if a.extra_train_data else {}),
+            **({"init_from": str(a.init_from)} if a.init_from else {}),
             "eval_data": str(eval_dir) if eval_dir else None,
             **acc_extra,
         },

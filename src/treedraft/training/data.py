@@ -315,15 +315,38 @@ def generate_dataset(
 
 
 def load_shards(d: str | Path) -> tuple[Tensor, Tensor, Tensor]:
-    """Concatenate all shards: tokens (N,), hidden (N, H), seq (N,)."""
+    """Concatenate all shards: tokens (N,), hidden (N, H), seq (N,).
+
+    Shards that also hold the prompt positions (EAGLE data, ``answer`` flags: ``train-eagle``'s data directories)
+    give their answer rows only: row j is then, as in the heads' own data, the hidden state that chose token j.
+    """
     from safetensors.torch import load_file
 
     files = sorted(Path(d).glob("shard_*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{d}: no shard_*.safetensors; run the data step first")
     parts = [load_file(str(f)) for f in files]
+    for p in parts:
+        if "answer" in p:
+            keep = p.pop("answer").bool()
+            for k in ("tokens", "hidden", "seq"):
+                p[k] = p[k][keep]
     return (
         torch.cat([p["tokens"] for p in parts]).long(),
         torch.cat([p["hidden"] for p in parts]),
         torch.cat([p["seq"] for p in parts]).long(),
     )
+
+
+def load_many_shards(dirs: Sequence[str | Path]) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`load_shards` of several directories in order; sequence ids kept apart (directory i's ids + offset)."""
+    toks, hids, seqs, off = [], [], [], 0
+    for d in dirs:
+        t, h, s = load_shards(d)
+        toks.append(t)
+        hids.append(h)
+        seqs.append(s + off)
+        off = int(seqs[-1].max()) + 1 if len(s) else off
+    if len({h.shape[1] for h in hids}) > 1:
+        raise ValueError(f"data directories {list(map(str, dirs))} hold hidden states of different sizes")
+    return torch.cat(toks), torch.cat(hids), torch.cat(seqs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..drafters.medusa import MedusaConfig, MedusaHeads
-from .data import load_shards
+from .data import load_many_shards
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ def check_checkpoint(
 
 
 def train_heads(
-    data_dir: str | Path,
+    data_dir: str | Path | Sequence[str | Path],
     lm_head_weight: Tensor,
     mcfg: MedusaConfig,
     tcfg: TrainConfig,
@@ -204,21 +205,32 @@ def train_heads(
     progress: bool = True,
     resume: bool = True,
     embed_weight: Tensor | None = None,
+    init: MedusaHeads | None = None,
 ) -> tuple[MedusaHeads, dict]:
-    """Train heads on shards in ``data_dir``; checkpoints and the final heads go to ``out_dir``."""
+    """Train heads on shards in ``data_dir`` (or several directories); checkpoints and the final heads go to
+    ``out_dir``. init: start from these heads (their configuration, weights and draft vocabulary; ``mcfg`` must
+    be their config)."""
     from tqdm import tqdm
 
     torch.manual_seed(tcfg.seed)
     if mcfg.draft_vocab < 0 or mcfg.draft_vocab > mcfg.vocab_size:
         raise ValueError(f"draft_vocab must be in 0 .. {mcfg.vocab_size} (0 = full vocabulary), got {mcfg.draft_vocab}")
-    tokens, hidden, seq = load_shards(data_dir)
+    dirs = [data_dir] if isinstance(data_dir, (str, Path)) else list(data_dir)
+    tokens, hidden, seq = load_many_shards(dirs)
     if hidden.shape[1] != mcfg.hidden_size:
-        raise ValueError(f"{data_dir}: hidden size {hidden.shape[1]} does not match the model's {mcfg.hidden_size}")
+        raise ValueError(f"{dirs[0]}: hidden size {hidden.shape[1]} does not match the model's {mcfg.hidden_size}")
     targets = head_targets(tokens, seq, mcfg.num_heads)
     held = split_by_sequence(seq, tcfg.heldout_frac, tcfg.seed)
     tr_idx = (~held).nonzero().squeeze(1)
-    vocab_map = frequency_vocab(tokens[~held], mcfg.vocab_size, mcfg.draft_vocab) if mcfg.draft_vocab else None
-    heads = MedusaHeads(mcfg, lm_head_weight, vocab_map, embed_weight)
+    if init is not None:
+        if init.config.num_heads != mcfg.num_heads or init.config.draft_vocab != mcfg.draft_vocab:
+            raise ValueError("train_heads(init=...): mcfg must be the initial heads' config")
+        vocab_map = None if init.vocab_map is None else init.vocab_map.clone()
+        heads = MedusaHeads(mcfg, lm_head_weight, vocab_map, embed_weight)
+        heads.load_state_dict(init.state_dict())
+    else:
+        vocab_map = frequency_vocab(tokens[~held], mcfg.vocab_size, mcfg.draft_vocab) if mcfg.draft_vocab else None
+        heads = MedusaHeads(mcfg, lm_head_weight, vocab_map, embed_weight)
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
     steps_per_epoch = math.ceil(len(tr_idx) / tcfg.batch_size)
