@@ -178,3 +178,21 @@ def test_train_eagle_cli_checks(tmp_path: Path, args: list[str], msg: str) -> No
         eagle_cli.validate(a)
     ok = p.parse_args(["train-eagle", "--prompts", str(prompts), "--gen-only", "--max-shards", "2"])
     eagle_cli.validate(ok)  # the data-only run needs no --out
+
+
+def test_heads_read_the_eagle_data_as_their_own(tmp_path: Path) -> None:
+    """train-heads on train-eagle's data: load_shards keeps the answer rows, which are then the heads' own data
+    (row j: the hidden state that chose token j, from the last prompt position on)."""
+    from treedraft.training.data import generate_dataset, load_shards
+
+    llm = FakeLLM()
+    llm.model = llm.engine.model  # what generate_dataset (the heads' data step) runs
+    generate_eagle_dataset(llm, PROMPTS, tmp_path / "e", max_new_tokens=NEW, concurrency=3, shard_size=3,
+                           progress=False)  # fmt: skip
+    generate_dataset(llm, PROMPTS, tmp_path / "h", max_new_tokens=NEW, batch_size=3, progress=False)
+    e, h = load_shards(tmp_path / "e"), load_shards(tmp_path / "h")
+    assert len(e[0]) == len(h[0]) == NEW * len(PROMPTS)  # no prompt rows left
+    for i in range(len(PROMPTS)):
+        me, mh = e[2] == i, h[2] == i
+        assert e[0][me].tolist() == h[0][mh].tolist()
+        torch.testing.assert_close(e[1][me].float(), h[1][mh].float(), atol=2e-2, rtol=2e-2)

@@ -97,8 +97,9 @@ def test_requests_are_the_models_seeded_continuations_of_the_header(tmp_path: Pa
                 max_new_tokens=16, max_tree_nodes=1, ignore_eos=True, sampling=SamplingParams(1.0, seed=3 + r["key"])
             )
             assert not set(s.engine.generate(HEADER, gc, drafter=None).token_ids) & EOS
+    assert [r["key"] for r in kept] == sorted(r["key"] for r in kept)  # written in key order
     synthesize_prompts(s.engine, s.tok, tmp_path / "q.jsonl", cfg, concurrency=1, progress=False)
-    assert sorted(map(json.dumps, records(tmp_path / "q.jsonl"))) == sorted(map(json.dumps, kept))
+    assert (tmp_path / "q.jsonl").read_text() == (tmp_path / "p.jsonl").read_text()  # whatever the batching
 
 
 def test_duplicates_are_rejected(tmp_path: Path) -> None:
@@ -120,21 +121,72 @@ def test_resume_continues_and_drops_a_torn_line(tmp_path: Path, capsys: pytest.C
     synthesize_prompts(s.engine, s.tok, out, SynthConfig(num=16, **CFG), progress=False)
     assert "torn line" in capsys.readouterr().err
     got = records(out) + records(tmp_path / "p.rejected.jsonl")
-    want = records(whole) + records(tmp_path / "whole.rejected.jsonl")
     assert sorted(r["key"] for r in got) == list(range(16))  # the torn key drawn again, nothing twice
-    assert sorted(map(json.dumps, got)) == sorted(map(json.dumps, want))
+    assert out.read_text() == whole.read_text()  # as if never interrupted
+    assert (tmp_path / "p.rejected.jsonl").read_text() == (tmp_path / "whole.rejected.jsonl").read_text()
+    rej = tmp_path / "p.rejected.jsonl"
+    rej.write_text(rej.read_text() + '{"key": 99, "rea')  # a torn rejected line too
+    synthesize_prompts(s.engine, s.tok, out, SynthConfig(num=16, **CFG), progress=False)
+    assert "torn line" in capsys.readouterr().err and rej.read_text() == (tmp_path / "whole.rejected.jsonl").read_text()
+
+
+@pytest.mark.parametrize(
+    "damage,msg",
+    [
+        ("not json\n", "line 1 is not JSON"),
+        ('{"prompt": "no key"}\n', "line 1 has no integer 'key'"),
+        ("[1, 2]\n", "line 1 has no integer 'key'"),
+    ],
+)
+def test_damaged_middle_lines_are_refused_not_dropped(tmp_path: Path, damage: str, msg: str) -> None:
+    s = Setup()
+    out = tmp_path / "p.jsonl"
+    synthesize_prompts(s.engine, s.tok, out, SynthConfig(num=8, **CFG), progress=False)
+    out.write_text(damage + out.read_text())
+    with pytest.raises(SynthError, match=msg):
+        synthesize_prompts(s.engine, s.tok, out, SynthConfig(num=9, **CFG), progress=False)
+
+
+def test_special_tokens_inside_a_request_are_rejected(tmp_path: Path) -> None:
+    """decode drops special tokens; a request holding one (a template token) is rejected, not kept without it."""
+    s = Setup()
+    special = set(range(1, 9))
+    plain_decode = s.tok.decode
+
+    def decode(ids, skip_special_tokens: bool = True) -> str:
+        return plain_decode([i for i in ids if not (skip_special_tokens and i in special)])
+
+    s.tok.decode = decode  # type: ignore[method-assign]
+    stats = synthesize_prompts(s.engine, s.tok, tmp_path / "p.jsonl", SynthConfig(num=24, **CFG), progress=False)
+    assert stats["rejected"].get("special token", 0) >= 1
+    for r in records(tmp_path / "p.jsonl"):
+        gc = GenerationConfig(
+            max_new_tokens=16, max_tree_nodes=1, ignore_eos=True, sampling=SamplingParams(1.0, seed=3 + r["key"])
+        )
+        out = s.engine.generate(HEADER, gc, drafter=None).token_ids
+        assert not special & set(out[: next(i for i, t in enumerate(out) if t in EOS)])
 
 
 def test_other_settings_or_foreign_file_refused(tmp_path: Path) -> None:
     s = Setup()
     out = tmp_path / "p.jsonl"
     synthesize_prompts(s.engine, s.tok, out, SynthConfig(num=4, **CFG), progress=False)
-    with pytest.raises(SynthError, match="temperature"):
+    with pytest.raises(SynthError, match="--temperature: 1.0 there, 0.7 now"):
         synthesize_prompts(s.engine, s.tok, out, SynthConfig(num=4, **{**CFG, "temperature": 0.7}), progress=False)
+    synthesize_prompts(s.engine, s.tok, out, SynthConfig(num=4, **CFG), progress=False,
+                           load_settings={"weights": "fp32"})  # fmt: skip
+    synthesize_prompts(s.engine, s.tok, tmp_path / "w.jsonl", SynthConfig(num=4, **CFG), progress=False,
+                       load_settings={"weights": "int4"})  # fmt: skip
+    with pytest.raises(SynthError, match="--weights: 'int4' there, 'fp32' now"):
+        synthesize_prompts(s.engine, s.tok, tmp_path / "w.jsonl", SynthConfig(num=4, **CFG), progress=False,
+                           load_settings={"weights": "fp32"})  # fmt: skip
     foreign = tmp_path / "mine.jsonl"
     foreign.write_text('{"prompt": "hello"}\n')
     with pytest.raises(SynthError, match="not written by synth-prompts"):
         synthesize_prompts(s.engine, s.tok, foreign, SynthConfig(num=4, **CFG), progress=False)
+    (tmp_path / "orphan.rejected.jsonl").write_text('{"key": 0, "reason": "too short"}\n')
+    with pytest.raises(SynthError, match="orphan.rejected.jsonl exists but was not written"):
+        synthesize_prompts(s.engine, s.tok, tmp_path / "orphan.jsonl", SynthConfig(num=4, **CFG), progress=False)
 
 
 @pytest.mark.parametrize(

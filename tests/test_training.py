@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import treedraft
 from treedraft.drafters.medusa import MedusaConfig, MedusaHeads
 from treedraft.models.tiny import tiny_llama
 from treedraft.prompts import PromptFileError, read_prompt_file
@@ -376,6 +377,9 @@ def _main(argv: list[str], capsys) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
+SHIPPED_HEADS = str(Path(treedraft.__file__).parent / "heads" / "smollm2-135m-instruct")
+
+
 @pytest.mark.parametrize(
     "args, match",
     [
@@ -387,6 +391,8 @@ def _main(argv: list[str], capsys) -> tuple[int, str]:
         (["--num-prompts", "0"], "--num-prompts must be >= 1"),
         (["--extra-train-data", "nowhere"], "--extra-train-data nowhere: no shard"),
         (["--init-from", "nowhere"], "--init-from nowhere: no medusa.json"),
+        (["--init-from", SHIPPED_HEADS, "--num-heads", "3"], "--num-heads: the heads' shape comes from --init-from"),
+        (["--init-from", SHIPPED_HEADS, "--no-root-conditioned"], "--root-conditioned: the heads'"),
     ],
 )
 def test_train_heads_validates_arguments(tmp_path, capsys, args, match) -> None:
@@ -446,17 +452,35 @@ def test_eagle_format_shards_give_their_answer_rows_and_directories_stay_apart(t
     assert tg[last].tolist() == [-100, -100]
 
 
+def _shifted_copy(d: Path, out: Path) -> Path:
+    """The same shards with every token id moved by 5 (mod 32): another frequency order."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for f in d.glob("shard_*.safetensors"):
+        t = load_file(str(f))
+        t["tokens"] = (t["tokens"] + 5) % 32
+        save_file(t, str(out / f.name))
+    return out
+
+
 def test_init_from_heads_starts_from_their_weights_and_vocabulary(tmp_path) -> None:
     m, d = _tiny_data(tmp_path)
     a, _ = train_heads(d, m.lm_head.weight, _mcfg(m, num_heads=2, draft_vocab=8), TC, tmp_path / "a", progress=False)
+    other = _shifted_copy(d, tmp_path / "other")  # data whose own draft vocabulary differs
     still = TrainConfig(epochs=1, batch_size=16, heldout_frac=0.0, lr=1e-12, seed=5)
-    b, _ = train_heads(d, m.lm_head.weight, a.config, still, tmp_path / "b", progress=False, init=a)
-    c, _ = train_heads(d, m.lm_head.weight, a.config, still, tmp_path / "c", progress=False)
+    b, _ = train_heads(other, m.lm_head.weight, a.config, still, tmp_path / "b", progress=False, init=a)
+    c, _ = train_heads(other, m.lm_head.weight, a.config, still, tmp_path / "c", progress=False)
+    assert not torch.equal(c.vocab_map, a.vocab_map)
     w = "blocks.0.0.linear.weight"
     assert a.state_dict()[w].abs().max() > 1e-5  # trained away from the zero init
     torch.testing.assert_close(b.state_dict()[w], a.state_dict()[w], atol=1e-9, rtol=0)
     assert not torch.allclose(c.state_dict()[w], a.state_dict()[w], atol=1e-6, rtol=0)  # fresh heads differ
     assert torch.equal(b.vocab_map, a.vocab_map)
+    with pytest.raises(CheckpointMismatchError, match=r"started from fresh heads \(now these initial heads\)"):
+        train_heads(other, m.lm_head.weight, a.config, still, tmp_path / "c", progress=False, init=a)  # c's ckpt
+    with pytest.raises(CheckpointMismatchError, match=r"started from other initial heads \(now fresh heads\)"):
+        train_heads(other, m.lm_head.weight, a.config, still, tmp_path / "b", progress=False)  # b's ckpt
     with pytest.raises(ValueError, match="initial heads' config"):
         train_heads(d, m.lm_head.weight, _mcfg(m, num_heads=3, draft_vocab=8), still, tmp_path / "x", progress=False,
                     init=a)  # fmt: skip

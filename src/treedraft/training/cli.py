@@ -132,6 +132,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     t.set_defaults(func=cmd_train)
+    _TRAIN_DEFAULTS.update({k: t.get_default(k) for _, k in _HEADS_SHAPE_FLAGS})
 
     c = sub.add_parser("calibrate", help="choose the tree for this machine from head accuracy and latency")
     add_model_args(c)
@@ -167,6 +168,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     register_synth(sub)
 
 
+_HEADS_SHAPE_FLAGS = (
+    ("--num-heads", "num_heads"),
+    ("--num-layers", "num_layers"),
+    ("--projection", "projection"),
+    ("--draft-vocab", "draft_vocab"),
+    ("--root-conditioned", "root_conditioned"),
+)
+_TRAIN_DEFAULTS: dict = {}  # train-heads' parser defaults of the shape flags (filled by register)
+
+
 def validate_train_args(a: argparse.Namespace) -> None:
     """Argument checks that need no model (ValueError with the option to change)."""
     _check(a.prompts is not None, f"no prompt file: {SHARED_DATA / SHAREGPT_FILE} was not found; pass --prompts FILE")
@@ -190,6 +201,9 @@ def validate_train_args(a: argparse.Namespace) -> None:
     _check(a.lr > 0, f"--lr must be > 0, got {a.lr}")
     for d in a.extra_train_data:
         _check(any(Path(d).glob("shard_*.safetensors")), f"--extra-train-data {d}: no shard_*.safetensors there")
+    if a.init_from is not None:
+        given = [f for f, k in _HEADS_SHAPE_FLAGS if getattr(a, k) != _TRAIN_DEFAULTS[k]]
+        _check(not given, f"{', '.join(given)}: the heads' shape comes from --init-from {a.init_from}; drop it")
     _check(
         a.init_from is None or (Path(a.init_from) / "medusa.json").is_file(),
         f"--init-from {a.init_from}: no medusa.json there (a directory written by train-heads)",
@@ -255,6 +269,19 @@ def cmd_train(a: argparse.Namespace) -> int:
             prompt_file=a.eval_prompts,
         )
     lm = llm.model.output_projection_weight()
+    for d in [train_dir, *a.extra_train_data]:  # data made by another model, or sampled answers
+        meta_file = Path(d) / "meta.json"
+        meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+        _check(
+            meta.get("model", llm.model_name) == llm.model_name,
+            f"{d} holds {meta.get('model')!r}'s answers, not {llm.model_name!r}'s; train on this model's data",
+        )
+        if meta.get("temperature", 0) > 0:
+            print(
+                f"warning: {d} holds sampled answers (temperature {meta['temperature']}): the heads learn to "
+                "predict sampled tokens there, not the greedy ones they draft for",
+                file=sys.stderr,
+            )
     init = None
     if a.init_from:
         from ..drafters.medusa import MedusaHeads
@@ -262,7 +289,7 @@ def cmd_train(a: argparse.Namespace) -> int:
         init = MedusaHeads.load(
             a.init_from, lm, llm.model_name, llm.model.hidden_size, vocab, llm.model.input_embedding_weight()
         )
-        mcfg = replace(init.config, extra={})
+        mcfg = replace(init.config, extra={}, choices=())  # a fixed tree was chosen for the old accuracies
     else:
         mcfg = MedusaConfig(
             base_model=llm.model_name,
@@ -287,7 +314,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     acc_extra = {}
     if eval_dir is not None:
         tok, hid, seq = load_shards(eval_dir)
-        targets = head_targets(tok, seq, a.num_heads)
+        targets = head_targets(tok, seq, heads.config.num_heads)
         report["mt_bench"] = evaluate(heads, hid, targets, roots=tok)
         # what each machine builds its tree from at first use (training/calibrate.machine_tree)
         acc_extra = {

@@ -95,8 +95,7 @@ def _read_jsonl(path: Path) -> list[dict]:
     """Records of a jsonl file we wrote; a torn last line (no newline or not JSON) is cut off with a warning."""
     if not path.is_file():
         return []
-    raw = path.read_bytes()
-    lines = raw.split(b"\n")
+    lines = path.read_bytes().split(b"\n")
     good, size = [], 0
     for i, line in enumerate(lines):
         last = i == len(lines) - 1
@@ -104,7 +103,7 @@ def _read_jsonl(path: Path) -> list[dict]:
             break
         try:
             rec = json.loads(line) if not last else None  # a last line without its newline is torn
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or not UTF-8
             rec = None
         if rec is None and not last:
             raise SynthError(f"{path}: line {i + 1} is not JSON; fix or remove it (only a torn last line is dropped)")
@@ -116,16 +115,40 @@ def _read_jsonl(path: Path) -> list[dict]:
             with open(path, "r+b") as f:
                 f.truncate(size)
             break
+        if not isinstance(rec, dict) or not isinstance(rec.get("key"), int):
+            raise SynthError(
+                f"{path}: line {i + 1} has no integer 'key' ({line[:80]!r}); was it written by synth-prompts?"
+            )
         good.append(rec)
         size += len(line) + 1
     return good
 
 
-def _key_of(rec: dict, where: Path) -> int:
-    key = rec.get("key")
-    if not isinstance(key, int):
-        raise SynthError(f"{where}: a record without an integer 'key' ({rec!r}); was it written by synth-prompts?")
-    return key
+_META_FLAGS = {
+    "model": "--model",
+    "weights": "--weights",
+    "dtype": "--dtype",
+    "runtime": "--runtime",
+    "pre_query_ids": "the chat template (--model)",
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "seed": "--seed",
+}
+
+
+def _check_meta(meta_path: Path, meta: dict, out: Path) -> None:
+    """Refuse to continue ``out`` with other settings than it was drawn with (the .meta.json beside it)."""
+    try:
+        old = json.loads(meta_path.read_text())
+    except ValueError as e:
+        raise SynthError(
+            f"{meta_path} is not valid JSON ({e}); delete {out} and its side files to start over"
+        ) from None
+    diff = [k for k in meta if k in old and old[k] != meta[k]]
+    if diff:
+        what = "; ".join(f"{_META_FLAGS.get(k, k)}: {old[k]!r} there, {meta[k]!r} now" for k in diff)
+        raise SynthError(f"{out} was drawn with other settings ({what}); use those to continue it, or another --out")
 
 
 def synthesize_prompts(
@@ -136,8 +159,14 @@ def synthesize_prompts(
     concurrency: int = 8,
     progress: bool = True,
     model_name: str = "",
+    load_settings: dict | None = None,
 ) -> dict:
-    """Draw requests ``0 .. cfg.num - 1`` (resumably) into ``out``; returns counts (kept, rejected per reason)."""
+    """Draw requests ``0 .. cfg.num - 1`` (resumably) into ``out``; returns counts (kept, rejected per reason).
+
+    Results are written in key order (a finished request waits for the keys before it), so which of two equal
+    requests is kept, and the file's order, do not depend on the batching or on where a run was interrupted.
+    load_settings: how the model was loaded (weights, dtype, runtime), recorded with the sampling settings.
+    """
     from tqdm import tqdm
 
     from ..models.cache import atomic_write_text
@@ -147,55 +176,71 @@ def synthesize_prompts(
     rejected_path = out.with_name(out.stem + ".rejected.jsonl")
     meta_path = out.with_name(out.stem + ".meta.json")
     prefix = pre_query_ids(tokenizer)
-    meta = {"model": model_name, "pre_query_ids": prefix, **asdict(cfg)}
+    meta = {"model": model_name, **(load_settings or {}), "pre_query_ids": prefix, **asdict(cfg)}
     meta.pop("num")  # more keys may be drawn later into the same file
     if meta_path.is_file():
-        old = json.loads(meta_path.read_text())
-        diff = sorted(k for k in meta if old.get(k) != meta[k])
-        if diff:
-            raise SynthError(
-                f"{out} was drawn with other settings ({', '.join(diff)} differ: {[old.get(k) for k in diff]} there); "
-                "use the same settings to continue it, or another --out"
-            )
-    elif out.exists():
-        raise SynthError(
-            f"{out} exists but was not written by synth-prompts (no {meta_path.name}); choose another --out"
-        )
+        _check_meta(meta_path, meta, out)
+    else:
+        for f in (out, rejected_path):
+            if f.exists():
+                raise SynthError(
+                    f"{f} exists but was not written by synth-prompts (no {meta_path.name}); choose another --out"
+                )
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(meta_path, json.dumps(meta, indent=1))
     kept, rejected = _read_jsonl(out), _read_jsonl(rejected_path)
-    done = {_key_of(r, out) for r in kept} | {_key_of(r, rejected_path) for r in rejected}
-    seen = {normalize(r["prompt"]) for r in kept}
+    done = {r["key"] for r in kept} | {r["key"] for r in rejected}
+    seen = {normalize(str(r.get("prompt", ""))) for r in kept}
     reasons = Counter(r.get("reason", "?") for r in rejected)
-    todo = [(k, prefix) for k in range(cfg.num) if k not in done]
+    todo = [k for k in range(cfg.num) if k not in done]
     eos = frozenset(tokenizer.eos_token_ids)
-    t0, n_kept = time.perf_counter(), len(kept)
+    t0, n_kept, n_new = time.perf_counter(), len(kept), 0
     bar = tqdm(total=cfg.num, initial=cfg.num - len(todo), desc="synth-prompts", disable=not progress, unit="req")
+    waiting: dict[int, list[int]] = {}  # finished out of key order
+    nxt = 0  # index into todo of the next key to write
     with open(out, "a", encoding="utf-8") as fk, open(rejected_path, "a", encoding="utf-8") as fr:
         for key, ids, _ in scheduled_greedy(
-            engine, todo, cfg.max_new_tokens, eos, concurrency, cfg.temperature, cfg.seed, cfg.top_p, keep_hidden=False
+            engine,
+            [(k, prefix) for k in todo],
+            cfg.max_new_tokens,
+            eos,
+            concurrency,
+            cfg.temperature,
+            cfg.seed,
+            cfg.top_p,
+            keep_hidden=False,
         ):
-            ended = bool(ids) and ids[-1] in eos
-            text = tokenizer.decode(ids[:-1] if ended else ids).strip()
-            why = reject_reason(text, ended, cfg)
-            if why is None and normalize(text) in seen:
-                why = "duplicate"
-            if why is None:
-                seen.add(normalize(text))
-                fk.write(json.dumps({"id": f"synth-{cfg.seed}-{key}", "key": key, "category": "synth", "prompt": text}))
-                fk.write("\n")
-                fk.flush()
-                n_kept += 1
-            else:
-                reasons[why] += 1
-                fr.write(json.dumps({"key": key, "reason": why}) + "\n")
-                fr.flush()
-            bar.update(1)
+            waiting[key] = ids
+            while nxt < len(todo) and todo[nxt] in waiting:
+                k = todo[nxt]
+                ids = waiting.pop(k)
+                nxt += 1
+                ended = bool(ids) and ids[-1] in eos
+                body = ids[:-1] if ended else ids
+                text = tokenizer.decode(body).strip()
+                why = reject_reason(text, ended, cfg)
+                if why is None and tokenizer.decode(body, skip_special_tokens=False).strip() != text:
+                    why = "special token"  # a template token inside the request (decode drops it)
+                if why is None and normalize(text) in seen:
+                    why = "duplicate"
+                if why is None:
+                    seen.add(normalize(text))
+                    rec = {"id": f"synth-{cfg.seed}-{k}", "key": k, "category": "synth", "prompt": text}
+                    fk.write(json.dumps(rec) + "\n")
+                    fk.flush()
+                    n_kept += 1
+                else:
+                    reasons[why] += 1
+                    fr.write(json.dumps({"key": k, "reason": why}) + "\n")
+                    fr.flush()
+                n_new += 1
+                bar.update(1)
         for f in (fk, fr):
             os.fsync(f.fileno())
     bar.close()
     return {
-        "drawn": cfg.num,
+        "keys": cfg.num,
+        "drawn_this_run": n_new,
         "kept": n_kept,
         "rejected": dict(sorted(reasons.items())),
         "seconds_this_run": round(time.perf_counter() - t0, 1),
@@ -234,6 +279,9 @@ def cmd_synth_prompts(a) -> int:
     cfg = SynthConfig(num=a.num, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
     apply_threads(a.threads)
     llm = load(a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights)
-    stats = synthesize_prompts(llm.engine, llm.tokenizer, a.out, cfg, a.concurrency, model_name=llm.model_name)
+    how = {"weights": a.weights, "dtype": a.dtype, "runtime": a.runtime}
+    stats = synthesize_prompts(
+        llm.engine, llm.tokenizer, a.out, cfg, a.concurrency, model_name=llm.model_name, load_settings=how
+    )
     print(json.dumps(stats, indent=1))
     return 0

@@ -7,6 +7,7 @@ to the position itself). Loss: cross-entropy per head weighted decay**k.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Sequence
@@ -162,8 +163,25 @@ def medusa_config_dict(mcfg: MedusaConfig) -> dict:
     return d
 
 
+def heads_digest(heads: MedusaHeads | None) -> str | None:
+    """sha1 of heads' trained tensors (which initial heads a run started from); None for fresh heads."""
+    if heads is None:
+        return None
+    h = hashlib.sha1()
+    for k, v in sorted(heads.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def check_checkpoint(
-    st: dict, path: Path, mcfg: MedusaConfig, tcfg: TrainConfig, vocab_map: Tensor | None, rows: int
+    st: dict,
+    path: Path,
+    mcfg: MedusaConfig,
+    tcfg: TrainConfig,
+    vocab_map: Tensor | None,
+    rows: int,
+    init: str | None = None,
 ) -> None:
     """Refuse to resume ``st`` unless it was written for the same heads, run settings and data.
 
@@ -179,15 +197,23 @@ def check_checkpoint(
         for k in keys:
             if k in old and old[k] != now[k]:
                 diffs.append(f"{k} {old[k]!r} (now {now[k]!r})" + (f" [{_FLAGS[k]}]" if k in _FLAGS else ""))
+    if st.get("init", None) != init and ("init" in st or init is not None):
+        was = "fresh heads" if st.get("init") is None else "other initial heads"
+        now = "fresh heads" if init is None else "these initial heads"
+        diffs.append(f"started from {was} (now {now}) [--init-from]")
     if "data_rows" in st and st["data_rows"] != rows:
-        diffs.append(f"training data rows {st['data_rows']} (now {rows}) [--train-data / --data-dir]")
+        diffs.append(
+            f"training data rows {st['data_rows']} (now {rows}) [--train-data / --extra-train-data / --data-dir]"
+        )
     elif not diffs and "vocab_map" in st:
         old_vm = st["vocab_map"]
         same = (old_vm is None and vocab_map is None) or (
             old_vm is not None and vocab_map is not None and torch.equal(old_vm, vocab_map)
         )
         if not same:
-            diffs.append("the draft vocabulary (the training data changed) [--train-data / --data-dir]")
+            diffs.append(
+                "the draft vocabulary (the training data changed) [--train-data / --extra-train-data / --data-dir]"
+            )
     if diffs:
         raise CheckpointMismatchError(
             f"checkpoint {path} was written by another training run: "
@@ -222,8 +248,9 @@ def train_heads(
     targets = head_targets(tokens, seq, mcfg.num_heads)
     held = split_by_sequence(seq, tcfg.heldout_frac, tcfg.seed)
     tr_idx = (~held).nonzero().squeeze(1)
+    init_id = heads_digest(init)
     if init is not None:
-        if init.config.num_heads != mcfg.num_heads or init.config.draft_vocab != mcfg.draft_vocab:
+        if replace(init.config, extra={}, choices=()) != replace(mcfg, extra={}, choices=()):
             raise ValueError("train_heads(init=...): mcfg must be the initial heads' config")
         vocab_map = None if init.vocab_map is None else init.vocab_map.clone()
         heads = MedusaHeads(mcfg, lm_head_weight, vocab_map, embed_weight)
@@ -241,7 +268,7 @@ def train_heads(
     step = 0
     if resume and ckpt.is_file():
         st = torch.load(ckpt, weights_only=False)
-        check_checkpoint(st, ckpt, mcfg, tcfg, vocab_map, len(tokens))
+        check_checkpoint(st, ckpt, mcfg, tcfg, vocab_map, len(tokens), init_id)
         try:
             heads.load_state_dict(st["heads"])
         except RuntimeError as e:  # an old checkpoint without stored configs, for other heads
@@ -300,6 +327,7 @@ def train_heads(
                         "train_config": asdict(tcfg),
                         "vocab_map": vocab_map,
                         "data_rows": len(tokens),
+                        "init": init_id,
                     },
                     ckpt,
                 )
@@ -317,6 +345,8 @@ def train_heads(
         if len(held_idx)
         else {},
     }
+    if init is not None:  # the initial heads' own split is unknown: they may have trained on these rows
+        report["heldout_note"] = "started from trained heads: the held-out rows may have been trained on before"
     heads.requires_grad_(False)
     heads.config = replace(mcfg, extra={**mcfg.extra, "training": report})
     return heads, report

@@ -1,0 +1,67 @@
+"""Medusa heads A/B in situ: the default drafter (and ``medusa`` alone) built with each heads directory, side by side.
+
+One process, int4, greedy, MT-Bench first turns: per prompt plain, then every (method, heads) pair in an order
+rotated per prompt (no variant always runs first after plain); every output must equal plain's. Prints tok/s,
+x plain and mean accepted length per pair: the speed figures are ratios taken in one window on a noisy host.
+
+    python benchmarks/heads_ab.py --heads src/treedraft/heads/smollm2-135m-instruct NEW_DIR [--prompts 20]
+        [--tokens 256] [--methods hybrid-suffix,medusa] [--skip 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import treedraft
+from treedraft.drafters.hybrid import fresh_copy
+from treedraft.prompts import read_prompt_file
+
+MTB = "/work/shared/data/mt_bench_questions.jsonl"
+
+
+def main() -> None:
+    """Interleaved per prompt; totals per (method, heads)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", nargs="+", required=True)
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--skip", type=int, default=0, help="start at this MT-Bench question")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--methods", default="hybrid-suffix,medusa")
+    ap.add_argument("--weights", default="int4")
+    ap.add_argument("--data", default=MTB)
+    a = ap.parse_args()
+    llm = treedraft.load(drafter=None, weights=a.weights)
+    prompts = [p.text for p in read_prompt_file(a.data)][a.skip : a.skip + a.prompts]
+    pairs = [(m, h) for m in a.methods.split(",") for h in a.heads]
+    built = {(m, h): llm.get_drafter(m, heads=h) for m, h in pairs}
+    for d in built.values():  # warm-up (and the per-machine measurements a first use makes)
+        llm.generate("Hello", drafter=fresh_copy(d), max_new_tokens=8)
+    tot = {k: [0, 0.0, 0] for k in [("plain", "-"), *pairs]}
+    for i, text in enumerate(prompts):
+        ids = llm.encode_prompt(text)
+        cfg = llm.config(max_new_tokens=a.tokens)
+        ref = llm.text.generate(ids, cfg, None)
+        runs = [(("plain", "-"), ref)]
+        order = pairs[i % len(pairs) :] + pairs[: i % len(pairs)]
+        for key in order:
+            res = llm.text.generate(ids, cfg, fresh_copy(built[key]))
+            if list(res.token_ids) != list(ref.token_ids):
+                raise SystemExit(f"{key} prompt {a.skip + i}: output differs from plain's")
+            runs.append((key, res))
+        for key, res in runs:
+            t = tot[key]
+            t[0] += res.stats.new_tokens
+            t[1] += res.stats.t_decode
+            t[2] += len(res.stats.steps)
+        print(f"prompt {a.skip + i} done, load {os.getloadavg()[0]:.1f} {time.strftime('%H:%M:%S')}", flush=True)
+    base = tot[("plain", "-")][0] / tot[("plain", "-")][1]
+    print(f"\n{len(prompts)} prompts x {a.tokens}, {a.weights}, greedy; all outputs = plain")
+    print("| method | heads | tok/s | x plain | mean accepted |\n|---|---|---|---|---|")
+    for key, (n, sec, steps) in tot.items():
+        print(f"| {key[0]} | {key[1]} | {n / sec:.1f} | {n / sec / base:.3f} | {n / max(steps, 1):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
