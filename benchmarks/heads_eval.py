@@ -23,8 +23,13 @@ def main() -> None:
     """Evaluate each heads directory on the same rows; one JSON line per directory."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True)
-    ap.add_argument("--heldout", type=float, default=0.0, help="only this held-out fraction (train_heads' split of a single --train-data directory; with "
-        "--extra-train-data the split was drawn over all directories and differs)")
+    ap.add_argument(
+        "--heldout",
+        type=float,
+        default=0.0,
+        help="only this held-out fraction (train_heads' split of a single --train-data directory; with "
+        "--extra-train-data the split was drawn over all directories and differs)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--weights", default="int4")
     ap.add_argument("heads", nargs="+")
