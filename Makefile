@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 		from transformers import AutoTokenizer, AutoModelForCausalLM, LlamaForCausalLM"
 	touch $@
 
-.PHONY: install demo test test-extended bench test-ray train-eagle
+.PHONY: install demo test test-extended bench test-ray train-eagle train-heads
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -47,6 +47,10 @@ bench: $(STAMP)
 # the shipped EAGLE drafter from the session-7 file, every data and training step (hours on 2 cores; resumable)
 train-eagle: $(STAMP)
 	scripts/train_eagle_shipped.sh $(OUT)
+
+# the shipped Medusa heads from the previous ones: data steps (int4 serving loop) + one epoch (about 2 h on 2 cores)
+train-heads: $(STAMP)
+	scripts/train_heads_shipped.sh $(OUT)
 
 # Scale-out on Ray Serve (optional, not in `make install`): add ray[serve], run its tests (a local cluster on 127.0.0.1)
 test-ray: $(STAMP)
