@@ -12,8 +12,10 @@
 #   - requests the model wrote itself (treedraft synth-prompts --num 4000: 3,253 kept in session 19),
 # 1.55 M answer rows in all (5% of the sequences held out), evaluated on the MT-Bench first turns' answers (never trained on).
 # Wall time on the 2-core Zen 4 EPYC of session 19: data ~35 + 10 + 10 + 28 min, training ~30 min (one thread).
-# Session 19 wrote its synthesized prompts in completion order (before synth-prompts wrote them in key order), so
-# this script's data are shuffled differently: expect heads of the same quality, not the same bytes. Compare with
+# Session 19 wrote its synthesized prompts in completion order (before synth-prompts wrote them in key order); that
+# file is benchmarks/results/heads-s19/synth_prompts.jsonl.gz, used instead of drawing new ones when SYNTH_PROMPTS=
+# points at it (gunzipped). Drawn anew the set is the same up to order (on this CPU), so the data are shuffled
+# differently: expect heads of the same quality, not the same bytes. Compare with
 #   python benchmarks/heads_eval.py --data OUT_DIR/mtb OUT_DIR/H src/treedraft/heads/smollm2-135m-instruct
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
@@ -28,8 +30,11 @@ gen="--weights int4 --max-new-tokens 256 --shard-size 32 --gen-concurrency 8 --t
 "$T" train-eagle $gen --train-data data
 [ -f tmpl_prompts.jsonl ] || "$PY" "$here/benchmarks/eagle_template_prompts.py" --n 1600 --seed 0 --out tmpl_prompts.jsonl
 "$T" train-eagle $gen --train-data tmpl --prompts tmpl_prompts.jsonl
-"$T" synth-prompts --weights int4 --threads 2 --num 4000 --seed 0 --out synth_prompts.jsonl
-"$T" train-eagle $gen --train-data synth --prompts synth_prompts.jsonl
+if [ -n "${SYNTH_PROMPTS:-}" ]; then sp="$SYNTH_PROMPTS"; else
+  sp=synth_prompts.jsonl
+  "$T" synth-prompts --weights int4 --threads 2 --num 4000 --seed 0 --out "$sp"
+fi
+"$T" train-eagle $gen --train-data synth --prompts "$sp"
 "$T" train-eagle $gen --train-data mtb --prompts "$mtb"
 
 if [ ! -f start/heads.safetensors ]; then
