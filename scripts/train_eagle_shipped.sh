@@ -9,9 +9,9 @@
 # warm epochs over the target's greedy answers and sampled answers (T 0.7) to the 2,640 ShareGPT prompts that fit.
 # Wall time on a 2-core CPU: data ~11 min per set on a Zen 5 EPYC, ~35 min on a Zen 4; training 12-31 min per
 # epoch on a Zen 5 (one or two threads), ~19 min per million rows on a Zen 4 (two threads; the last step has
-# 2.07 M). Hours in all. The result is <OUT_DIR>/D7; compare
+# 2.07 M). Hours in all. The result is <OUT_DIR>/DM (D7 was shipped before session 19); compare
 # it with the shipped file by
-#   python benchmarks/eagle_heldout.py --data OUT_DIR/data --heldout 0.1 OUT_DIR/D7 src/treedraft/heads/smollm2-135m-instruct
+#   python benchmarks/eagle_heldout.py --data OUT_DIR/data --heldout 0.1 OUT_DIR/DM src/treedraft/heads/smollm2-135m-instruct
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 T="${TREEDRAFT:-$here/.venv/bin/treedraft}"
@@ -46,4 +46,17 @@ step a4 a3 1 3
 step a5 a4 2 3 --extra-train-data data-t07-s1
 step D7 a5 2 3 --extra-train-data data-t07-s1 --extra-train-data data-t07-s2
 
-echo "train-eagle: done: $out/D7 (the shipped file)"
+# session 19: one more epoch from D7 on greedy ShareGPT + the template set (session 18) + requests the model wrote
+# itself (synth-prompts; SYNTH_PROMPTS= reuses benchmarks/results/heads-s19/synth_prompts.jsonl.gz gunzipped):
+# ~60 min on two threads of the Zen 4 (1.9 M rows + the extra sets)
+[ -f tmpl_prompts.jsonl ] || "${PYTHON:-$here/.venv/bin/python}" "$here/benchmarks/eagle_template_prompts.py" --n 1600 \
+  --seed 0 --out tmpl_prompts.jsonl
+"$T" train-eagle $gen --train-data tmpl --prompts tmpl_prompts.jsonl
+if [ -n "${SYNTH_PROMPTS:-}" ]; then sp="$SYNTH_PROMPTS"; else
+  sp=synth_prompts.jsonl
+  "$T" synth-prompts --weights int4 --threads 2 --num 4000 --seed 0 --out "$sp"
+fi
+"$T" train-eagle $gen --train-data synth --prompts "$sp"
+step DM D7 2 3 --extra-train-data tmpl --extra-train-data synth
+
+echo "train-eagle: done: $out/DM (the shipped file)"
