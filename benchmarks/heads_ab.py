@@ -5,14 +5,19 @@ rotated per prompt (no variant always runs first after plain); every output must
 x plain and mean accepted length per pair: the speed figures are ratios taken in one window on a noisy host.
 
     python benchmarks/heads_ab.py --heads src/treedraft/heads/smollm2-135m-instruct NEW_DIR [--prompts 20]
-        [--tokens 256] [--methods hybrid-suffix,medusa] [--skip 0]
+        [--tokens 256] [--methods hybrid-suffix,medusa] [--skip 0] [--turn 2]
+
+``--turn 2``: the MT-Bench second turns instead, with plain's greedy first answer in the context (as
+benchmarks/turn2_methods.py builds them); each (method, heads) pair drafts from its own fresh copy.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
+from pathlib import Path
 
 import treedraft
 from treedraft.drafters.hybrid import fresh_copy
@@ -31,16 +36,23 @@ def main() -> None:
     ap.add_argument("--methods", default="hybrid-suffix,medusa")
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--data", default=MTB)
+    ap.add_argument("--turn", type=int, choices=(1, 2), default=1)
     a = ap.parse_args()
     llm = treedraft.load(drafter=None, weights=a.weights)
-    prompts = [p.text for p in read_prompt_file(a.data)][a.skip : a.skip + a.prompts]
+    if a.turn == 1:
+        prompts = [p.text for p in read_prompt_file(a.data)][a.skip : a.skip + a.prompts]
+    else:
+        from turn2_ceiling import second_turn  # benchmarks/ is on sys.path when run as a script
+
+        qs = [json.loads(ln) for ln in Path(a.data).read_text().splitlines() if ln.strip()]
+        prompts = [second_turn(llm, q, a.tokens)[1] for q in qs[a.skip : a.skip + a.prompts]]
     pairs = [(m, h) for m in a.methods.split(",") for h in a.heads]
     built = {(m, h): llm.get_drafter(m, heads=h) for m, h in pairs}
     for d in built.values():  # warm-up (and the per-machine measurements a first use makes)
         llm.generate("Hello", drafter=fresh_copy(d), max_new_tokens=8)
     tot = {k: [0, 0.0, 0] for k in [("plain", "-"), *pairs]}
     for i, text in enumerate(prompts):
-        ids = llm.encode_prompt(text)
+        ids = llm.encode_prompt(text)  # a user string, or the second turn's messages
         cfg = llm.config(max_new_tokens=a.tokens)
         ref = llm.text.generate(ids, cfg, None)
         runs = [(("plain", "-"), ref)]
@@ -57,7 +69,9 @@ def main() -> None:
             t[2] += len(res.stats.steps)
         print(f"prompt {a.skip + i} done, load {os.getloadavg()[0]:.1f} {time.strftime('%H:%M:%S')}", flush=True)
     base = tot[("plain", "-")][0] / tot[("plain", "-")][1]
-    print(f"\n{len(prompts)} prompts x {a.tokens}, {a.weights}, greedy; all outputs = plain")
+    print(
+        f"\n{len(prompts)} {'first' if a.turn == 1 else 'second'} turns x {a.tokens}, {a.weights}, greedy; all outputs = plain"
+    )
     print("| method | heads | tok/s | x plain | mean accepted |\n|---|---|---|---|---|")
     for key, (n, sec, steps) in tot.items():
         print(f"| {key[0]} | {key[1]} | {n / sec:.1f} | {n / sec / base:.3f} | {n / max(steps, 1):.2f} |")
