@@ -47,6 +47,24 @@ def check_at_least(limits: tuple[tuple[str, float, float], ...]) -> None:
         _check(v >= lo, f"{flag} must be >= {lo}, got {v}")
 
 
+# train-heads' flags that set the heads' shape, and their defaults (refused with --init-from, which brings its own)
+_SHAPE_DEFAULTS = {
+    "num_heads": 4,
+    "num_layers": 1,
+    "projection": "shared",
+    "draft_vocab": 16384,
+    "root_conditioned": True,
+}
+
+
+def check_extra_train_data(dirs: list[str]) -> None:
+    """--extra-train-data (train-heads, train-eagle): each directory must hold shards."""
+    from .data import has_shards
+
+    for d in dirs:
+        _check(has_shards(d), f"--extra-train-data {d}: no shard_*.safetensors there")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the train-heads, calibrate, train-eagle and synth-prompts subcommands."""
     from ..cli import add_model_args
@@ -106,24 +124,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--draft-vocab, --root-conditioned are then theirs)",
     )
     t.add_argument("--out", required=True, help="output directory for the heads")
-    t.add_argument("--num-heads", type=int, default=4)
-    t.add_argument("--num-layers", type=int, default=1)
+    t.add_argument("--num-heads", type=int, default=_SHAPE_DEFAULTS["num_heads"])
+    t.add_argument("--num-layers", type=int, default=_SHAPE_DEFAULTS["num_layers"])
     t.add_argument(
         "--root-conditioned",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=_SHAPE_DEFAULTS["root_conditioned"],
         help="heads also read the root token's embedding (measured: +37%% head-0 top-1 on MT-Bench)",
     )
     t.add_argument(
         "--projection",
         choices=("shared", "separate"),
-        default="shared",
+        default=_SHAPE_DEFAULTS["projection"],
         help="shared: the base model's frozen lm_head; separate: one trainable projection per head",
     )
     t.add_argument(
         "--draft-vocab",
         type=int,
-        default=16384,
+        default=_SHAPE_DEFAULTS["draft_vocab"],
         help="heads score only the N most frequent answer tokens (0 = full vocabulary)",
     )
     t.add_argument("--epochs", type=int, default=2)
@@ -132,7 +150,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     t.set_defaults(func=cmd_train)
-    _TRAIN_DEFAULTS.update({k: t.get_default(k) for _, k in _HEADS_SHAPE_FLAGS})
 
     c = sub.add_parser("calibrate", help="choose the tree for this machine from head accuracy and latency")
     add_model_args(c)
@@ -168,16 +185,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     register_synth(sub)
 
 
-_HEADS_SHAPE_FLAGS = (
-    ("--num-heads", "num_heads"),
-    ("--num-layers", "num_layers"),
-    ("--projection", "projection"),
-    ("--draft-vocab", "draft_vocab"),
-    ("--root-conditioned", "root_conditioned"),
-)
-_TRAIN_DEFAULTS: dict = {}  # train-heads' parser defaults of the shape flags (filled by register)
-
-
 def validate_train_args(a: argparse.Namespace) -> None:
     """Argument checks that need no model (ValueError with the option to change)."""
     _check(a.prompts is not None, f"no prompt file: {SHARED_DATA / SHAREGPT_FILE} was not found; pass --prompts FILE")
@@ -199,10 +206,9 @@ def validate_train_args(a: argparse.Namespace) -> None:
         )
     )
     _check(a.lr > 0, f"--lr must be > 0, got {a.lr}")
-    for d in a.extra_train_data:
-        _check(any(Path(d).glob("shard_*.safetensors")), f"--extra-train-data {d}: no shard_*.safetensors there")
+    check_extra_train_data(a.extra_train_data)
     if a.init_from is not None:
-        given = [f for f, k in _HEADS_SHAPE_FLAGS if getattr(a, k) != _TRAIN_DEFAULTS[k]]
+        given = ["--" + k.replace("_", "-") for k, v in _SHAPE_DEFAULTS.items() if getattr(a, k) != v]
         _check(not given, f"{', '.join(given)}: the heads' shape comes from --init-from {a.init_from}; drop it")
     _check(
         a.init_from is None or (Path(a.init_from) / "medusa.json").is_file(),
@@ -218,7 +224,7 @@ def cmd_train(a: argparse.Namespace) -> int:
 
     from .. import load
     from ..drafters.medusa import MedusaConfig
-    from .data import generate_dataset, load_shards, read_prompts
+    from .data import generate_dataset, has_shards, load_shards, read_meta, read_prompts
     from .train import TrainConfig, evaluate, head_targets, rank_accuracy, train_heads
 
     validate_train_args(a)
@@ -236,7 +242,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     )
     if a.no_generate:
         _check(
-            a.train_data is not None and any(Path(a.train_data).glob("shard_*.safetensors")),
+            a.train_data is not None and has_shards(a.train_data),
             "--no-generate needs --train-data DIR holding shard_*.safetensors from an earlier run",
         )
     else:
@@ -251,7 +257,7 @@ def cmd_train(a: argparse.Namespace) -> int:
         )
     eval_dir = None
     if a.no_generate and a.eval_data:
-        _check(any(Path(a.eval_data).glob("shard_*.safetensors")), f"--eval-data {a.eval_data}: no shards there")
+        _check(has_shards(a.eval_data), f"--eval-data {a.eval_data}: no shards there")
         eval_dir = Path(a.eval_data)
     elif a.eval_prompts:
         eval_dir = (
@@ -270,8 +276,7 @@ def cmd_train(a: argparse.Namespace) -> int:
         )
     lm = llm.model.output_projection_weight()
     for d in [train_dir, *a.extra_train_data]:  # data made by another model, or sampled answers
-        meta_file = Path(d) / "meta.json"
-        meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+        meta = read_meta(d)
         _check(
             meta.get("model", llm.model_name) == llm.model_name,
             f"{d} holds {meta.get('model')!r}'s answers, not {llm.model_name!r}'s; train on this model's data",

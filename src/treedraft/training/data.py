@@ -151,19 +151,29 @@ def dataset_meta(
     return meta
 
 
+def has_shards(d: str | Path) -> bool:
+    """Whether directory ``d`` holds data shards (``shard_*.safetensors``)."""
+    return any(Path(d).glob("shard_*.safetensors"))
+
+
+def read_meta(d: str | Path) -> dict:
+    """A data directory's ``meta.json`` ({} if there is none); DataCacheMismatchError if it cannot be read."""
+    path = Path(d) / META_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataCacheMismatchError(f"{path} is unreadable ({e}); delete {d} to regenerate it") from e
+
+
 def check_meta(out_dir: str | Path, meta: dict) -> dict:
     """Compare ``meta`` with ``out_dir/meta.json``; raise DataCacheMismatchError on a difference.
 
     Keys missing on either side are unknown and accepted (directories written before a key
     existed, or by the older code that wrote meta.json only at the end). Returns the stored meta
     ({} if none)."""
-    path = Path(out_dir) / META_FILE
-    if not path.is_file():
-        return {}
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataCacheMismatchError(f"{path} is unreadable ({e}); delete {out_dir} to regenerate it") from e
+    old = read_meta(out_dir)
     diffs = []
     for k, v in meta.items():
         if k in _STATE_KEYS or k not in old or old[k] == v:

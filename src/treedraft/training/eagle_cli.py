@@ -75,7 +75,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def validate(a: argparse.Namespace) -> None:
     """Argument checks that need no model (ValueError naming the option)."""
-    from .cli import _check, check_at_least
+    from .cli import _check, check_at_least, check_extra_train_data
+    from .data import has_shards
 
     _check(a.prompts is not None or a.no_generate, "no prompt file found; pass --prompts FILE")
     _check(a.no_generate or Path(a.prompts).is_file(), f"--prompts {a.prompts}: no such file")
@@ -103,10 +104,9 @@ def validate(a: argparse.Namespace) -> None:
     _check(a.lr > 0 and a.ce_weight >= 0, "--lr must be > 0 and --ce-weight >= 0")
     _check(0 <= a.heldout < 0.5, f"--heldout must be in [0, 0.5), got {a.heldout}")
     _check(a.gen_temperature >= 0, f"--gen-temperature must be >= 0, got {a.gen_temperature}")
-    for d in a.extra_train_data:
-        _check(any(Path(d).glob("shard_*.safetensors")), f"--extra-train-data {d}: no shard_*.safetensors there")
+    check_extra_train_data(a.extra_train_data)
     _check(
-        not a.no_generate or (a.train_data and any(Path(a.train_data).glob("shard_*.safetensors"))),
+        not a.no_generate or (a.train_data and has_shards(a.train_data)),
         "--no-generate needs --train-data DIR holding shard_*.safetensors",
     )
 

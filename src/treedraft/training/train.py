@@ -253,11 +253,11 @@ def train_heads(
         if replace(init.config, extra={}, choices=()) != replace(mcfg, extra={}, choices=()):
             raise ValueError("train_heads(init=...): mcfg must be the initial heads' config")
         vocab_map = None if init.vocab_map is None else init.vocab_map.clone()
-        heads = MedusaHeads(mcfg, lm_head_weight, vocab_map, embed_weight)
-        heads.load_state_dict(init.state_dict())
     else:
         vocab_map = frequency_vocab(tokens[~held], mcfg.vocab_size, mcfg.draft_vocab) if mcfg.draft_vocab else None
-        heads = MedusaHeads(mcfg, lm_head_weight, vocab_map, embed_weight)
+    heads = MedusaHeads(mcfg, lm_head_weight, vocab_map, embed_weight)
+    if init is not None:
+        heads.load_state_dict(init.state_dict())
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
     steps_per_epoch = math.ceil(len(tr_idx) / tcfg.batch_size)
