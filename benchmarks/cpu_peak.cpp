@@ -9,6 +9,9 @@
 //   /tmp/cpu_peak & /tmp/cpu_peak; wait          # both cores at once
 // Session 13 (Zen 4 EPYC VM, 2.6 GHz nominal): vpdpbusd 2.6-3.1 zmm per ns (165-200 G int8 MAC/s per thread) in
 // both forms; vfmadd231ps 3.3-3.6 zmm per ns (53-58 G FMA/s).
+// Where the CPU has AVX512_BF16 it also times vdpbf16ps (bf16 pair dot products into fp32: the instruction a bf16
+// attention would use). Session 20, same Zen 4: vpdpbusd 3.3-3.5 zmm per ns (212-224 G MAC/s per thread, both
+// cores busy), vfmadd231ps 3.5-3.6 (55-58 G FMA/s), vdpbf16ps 3.6 (115 G bf16 MAC/s: twice fp32 FMA's MACs).
 #include <immintrin.h>
 
 #include <chrono>
@@ -75,6 +78,27 @@ __attribute__((noinline)) static void fma_registers() {
               kIters * 128.0 / s / 1e9, fs);
 }
 
+#if defined(__AVX512BF16__)
+__attribute__((noinline)) static void dpbf16_registers() {
+  __m512 f[16];
+  for (int i = 0; i < 16; ++i) f[i] = _mm512_set1_ps((float)i);
+  __m512bh a[4], b[4];
+  for (int i = 0; i < 4; ++i) {  // bf16 1.0 + i ulp and 0.5 + i ulp, as raw bits
+    a[i] = (__m512bh)_mm512_set1_epi16((short)(0x3f80 + i));
+    b[i] = (__m512bh)_mm512_set1_epi16((short)(0x3f00 + i));
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long n = 0; n < kIters * 8; ++n) {
+    _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) f[i] = _mm512_dpbf16_ps(f[i], a[i & 3], b[i >> 2]);
+  }
+  const double s = secs_since(t0);
+  float fs = 0;
+  for (int i = 0; i < 16; ++i) fs += _mm512_reduce_add_ps(f[i]);
+  std::printf("vdpbf16ps zmm: %.1f G bf16 MAC/s (%.2f instr/ns) [%g]\n", kIters * 128.0 * 32 / s / 1e9,
+              kIters * 128.0 / s / 1e9, fs);
+}
+#endif
+
 int main() {
   alignas(64) static signed char xa[64 * 16];
   for (int i = 0; i < 64 * 16; ++i) xa[i] = (signed char)(i * 7);
@@ -82,5 +106,8 @@ int main() {
     dpbusd_registers();
     dpbusd_tile_mix(xa);
     fma_registers();
+#if defined(__AVX512BF16__)
+    dpbf16_registers();
+#endif
   }
 }
