@@ -27,23 +27,15 @@ from treedraft.models import fused
 PHASES = ["other", "qkv", "attention", "wo", "w13", "w2", "lm_head"]
 
 
-def main() -> None:
-    """Run the interleaved per-row-count profile and print a markdown table."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--weights", default="int4")
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--rows", default="1,2,4,8,16")
-    args = ap.parse_args()
-    llm = treedraft.load(drafter=None, weights=args.weights)
-    m = llm.model
+def profile(m, ctx: int, ks: list[int], reps: int) -> dict[int, list[list[float]]]:
+    """Per row count k, per repetition: [forward wall ms, the 7 PHASES' ms, the lm_head's quantize ms] of a k-row
+    forward on a ``ctx``-token cache of model ``m`` (fused native decoder; row counts interleaved per repetition,
+    3 warm-up repetitions dropped)."""
     os.environ[fused.ENV_DISABLE] = "0"
-    print("fused status:", fused.status(m) or "on", "| threads", torch.get_num_threads())
-    V, ctx = m.vocab_size, args.context
+    V = m.vocab_size
     g = torch.Generator().manual_seed(0)
     cache = m.new_cache(ctx + 128)
-    ks = [int(k) for k in args.rows.split(",")]
-    rec: dict[int, list[list[float]]] = {k: [] for k in ks}  # per forward: wall, 7 phases, quantize
+    rec: dict[int, list[list[float]]] = {k: [] for k in ks}
     with torch.inference_mode():
         m.forward(torch.randint(0, V, (1, ctx), generator=g), torch.arange(ctx), cache, 0)
         cache.keep(0, range(ctx))
@@ -56,7 +48,7 @@ def main() -> None:
         if dec is None:
             raise SystemExit(f"fused decoder unavailable: {fused.status(m)}")
         dec.set_profile(True)
-        for rep in range(args.reps + 3):
+        for rep in range(reps + 3):
             for k in ks:
                 t, p, mk = inputs[k]
                 dec.take_timings()
@@ -69,6 +61,23 @@ def main() -> None:
                 if rep >= 3:  # warm-up
                     rec[k].append([wall, *ph, q])
         dec.set_profile(False)
+    return rec
+
+
+def main() -> None:
+    """Run the interleaved per-row-count profile and print a markdown table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--weights", default="int4")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    args = ap.parse_args()
+    llm = treedraft.load(drafter=None, weights=args.weights)
+    m = llm.model
+    print("fused status:", fused.status(m) or "on", "| threads", torch.get_num_threads())
+    ctx = args.context
+    ks = [int(k) for k in args.rows.split(",")]
+    rec = profile(m, ctx, ks, args.reps)
     cols = ["total (min)", "total", "outside", "other", "quantize", "q4 GEMM", "attention", "lm_head"]
     print(f"\n{args.weights}, context {ctx}, {args.reps} reps interleaved, ms per forward (median; total also min)")
     print("| rows | " + " | ".join(cols) + " |")
