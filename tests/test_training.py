@@ -484,3 +484,43 @@ def test_init_from_heads_starts_from_their_weights_and_vocabulary(tmp_path) -> N
     with pytest.raises(ValueError, match="initial heads' config"):
         train_heads(d, m.lm_head.weight, _mcfg(m, num_heads=3, draft_vocab=8), still, tmp_path / "x", progress=False,
                     init=a)  # fmt: skip
+
+
+class _TinyLLM:
+    """What train-heads reads of a loaded model (treedraft.load's result), over a tiny seeded Llama."""
+
+    def __init__(self, m) -> None:
+        self.model, self.model_name = m, "tiny"
+
+
+@pytest.mark.parametrize("with_eval", [False, True])
+def test_train_heads_no_generate_generates_nothing(tmp_path, capsys, monkeypatch, with_eval) -> None:
+    """--no-generate trains on --train-data and never answers prompts: without --eval-data it says that the heads
+    go unevaluated (no rank accuracies); with it they are evaluated on that directory as it is."""
+    import json
+
+    import treedraft.training.data as data_mod
+
+    m, d = _tiny_data(tmp_path)
+    (d / "meta.json").write_text(json.dumps({"model": "tiny"}))
+    monkeypatch.setattr(treedraft, "load", lambda *a, **k: _TinyLLM(m))
+
+    def no_generation(*a, **k):
+        raise AssertionError("--no-generate generated answers")
+
+    monkeypatch.setattr(data_mod, "generate_dataset", no_generation)
+    p = _jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
+    out = tmp_path / "heads"
+    argv = ["train-heads", "--no-generate", "--train-data", str(d), "--prompts", str(p), "--eval-prompts", str(p)]
+    argv += ["--num-heads", "2", "--draft-vocab", "0", "--epochs", "1", "--out", str(out)] + (
+        ["--eval-data", str(d)] if with_eval else []
+    )
+    rc, err = _main(argv, capsys)
+    assert rc == 0, err
+    extra = json.loads((out / "medusa.json").read_text())["extra"]
+    if with_eval:
+        assert extra["eval_data"] == str(d) and len(extra["rank_accuracy"]) == 2
+        assert "no evaluation" not in err
+    else:
+        assert extra["eval_data"] is None and "rank_accuracy" not in extra
+        assert "--no-generate without --eval-data: no evaluation" in err

@@ -101,7 +101,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument(
         "--no-generate",
         action="store_true",
-        help="train on the shards already in --train-data (e.g. an interrupted run); generate nothing",
+        help="train on the shards already in --train-data (e.g. an interrupted run); generate nothing (no "
+        "evaluation either unless --eval-data holds answers)",
     )
     t.add_argument(
         "--extra-train-data",
@@ -259,6 +260,13 @@ def cmd_train(a: argparse.Namespace) -> int:
     if a.no_generate and a.eval_data:
         _check(has_shards(a.eval_data), f"--eval-data {a.eval_data}: no shards there")
         eval_dir = Path(a.eval_data)
+    elif a.no_generate:  # generate nothing: evaluating would mean answering --eval-prompts first
+        print(
+            "warning: --no-generate without --eval-data: no evaluation, so the heads record no rank accuracies "
+            "(machines then use the default tree); pass --eval-data DIR (answers to held-out prompts, e.g. "
+            "`treedraft train-eagle --gen-only --prompts FILE --train-data DIR`) to evaluate them",
+            file=sys.stderr,
+        )
     elif a.eval_prompts:
         eval_dir = (
             Path(a.eval_data)
