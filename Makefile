@@ -48,7 +48,7 @@ bench: $(STAMP)
 train-eagle: $(STAMP)
 	scripts/train_eagle_shipped.sh $(OUT)
 
-# the shipped Medusa heads from the previous ones: data steps (int4 serving loop) + one epoch (about 2 h on 2 cores)
+# the shipped Medusa heads from the previous ones: data steps (int4 serving loop) + two epochs (about 3 h on 2 cores)
 train-heads: $(STAMP)
 	scripts/train_heads_shipped.sh $(OUT)
 

@@ -10,7 +10,8 @@
 #   - the 2,640 ShareGPT prompts that fit (the same data step as scripts/train_eagle_shipped.sh),
 #   - 1,600 template prompts over eight kinds of request (benchmarks/eagle_template_prompts.py, session 18),
 #   - requests the model wrote itself (treedraft synth-prompts --num 4000: 3,253 kept in session 19),
-# 1.55 M answer rows in all (5% of the sequences held out), evaluated on the MT-Bench first turns' answers (never trained on).
+# 1.55 M answer rows in all (5% of the sequences held out), evaluated on the MT-Bench first turns' answers (never trained on);
+# then (session 20) one more epoch adding 4,000 more self-written requests (below).
 # Wall time on the 2-core Zen 4 EPYC of session 19: data ~35 + 10 + 10 + 28 min, training ~30 min (one thread).
 # Session 19 wrote its synthesized prompts in completion order (before synth-prompts wrote them in key order); that
 # file is benchmarks/results/heads-s19/synth_prompts.jsonl.gz, used instead of drawing new ones when SYNTH_PROMPTS=
@@ -47,4 +48,24 @@ if [ ! -f H/heads.safetensors ]; then
   "$T" train-heads --weights int4 --no-generate --train-data data --extra-train-data tmpl --extra-train-data synth \
     --eval-data mtb --init-from start --epochs 1 --lr 1e-3 --threads 1 --out H
 fi
-echo "train-heads: done: $out/H (the shipped heads; the package ships them in fp16)"
+
+# session 20: 4,000 more self-written requests (keys 4000..7999 of the same synth-prompts file, same settings; 3,275
+# kept), their answers, and one more epoch from H (lr 5e-4) on them + the template set + the first synthesized set
+# (ShareGPT left out: seen already): ~8 + 27 + 23 min here. SYNTH_PROMPTS2= reuses the session's new requests,
+# benchmarks/results/heads-s20/synth_prompts_4000-7999.jsonl.gz gunzipped.
+if [ -n "${SYNTH_PROMPTS2:-}" ]; then sp2="$SYNTH_PROMPTS2"; else
+  sp2=synth2_prompts.jsonl
+  if [ ! -f "$sp2" ]; then
+    "$T" synth-prompts --weights int4 --threads 2 --num 8000 --seed 0 --out "$sp"  # continues the file: keys 4000..7999
+    "$PY" -c 'import json, sys
+for line in open(sys.argv[1]):
+    if json.loads(line)["key"] >= 4000: sys.stdout.write(line)' "$sp" > "$sp2.tmp"
+    mv "$sp2.tmp" "$sp2"
+  fi
+fi
+"$T" train-eagle $gen --train-data synth2 --prompts "$sp2"
+if [ ! -f H20/heads.safetensors ]; then
+  "$T" train-heads --weights int4 --no-generate --train-data synth2 --extra-train-data tmpl --extra-train-data synth \
+    --eval-data mtb --init-from H --epochs 1 --lr 5e-4 --threads 1 --out H20
+fi
+echo "train-heads: done: $out/H20 (the shipped heads; the package ships them in fp16)"
