@@ -9,9 +9,9 @@
 # warm epochs over the target's greedy answers and sampled answers (T 0.7) to the 2,640 ShareGPT prompts that fit.
 # Wall time on a 2-core CPU: data ~11 min per set on a Zen 5 EPYC, ~35 min on a Zen 4; training 12-31 min per
 # epoch on a Zen 5 (one or two threads), ~19 min per million rows on a Zen 4 (two threads; the last step has
-# 2.07 M). Hours in all. The result is <OUT_DIR>/DM (D7 was shipped before session 19); compare
+# 2.07 M). Hours in all. The result is <OUT_DIR>/E20 (D7 was shipped before session 19, DM in session 19); compare
 # it with the shipped file by
-#   python benchmarks/eagle_heldout.py --data OUT_DIR/data --heldout 0.1 OUT_DIR/DM src/treedraft/heads/smollm2-135m-instruct
+#   python benchmarks/eagle_heldout.py --data OUT_DIR/data --heldout 0.1 OUT_DIR/E20 src/treedraft/heads/smollm2-135m-instruct
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 T="${TREEDRAFT:-$here/.venv/bin/treedraft}"
@@ -59,4 +59,21 @@ fi
 "$T" train-eagle $gen --train-data synth --prompts "$sp"
 step DM D7 2 3 --extra-train-data tmpl --extra-train-data synth
 
-echo "train-eagle: done: $out/DM (the shipped file)"
+# session 20: one more epoch from DM on 3,275 more self-written requests (keys 4000..7999 of the same synth-prompts
+# file, as scripts/train_heads_shipped.sh draws them; SYNTH_PROMPTS2= reuses the session's,
+# benchmarks/results/heads-s20/synth_prompts_4000-7999.jsonl.gz gunzipped) + the template set + the first synthesized
+# set (ShareGPT left out: seen for many epochs): data ~27 min, training ~60 min on two threads (1.95 M rows)
+if [ -n "${SYNTH_PROMPTS2:-}" ]; then sp2="$SYNTH_PROMPTS2"; else
+  sp2=synth2_prompts.jsonl
+  if [ ! -f "$sp2" ]; then
+    "$T" synth-prompts --weights int4 --threads 2 --num 8000 --seed 0 --out "$sp"  # continues the file: keys 4000..7999
+    "${PYTHON:-$here/.venv/bin/python}" -c 'import json, sys
+for line in open(sys.argv[1]):
+    if json.loads(line)["key"] >= 4000: sys.stdout.write(line)' "$sp" > "$sp2.tmp"
+    mv "$sp2.tmp" "$sp2"
+  fi
+fi
+"$T" train-eagle $gen --train-data synth2 --prompts "$sp2"
+step E20 DM 2 3 --train-data synth2 --extra-train-data tmpl --extra-train-data synth
+
+echo "train-eagle: done: $out/E20 (the shipped file)"
