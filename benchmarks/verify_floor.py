@@ -34,6 +34,8 @@ import treedraft
 HERE = Path(__file__).resolve().parent
 PEAKS = {"vpdpbusd": r"vpdpbusd zmm, register sources: ([\d.]+) G", "fma": r"vfmadd231ps zmm: ([\d.]+) G",
          "bf16": r"vdpbf16ps zmm: ([\d.]+) G"}  # fmt: skip
+RATE = {"linears": "vpdpbusd", "lm_head": "vpdpbusd", "attention": "fma"}  # the peak each part of work() runs at
+LABEL = {"attention": "attention (fp32 FMA)"}
 
 
 def peaks(threads: int) -> dict[str, float]:
@@ -83,23 +85,19 @@ def main() -> None:
     one = min(r[0] for r in rec[1])
     k_min, k_med = min(r[0] for r in rec[a.rows]), statistics.median(r[0] for r in rec[a.rows])
     w = work(m.config, a.rows, a.context)
-    floor = {
-        "linears": w["linears"] / pk["vpdpbusd"] * 1e3,
-        "lm_head": w["lm_head"] / pk["vpdpbusd"] * 1e3,
-        "attention (fp32 FMA)": w["attention"] / pk["fma"] * 1e3,
-    }
+    floor = {part: w[part] / pk[RATE[part]] * 1e3 for part in RATE}
     med = {i: statistics.median(r[1 + i] for r in rec[a.rows]) for i in range(7)}
     quant = statistics.median(r[8] for r in rec[a.rows])  # inside the linear phases (rows_profile's note)
-    lin = med[1] + med[3] + med[4] + med[5] - quant
-    measured = {"linears": lin, "lm_head": med[6], "attention (fp32 FMA)": med[2]}
+    measured = {"linears": med[1] + med[3] + med[4] + med[5] - quant, "lm_head": med[6], "attention": med[2]}
     print(f"cpu: {os.cpu_count()} logical CPUs, {threads} threads; peaks of all threads together (G multiply-adds/s):",
           ", ".join(f"{k} {v:.0f}" for k, v in pk.items()))  # fmt: skip
     print(f"\n{a.weights}, context {a.context}: {a.rows}-row forward, ms (measured: median of {a.reps}, per phase)")
     print("| part | G multiply-adds | floor at the peak | measured | measured / floor |")
     print("|---|---|---|---|---|")
-    gma = {"linears": w["linears"], "lm_head": w["lm_head"], "attention (fp32 FMA)": w["attention"]}
     for part, f in floor.items():
-        print(f"| {part} | {gma[part]:.3f} | {f:.2f} | {measured[part]:.2f} | {measured[part] / f:.2f} |")
+        print(
+            f"| {LABEL.get(part, part)} | {w[part]:.3f} | {f:.2f} | {measured[part]:.2f} | {measured[part] / f:.2f} |"
+        )
     rest = k_med - sum(measured.values())
     total = sum(floor.values())
     print(f"| other (norms, RoPE, softmax, quantization, Python) | - | 0 | {rest:.2f} | - |")
@@ -107,7 +105,7 @@ def main() -> None:
     print(f"\n1-row forward, measured min: {one:.2f} ms; the target {a.target}x of it: {a.target * one:.2f} ms")
     print(f"floor / 1-row = {total / one:.2f}x (fp32 attention)", end="")
     if "bf16" in pk:
-        bf = total - floor["attention (fp32 FMA)"] + w["attention"] / pk["bf16"] * 1e3
+        bf = total - floor["attention"] + w["attention"] / pk["bf16"] * 1e3
         print(f"; {bf / one:.2f}x with attention at the vdpbf16ps peak", end="")
     print(f"; measured {k_min / one:.2f}x (min / min)")
 

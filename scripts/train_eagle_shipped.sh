@@ -15,12 +15,14 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 T="${TREEDRAFT:-$here/.venv/bin/treedraft}"
+PY="${PYTHON:-$here/.venv/bin/python}"
 out="${1:-eagle-train}"
 mkdir -p "$out"
 cd "$out"
 
 gen="--weights int4 --max-new-tokens 256 --shard-size 32 --gen-concurrency 8 --threads 2 --gen-only"
-"$T" train-eagle $gen --train-data data
+. "$here/scripts/shipped_data.sh"
+shared_data_sets  # greedy ShareGPT, template and two self-written sets (data, tmpl, synth, synth2)
 for s in 1 2; do "$T" train-eagle $gen --train-data data-t07-s$s --gen-temperature 0.7 --gen-seed $s; done
 
 if [ ! -f s7/eagle.safetensors ]; then
@@ -47,33 +49,11 @@ step a5 a4 2 3 --extra-train-data data-t07-s1
 step D7 a5 2 3 --extra-train-data data-t07-s1 --extra-train-data data-t07-s2
 
 # session 19: one more epoch from D7 on greedy ShareGPT + the template set (session 18) + requests the model wrote
-# itself (synth-prompts; SYNTH_PROMPTS= reuses benchmarks/results/heads-s19/synth_prompts.jsonl.gz gunzipped):
-# ~60 min on two threads of the Zen 4 (1.9 M rows + the extra sets)
-[ -f tmpl_prompts.jsonl ] || "${PYTHON:-$here/.venv/bin/python}" "$here/benchmarks/eagle_template_prompts.py" --n 1600 \
-  --seed 0 --out tmpl_prompts.jsonl
-"$T" train-eagle $gen --train-data tmpl --prompts tmpl_prompts.jsonl
-if [ -n "${SYNTH_PROMPTS:-}" ]; then sp="$SYNTH_PROMPTS"; else
-  sp=synth_prompts.jsonl
-  "$T" synth-prompts --weights int4 --threads 2 --num 4000 --seed 0 --out "$sp"
-fi
-"$T" train-eagle $gen --train-data synth --prompts "$sp"
+# itself (synth): ~60 min on two threads of the Zen 4 (1.9 M rows + the extra sets)
 step DM D7 2 3 --extra-train-data tmpl --extra-train-data synth
 
-# session 20: one more epoch from DM on 3,275 more self-written requests (keys 4000..7999 of the same synth-prompts
-# file, as scripts/train_heads_shipped.sh draws them; SYNTH_PROMPTS2= reuses the session's,
-# benchmarks/results/heads-s20/synth_prompts_4000-7999.jsonl.gz gunzipped) + the template set + the first synthesized
-# set (ShareGPT left out: seen for many epochs): data ~27 min, training ~60 min on two threads (1.95 M rows)
-if [ -n "${SYNTH_PROMPTS2:-}" ]; then sp2="$SYNTH_PROMPTS2"; else
-  sp2=synth2_prompts.jsonl
-  if [ ! -f "$sp2" ]; then
-    "$T" synth-prompts --weights int4 --threads 2 --num 8000 --seed 0 --out "$sp"  # continues the file: keys 4000..7999
-    "${PYTHON:-$here/.venv/bin/python}" -c 'import json, sys
-for line in open(sys.argv[1]):
-    if json.loads(line)["key"] >= 4000: sys.stdout.write(line)' "$sp" > "$sp2.tmp"
-    mv "$sp2.tmp" "$sp2"
-  fi
-fi
-"$T" train-eagle $gen --train-data synth2 --prompts "$sp2"
+# session 20: one more epoch from DM on 3,275 more self-written requests (synth2) + the template set + the first
+# synthesized set (ShareGPT left out: seen for many epochs): ~60 min on two threads (1.95 M rows)
 step E20 DM 2 3 --train-data synth2 --extra-train-data tmpl --extra-train-data synth
 
 echo "train-eagle: done: $out/E20 (the shipped file)"

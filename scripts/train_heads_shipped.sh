@@ -28,14 +28,8 @@ mkdir -p "$out"
 cd "$out"
 
 gen="--weights int4 --max-new-tokens 256 --shard-size 32 --gen-concurrency 8 --threads 2 --gen-only"
-"$T" train-eagle $gen --train-data data
-[ -f tmpl_prompts.jsonl ] || "$PY" "$here/benchmarks/eagle_template_prompts.py" --n 1600 --seed 0 --out tmpl_prompts.jsonl
-"$T" train-eagle $gen --train-data tmpl --prompts tmpl_prompts.jsonl
-if [ -n "${SYNTH_PROMPTS:-}" ]; then sp="$SYNTH_PROMPTS"; else
-  sp=synth_prompts.jsonl
-  "$T" synth-prompts --weights int4 --threads 2 --num 4000 --seed 0 --out "$sp"
-fi
-"$T" train-eagle $gen --train-data synth --prompts "$sp"
+. "$here/scripts/shipped_data.sh"
+shared_data_sets  # greedy ShareGPT, template and two self-written sets (data, tmpl, synth, synth2)
 "$T" train-eagle $gen --train-data mtb --prompts "$mtb"
 
 if [ ! -f start/heads.safetensors ]; then
@@ -49,21 +43,8 @@ if [ ! -f H/heads.safetensors ]; then
     --eval-data mtb --init-from start --epochs 1 --lr 1e-3 --threads 1 --out H
 fi
 
-# session 20: 4,000 more self-written requests (keys 4000..7999 of the same synth-prompts file, same settings; 3,275
-# kept), their answers, and one more epoch from H (lr 5e-4) on them + the template set + the first synthesized set
-# (ShareGPT left out: seen already): ~8 + 27 + 23 min here. SYNTH_PROMPTS2= reuses the session's new requests,
-# benchmarks/results/heads-s20/synth_prompts_4000-7999.jsonl.gz gunzipped.
-if [ -n "${SYNTH_PROMPTS2:-}" ]; then sp2="$SYNTH_PROMPTS2"; else
-  sp2=synth2_prompts.jsonl
-  if [ ! -f "$sp2" ]; then
-    "$T" synth-prompts --weights int4 --threads 2 --num 8000 --seed 0 --out "$sp"  # continues the file: keys 4000..7999
-    "$PY" -c 'import json, sys
-for line in open(sys.argv[1]):
-    if json.loads(line)["key"] >= 4000: sys.stdout.write(line)' "$sp" > "$sp2.tmp"
-    mv "$sp2.tmp" "$sp2"
-  fi
-fi
-"$T" train-eagle $gen --train-data synth2 --prompts "$sp2"
+# session 20: one more epoch from H (lr 5e-4) on 4,000 more self-written requests (synth2: 3,275 kept) + the template
+# set + the first synthesized set (ShareGPT left out: seen already): ~23 min here
 if [ ! -f H20/heads.safetensors ]; then
   "$T" train-heads --weights int4 --no-generate --train-data synth2 --extra-train-data tmpl --extra-train-data synth \
     --eval-data mtb --init-from H --epochs 1 --lr 5e-4 --threads 1 --out H20
