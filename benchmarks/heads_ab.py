@@ -7,6 +7,9 @@ x plain and mean accepted length per pair: the speed figures are ratios taken in
     python benchmarks/heads_ab.py --heads src/treedraft/heads/smollm2-135m-instruct NEW_DIR [--prompts 20]
         [--tokens 256] [--methods hybrid-suffix,medusa] [--skip 0] [--turn 2]
 
+``--methods eagle@q8,eagle@q4``: the EAGLE drafter with its draft layer's native copy in q8 and in q4;
+``hybrid-suffix@q4``: the Medusa member's projection in q4 (drafters/draft_format.py); without ``@``: as chosen.
+
 ``--turn 2``: the MT-Bench second turns instead, with plain's greedy first answer in the context (as
 benchmarks/turn2_methods.py builds them); each (method, heads) pair drafts from its own fresh copy.
 """
@@ -24,6 +27,37 @@ from treedraft.drafters.hybrid import fresh_copy
 from treedraft.prompts import read_prompt_file
 
 MTB = "/work/shared/data/mt_bench_questions.jsonl"
+
+
+def build(llm, method: str, heads: str):
+    """``method`` from the registry with ``heads``; ``method@FORMAT``: with the drafter's native weight copy in that
+    format (EagleDrafter.for_target's draft_weights, MedusaDrafter.for_target's proj_format)."""
+    if "@" not in method:
+        return llm.get_drafter(method, heads=heads)
+    name, weights = method.split("@")
+    if name != "eagle":  # the Medusa member's projection in that format (its own machine tree and draft cost)
+        import dataclasses
+
+        from treedraft.drafters.medusa import MedusaDrafter
+        from treedraft.drafters.registry import _REGISTRY, canonical
+
+        cache, orig = llm.drafters, MedusaDrafter.for_target
+        MedusaDrafter.for_target = staticmethod(lambda t, h, n=None, proj_format=None: orig(t, h, n, weights))
+        try:  # a fresh build: its own heads object, not the registry's cached one
+            opts = dataclasses.replace(cache.options, heads=heads)
+            return _REGISTRY[canonical(name)].factory(cache.target, cache.tokenizer, opts)
+        finally:
+            MedusaDrafter.for_target = orig
+    from treedraft.drafters.eagle import EagleDrafter
+    from treedraft.drafters.eagle_cost import eagle_draft_costs_on_curve
+    from treedraft.drafters.registry import DrafterOptions, eagle_dir
+
+    where = eagle_dir(DrafterOptions(model_name=llm.model_name, heads=heads))
+    target = llm.drafters.target
+    d = EagleDrafter.for_target(target, where, llm.model_name, draft_weights=weights)
+    if d.curve is not None:
+        d.draft_costs = eagle_draft_costs_on_curve(target, d, float(d.curve(1)))
+    return d
 
 
 def main() -> None:
@@ -47,7 +81,7 @@ def main() -> None:
         qs = [json.loads(ln) for ln in Path(a.data).read_text().splitlines() if ln.strip()]
         prompts = [second_turn(llm, q, a.tokens)[1] for q in qs[a.skip : a.skip + a.prompts]]
     pairs = [(m, h) for m in a.methods.split(",") for h in a.heads]
-    built = {(m, h): llm.get_drafter(m, heads=h) for m, h in pairs}
+    built = {(m, h): build(llm, m, h) for m, h in pairs}
     for d in built.values():  # warm-up (and the per-machine measurements a first use makes)
         llm.generate("Hello", drafter=fresh_copy(d), max_new_tokens=8)
     tot = {k: [0, 0.0, 0] for k in [("plain", "-"), *pairs]}

@@ -201,7 +201,9 @@ def test_bf16_pack_failure_falls_back_to_float32_drafting(monkeypatch: pytest.Mo
 
     import treedraft.drafters.medusa_native as native_mod
 
-    monkeypatch.setattr(native_mod.NativeDraft, "build", staticmethod(lambda heads: None))  # no native kernels
+    monkeypatch.setattr(
+        native_mod.NativeDraft, "build", staticmethod(lambda heads, proj_format="q8": None)
+    )  # no native kernels
     monkeypatch.setattr(medusa_mod, "bf16_gemm_available", lambda: True)
     monkeypatch.setattr(medusa_mod, "pack_bf16", cannot_pack)
     assert heads.pack_for_drafting() is False and heads._draft_w is None

@@ -95,6 +95,7 @@ class EagleDrafter:
             draft_step_seconds = float(self.curve(1)) / 10
         self.step_seconds = draft_step_seconds or 0.0
         self.max_len = max_len
+        self.draft_weights = "q8"  # the format of the native draft layer's linears (for_target; cached costs key)
         self.last_expected = 1.0  # 1 + the summed draft values of the last tree (EAGLE-2's E[accepted + bonus])
         self._acc = self._exp = 0.0  # decayed sums: accepted draft tokens, expected (uncalibrated) values
         self._skip = self._backoff = 0  # steps left to skip drafting; the current back-off length
@@ -326,15 +327,17 @@ class EagleDrafter:
         d: str | Path,
         model_name: str | None = None,
         latency: dict[int, float] | str | None = "measured",
+        draft_weights: str = "q8",
     ) -> EagleDrafter:
         """Load the drafter in ``d`` for ``target`` (EagleMismatchError if trained for another model); on a
         native target it drafts through one native call per depth and, with latency "measured", sizes its
         trees by this machine's forward latency curve (:func:`treedraft.scheduler.measured_latency`);
-        None keeps the whole node budget; a dict is used as the curve (see :class:`EagleDrafter`)."""
+        None keeps the whole node budget; a dict is used as the curve (see :class:`EagleDrafter`). draft_weights:
+        the format of the draft layer's native linears (:func:`fast_drafting`)."""
         from .eagle_native import native_draft_step
 
         net = EagleNet.load(d, target, model_name)
-        net, project, vocab = fast_drafting(net, target)
+        net, project, vocab = fast_drafting(net, target, draft_weights)
         native = native_draft_step(net, project) if project is not None else None
         if latency == "measured":
             from ..scheduler import measured_latency
@@ -343,4 +346,6 @@ class EagleDrafter:
         elif isinstance(latency, str):
             raise ValueError(f"latency must be 'measured', None or a dict of row count -> seconds, got {latency!r}")
         max_len = getattr(target, "max_seq_len", 4096) or 4096
-        return EagleDrafter(net, max_len=max_len, project=project, project_vocab=vocab, native=native, latency=latency)
+        d = EagleDrafter(net, max_len=max_len, project=project, project_vocab=vocab, native=native, latency=latency)
+        d.draft_weights = draft_weights
+        return d

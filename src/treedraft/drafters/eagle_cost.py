@@ -99,6 +99,7 @@ def eagle_draft_costs_on_curve(
         "draft_vocab": c.draft_vocab,
         "topk": eagle.topk,
         "native": eagle.native is not None,
+        "draft_weights": eagle.draft_weights,
         "reps": reps,
     }
     first, depth = cached_measurement(EAGLE_DRAFT_COST_KIND, key, measure, load, dev)

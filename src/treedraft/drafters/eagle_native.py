@@ -113,7 +113,11 @@ def native_draft_step(fast: torch.nn.Module, head: Any) -> NativeDraftStep | Non
     return NativeDraftStep(dec, head.out_features)
 
 
-def fast_drafting(net: nn.Module, target: Any) -> tuple[nn.Module, object, Tensor | None]:
+# fast_drafting's formats: the draft layer's linears (and fc), then its draft-vocabulary head ("q4": head in q8)
+DRAFT_WEIGHTS = {"q8": ("q8", "q8"), "q4": ("q4", "q8"), "q4h": ("q4", "q4")}
+
+
+def fast_drafting(net: nn.Module, target: Any, weights: str = "q8") -> tuple[nn.Module, object, Tensor | None]:
     """(net, project, project_vocab) for drafting an EagleNet: on a target served by the native quantized kernels, the
     draft layer's linears and its draft-vocabulary head become native group-32 int8 (q8, round-to-nearest);
     else the net as it is, projecting with the target's quantized lm_head if it has one.
@@ -126,7 +130,10 @@ def fast_drafting(net: nn.Module, target: Any) -> tuple[nn.Module, object, Tenso
     import copy
 
     from ..models.llama import Linear
-    from ..models.quant import NativeLinear, QuantLinear, native_kernels, quantize_q8_rtn, swap_linears
+    from ..models.quant import NativeLinear, QuantLinear, native_kernels, quantize_q4_rtn, quantize_q8_rtn, swap_linears
+
+    if weights not in DRAFT_WEIGHTS:
+        raise ValueError(f"EAGLE draft weights must be one of {sorted(DRAFT_WEIGHTS)}, got {weights!r}")
 
     lm = getattr(target, "lm_head", None)
     lm = lm if isinstance(lm, QuantLinear) else None
@@ -136,13 +143,16 @@ def fast_drafting(net: nn.Module, target: Any) -> tuple[nn.Module, object, Tenso
     if natives is None or (lm is None and net.vocab_map is None):
         return net, lm, None
     fast = copy.deepcopy(net)
+    layer_fmt, head_fmt = DRAFT_WEIGHTS[weights]
+    quantize = quantize_q4_rtn if layer_fmt == "q4" else quantize_q8_rtn
     qw = {
-        n: quantize_q8_rtn(m.weight.detach())
+        n: quantize(m.weight.detach())
         for n, m in fast.named_modules()
         if isinstance(m, (Linear, nn.Linear)) and m.in_features % 32 == 0
     }
-    swap_linears(fast, qw, {"q8": "native"}, natives)
+    swap_linears(fast, qw, {layer_fmt: "native"}, natives)
     fast.layer.attn.exact_attention = False  # the draft layer keeps SDPA (its tree masks over the draft cache)
     if net.vocab_map is None:
         return fast, lm, None
-    return fast, NativeLinear("q8", quantize_q8_rtn(net.lm_weight).parts, None, natives), net.vocab_map
+    head = (quantize_q4_rtn if head_fmt == "q4" else quantize_q8_rtn)(net.lm_weight)
+    return fast, NativeLinear(head_fmt, head.parts, None, natives), net.vocab_map

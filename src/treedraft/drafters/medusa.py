@@ -182,7 +182,7 @@ class MedusaHeads(nn.Module):
         e = self.embed_weight[root.to(self.embed_weight.device)].to(h.dtype)  # (..., H)
         return torch.stack([blk(h + p(e)) for blk, p in zip(blocks, self.root_proj)], dim=-2)
 
-    def pack_for_drafting(self) -> bool:
+    def pack_for_drafting(self, proj_format: str = "q8") -> bool:
         """Keep a rounded copy of the drafting weights: native int8 (``treedraft.kernels``), else bf16.
 
         Drafting streams the (draft vocabulary x hidden) projection every step. With the native kernels
@@ -190,12 +190,13 @@ class MedusaHeads(nn.Module):
         a quarter of the float32 bytes, and ~30x faster than oneDNN's bf16 where bf16 is emulated); else
         on a CPU with bf16 GEMM, through a oneDNN-packed bf16 copy of the projection (half the bytes).
         Draft scores only rank candidates (the target verifies every token), so rounding them cannot
-        change any output. Returns whether a rounded copy is on.
+        change any output. Returns whether a rounded copy is on. proj_format: the native projection's format
+        ("q8", or "q4": half the bytes; :mod:`.medusa_native`).
         """
         from .medusa_native import NativeDraft
 
         self._draft_w = None
-        self._native = NativeDraft.build(self)
+        self._native = NativeDraft.build(self, proj_format)
         if self._native is not None:
             return True
         w = self.base_weight
@@ -226,7 +227,7 @@ class MedusaHeads(nn.Module):
     def draft_path(self) -> str:
         """Which weights drafting streams: "native-q8", "bf16" or the heads' own dtype (a tree cache key part)."""
         if self._native is not None:
-            return "native-q8"
+            return "native-q8" if self._native.proj_format == "q8" else f"native-q8-proj-{self._native.proj_format}"
         if self._draft_w is not None:
             return "bf16"
         return str(next(self.parameters()).dtype).removeprefix("torch.")
@@ -405,10 +406,19 @@ class MedusaDrafter:
         return out
 
     @staticmethod
-    def for_target(target: TargetModel, heads_dir: str | Path, model_name: str | None = None) -> MedusaDrafter:
+    def for_target(
+        target: TargetModel,
+        heads_dir: str | Path,
+        model_name: str | None = None,
+        proj_format: str | None = None,
+        latency: dict[int, float] | None = None,
+    ) -> MedusaDrafter:
         """Load the heads in ``heads_dir`` for ``target``, refusing heads trained for another model.
 
         model_name: the target's registry name, checked against the heads' base model when given.
+        proj_format: the native drafting copy of the shared projection, "q8" or "q4"; None = with ``latency``
+        (the target's measured curve, as the paid hybrids have it), whichever drafts faster on this machine,
+        measured as in decoding and cached (:mod:`.draft_format`); without it q8.
         """
         lm = target.output_projection_weight()
         if lm is None:
@@ -425,7 +435,8 @@ class MedusaDrafter:
             embed_weight=target.input_embedding_weight(),
         )
         h = h.to(lm.device)
-        h.pack_for_drafting()
+        if h.pack_for_drafting(proj_format or "q8") and proj_format is None and latency and h._native is not None:
+            _pack_cheapest(target, h, latency)
         from ..training.calibrate import machine_tree
 
         return MedusaDrafter(h, machine_tree(target, h, Path(heads_dir), model_name or ""))
@@ -449,3 +460,16 @@ class MedusaDrafter:
             rows = vm[torch.tensor(rows, device=vm.device)].tolist()
         cands = [row[:k] for row, k in zip(rows, ks)]
         return TokenTree.from_choices(ctx.root, choices, cands).truncated(ctx.max_nodes)
+
+
+def _pack_cheapest(target: TargetModel, heads: MedusaHeads, latency: dict[int, float]) -> None:
+    """Leave ``heads`` packed in the projection format whose one-node propose costs least on this machine (as in
+    decoding, after a target forward; cached per machine and format; ``latency``: the target's curve)."""
+    from .draft_format import MEDUSA_FORMATS, cheapest
+    from .registry import draft_cost_on_curve
+
+    def cost(fmt: str) -> float:
+        heads.pack_for_drafting(fmt)
+        return draft_cost_on_curve(target, MedusaDrafter(heads, ((0,),)), latency)
+
+    heads.pack_for_drafting(cheapest(MEDUSA_FORMATS, cost))

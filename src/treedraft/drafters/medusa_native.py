@@ -32,12 +32,27 @@ def pack_q8(w: Tensor, kernels: Any) -> Any:
     return kernels.pack_q8_0(scale, q)
 
 
-class NativeDraft:
-    """Int8 copies of a :class:`MedusaHeads`' drafting weights and the draft forward over them."""
+def pack_q4(w: Tensor, kernels: Any) -> Any:
+    """(N, K) float weight -> a native Q4_1 PackedWeight (group-32 min/max 4-bit, round to nearest, fp16 scales)."""
+    from ..models.quant import quantize_q4_rtn
 
-    def __init__(self, heads: MedusaHeads, kernels: Any) -> None:
+    scale, minv, q = quantize_q4_rtn(w.detach()).parts
+    return kernels.pack_q4_1(scale, minv, q)
+
+
+PROJ_FORMATS = {"q8": pack_q8, "q4": pack_q4}  # the shared projection's native copy (the blocks stay q8)
+
+
+class NativeDraft:
+    """Int8 copies of a :class:`MedusaHeads`' drafting weights and the draft forward over them (the shared
+    projection in ``proj_format``: "q8", or "q4" for half its bytes)."""
+
+    def __init__(self, heads: MedusaHeads, kernels: Any, proj_format: str = "q8") -> None:
+        if proj_format not in PROJ_FORMATS:
+            raise ValueError(f"Medusa projection format must be one of {sorted(PROJ_FORMATS)}, got {proj_format!r}")
         self.k = kernels
-        self.proj = pack_q8(heads.base_weight, kernels)  # (V', H)
+        self.proj_format = proj_format
+        self.proj = PROJ_FORMATS[proj_format](heads.base_weight, kernels)  # (V', H)
         # all heads' residual blocks (and root projections) stacked as one (K H, H) matrix each, packed once: the
         # first n heads are its leading n H rows (PackedWeight.first_rows), one native call for all of them. A
         # row's outputs do not depend on the other rows or columns of a call, so each head's block is the same
@@ -54,7 +69,7 @@ class NativeDraft:
                 self.root = pack_q8(torch.cat([p.weight.detach() for p in heads.root_proj]), kernels)
 
     @staticmethod
-    def build(heads: MedusaHeads) -> NativeDraft | None:
+    def build(heads: MedusaHeads, proj_format: str = "q8") -> NativeDraft | None:
         """Native copies when the kernels are usable for these heads (CPU, float32, shared projection,
         hidden size a multiple of 32), else None."""
         from ..models.quant import native_kernels
@@ -65,7 +80,7 @@ class NativeDraft:
         if w.shape[1] % QK or any(p.dtype != torch.float32 for p in heads.parameters()):
             return None
         kernels = native_kernels()
-        return None if kernels is None else NativeDraft(heads, kernels)
+        return None if kernels is None else NativeDraft(heads, kernels, proj_format)
 
     def features(self, heads: MedusaHeads, h: Tensor, root: Tensor | None, n: int) -> Tensor:
         """(H,) hidden [+ root id] -> (n, H) features of the first n heads (as :meth:`MedusaHeads.hidden`)."""

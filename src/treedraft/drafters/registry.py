@@ -179,7 +179,7 @@ def _prompt_lookup(target: TargetModel, tokenizer: Any, options: DrafterOptions)
     return PromptLookupDrafter()
 
 
-def _medusa(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
+def _medusa(target: TargetModel, tokenizer: Any, options: DrafterOptions, latency: dict | None = None) -> Drafter:
     from .medusa import MedusaDrafter
 
     d = heads_dir(options)
@@ -188,7 +188,8 @@ def _medusa(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Dra
             f"no Medusa heads are shipped for {options.model_name!r}; "
             "train some with `treedraft train-heads` and pass --heads DIR"
         )
-    return MedusaDrafter.for_target(target, d, options.model_name)
+    # with the curve (the paid hybrids): the projection's copy that drafts faster here (drafters/draft_format.py)
+    return MedusaDrafter.for_target(target, d, options.model_name, latency=latency)
 
 
 def _hybrid(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
@@ -258,6 +259,7 @@ def draft_cost_on_curve(target: TargetModel, medusa: Any, latency: dict[int, flo
         "num_heads": getattr(cfg, "num_heads", None),
         "head_params": sum(p.numel() for p in medusa.heads.parameters()),
         "head_dtype": str(w.dtype),
+        "draft_path": medusa.heads.draft_path,  # which copy of the weights drafting streams (its format)
         # the rows of the projection a propose streams (a smaller drafting vocabulary costs less)
         "draft_vocab": None if medusa.heads.base_weight is None else int(medusa.heads.base_weight.shape[0]),
         "reps": reps,
@@ -276,8 +278,8 @@ def _hybrid_suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions)
     # prompt lookup alone, est. x plain on the quiet Xeon curve; first turns 1.19x against 1.17x).
     sizing = suffix_sizing(target)
     suffix = make_suffix_drafter(options.suffix_store, options.tenant, min_match=1, **sizing)
-    medusa: Any = _medusa(target, tokenizer, options)
     latency = sizing.get("latency")
+    medusa: Any = _medusa(target, tokenizer, options, latency)
     if latency is not None:  # the heads are paid: they draft only the nodes that pay for their rows and time
         medusa.draft_cost = draft_cost_on_curve(target, medusa, latency)
     # lead_extra=0: when the suffix chain leads (>= 2 expected tokens), the heads are not run at all
@@ -304,9 +306,20 @@ def _eagle(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Any:
         )
     eagle = EagleDrafter.for_target(target, d, options.model_name or None)
     if eagle.curve is not None:  # sized by this machine's curve: its own drafting priced the same way
+        from .draft_format import EAGLE_FORMATS, cheapest
         from .eagle_cost import eagle_draft_costs_on_curve
 
-        eagle.draft_costs = eagle_draft_costs_on_curve(target, eagle, float(eagle.curve(1)))
+        def priced(e: EagleDrafter) -> EagleDrafter:
+            e.draft_costs = eagle_draft_costs_on_curve(target, e, float(e.curve(1)))
+            return e
+
+        # the draft layer's copy that drafts a full-depth tree fastest here (draft_format), measured and cached
+        candidates = [priced(eagle)] + [
+            priced(EagleDrafter.for_target(target, d, options.model_name or None, draft_weights=w))
+            for w in EAGLE_FORMATS
+            if w != eagle.draft_weights
+        ]
+        eagle = cheapest(candidates, lambda e: e.draft_costs[0] + (e.depth - 1) * e.draft_costs[1])
     return eagle
 
 
