@@ -42,7 +42,9 @@ def build(llm, method: str, heads: str):
         from treedraft.drafters.registry import _REGISTRY, canonical
 
         cache, orig = llm.drafters, MedusaDrafter.for_target
-        MedusaDrafter.for_target = staticmethod(lambda t, h, n=None, proj_format=None: orig(t, h, n, weights))
+        MedusaDrafter.for_target = staticmethod(
+            lambda t, h, n=None, proj_format=None, latency=None: orig(t, h, n, weights, latency)
+        )
         try:  # a fresh build: its own heads object, not the registry's cached one
             opts = dataclasses.replace(cache.options, heads=heads)
             return _REGISTRY[canonical(name)].factory(cache.target, cache.tokenizer, opts)
