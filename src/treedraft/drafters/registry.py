@@ -306,20 +306,24 @@ def _eagle(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Any:
         )
     eagle = EagleDrafter.for_target(target, d, options.model_name or None)
     if eagle.curve is not None:  # sized by this machine's curve: its own drafting priced the same way
-        from .draft_format import EAGLE_FORMATS, cheapest
+        from .draft_format import EAGLE_FORMATS, EAGLE_PREFER_WITHIN, cheapest
         from .eagle_cost import eagle_draft_costs_on_curve
 
-        def priced(e: EagleDrafter) -> EagleDrafter:
+        def priced(w: str) -> EagleDrafter:
+            e = (
+                eagle
+                if w == eagle.draft_weights
+                else EagleDrafter.for_target(target, d, options.model_name or None, draft_weights=w)
+            )
             e.draft_costs = eagle_draft_costs_on_curve(target, e, float(e.curve(1)))
             return e
 
         # the draft layer's copy that drafts a full-depth tree fastest here (draft_format), measured and cached
-        candidates = [priced(eagle)] + [
-            priced(EagleDrafter.for_target(target, d, options.model_name or None, draft_weights=w))
-            for w in EAGLE_FORMATS
-            if w != eagle.draft_weights
-        ]
-        eagle = cheapest(candidates, lambda e: e.draft_costs[0] + (e.depth - 1) * e.draft_costs[1])
+        eagle = cheapest(
+            [priced(w) for w in EAGLE_FORMATS],
+            lambda e: e.draft_costs[0] + (e.depth - 1) * e.draft_costs[1],
+            EAGLE_PREFER_WITHIN,
+        )
     return eagle
 
 
