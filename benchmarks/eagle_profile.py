@@ -76,24 +76,24 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=None, help="draft depth (default: the drafter's)")
     ap.add_argument("--topk", type=int, default=None, help="children per expanded node (default: the drafter's)")
     ap.add_argument("--heads", default=None, help="EAGLE drafter directory (default: the shipped one)")
-    ap.add_argument("--draft-weights", default="q8", help="format of the draft layer's native linears: q8 or q4")
+    ap.add_argument(
+        "--draft-weights",
+        default=None,
+        help="format of the draft layer's native linears, q8 or q4 (default: the copy the registry chose here)",
+    )
     a = ap.parse_args()
     llm = treedraft.load(drafter=None, weights=a.weights)
     qs = [json.loads(line)["turns"][0] for line in DATA.read_text().splitlines()[: a.prompts]]
     prompts = [llm.encode_prompt(q) for q in qs]
     d = llm.get_drafter(a.drafter) if a.heads is None else llm.get_drafter(a.drafter, heads=a.heads)
     eag = next((m for m in (d, *getattr(d, "drafters", ())) if m.name == "eagle"), None)
-    if eag is not None and a.draft_weights != "q8":
+    if eag is not None and a.draft_weights is not None:
         if d is not eag:
             raise SystemExit("--draft-weights: only with --drafter eagle")
-        from treedraft.drafters.eagle import EagleDrafter
-        from treedraft.drafters.eagle_cost import eagle_draft_costs_on_curve
-        from treedraft.drafters.registry import DrafterOptions, eagle_dir
+        from treedraft.drafters.registry import DrafterOptions, eagle_dir, priced_eagle
 
         where = eagle_dir(DrafterOptions(model_name=llm.model_name, heads=a.heads))
-        d = eag = EagleDrafter.for_target(llm.drafters.target, where, llm.model_name, draft_weights=a.draft_weights)
-        if eag.curve is not None:
-            eag.draft_costs = eagle_draft_costs_on_curve(llm.drafters.target, eag, float(eag.curve(1)))
+        d = eag = priced_eagle(llm.drafters.target, where, llm.model_name, a.draft_weights)
     if eag is not None and a.full_tree:
         eag.curve, eag.nodes = None, 0
     if eag is not None and a.depth:

@@ -50,16 +50,10 @@ def build(llm, method: str, heads: str):
             return _REGISTRY[canonical(name)].factory(cache.target, cache.tokenizer, opts)
         finally:
             MedusaDrafter.for_target = orig
-    from treedraft.drafters.eagle import EagleDrafter
-    from treedraft.drafters.eagle_cost import eagle_draft_costs_on_curve
-    from treedraft.drafters.registry import DrafterOptions, eagle_dir
+    from treedraft.drafters.registry import DrafterOptions, eagle_dir, priced_eagle
 
     where = eagle_dir(DrafterOptions(model_name=llm.model_name, heads=heads))
-    target = llm.drafters.target
-    d = EagleDrafter.for_target(target, where, llm.model_name, draft_weights=weights)
-    if d.curve is not None:
-        d.draft_costs = eagle_draft_costs_on_curve(target, d, float(d.curve(1)))
-    return d
+    return priced_eagle(llm.drafters.target, where, llm.model_name, weights)
 
 
 def main() -> None:

@@ -468,8 +468,12 @@ def _pack_cheapest(target: TargetModel, heads: MedusaHeads, latency: dict[int, f
     from .draft_format import MEDUSA_FORMATS, cheapest
     from .registry import draft_cost_on_curve
 
+    packed = {}  # format -> its native copy: each packed once, the winner kept
+
     def cost(fmt: str) -> float:
-        heads.pack_for_drafting(fmt)
+        if heads._native is None or heads._native.proj_format != fmt:
+            heads.pack_for_drafting(fmt)
+        packed[fmt] = heads._native
         return draft_cost_on_curve(target, MedusaDrafter(heads, ((0,),)), latency)
 
-    heads.pack_for_drafting(cheapest(MEDUSA_FORMATS, cost))
+    heads._native = packed[cheapest(MEDUSA_FORMATS, cost)]

@@ -304,27 +304,34 @@ def _eagle(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Any:
             f"no EAGLE drafter is shipped for {options.model_name!r}; "
             "train one with `treedraft train-eagle` and pass --heads DIR (the directory holding eagle.json)"
         )
-    eagle = EagleDrafter.for_target(target, d, options.model_name or None)
+    name = options.model_name or None
+    eagle = EagleDrafter.for_target(target, d, name)
     if eagle.curve is not None:  # sized by this machine's curve: its own drafting priced the same way
         from .draft_format import EAGLE_FORMATS, EAGLE_PREFER_WITHIN, cheapest
-        from .eagle_cost import eagle_draft_costs_on_curve
-
-        def priced(w: str) -> EagleDrafter:
-            e = (
-                eagle
-                if w == eagle.draft_weights
-                else EagleDrafter.for_target(target, d, options.model_name or None, draft_weights=w)
-            )
-            e.draft_costs = eagle_draft_costs_on_curve(target, e, float(e.curve(1)))
-            return e
 
         # the draft layer's copy that drafts a full-depth tree fastest here (draft_format), measured and cached
         eagle = cheapest(
-            [priced(w) for w in EAGLE_FORMATS],
+            [priced_eagle(target, d, name, w, eagle) for w in EAGLE_FORMATS],
             lambda e: e.draft_costs[0] + (e.depth - 1) * e.draft_costs[1],
             EAGLE_PREFER_WITHIN,
         )
     return eagle
+
+
+def priced_eagle(
+    target: TargetModel, d: Path, model_name: str | None, draft_weights: str = "q8", reuse: Any = None
+) -> Any:
+    """The EAGLE drafter in ``d`` with its draft layer's native copy in ``draft_weights`` (``reuse``: an already built
+    one, taken when it has that format) and, where it sizes its trees by this machine's curve, its drafting costs on
+    that curve (measured once per machine and format, cached)."""
+    from .eagle import EagleDrafter
+    from .eagle_cost import eagle_draft_costs_on_curve
+
+    e = reuse if reuse is not None and reuse.draft_weights == draft_weights else None
+    e = e or EagleDrafter.for_target(target, d, model_name, draft_weights=draft_weights)
+    if e.curve is not None:
+        e.draft_costs = eagle_draft_costs_on_curve(target, e, float(e.curve(1)))
+    return e
 
 
 def _hybrid_eagle(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
