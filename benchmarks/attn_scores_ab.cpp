@@ -1,8 +1,8 @@
 // The block-GEMM attention's pass 1 (kernels/attn_gemm.h gemm_scores) on an fp16 KV cache, A/B on the calling
 // thread's CPU time, old and new interleaved per repetition: old = keys widened per query pair as they are read
-// (gemm_scores_rows on fp16), new = gemm_scores (from kWidenMinQ queries on, each 16-key chunk widened to float32
-// once). 90 kv-head slabs of 512 keys (SmolLM2-135M's 30 layers x 3 kv heads, hd 64), nq = queries of one kv head
-// (3 per tree row). Every variant's scores are checked to be the same bits.
+// (gemm_scores_rows on fp16), new = each 16-key chunk widened to float32 once (gemm_scores_widened; gemm_scores
+// takes it from kWidenMinQ queries on). 90 kv-head slabs of 512 keys (SmolLM2-135M's 30 layers x 3 kv heads,
+// hd 64), nq = queries of one kv head (3 per tree row). Every variant's scores are checked to be the same bits.
 //
 //   g++ -O3 -march=native -ffp-contract=off -std=c++17 -Isrc/treedraft/kernels
 //       benchmarks/attn_scores_ab.cpp -o /tmp/attn_scores_ab && /tmp/attn_scores_ab [reps]
@@ -37,7 +37,7 @@ int main(int argc, char** argv) {
   static float s[2][(kGemmMaxQ + 15) * kGemmMaxKeys];
   std::printf("thread CPU ms of pass 1 over %d slabs x %d keys (best of %d)\n| nq | old | new | old/new |\n"
               "|---|---|---|---|\n", slabs, L, reps);
-  for (int nq : {6, 12, 24, 36, 48}) {
+  for (int nq : {6, 12, 15, 18, 21, 24, 36, 48}) {
     std::vector<float> qv(nq * hd);
     for (float& x : qv) x = nd(rng);
     std::vector<const float*> q(nq);
@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
             if (var == 0)
               gemm_scores_rows<4>(nq, q.data(), &kh[o], hd, &vh[o], hd, kGemmMaxKeys, 0.125f, s[0], true);
             else
-              gemm_scores<4>(nq, q.data(), &kh[o], hd, &vh[o], hd, kGemmMaxKeys, 0.125f, s[1]);
+              gemm_scores_widened<4>(nq, q.data(), &kh[o], hd, &vh[o], hd, kGemmMaxKeys, 0.125f, s[1]);
           }
         best[var] = std::min(best[var], thread_seconds() - t0);
         if (var == 1)  // the last block of both: every query's row

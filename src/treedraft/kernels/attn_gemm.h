@@ -76,27 +76,31 @@ inline void gemm_scores_rows(int nq, const float* const* q, const T* k, int64_t 
 
 // From this many queries on, an fp16 block's keys are widened to float32 once per 16-key chunk (4 KB at hd 64,
 // in L1) before pass 1, instead of once per query pair: the same float values (the widening is exact), so the
-// same bits. Measured on an Ice Lake Xeon, one thread (benchmarks/attn_scores_ab.cpp): 1.2-1.4x on the pass at
-// 48 queries (16 rows of SmolLM2's 3-query GQA), 1.07-1.13x at 24, none at 12 or fewer, where the pass waits on
-// the keys' reads rather than on the conversions.
-constexpr int kWidenMinQ = 24;
+// same bits. Measured on an Ice Lake Xeon, one thread, interleaved (benchmarks/attn_scores_ab.cpp): the pass
+// 1.09-1.20x at 18 queries (6 rows of SmolLM2's 3-query GQA), 1.10-1.29x at 24, 1.30-1.37x at 48; 0.98-1.01x at
+// 12-15 and 0.86-0.89x at 6, where the pass waits on the keys' reads rather than on the conversions.
+constexpr int kWidenMinQ = 18;
+
+// Pass 1 with each 16-key chunk of an fp16 block widened to float32 once (then gemm_scores_rows on it).
+template <int NV>
+inline void gemm_scores_widened(int nq, const float* const* q, const half_t* k, int64_t ks, const half_t* v,
+                                int64_t vs, int nk, float scale, float* s) {
+  alignas(64) float kf[16 * 16 * NV];  // the chunk's 16 keys, row j at kf + j * 16 NV
+  for (int j0 = 0; j0 < nk; j0 += 16) {
+    if (j0 + 32 <= nk) prefetch_rows(k + (j0 + 16) * ks, ks, 16, 16 * NV);
+    prefetch_rows<_MM_HINT_T1>(v + j0 * vs, vs, 16, 16 * NV);  // for pass 3
+    for (int j = 0; j < 16; ++j)
+      for (int i = 0; i < NV; ++i) _mm512_store_ps(kf + (j * NV + i) * 16, load16(k + (j0 + j) * ks + 16 * i));
+    gemm_scores_rows<NV, float>(nq, q, kf, 16 * NV, nullptr, 0, 16, scale, s + j0, false);
+  }
+}
 
 template <int NV, class T>
 inline void gemm_scores(int nq, const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs, int nk,
                         float scale, float* s) {
-  if constexpr (std::is_same_v<T, float>) {
-    gemm_scores_rows<NV>(nq, q, k, ks, v, vs, nk, scale, s, true);
-  } else {
-    if (nq < kWidenMinQ) return gemm_scores_rows<NV>(nq, q, k, ks, v, vs, nk, scale, s, true);
-    alignas(64) float kf[16 * 16 * NV];  // the chunk's 16 keys, row j at kf + j * 16 NV
-    for (int j0 = 0; j0 < nk; j0 += 16) {
-      if (j0 + 32 <= nk) prefetch_rows(k + (j0 + 16) * ks, ks, 16, 16 * NV);
-      prefetch_rows<_MM_HINT_T1>(v + j0 * vs, vs, 16, 16 * NV);  // for pass 3
-      for (int j = 0; j < 16; ++j)
-        for (int i = 0; i < NV; ++i) _mm512_store_ps(kf + (j * NV + i) * 16, load16(k + (j0 + j) * ks + 16 * i));
-      gemm_scores_rows<NV, float>(nq, q, kf, 16 * NV, nullptr, 0, 16, scale, s + j0, false);
-    }
-  }
+  if constexpr (std::is_same_v<T, half_t>)
+    if (nq >= kWidenMinQ) return gemm_scores_widened<NV>(nq, q, k, ks, v, vs, nk, scale, s);
+  gemm_scores_rows<NV>(nq, q, k, ks, v, vs, nk, scale, s, true);
 }
 
 // In-register transpose of a 16 x 16 tile: r[i] lane j -> r[j] lane i.
