@@ -449,3 +449,63 @@ def test_kernel_march_override_changes_flags_and_build_key(monkeypatch) -> None:
     monkeypatch.setenv(_build.ENV_MARCH, "native; rm -rf /")
     with pytest.raises(ValueError, match="TREEDRAFT_KERNEL_MARCH"):
         _build.cflags()
+
+
+@needs_ext
+@pytest.mark.skipif(not tk.q4_pair_supported(), reason="no 32-column Q4_1 kernel in this build (AVX-512 VNNI only)")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q4_pairs_give_single_tiles_bits(threads: int) -> None:
+    """Full Q4_1 tiles in pairs (kern_avx512.h's 32-column kernel, rows in chunks of up to 8) give the bits of the
+    16-column tile at every row count, with an odd tile count and a partial last tile (N = 600: 37 full + 8)."""
+    pw, _, _ = packed("q4_1", 600, 576, seed=9)
+    X = torch.randn(20, 576, generator=torch.Generator().manual_seed(8))
+    old = tk.get_num_threads()
+    tk.set_num_threads(threads)
+    try:
+        for M in (1, 2, 5, 6, 7, 8, 9, 13, 16, 17, 20):
+            tk.set_q4_pair(False)
+            single = tk.mm(X[:M].contiguous(), pw)
+            tk.set_q4_pair(True)
+            assert torch.equal(tk.mm(X[:M].contiguous(), pw), single), M
+    finally:
+        tk.set_q4_pair(True)
+        tk.set_num_threads(old)
+
+
+def test_q4_pair_choice_follows_the_measurement(monkeypatch) -> None:
+    """choose_q4_pair keeps whichever setting timed faster (on one thread, restored after) and answers None where
+    no native q4 kernel or no pair kernel runs."""
+    from treedraft.models import quant
+
+    class FakeNatives:
+        def __init__(self, supported: bool) -> None:
+            self.supported, self.pair, self.threads, self.seen = supported, True, 2, set()
+
+        def q4_pair_supported(self) -> bool:
+            return self.supported
+
+        def set_q4_pair(self, on: bool) -> None:
+            self.pair = on
+
+        def get_num_threads(self) -> int:
+            return self.threads
+
+        def set_num_threads(self, n: int) -> None:
+            self.threads = n
+
+    qw = quant.quantize_q4_rtn(torch.randn(32, 64, generator=torch.Generator().manual_seed(0)))
+    monkeypatch.setattr(quant, "build_linear", lambda *a, **k: object())
+    for paired_faster in (True, False):
+        nat = FakeNatives(True)
+
+        def fake_time(mods, rows, reps=3, clock=None, nat=nat, paired_faster=paired_faster):
+            nat.seen.add((nat.pair, nat.threads))
+            return 1.0 if nat.pair == paired_faster else 2.0
+
+        monkeypatch.setattr(quant, "time_modules", fake_time)
+        assert quant.choose_q4_pair({"w": qw}, {"q4": "native"}, nat) is paired_faster
+        assert nat.seen == {(False, 1), (True, 1)}  # both settings, each on one thread
+        assert nat.pair is True and nat.threads == 2  # restored
+    assert quant.choose_q4_pair({"w": qw}, {"q4": "native"}, FakeNatives(False)) is None
+    assert quant.choose_q4_pair({"w": qw}, {"q4": "int4pack"}, FakeNatives(True)) is None
+    assert quant.choose_q4_pair({"w": qw}, {"q4": "native"}, None) is None

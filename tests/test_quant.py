@@ -403,6 +403,23 @@ def test_auto_stores_the_kernel_choice_of_each_format_for_explicit_weights(tmp_p
         assert again["kernels"] == info["kernels_by_format"][w] and again["resolved"] == w
 
 
+def test_q4_pair_choice_is_measured_once_and_applied(tmp_path, monkeypatch) -> None:
+    """The paired-tiles choice is measured at the first load on a machine, stored in the tune file, and applied (from
+    the file) at every load."""
+    import treedraft.kernels as tk
+    from treedraft.models import quant_load
+
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path))
+    monkeypatch.delenv("TREEDRAFT_RETUNE", raising=False)
+    measured, applied = [], []
+    monkeypatch.setattr(quant_load, "choose_q4_pair", lambda *a, **k: measured.append(1) or False)
+    monkeypatch.setattr(tk, "set_q4_pair", applied.append)
+    first = quant_load.apply_weights(_tiny(), None, "int4")
+    again = quant_load.apply_weights(_tiny(), None, "int4")
+    assert measured == [1] and first["q4_pair"] is False and again["q4_pair"] is False
+    assert applied == ([False, False] if tk.available() else [])
+
+
 def test_rtn_scales_are_the_fp16_values_the_packed_formats_store() -> None:
     """Codes are rounded against the scale (and Q4 minimum) as packed (fp16, like GGUF's d and m): packing them
     changes nothing (no 'rounding changed it' warning) and code x scale (+ min) is within a code step of w (half a

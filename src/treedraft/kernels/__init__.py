@@ -44,6 +44,8 @@ __all__ = [
     "read_bandwidth",
     "torch_threads",
     "set_tuning",
+    "q4_pair_supported",
+    "set_q4_pair",
 ]
 
 TILE = 16  # output columns per packed tile
@@ -103,6 +105,22 @@ def set_tuning(prefetch_bytes: int | None = None, unit_bytes: int | None = None)
         -1 if prefetch_bytes is None else int(prefetch_bytes), -1 if unit_bytes is None else int(unit_bytes)
     )
     return int(pf), int(ub)
+
+
+def q4_pair_supported() -> bool:
+    """Whether the default code path has the 32-column Q4_1 kernel (AVX-512 VNNI builds; kernels/kern_avx512.h)."""
+    ext = _ext()
+    return ext is not None and hasattr(ext, "q4_pair_supported") and bool(ext.q4_pair_supported())
+
+
+def set_q4_pair(on: bool) -> None:
+    """Run full Q4_1 tiles in pairs through the 32-column kernel (True, the default where supported) or one by one.
+
+    No result bit changes (only speed); chosen per machine by measurement (models/quant.py choose_q4_pair).
+    """
+    if not q4_pair_supported():
+        raise RuntimeError("set_q4_pair: this build has no 32-column Q4_1 kernel (AVX-512 VNNI only)")
+    _ext().set_q4_pair(bool(on))
 
 
 @contextmanager

@@ -25,12 +25,14 @@ struct Path {
   TileFn q4_1;
   TileFn q8_0;
   int row_block;
+  TileFn q4_1_pair = nullptr;  // two full Q4_1 tiles (32 columns) at once, up to pair_rows rows a call; same bits
+  int pair_rows = 0;
 };
 
 inline std::vector<Path> compiled_paths() {
   std::vector<Path> p;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  p.push_back({"avx512vnni", tile_q4_1_vnni, tile_q8_0_vnni, kRowBlockAvx512});
+  p.push_back({"avx512vnni", tile_q4_1_vnni, tile_q8_0_vnni, kRowBlockAvx512, tile2_q4_1_vnni, kPairRows});
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   p.push_back({"avx512", tile_q4_1_avx512, tile_q8_0_avx512, kRowBlockAvx512});
@@ -43,6 +45,8 @@ inline std::vector<Path> compiled_paths() {
 }
 
 inline int g_threads = 1;
+// Whether mm_act runs full Q4_1 tiles in pairs where the path has a pair kernel (qgemm.set_q4_pair; timing A/Bs)
+inline bool g_q4_pair = true;
 // Profiling only (FusedDecoder.set_profile): wall time mm_into spends quantizing activations, in ns.
 inline bool g_time_quant = false;
 inline int64_t g_quant_ns = 0;
@@ -238,22 +242,34 @@ inline void mm_act(const Act& a, const uint8_t* wp, int64_t N, int kind, const P
   const int64_t T = (N + kTile - 1) / kTile;
   const int64_t blk = kind == kQ4_1 ? kQ41Bytes : kQ80Bytes;
   const TileFn fn = kind == kQ4_1 ? path.q4_1 : path.q8_0;
-  // row chunks of at most path.row_block, evened out (20 rows: 10 + 10, not 16 + 4; a row's bits do not
-  // depend on its chunk)
+  // Q4_1 where the path has a 32-column kernel: full tiles go in pairs (a unit holds an even number of tiles)
+  const TileFn pair = kind == kQ4_1 && g_q4_pair ? path.q4_1_pair : nullptr;
+  // row chunks of at most path.row_block (pair_rows for pairs), evened out (20 rows: 10 + 10, not 16 + 4; a
+  // row's bits do not depend on its chunk)
   const int64_t nchunks = (M + path.row_block - 1) / path.row_block, rb = (M + nchunks - 1) / nchunks;
+  const int64_t pchunks = pair ? (M + path.pair_rows - 1) / path.pair_rows : 1, prb = (M + pchunks - 1) / pchunks;
   Pool& pl = pool();
   // Units of >= g_unit_bytes of weights (a claim costs an atomic), at most 128 per thread: a thread
   // streams its own contiguous region of units (pool.h), so finer units only even out the finish
   // (the lm_head's 30 MB: units of ~120 KB, so the caller's wait for the last one stays within its spin)
   const int64_t tile_bytes = B * blk;
-  const int64_t per = std::max<int64_t>({(g_unit_bytes + tile_bytes - 1) / tile_bytes,
+  const int64_t per1 = std::max<int64_t>({(g_unit_bytes + tile_bytes - 1) / tile_bytes,
                                          (T + (int64_t)pl.size() * 128 - 1) / ((int64_t)pl.size() * 128),
                                          (T + Pool::kMaxUnits - 1) / Pool::kMaxUnits});
+  // pairs: an even number of tiles per unit, rounded down (up would leave fewer units to share: 36 tiles in 3s are
+  // 12 units, 6 per thread; in 4s 9, 5 and 4)
+  const int64_t per = pair ? std::max<int64_t>(2, per1 / 2 * 2) : per1;
   const int64_t nunits = (T + per - 1) / per;
   auto work = [&](int u) {
     const int64_t t1 = std::min(T, (u + 1) * per);
     for (int64_t t = u * per; t < t1; ++t) {
       const uint8_t* w = wp + t * B * blk;
+      if (pair && t + 1 < t1 && (t + 2) * kTile <= N) {
+        for (int64_t r = 0; r < M; r += prb)
+          pair(w, a, (int)r, (int)std::min<int64_t>(prb, M - r), yp + t * kTile, (int)N, 2 * kTile);
+        ++t;
+        continue;
+      }
       const int ncols = (int)std::min<int64_t>(kTile, N - t * kTile);
       for (int64_t r = 0; r < M; r += rb)
         fn(w, a, (int)r, (int)std::min<int64_t>(rb, M - r), yp + t * kTile, (int)N, ncols);

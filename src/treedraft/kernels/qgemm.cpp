@@ -330,6 +330,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "set_attn_block_gemm", [](bool on) { td::serialized([&] { td::attn::g_block_gemm = on; }); },
       "AVX-512 attention: shared key chunks as per-block GEMMs (True) or chunk by chunk (same bits; for timing)");
   m.def(
+      "q4_pair_supported", [] { return td::pick_path("").q4_1_pair != nullptr; },
+      "Whether the default code path has the 32-column Q4_1 kernel (AVX-512 VNNI builds)");
+  m.def(
+      "set_q4_pair", [](bool on) { td::serialized([&] { td::g_q4_pair = on; }); },
+      "Q4_1 GEMM: full tiles in pairs through the path's 32-column kernel where it has one (True) or one by one "
+      "(same bits; for timing)");
+  m.def(
       "set_row_pass_blocks",
       [](int64_t n) {
         return td::serialized([&] {

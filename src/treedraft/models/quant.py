@@ -244,18 +244,20 @@ def rows_match(mod: nn.Module, k: int, rows: int = 16, seed: int = 0) -> bool:
         return all(torch.equal(full[i : i + 1], mod(x[i : i + 1])) for i in range(rows))
 
 
-def time_modules(mods: list[nn.Module], rows: int, reps: int = 3) -> float:
-    """Min over ``reps`` of the seconds to run every module once on ``rows`` random rows."""
+def time_modules(
+    mods: list[nn.Module], rows: int, reps: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """Min over ``reps`` of the seconds (``clock``) to run every module once on ``rows`` random rows."""
     xs = {m.in_features: torch.randn(rows, m.in_features) for m in mods}
     best = float("inf")
     with torch.inference_mode():
         for m in mods:  # warm-up
             m(xs[m.in_features])
         for _ in range(reps):
-            t = time.perf_counter()
+            t = clock()
             for m in mods:
                 m(xs[m.in_features])
-            best = min(best, time.perf_counter() - t)
+            best = min(best, clock() - t)
     return best
 
 
@@ -293,6 +295,43 @@ def choose_kernels(
                 best, best_t = c, t
         out[fmt] = best
     return out
+
+
+def choose_q4_pair(
+    weights: dict[str, QWeight],
+    kernels: dict[str, str],
+    natives,
+    log: Callable[[str], None] | None = None,
+    rows: tuple[int, ...] = (8, 16),
+    reps: int = 5,
+) -> bool | None:
+    """Whether the native Q4_1 GEMM runs full tiles in pairs (the 32-column kernel) on this machine, measured here.
+
+    Both settings time the model's q4 linears at ``rows`` rows (tree and batched steps; a 1-row step streams its
+    weights and does not care), alternating, min of ``reps``, on one thread in that thread's CPU time: what is
+    measured is the kernels' cost, which the other core's load on a shared machine would otherwise swamp (two-thread
+    wall times flipped either way there). The faster wins. Either gives the same bits. None where it does not apply
+    (q4 not on the native kernel, or a build without the pair kernel).
+    """
+    if natives is None or kernels.get("q4") != "native" or not natives.q4_pair_supported():
+        return None
+    mods = [build_linear(qw, "native", None, natives) for qw in weights.values() if qw.fmt == "q4"]
+    if not mods:
+        return None
+    best = {False: float("inf"), True: float("inf")}
+    threads = natives.get_num_threads()
+    natives.set_num_threads(1)
+    try:
+        for _ in range(reps):
+            for on in (False, True):
+                natives.set_q4_pair(on)
+                best[on] = min(best[on], sum(time_modules(mods, r, 1, time.thread_time) for r in rows))
+    finally:
+        natives.set_q4_pair(True)
+        natives.set_num_threads(threads)
+    if log:
+        log(f"q4 tiles for rows {rows}: single {best[False] * 1e3:.1f} ms, paired {best[True] * 1e3:.1f} ms")
+    return best[True] < best[False]
 
 
 def swap_linears(model: nn.Module, weights: dict[str, QWeight], kernels: dict[str, str], natives=None) -> None:

@@ -27,6 +27,7 @@ from .quant import (
     WEIGHTS,
     QWeight,
     choose_kernels,
+    choose_q4_pair,
     native_kernels,
     quantize_q4_rtn,
     quantize_q8_rtn,
@@ -229,9 +230,23 @@ def apply_weights(
             atomic_write_text(f, json.dumps(cached))
         info["kernels"] = cached["kernels"]
     swap_linears(model, qw, info["kernels"], natives)
+    # single or paired Q4_1 tiles: measured once per machine and kernel build, kept with the rest
+    pair_key = "q4_pair@" + (_kernel_build_key() if natives is not None else "")
+    if pair_key not in cached:
+        cached[pair_key] = choose_q4_pair(qw, info["kernels"], natives, log)
+        atomic_write_text(f, json.dumps(cached))
+    if cached[pair_key] is not None and natives is not None:
+        natives.set_q4_pair(cached[pair_key])
+    info["q4_pair"] = cached[pair_key]
     info["resolved"] = weights
     info["sources"] = sorted({q.source for q in qw.values()})
     return info
+
+
+def _kernel_build_key() -> str:
+    from ..kernels._build import build_key
+
+    return build_key()[:16]
 
 
 def _pack_fp32(model: torch.nn.Module, path: Path | None) -> None:
