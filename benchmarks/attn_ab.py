@@ -4,14 +4,16 @@
 give the same bits. ``--compare kv``: a float32 (old) and a float16 (new) KV cache holding the same
 prefix (kernels/attn_kv.h; fp16 rounds the stored keys/values). ``--compare pair``: the Q4_1 GEMM's full tiles
 one by one (old) or in pairs through the 32-column kernel (new; kernels/kern_avx512.h, same bits), float16 cache;
-the phase column is then the linears (q/k/v, o, gate/up, down). For each row count k (k = 1: a plain
+the phase column is then the linears (q/k/v, o, gate/up, down). ``--compare widen``: the score pass on a float16
+cache widening each key row per query pair (old) or each 16-key chunk once from 36 queries on (new;
+kernels/attn_gemm.h, same bits). For each row count k (k = 1: a plain
 step; k > 1: a binary tree of k nodes) on a ``--context``-token cache of the bundled model, the two
 settings alternate per repetition. Reports per setting the median of the caller thread's CPU time
 (``--clock thread``, with ``--threads 1``: all kernel work runs on the caller, and other processes' load
 on a shared machine does not count) or of wall time, the old/new ratio, and the attention phase (C++
 phase timer, wall) with its GFLOP/s.
 
-    python benchmarks/attn_ab.py [--compare gemm|kv|pair] [--weights int4] [--context 512] [--ks 1,4,16] [--reps 15]
+    python benchmarks/attn_ab.py [--compare gemm|kv|pair|widen] [--weights int4] [--context 512] [--ks 1,4,16] [--reps 15]
                                  [--threads 1] [--clock thread|wall]
 """
 
@@ -48,13 +50,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=["thread", "wall"], default="thread")
-    ap.add_argument("--compare", choices=["gemm", "kv", "pair"], default="gemm")
+    ap.add_argument("--compare", choices=["gemm", "kv", "pair", "widen"], default="gemm")
     args = ap.parse_args()
     llm = treedraft.load(drafter=None, weights=args.weights)
     m, ctx = llm.model, args.context
     tk.set_num_threads(args.threads)
     ext, dec = tk._ext(), fused.decoder_for(m)
-    if dec is None or not hasattr(ext, "set_attn_block_gemm") or not hasattr(ext, "set_q4_pair"):
+    if dec is None or not hasattr(ext, "set_attn_block_gemm") or not hasattr(ext, "set_attn_widen_keys"):
         raise SystemExit(f"needs the fused decoder and an AVX-512 build ({fused.status(m)})")
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     cfg = m.config
@@ -62,7 +64,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     caches = {}
     for on in (False, True):
-        m.kv_dtype = torch.float16 if (on and args.compare == "kv") or args.compare == "pair" else torch.float32
+        m.kv_dtype = (
+            torch.float16 if (on and args.compare == "kv") or args.compare in ("pair", "widen") else torch.float32
+        )
         caches[on] = m.new_cache(ctx + max(ks) + 1)
     m.kv_dtype = None
 
@@ -70,7 +74,8 @@ def main() -> None:
         """The cache of setting ``on`` (and the attention GEMM / Q4_1 pair switches)."""
         ext.set_attn_block_gemm(on or args.compare != "gemm")
         ext.set_q4_pair(on or args.compare != "pair")
-        return caches[on or args.compare == "pair"]
+        ext.set_attn_widen_keys(on or args.compare != "widen")
+        return caches[on or args.compare in ("pair", "widen")]
 
     res: dict[tuple[int, bool], list[float]] = {(k, on): [] for k in ks for on in (False, True)}
     att: dict[tuple[int, bool], float] = {}
@@ -108,8 +113,14 @@ def main() -> None:
                 dec.set_profile(False)
     ext.set_attn_block_gemm(True)
     ext.set_q4_pair(True)
+    ext.set_attn_widen_keys(True)
     flop_per_row = cfg.num_heads * ctx * cfg.head_dim * 4 * len(m.layers)  # QK and PV, 2 flop each
-    what = {"gemm": "block GEMM off/on", "kv": "float32/float16 KV cache", "pair": "Q4_1 tiles single/paired"}
+    what = {
+        "gemm": "block GEMM off/on",
+        "kv": "float32/float16 KV cache",
+        "pair": "Q4_1 tiles single/paired",
+        "widen": "keys widened per query pair/per chunk",
+    }
     what = what[args.compare]
     name = "linears" if args.compare == "pair" else "attention"
     print(f"{what}; {args.weights}, context {ctx}, threads {args.threads}, {args.clock} clock, {args.reps} reps")

@@ -148,12 +148,12 @@ def test_rows_bitwise_equal_across_row_counts_and_threads(prefix: int) -> None:
 
 @pytest.mark.skipif("avx512" not in kernels.paths(), reason="block GEMM path is AVX-512 only")
 @pytest.mark.parametrize("hd", [16, 32, 64, 128])
-@pytest.mark.parametrize("T", [1, 2, 3, 5, 6, 8, 22])
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 6, 8, 12, 22])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_block_gemm_equals_chunk_path_bitwise(hd: int, T: int, kv_dtype: torch.dtype) -> None:
     """AVX-512's per-block GEMM passes (kernels/attn_gemm.h) give the chunk-by-chunk path's bits, tree and plain,
     for float32 and float16 caches (3 queries per kv head and row: T = 1 stays on the chunk path, T >= 2 has
-    >= 6 queries per GEMM call, odd counts leave a last query outside the score pairs; from T = 6 on (18 queries)
+    >= 6 queries per GEMM call, odd counts leave a last query outside the score pairs; from T = 12 on (36 queries)
     fp16 keys are widened per chunk before the score pass)."""
     ext = kernels._ext()
     g = torch.Generator().manual_seed(hd + T)

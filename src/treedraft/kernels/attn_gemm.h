@@ -76,10 +76,11 @@ inline void gemm_scores_rows(int nq, const float* const* q, const T* k, int64_t 
 
 // From this many queries on, an fp16 block's keys are widened to float32 once per 16-key chunk (4 KB at hd 64,
 // in L1) before pass 1, instead of once per query pair: the same float values (the widening is exact), so the
-// same bits. Measured on an Ice Lake Xeon, one thread, interleaved (benchmarks/attn_scores_ab.cpp): the pass
-// 1.09-1.20x at 18 queries (6 rows of SmolLM2's 3-query GQA), 1.10-1.29x at 24, 1.30-1.37x at 48; 0.98-1.01x at
-// 12-15 and 0.86-0.89x at 6, where the pass waits on the keys' reads rather than on the conversions.
-constexpr int kWidenMinQ = 18;
+// same bits. On an Ice Lake Xeon, one thread: the pass alone 1.09-1.20x at 18 queries and 1.30-1.37x at 48
+// (benchmarks/attn_scores_ab.cpp, cache-resident); in a forward, where the keys come from memory, the step
+// 0.99-1.02x at 8 rows (24 queries) and 1.01-1.06x at 16 (48), interleaved (attn_ab.py --compare widen).
+constexpr int kWidenMinQ = 36;
+inline bool g_widen_keys = true;  // off: pass 1 widens per query pair at every count (same bits; for timing A/Bs)
 
 // Pass 1 with each 16-key chunk of an fp16 block widened to float32 once (then gemm_scores_rows on it).
 template <int NV>
@@ -99,7 +100,7 @@ template <int NV, class T>
 inline void gemm_scores(int nq, const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs, int nk,
                         float scale, float* s) {
   if constexpr (std::is_same_v<T, half_t>)
-    if (nq >= kWidenMinQ) return gemm_scores_widened<NV>(nq, q, k, ks, v, vs, nk, scale, s);
+    if (g_widen_keys && nq >= kWidenMinQ) return gemm_scores_widened<NV>(nq, q, k, ks, v, vs, nk, scale, s);
   gemm_scores_rows<NV>(nq, q, k, ks, v, vs, nk, scale, s, true);
 }
 

@@ -330,6 +330,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "set_attn_block_gemm", [](bool on) { td::serialized([&] { td::attn::g_block_gemm = on; }); },
       "AVX-512 attention: shared key chunks as per-block GEMMs (True) or chunk by chunk (same bits; for timing)");
   m.def(
+      "set_attn_widen_keys", [](bool on) { td::serialized([&] { td::attn::g_widen_keys = on; }); },
+      "AVX-512 attention: widen an fp16 block's keys once per chunk before the score pass from 36 queries on (True) "
+      "or once per query pair (same bits; for timing)");
+  m.def(
       "q4_pair_supported", [] { return td::pick_path("").q4_1_pair != nullptr; },
       "Whether the default code path has the 32-column Q4_1 kernel (AVX-512 VNNI builds)");
   m.def(
