@@ -257,8 +257,9 @@ inline void mm_act(const Act& a, const uint8_t* wp, int64_t N, int kind, const P
                                          (T + (int64_t)pl.size() * 128 - 1) / ((int64_t)pl.size() * 128),
                                          (T + Pool::kMaxUnits - 1) / Pool::kMaxUnits});
   // pairs: an even number of tiles per unit, rounded down (up would leave fewer units to share: 36 tiles in 3s are
-  // 12 units, 6 per thread; in 4s 9, 5 and 4)
-  const int64_t per = pair ? std::max<int64_t>(2, per1 / 2 * 2) : per1;
+  // 12 units, 6 per thread; in 4s 9, 5 and 4) unless that makes more units than the pool takes
+  const int64_t per_even = std::max<int64_t>(2, per1 / 2 * 2);
+  const int64_t per = !pair ? per1 : (T + per_even - 1) / per_even <= Pool::kMaxUnits ? per_even : per_even + 2;
   const int64_t nunits = (T + per - 1) / per;
   auto work = [&](int u) {
     const int64_t t1 = std::min(T, (u + 1) * per);
