@@ -7,22 +7,15 @@
 //
 //   g++ -O3 -march=native -ffp-contract=off -std=c++17 -Isrc/treedraft/kernels
 //       benchmarks/attn_micro.cpp -o /tmp/attn_micro && /tmp/attn_micro [reps]
-#include <time.h>
-
 #include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <vector>
 
 #include "attn.h"
+#include "thread_clock.h"
 
 using namespace td::attn;
-
-static double thread_seconds() {
-  timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return t.tv_sec + t.tv_nsec * 1e-9;
-}
 
 int main(int argc, char** argv) {
 #if !defined(__AVX512F__)

@@ -6,8 +6,6 @@
 //
 //   g++ -O3 -march=native -ffp-contract=off -std=c++17 -Isrc/treedraft/kernels
 //       benchmarks/attn_scores_ab.cpp -o /tmp/attn_scores_ab && /tmp/attn_scores_ab [reps]
-#include <time.h>
-
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -15,14 +13,9 @@
 #include <vector>
 
 #include "attn.h"
+#include "thread_clock.h"
 
 using namespace td::attn;
-
-static double thread_seconds() {
-  timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return t.tv_sec + t.tv_nsec * 1e-9;
-}
 
 int main(int argc, char** argv) {
 #if !defined(__AVX512F__)

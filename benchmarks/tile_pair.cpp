@@ -5,8 +5,6 @@
 // (min of 40). Checks that both give the same bits. AVX-512 VNNI machines only:
 //   g++ -O3 -march=native -ffp-contract=off -std=c++17 -Isrc benchmarks/tile_pair.cpp -o /tmp/tile_pair
 //   /tmp/tile_pair
-#include <time.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -14,14 +12,9 @@
 #include <vector>
 
 #include "treedraft/kernels/kern_avx512.h"
+#include "thread_clock.h"
 
 using namespace td;
-
-static double thread_seconds() {
-  timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return t.tv_sec + t.tv_nsec * 1e-9;
-}
 
 int main() {
 #if !defined(__AVX512VNNI__)
