@@ -14,6 +14,7 @@ from treedraft.models import gguf_blocks as gb
 from treedraft.models.quant import (
     Int4PackLinear,
     Int8PackLinear,
+    NativeLinear,
     QWeight,
     build_linear,
     choose_kernels,
@@ -412,12 +413,16 @@ def test_q4_pair_choice_is_measured_once_and_applied(tmp_path, monkeypatch) -> N
     monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path))
     monkeypatch.delenv("TREEDRAFT_RETUNE", raising=False)
     measured, applied = [], []
-    monkeypatch.setattr(quant_load, "choose_q4_pair", lambda *a, **k: measured.append(1) or False)
+    monkeypatch.setattr(quant_load, "choose_q4_pair", lambda mods, *a, **k: measured.append(mods) or False)
     monkeypatch.setattr(tk, "set_q4_pair", applied.append)
-    first = quant_load.apply_weights(_tiny(), None, "int4")
+    model = _tiny()
+    first = quant_load.apply_weights(model, None, "int4")
     again = quant_load.apply_weights(_tiny(), None, "int4")
-    assert measured == [1] and first["q4_pair"] is False and again["q4_pair"] is False
+    assert len(measured) == 1 and first["q4_pair"] is False and again["q4_pair"] is False
     assert applied == ([False, False] if tk.available() else [])
+    if tk.available():  # timed on the model's own native q4 linears, as swapped in
+        q4 = [m for m in model.modules() if isinstance(m, NativeLinear) and m.packed.kind == tk.Q4_1]
+        assert q4 and [id(m) for m in measured[0]] == [id(m) for m in q4]
 
 
 def test_rtn_scales_are_the_fp16_values_the_packed_formats_store() -> None:

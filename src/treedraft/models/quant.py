@@ -298,8 +298,7 @@ def choose_kernels(
 
 
 def choose_q4_pair(
-    weights: dict[str, QWeight],
-    kernels: dict[str, str],
+    mods: list[nn.Module],
     natives,
     log: Callable[[str], None] | None = None,
     rows: tuple[int, ...] = (8, 16),
@@ -307,16 +306,13 @@ def choose_q4_pair(
 ) -> bool | None:
     """Whether the native Q4_1 GEMM runs full tiles in pairs (the 32-column kernel) on this machine, measured here.
 
-    Both settings time the model's q4 linears at ``rows`` rows (tree and batched steps; a 1-row step streams its
-    weights and does not care), alternating, min of ``reps``, on one thread in that thread's CPU time: what is
-    measured is the kernels' cost, which the other core's load on a shared machine would otherwise swamp (two-thread
-    wall times flipped either way there). The faster wins. Either gives the same bits. None where it does not apply
-    (q4 not on the native kernel, or a build without the pair kernel).
+    Both settings time ``mods`` (the model's native q4 linears, as swapped in) at ``rows`` rows (tree and batched
+    steps; a 1-row step streams its weights and does not care), alternating, min of ``reps``, on one thread in that
+    thread's CPU time: what is measured is the kernels' cost, which the other core's load on a shared machine would
+    otherwise swamp (two-thread wall times flipped either way there). The faster wins. Either gives the same bits.
+    None where it does not apply (no native q4 linear, or a build without the pair kernel).
     """
-    if natives is None or kernels.get("q4") != "native" or not natives.q4_pair_supported():
-        return None
-    mods = [build_linear(qw, "native", None, natives) for qw in weights.values() if qw.fmt == "q4"]
-    if not mods:
+    if natives is None or not mods or not natives.q4_pair_supported():
         return None
     best = {False: float("inf"), True: float("inf")}
     threads = natives.get_num_threads()

@@ -25,6 +25,7 @@ from .errors import ModelLoadError
 from .gguf_meta import read_gguf_meta
 from .quant import (
     WEIGHTS,
+    NativeLinear,
     QWeight,
     choose_kernels,
     choose_q4_pair,
@@ -230,10 +231,13 @@ def apply_weights(
             atomic_write_text(f, json.dumps(cached))
         info["kernels"] = cached["kernels"]
     swap_linears(model, qw, info["kernels"], natives)
-    # single or paired Q4_1 tiles: measured once per machine and kernel build, kept with the rest
+    # single or paired Q4_1 tiles: measured once per machine and kernel build (on the linears just swapped in), kept
+    # with the rest
     pair_key = "q4_pair@" + (_kernel_build_key() if natives is not None else "")
     if pair_key not in cached:
-        cached[pair_key] = choose_q4_pair(qw, info["kernels"], natives, log)
+        q4 = [] if natives is None else [m for m in model.modules() if isinstance(m, NativeLinear)]
+        q4 = [m for m in q4 if m.packed.kind == natives.Q4_1]
+        cached[pair_key] = choose_q4_pair(q4, natives, log)
         atomic_write_text(f, json.dumps(cached))
     if cached[pair_key] is not None and natives is not None:
         natives.set_q4_pair(cached[pair_key])
@@ -244,7 +248,7 @@ def apply_weights(
 
 
 def _kernel_build_key() -> str:
-    from ..kernels._build import build_key
+    from ..kernels._build import build_key  # imported here: only where the native kernels load
 
     return build_key()[:16]
 
