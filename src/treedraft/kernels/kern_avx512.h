@@ -160,13 +160,13 @@ void tile_q8_0_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo, i
 }
 
 #if defined(__AVX512VNNI__)
-// Q4_1, 32 columns (two consecutive 16-column tiles: w and w + a.B * kQ41Bytes) x RB <= 6 rows, VNNI. Each
+// Q4_1, 32 columns (two consecutive 16-column tiles: w and w + a.B * kQ41Bytes) x RB <= kPairRows rows, VNNI. Each
 // activation broadcast feeds both tiles' vpdpbusd (the single tile spends one broadcast per vpdpbusd, and a zmm
 // load, broadcasts included, issued at ~1.1 a cycle on an Ice Lake Xeon against ~1.6 vpdpbusd). A block's k groups
-// go in two halves (low nibbles, then high) so that 8 weight registers, 2 RB int32 sums and 2 RB float accumulators
-// fit in the 32 zmm. Per (row, tile, block) the same integer sum and then exactly tile_q4_1_rb's float operations
-// in the same order, so the bits equal the 16-column tile's. Cache-resident, one thread (benchmarks/tile_pair.cpp):
-// 1.2-1.4x per row-block at 1-16 rows on that Xeon.
+// go in two halves (low nibbles, then high) so that 8 weight registers and 2 RB int32 sums fit, with the 2 RB float
+// accumulators in registers up to 6 rows and in L1 from 7. Per (row, tile, block) the same integer sum and then
+// exactly tile_q4_1_rb's float operations in the same order, so the bits equal the 16-column tile's.
+// Cache-resident, one thread (benchmarks/tile_pair.cpp): 1.17-1.45x per row-block at 1-16 rows on that Xeon.
 constexpr int kPairRows = 8;
 
 template <int RB>
@@ -174,8 +174,7 @@ void tile2_q4_1_vnni_rb(const uint8_t* w, const Act& a, int r0, float* out, int 
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const int pf = g_prefetch_ahead;
   const uint8_t* w1 = w + (int64_t)a.B * kQ41Bytes;
-  // float accumulators: in registers up to 6 rows; from 7 rows in L1 (loaded and stored once per block)
-  constexpr bool kInL1 = RB > 6;
+  constexpr bool kInL1 = RB > 6;  // float accumulators in L1 (loaded and stored once per block)
   __m512 acc[kInL1 ? 1 : RB][2];
   alignas(64) float accl[kInL1 ? RB : 1][2][kTile];
   _Pragma("GCC unroll 8")

@@ -246,8 +246,8 @@ inline void mm_act(const Act& a, const uint8_t* wp, int64_t N, int kind, const P
   const TileFn pair = kind == kQ4_1 && g_q4_pair ? path.q4_1_pair : nullptr;
   // row chunks of at most path.row_block (pair_rows for pairs), evened out (20 rows: 10 + 10, not 16 + 4; a
   // row's bits do not depend on its chunk)
-  const int64_t nchunks = (M + path.row_block - 1) / path.row_block, rb = (M + nchunks - 1) / nchunks;
-  const int64_t pchunks = pair ? (M + path.pair_rows - 1) / path.pair_rows : 1, prb = (M + pchunks - 1) / pchunks;
+  auto chunk_rows = [M](int64_t most) { const int64_t n = (M + most - 1) / most; return (M + n - 1) / n; };
+  const int64_t rb = chunk_rows(path.row_block), prb = pair ? chunk_rows(path.pair_rows) : M;
   Pool& pl = pool();
   // Units of >= g_unit_bytes of weights (a claim costs an atomic), at most 128 per thread: a thread
   // streams its own contiguous region of units (pool.h), so finer units only even out the finish
