@@ -27,7 +27,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from treedraft.kernels._build import build_info, load_extension
+from treedraft.kernels._build import build_info, load_extension, loaded_extension
 
 __all__ = [
     "PackedWeight",
@@ -46,6 +46,8 @@ __all__ = [
     "set_tuning",
     "q4_pair_supported",
     "set_q4_pair",
+    "sample_probs",
+    "sample_draw",
 ]
 
 TILE = 16  # output columns per packed tile
@@ -317,6 +319,26 @@ def topk_rows(x: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[np.nd
     lg64 = lg.astype(np.float64)  # logsumexp in float64 (a per-row shift: the order stays)
     m = lg64.max(-1, keepdims=True)
     return raw - (m + np.log(np.exp(lg64 - m).sum(-1, keepdims=True))), top.astype(np.int64)
+
+
+def sample_probs(x: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor | None:
+    """Each row of x (R, V) float32 on the CPU -> its sampling distribution after temperature, top-k and top-p
+    (kernels/sample.h; treedraft.sampling.target_probs defines it); None when the native kernel is not loaded
+    in this process (this never builds it) or a row has no finite maximum."""
+    ext = loaded_extension()
+    if ext is None or not hasattr(ext, "sample_probs"):
+        return None
+    return ext.sample_probs(x.detach().float().contiguous(), float(temperature), int(top_k), float(top_p))
+
+
+def sample_draw(row: torch.Tensor, temperature: float, top_k: int, top_p: float, u: float) -> int | None:
+    """The token of a (V,) float32 CPU logits row whose CDF (id order, float64) first passes u * total, under
+    temperature, top-k and top-p: one inverse-transform draw in one native call; None as for sample_probs."""
+    ext = loaded_extension()
+    if ext is None or not hasattr(ext, "sample_draw"):
+        return None
+    x = ext.sample_draw(row.detach().float().contiguous(), float(temperature), int(top_k), float(top_p), float(u))
+    return None if x < 0 else int(x)
 
 
 def set_row_pass_blocks(blocks: int | None) -> int | None:

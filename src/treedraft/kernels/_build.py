@@ -33,6 +33,7 @@ _HEADERS = [
     "kern_scalar.h",
     "kern_avx512.h",
     "kern_avx2.h",
+    "sample.h",
     "topk.h",
 ]
 # -fvisibility=hidden: the headers' inline globals (the thread pool, g_threads) stay private to each
@@ -159,6 +160,11 @@ def _wait_for_other_build(out: Path, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while (out / "lock").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
+
+
+def loaded_extension() -> ModuleType | None:
+    """The extension if this process has already loaded it, else None (never builds or loads it)."""
+    return _state["module"] if _state.get("loaded") else None
 
 
 def load_extension(reload: bool = False) -> ModuleType | None:
