@@ -29,6 +29,7 @@ from treedraft.bench import (
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter
 from treedraft.engine import Engine, GenerationConfig
 from treedraft.models.tiny import tiny_llama
+from treedraft.sampling import SamplingParams
 from treedraft.text import TextGenerator
 
 MAX_NEW = 12
@@ -348,6 +349,26 @@ def test_sampling_runs_skip_the_equality_check(engine: TextGenerator, dataset: P
     res = run_bench(prompts, {"plain": plain, "wrong": wrong_after(plain, 1)}, greedy=False, warmup=0, progress=False)
     assert all(r.equal_to_reference is None for r in res.records)
     assert bench.mismatches(res) == []
+
+
+def test_seeded_sampling_runs_check_that_speculative_outputs_equal_plain(
+    engine: TextGenerator, dataset: Path, tmp_path: Path
+) -> None:
+    """A seeded request's tokens are coupled draws keyed by (seed, position): the drafter cannot change them."""
+    prompts = [(p, fake_encode(p.text)) for p in load_prompts(dataset)]
+    cfg = GenerationConfig(max_new_tokens=MAX_NEW, sampling=SamplingParams(temperature=1.5, top_p=0.9, seed=3))
+    plain = EngineMethod(engine, cfg, None)
+    methods = {"plain": plain, "prompt-lookup": EngineMethod(engine, cfg, PromptLookupDrafter())}
+    methods["wrong"] = wrong_after(plain, 2)
+    res = run_bench(prompts, methods, greedy=False, seeded=True, warmup=0, progress=False)
+    by = {(r.method, r.prompt_id): r for r in res.records}
+    for q in {r.prompt_id for r in res.records}:
+        assert by[("prompt-lookup", q)].equal_to_reference is True
+        assert by[("wrong", q)].equal_to_reference is False
+    assert max(by[("prompt-lookup", q)].mean_accepted_length for q in {r.prompt_id for r in res.records}) > 1.0
+    assert len(bench.mismatches(res)) == len(prompts)
+    text = write_report(res, tmp_path)["markdown"].read_text()
+    assert "not checked" not in text and "| `wrong` |" in text
 
 
 def test_method_names_and_unavailable_methods_are_skipped_with_reason(engine: TextGenerator) -> None:

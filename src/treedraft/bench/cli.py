@@ -242,6 +242,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         baselines=baselines,
         reference=reference,
         greedy=a.temperature == 0,
+        seeded=a.seed is not None,
         skipped=skipped,
         progress=not a.no_progress,
         config=run_cfg,

@@ -19,7 +19,8 @@ Definitions used throughout:
 - speedup of method M vs baseline B = tokens/s(M) / tokens/s(B) over the same prompts;
 - mean accepted length = tokens committed per verify step, bonus token included;
 - acceptance at depth d = P(accepted >= d | the drafted tree reached depth d), pooled over steps;
-- output equality (greedy only): the method's ids vs the reference's (treedraft plain), same tokens
+- output equality (greedy, or sampling with a seed: seeded draws are coupled, so a seeded speculative output
+  equals the seeded plain one): the method's ids vs the reference's (treedraft plain), same tokens
   and same length; the one allowed length difference is an output that ended at an EOS token
   (the last id of the shorter one is one its own method stops at) where the other has the same
   token and ran on (ignore_eos, or a method with a different EOS set). A shorter output that did
@@ -293,6 +294,7 @@ class BenchResult:
     baselines: list[str] = field(default_factory=list)
     greedy: bool = True
     config: dict = field(default_factory=dict)
+    seeded: bool = False  # sampled with a seed: outputs checked as under greedy
 
 
 def run_bench(
@@ -303,6 +305,7 @@ def run_bench(
     baselines: Iterable[str] = DEFAULT_BASELINES,
     reference: str | None = REFERENCE,
     greedy: bool = True,
+    seeded: bool = False,
     skipped: dict[str, str] | None = None,
     progress: bool = True,
     config: dict | None = None,
@@ -376,7 +379,7 @@ def run_bench(
 
     records = [r for r in records if r.method.removesuffix(BUSY_SUFFIX) in live]
     ref = reference if reference in live else None
-    if greedy and ref is not None:
+    if (greedy or seeded) and ref is not None:
         default_eos = frozenset(int(t) for t in eos_token_ids)
         eos = {
             n: default_eos if getattr(m, "eos_token_ids", None) is None else frozenset(int(t) for t in m.eos_token_ids)
@@ -401,4 +404,5 @@ def run_bench(
         [b for b in baselines if b in live],
         greedy,
         dict(config or {}),
+        seeded=seeded and not greedy,
     )

@@ -246,10 +246,12 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
             lines.append(f"| `{m}` | {b['median']:.2f}x | {b['max']:.2f}x | {b['worst_prompt']} | {b['prompts']} |")
         lines.append("")
     lines += ["## Output mismatches", ""]
-    if result.reference is None or not result.greedy:
-        lines.append("not checked (" + ("sampling" if not result.greedy else "no reference method in the run") + ")")
+    checked = result.greedy or result.seeded
+    if result.reference is None or not checked:
+        lines.append("not checked (" + ("unseeded sampling" if not checked else "no reference method in the run") + ")")
     elif not mism:
-        lines.append(f"none: every method's greedy output equals `{result.reference}`.")
+        kind = "greedy" if result.greedy else "seeded sampled"
+        lines.append(f"none: every method's {kind} output equals `{result.reference}`.")
     else:
         lines += [
             "| method | prompt | category | first diff at | kind | length ref / method | reference | method |",
@@ -389,6 +391,7 @@ def write_report(
         "reference": result.reference,
         "baselines": result.baselines,
         "greedy": result.greedy,
+        "seeded": result.seeded,
         "summary": summary,
         "busy_core": busy_core_ratios(result),
         "mismatches": mism,
