@@ -304,7 +304,7 @@ def test_speculative_equals_plain_on_the_real_model_fused(weights: str, kv_dtype
     llm = treedraft.load(weights=weights, kv_dtype=kv_dtype)
     assert fused.status(llm.model) is None
     assert llm.model.new_cache(8).kv.dtype == (torch.float32 if kv_dtype == "float32" else torch.float16)  # auto: fp16
-    cfg = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    cfg = GenerationConfig(max_new_tokens=48, ignore_eos=True, logprobs=2)
     for prompt in ("Write a haiku about the sea.", "Repeat after me: the quick brown fox jumps over the lazy dog."):
         ids = llm.encode_prompt(prompt)
         before = calls["fused"]
@@ -313,6 +313,8 @@ def test_speculative_equals_plain_on_the_real_model_fused(weights: str, kv_dtype
         spec = llm.engine.generate(ids, cfg, llm.engine.drafter)
         assert spec.token_ids == plain.token_ids, prompt
         assert spec.stats.mean_accepted_length > 1.0
+        assert spec.logprobs == plain.logprobs, prompt  # tree rows are bitwise the 1-token rows: same values
+        assert [lp.top[0][0] for lp in plain.logprobs] == plain.token_ids  # greedy: each token its row's best
 
 
 def test_auto_kv_dtype_is_float16_only_for_quantized_weights_on_the_own_runtime() -> None:

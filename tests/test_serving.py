@@ -379,7 +379,9 @@ BAD_REQUESTS = [
     ("chat", {"messages": _HI, "stop": [["x"]]}, 400, "stop"),
     ("chat", {"messages": _HI, "seed": "x"}, 400, "seed"),
     ("chat", {"messages": _HI, "seed": 2**70}, 400, "seed"),
-    ("chat", {"messages": _HI, "logprobs": True}, 400, "logprobs"),
+    ("chat", {"messages": _HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("chat", {"messages": _HI, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
+    ("chat", {"messages": _HI, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
     ("chat", {"messages": _HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("chat", {"messages": _HI, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("chat", {"messages": _HI, "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
@@ -412,7 +414,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
-    ("completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
     ("completions", {"prompt": "hello there my good friend", "max_tokens": 4095}, 400, "max_tokens"),
 ]
 
@@ -488,6 +491,56 @@ def test_random_bodies_never_get_5xx(server: LiveServer, chat: bool, body: dict)
 
 
 # ----------------------------------------------------------------------------- disconnects
+
+
+def _sse_events(r: httpx.Response) -> list[dict]:
+    """The JSON events of a streamed response, without the final [DONE]."""
+    out = []
+    for line in r.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[len("data: ") :]))
+    return out
+
+
+def test_chat_logprobs_follow_the_tokens_streamed_or_not(server: LiveServer) -> None:
+    """Greedy chat with top_logprobs 3: one entry per generated token, the token its row's best, the same values
+    whether streamed or not, and the entries' tokens spell the answer."""
+    url = f"{server.url}/v1/chat/completions"
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    body |= {"logprobs": True, "top_logprobs": 3}
+    r = httpx.post(url, json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == out["usage"]["completion_tokens"] == 12
+    assert "".join(e["token"] for e in content) == out["choices"][0]["message"]["content"]
+    for e in content:
+        tops = e["top_logprobs"]
+        assert len(tops) == 3 and [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+        assert (tops[0]["token"], tops[0]["logprob"]) == (e["token"], e["logprob"]) and e["logprob"] <= 0.0
+        assert e["bytes"] == list(e["token"].encode())
+    streamed = httpx.post(url, json=body | {"stream": True}, timeout=TIMEOUT)
+    events = _sse_events(streamed)
+    got = [e for ev in events for ch in ev["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
+    assert [e["token"] for e in got] == [e["token"] for e in content]
+    assert all(abs(a["logprob"] - b["logprob"]) < 1e-5 for a, b in zip(got, content, strict=True))
+    plain = httpx.post(url, json={k: v for k, v in body.items() if "logprobs" not in k}, timeout=TIMEOUT).json()
+    assert plain["choices"][0]["logprobs"] is None  # off unless asked
+
+
+def test_completion_logprobs_have_offsets_and_top_alternatives(server: LiveServer) -> None:
+    url = f"{server.url}/v1/completions"
+    body = {"model": "tiny", "prompt": "abc abc abc", "max_tokens": 8, "temperature": 0.9, "seed": 4}
+    body |= {"ignore_eos": True, "logprobs": 2}
+    out = httpx.post(url, json=body, timeout=TIMEOUT).json()
+    lp = out["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]) == out["choices"][0]["text"] and len(lp["tokens"]) == 8
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(8)]
+    assert all(len(top) == 2 and max(top.values()) >= v for top, v in zip(lp["top_logprobs"], lp["token_logprobs"]))
+    streamed = _sse_events(httpx.post(url, json=body | {"stream": True}, timeout=TIMEOUT))
+    parts = [ch["logprobs"] for ev in streamed for ch in ev["choices"] if ch["logprobs"]]
+    assert [t for x in parts for t in x["tokens"]] == lp["tokens"]  # seeded: the same draws
+    assert [o for x in parts for o in x["text_offset"]] == lp["text_offset"]
 
 
 def test_a_client_leaving_mid_stream_frees_its_slot(server: LiveServer) -> None:

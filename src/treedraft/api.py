@@ -119,14 +119,18 @@ class LLM:
         stop: list[str] | tuple[str, ...] = (),
         rule: str = "speculative",
         max_tree_nodes: int = 64,
+        logprobs: int | None = None,
     ) -> GenerationConfig:
-        """A :class:`GenerationConfig` from keyword arguments."""
+        """A :class:`GenerationConfig` from keyword arguments. ``logprobs``: None (off), or n: each generated
+        token's log-probability and its position's n most likely alternatives (``GenerationResult.logprobs``,
+        ``Chunk.logprob``; the model's own distribution, before temperature / top-k / top-p)."""
         return GenerationConfig(
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature, top_k, top_p, seed),
             rule=rule,
             stop=tuple(stop),
             max_tree_nodes=max_tree_nodes,
+            logprobs=logprobs,
         )
 
     def get_drafter(

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .interfaces import DraftContext, Drafter, GenerationError, TargetModel, target_device
+from .logprobs import TokenLogprob, check_top
 from .sampling import SamplingParams
 from .tree import TokenTree, TreeError
 from .verify import RULES
@@ -49,6 +50,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     max_tree_nodes: int = 64
+    logprobs: int | None = None  # None: off; n: each token's log p and its row's n best (treedraft.logprobs)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -61,6 +63,10 @@ class GenerationConfig:
             raise GenerationError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
         if self.max_tree_nodes < 1:
             raise GenerationError(f"max_tree_nodes must be >= 1, got {self.max_tree_nodes}")
+        try:
+            check_top(self.logprobs)
+        except ValueError as err:
+            raise GenerationError(str(err)) from None
 
 
 def acceptance_per_depth(steps: Iterable[tuple[int, int]]) -> list[float]:
@@ -146,6 +152,7 @@ class DecodeResult:
     token_ids: list[int]
     finish_reason: str
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the config asked for them
 
 
 class Engine:
@@ -204,8 +211,12 @@ class Engine:
     ) -> DecodeResult:
         """Decode to the token budget (no EOS, no stop strings: see :class:`treedraft.text.TextGenerator`)."""
         stats = GenerationStats()
-        ids = [t for step in self.decode(prompt_ids, config, drafter, stats) for t in step]
-        return DecodeResult(ids, "length", stats)
+        ids: list[int] = []
+        lps: list[TokenLogprob] = []
+        for step in self.decode(prompt_ids, config, drafter, stats):
+            ids += step
+            lps += getattr(step, "logprobs", None) or []
+        return DecodeResult(ids, "length", stats, lps if config is not None and config.logprobs is not None else None)
 
     @torch.inference_mode()
     def decode(

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from .budget import STEP_ROWS_MAX, NodeStats, RowBudget, measured_latency, measured_step_rows, step_rows_from_latency
 from .interfaces import DraftContext, Drafter, GenerationError, request_drafter
+from .logprobs import Committed, token_logprobs
 from .prefix_cache import PrefixCache
 from .tree import TokenTree, TreeError, full_attention_mask
 from .verify import accept, sample_token, uses_coupling
@@ -383,9 +384,7 @@ class Scheduler:
         self._prev = None
         plan = self._plan()
         failed = [(r, []) for r in self.active if r.error is not None]
-        firsts = [
-            (r, [self._first(r, r.first_logits, r.last_hidden)]) for r in self.active if r.first_logits is not None
-        ]
+        firsts = [(r, self._first(r, r.first_logits, r.last_hidden)) for r in self.active if r.first_logits is not None]
         for r, _ in firsts:
             r.first_logits = None
         if not plan:
@@ -422,7 +421,7 @@ class Scheduler:
         )
         return failed + firsts + out
 
-    def _first(self, req: Request, logits: Tensor, hidden: Tensor | None) -> int:
+    def _first(self, req: Request, logits: Tensor, hidden: Tensor | None) -> Committed:
         """Draw the first token from the prompt's last logits row (V,); ``hidden``: that position's (H,) state."""
         cfg = req.config
         root = sample_token(cfg.rule, logits, cfg.sampling, req.gen, len(req.tokens))
@@ -431,7 +430,8 @@ class Scheduler:
         req.n_out = 1
         req.t_start = time.perf_counter()
         req.stats.new_tokens, req.stats.t_decode = 1, time.perf_counter() - req.t_start
-        return root
+        lps = None if cfg.logprobs is None else token_logprobs(logits[None], [root], cfg.logprobs)
+        return Committed.of([root], lps)
 
     def _commit(self, p: _Rows, logits: Tensor, hidden: Tensor | None, tv: float, tr: float) -> list[int]:
         req, cfg = p.req, p.req.config
@@ -448,7 +448,7 @@ class Scheduler:
                 hs = None if any(h is None for h in req.prompt_hidden) else torch.cat(req.prompt_hidden)
                 self.prefix_cache.store(req.prompt, req.cache.kv[:, :, :, : len(req.prompt)], hs, logits[-1], req.scope)
                 req.prompt_hidden = None
-            return [self._first(req, logits[-1], None if hidden is None else hidden[-1])]
+            return self._first(req, logits[-1], None if hidden is None else hidden[-1])
         tree, n = p.tree, len(p.tree)
         if n == 1:
             acc_nodes, bonus = (0,), sample_token(cfg.rule, logits[0], cfg.sampling, req.gen, len(req.tokens))
@@ -473,7 +473,10 @@ class Scheduler:
         req.stats.steps.append(StepStats(n, depth, len(new) - 1, p.t_draft, tr - tv, te - tr))
         req.n_out += len(new)
         req.stats.new_tokens, req.stats.t_decode = req.n_out, time.perf_counter() - req.t_start
-        return new
+        if cfg.logprobs is None:
+            return new
+        # token new[i] was predicted by the row of accepted node i (the bonus by the last one's)
+        return Committed.of(new, token_logprobs(logits[list(acc_nodes)], new, cfg.logprobs))
 
 
 def host_torch_threads(model: Any) -> int | None:

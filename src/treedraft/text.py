@@ -16,6 +16,7 @@ from tokenizers.decoders import DecodeStream
 
 from .engine import Engine, GenerationConfig, GenerationStats
 from .interfaces import Drafter
+from .logprobs import TokenLogprob
 
 
 class TextTokenizer(Protocol):
@@ -110,6 +111,7 @@ class Chunk:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" (eos / stop string) or "length" on the last chunk
+    logprobs: list[TokenLogprob] | None = None  # parallel to token_ids, when the request asked for them
 
 
 @dataclass
@@ -120,6 +122,7 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 class TextGenerator:
@@ -146,12 +149,14 @@ class TextGenerator:
     ) -> GenerationResult:
         """Run to completion; see :meth:`stream`."""
         stats = GenerationStats()
-        texts, ids, reason = [], [], "length"
+        texts, ids, reason, lps = [], [], "length", []
         for ch in self.stream(prompt_ids, config, drafter, stats):
             texts.append(ch.text)
             ids.extend(ch.token_ids)
             reason = ch.finish_reason or reason
-        return GenerationResult("".join(texts), ids, reason, stats)
+            lps += ch.logprobs or []
+        want = config is not None and config.logprobs is not None
+        return GenerationResult("".join(texts), ids, reason, stats, lps if want else None)
 
     def stream(
         self,
@@ -218,27 +223,31 @@ class TextStream:
         """One chunk per token of ``new`` up to the final one (if this step ends the request)."""
         detok, stopper = self.detok, self.stopper
         out: list[Chunk] = []
-        for tok in new:
+        lps = getattr(new, "logprobs", None)  # a scheduler step's Committed ids carry them when asked for
+        for i, tok in enumerate(new):
             if self.done:
                 break
             self.n += 1
+            lp = None if lps is None else [lps[i]]
             final = None
             if tok in self.eos:
                 safe, hit = stopper.feed(detok.flush() if detok is not None else "")
-                final = Chunk(safe + ("" if hit else stopper.flush()), [tok], "stop")
+                final = Chunk(safe + ("" if hit else stopper.flush()), [tok], "stop", lp)
             else:
                 safe, hit = stopper.feed(detok.push(tok) if detok is not None else "")
                 if hit:
-                    final = Chunk(safe, [tok], "stop")
+                    final = Chunk(safe, [tok], "stop", lp)
                 elif self.n >= self.budget:
                     safe2, hit2 = stopper.feed(detok.flush() if detok is not None else "")
-                    final = Chunk(safe + safe2 + ("" if hit2 else stopper.flush()), [tok], "stop" if hit2 else "length")
+                    final = Chunk(
+                        safe + safe2 + ("" if hit2 else stopper.flush()), [tok], "stop" if hit2 else "length", lp
+                    )
             if final is not None:
                 self.stats.cut(self.n)  # drafts of this step after the final token were never delivered
                 self.done = True
                 out.append(final)
                 break
-            out.append(Chunk(safe, [tok]))
+            out.append(Chunk(safe, [tok], None, lp))
         return out
 
     def tail(self) -> Chunk:

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import GenerationConfig
 from ..interfaces import GenerationError
+from ..logprobs import TokenLogprob
 from ..text import Chunk
 from ..verify import RULES as _RULES
 from .auth import APIKeys, AuthMiddleware
@@ -77,6 +78,7 @@ class OpenAIServer:
         self.context = llm.model.max_seq_len
         self.tokens_limit = min(settings.max_tokens_limit or self.context - 1, self.context - 1)
         self.tok_pool = ThreadPoolExecutor(1, "treedraft-tokenize")  # keeps tokenizing off the event loop
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
         m = self.metrics
         m.gauge_fn(
             "treedraft:num_requests_running",
@@ -224,6 +226,7 @@ class OpenAIServer:
                 stop=stop,
                 rule=opts.rule or "speculative",
                 max_tree_nodes=opts.max_tree_nodes or 64,
+                logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs,
             )
             cfg = replace(cfg, ignore_eos=bool(req.ignore_eos))
         except ValueError as e:  # e.g. rule 'greedy' with temperature > 0
@@ -293,12 +296,14 @@ class OpenAIServer:
     ) -> Response:
         """A whole (non-streamed) completion."""
         texts: list[str] = []
+        lps: list[TokenLogprob] = []
         n = 0
         try:
             while not isinstance(item, Done):
                 if isinstance(item, Failed):
                     raise item.error
                 texts.append(item.text)
+                lps += self.reported_logprobs(p, item)
                 n += len(item.token_ids)
                 nxt = await self.next_or_disconnect(job, request)
                 if nxt is None:
@@ -307,15 +312,16 @@ class OpenAIServer:
         finally:
             job.cancel()  # a no-op once done; frees the worker on any other exit
         text = "".join(texts)
+        logprobs = self.logprobs_object(lps, chat, 0) if p.config.logprobs is not None else None
         if chat:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": item.finish_reason,
             }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": item.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": item.finish_reason}
         return JSONResponse(
             {
                 "id": rid,
@@ -342,12 +348,22 @@ class OpenAIServer:
         }
         extra = {"usage": None} if p.include_usage else {}
 
+        want = p.config.logprobs is not None
+        pending: list[TokenLogprob] = []  # reported with the next event: a token's text may come out later
+        offset = 0  # completions' text_offset of the next reported token
+
         def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+            nonlocal offset
+            lp = None
+            if want and not role:
+                lp = self.logprobs_object(pending, chat, offset)
+                offset += sum(len(self.token_text(x.token_id)) for x in pending)
+                pending.clear()
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
             return {**base, "choices": [choice], **extra}
 
         n = 0
@@ -372,6 +388,7 @@ class OpenAIServer:
                         )
                     break
                 n += len(item.token_ids)
+                pending += self.reported_logprobs(p, item)
                 if item.text:
                     yield _sse(chunk(item.text, None))
                 nxt = await job.next(3600.0)
@@ -381,6 +398,55 @@ class OpenAIServer:
             yield _sse("[DONE]")
         finally:
             job.cancel()
+
+    def reported_logprobs(self, p: _Prepared, item: Chunk) -> list[TokenLogprob]:
+        """The logprobs of a chunk's tokens that a response reports: all but an EOS id (not content)."""
+        if p.config.logprobs is None or not item.logprobs:
+            return []
+        eos = frozenset() if p.config.ignore_eos else self.llm.text.eos_token_ids
+        return [x for x in item.logprobs if x.token_id not in eos]
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as the responses' logprobs name it (decoded alone; cached)."""
+        t = self._token_texts.get(token_id)
+        if t is None:
+            t = self._token_texts[token_id] = self.llm.tokenizer.decode([token_id], skip_special_tokens=False)
+        return t
+
+    def logprobs_object(self, lps: list[TokenLogprob], chat: bool, offset: int) -> dict:
+        """OpenAI's ``logprobs`` of a choice or a streamed chunk for tokens ``lps``: chat's ``content`` entries
+        (token, logprob, bytes, top_logprobs) or the completions' parallel lists (``text_offset`` from ``offset``).
+        Values are the model's own log-softmax (before temperature / top-k / top-p); -inf is reported as -9999."""
+
+        def val(x: float) -> float:
+            return max(x, -9999.0)
+
+        if chat:
+            return {
+                "content": [
+                    {
+                        "token": (s := self.token_text(x.token_id)),
+                        "logprob": val(x.logprob),
+                        "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": [
+                            {"token": (u := self.token_text(i)), "logprob": val(v), "bytes": list(u.encode("utf-8"))}
+                            for i, v in x.top
+                        ],
+                    }
+                    for x in lps
+                ]
+            }
+        tokens = [self.token_text(x.token_id) for x in lps]
+        offsets = []
+        for s in tokens:
+            offsets.append(offset)
+            offset += len(s)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [val(x.logprob) for x in lps],
+            "top_logprobs": [{self.token_text(i): val(v) for i, v in x.top} for x in lps],
+            "text_offset": offsets,
+        }
 
     def models(self) -> dict:
         """The /v1/models listing."""

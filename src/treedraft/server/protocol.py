@@ -8,6 +8,8 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..logprobs import MAX_TOP_LOGPROBS
+
 
 def request_drafters() -> tuple[str, ...]:
     """Drafter names a request may pick: the registry's, plus 'default' (the server's own) and 'plain'."""
@@ -213,15 +215,19 @@ def reject_unsupported(req: CommonRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed together with stream=true", param="stream_options")
     if isinstance(req, ChatCompletionRequest):
-        if req.logprobs or req.top_logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(
+                400, f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.top_logprobs}", param="top_logprobs"
+            )
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if req.tools or req.tool_choice not in (None, "none"):
             raise APIError(400, "tools / tool_choice are not supported", param="tools")
         if req.response_format is not None and req.response_format.get("type", "text") != "text":
             raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
     if isinstance(req, CompletionRequest):
-        if req.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.logprobs}", param="logprobs")
         if req.best_of not in (None, 1):
             raise APIError(400, f"best_of={req.best_of} is not supported; use 1", param="best_of")
         if req.echo:

@@ -413,7 +413,8 @@ class Worker:
                 out.append((job, chunks[0]))
             elif chunks:
                 text, ids = "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]
-                out.append((job, Chunk(text, ids, chunks[-1].finish_reason)))
+                lps = None if chunks[0].logprobs is None else [x for c in chunks for x in c.logprobs or []]
+                out.append((job, Chunk(text, ids, chunks[-1].finish_reason, lps)))
             if live.text.done:
                 finish = chunks[-1].finish_reason or "length"
                 self._leave(job, finish)  # first: the drafter (suffix store) records it before the client hears Done

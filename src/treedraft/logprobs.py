@@ -1,0 +1,76 @@
+"""Per-token log-probabilities of generated tokens (the OpenAI ``logprobs`` / ``top_logprobs`` fields).
+
+A token's log-probability is read from the verify row that predicted it: the target's own logits at that
+position, the rows of a tree step being bitwise those plain decoding computes (attn.h, mm_core.h), so a
+speculative run reports the same values as a plain one. The distribution is the model's own: log-softmax of
+its logits, before temperature, top-k and top-p (as vLLM's default), so the values do not depend on the
+sampling settings, and a greedy token's is its row's largest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token: its id, log p(token), and the ``top`` most likely (id, log p), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class Committed(list):
+    """A step's committed token ids (a plain list), with ``logprobs`` parallel to them when the request asked
+    for them (``GenerationConfig.logprobs``), else None."""
+
+    logprobs: list[TokenLogprob] | None = None
+
+    @classmethod
+    def of(cls, tokens: Sequence[int], logprobs: list[TokenLogprob] | None = None) -> Committed:
+        """``tokens`` as a Committed list carrying ``logprobs``."""
+        out = cls(tokens)
+        out.logprobs = logprobs
+        return out
+
+
+def check_top(n: int | None) -> None:
+    """ValueError unless ``n`` is None (no logprobs) or an int in [0, MAX_TOP_LOGPROBS]."""
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise ValueError(
+            f"logprobs must be None (off) or the number of top alternatives per token, 0..{MAX_TOP_LOGPROBS}; got {n!r}"
+        )
+
+
+def token_logprobs(logits: Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Row r of ``logits`` (R, V) predicted ``tokens[r]``: its log-softmax value and the row's ``top`` best.
+
+    One native pass per row when the kernel is loaded (kernels.topk_rows: k best + logsumexp in float64 over
+    float32 exponentials), else NumPy; the chosen token's value is its logit minus the same logsumexp (the
+    identical value when it is among the ``top``).
+    """
+    from . import kernels
+
+    if logits.dim() != 2 or logits.shape[0] != len(tokens):
+        raise ValueError(f"token_logprobs: need one (V,) row per token, got {tuple(logits.shape)} for {len(tokens)}")
+    check_top(top)
+    rows = logits.detach().to("cpu", torch.float32)
+    vals, ids = kernels.topk_rows(rows, max(1, top), log_softmax=True)
+    out = []
+    for r, tok in enumerate(tokens):
+        best = tuple((int(i), float(v)) for i, v in zip(ids[r, :top], vals[r, :top], strict=True))
+        lp = dict(best).get(int(tok))  # a token among the best: the very same value
+        if lp is None:
+            lse = float(rows[r, int(ids[r, 0])]) - float(vals[r, 0])  # the best logit minus its log-softmax value
+            lp = float(rows[r, int(tok)]) - lse
+        out.append(TokenLogprob(int(tok), lp, best))
+    return out
