@@ -123,6 +123,21 @@ def test_chat_non_stream_matches_engine(client: openai.OpenAI, llm: treedraft.LL
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
+def test_chat_logprobs_through_the_openai_client(client: openai.OpenAI, llm: treedraft.LLM) -> None:
+    """The official client parses the logprobs; they equal the engine's own plain-decoding values for the same
+    tokens (the server decodes with prompt lookup: speculative rows report plain's values)."""
+    r = client.chat.completions.create(
+        model=llm.model_name, messages=CHAT, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = r.choices[0].logprobs.content
+    ref = llm.generate(CHAT, max_new_tokens=12, drafter=None, logprobs=2)
+    eos = llm.tokenizer.eos_token_ids
+    want = [x for x in ref.logprobs if x.token_id not in eos]
+    assert [c.token for c in content] == [llm.tokenizer.decode([x.token_id], skip_special_tokens=False) for x in want]
+    assert [c.logprob for c in content] == [x.logprob for x in want]
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content)
+
+
 def test_chat_stream_with_usage(client: openai.OpenAI, llm: treedraft.LLM, reference: dict) -> None:
     stream = client.chat.completions.create(
         model=llm.model_name,
