@@ -10,6 +10,9 @@ x plain and mean accepted length per pair: the speed figures are ratios taken in
 ``--methods eagle@q8,eagle@q4``: the EAGLE drafter with its draft layer's native copy in q8 and in q4;
 ``hybrid-suffix@q4``: the Medusa member's projection in q4 (drafters/draft_format.py); without ``@``: as chosen.
 
+``--temperature T [--top-p P]``: sampled, prompt i seeded with ``--seed`` + i (seeded draws are coupled, so every
+output must still equal plain's).
+
 ``--turn 2``: the MT-Bench second turns instead, with plain's greedy first answer in the context (as
 benchmarks/turn2_methods.py builds them); each (method, heads) pair drafts from its own fresh copy.
 """
@@ -67,6 +70,9 @@ def main() -> None:
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--data", default=MTB)
     ap.add_argument("--turn", type=int, choices=(1, 2), default=1)
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled, seeded per prompt (--seed + i)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     llm = treedraft.load(drafter=None, weights=a.weights)
     if a.turn == 1:
@@ -83,7 +89,7 @@ def main() -> None:
     tot = {k: [0, 0.0, 0] for k in [("plain", "-"), *pairs]}
     for i, text in enumerate(prompts):
         ids = llm.encode_prompt(text)  # a user string, or the second turn's messages
-        cfg = llm.config(max_new_tokens=a.tokens)
+        cfg = llm.config(max_new_tokens=a.tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed + i)
         ref = llm.text.generate(ids, cfg, None)
         runs = [(("plain", "-"), ref)]
         order = pairs[i % len(pairs) :] + pairs[: i % len(pairs)]
@@ -100,7 +106,9 @@ def main() -> None:
         print(f"prompt {a.skip + i} done, load {os.getloadavg()[0]:.1f} {time.strftime('%H:%M:%S')}", flush=True)
     base = tot[("plain", "-")][0] / tot[("plain", "-")][1]
     print(
-        f"\n{len(prompts)} {'first' if a.turn == 1 else 'second'} turns x {a.tokens}, {a.weights}, greedy; all outputs = plain"
+        f"\n{len(prompts)} {'first' if a.turn == 1 else 'second'} turns x {a.tokens}, {a.weights}, "
+        + ("greedy" if a.temperature == 0 else f"T {a.temperature} top_p {a.top_p}, seeded")
+        + "; all outputs = plain"
     )
     print("| method | heads | tok/s | x plain | mean accepted |\n|---|---|---|---|---|")
     for key, (n, sec, steps) in tot.items():
