@@ -11,7 +11,7 @@ from treedraft import kernels
 from treedraft.drafters.prompt_lookup import PromptLookupDrafter
 from treedraft.engine import Engine, GenerationConfig
 from treedraft.interfaces import GenerationError
-from treedraft.logprobs import MAX_TOP_LOGPROBS, token_logprobs
+from treedraft.logprobs import MAX_TOP_LOGPROBS, prompt_logprobs, token_logprobs
 from treedraft.sampling import SamplingParams
 from treedraft.text import TextGenerator
 
@@ -77,3 +77,16 @@ def test_logprobs_are_off_unless_asked(native_gen: TextGenerator) -> None:
     chunks = list(native_gen.stream(PROMPT, GenerationConfig(max_new_tokens=4, logprobs=0), None))
     assert all(len(c.logprobs) == len(c.token_ids) == 1 and c.logprobs[0].top == () for c in chunks)
     assert [c.logprobs[0].token_id for c in chunks] == [t for c in chunks for t in c.token_ids]
+
+
+def test_prompt_logprobs_in_chunks_equal_a_whole_prompt_forward(native_gen: TextGenerator) -> None:
+    model = native_gen.engine.model
+    ids = [(7 * i + 3) % 60 for i in range(150)]
+    got = prompt_logprobs(model, ids, 2, chunk=64)  # three chunks: 64, 64, 21 rows
+    with torch.inference_mode():
+        logits, _ = model.forward(torch.tensor([ids]), torch.arange(len(ids)), None, 0)
+    ref = logits[0].double().log_softmax(-1)
+    assert [x.token_id for x in got] == ids and got[0].logprob is None and got[0].top == ()
+    for j in range(1, len(ids)):
+        assert abs(got[j].logprob - float(ref[j - 1, ids[j]])) < 1e-3, j
+        assert got[j].top[0][0] == int(ref[j - 1].argmax())

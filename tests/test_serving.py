@@ -412,7 +412,6 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [1, "a"]}, 400, "prompt"),
     ("completions", {"max_tokens": 3}, 400, "prompt"),
     ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
-    ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
@@ -541,6 +540,34 @@ def test_completion_logprobs_have_offsets_and_top_alternatives(server: LiveServe
     parts = [ch["logprobs"] for ev in streamed for ch in ev["choices"] if ch["logprobs"]]
     assert [t for x in parts for t in x["tokens"]] == lp["tokens"]  # seeded: the same draws
     assert [o for x in parts for o in x["text_offset"]] == lp["text_offset"]
+
+
+def test_completion_echo_scores_the_prompt(server: LiveServer, llm: LLM) -> None:
+    """echo + logprobs (how evaluation harnesses score a text): the prompt comes back first with each token's
+    log-probability given the ones before it (the first: null), equal to a whole-prompt forward's log-softmax."""
+    url = f"{server.url}/v1/completions"
+    prompt = "abc abd abc ab"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    out = httpx.post(url, json=body | {"echo": True, "logprobs": 1}, timeout=TIMEOUT).json()
+    choice, ids = out["choices"][0], llm.encode_prompt(prompt, raw=True)
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(prompt) and len(lp["tokens"]) == len(ids) + 2
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    with torch.inference_mode():
+        logits, _ = llm.model.forward(torch.tensor([ids]), torch.arange(len(ids)), None, 0)
+    ref = logits[0].double().log_softmax(-1)
+    for j in range(1, len(ids)):
+        assert abs(lp["token_logprobs"][j] - float(ref[j - 1, ids[j]])) < 1e-4, j
+        assert len(lp["top_logprobs"][j]) == 1
+    answer = httpx.post(url, json=body | {"logprobs": 1}, timeout=TIMEOUT).json()["choices"][0]
+    assert choice["text"] == prompt + answer["text"]
+    assert lp["token_logprobs"][len(ids) :] == answer["logprobs"]["token_logprobs"]
+    plain = httpx.post(url, json=body | {"echo": True}, timeout=TIMEOUT).json()["choices"][0]
+    assert plain["text"] == choice["text"] and plain["logprobs"] is None
+    events = _sse_events(httpx.post(url, json=body | {"echo": True, "stream": True}, timeout=TIMEOUT))
+    assert events[0]["choices"][0]["text"] == prompt
+    assert "".join(ch["text"] for ev in events for ch in ev["choices"]) == choice["text"]
 
 
 def test_a_client_leaving_mid_stream_frees_its_slot(server: LiveServer) -> None:

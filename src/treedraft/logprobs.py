@@ -20,10 +20,11 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token: its id, log p(token), and the ``top`` most likely (id, log p), best first."""
+    """One token: its id, log p(token), and the ``top`` most likely (id, log p), best first. ``logprob`` None: a
+    prompt's first token, which nothing predicts (:func:`prompt_logprobs`)."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -73,4 +74,26 @@ def token_logprobs(logits: Tensor, tokens: Sequence[int], top: int) -> list[Toke
             lse = float(rows[r, int(ids[r, 0])]) - float(vals[r, 0])  # the best logit minus its log-softmax value
             lp = float(rows[r, int(tok)]) - lse
         out.append(TokenLogprob(int(tok), lp, best))
+    return out
+
+
+def prompt_logprobs(model, ids: Sequence[int], top: int, chunk: int = 64) -> list[TokenLogprob]:
+    """Each prompt token's log-probability given the tokens before it, with its position's ``top`` best (the first
+    token's: None, nothing predicts it): one forward over the prompt in chunks of ``chunk`` rows on a scratch
+    cache (what a completions request with ``echo`` and ``logprobs`` reports, e.g. to score a text)."""
+    check_top(top)
+    out = [TokenLogprob(int(ids[0]), None)] if len(ids) else []
+    if len(ids) < 2:
+        return out
+    from .interfaces import target_device
+
+    dev = target_device(model)
+    cache = model.new_cache(len(ids))
+    with torch.inference_mode():
+        for c0 in range(0, len(ids) - 1, chunk):
+            c1 = min(len(ids) - 1, c0 + chunk)  # rows c0..c1-1 predict tokens c0+1..c1
+            toks, pos = torch.tensor([list(ids[c0:c1])], device=dev), torch.arange(c0, c1, device=dev)
+            logits, _ = model.forward(toks, pos, cache, c0)
+            cache.keep(c0, range(c1 - c0))
+            out += token_logprobs(logits[0], ids[c0 + 1 : c1 + 1], top)
     return out

@@ -64,6 +64,7 @@ class _Prepared:
     include_usage: bool
     model: str
     tenant: str | None = None
+    echo: str | None = None  # completions with echo: the prompt's text, put before the answer
 
 
 class OpenAIServer:
@@ -232,7 +233,11 @@ class OpenAIServer:
         except ValueError as e:  # e.g. rule 'greedy' with temperature > 0
             raise APIError(400, str(e), param="treedraft.rule" if "rule" in str(e) else None) from None
         inc = bool(req.stream_options and req.stream_options.include_usage)
-        return _Prepared(prompt_ids, cfg, drafter, bool(req.stream), inc, model, tenant)
+        echo = None
+        if not chat and req.echo:
+            p = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
+            echo = p if isinstance(p, str) else self.llm.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        return _Prepared(prompt_ids, cfg, drafter, bool(req.stream), inc, model, tenant, echo)
 
     def drafter_name(self, requested: str) -> str:
         """The name reported back: what 'default' resolves to, 'none' for plain decoding."""
@@ -248,6 +253,8 @@ class OpenAIServer:
         if not self.worker.alive():
             raise APIError(503, "the model worker is not running; restart the server", "server_error")
         job = Job(p.prompt_ids, p.config, p.drafter, asyncio.get_running_loop(), tenant=p.tenant)
+        if p.echo is not None and p.config.logprobs is not None:
+            job.score_top = p.config.logprobs
         if not self.worker.queue.put_nowait(job):
             s = self.settings
             raise APIError(
@@ -312,6 +319,9 @@ class OpenAIServer:
         finally:
             job.cancel()  # a no-op once done; frees the worker on any other exit
         text = "".join(texts)
+        if p.echo is not None:
+            text = p.echo + text
+            lps = (job.prompt_logprobs or []) + lps
         logprobs = self.logprobs_object(lps, chat, 0) if p.config.logprobs is not None else None
         if chat:
             choice = {
@@ -370,6 +380,9 @@ class OpenAIServer:
         try:
             if chat:
                 yield _sse(chunk(None, None, role=True))
+            if p.echo is not None:  # the prompt (and its logprobs, scored before any token came) first
+                pending += job.prompt_logprobs or []
+                yield _sse(chunk(p.echo, None))
             while True:
                 if isinstance(item, Failed):  # headers are already sent: report in-band, like vLLM
                     self.metrics.error(item.error.status)
@@ -418,8 +431,8 @@ class OpenAIServer:
         (token, logprob, bytes, top_logprobs) or the completions' parallel lists (``text_offset`` from ``offset``).
         Values are the model's own log-softmax (before temperature / top-k / top-p); -inf is reported as -9999."""
 
-        def val(x: float) -> float:
-            return max(x, -9999.0)
+        def val(x: float | None) -> float | None:
+            return None if x is None else max(x, -9999.0)
 
         if chat:
             return {
@@ -444,7 +457,9 @@ class OpenAIServer:
         return {
             "tokens": tokens,
             "token_logprobs": [val(x.logprob) for x in lps],
-            "top_logprobs": [{self.token_text(i): val(v) for i, v in x.top} for x in lps],
+            "top_logprobs": [
+                None if x.logprob is None else {self.token_text(i): val(v) for i, v in x.top} for x in lps
+            ],
             "text_offset": offsets,
         }
 

@@ -230,7 +230,5 @@ def reject_unsupported(req: CommonRequest) -> None:
             raise APIError(400, f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.logprobs}", param="logprobs")
         if req.best_of not in (None, 1):
             raise APIError(400, f"best_of={req.best_of} is not supported; use 1", param="best_of")
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from ..engine import GenerationConfig, GenerationStats
 from ..interfaces import GenerationError
+from ..logprobs import TokenLogprob, prompt_logprobs
 from ..scheduler import Request, Scheduler, measured_latency, measured_step_rows
 from ..text import Chunk, TextStream
 from ..tree import TreeError
@@ -82,6 +83,8 @@ class Job:
         tenant: str | None = None,
     ) -> None:
         self.prompt_ids, self.config, self.drafter = prompt_ids, config, drafter
+        self.score_top: int | None = None  # echo + logprobs: score the prompt (top alternatives per token) first
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # set by the worker before it delivers any item
         self.tenant = tenant  # who asked: "key-<hash>" (API key) or "user-<user field>"; None when anonymous
         self.loop = loop
         self.t_arrival = time.perf_counter()
@@ -337,6 +340,8 @@ class Worker:
             return
         stats = GenerationStats()
         try:
+            if job.score_top is not None:  # one forward over the prompt, on this thread (it owns the model)
+                job.prompt_logprobs = prompt_logprobs(self.llm.model, job.prompt_ids, job.score_top)
             drafter = self._for_tenant(self._drafter(job.drafter), job.tenant)
             req = self.sched.add(job.prompt_ids, job.config, drafter, stats, tag=job, scope=job.tenant or "")
         except Exception as e:
