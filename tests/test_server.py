@@ -317,7 +317,7 @@ def test_openai_client_sees_errors(client: openai.OpenAI, llm: treedraft.LLM) ->
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=CHAT, max_tokens=2)
     with pytest.raises(openai.BadRequestError) as ei:
-        client.chat.completions.create(model=llm.model_name, messages=CHAT, max_tokens=2, n=3)
+        client.chat.completions.create(model=llm.model_name, messages=CHAT, max_tokens=2, n=17)
     assert ei.value.param == "n"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(

@@ -65,6 +65,15 @@ class _Prepared:
     model: str
     tenant: str | None = None
     echo: str | None = None  # completions with echo: the prompt's text, put before the answer
+    n: int = 1  # choices: independent jobs, decoded together in the worker's batch (not streamed)
+
+    def choice(self, i: int) -> _Prepared:
+        """The request of choice ``i``: a seeded one draws with seed + i (each choice reproducible, and not all one)."""
+        seed = self.config.sampling.seed
+        if i == 0 or seed is None:
+            return self
+        sampling = replace(self.config.sampling, seed=(seed + i) % 2**64)
+        return replace(self, config=replace(self.config, sampling=sampling))
 
 
 class OpenAIServer:
@@ -237,7 +246,7 @@ class OpenAIServer:
         if not chat and req.echo:
             p = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
             echo = p if isinstance(p, str) else self.llm.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        return _Prepared(prompt_ids, cfg, drafter, bool(req.stream), inc, model, tenant, echo)
+        return _Prepared(prompt_ids, cfg, drafter, bool(req.stream), inc, model, tenant, echo, req.n or 1)
 
     def drafter_name(self, requested: str) -> str:
         """The name reported back: what 'default' resolves to, 'none' for plain decoding."""
@@ -280,58 +289,56 @@ class OpenAIServer:
 
     async def serve(self, request: Request, p: _Prepared, chat: bool) -> Response:
         """Queue the request, wait for its first output (or error), then answer or start streaming."""
-        job = self.submit(p)
+        jobs: list[Job] = []
         try:
+            for i in range(p.n):
+                jobs.append(self.submit(p.choice(i)))
+            job = jobs[0]
             first = await self.next_or_disconnect(job, request)
         except BaseException:
-            job.cancel()
+            for j in jobs:
+                j.cancel()
             raise
         if first is None:
+            for j in jobs:
+                j.cancel()
             return Response(status_code=499)  # the client is gone; nobody reads this
         if isinstance(first, Failed):
+            for j in jobs:
+                j.cancel()
             raise first.error
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        if p.stream:
+        if p.stream:  # n == 1 (protocol.reject_unsupported)
             return _JobStreamingResponse(self.stream_events(job, first, p, rid, created, chat), job)
-        return await self.collect(request, job, first, p, rid, created, chat)
+        return await self.collect(request, jobs, first, p, rid, created, chat)
 
     # -- responses
 
     async def collect(
-        self, request: Request, job: Job, item: Chunk | Done | Failed, p: _Prepared, rid: str, created: int, chat: bool
+        self,
+        request: Request,
+        jobs: list[Job],
+        first: Chunk | Done | Failed,
+        p: _Prepared,
+        rid: str,
+        created: int,
+        chat: bool,
     ) -> Response:
-        """A whole (non-streamed) completion."""
-        texts: list[str] = []
-        lps: list[TokenLogprob] = []
-        n = 0
+        """A whole (non-streamed) completion: one choice per job, in order (they decode together)."""
+        choices, n, done = [], 0, None
         try:
-            while not isinstance(item, Done):
-                if isinstance(item, Failed):
-                    raise item.error
-                texts.append(item.text)
-                lps += self.reported_logprobs(p, item)
-                n += len(item.token_ids)
-                nxt = await self.next_or_disconnect(job, request)
-                if nxt is None:
+            for i, job in enumerate(jobs):
+                got = await self.gather(request, job, first if i == 0 else None, p, chat, i)
+                if got is None:
                     return Response(status_code=499)
-                item = nxt
+                choice, k, end = got
+                choices.append(choice)
+                n += k
+                done = done or end
         finally:
-            job.cancel()  # a no-op once done; frees the worker on any other exit
-        text = "".join(texts)
-        if p.echo is not None:
-            text = p.echo + text
-            lps = (job.prompt_logprobs or []) + lps
-        logprobs = self.logprobs_object(lps, chat, 0) if p.config.logprobs is not None else None
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": item.finish_reason,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": item.finish_reason}
+            for job in jobs:
+                job.cancel()  # a no-op once done; frees the worker on any other exit
         return JSONResponse(
             {
                 "id": rid,
@@ -339,11 +346,44 @@ class OpenAIServer:
                 "created": created,
                 "model": p.model,
                 "system_fingerprint": None,
-                "choices": [choice],
+                "choices": choices,
                 "usage": _usage(len(p.prompt_ids), n),
-                "treedraft": _spec_info(self.drafter_name(p.drafter), item.stats),
+                "treedraft": _spec_info(self.drafter_name(p.drafter), done.stats),
             }
         )
+
+    async def gather(
+        self, request: Request, job: Job, item: Chunk | Done | Failed | None, p: _Prepared, chat: bool, index: int
+    ) -> tuple[dict, int, Done] | None:
+        """Run one job to its end: (its choice, the tokens it generated, its Done); None once the client has gone."""
+        texts: list[str] = []
+        lps: list[TokenLogprob] = []
+        n = 0
+        while not isinstance(item, Done):
+            if isinstance(item, Failed):
+                raise item.error
+            if item is not None:
+                texts.append(item.text)
+                lps += self.reported_logprobs(p, item)
+                n += len(item.token_ids)
+            item = await self.next_or_disconnect(job, request)
+            if item is None:
+                return None
+        text = "".join(texts)
+        if p.echo is not None:
+            text = p.echo + text
+            lps = (job.prompt_logprobs or []) + lps
+        logprobs = self.logprobs_object(lps, chat, 0) if p.config.logprobs is not None else None
+        if chat:
+            choice = {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": item.finish_reason,
+            }
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": item.finish_reason}
+        return choice, n, item
 
     async def stream_events(
         self, job: Job, item: Chunk | Done | Failed, p: _Prepared, rid: str, created: int, chat: bool

@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..logprobs import MAX_TOP_LOGPROBS
 
+MAX_CHOICES = 16  # n: choices per request, each its own job in the batch
+
 
 def request_drafters() -> tuple[str, ...]:
     """Drafter names a request may pick: the registry's, plus 'default' (the server's own) and 'plain'."""
@@ -202,8 +204,10 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
 
 def reject_unsupported(req: CommonRequest) -> None:
     """400 for OpenAI parameters this server does not implement (never silently ignored)."""
-    if req.n not in (None, 1):
-        raise APIError(400, f"n={req.n} is not supported; this server returns exactly one choice (n=1)", param="n")
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        raise APIError(400, f"n must be in 1..{MAX_CHOICES}, got {req.n}", param="n")
+    if (req.n or 1) > 1 and req.stream:
+        raise APIError(400, "n > 1 is served without streaming only; set stream to false or n to 1", param="n")
     if req.presence_penalty or req.frequency_penalty:
         raise APIError(
             400,
