@@ -351,6 +351,16 @@ def test_sampling_runs_skip_the_equality_check(engine: TextGenerator, dataset: P
     assert bench.mismatches(res) == []
 
 
+class WrongEngine(EngineMethod):
+    """One of treedraft's own methods whose output is deliberately wrong at index 2."""
+
+    def __call__(self, prompt_ids: list[int]) -> MethodOutput:
+        out = super().__call__(prompt_ids)
+        toks = list(out.token_ids)
+        toks[2] = (toks[2] + 1) % 64
+        return MethodOutput(toks, out.stats, out.finish_reason)
+
+
 def test_seeded_sampling_runs_check_that_speculative_outputs_equal_plain(
     engine: TextGenerator, dataset: Path, tmp_path: Path
 ) -> None:
@@ -359,12 +369,14 @@ def test_seeded_sampling_runs_check_that_speculative_outputs_equal_plain(
     cfg = GenerationConfig(max_new_tokens=MAX_NEW, sampling=SamplingParams(temperature=1.5, top_p=0.9, seed=3))
     plain = EngineMethod(engine, cfg, None)
     methods = {"plain": plain, "prompt-lookup": EngineMethod(engine, cfg, PromptLookupDrafter())}
-    methods["wrong"] = wrong_after(plain, 2)
+    methods["wrong"] = WrongEngine(engine, cfg, PromptLookupDrafter())
+    methods["external"] = plain.__call__  # like the hf / llama.cpp baselines: its own sampler, never compared
     res = run_bench(prompts, methods, greedy=False, seeded=True, warmup=0, progress=False)
     by = {(r.method, r.prompt_id): r for r in res.records}
     for q in {r.prompt_id for r in res.records}:
         assert by[("prompt-lookup", q)].equal_to_reference is True
         assert by[("wrong", q)].equal_to_reference is False
+        assert by[("external", q)].equal_to_reference is None
     assert max(by[("prompt-lookup", q)].mean_accepted_length for q in {r.prompt_id for r in res.records}) > 1.0
     assert len(bench.mismatches(res)) == len(prompts)
     text = write_report(res, tmp_path)["markdown"].read_text()

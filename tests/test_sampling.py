@@ -158,3 +158,17 @@ def test_rows_without_a_finite_maximum_take_the_tensor_path(native, monkeypatch)
     got = target_probs(x, params)
     monkeypatch.setattr(kernels, "sample_probs", lambda *a: None)
     torch.testing.assert_close(got, target_probs(x, params), equal_nan=True)
+
+
+@pytest.mark.parametrize("path", ["native", "tensor"])
+def test_equal_probabilities_enter_the_nucleus_lower_id_first(path: str, request) -> None:
+    request.getfixturevalue("native" if path == "native" else "no_native")
+    x = torch.tensor([[2.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    p = target_probs(x, SamplingParams(1.0, top_p=0.6))
+    assert (p[0] > 0).tolist() == [True, True, True, False, False, False]
+    y = torch.zeros(1, 200)
+    y[0, 150:] = 1.0  # 50 tied best tokens past the first 64 candidates' ids
+    params = SamplingParams(1.0, top_p=0.1)
+    kept = (target_probs(y, params)[0] > 0).nonzero().flatten().tolist()
+    assert kept == (reference_probs(y, params)[0] > 0).nonzero().flatten().tolist()
+    assert kept == list(range(150, 150 + len(kept))) and 1 < len(kept) < 50

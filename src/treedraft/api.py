@@ -123,7 +123,7 @@ class LLM:
     ) -> GenerationConfig:
         """A :class:`GenerationConfig` from keyword arguments. ``logprobs``: None (off), or n: each generated
         token's log-probability and its position's n most likely alternatives (``GenerationResult.logprobs``,
-        ``Chunk.logprob``; the model's own distribution, before temperature / top-k / top-p)."""
+        ``Chunk.logprobs``; the model's own distribution, before temperature / top-k / top-p)."""
         return GenerationConfig(
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature, top_k, top_p, seed),

@@ -74,7 +74,7 @@ def nucleus(probs: Tensor, top_p: float) -> Tensor:
     """(N, V) probabilities -> top-p filtered and renormalised: tokens in descending probability order are
     dropped once the mass *before* them already reaches ``top_p`` (the first is always kept).
 
-    The same tokens and values as sorting whole rows (but for the order among exactly equal probabilities),
+    Equal probabilities go lower id first (as the native sampler). The same tokens and values as sorting whole rows,
     without the sort: a 49k-token row took ~4-5 ms to sort on a 2-core Xeon, ~20x a decode step's sampling
     otherwise. The rows' ``k`` largest come from ``topk`` (``k`` = 64, then x8 up to the row's nonzero count)
     until every row's k-th candidate is itself dropped: cumulative sums only grow, so every later token is
@@ -84,7 +84,16 @@ def nucleus(probs: Tensor, top_p: float) -> Tensor:
     limit = max(1, int((probs > 0).sum(-1).max()))  # past it every row holds only zeros (top-k filtered)
     k = min(NUCLEUS_FIRST, V, limit)
     while True:
-        sp, si = probs.topk(k, dim=-1)  # descending
+        sp, si = probs.topk(k, dim=-1)  # descending; equal values in no set order, and maybe not all taken
+        tied_out = bool(((probs >= sp[..., -1:]).sum(-1) > k).any())  # the last value's ties go on past k
+        if k < limit and tied_out:
+            k = min(k * 8, limit)
+            continue
+        # equal probabilities: the lower id first (as kernels/sample.h): by id, then stably by value
+        o = si.sort(dim=-1).indices
+        sp, si = sp.gather(-1, o), si.gather(-1, o)
+        o = sp.sort(dim=-1, descending=True, stable=True).indices
+        sp, si = sp.gather(-1, o), si.gather(-1, o)
         before = sp.cumsum(-1) - sp
         if k >= limit or bool((before[..., -1] >= top_p).all()):
             break
@@ -166,7 +175,7 @@ def draw(logits: Tensor, p: SamplingParams, u: float) -> int:
     """
     from . import kernels
 
-    x = kernels.sample_draw(logits.detach().to("cpu"), p.temperature, p.top_k, p.top_p, u)
+    x = kernels.sample_draw(logits, p.temperature, p.top_k, p.top_p, u)
     if x is not None:
         return x
     return inverse_cdf(target_probs(logits[None], p)[0], u)

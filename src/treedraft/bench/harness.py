@@ -387,6 +387,8 @@ def run_bench(
         }
         ref_ids = {r.prompt_id: r.token_ids for r in records if r.method == ref}
         for r in records:
+            if not greedy and not isinstance(methods.get(r.method.removesuffix(BUSY_SUFFIX)), EngineMethod):
+                continue  # sampled: only treedraft's own methods share the seeded (coupled) draws
             r.equal_to_reference, r.first_mismatch, r.mismatch = compare_outputs(
                 ref_ids[r.prompt_id],
                 r.token_ids,

@@ -298,16 +298,19 @@ def mm_f32(x: torch.Tensor, w: torch.Tensor, *, path: str = "") -> torch.Tensor:
     return ext.mm_f32(x.float().contiguous(), w.float().contiguous(), path)
 
 
-def topk_rows(x: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def topk_rows(
+    x: torch.Tensor, k: int, log_softmax: bool = False, *, load: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """Each row of x (R, V) float32: its k largest entries, best first (equal values: the lower column first), as
     (values (R, k) float64, columns (R, k) int64); with ``log_softmax`` the values are the entries' float64
     log-softmax (logit - logsumexp of the row). Natively one pass over each row (kernels/topk.h: 3 us for a
     4096-column row where the NumPy calls cost ~40 us right after a forward); in NumPy without the kernel. The two
-    agree on the columns, and to float32 resolution on log-softmax values (the native exp is float32)."""
+    agree on the columns, and to float32 resolution on log-softmax values (the native exp is float32). ``load``
+    False: the native kernel only if this process already loaded it (NumPy otherwise; never a build)."""
     if x.dim() != 2 or not 1 <= k <= x.shape[1]:
         raise ValueError(f"topk_rows: need x (R, V) and 1 <= k <= V, got {tuple(x.shape)} and k={k}")
     x = x.detach().cpu()
-    ext = _ext()
+    ext = _ext() if load else loaded_extension()  # load=False: never build or load it here
     if ext is not None and hasattr(ext, "topk_rows"):
         vals, ids = ext.topk_rows(x.float().contiguous(), int(k), bool(log_softmax))
         return vals.numpy(), ids.numpy()
@@ -337,7 +340,8 @@ def sample_draw(row: torch.Tensor, temperature: float, top_k: int, top_p: float,
     ext = loaded_extension()
     if ext is None or not hasattr(ext, "sample_draw"):
         return None
-    x = ext.sample_draw(row.detach().float().contiguous(), float(temperature), int(top_k), float(top_p), float(u))
+    row = row.detach().to("cpu", torch.float32).contiguous()
+    x = ext.sample_draw(row, float(temperature), int(top_k), float(top_p), float(u))
     return None if x < 0 else int(x)
 
 

@@ -242,6 +242,10 @@ class OpenAIServer:
         except ValueError as e:  # e.g. rule 'greedy' with temperature > 0
             raise APIError(400, str(e), param="treedraft.rule" if "rule" in str(e) else None) from None
         inc = bool(req.stream_options and req.stream_options.include_usage)
+        if (req.n or 1) > self.settings.max_queue:
+            raise APIError(
+                400, f"n={req.n} is more than this server queues ({self.settings.max_queue}); lower n", param="n"
+            )
         echo = None
         if not chat and req.echo:
             p = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
@@ -405,7 +409,7 @@ class OpenAIServer:
         def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
             nonlocal offset
             lp = None
-            if want and not role:
+            if want and not role and pending:
                 lp = self.logprobs_object(pending, chat, offset)
                 offset += sum(len(self.token_text(x.token_id)) for x in pending)
                 pending.clear()
