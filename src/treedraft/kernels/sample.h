@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "topk.h"  // exp_nonpos
+#include "topk.h"  // exp_nonpos, best_k
 
 namespace td {
 
@@ -57,20 +57,12 @@ inline RowDist row_dist(const float* x, int64_t V, float temperature, int64_t to
   float kth = -INFINITY;
   if (top_k > 0 && top_k < V) {
     thread_local std::vector<float> buf;
-    if (top_k <= 256) {  // the k best so far, descending: most values fail the first compare (~4x nth_element)
-      buf.assign(top_k, -INFINITY);
-      float* b = buf.data();
-      for (j = 0; j < V; ++j) {
-        const float v = e[j];
-        if (!(v > b[top_k - 1])) continue;
-        int64_t p = top_k - 1;
-        while (p > 0 && v > b[p - 1]) {
-          b[p] = b[p - 1];
-          --p;
-        }
-        b[p] = v;
-      }
-      kth = b[top_k - 1];
+    if (top_k <= 256) {  // topk.h's one-pass insertion: most values fail the first compare (~4x nth_element)
+      thread_local std::vector<int64_t> cols;
+      buf.resize(top_k);
+      cols.resize(top_k);
+      best_k(e, V, top_k, buf.data(), cols.data());
+      kth = buf[top_k - 1];
     } else {
       buf.assign(e, e + V);
       std::nth_element(buf.begin(), buf.begin() + (top_k - 1), buf.end(), std::greater<float>());
@@ -178,7 +170,7 @@ inline bool sample_probs_rows(const float* x, int64_t R, int64_t V, float temper
   for (int64_t r = 0; r < R; ++r) {
     float* p = probs + r * V;
     const RowDist d = row_dist(x + r * V, V, temperature, top_k, top_p, p);
-    if (d.total < 0.0 || !(d.total > 0.0)) return false;
+    if (!(d.total > 0.0)) return false;  // no finite maximum (-1), or no mass
     const double inv = 1.0 / d.total;
     for (int64_t j = 0; j < V; ++j) p[j] = (float)((double)p[j] * inv);
   }
@@ -190,7 +182,7 @@ inline int64_t sample_draw_row(const float* x, int64_t V, float temperature, int
   thread_local std::vector<float> e;
   e.resize(V);
   const RowDist d = row_dist(x, V, temperature, top_k, top_p, e.data());
-  if (d.total < 0.0 || !(d.total > 0.0)) return -1;
+  if (!(d.total > 0.0)) return -1;  // no finite maximum (-1), or no mass
   return draw_from(e.data(), V, d, u);
 }
 

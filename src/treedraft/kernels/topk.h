@@ -35,29 +35,35 @@ inline float exp_nonpos(float x) {
   return p * scale;
 }
 
+// best (k) <- the k largest entries of row (V), descending, and io (k) their columns (equal entries: the lower
+// column first). One pass: a value enters only when strictly larger than the k-th so far. k <= V.
+inline void best_k(const float* row, int64_t V, int64_t k, float* best, int64_t* io) {
+  int64_t n = 0;  // kept so far, sorted: best[0] largest
+  for (int64_t j = 0; j < V; ++j) {
+    const float v = row[j];
+    if (n == k && !(v > best[k - 1])) continue;
+    int64_t p = n < k ? n++ : k - 1;
+    while (p > 0 && v > best[p - 1]) {
+      best[p] = best[p - 1];
+      io[p] = io[p - 1];
+      --p;
+    }
+    best[p] = v;
+    io[p] = j;
+  }
+}
+
 // x (R, V) row-major -> ids (R, k) column indices of each row's k largest entries, best first (equal
 // entries: the lower column first), and vals (R, k) float64: their log-softmax values when `normalize`,
 // else the entries themselves. k <= V.
 inline void topk_rows(const float* x, int64_t R, int64_t V, int64_t k, bool normalize, double* vals, int64_t* ids) {
-  std::vector<float> e(V);
+  std::vector<float> e(normalize ? V : 0);
   std::vector<float> best(k);
   for (int64_t r = 0; r < R; ++r) {
     const float* row = x + r * V;
     double* vo = vals + r * k;
     int64_t* io = ids + r * k;
-    int64_t n = 0;  // kept so far, sorted: best[0] largest; a candidate enters only when strictly larger
-    for (int64_t j = 0; j < V; ++j) {
-      const float v = row[j];
-      if (n == k && !(v > best[k - 1])) continue;
-      int64_t p = n < k ? n++ : k - 1;
-      while (p > 0 && v > best[p - 1]) {
-        best[p] = best[p - 1];
-        io[p] = io[p - 1];
-        --p;
-      }
-      best[p] = v;
-      io[p] = j;
-    }
+    best_k(row, V, k, best.data(), io);
     if (!normalize) {
       for (int64_t i = 0; i < k; ++i) vo[i] = (double)best[i];
       continue;
