@@ -109,7 +109,12 @@ def sample(probs: Tensor, gen: torch.Generator) -> int:
     Inverse transform of one float64 uniform (:func:`inverse_cdf`): exact, and over a 49k vocabulary ~10x
     cheaper than ``torch.multinomial``, which draws an exponential per token (benchmarks/coupled_acceptance.py).
     """
-    return inverse_cdf(probs, float(torch.rand((), generator=gen, dtype=torch.float64)))
+    return inverse_cdf(probs, uniform(gen))
+
+
+def uniform(gen: torch.Generator) -> float:
+    """One float64 uniform in [0, 1) from ``gen``: what every unseeded draw (:func:`sample`, :func:`draw`) inverts."""
+    return float(torch.rand((), generator=gen, dtype=torch.float64))
 
 
 # ---- coupled sampling: a token is a deterministic function of (seed, position, p) ----------------------

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .sampling import SamplingParams, coupled_sample, draw, sample, target_probs
+from .sampling import SamplingParams, coupled_sample, draw, sample, target_probs, uniform
 from .tree import TokenTree
 
 
@@ -209,7 +209,7 @@ def sample_token(rule: str, logits: Tensor, params: SamplingParams, gen: torch.G
         return greedy_token(logits)
     if uses_coupling(rule, params):
         return coupled_sample(logits, params, coupling_seed(params, gen), position)
-    return draw(logits, params, float(torch.rand((), generator=gen, dtype=torch.float64)))  # as sample() draws
+    return draw(logits, params, uniform(gen))
 
 
 def accept(
