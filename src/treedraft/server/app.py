@@ -294,23 +294,20 @@ class OpenAIServer:
     async def serve(self, request: Request, p: _Prepared, chat: bool) -> Response:
         """Queue the request, wait for its first output (or error), then answer or start streaming."""
         jobs: list[Job] = []
+        first: Chunk | Done | Failed | None = None
         try:
             for i in range(p.n):
                 jobs.append(self.submit(p.choice(i)))
-            job = jobs[0]
-            first = await self.next_or_disconnect(job, request)
-        except BaseException:
-            for j in jobs:
-                j.cancel()
-            raise
+            first = await self.next_or_disconnect(jobs[0], request)
+        finally:
+            if not isinstance(first, (Chunk, Done)):  # an error, a failed job or a client gone: free every job
+                for j in jobs:
+                    j.cancel()
         if first is None:
-            for j in jobs:
-                j.cancel()
             return Response(status_code=499)  # the client is gone; nobody reads this
         if isinstance(first, Failed):
-            for j in jobs:
-                j.cancel()
             raise first.error
+        job = jobs[0]
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         if p.stream:  # n == 1 (protocol.reject_unsupported)
