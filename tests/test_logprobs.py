@@ -90,3 +90,15 @@ def test_prompt_logprobs_in_chunks_equal_a_whole_prompt_forward(native_gen: Text
     for j in range(1, len(ids)):
         assert abs(got[j].logprob - float(ref[j - 1, ids[j]])) < 1e-3, j
         assert got[j].top[0][0] == int(ref[j - 1].argmax())
+
+
+def test_token_logprobs_never_load_the_native_kernel(monkeypatch) -> None:
+    """Asking for logprobs must not build or load the kernel: that would also switch the process's sampling to
+    the native path (other rounding) from then on. Not loaded: the NumPy path gives the same values."""
+    monkeypatch.setattr(kernels, "loaded_extension", lambda: None)
+    monkeypatch.setattr(kernels, "_ext", lambda: pytest.fail("token_logprobs loaded the native kernel"))
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(9))
+    out = token_logprobs(logits, [3, 4], 2)
+    ref = logits.double().log_softmax(-1)
+    for r, (x, t) in enumerate(zip(out, [3, 4], strict=True)):
+        assert abs(x.logprob - float(ref[r, t])) < 1e-6
