@@ -138,6 +138,32 @@ def test_chat_logprobs_through_the_openai_client(client: openai.OpenAI, llm: tre
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content)
 
 
+def test_logprobs_bytes_and_offsets_follow_characters_split_over_tokens(
+    client: openai.OpenAI, llm: treedraft.LLM
+) -> None:
+    """SmolLM2 splits CJK characters and emoji into byte-level pieces, each U+FFFD when decoded alone. Chat's
+    ``bytes`` are the pieces' own bytes, so together they spell the answer; the completions' ``text_offset`` of an
+    echoed prompt points into the returned text (a split character counted once)."""
+    msgs = [{"role": "user", "content": "Repeat exactly: 日本語 🙂 café"}]
+    r = client.chat.completions.create(model=llm.model_name, messages=msgs, max_tokens=16, temperature=0, logprobs=True)
+    content = r.choices[0].logprobs.content
+    assert any(c.token == "\ufffd" for c in content), "the prompt no longer makes split characters"
+    assert b"".join(bytes(c.bytes) for c in content).decode("utf-8") == r.choices[0].message.content
+    prompt = "日本語のテキスト 🙂 and more"
+    c = client.completions.create(
+        model=llm.model_name, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=0
+    )
+    lp, text = c.choices[0].logprobs, c.choices[0].text
+    ids = llm.encode_prompt(prompt, raw=True)
+    assert text.startswith(prompt) and len(ids) > len(prompt.split())
+    for k, tok in enumerate(lp.tokens[: len(ids)]):
+        whole = b"".join(llm.tokenizer.token_bytes(i) for i in ids[:k]).decode("utf-8", errors="ignore")
+        assert lp.text_offset[k] == len(whole) and prompt.startswith(whole), k
+        if "\ufffd" not in tok:
+            assert text[lp.text_offset[k] :].startswith(tok), k
+    assert lp.text_offset[len(ids)] == len(prompt)  # the answer's first token starts right after the prompt
+
+
 def test_chat_stream_with_usage(client: openai.OpenAI, llm: treedraft.LLM, reference: dict) -> None:
     stream = client.chat.completions.create(
         model=llm.model_name,

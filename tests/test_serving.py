@@ -29,6 +29,7 @@ from treedraft.cli import main  # noqa: E402
 from treedraft.engine import GenerationStats, StepStats  # noqa: E402
 from treedraft.server import APIKeys, Metrics, ServerSettings, create_app, tenant_id  # noqa: E402
 from treedraft.server import auth as auth_mod  # noqa: E402
+from treedraft.server.app import choice_seed  # noqa: E402
 
 KEYS = ("key-one-0123456789", "key-two-abcdefghij")
 CHAT = [{"role": "user", "content": "abc abc abc abc"}]
@@ -572,14 +573,16 @@ def test_completion_echo_scores_the_prompt(server: LiveServer, llm: LLM) -> None
 
 
 def test_n_choices_are_independent_seeded_draws(server: LiveServer) -> None:
-    """n = 3: three choices decoded together; a seeded request's choice i is the n = 1 request with seed + i."""
+    """n = 3: three choices decoded together; a seeded request's choice i is the n = 1 request with seed
+    choice_seed(seed, i) (choice 0: the seed itself)."""
     url = f"{server.url}/v1/completions"
     body = {"model": "tiny", "prompt": "abc abc ab", "max_tokens": 6, "temperature": 1.5, "ignore_eos": True}
     out = httpx.post(url, json=body | {"n": 3, "seed": 11, "logprobs": 1}, timeout=TIMEOUT).json()
     assert [c["index"] for c in out["choices"]] == [0, 1, 2]
     assert out["usage"]["completion_tokens"] == 18
     for i, c in enumerate(out["choices"]):
-        one = httpx.post(url, json=body | {"seed": 11 + i, "logprobs": 1}, timeout=TIMEOUT).json()["choices"][0]
+        seed = choice_seed(11, i)
+        one = httpx.post(url, json=body | {"seed": seed, "logprobs": 1}, timeout=TIMEOUT).json()["choices"][0]
         assert c["text"] == one["text"] and c["logprobs"]["tokens"] == one["logprobs"]["tokens"], i
         # batched with the other choices: this tiny model's Python rows round differently (the native ones would not)
         assert all(
@@ -588,6 +591,15 @@ def test_n_choices_are_independent_seeded_draws(server: LiveServer) -> None:
     assert len({c["text"] for c in out["choices"]}) > 1  # not one draw three times
     greedy = httpx.post(url, json=body | {"n": 2, "temperature": 0}, timeout=TIMEOUT).json()["choices"]
     assert greedy[0]["text"] == greedy[1]["text"]
+
+
+def test_choice_seeds_of_neighbouring_requests_do_not_overlap() -> None:
+    """Seeds 0..199 with n = 16 each: 3,200 distinct choice seeds (seed + i shared 15 of 16 with the next request),
+    choice 0 the request's own seed, and every one a valid 64-bit seed."""
+    seeds = [choice_seed(s, i) for s in range(200) for i in range(16)]
+    assert len(set(seeds)) == len(seeds)
+    assert [choice_seed(s, 0) for s in (0, 7, 2**64 - 1)] == [0, 7, 2**64 - 1]
+    assert all(0 <= x < 2**64 for x in seeds)
 
 
 def test_a_client_leaving_mid_stream_frees_its_slot(server: LiveServer) -> None:

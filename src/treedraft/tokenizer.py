@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@cache
+def byte_level_alphabet() -> dict[str, int]:
+    """The character that stands for each byte in a byte-level BPE vocabulary (GPT-2's reversible mapping, Radford
+    et al. 2019): printable Latin-1 bytes stand for themselves, the other 68 for U+0100 onwards, in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    table = {chr(b): b for b in printable}
+    for k, b in enumerate(b for b in range(256) if b not in printable):
+        table[chr(0x100 + k)] = b
+    return table
 
 
 class Tokenizer:
@@ -19,6 +35,8 @@ class Tokenizer:
         if hf_tokenizer.eos_token_id is not None:
             eos.add(int(hf_tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
+        self._bytes: dict[int, bytes] = {}
+        self._decoder: dict | None = None
 
     @classmethod
     def from_gguf(cls, path: str | Path, cache_dir: Path | None = None) -> Tokenizer:
@@ -63,6 +81,41 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes, as OpenAI's logprobs ``bytes`` report them: the raw bytes a byte-level BPE token
+        (GPT-2 / Llama 3 / SmolLM2 style) or a byte-fallback token (``<0xE6>``, SentencePiece style) stands for,
+        even where they are part of a character, so that joining a reply's tokens' bytes gives its UTF-8 text.
+        Decoding the token alone would give U+FFFD there. Added / special tokens: their text."""
+        b = self._bytes.get(token_id)
+        if b is None:
+            b = self._bytes[token_id] = self._token_bytes(int(token_id))
+        return b
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        added = getattr(self.hf, "added_tokens_decoder", {}).get(token_id)
+        if added is not None:
+            return str(added.content if hasattr(added, "content") else added).encode("utf-8")
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if self._decoder is None:
+            d = json.loads(self.backend.to_str()).get("decoder") or {}
+            steps = d.get("decoders", []) if d.get("type") == "Sequence" else [d]
+            self._decoder = {"steps": steps, "types": {x.get("type") for x in steps}}
+        types = self._decoder["types"]
+        if isinstance(piece, str) and "ByteLevel" in types:
+            table = byte_level_alphabet()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        if isinstance(piece, str) and "ByteFallback" in types:
+            m = _BYTE_TOKEN.fullmatch(piece)
+            if m:
+                return bytes([int(m.group(1), 16)])
+            for step in self._decoder["steps"]:  # e.g. Replace("▁", " "); Fuse / Strip act on whole texts
+                pat = (step.get("pattern") or {}).get("String") if step.get("type") == "Replace" else None
+                if pat is not None:
+                    piece = piece.replace(pat, step.get("content", ""))
+            return piece.encode("utf-8")
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation, ending with the assistant's generation prompt."""

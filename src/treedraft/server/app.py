@@ -11,10 +11,11 @@ the next step, and records Prometheus metrics. A full queue is answered with 429
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -66,14 +67,53 @@ class _Prepared:
     tenant: str | None = None
     echo: str | None = None  # completions with echo: the prompt's text, put before the answer
     n: int = 1  # choices: independent jobs, decoded together in the worker's batch (not streamed)
+    echo_lead: int = 0  # leading prompt tokens not in the echoed text (a BOS the engine put before a raw string)
 
     def choice(self, i: int) -> _Prepared:
-        """The request of choice ``i``: a seeded one draws with seed + i (each choice reproducible, and not all one)."""
+        """The request of choice ``i``: a seeded one draws with :func:`choice_seed` (seed, i): each choice is
+        reproducible, choice 0 is the n = 1 request, and no two (seed, i) pairs share a seed."""
         seed = self.config.sampling.seed
         if i == 0 or seed is None:
             return self
-        sampling = replace(self.config.sampling, seed=(seed + i) % 2**64)
+        sampling = replace(self.config.sampling, seed=choice_seed(seed, i))
         return replace(self, config=replace(self.config, sampling=sampling))
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """Choice ``i``'s seed of a request seeded ``seed``: ``seed`` itself for choice 0, else splitmix64's output
+    (Steele, Lea and Flood 2014) at ``seed + i`` golden-ratio increments. Seeding choice i with seed + i made
+    neighbouring requests share samples (seed 5 with n = 4 and seed 6 with n = 4 had three choices in common)."""
+    if i == 0:
+        return seed
+    m = 2**64
+    z = (seed + 0x9E3779B97F4A7C15 * i) % m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % m
+    return z ^ (z >> 31)
+
+
+class _TextOffsets:
+    """Completions' ``text_offset``: where each reported token starts in the choice's text, counted on the tokens'
+    own bytes through an incremental UTF-8 decoder. A character split over several tokens then counts once, and
+    each of its tokens starts where the character does; summing the tokens' texts decoded alone counted a U+FFFD
+    per piece and drifted from the text after the first such character. Tokens the text leaves out (special
+    tokens of a generated text, a BOS put before an echoed string) take no room."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes], special: Collection[int]) -> None:
+        self.token_bytes = token_bytes
+        self.special = special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self.at = 0
+
+    def take(self, lps: list[TokenLogprob], lead: int = 0, generated: bool = True) -> list[int]:
+        """The offsets of ``lps``, the next tokens of the text: ``lead`` first ones left out of it, and special
+        tokens too where ``generated`` (the echoed prompt is decoded with them)."""
+        out = []
+        for k, x in enumerate(lps):
+            out.append(self.at)
+            if k >= lead and not (generated and x.token_id in self.special):
+                self.at += len(self._utf8.decode(self.token_bytes(x.token_id)))
+        return out
 
 
 class OpenAIServer:
@@ -89,6 +129,10 @@ class OpenAIServer:
         self.tokens_limit = min(settings.max_tokens_limit or self.context - 1, self.context - 1)
         self.tok_pool = ThreadPoolExecutor(1, "treedraft-tokenize")  # keeps tokenizing off the event loop
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
+        tok = llm.tokenizer
+        added = getattr(getattr(tok, "hf", None), "added_tokens_decoder", None) or {}
+        # what a generated text leaves out (the detokenizer skips special tokens)
+        self._special = frozenset(i for i, t in added.items() if getattr(t, "special", False)) | tok.eos_token_ids
         m = self.metrics
         m.gauge_fn(
             "treedraft:num_requests_running",
@@ -246,11 +290,13 @@ class OpenAIServer:
             raise APIError(
                 400, f"n={req.n} is more than this server queues ({self.settings.max_queue}); lower n", param="n"
             )
-        echo = None
+        echo, lead = None, 0
         if not chat and req.echo:
             p = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
-            echo = p if isinstance(p, str) else self.llm.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        return _Prepared(prompt_ids, cfg, drafter, bool(req.stream), inc, model, tenant, echo, req.n or 1)
+            tok = self.llm.tokenizer
+            echo = p if isinstance(p, str) else tok.decode(prompt_ids, skip_special_tokens=False)
+            lead = int(isinstance(p, str) and getattr(tok, "add_bos", False))  # encode_prompt's BOS: not in p
+        return _Prepared(prompt_ids, cfg, drafter, bool(req.stream), inc, model, tenant, echo, req.n or 1, lead)
 
     def drafter_name(self, requested: str) -> str:
         """The name reported back: what 'default' resolves to, 'none' for plain decoding."""
@@ -371,10 +417,16 @@ class OpenAIServer:
             if item is None:
                 return None
         text = "".join(texts)
+        logprobs = None
+        if p.config.logprobs is not None:
+            offsets = self.text_offsets()
+            at = offsets.take(job.prompt_logprobs or [], p.echo_lead, generated=False) if p.echo is not None else []
+            at += offsets.take(lps)
+            if p.echo is not None:
+                lps = (job.prompt_logprobs or []) + lps
+            logprobs = self.logprobs_object(lps, chat, at)
         if p.echo is not None:
             text = p.echo + text
-            lps = (job.prompt_logprobs or []) + lps
-        logprobs = self.logprobs_object(lps, chat, 0) if p.config.logprobs is not None else None
         if chat:
             choice = {
                 "index": index,
@@ -401,14 +453,13 @@ class OpenAIServer:
 
         want = p.config.logprobs is not None
         pending: list[TokenLogprob] = []  # reported with the next event: a token's text may come out later
-        offset = 0  # completions' text_offset of the next reported token
+        offsets = self.text_offsets()
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
-            nonlocal offset
+        def chunk(text: str | None, finish: str | None, role: bool = False, echo: bool = False) -> dict:
             lp = None
             if want and not role and pending:
-                lp = self.logprobs_object(pending, chat, offset)
-                offset += sum(len(self.token_text(x.token_id)) for x in pending)
+                at = offsets.take(pending, p.echo_lead, generated=False) if echo else offsets.take(pending)
+                lp = self.logprobs_object(pending, chat, at)
                 pending.clear()
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
@@ -423,7 +474,7 @@ class OpenAIServer:
                 yield _sse(chunk(None, None, role=True))
             if p.echo is not None:  # the prompt (and its logprobs, scored before any token came) first
                 pending += job.prompt_logprobs or []
-                yield _sse(chunk(p.echo, None))
+                yield _sse(chunk(p.echo, None, echo=True))
             while True:
                 if isinstance(item, Failed):  # headers are already sent: report in-band, like vLLM
                     self.metrics.error(item.error.status)
@@ -467,10 +518,21 @@ class OpenAIServer:
             t = self._token_texts[token_id] = self.llm.tokenizer.decode([token_id], skip_special_tokens=False)
         return t
 
-    def logprobs_object(self, lps: list[TokenLogprob], chat: bool, offset: int) -> dict:
+    def token_bytes(self, token_id: int) -> list[int]:
+        """One token's bytes as chat logprobs report them: its raw bytes where the tokenizer knows them (part of a
+        character included; :meth:`treedraft.tokenizer.Tokenizer.token_bytes`), else its text's UTF-8."""
+        f = getattr(self.llm.tokenizer, "token_bytes", None)
+        return list(f(token_id) if f is not None else self.token_text(token_id).encode("utf-8"))
+
+    def text_offsets(self) -> _TextOffsets:
+        """A fresh ``text_offset`` counter for one choice."""
+        return _TextOffsets(lambda i: bytes(self.token_bytes(i)), self._special)
+
+    def logprobs_object(self, lps: list[TokenLogprob], chat: bool, offsets: list[int]) -> dict:
         """OpenAI's ``logprobs`` of a choice or a streamed chunk for tokens ``lps``: chat's ``content`` entries
-        (token, logprob, bytes, top_logprobs) or the completions' parallel lists (``text_offset`` from ``offset``).
-        Values are the model's own log-softmax (before temperature / top-k / top-p); -inf is reported as -9999."""
+        (token, logprob, bytes, top_logprobs) or the completions' parallel lists (``text_offset``: ``offsets``,
+        from :class:`_TextOffsets`). Values are the model's own log-softmax (before temperature / top-k / top-p);
+        -inf is reported as -9999."""
 
         def val(x: float | None) -> float | None:
             return None if x is None else max(x, -9999.0)
@@ -479,29 +541,24 @@ class OpenAIServer:
             return {
                 "content": [
                     {
-                        "token": (s := self.token_text(x.token_id)),
+                        "token": self.token_text(x.token_id),
                         "logprob": val(x.logprob),
-                        "bytes": list(s.encode("utf-8")),
+                        "bytes": self.token_bytes(x.token_id),
                         "top_logprobs": [
-                            {"token": (u := self.token_text(i)), "logprob": val(v), "bytes": list(u.encode("utf-8"))}
+                            {"token": self.token_text(i), "logprob": val(v), "bytes": self.token_bytes(i)}
                             for i, v in x.top
                         ],
                     }
                     for x in lps
                 ]
             }
-        tokens = [self.token_text(x.token_id) for x in lps]
-        offsets = []
-        for s in tokens:
-            offsets.append(offset)
-            offset += len(s)
         return {
-            "tokens": tokens,
+            "tokens": [self.token_text(x.token_id) for x in lps],
             "token_logprobs": [val(x.logprob) for x in lps],
             "top_logprobs": [
                 None if x.logprob is None else {self.token_text(i): val(v) for i, v in x.top} for x in lps
             ],
-            "text_offset": offsets,
+            "text_offset": list(offsets),
         }
 
     def models(self) -> dict:
