@@ -406,9 +406,13 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "word " * 6000, "max_tokens": 4}, 400, "prompt"),
     ("completions", {"prompt": [10**9]}, 400, "prompt"),
     ("completions", {"prompt": [-1]}, 400, "prompt"),
-    ("completions", {"prompt": [[1, 2]]}, 400, "prompt"),
+    ("completions", {"prompt": [[1, 2], []]}, 400, "prompt"),
+    ("completions", {"prompt": [[1, 2], [10**9]]}, 400, "prompt"),
+    ("completions", {"prompt": [[1, 2], "a"]}, 400, "prompt"),
     ("completions", {"prompt": []}, 400, "prompt"),
-    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"prompt": ["a", "b"], "stream": True}, 400, "prompt"),
+    ("completions", {"prompt": ["a"] * 40, "n": 2}, 400, "prompt"),  # 80 jobs: more than the queue's 64
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
     ("completions", {"prompt": ""}, 400, "prompt"),
     ("completions", {"prompt": None}, 400, "prompt"),
     ("completions", {"prompt": [1, "a"]}, 400, "prompt"),
@@ -570,6 +574,55 @@ def test_completion_echo_scores_the_prompt(server: LiveServer, llm: LLM) -> None
     events = _sse_events(httpx.post(url, json=body | {"echo": True, "stream": True}, timeout=TIMEOUT))
     assert events[0]["choices"][0]["text"] == prompt
     assert "".join(ch["text"] for ev in events for ch in ev["choices"]) == choice["text"]
+
+
+def test_several_prompts_are_answered_in_order_as_alone(server: LiveServer) -> None:
+    """A list of prompts (strings or token-id lists, OpenAI's batch form): one choice per prompt and choice, prompt
+    by prompt, each the answer the prompt gets alone; prompt tokens counted once per prompt."""
+    url = f"{server.url}/v1/completions"
+    body = {"model": "tiny", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    prompts = ["abc abc ab", "xyz", "hello hello hel"]
+    alone = [httpx.post(url, json=body | {"prompt": q}, timeout=TIMEOUT).json() for q in prompts]
+    out = httpx.post(url, json=body | {"prompt": prompts}, timeout=TIMEOUT).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in out["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert [c["logprobs"]["tokens"] for c in out["choices"]] == [a["choices"][0]["logprobs"]["tokens"] for a in alone]
+    assert out["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone) == 28
+    assert out["usage"]["completion_tokens"] == 15
+    ids = [[ord(c) - 32 for c in q] for q in prompts]  # the tiny tokenizer: one id per character
+    by_ids = httpx.post(url, json=body | {"prompt": ids}, timeout=TIMEOUT).json()
+    assert [c["text"] for c in by_ids["choices"]] == [c["text"] for c in out["choices"]]
+    two = httpx.post(url, json=body | {"prompt": prompts[:2], "n": 2}, timeout=TIMEOUT).json()
+    assert [c["index"] for c in two["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in two["choices"]] == [alone[0]["choices"][0]["text"]] * 2 + [
+        alone[1]["choices"][0]["text"]
+    ] * 2  # greedy: a prompt's choices agree
+    assert two["usage"]["prompt_tokens"] == 13
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_only(server: LiveServer) -> None:
+    """max_tokens 0 with echo (how evaluation harnesses score texts, several at a time): the prompt back with the
+    same logprobs as echo with a generated token, nothing generated, finish_reason length."""
+    url = f"{server.url}/v1/completions"
+    prompts = ["abc abd abc ab", "the cat the ca"]
+    body = {"model": "tiny", "prompt": prompts, "temperature": 0, "echo": True, "logprobs": 2}
+    out = httpx.post(url, json=body | {"max_tokens": 0}, timeout=TIMEOUT).json()
+    one = httpx.post(url, json=body | {"max_tokens": 1, "ignore_eos": True}, timeout=TIMEOUT).json()
+    assert out["usage"] == {"prompt_tokens": 28, "completion_tokens": 0, "total_tokens": 28}
+    for q, c, d in zip(prompts, out["choices"], one["choices"], strict=True):
+        assert c["text"] == q and c["finish_reason"] == "length"
+        lp, ref = c["logprobs"], d["logprobs"]
+        assert len(lp["tokens"]) == len(q) and lp["token_logprobs"][0] is None
+        assert lp["token_logprobs"] == ref["token_logprobs"][: len(q)]
+        assert lp["text_offset"] == list(range(len(q)))
+    streamed = _sse_events(
+        httpx.post(url, json=body | {"prompt": prompts[0], "max_tokens": 0, "stream": True}, timeout=TIMEOUT)
+    )
+    assert "".join(ch["text"] for ev in streamed for ch in ev["choices"]) == prompts[0]
+    plain = httpx.post(
+        url, json={k: v for k, v in body.items() if k != "logprobs"} | {"max_tokens": 0}, timeout=TIMEOUT
+    )
+    assert [c["text"] for c in plain.json()["choices"]] == prompts
 
 
 def test_n_choices_are_independent_seeded_draws(server: LiveServer) -> None:

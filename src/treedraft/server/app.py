@@ -42,6 +42,7 @@ from .protocol import (
     ServerSettings,
     TreedraftOptions,
     parse_body,
+    prompt_list,
     reject_unsupported,
     request_drafters,
 )
@@ -68,6 +69,7 @@ class _Prepared:
     echo: str | None = None  # completions with echo: the prompt's text, put before the answer
     n: int = 1  # choices: independent jobs, decoded together in the worker's batch (not streamed)
     echo_lead: int = 0  # leading prompt tokens not in the echoed text (a BOS the engine put before a raw string)
+    score_only: bool = False  # echo with max_tokens 0: the prompt back (scored when logprobs are asked), no tokens
 
     def choice(self, i: int) -> _Prepared:
         """The request of choice ``i``: a seeded one draws with :func:`choice_seed` (seed, i): each choice is
@@ -178,8 +180,9 @@ class OpenAIServer:
             )
         return name
 
-    def encode(self, req: CommonRequest) -> list[int]:
-        """Request -> prompt ids (runs on the tokenizer thread; user errors -> APIError 400)."""
+    def encode(self, req: CommonRequest) -> list[list[int]]:
+        """Request -> each prompt's ids: one for chat; completions' several prompts (a list of strings or of
+        token-id lists) in order (runs on the tokenizer thread; user errors -> APIError 400)."""
         chat = isinstance(req, ChatCompletionRequest)
         try:
             if chat:
@@ -190,19 +193,17 @@ class OpenAIServer:
                 ]
                 if not any(m["content"].strip() for m in msgs):
                     raise APIError(400, "all messages are empty; give some text", param="messages")
-                return self.llm.encode_prompt(msgs)
-            p = req.prompt
-            if isinstance(p, list) and p and isinstance(p[0], str):
-                if len(p) != 1:
-                    raise APIError(
-                        400, f"got {len(p)} prompts; this server takes exactly one per request", param="prompt"
-                    )
-                p = p[0]
-            if isinstance(p, list):
-                if not p:
-                    raise APIError(400, "prompt is empty; give text or token ids", param="prompt")
-                return list(p)
-            return self.llm.encode_prompt(p, raw=True)
+                return [self.llm.encode_prompt(msgs)]
+            out = []
+            for k, p in enumerate(prompt_list(req.prompt)):
+                if isinstance(p, list):
+                    if not p:
+                        where = f"prompt {k}" if isinstance(req.prompt[0], list) else "prompt"
+                        raise APIError(400, f"{where} is empty; give text or token ids", param="prompt")
+                    out.append(list(p))
+                else:
+                    out.append(self.llm.encode_prompt(p, raw=True))
+            return out
         except APIError:
             raise
         except ValueError as e:  # GenerationError or tokenizer/template complaints
@@ -220,15 +221,22 @@ class OpenAIServer:
             return key_tenant
         return f"user-{req.user}" if req.user else None
 
-    async def prepare(self, req: CommonRequest, tenant: str | None = None) -> _Prepared:
-        """Validate everything that can be checked before queueing; tokenize off the event loop."""
+    async def prepare(self, req: CommonRequest, tenant: str | None = None) -> list[_Prepared]:
+        """Validate everything that can be checked before queueing; tokenize off the event loop. One
+        :class:`_Prepared` per prompt (completions may send several; chat has one)."""
         model = self.check_model(req.model)
         reject_unsupported(req)
         chat = isinstance(req, ChatCompletionRequest)
         pname = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(req, pname)
-        if max_tokens is not None and max_tokens < 1:
-            raise APIError(400, f"{pname} must be at least 1, got {max_tokens}", param=pname)
+        score_only = max_tokens == 0 and not chat and bool(req.echo)  # OpenAI's echo with max_tokens 0: scoring
+        if max_tokens is not None and max_tokens < 1 and not score_only:
+            raise APIError(
+                400,
+                f"{pname} must be at least 1, got {max_tokens}"
+                + ("" if chat else " (0 only with echo: the prompt back, scored with logprobs, nothing generated)"),
+                param=pname,
+            )
         if max_tokens is not None and max_tokens > self.tokens_limit:
             raise APIError(
                 400, f"{pname}={max_tokens} is above this server's limit of {self.tokens_limit}", param=pname
@@ -248,55 +256,67 @@ class OpenAIServer:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not x for x in stop):
             raise APIError(400, f"stop strings must be non-empty, got {stop!r}", param="stop")
-        prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.encode, req)
-        try:
-            self.llm.engine.check_prompt(prompt_ids)
-        except GenerationError as e:
+        prompts = await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.encode, req)
+        if len(prompts) * (req.n or 1) > self.settings.max_queue:
+            what = f"n={req.n}" if len(prompts) == 1 else f"{len(prompts)} prompts x n={req.n or 1}"
             raise APIError(
                 400,
-                str(e),
-                param="messages" if chat else "prompt",
-                code="context_length_exceeded" if len(prompt_ids) >= self.context else None,
-            ) from None
-        room = self.context - len(prompt_ids)
-        if max_tokens is None:
-            max_tokens = min(self.settings.default_max_tokens, self.tokens_limit, room)
-        elif max_tokens > room:
-            raise APIError(
-                400,
-                f"this model's context window is {self.context} tokens; the prompt has "
-                f"{len(prompt_ids)} and {pname}={max_tokens} asks for more than the {room} left; "
-                f"lower {pname} or shorten the prompt",
-                param=pname,
-                code="context_length_exceeded",
+                f"{what} is more jobs than this server queues ({self.settings.max_queue}); send fewer at a time",
+                param="n" if len(prompts) == 1 else "prompt",
             )
-        try:
-            cfg = self.llm.config(
-                max_new_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=req.top_k or 0,
-                seed=req.seed,
-                stop=stop,
-                rule=opts.rule or "speculative",
-                max_tree_nodes=opts.max_tree_nodes or 64,
-                logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs,
-            )
-            cfg = replace(cfg, ignore_eos=bool(req.ignore_eos))
-        except ValueError as e:  # e.g. rule 'greedy' with temperature > 0
-            raise APIError(400, str(e), param="treedraft.rule" if "rule" in str(e) else None) from None
         inc = bool(req.stream_options and req.stream_options.include_usage)
-        if (req.n or 1) > self.settings.max_queue:
-            raise APIError(
-                400, f"n={req.n} is more than this server queues ({self.settings.max_queue}); lower n", param="n"
+        out = []
+        for k, prompt_ids in enumerate(prompts):
+            where = "" if len(prompts) == 1 else f"prompt {k}: "
+            try:
+                self.llm.engine.check_prompt(prompt_ids)
+            except GenerationError as e:
+                raise APIError(
+                    400,
+                    where + str(e),
+                    param="messages" if chat else "prompt",
+                    code="context_length_exceeded" if len(prompt_ids) >= self.context else None,
+                ) from None
+            room = self.context - len(prompt_ids)
+            budget = max_tokens
+            if budget is None:
+                budget = min(self.settings.default_max_tokens, self.tokens_limit, room)
+            elif budget > room:
+                raise APIError(
+                    400,
+                    f"{where}this model's context window is {self.context} tokens; the prompt has "
+                    f"{len(prompt_ids)} and {pname}={budget} asks for more than the {room} left; "
+                    f"lower {pname} or shorten the prompt",
+                    param=pname,
+                    code="context_length_exceeded",
+                )
+            try:
+                cfg = self.llm.config(
+                    max_new_tokens=max(budget, 1),  # score_only: never decoded
+                    temperature=1.0 if req.temperature is None else req.temperature,
+                    top_p=1.0 if req.top_p is None else req.top_p,
+                    top_k=req.top_k or 0,
+                    seed=req.seed,
+                    stop=stop,
+                    rule=opts.rule or "speculative",
+                    max_tree_nodes=opts.max_tree_nodes or 64,
+                    logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs,
+                )
+                cfg = replace(cfg, ignore_eos=bool(req.ignore_eos))
+            except ValueError as e:  # e.g. rule 'greedy' with temperature > 0
+                raise APIError(400, str(e), param="treedraft.rule" if "rule" in str(e) else None) from None
+            echo, lead = None, 0
+            if not chat and req.echo:
+                p = prompt_list(req.prompt)[k]
+                tok = self.llm.tokenizer
+                echo = p if isinstance(p, str) else tok.decode(prompt_ids, skip_special_tokens=False)
+                lead = int(isinstance(p, str) and getattr(tok, "add_bos", False))  # encode_prompt's BOS: not in p
+            out.append(
+                _Prepared(
+                    prompt_ids, cfg, drafter, bool(req.stream), inc, model, tenant, echo, req.n or 1, lead, score_only
+                )
             )
-        echo, lead = None, 0
-        if not chat and req.echo:
-            p = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
-            tok = self.llm.tokenizer
-            echo = p if isinstance(p, str) else tok.decode(prompt_ids, skip_special_tokens=False)
-            lead = int(isinstance(p, str) and getattr(tok, "add_bos", False))  # encode_prompt's BOS: not in p
-        return _Prepared(prompt_ids, cfg, drafter, bool(req.stream), inc, model, tenant, echo, req.n or 1, lead)
+        return out
 
     def drafter_name(self, requested: str) -> str:
         """The name reported back: what 'default' resolves to, 'none' for plain decoding."""
@@ -314,6 +334,7 @@ class OpenAIServer:
         job = Job(p.prompt_ids, p.config, p.drafter, asyncio.get_running_loop(), tenant=p.tenant)
         if p.echo is not None and p.config.logprobs is not None:
             job.score_top = p.config.logprobs
+        job.score_only = p.score_only
         if not self.worker.queue.put_nowait(job):
             s = self.settings
             raise APIError(
@@ -337,45 +358,47 @@ class OpenAIServer:
                     self.metrics.aborted.inc()
                 return None
 
-    async def serve(self, request: Request, p: _Prepared, chat: bool) -> Response:
-        """Queue the request, wait for its first output (or error), then answer or start streaming."""
-        jobs: list[Job] = []
+    async def serve(self, request: Request, preps: list[_Prepared], chat: bool) -> Response:
+        """Queue the request (each prompt's n choices, in order), wait for its first output (or error), then answer
+        or start streaming."""
+        jobs: list[tuple[_Prepared, Job]] = []
         first: Chunk | Done | Failed | None = None
         try:
-            for i in range(p.n):
-                jobs.append(self.submit(p.choice(i)))
-            first = await self.next_or_disconnect(jobs[0], request)
+            for p in preps:
+                for i in range(p.n):
+                    jobs.append((p, self.submit(p.choice(i))))
+            first = await self.next_or_disconnect(jobs[0][1], request)
         finally:
             if not isinstance(first, (Chunk, Done)):  # an error, a failed job or a client gone: free every job
-                for j in jobs:
+                for _, j in jobs:
                     j.cancel()
         if first is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         if isinstance(first, Failed):
             raise first.error
-        job = jobs[0]
+        p, job = jobs[0]
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        if p.stream:  # n == 1 (protocol.reject_unsupported)
+        if p.stream:  # one prompt, n == 1 (protocol.reject_unsupported)
             return _JobStreamingResponse(self.stream_events(job, first, p, rid, created, chat), job)
-        return await self.collect(request, jobs, first, p, rid, created, chat)
+        return await self.collect(request, jobs, first, rid, created, chat)
 
     # -- responses
 
     async def collect(
         self,
         request: Request,
-        jobs: list[Job],
+        jobs: list[tuple[_Prepared, Job]],
         first: Chunk | Done | Failed,
-        p: _Prepared,
         rid: str,
         created: int,
         chat: bool,
     ) -> Response:
-        """A whole (non-streamed) completion: one choice per job, in order (they decode together)."""
+        """A whole (non-streamed) completion: one choice per job, in order (prompt by prompt, n choices each, as
+        OpenAI numbers them; they decode together). ``treedraft`` reports the first choice's decoding."""
         choices, n, done = [], 0, None
         try:
-            for i, job in enumerate(jobs):
+            for i, (p, job) in enumerate(jobs):
                 got = await self.gather(request, job, first if i == 0 else None, p, chat, i)
                 if got is None:
                     return Response(status_code=499)
@@ -384,8 +407,10 @@ class OpenAIServer:
                 n += k
                 done = done or end
         finally:
-            for job in jobs:
+            for _, job in jobs:
                 job.cancel()  # a no-op once done; frees the worker on any other exit
+        p = jobs[0][0]
+        prompt_tokens = sum(len(q.prompt_ids) for q, _ in jobs[:: p.n])  # each prompt once, not once per choice
         return JSONResponse(
             {
                 "id": rid,
@@ -394,7 +419,7 @@ class OpenAIServer:
                 "model": p.model,
                 "system_fingerprint": None,
                 "choices": choices,
-                "usage": _usage(len(p.prompt_ids), n),
+                "usage": _usage(prompt_tokens, n),
                 "treedraft": _spec_info(self.drafter_name(p.drafter), done.stats),
             }
         )

@@ -159,7 +159,7 @@ class ChatCompletionRequest(CommonRequest):
 
 
 class CompletionRequest(CommonRequest):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = None
     logprobs: int | None = None
     best_of: int | None = None
@@ -170,7 +170,7 @@ class CompletionRequest(CommonRequest):
 _UNION_TAGS = {"str", "list[str]", "list[int]", "list[TextPart]"}
 _UNION_HELP = {
     "stop": "should be a string or a list of strings",
-    "prompt": "should be a string, a list with one string, or a list of token ids",
+    "prompt": "should be a string, a list of token ids, or a list of either (several prompts)",
     "content": 'should be a string or a list of {"type": "text", "text": ...} parts',
 }
 
@@ -202,12 +202,24 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         raise APIError(400, f"{param or 'body'}: {msg}{more}", param=param or None) from None
 
 
+def prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """A completions ``prompt`` as its prompts: a string or one token-id list is one; a list of strings or of
+    token-id lists is several (OpenAI's batch form, e.g. lm-evaluation-harness's tokenized requests)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return list(prompt)
+    return [prompt]
+
+
 def reject_unsupported(req: CommonRequest) -> None:
     """400 for OpenAI parameters this server does not implement (never silently ignored)."""
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
         raise APIError(400, f"n must be in 1..{MAX_CHOICES}, got {req.n}", param="n")
     if (req.n or 1) > 1 and req.stream:
         raise APIError(400, "n > 1 is served without streaming only; set stream to false or n to 1", param="n")
+    if isinstance(req, CompletionRequest) and req.stream and len(prompt_list(req.prompt)) > 1:
+        raise APIError(
+            400, "several prompts are served without streaming only; set stream to false or send one", param="prompt"
+        )
     if req.presence_penalty or req.frequency_penalty:
         raise APIError(
             400,

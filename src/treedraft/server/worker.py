@@ -84,6 +84,7 @@ class Job:
     ) -> None:
         self.prompt_ids, self.config, self.drafter = prompt_ids, config, drafter
         self.score_top: int | None = None  # echo + logprobs: score the prompt (top alternatives per token) first
+        self.score_only = False  # echo with max_tokens 0: answered once the prompt is scored, nothing decoded
         self.prompt_logprobs: list[TokenLogprob] | None = None  # set by the worker before it delivers any item
         self.tenant = tenant  # who asked: "key-<hash>" (API key) or "user-<user field>"; None when anonymous
         self.loop = loop
@@ -342,6 +343,10 @@ class Worker:
         try:
             if job.score_top is not None:  # one forward over the prompt, on this thread (it owns the model)
                 job.prompt_logprobs = prompt_logprobs(self.llm.model, job.prompt_ids, job.score_top)
+            if job.score_only:
+                job.deliver(Done("length", stats))
+                self.metrics.record(stats, job.t_arrival, now, None, time.perf_counter(), 0, "length")
+                return
             drafter = self._for_tenant(self._drafter(job.drafter), job.tenant)
             req = self.sched.add(job.prompt_ids, job.config, drafter, stats, tag=job, scope=job.tenant or "")
         except Exception as e:
