@@ -65,6 +65,10 @@ def test_bad_limits_are_reported_cleanly_before_loading(capsys, no_model_load) -
     assert r.returncode == 2 and "empty" in r.stderr
     r = run_in_process(capsys, "chat", "--top-p", "0")
     assert r.returncode == 2 and "top_p" in r.stderr
+    r = run_in_process(capsys, "generate", "hi", "--repetition-penalty", "0")
+    assert r.returncode == 2 and "repetition_penalty" in r.stderr and "Traceback" not in r.stderr
+    r = run_in_process(capsys, "chat", "--frequency-penalty", "5")
+    assert r.returncode == 2 and "frequency_penalty" in r.stderr
 
 
 def test_unknown_drafter_is_reported_before_loading(capsys, monkeypatch) -> None:

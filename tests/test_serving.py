@@ -7,6 +7,7 @@ Servers run on 127.0.0.1 in a background thread; every wait is bounded in time a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 from collections.abc import Iterator
@@ -387,7 +388,10 @@ BAD_REQUESTS = [
     ("chat", {"messages": _HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("chat", {"messages": _HI, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("chat", {"messages": _HI, "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
-    ("chat", {"messages": _HI, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("chat", {"messages": _HI, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("chat", {"messages": _HI, "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("chat", {"messages": _HI, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("chat", {"messages": _HI, "repetition_penalty": "high"}, 400, "repetition_penalty"),
     ("chat", {"messages": _HI, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (
         "chat",
@@ -574,6 +578,20 @@ def test_completion_echo_scores_the_prompt(server: LiveServer, llm: LLM) -> None
     events = _sse_events(httpx.post(url, json=body | {"echo": True, "stream": True}, timeout=TIMEOUT))
     assert events[0]["choices"][0]["text"] == prompt
     assert "".join(ch["text"] for ev in events for ch in ev["choices"]) == choice["text"]
+
+
+def test_penalties_reach_the_engine(server: LiveServer, llm: LLM) -> None:
+    """presence / frequency (OpenAI) and repetition (vLLM's extra) penalties: the server's greedy text is the
+    engine's with the same penalties, and not the text without them."""
+    url = f"{server.url}/v1/completions"
+    prompt = "abc abc abc abc ab"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    pen = {"repetition_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": 0.8}
+    got = httpx.post(url, json=body | pen, timeout=TIMEOUT).json()["choices"][0]["text"]
+    config = dataclasses.replace(llm.config(max_new_tokens=16, **pen), ignore_eos=True)
+    want = llm.text.generate(llm.encode_prompt(prompt, raw=True), config, None).text
+    assert got == want
+    assert got != httpx.post(url, json=body, timeout=TIMEOUT).json()["choices"][0]["text"]
 
 
 def test_several_prompts_are_answered_in_order_as_alone(server: LiveServer) -> None:

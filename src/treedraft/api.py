@@ -22,6 +22,7 @@ from .interfaces import Drafter, GenerationError
 from .models.gguf_meta import model_architecture
 from .models.plan import pack_tuned
 from .models.registry import DEFAULT_MODEL, cache_dir, file_key, load_own, resolve
+from .penalties import Penalties
 from .sampling import SamplingParams
 from .text import Chunk, GenerationResult, TextGenerator
 from .tokenizer import Tokenizer
@@ -120,10 +121,17 @@ class LLM:
         rule: str = "speculative",
         max_tree_nodes: int = 64,
         logprobs: int | None = None,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
     ) -> GenerationConfig:
         """A :class:`GenerationConfig` from keyword arguments. ``logprobs``: None (off), or n: each generated
         token's log-probability and its position's n most likely alternatives (``GenerationResult.logprobs``,
-        ``Chunk.logprobs``; the model's own distribution, before temperature / top-k / top-p)."""
+        ``Chunk.logprobs``; the model's own distribution, before penalties, temperature / top-k / top-p).
+        Penalties (:mod:`treedraft.penalties`): ``repetition_penalty`` r > 0 on every token of the prompt and the
+        output so far (logit / r where positive, * r where not; 1.0 off), ``presence_penalty`` and
+        ``frequency_penalty`` in [-2, 2] on the output's tokens (OpenAI's; 0 off); speculative output stays the
+        plain (penalised) output."""
         return GenerationConfig(
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature, top_k, top_p, seed),
@@ -131,6 +139,7 @@ class LLM:
             stop=tuple(stop),
             max_tree_nodes=max_tree_nodes,
             logprobs=logprobs,
+            penalties=Penalties(repetition_penalty, presence_penalty, frequency_penalty),
         )
 
     def get_drafter(

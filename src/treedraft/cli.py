@@ -88,6 +88,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         "--rule", default="speculative", help="acceptance rule when sampling: speculative (lossless) or typical (lossy)"
     )
     p.add_argument("--max-tree-nodes", type=int, default=64)
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="r > 0 on every token of the prompt and output so far: logit / r if positive, * r if not (1.0 = off)",
+    )
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2, minus this for a token in the output")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2, minus this x the token's count")
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
@@ -146,6 +154,9 @@ def _gen_kwargs(a: argparse.Namespace) -> dict:
         stop=a.stop,
         rule=a.rule,
         max_tree_nodes=a.max_tree_nodes,
+        repetition_penalty=a.repetition_penalty,
+        presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty,
     )
 
 
@@ -171,11 +182,13 @@ def _run_stream(llm, prompt, a: argparse.Namespace, raw: bool) -> str:
 def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> None:
     """Raise ValueError for bad sampling limits (and an empty ``prompt``) before the slow model load."""
     from .engine import GenerationConfig
+    from .penalties import Penalties
     from .sampling import SamplingParams
 
     kw = _gen_kwargs(a)
     sampling = SamplingParams(kw.pop("temperature"), kw.pop("top_k"), kw.pop("top_p"), kw.pop("seed"))
-    GenerationConfig(sampling=sampling, **{**kw, "stop": tuple(kw["stop"])})  # validates in __post_init__
+    penalties = Penalties(kw.pop("repetition_penalty"), kw.pop("presence_penalty"), kw.pop("frequency_penalty"))
+    GenerationConfig(sampling=sampling, penalties=penalties, **{**kw, "stop": tuple(kw["stop"])})  # validates
     if prompt is not None and not prompt.strip():
         raise ValueError("the prompt is empty; give some text")
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .interfaces import DraftContext, Drafter, GenerationError, TargetModel, target_device
 from .logprobs import TokenLogprob, check_top
+from .penalties import Penalties
 from .sampling import SamplingParams
 from .tree import TokenTree, TreeError
 from .verify import RULES
@@ -51,6 +52,7 @@ class GenerationConfig:
     ignore_eos: bool = False
     max_tree_nodes: int = 64
     logprobs: int | None = None  # None: off; n: each token's log p and its row's n best (treedraft.logprobs)
+    penalties: Penalties = field(default_factory=Penalties)  # repetition / presence / frequency (treedraft.penalties)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:

@@ -33,6 +33,7 @@ from torch import Tensor
 from .budget import STEP_ROWS_MAX, NodeStats, RowBudget, measured_latency, measured_step_rows, step_rows_from_latency
 from .interfaces import DraftContext, Drafter, GenerationError, request_drafter
 from .logprobs import Committed, token_logprobs
+from .penalties import PenaltyState, penalize_, tree_paths
 from .prefix_cache import PrefixCache
 from .tree import TokenTree, TreeError, full_attention_mask
 from .verify import accept, sample_token, uses_coupling
@@ -66,6 +67,7 @@ class Request:
     t_start: float = 0.0
     node_stats: NodeStats = field(default_factory=NodeStats)  # its drafts' acceptance by node position
     first_logits: Tensor | None = None  # (V,) its whole prompt came from the prefix cache: draw the first token
+    penalty: PenaltyState | None = None  # the request's penalties are on: what they depend on
     prompt_hidden: list[Tensor] | None = None  # (n_i, H) prompt chunks' hidden states, for the prefix cache
     scope: str = ""  # whose prefix-cache entries it may reuse (the server's tenant)
 
@@ -213,6 +215,8 @@ class Scheduler:
         d = request_drafter(eng.drafter if drafter == "default" else drafter)
         req = Request(prompt, cfg, d, stats, cache, cfg.sampling.generator(), max_new, tag, tokens=list(prompt))
         req.scope = scope
+        if cfg.penalties.active:
+            req.penalty = PenaltyState(prompt)
         if self.prefix_cache is not None and getattr(cache, "kv", None) is not None:
             self._reuse_prefix(req)
         self.active.append(req)
@@ -424,7 +428,14 @@ class Scheduler:
     def _first(self, req: Request, logits: Tensor, hidden: Tensor | None) -> Committed:
         """Draw the first token from the prompt's last logits row (V,); ``hidden``: that position's (H,) state."""
         cfg = req.config
-        root = sample_token(cfg.rule, logits, cfg.sampling, req.gen, len(req.tokens))
+        undo = penalize_(logits[None], cfg.penalties, req.penalty, [()]) if req.penalty is not None else None
+        try:
+            root = sample_token(cfg.rule, logits, cfg.sampling, req.gen, len(req.tokens))
+        finally:
+            if undo is not None:
+                undo()  # the model's own row again: the prefix cache may hold it; logprobs report it
+        if req.penalty is not None:
+            req.penalty.add([root])
         req.last_hidden = hidden
         req.tokens.append(root)
         req.n_out = 1
@@ -450,11 +461,19 @@ class Scheduler:
                 req.prompt_hidden = None
             return self._first(req, logits[-1], None if hidden is None else hidden[-1])
         tree, n = p.tree, len(p.tree)
-        if n == 1:
-            acc_nodes, bonus = (0,), sample_token(cfg.rule, logits[0], cfg.sampling, req.gen, len(req.tokens))
-        else:
-            a = accept(cfg.rule, tree, logits, cfg.sampling, req.gen, len(req.tokens))
-            acc_nodes, bonus = a.nodes, a.bonus
+        undo = None
+        if req.penalty is not None:  # each row as plain decoding would adjust it (its path's tokens counted)
+            paths = [()] if n == 1 else [[tree.tokens[k] for k in q] for q in tree_paths(tree.parents)]
+            undo = penalize_(logits, cfg.penalties, req.penalty, paths)
+        try:
+            if n == 1:
+                acc_nodes, bonus = (0,), sample_token(cfg.rule, logits[0], cfg.sampling, req.gen, len(req.tokens))
+            else:
+                a = accept(cfg.rule, tree, logits, cfg.sampling, req.gen, len(req.tokens))
+                acc_nodes, bonus = a.nodes, a.bonus
+        finally:
+            if undo is not None:
+                undo()
         req.cache.keep(p.start, list(acc_nodes))
         if self.budget is not None:
             self.budget.observe(req.node_stats, n, acc_nodes, p.t_draft, self._sized)
@@ -466,6 +485,8 @@ class Scheduler:
             req.last_hidden = None
         new = [tree.tokens[i] for i in acc_nodes[1:]] + [bonus]  # accepted drafts + the next root
         req.tokens.extend(new)
+        if req.penalty is not None:
+            req.penalty.add(new)
         te = time.perf_counter()
         depth = 0 if n == 1 else max(tree.depths())
         from .engine import StepStats

@@ -301,6 +301,9 @@ class OpenAIServer:
                     rule=opts.rule or "speculative",
                     max_tree_nodes=opts.max_tree_nodes or 64,
                     logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs,
+                    repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                    presence_penalty=req.presence_penalty or 0.0,
+                    frequency_penalty=req.frequency_penalty or 0.0,
                 )
                 cfg = replace(cfg, ignore_eos=bool(req.ignore_eos))
             except ValueError as e:  # e.g. rule 'greedy' with temperature > 0

@@ -141,8 +141,9 @@ class CommonRequest(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None  # vLLM-style extra
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # OpenAI's range; on the output's tokens
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # vLLM-style extra; prompt + output, 1 = off
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     treedraft: TreedraftOptions | None = None
@@ -219,12 +220,6 @@ def reject_unsupported(req: CommonRequest) -> None:
     if isinstance(req, CompletionRequest) and req.stream and len(prompt_list(req.prompt)) > 1:
         raise APIError(
             400, "several prompts are served without streaming only; set stream to false or send one", param="prompt"
-        )
-    if req.presence_penalty or req.frequency_penalty:
-        raise APIError(
-            400,
-            "presence_penalty and frequency_penalty are not supported; leave them at 0",
-            param="presence_penalty" if req.presence_penalty else "frequency_penalty",
         )
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")

@@ -1,0 +1,165 @@
+"""Repetition / presence / frequency penalties: the per-row adjustment against a per-token reference, plain
+decoding against a step-by-step reference, speculative output = plain (greedy and seeded), the sampled
+distribution under penalties (rejection sampling over penalised rows), and the real model."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
+import torch
+from spec_stats import assert_fits
+from test_engine import DraftFromQ, Exact, RandomTreeDrafter, cfg, tiny
+
+import treedraft.verify
+from treedraft.engine import Engine, GenerationConfig, GenerationStats
+from treedraft.penalties import Penalties, PenaltyState, penalize_, tree_paths
+from treedraft.sampling import SamplingParams, target_probs
+
+BOTH = Penalties(repetition=1.6, presence=0.4, frequency=0.7)
+
+
+def reference(row: torch.Tensor, prompt: Sequence[int], out: Sequence[int], pen: Penalties) -> torch.Tensor:
+    """One row penalised token by token, straight from the definitions."""
+    x = row.clone()
+    for t in range(x.shape[0]):
+        if pen.repetition != 1.0 and (t in prompt or t in out):
+            x[t] = x[t] / pen.repetition if x[t] > 0 else x[t] * pen.repetition
+        c = list(out).count(t)
+        x[t] = x[t] - pen.frequency * c - pen.presence * (c > 0)
+    return x
+
+
+@pytest.mark.parametrize(
+    "pen",
+    [BOTH, Penalties(repetition=1.3), Penalties(presence=-0.5), Penalties(frequency=1.1), Penalties(0.8, 0.2, -0.3)],
+    ids=["all", "repetition", "presence<0", "frequency", "repetition<1"],
+)
+def test_penalize_rows_as_the_per_token_reference_and_undo(pen: Penalties) -> None:
+    g = torch.Generator().manual_seed(0)
+    rng = random.Random(1)
+    V = 40
+    for _ in range(20):
+        prompt = [rng.randrange(V) for _ in range(rng.randint(0, 12))]
+        out = [rng.randrange(V) for _ in range(rng.randint(0, 12))]
+        paths = [[]] + [[rng.randrange(V) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(0, 6))]
+        logits = torch.randn(len(paths), V, generator=g) * 3
+        logits[0, 3] = float("-inf")
+        before = logits.clone()
+        state = PenaltyState(prompt)
+        state.add(out)
+        undo = penalize_(logits, pen, state, paths)
+        for r, path in enumerate(paths):
+            want = reference(before[r], prompt, out + path, pen)
+            torch.testing.assert_close(logits[r], want, rtol=1e-6, atol=1e-5)
+        assert not torch.equal(logits, before)
+        undo()
+        assert torch.equal(logits, before)
+
+
+def test_tree_paths_and_off_penalties() -> None:
+    assert tree_paths((-1, 0, 0, 1, 3, 2)) == [[], [1], [2], [1, 3], [1, 3, 4], [2, 5]]
+    logits = torch.randn(2, 8)
+    before = logits.clone()
+    state = PenaltyState([1, 2])
+    state.add([3, 3])
+    penalize_(logits, Penalties(), state, [[], [4]])()
+    assert torch.equal(logits, before)
+    for bad in (dict(repetition=0.0), dict(repetition=-1.0), dict(presence=2.5), dict(frequency=-3.0)):
+        with pytest.raises(ValueError, match="penalty"):
+            Penalties(**bad)
+
+
+def test_plain_decoding_applies_the_penalties_step_by_step() -> None:
+    """Greedy plain decoding with penalties = argmax of the reference-penalised full-forward row at each step,
+    and differs from decoding without them (the penalties act)."""
+    model = tiny(3, vocab=16, scale=2.0)
+    engine = Engine(model)
+    prompt = [1, 5, 2, 5, 7]
+    for pen in (BOTH, Penalties(repetition=1.8), Penalties(frequency=1.5)):
+        got = engine.generate(prompt, cfg(20, penalties=pen), drafter=None).token_ids
+        ctx = list(prompt)
+        with torch.inference_mode():
+            for _ in range(20):
+                lg, _ = model.forward(torch.tensor([ctx]), torch.arange(len(ctx)), logits_for=slice(-1, None))
+                ctx.append(int(reference(lg[0, -1], prompt, ctx[len(prompt) :], pen).argmax()))
+        assert got == ctx[len(prompt) :], pen
+        assert got != engine.generate(prompt, cfg(20), drafter=None).token_ids
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=5)], ids=["greedy", "seeded"]
+)
+def test_speculative_equals_plain_with_penalties(sampling: SamplingParams) -> None:
+    """Random trees with right and wrong branches: each row is penalised with its own path counted, so the
+    output is plain's token for token; ignoring the paths (the committed tokens only) fails it."""
+    model = tiny(1, vocab=16, scale=2.0)
+    engine = Engine(model)
+    rng = random.Random(2)
+    accepted = 0
+    for trial in range(10):
+        prompt = [rng.randrange(16) for _ in range(rng.randint(2, 10))]
+        config = GenerationConfig(max_new_tokens=24, sampling=sampling, ignore_eos=True, penalties=BOTH)
+        ref = engine.generate(prompt, config, drafter=None).token_ids
+        drafter = RandomTreeDrafter(16, seed=trial, oracle=prompt + ref, p_right=0.8, max_depth=5)
+        stats = GenerationStats()
+        got = [t for step in engine.decode(prompt, config, drafter, stats) for t in step]
+        assert got == ref, trial
+        accepted += sum(s.accepted for s in stats.steps if s.accepted >= 2)
+    assert accepted > 30  # deep paths were accepted: rows below the root were penalised with their paths
+
+
+class PenalisedExact(Exact):
+    """Exact's plain sequence distribution with the reference penalties (prompt of ``n_prompt`` tokens)."""
+
+    def __init__(self, model, params: SamplingParams, pen: Penalties, n_prompt: int) -> None:
+        super().__init__(model, params)
+        self.pen, self.n_prompt = pen, n_prompt
+
+    def probs(self, ctx: Sequence[int]) -> torch.Tensor:
+        key = tuple(ctx)
+        if key not in self.memo:
+            row = reference(self.logits(ctx), ctx[: self.n_prompt], ctx[self.n_prompt :], self.pen)
+            self.memo[key] = target_probs(row[None], self.params)[0].double()
+        return self.memo[key]
+
+
+def test_sampled_distribution_with_penalties_matches_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recursive rejection sampling (forced) over random trees with sampled and top children: the sequences'
+    distribution is the penalised plain one (chi-square, 800 draws)."""
+    monkeypatch.setattr(treedraft.verify, "uses_coupling", lambda rule, params, tree=None: False)
+    V, n, trials = 12, 4, 800
+    params = SamplingParams(temperature=0.9)
+    pen = Penalties(repetition=1.5, presence=0.3, frequency=0.6)
+    model = tiny(4, vocab=V, scale=0.6)
+    engine = Engine(model)
+    prompt = [1, 5, 2]
+    expected = PenalisedExact(model, params, pen, len(prompt)).sequences(prompt, n)
+    plain_expected = Exact(model, params).sequences(prompt, n)
+    assert max(abs(expected[k] - plain_expected.get(k, 0.0)) for k in expected) > 0.01  # the penalties matter
+    draft = Exact(tiny(5, vocab=V, scale=0.6), SamplingParams(temperature=1.0))
+    drafter = DraftFromQ(draft.probs, 0.3, vocab=V, seed=7, p_sample=0.6, max_children=3, max_depth=3)
+    counts: Counter = Counter()
+    accepted = 0
+    for i in range(trials):
+        sampling = SamplingParams(params.temperature, seed=3000 + i)
+        r = engine.generate(prompt, GenerationConfig(n, sampling, ignore_eos=True, penalties=pen), drafter)
+        counts[tuple(r.token_ids)] += 1
+        accepted += r.stats.accepted_tokens
+    assert_fits(counts, expected, "speculative sampling with penalties")
+    assert accepted > trials / 20
+
+
+@pytest.mark.slow
+def test_penalised_speculative_equals_plain_real_model(smollm_int4) -> None:
+    """The real int4 model with the default drafter's kind (heads + suffix): output = plain under penalties."""
+    llm = smollm_int4
+    q = [{"role": "user", "content": "Write a short poem about the sea."}]
+    for kw in (dict(repetition_penalty=1.2, frequency_penalty=0.3), dict(presence_penalty=0.6)):
+        plain = llm.generate(q, drafter=None, max_new_tokens=64, **kw)
+        assert plain.token_ids != llm.generate(q, drafter=None, max_new_tokens=64).token_ids
+        spec = llm.generate(q, drafter="hybrid-suffix", max_new_tokens=64, **kw)
+        assert spec.token_ids == plain.token_ids, kw
+        assert spec.stats.accepted_tokens > 0
