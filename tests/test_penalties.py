@@ -18,12 +18,14 @@ from treedraft.engine import Engine, GenerationConfig, GenerationStats
 from treedraft.penalties import Penalties, PenaltyState, penalize_, tree_paths
 from treedraft.sampling import SamplingParams, target_probs
 
-BOTH = Penalties(repetition=1.6, presence=0.4, frequency=0.7)
+BOTH = Penalties(repetition=1.6, presence=0.4, frequency=0.7, bias=((3, 1.5), (5, -0.8)))
 
 
 def reference(row: torch.Tensor, prompt: Sequence[int], out: Sequence[int], pen: Penalties) -> torch.Tensor:
     """One row penalised token by token, straight from the definitions."""
     x = row.clone()
+    for t, b in pen.bias:
+        x[t] = x[t] + b
     for t in range(x.shape[0]):
         if pen.repetition != 1.0 and (t in prompt or t in out):
             x[t] = x[t] / pen.repetition if x[t] > 0 else x[t] * pen.repetition
@@ -34,8 +36,16 @@ def reference(row: torch.Tensor, prompt: Sequence[int], out: Sequence[int], pen:
 
 @pytest.mark.parametrize(
     "pen",
-    [BOTH, Penalties(repetition=1.3), Penalties(presence=-0.5), Penalties(frequency=1.1), Penalties(0.8, 0.2, -0.3)],
-    ids=["all", "repetition", "presence<0", "frequency", "repetition<1"],
+    [
+        BOTH,
+        Penalties(repetition=1.3),
+        Penalties(presence=-0.5),
+        Penalties(frequency=1.1),
+        Penalties(0.8, 0.2, -0.3),
+        Penalties(bias=((0, 5.0), (7, -100.0), (39, 0.5))),
+        Penalties(1.4, 0.0, 0.5, bias=((2, -3.0), (11, 2.5))),
+    ],
+    ids=["all", "repetition", "presence<0", "frequency", "repetition<1", "bias", "bias+penalties"],
 )
 def test_penalize_rows_as_the_per_token_reference_and_undo(pen: Penalties) -> None:
     g = torch.Generator().manual_seed(0)
@@ -70,6 +80,11 @@ def test_tree_paths_and_off_penalties() -> None:
     for bad in (dict(repetition=0.0), dict(repetition=-1.0), dict(presence=2.5), dict(frequency=-3.0)):
         with pytest.raises(ValueError, match="penalty"):
             Penalties(**bad)
+    for bias in (((1, 101.0),), ((-1, 1.0),), ((1, 1.0), (1, 2.0)), (("1", 1.0),)):
+        with pytest.raises(ValueError, match="logit_bias"):
+            Penalties(bias=bias)
+    with pytest.raises(ValueError, match="outside this model's vocabulary"):
+        Penalties(bias=((5, 1.0), (16, 1.0))).check_vocab(16)
 
 
 def test_plain_decoding_applies_the_penalties_step_by_step() -> None:

@@ -387,7 +387,10 @@ BAD_REQUESTS = [
     ("chat", {"messages": _HI, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
     ("chat", {"messages": _HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("chat", {"messages": _HI, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ("chat", {"messages": _HI, "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    ("chat", {"messages": _HI, "logit_bias": {"5": 101.0}}, 400, "logit_bias"),
+    ("chat", {"messages": _HI, "logit_bias": {"x": 1.0}}, 400, "logit_bias"),
+    ("chat", {"messages": _HI, "logit_bias": {"-1": 1.0}}, 400, "logit_bias"),
+    ("chat", {"messages": _HI, "logit_bias": {"96": 1.0}}, 400, "logit_bias"),  # the tiny vocabulary is 0..95
     ("chat", {"messages": _HI, "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("chat", {"messages": _HI, "frequency_penalty": -3}, 400, "frequency_penalty"),
     ("chat", {"messages": _HI, "repetition_penalty": 0}, 400, "repetition_penalty"),
@@ -592,6 +595,11 @@ def test_penalties_reach_the_engine(server: LiveServer, llm: LLM) -> None:
     want = llm.text.generate(llm.encode_prompt(prompt, raw=True), config, None).text
     assert got == want
     assert got != httpx.post(url, json=body, timeout=TIMEOUT).json()["choices"][0]["text"]
+    banned = {str(ord(c) - 32): -100 for c in "abc "}  # the tiny tokenizer: one id per character
+    forced = httpx.post(url, json=body | {"logit_bias": banned | {"90": 100}}, timeout=TIMEOUT).json()
+    assert forced["choices"][0]["text"] == chr(32 + 90) * 16  # +100 on one token: greedy takes it every time
+    free = httpx.post(url, json=body | {"logit_bias": banned}, timeout=TIMEOUT).json()["choices"][0]["text"]
+    assert free and not set(free) & set("abc ")
 
 
 def test_several_prompts_are_answered_in_order_as_alone(server: LiveServer) -> None:

@@ -124,14 +124,19 @@ class LLM:
         repetition_penalty: float = 1.0,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
+        logit_bias: dict[int, float] | None = None,
     ) -> GenerationConfig:
         """A :class:`GenerationConfig` from keyword arguments. ``logprobs``: None (off), or n: each generated
         token's log-probability and its position's n most likely alternatives (``GenerationResult.logprobs``,
         ``Chunk.logprobs``; the model's own distribution, before penalties, temperature / top-k / top-p).
         Penalties (:mod:`treedraft.penalties`): ``repetition_penalty`` r > 0 on every token of the prompt and the
         output so far (logit / r where positive, * r where not; 1.0 off), ``presence_penalty`` and
-        ``frequency_penalty`` in [-2, 2] on the output's tokens (OpenAI's; 0 off); speculative output stays the
-        plain (penalised) output."""
+        ``frequency_penalty`` in [-2, 2] on the output's tokens (OpenAI's; 0 off); ``logit_bias`` {token id: amount
+        in [-100, 100]} added to those logits at every position, before the penalties (OpenAI's); speculative
+        output stays the plain (penalised) output."""
+        bias = tuple((t, float(v)) for t, v in (logit_bias or {}).items())
+        penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty, bias)
+        penalties.check_vocab(self.model.vocab_size)
         return GenerationConfig(
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature, top_k, top_p, seed),
@@ -139,7 +144,7 @@ class LLM:
             stop=tuple(stop),
             max_tree_nodes=max_tree_nodes,
             logprobs=logprobs,
-            penalties=Penalties(repetition_penalty, presence_penalty, frequency_penalty),
+            penalties=penalties,
         )
 
     def get_drafter(

@@ -1,7 +1,10 @@
-"""Repetition, presence and frequency penalties over a tree's rows, exactly as plain decoding applies them.
+"""Logit bias and repetition, presence and frequency penalties over a tree's rows, exactly as plain decoding
+applies them.
 
 The target distribution of a penalised request is the model's logits adjusted by what came before the
 predicted position (vLLM's order and semantics):
+
+- ``bias`` (OpenAI's ``logit_bias``): a fixed amount added to given tokens' logits at every position, first;
 
 - ``repetition`` r (Keskar et al. 2019, CTRL; Hugging Face's ``repetition_penalty``): every token present in
   the prompt or the output so far has its logit divided by r where positive, multiplied by r where not;
@@ -26,15 +29,17 @@ import torch
 from torch import Tensor
 
 PENALTY_RANGE = 2.0  # |presence|, |frequency| at most this (OpenAI's range)
+BIAS_RANGE = 100.0  # |logit_bias| values at most this (OpenAI's range)
 
 
 @dataclass(frozen=True)
 class Penalties:
-    """repetition 1.0, presence 0.0 and frequency 0.0 are off."""
+    """repetition 1.0, presence 0.0, frequency 0.0 and no bias are off. ``bias``: (token id, amount) pairs."""
 
     repetition: float = 1.0
     presence: float = 0.0
     frequency: float = 0.0
+    bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.repetition > 0.0) or self.repetition == float("inf"):
@@ -42,10 +47,24 @@ class Penalties:
         for name, v in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency)):
             if not (-PENALTY_RANGE <= v <= PENALTY_RANGE):
                 raise ValueError(f"{name} must be in [-{PENALTY_RANGE}, {PENALTY_RANGE}] (0 is off), got {v}")
+        ids = [t for t, _ in self.bias]
+        if len(set(ids)) != len(ids):
+            raise ValueError("logit_bias names a token more than once")
+        for t, v in self.bias:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+            if not (-BIAS_RANGE <= v <= BIAS_RANGE):
+                raise ValueError(f"logit_bias values must be in [-{BIAS_RANGE:g}, {BIAS_RANGE:g}], got {v} for {t}")
 
     @property
     def active(self) -> bool:
-        return self.repetition != 1.0 or self.presence != 0.0 or self.frequency != 0.0
+        return self.repetition != 1.0 or self.presence != 0.0 or self.frequency != 0.0 or bool(self.bias)
+
+    def check_vocab(self, vocab: int) -> None:
+        """ValueError unless every biased token id is below ``vocab``."""
+        bad = [t for t, _ in self.bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias names token ids {bad[:5]} outside this model's vocabulary (0..{vocab - 1})")
 
 
 class PenaltyState:
@@ -72,25 +91,30 @@ def penalize_(
     function that restores the model's values."""
     if not pen.active:
         return _noop
-    extra = {int(t) for p in paths for t in p}
-    seen = set(state.counts) | extra
+    penal = pen.repetition != 1.0 or pen.presence != 0.0 or pen.frequency != 0.0
+    seen = set()
+    if penal:
+        seen = set(state.counts) | {int(t) for p in paths for t in p}
     if pen.repetition != 1.0:
         seen |= state.prompt
-    if not seen:
+    bias = dict(pen.bias)
+    if not seen and not bias:
         return _noop
-    ids = sorted(seen)
+    ids = sorted(seen | set(bias))
     at = {t: k for k, t in enumerate(ids)}
     n = logits.shape[0]
     counts = torch.tensor([state.counts.get(t, 0) for t in ids], dtype=torch.float32)
     counts = counts.expand(n, len(ids)).clone()
-    for r, path in enumerate(paths):
+    for r, path in enumerate(paths if penal else ()):
         for t in path:
             counts[r, at[int(t)]] += 1.0
     idx = torch.tensor(ids, dtype=torch.long, device=logits.device)
     orig = logits[:, idx]  # advanced indexing: a copy
     vals = orig.float()
+    if bias:
+        vals = vals + torch.tensor([bias.get(t, 0.0) for t in ids], dtype=torch.float32, device=logits.device)
     if pen.repetition != 1.0:
-        in_prompt = torch.tensor([t in state.prompt for t in ids], dtype=torch.bool)
+        in_prompt = torch.tensor([t in state.prompt for t in ids], dtype=torch.bool)  # (bias-only ids: counts 0)
         hit = (in_prompt.expand(n, len(ids)) | (counts > 0)).to(logits.device)
         vals = torch.where(hit, torch.where(vals > 0, vals / pen.repetition, vals * pen.repetition), vals)
     if pen.frequency != 0.0 or pen.presence != 0.0:

@@ -304,10 +304,13 @@ class OpenAIServer:
                     repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                     presence_penalty=req.presence_penalty or 0.0,
                     frequency_penalty=req.frequency_penalty or 0.0,
+                    logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
                 )
                 cfg = replace(cfg, ignore_eos=bool(req.ignore_eos))
             except ValueError as e:  # e.g. rule 'greedy' with temperature > 0
-                raise APIError(400, str(e), param="treedraft.rule" if "rule" in str(e) else None) from None
+                msg = str(e)
+                param = "treedraft.rule" if "rule" in msg else "logit_bias" if "logit_bias" in msg else None
+                raise APIError(400, msg, param=param) from None
             echo, lead = None, 0
             if not chat and req.echo:
                 p = prompt_list(req.prompt)[k]

@@ -221,8 +221,9 @@ def reject_unsupported(req: CommonRequest) -> None:
         raise APIError(
             400, "several prompts are served without streaming only; set stream to false or send one", param="prompt"
         )
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    for k in req.logit_bias or {}:
+        if not k.isdigit():
+            raise APIError(400, f"logit_bias keys must be token ids (decimal integers), got {k!r}", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed together with stream=true", param="stream_options")
     if isinstance(req, ChatCompletionRequest):
