@@ -42,7 +42,7 @@ def reference(row: torch.Tensor, prompt: Sequence[int], out: Sequence[int], pen:
         Penalties(presence=-0.5),
         Penalties(frequency=1.1),
         Penalties(0.8, 0.2, -0.3),
-        Penalties(bias=((0, 5.0), (7, -100.0), (39, 0.5))),
+        Penalties(bias=((0, 5.0), (7, -100.0), (159, 0.5))),
         Penalties(1.4, 0.0, 0.5, bias=((2, -3.0), (11, 2.5))),
     ],
     ids=["all", "repetition", "presence<0", "frequency", "repetition<1", "bias", "bias+penalties"],
@@ -50,17 +50,17 @@ def reference(row: torch.Tensor, prompt: Sequence[int], out: Sequence[int], pen:
 def test_penalize_rows_as_the_per_token_reference_and_undo(pen: Penalties) -> None:
     g = torch.Generator().manual_seed(0)
     rng = random.Random(1)
-    V = 40
+    V = 160  # up to ~100 distinct tokens: the state's slot arrays (64 at first) grow
     for _ in range(20):
-        prompt = [rng.randrange(V) for _ in range(rng.randint(0, 12))]
-        out = [rng.randrange(V) for _ in range(rng.randint(0, 12))]
+        prompt = [rng.randrange(V) for _ in range(rng.randint(0, 90))]
+        out = [rng.randrange(V) for _ in range(rng.randint(0, 60))]
         paths = [[]] + [[rng.randrange(V) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(0, 6))]
         logits = torch.randn(len(paths), V, generator=g) * 3
         logits[0, 3] = float("-inf")
         before = logits.clone()
-        state = PenaltyState(prompt)
+        state = PenaltyState(pen, prompt)
         state.add(out)
-        undo = penalize_(logits, pen, state, paths)
+        undo = penalize_(logits, state, paths)
         for r, path in enumerate(paths):
             want = reference(before[r], prompt, out + path, pen)
             torch.testing.assert_close(logits[r], want, rtol=1e-6, atol=1e-5)
@@ -73,9 +73,9 @@ def test_tree_paths_and_off_penalties() -> None:
     assert tree_paths((-1, 0, 0, 1, 3, 2)) == [[], [1], [2], [1, 3], [1, 3, 4], [2, 5]]
     logits = torch.randn(2, 8)
     before = logits.clone()
-    state = PenaltyState([1, 2])
+    state = PenaltyState(Penalties(), [1, 2])
     state.add([3, 3])
-    penalize_(logits, Penalties(), state, [[], [4]])()
+    penalize_(logits, state, [[], [4]])()
     assert torch.equal(logits, before)
     for bad in (dict(repetition=0.0), dict(repetition=-1.0), dict(presence=2.5), dict(frequency=-3.0)):
         with pytest.raises(ValueError, match="penalty"):

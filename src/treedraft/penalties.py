@@ -21,10 +21,10 @@ they are before temperature and top-p).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -68,64 +68,97 @@ class Penalties:
 
 
 class PenaltyState:
-    """What a request's penalties depend on: the prompt's distinct tokens and the output's token counts."""
+    """What a request's adjustments depend on, kept as slots over the tokens that matter (biased ones, the prompt's
+    when the repetition penalty is on, the output's, and draft tokens once they appeared on a path): their ids,
+    output counts, whether the prompt holds them, and their bias. Updated per committed token in NumPy, read per
+    step as tensors without copies: a step touches (rows x slots) logits, whatever the vocabulary."""
 
-    def __init__(self, prompt: Iterable[int]) -> None:
-        self.prompt = frozenset(int(t) for t in prompt)
-        self.counts: Counter[int] = Counter()
+    def __init__(self, pen: Penalties, prompt: Iterable[int]) -> None:
+        self.pen = pen
+        self.penal = pen.repetition != 1.0 or pen.presence != 0.0 or pen.frequency != 0.0
+        self.slot: dict[int, int] = {}
+        self.n = 0
+        self.ids = np.zeros(64, np.int64)
+        self.counts = np.zeros(64, np.float32)
+        self.in_prompt = np.zeros(64, np.bool_)
+        self.bias = np.zeros(64, np.float32)
+        for t, b in pen.bias:
+            k = self._slot(int(t))  # first: a slot may grow the arrays
+            self.bias[k] = b
+        if pen.repetition != 1.0:
+            for t in set(prompt):
+                k = self._slot(int(t))
+                self.in_prompt[k] = True
+
+    def _slot(self, t: int) -> int:
+        k = self.slot.get(t)
+        if k is None:
+            if self.n == len(self.ids):
+                for name in ("ids", "counts", "in_prompt", "bias"):
+                    a = getattr(self, name)
+                    setattr(self, name, np.concatenate([a, np.zeros_like(a)]))
+            k = self.slot[t] = self.n
+            self.ids[k] = t
+            self.n += 1
+        return k
 
     def add(self, tokens: Iterable[int]) -> None:
         """Count newly committed output tokens."""
-        self.counts.update(int(t) for t in tokens)
+        if self.penal:
+            for t in tokens:
+                k = self._slot(int(t))
+                self.counts[k] += 1.0
 
 
 def _noop() -> None:
     return None
 
 
-def penalize_(
-    logits: Tensor, pen: Penalties, state: PenaltyState, paths: Sequence[Sequence[int]]
-) -> Callable[[], None]:
+def penalize_(logits: Tensor, state: PenaltyState, paths: Sequence[Sequence[int]]) -> Callable[[], None]:
     """Adjust ``logits`` (N, V) in place: row r as plain decoding would after the committed tokens and then
     ``paths[r]`` (the draft tokens on row r's path below the root; ``[]`` for the root's row). Returns a
-    function that restores the model's values."""
+    function that restores the model's values.
+
+    The (N, slots) block is computed in NumPy (a step's few small ops cost microseconds each there, tens in
+    torch); a float32 CPU tensor is read and written through its NumPy view, any other through torch indexing.
+    """
+    pen = state.pen
     if not pen.active:
         return _noop
-    penal = pen.repetition != 1.0 or pen.presence != 0.0 or pen.frequency != 0.0
-    seen = set()
-    if penal:
-        seen = set(state.counts) | {int(t) for p in paths for t in p}
-    if pen.repetition != 1.0:
-        seen |= state.prompt
-    bias = dict(pen.bias)
-    if not seen and not bias:
+    cells = [(r, state._slot(int(t))) for r, p in enumerate(paths) for t in p] if state.penal else []
+    n, rows = state.n, logits.shape[0]
+    if n == 0:
         return _noop
-    ids = sorted(seen | set(bias))
-    at = {t: k for k, t in enumerate(ids)}
-    n = logits.shape[0]
-    counts = torch.tensor([state.counts.get(t, 0) for t in ids], dtype=torch.float32)
-    counts = counts.expand(n, len(ids)).clone()
-    for r, path in enumerate(paths if penal else ()):
-        for t in path:
-            counts[r, at[int(t)]] += 1.0
-    idx = torch.tensor(ids, dtype=torch.long, device=logits.device)
-    orig = logits[:, idx]  # advanced indexing: a copy
-    vals = orig.float()
-    if bias:
-        vals = vals + torch.tensor([bias.get(t, 0.0) for t in ids], dtype=torch.float32, device=logits.device)
-    if pen.repetition != 1.0:
-        in_prompt = torch.tensor([t in state.prompt for t in ids], dtype=torch.bool)  # (bias-only ids: counts 0)
-        hit = (in_prompt.expand(n, len(ids)) | (counts > 0)).to(logits.device)
-        vals = torch.where(hit, torch.where(vals > 0, vals / pen.repetition, vals * pen.repetition), vals)
-    if pen.frequency != 0.0 or pen.presence != 0.0:
-        c = counts.to(logits.device)
-        vals = vals - pen.frequency * c - pen.presence * (c > 0).float()
-    logits[:, idx] = vals.to(logits.dtype)
+    ids = state.ids[:n]
+    view = logits.detach().numpy() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if view is not None:
+        orig = view[:, ids]  # fancy indexing: a copy
+    else:
+        idx = torch.from_numpy(ids).to(logits.device)
+        orig = logits[:, idx].float().cpu().numpy()
+    vals = orig + state.bias[:n] if pen.bias else orig.copy()
+    if state.penal:
+        counts = np.broadcast_to(state.counts[:n], (rows, n))
+        if cells:
+            counts = counts.copy()
+            r, k = zip(*cells, strict=True)
+            np.add.at(counts, (np.asarray(r), np.asarray(k)), 1.0)
+        if pen.repetition != 1.0:
+            hit = state.in_prompt[:n] | (counts > 0)
+            r = np.float32(pen.repetition)
+            vals = np.where(hit, np.where(vals > 0, vals / r, vals * r), vals)
+        if pen.frequency != 0.0 or pen.presence != 0.0:
+            vals = vals - np.float32(pen.frequency) * counts - np.float32(pen.presence) * (counts > 0)
+    vals = vals.astype(np.float32, copy=False)
 
-    def undo() -> None:
-        logits[:, idx] = orig
+    def put(block: np.ndarray) -> None:
+        if view is not None:
+            view[:, ids] = block
+        else:
+            logits[:, idx] = torch.from_numpy(block).to(logits.device, logits.dtype)
 
-    return undo
+    put(vals)
+    return lambda: put(orig)
 
 
 def tree_paths(parents: Sequence[int]) -> list[list[int]]:

@@ -216,7 +216,7 @@ class Scheduler:
         req = Request(prompt, cfg, d, stats, cache, cfg.sampling.generator(), max_new, tag, tokens=list(prompt))
         req.scope = scope
         if cfg.penalties.active:
-            req.penalty = PenaltyState(prompt)
+            req.penalty = PenaltyState(cfg.penalties, prompt)
         if self.prefix_cache is not None and getattr(cache, "kv", None) is not None:
             self._reuse_prefix(req)
         self.active.append(req)
@@ -428,7 +428,7 @@ class Scheduler:
     def _first(self, req: Request, logits: Tensor, hidden: Tensor | None) -> Committed:
         """Draw the first token from the prompt's last logits row (V,); ``hidden``: that position's (H,) state."""
         cfg = req.config
-        undo = penalize_(logits[None], cfg.penalties, req.penalty, [()]) if req.penalty is not None else None
+        undo = penalize_(logits[None], req.penalty, [()]) if req.penalty is not None else None
         try:
             root = sample_token(cfg.rule, logits, cfg.sampling, req.gen, len(req.tokens))
         finally:
@@ -464,7 +464,7 @@ class Scheduler:
         undo = None
         if req.penalty is not None:  # each row as plain decoding would adjust it (its path's tokens counted)
             paths = [()] if n == 1 else [[tree.tokens[k] for k in q] for q in tree_paths(tree.parents)]
-            undo = penalize_(logits, cfg.penalties, req.penalty, paths)
+            undo = penalize_(logits, req.penalty, paths)
         try:
             if n == 1:
                 acc_nodes, bonus = (0,), sample_token(cfg.rule, logits[0], cfg.sampling, req.gen, len(req.tokens))
