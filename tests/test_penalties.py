@@ -4,6 +4,7 @@ distribution under penalties (rejection sampling over penalised rows), and the r
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -178,3 +179,42 @@ def test_penalised_speculative_equals_plain_real_model(smollm_int4) -> None:
         spec = llm.generate(q, drafter="hybrid-suffix", max_new_tokens=64, **kw)
         assert spec.token_ids == plain.token_ids, kw
         assert spec.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 10], ids=["full-vocab", "draft-vocab"])
+def test_medusa_candidates_follow_the_penalised_distribution(draft_vocab: int) -> None:
+    """With the request's penalties in the context, the heads' candidates are the best of their logits adjusted
+    as the target's next row will be (committed tokens; bias and repetition penalty, not frequency / presence),
+    mapped through a draft vocabulary."""
+    from treedraft.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
+    from treedraft.interfaces import DraftContext
+
+    V = 16
+    m = tiny(2, vocab=V, scale=2.0)
+    vmap = torch.tensor([7, 3, 12, 0, 5, 9, 1, 14, 2, 10, 4, 6, 8, 11, 13, 15]) if draft_vocab else None
+    cfg_ = MedusaConfig("tiny", m.hidden_size, V, num_heads=2, draft_vocab=draft_vocab)
+    heads = MedusaHeads(cfg_, m.lm_head.weight, vocab_map=vmap)
+    drafter = MedusaDrafter(heads, ((0,), (1,), (2,), (0, 0), (0, 1)))
+    h = torch.randn(m.hidden_size, generator=torch.Generator().manual_seed(3))
+    tokens = [4, 7, 7, 3, 9, 3, 9, 3, 9, 12, 7]
+    raw = heads.draft_logits(h, torch.tensor(tokens[-1]), 2).clone()
+    cols = heads.target_columns()
+    ids = vmap[:draft_vocab].tolist() if draft_vocab else list(range(V))
+    for pen in (Penalties(repetition=3.0, frequency=2.0, presence=2.0, bias=((12, -50.0),)), Penalties()):
+        state = PenaltyState(pen, tokens[:3])
+        state.add(tokens[3:])
+        tree = drafter.propose(DraftContext(tokens, h, 6, 2, 3, penalty=state))
+        drafted = dataclasses.replace(pen, frequency=0.0, presence=0.0)
+        want = torch.stack([reference(row_of(raw[d], ids, V), tokens[:3], tokens[3:], drafted) for d in range(2)])
+        best = [[ids[j] for j in want[d][ids].topk(3 if d == 0 else 2).indices.tolist()] for d in range(2)]
+        kids = [tree.tokens[i] for i, p in enumerate(tree.parents) if p == 0]
+        assert kids == best[0], pen
+        assert [tree.tokens[i] for i, p in enumerate(tree.parents) if p == 1] == best[1][:2], pen
+    assert cols is None if not draft_vocab else [int(cols[t]) for t in ids] == list(range(draft_vocab))
+
+
+def row_of(draft_row: torch.Tensor, ids: list[int], V: int) -> torch.Tensor:
+    """A draft-vocabulary row as a target-vocabulary row (-inf outside the draft vocabulary)."""
+    row = torch.full((V,), float("-inf"))
+    row[torch.tensor(ids)] = draft_row
+    return row

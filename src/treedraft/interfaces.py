@@ -112,6 +112,9 @@ class DraftContext:
     step_rows: int = 0
     step_tokens: float = 0.0
     step_fixed: float = 0.0
+    # The request's penalties / logit bias (treedraft.penalties.PenaltyState), None when off: a drafter that scores
+    # the vocabulary may adjust its scores as the target's will be (penalize_draft_); verification is exact anyway.
+    penalty: Any = None
 
     @property
     def root(self) -> int:

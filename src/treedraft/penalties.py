@@ -21,6 +21,7 @@ they are before temperature and top-p).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -136,20 +137,12 @@ def penalize_(logits: Tensor, state: PenaltyState, paths: Sequence[Sequence[int]
     else:
         idx = torch.from_numpy(ids).to(logits.device)
         orig = logits[:, idx].float().cpu().numpy()
-    vals = orig + state.bias[:n] if pen.bias else orig.copy()
-    if state.penal:
-        counts = np.broadcast_to(state.counts[:n], (rows, n))
-        if cells:
-            counts = counts.copy()
-            r, k = zip(*cells, strict=True)
-            np.add.at(counts, (np.asarray(r), np.asarray(k)), 1.0)
-        if pen.repetition != 1.0:
-            hit = state.in_prompt[:n] | (counts > 0)
-            r = np.float32(pen.repetition)
-            vals = np.where(hit, np.where(vals > 0, vals / r, vals * r), vals)
-        if pen.frequency != 0.0 or pen.presence != 0.0:
-            vals = vals - np.float32(pen.frequency) * counts - np.float32(pen.presence) * (counts > 0)
-    vals = vals.astype(np.float32, copy=False)
+    counts = np.broadcast_to(state.counts[:n], (rows, n))
+    if cells:
+        counts = counts.copy()
+        r, k = zip(*cells, strict=True)
+        np.add.at(counts, (np.asarray(r), np.asarray(k)), 1.0)
+    vals = _adjusted(orig, pen, counts, state.in_prompt[:n], state.bias[:n])
 
     def put(block: np.ndarray) -> None:
         if view is not None:
@@ -159,6 +152,57 @@ def penalize_(logits: Tensor, state: PenaltyState, paths: Sequence[Sequence[int]
 
     put(vals)
     return lambda: put(orig)
+
+
+def _adjusted(vals: np.ndarray, pen: Penalties, counts: np.ndarray, in_prompt: np.ndarray, bias: np.ndarray):
+    """(rows, slots) logits -> adjusted (a new float32 array): bias, then repetition, then frequency / presence."""
+    vals = vals + bias if pen.bias else vals.copy()
+    if pen.repetition != 1.0:
+        hit = in_prompt | (counts > 0)
+        r = np.float32(pen.repetition)
+        vals = np.where(hit, np.where(vals > 0, vals / r, vals * r), vals)
+    if pen.frequency != 0.0 or pen.presence != 0.0:
+        vals = vals - np.float32(pen.frequency) * counts - np.float32(pen.presence) * (counts > 0)
+    return vals.astype(np.float32, copy=False)
+
+
+def penalize_draft_(logits: Tensor, state: PenaltyState, cols: np.ndarray | None = None) -> None:
+    """Adjust a drafter's logits (D, V') in place by the request's bias and repetition penalty as the target's
+    next row will be (the committed tokens; the draft paths below are not known yet), so that its candidates
+    follow the penalised target. ``cols``: each target token id's column in V' (-1: not in the draft
+    vocabulary); None when V' is the vocabulary. Only draft quality depends on this: verification applies the
+    exact penalties.
+
+    Frequency and presence penalties are left out: they subtract absolute amounts, and the heads' logits are
+    flatter than the target's, so the same amount overturns the heads' choices more often than the target's.
+    Measured with the shipped heads (``benchmarks/penalties_ab.py --drafter medusa``, 6 MT-Bench first turns x
+    128, session 24): depth-1 acceptance with frequency 0.5 fell from 0.339 to 0.303 when adjusted, presence 0.5
+    stayed 0.348; the repetition penalty's division is relative to the logit's own size, and adjusting for it
+    raised the acceptance from 0.139 to 0.167 (1.3) and from 0.308 to 0.319 (1.1)."""
+    pen, n = state.pen, state.n
+    if (pen.repetition == 1.0 and not pen.bias) or n == 0:
+        return
+    pen = dataclasses.replace(pen, presence=0.0, frequency=0.0)
+    ids = state.ids[:n]
+    if cols is None:
+        sel = np.arange(n)
+    else:  # ids past the map's end are not in the draft vocabulary either
+        sel = np.flatnonzero((ids < len(cols)) & (cols[np.minimum(ids, len(cols) - 1)] >= 0))
+    if len(sel) == 0:
+        return
+    at = ids[sel] if cols is None else cols[ids[sel]]
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        view = logits.detach().numpy()
+        block = view[:, at]
+    else:
+        view, idx = None, torch.from_numpy(at).to(logits.device)
+        block = logits[:, idx].float().cpu().numpy()
+    counts = np.broadcast_to(state.counts[sel], block.shape)
+    vals = _adjusted(block, pen, counts, state.in_prompt[sel], state.bias[sel])
+    if view is not None:
+        view[:, at] = vals
+    else:
+        logits[:, idx] = torch.from_numpy(vals).to(logits.device, logits.dtype)
 
 
 def tree_paths(parents: Sequence[int]) -> list[list[int]]:

@@ -266,7 +266,7 @@ class Scheduler:
         root = req.tokens[-1]
         if req.drafter is not None and budget > 1 and max_depth > 0:
             ctx = DraftContext(
-                req.tokens, req.last_hidden, budget, max_depth, len(req.prompt), req.take_hidden(), *step
+                req.tokens, req.last_hidden, budget, max_depth, len(req.prompt), req.take_hidden(), *step, req.penalty
             )
             name = getattr(req.drafter, "name", type(req.drafter).__name__)
             try:

@@ -14,6 +14,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 from ..interfaces import DraftContext, TargetModel
 from ..kernels import topk_rows
 from ..models.llama import bf16_gemm_available, linear_bf16, matmul, pack_bf16
+from ..penalties import penalize_draft_
 from ..tree import TokenTree
 
 if TYPE_CHECKING:
@@ -158,6 +160,7 @@ class MedusaHeads(nn.Module):
             vocab_map = vocab_map[: self.config.draft_vocab]
         # non-persistent buffers: .to(device / dtype) moves them with the heads, save() never writes them
         self.register_buffer("vocab_map", vocab_map, persistent=False)  # (V',) token ids or None = full vocabulary
+        self._columns: np.ndarray | None = None  # target id -> column of V' (target_columns), built on first use
         w = None
         if lm_head_weight is not None:
             w = lm_head_weight.detach()
@@ -233,6 +236,19 @@ class MedusaHeads(nn.Module):
         return str(next(self.parameters()).dtype).removeprefix("torch.")
 
     @torch.inference_mode()
+    def target_columns(self) -> np.ndarray | None:
+        """Each target token id's column in the draft vocabulary (-1: not in it); None when the heads score the
+        whole vocabulary. For adjusting draft logits by target ids (:func:`treedraft.penalties.penalize_draft_`)."""
+        vm = self.vocab_map
+        if vm is None:
+            return None
+        if self._columns is None:
+            ids = vm.cpu().numpy().astype(np.int64)
+            cols = np.full(int(ids.max()) + 1, -1, np.int64)
+            cols[ids] = np.arange(len(ids))
+            self._columns = cols
+        return self._columns
+
     def draft_logits(self, h: Tensor, root: Tensor | None, num_heads: int) -> Tensor:
         """(H,) hidden state [+ root id] -> (num_heads, V') scores of the first ``num_heads`` heads."""
         if self._native is not None:
@@ -453,6 +469,8 @@ class MedusaDrafter:
         choices = self.ordered_choices(ctx.max_depth)[: max(1, ctx.max_nodes - 1)]
         depth = max(len(c) for c in choices)
         logits = self.heads.draft_logits(h, root, depth)  # (depth, V')
+        if ctx.penalty is not None:  # candidates from the penalised distribution the target will verify with
+            penalize_draft_(logits, ctx.penalty, self.heads.target_columns())
         ks = self.topk[:depth]
         rows = top_k_rows(logits, max(ks))  # (depth, max k) ranked ids
         vm = self.heads.vocab_map
