@@ -371,7 +371,6 @@ BAD_REQUESTS = [
     ("chat", {"messages": _HI, "top_p": "all"}, 400, "top_p"),
     ("chat", {"messages": _HI, "top_k": -1}, 400, "top_k"),
     ("chat", {"messages": _HI, "n": 17}, 400, "n"),
-    ("chat", {"messages": _HI, "n": 2, "stream": True}, 400, "n"),
     ("chat", {"messages": _HI, "n": 0}, 400, "n"),
     ("chat", {"messages": _HI, "stream": "yes"}, 400, "stream"),
     ("chat", {"messages": _HI, "stop": 5}, 400, "stop"),
@@ -417,7 +416,6 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [[1, 2], [10**9]]}, 400, "prompt"),
     ("completions", {"prompt": [[1, 2], "a"]}, 400, "prompt"),
     ("completions", {"prompt": []}, 400, "prompt"),
-    ("completions", {"prompt": ["a", "b"], "stream": True}, 400, "prompt"),
     ("completions", {"prompt": ["a"] * 40, "n": 2}, 400, "prompt"),  # 80 jobs: more than the queue's 64
     ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
     ("completions", {"prompt": ""}, 400, "prompt"),
@@ -651,6 +649,40 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_only(server: LiveServer) ->
     assert [c["text"] for c in plain.json()["choices"]] == prompts
 
 
+def _by_index(events: list[dict], chat: bool) -> dict[int, str]:
+    """Each choice's streamed text, by index."""
+    out: dict[int, str] = {}
+    for ev in events:
+        for ch in ev["choices"]:
+            piece = (ch["delta"].get("content") or "") if chat else ch["text"]
+            out[ch["index"]] = out.get(ch["index"], "") + piece
+    return out
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_streamed_choices_and_prompts_equal_the_whole_answers(server: LiveServer, chat: bool) -> None:
+    """n = 3 seeded (and for completions two prompts x n = 2) streamed: each index's pieces join to the
+    non-streamed choice of that index, every choice ends with a finish_reason, and the usage at the end counts
+    them all."""
+    path = "chat/completions" if chat else "completions"
+    body: dict = {"model": "tiny", "max_tokens": 6, "temperature": 1.8, "seed": 9, "ignore_eos": True}
+    bodies = [body | ({"messages": CHAT} if chat else {"prompt": "abc abc ab"}) | {"n": 3}]
+    if not chat:
+        bodies.append(body | {"prompt": [[ord(c) - 32 for c in q] for q in ("abc abc ab", "xyz xy")], "n": 2})
+    for b in bodies:
+        whole = httpx.post(f"{server.url}/v1/{path}", json=b, timeout=TIMEOUT).json()
+        opts = {"stream": True, "stream_options": {"include_usage": True}}
+        events = _sse_events(httpx.post(f"{server.url}/v1/{path}", json=b | opts, timeout=TIMEOUT))
+        texts = [c["message"]["content"] if chat else c["text"] for c in whole["choices"]]
+        assert _by_index(events, chat) == dict(enumerate(texts))
+        finished = [ch["index"] for ev in events for ch in ev["choices"] if ch["finish_reason"]]
+        assert sorted(finished) == list(range(len(texts)))
+        assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+        if chat:  # each choice opens with its role
+            roles = [ch["index"] for ev in events for ch in ev["choices"] if ch["delta"].get("role")]
+            assert sorted(roles) == list(range(len(texts)))
+
+
 def test_n_choices_are_independent_seeded_draws(server: LiveServer) -> None:
     """n = 3: three choices decoded together; a seeded request's choice i is the n = 1 request with seed
     choice_seed(seed, i) (choice 0: the seed itself)."""
@@ -681,7 +713,9 @@ def test_choice_seeds_of_neighbouring_requests_do_not_overlap() -> None:
     assert all(0 <= x < 2**64 for x in seeds)
 
 
-def test_a_client_leaving_mid_stream_frees_its_slot(server: LiveServer) -> None:
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_client_leaving_mid_stream_frees_its_slot(server: LiveServer, n: int) -> None:
+    """A stream abandoned after 3 pieces: its job (every choice's, n = 2) leaves the worker, counted as aborted."""
     before = scrape(server.url)
     body = {
         "model": "tiny",
@@ -691,6 +725,7 @@ def test_a_client_leaving_mid_stream_frees_its_slot(server: LiveServer) -> None:
         "ignore_eos": True,
         "stream": True,
         "treedraft": {"drafter": "none"},
+        "n": n,
     }
     with httpx.Client(timeout=TIMEOUT) as c, c.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
@@ -701,20 +736,20 @@ def test_a_client_leaving_mid_stream_frees_its_slot(server: LiveServer) -> None:
             if got >= 3:
                 break
         assert got == 3
-        assert metric(scrape(server.url), "treedraft:num_requests_running") == 1
+        assert metric(scrape(server.url), "treedraft:num_requests_running") == n
     wait_for(
         lambda: metric(scrape(server.url), "treedraft:num_requests_running") == 0,
         "the abandoned stream to leave the worker",
         30,
     )
     after = scrape(server.url)
-    assert metric(after, "treedraft:request_aborted_total") - metric(before, "treedraft:request_aborted_total") == 1
+    assert metric(after, "treedraft:request_aborted_total") - metric(before, "treedraft:request_aborted_total") == n
     gen = metric(after, "treedraft:generation_tokens_total") - metric(before, "treedraft:generation_tokens_total")
-    assert 3 <= gen < 4000, gen
+    assert 3 <= gen < 4000 * n, gen
     r = httpx.post(
         f"{server.url}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=TIMEOUT
     )
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2 * n
 
 
 # ----------------------------------------------------------------------------- loadtest

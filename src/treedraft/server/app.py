@@ -382,11 +382,10 @@ class OpenAIServer:
             return Response(status_code=499)  # the client is gone; nobody reads this
         if isinstance(first, Failed):
             raise first.error
-        p, job = jobs[0]
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        if p.stream:  # one prompt, n == 1 (protocol.reject_unsupported)
-            return _JobStreamingResponse(self.stream_events(job, first, p, rid, created, chat), job)
+        if jobs[0][0].stream:
+            return _JobStreamingResponse(self.stream_events(jobs, first, rid, created, chat), [j for _, j in jobs])
         return await self.collect(request, jobs, first, rid, created, chat)
 
     # -- responses
@@ -470,23 +469,67 @@ class OpenAIServer:
         return choice, n, item
 
     async def stream_events(
-        self, job: Job, item: Chunk | Done | Failed, p: _Prepared, rid: str, created: int, chat: bool
+        self, jobs: list[tuple[_Prepared, Job]], first: Chunk | Done | Failed, rid: str, created: int, chat: bool
     ) -> AsyncIterator[bytes]:
-        """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``."""
+        """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``: every job's choice events
+        (each chunk one choice, its ``index`` the job's place: prompt by prompt, n choices each) as they come,
+        then the usage (with ``stream_options.include_usage``; ``treedraft``: the first choice's decoding)."""
+        p0 = jobs[0][0]
         base = {
             "id": rid,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created,
-            "model": p.model,
+            "model": p0.model,
             "system_fingerprint": None,
         }
-        extra = {"usage": None} if p.include_usage else {}
+        extra = {"usage": None} if p0.include_usage else {}
+        events: asyncio.Queue = asyncio.Queue()
 
+        async def pump(index: int, p: _Prepared, job: Job, item: Chunk | Done | Failed | None) -> None:
+            try:
+                async for ev in self.choice_events(job, item, p, index, chat):
+                    await events.put(ev)
+            except Exception as e:  # never leave the merged stream waiting for a choice that cannot come
+                log.exception("streaming choice %d failed", index)
+                err = APIError(500, f"internal server error: {type(e).__name__}", "server_error")
+                await events.put(("failed", index, Failed(err)))
+
+        tasks = [asyncio.create_task(pump(i, p, job, first if i == 0 else None)) for i, (p, job) in enumerate(jobs)]
+        left, n, stats = len(jobs), 0, None
+        try:
+            while left:
+                kind, index, payload = await events.get()
+                if kind == "choice":
+                    yield _sse({**base, "choices": [payload], **extra})
+                elif kind == "failed":  # headers are already sent: report in-band, like vLLM
+                    self.metrics.error(payload.error.status)
+                    yield _sse(payload.error.body())
+                    break
+                else:  # done: (its Done, the tokens it generated)
+                    left -= 1
+                    n += payload[1]
+                    stats = payload[0].stats if index == 0 else stats
+            if not left and p0.include_usage:
+                prompt_tokens = sum(len(q.prompt_ids) for q, _ in jobs[:: p0.n])  # each prompt once
+                usage = {**base, "choices": [], "usage": _usage(prompt_tokens, n)}
+                yield _sse(usage | {"treedraft": _spec_info(self.drafter_name(p0.drafter), stats)})
+            yield _sse("[DONE]")
+        finally:
+            for t in tasks:
+                t.cancel()
+            for _, job in jobs:
+                job.cancel()
+
+    async def choice_events(
+        self, job: Job, item: Chunk | Done | Failed | None, p: _Prepared, index: int, chat: bool
+    ) -> AsyncIterator[tuple[str, int, Any]]:
+        """One job's stream: ("choice", index, the chunk's choice) items, then ("done", index, (Done, tokens)) or
+        ("failed", index, Failed). ``item``: the job's first item when already taken (else None)."""
         want = p.config.logprobs is not None
         pending: list[TokenLogprob] = []  # reported with the next event: a token's text may come out later
         offsets = self.text_offsets()
 
-        def chunk(text: str | None, finish: str | None, role: bool = False, echo: bool = False) -> dict:
+        def choice(text: str | None, finish: str | None, role: bool = False, echo: bool = False) -> dict:
             lp = None
             if want and not role and pending:
                 at = offsets.take(pending, p.echo_lead, generated=False) if echo else offsets.take(pending)
@@ -494,46 +537,35 @@ class OpenAIServer:
                 pending.clear()
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
-                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
-            return {**base, "choices": [choice], **extra}
+                return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
         n = 0
-        try:
-            if chat:
-                yield _sse(chunk(None, None, role=True))
-            if p.echo is not None:  # the prompt (and its logprobs, scored before any token came) first
-                pending += job.prompt_logprobs or []
-                yield _sse(chunk(p.echo, None, echo=True))
-            while True:
-                if isinstance(item, Failed):  # headers are already sent: report in-band, like vLLM
-                    self.metrics.error(item.error.status)
-                    yield _sse(item.error.body())
-                    break
-                if isinstance(item, Done):
-                    yield _sse(chunk(None if chat else "", item.finish_reason))
-                    if p.include_usage:
-                        yield _sse(
-                            {
-                                **base,
-                                "choices": [],
-                                "usage": _usage(len(p.prompt_ids), n),
-                                "treedraft": _spec_info(self.drafter_name(p.drafter), item.stats),
-                            }
-                        )
-                    break
-                n += len(item.token_ids)
-                pending += self.reported_logprobs(p, item)
-                if item.text:
-                    yield _sse(chunk(item.text, None))
+        if chat:
+            yield "choice", index, choice(None, None, role=True)
+        if item is None:
+            item = await job.next(3600.0)
+        while item is None:  # a disconnect cancels the stream, so there is nothing else to watch
+            item = await job.next(3600.0)
+        if p.echo is not None and not isinstance(item, Failed):  # the prompt (and its logprobs) first
+            pending += job.prompt_logprobs or []
+            yield "choice", index, choice(p.echo, None, echo=True)
+        while True:
+            if isinstance(item, Failed):
+                yield "failed", index, item
+                return
+            if isinstance(item, Done):
+                yield "choice", index, choice(None if chat else "", item.finish_reason)
+                yield "done", index, (item, n)
+                return
+            n += len(item.token_ids)
+            pending += self.reported_logprobs(p, item)
+            if item.text:
+                yield "choice", index, choice(item.text, None)
+            nxt = await job.next(3600.0)
+            while nxt is None:
                 nxt = await job.next(3600.0)
-                while nxt is None:  # a disconnect cancels this generator, so there is nothing else to watch
-                    nxt = await job.next(3600.0)
-                item = nxt
-            yield _sse("[DONE]")
-        finally:
-            job.cancel()
+            item = nxt
 
     def reported_logprobs(self, p: _Prepared, item: Chunk) -> list[TokenLogprob]:
         """The logprobs of a chunk's tokens that a response reports: all but an EOS id (not content)."""

@@ -215,12 +215,6 @@ def reject_unsupported(req: CommonRequest) -> None:
     """400 for OpenAI parameters this server does not implement (never silently ignored)."""
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
         raise APIError(400, f"n must be in 1..{MAX_CHOICES}, got {req.n}", param="n")
-    if (req.n or 1) > 1 and req.stream:
-        raise APIError(400, "n > 1 is served without streaming only; set stream to false or n to 1", param="n")
-    if isinstance(req, CompletionRequest) and req.stream and len(prompt_list(req.prompt)) > 1:
-        raise APIError(
-            400, "several prompts are served without streaming only; set stream to false or send one", param="prompt"
-        )
     for k in req.logit_bias or {}:
         if not k.isdigit():
             raise APIError(400, f"logit_bias keys must be token ids (decimal integers), got {k!r}", param="logit_bias")

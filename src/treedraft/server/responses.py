@@ -36,16 +36,17 @@ def _sse(obj: dict | str) -> bytes:
 
 
 class _JobStreamingResponse(StreamingResponse):
-    """A streaming response that cancels its job however the response ends (done, error, disconnect)."""
+    """A streaming response that cancels its jobs however the response ends (done, error, disconnect)."""
 
-    def __init__(self, content: AsyncIterator[bytes], job: Job) -> None:
+    def __init__(self, content: AsyncIterator[bytes], jobs: list[Job]) -> None:
         super().__init__(
             content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
-        self.job = job
+        self.jobs = jobs
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.cancel()
+            for job in self.jobs:
+                job.cancel()
