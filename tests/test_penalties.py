@@ -218,3 +218,42 @@ def row_of(draft_row: torch.Tensor, ids: list[int], V: int) -> torch.Tensor:
     row = torch.full((V,), float("-inf"))
     row[torch.tensor(ids)] = draft_row
     return row
+
+
+def test_min_tokens_bans_eos_on_rows_whose_output_is_short_and_undoes() -> None:
+    """Row r's output so far is the committed count plus its path: EOS is -inf where that is below min_tokens,
+    and the undo restores every value, also where EOS is one of the penalised slots."""
+    pen = Penalties(repetition=1.5, min_tokens=4, stop_ids=(2, 9))
+    state = PenaltyState(pen, [2, 5])  # EOS 2 in the prompt: a repetition slot too
+    state.add([5, 7])
+    paths = [[], [3], [3, 4], [3, 4, 6], [8]]
+    logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    undo = penalize_(logits, state, paths)
+    for r, p in enumerate(paths):
+        short = 2 + len(p) < 4
+        assert bool(torch.isinf(logits[r, [2, 9]]).all()) == short, r
+        if not short:
+            torch.testing.assert_close(logits[r], reference(before[r], [2, 5], [5, 7, *p], pen))
+    undo()
+    assert torch.equal(logits, before)
+    with pytest.raises(ValueError, match="min_tokens"):
+        Penalties(min_tokens=-1)
+    with pytest.raises(ValueError, match="min_tokens"):
+        GenerationConfig(max_new_tokens=3, penalties=Penalties(min_tokens=4, stop_ids=(2,)))
+
+
+def test_min_tokens_holds_eos_back_and_speculative_equals_plain() -> None:
+    """A bias that makes EOS the argmax everywhere: plain output starts with min_tokens non-EOS tokens, then EOS;
+    random trees give the same tokens."""
+    model = tiny(1, vocab=16, scale=2.0)
+    engine = Engine(model)
+    eos = 15
+    pen = Penalties(bias=((eos, 30.0),), min_tokens=5, stop_ids=(eos,))
+    config = GenerationConfig(max_new_tokens=9, ignore_eos=True, penalties=pen)
+    prompt = [3, 1, 4, 1, 5]
+    ref = engine.generate(prompt, config, drafter=None).token_ids
+    assert eos not in ref[:5] and ref[5:] == [eos] * 4
+    for trial in range(6):
+        drafter = RandomTreeDrafter(16, seed=trial, oracle=prompt + ref, p_right=0.8)
+        assert engine.generate(prompt, config, drafter).token_ids == ref, trial

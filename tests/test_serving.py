@@ -600,6 +600,18 @@ def test_penalties_reach_the_engine(server: LiveServer, llm: LLM) -> None:
     assert free and not set(free) & set("abc ")
 
 
+def test_min_tokens_holds_the_end_back(server: LiveServer) -> None:
+    """A bias that makes EOS (95) the best token everywhere: with min_tokens 3 the answer has exactly 3 tokens and
+    stops at EOS; without it none; min_tokens above max_tokens is a 400."""
+    url = f"{server.url}/v1/completions"
+    body = {"model": "tiny", "prompt": "abc abc", "max_tokens": 10, "temperature": 0, "logit_bias": {"95": 50}}
+    out = httpx.post(url, json=body | {"min_tokens": 3}, timeout=TIMEOUT).json()
+    assert out["usage"]["completion_tokens"] == 4 and len(out["choices"][0]["text"]) == 3  # 3 + the EOS
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert httpx.post(url, json=body, timeout=TIMEOUT).json()["choices"][0]["text"] == ""
+    assert_error(httpx.post(url, json=body | {"min_tokens": 11}, timeout=TIMEOUT), 400, "min_tokens")
+
+
 def test_several_prompts_are_answered_in_order_as_alone(server: LiveServer) -> None:
     """A list of prompts (strings or token-id lists, OpenAI's batch form): one choice per prompt and choice, prompt
     by prompt, each the answer the prompt gets alone; prompt tokens counted once per prompt."""

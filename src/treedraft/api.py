@@ -125,6 +125,7 @@ class LLM:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         logit_bias: dict[int, float] | None = None,
+        min_tokens: int = 0,
     ) -> GenerationConfig:
         """A :class:`GenerationConfig` from keyword arguments. ``logprobs``: None (off), or n: each generated
         token's log-probability and its position's n most likely alternatives (``GenerationResult.logprobs``,
@@ -132,10 +133,12 @@ class LLM:
         Penalties (:mod:`treedraft.penalties`): ``repetition_penalty`` r > 0 on every token of the prompt and the
         output so far (logit / r where positive, * r where not; 1.0 off), ``presence_penalty`` and
         ``frequency_penalty`` in [-2, 2] on the output's tokens (OpenAI's; 0 off); ``logit_bias`` {token id: amount
-        in [-100, 100]} added to those logits at every position, before the penalties (OpenAI's); speculative
-        output stays the plain (penalised) output."""
+        in [-100, 100]} added to those logits at every position, before the penalties (OpenAI's); ``min_tokens``:
+        no EOS before the output holds that many tokens (vLLM's); speculative output stays the plain (penalised)
+        output."""
         bias = tuple((t, float(v)) for t, v in (logit_bias or {}).items())
-        penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty, bias)
+        eos = tuple(sorted(self.tokenizer.eos_token_ids))
+        penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty, bias, min_tokens, eos)
         penalties.check_vocab(self.model.vocab_size)
         return GenerationConfig(
             max_new_tokens=max_new_tokens,

@@ -96,6 +96,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2, minus this for a token in the output")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2, minus this x the token's count")
+    p.add_argument("--min-tokens", type=int, default=0, help="no end of turn (EOS) before this many tokens")
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
@@ -157,6 +158,7 @@ def _gen_kwargs(a: argparse.Namespace) -> dict:
         repetition_penalty=a.repetition_penalty,
         presence_penalty=a.presence_penalty,
         frequency_penalty=a.frequency_penalty,
+        min_tokens=a.min_tokens,
     )
 
 
@@ -187,7 +189,9 @@ def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> None:
 
     kw = _gen_kwargs(a)
     sampling = SamplingParams(kw.pop("temperature"), kw.pop("top_k"), kw.pop("top_p"), kw.pop("seed"))
-    penalties = Penalties(kw.pop("repetition_penalty"), kw.pop("presence_penalty"), kw.pop("frequency_penalty"))
+    penalties = Penalties(
+        kw.pop("repetition_penalty"), kw.pop("presence_penalty"), kw.pop("frequency_penalty"), (), kw.pop("min_tokens")
+    )
     GenerationConfig(sampling=sampling, penalties=penalties, **{**kw, "stop": tuple(kw["stop"])})  # validates
     if prompt is not None and not prompt.strip():
         raise ValueError("the prompt is empty; give some text")

@@ -65,6 +65,10 @@ class GenerationConfig:
             raise GenerationError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
         if self.max_tree_nodes < 1:
             raise GenerationError(f"max_tree_nodes must be >= 1, got {self.max_tree_nodes}")
+        if self.penalties.min_tokens > self.max_new_tokens:
+            raise GenerationError(
+                f"min_tokens ({self.penalties.min_tokens}) is more than max_new_tokens ({self.max_new_tokens})"
+            )
         try:
             check_top(self.logprobs)
         except ValueError as err:

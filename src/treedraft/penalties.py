@@ -9,7 +9,8 @@ predicted position (vLLM's order and semantics):
 - ``repetition`` r (Keskar et al. 2019, CTRL; Hugging Face's ``repetition_penalty``): every token present in
   the prompt or the output so far has its logit divided by r where positive, multiplied by r where not;
 - ``frequency`` f and ``presence`` p (OpenAI's): a token that occurs c > 0 times in the output so far loses
-  f * c + p from its logit.
+  f * c + p from its logit;
+- ``min_tokens`` m (vLLM's): the EOS ids get -inf wherever the output so far is shorter than m tokens.
 
 A tree row's "so far" is the committed tokens plus the tokens on its own path from the root, so each row
 is adjusted as plain decoding would adjust that very position: speculative output stays the plain
@@ -35,12 +36,15 @@ BIAS_RANGE = 100.0  # |logit_bias| values at most this (OpenAI's range)
 
 @dataclass(frozen=True)
 class Penalties:
-    """repetition 1.0, presence 0.0, frequency 0.0 and no bias are off. ``bias``: (token id, amount) pairs."""
+    """repetition 1.0, presence 0.0, frequency 0.0, no bias and min_tokens 0 are off. ``bias``: (token id, amount)
+    pairs. ``min_tokens``: the ``stop_ids`` (EOS) are banned until the output holds that many tokens (vLLM's)."""
 
     repetition: float = 1.0
     presence: float = 0.0
     frequency: float = 0.0
     bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.repetition > 0.0) or self.repetition == float("inf"):
@@ -56,10 +60,13 @@ class Penalties:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
             if not (-BIAS_RANGE <= v <= BIAS_RANGE):
                 raise ValueError(f"logit_bias values must be in [-{BIAS_RANGE:g}, {BIAS_RANGE:g}], got {v} for {t}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
 
     @property
     def active(self) -> bool:
-        return self.repetition != 1.0 or self.presence != 0.0 or self.frequency != 0.0 or bool(self.bias)
+        penal = self.repetition != 1.0 or self.presence != 0.0 or self.frequency != 0.0
+        return penal or bool(self.bias) or (self.min_tokens > 0 and bool(self.stop_ids))
 
     def check_vocab(self, vocab: int) -> None:
         """ValueError unless every biased token id is below ``vocab``."""
@@ -77,6 +84,7 @@ class PenaltyState:
     def __init__(self, pen: Penalties, prompt: Iterable[int]) -> None:
         self.pen = pen
         self.penal = pen.repetition != 1.0 or pen.presence != 0.0 or pen.frequency != 0.0
+        self.n_out = 0  # output tokens committed (min_tokens)
         self.slot: dict[int, int] = {}
         self.n = 0
         self.ids = np.zeros(64, np.int64)
@@ -103,8 +111,9 @@ class PenaltyState:
             self.n += 1
         return k
 
-    def add(self, tokens: Iterable[int]) -> None:
+    def add(self, tokens: Sequence[int]) -> None:
         """Count newly committed output tokens."""
+        self.n_out += len(tokens)
         if self.penal:
             for t in tokens:
                 k = self._slot(int(t))
@@ -126,6 +135,24 @@ def penalize_(logits: Tensor, state: PenaltyState, paths: Sequence[Sequence[int]
     pen = state.pen
     if not pen.active:
         return _noop
+    undo_slots = _adjust_slots(logits, state, paths)
+    banned = [r for r, p in enumerate(paths) if state.n_out + len(p) < pen.min_tokens] if pen.stop_ids else []
+    if not banned:
+        return undo_slots
+    at = (torch.tensor(banned, device=logits.device)[:, None], torch.tensor(pen.stop_ids, device=logits.device))
+    kept = logits[at]  # rows whose output would still be shorter than min_tokens: no EOS there
+    logits[at] = float("-inf")
+
+    def undo() -> None:
+        logits[at] = kept  # first: the slots' values below are from before the ban
+        undo_slots()
+
+    return undo
+
+
+def _adjust_slots(logits: Tensor, state: PenaltyState, paths: Sequence[Sequence[int]]) -> Callable[[], None]:
+    """The bias and penalties part of :func:`penalize_` (the request's token slots)."""
+    pen = state.pen
     cells = [(r, state._slot(int(t))) for r, p in enumerate(paths) for t in p] if state.penal else []
     n, rows = state.n, logits.shape[0]
     if n == 0:

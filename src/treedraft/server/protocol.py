@@ -144,6 +144,7 @@ class CommonRequest(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # OpenAI's range; on the output's tokens
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # vLLM-style extra; prompt + output, 1 = off
+    min_tokens: int | None = Field(None, ge=0)  # vLLM-style extra: no EOS before this many tokens
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     treedraft: TreedraftOptions | None = None
