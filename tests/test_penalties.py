@@ -61,7 +61,9 @@ def test_penalize_rows_as_the_per_token_reference_and_undo(pen: Penalties) -> No
         before = logits.clone()
         state = PenaltyState(pen, prompt)
         state.add(out)
+        slots = state.n
         undo = penalize_(logits, state, paths)
+        assert state.n == slots  # draft tokens get this step's columns only, not a slot for the whole request
         for r, path in enumerate(paths):
             want = reference(before[r], prompt, out + path, pen)
             torch.testing.assert_close(logits[r], want, rtol=1e-6, atol=1e-5)

@@ -389,6 +389,8 @@ BAD_REQUESTS = [
     ("chat", {"messages": _HI, "logit_bias": {"5": 101.0}}, 400, "logit_bias"),
     ("chat", {"messages": _HI, "logit_bias": {"x": 1.0}}, 400, "logit_bias"),
     ("chat", {"messages": _HI, "logit_bias": {"-1": 1.0}}, 400, "logit_bias"),
+    ("chat", {"messages": _HI, "logit_bias": {"\u00b2": 1.0}}, 400, "logit_bias"),  # a digit, not ASCII
+    ("chat", {"messages": _HI, "logit_bias": {"1": 1.0, "01": 2.0}}, 400, "logit_bias"),
     ("chat", {"messages": _HI, "logit_bias": {"96": 1.0}}, 400, "logit_bias"),  # the tiny vocabulary is 0..95
     ("chat", {"messages": _HI, "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("chat", {"messages": _HI, "frequency_penalty": -3}, 400, "frequency_penalty"),
@@ -416,6 +418,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [[1, 2], [10**9]]}, 400, "prompt"),
     ("completions", {"prompt": [[1, 2], "a"]}, 400, "prompt"),
     ("completions", {"prompt": []}, 400, "prompt"),
+    ("completions", {"prompt": [[]]}, 400, "prompt"),
     ("completions", {"prompt": ["a"] * 40, "n": 2}, 400, "prompt"),  # 80 jobs: more than the queue's 64
     ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
     ("completions", {"prompt": ""}, 400, "prompt"),

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 from treedraft.logprobs import TokenLogprob
 from treedraft.server.app import _TextOffsets
+from treedraft.text import StreamDetokenizer
 from treedraft.tokenizer import Tokenizer, byte_level_alphabet
 
 CORPUS = ["héllo wörld — 日本語 🙂 naïve café", "plain ascii text here", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ünïcödé"] * 20
@@ -96,3 +97,38 @@ def test_text_offsets_leave_out_a_lead_and_generated_specials() -> None:
     n = len(tok.encode("ab 日"))
     assert echo[0] == echo[1] == 0 and echo[n + 1] == 4 and echo[n + 2] == 4 + len("<eos>")  # the prompt's text
     assert gen[0] == 0 and gen[n + 1] == gen[n + 2] == 4  # generated: the EOS takes no room
+
+
+@functools.cache
+def dummy_prefix() -> Tokenizer:
+    """SentencePiece as transformers builds Llama / Mistral tokenizers: a '▁' put before the text, and a decoder
+    that strips one leading space again."""
+    vocab = {"<unk>": 0, "<eos>": 1} | {f"<0x{b:02X}>": 2 + b for b in range(256)}
+    for piece in ["▁", "a", "b", "é", "日", "▁ab", "▁a"]:
+        vocab[piece] = len(vocab)
+    b = Backend(models.BPE(vocab=vocab, merges=[("▁", "a"), ("▁a", "b")], byte_fallback=True, unk_token="<unk>"))
+    b.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    b.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=b, eos_token="<eos>", unk_token="<unk>"))
+
+
+@pytest.mark.parametrize("make", [byte_level, byte_fallback, dummy_prefix], ids=["byte-level", "fallback", "strip"])
+@settings(max_examples=40, deadline=None)
+@given(text=TEXT)
+def test_generated_text_offsets_index_the_streamed_text(make, text: str) -> None:
+    """Token k's offset is the length of the whole characters its predecessors make, and the streamed text
+    (what a client receives) starts with exactly those characters: also where the decoder strips the first
+    token's leading space (SentencePiece's dummy prefix), which token bytes alone would count."""
+    tok = make()
+    ids = tok.encode(text)
+    stream = StreamDetokenizer(tok.backend)
+    shown = "".join(stream.push(i) for i in ids) + stream.flush()
+    at = _TextOffsets(tok.token_bytes, frozenset(), tok.leading_strip).take([TokenLogprob(i, -1.0) for i in ids])
+    for k in range(len(ids)):
+        before = b"".join(tok.token_bytes(i) for i in ids[:k]).decode("utf-8", errors="ignore")
+        if k and tok.leading_strip and before.startswith(" "):
+            before = before[1:]
+        assert at[k] == len(before) and shown.startswith(before), (k, at, shown)
+    assert tok.leading_strip == (1 if make is dummy_prefix else 0)

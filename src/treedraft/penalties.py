@@ -153,23 +153,36 @@ def penalize_(logits: Tensor, state: PenaltyState, paths: Sequence[Sequence[int]
 def _adjust_slots(logits: Tensor, state: PenaltyState, paths: Sequence[Sequence[int]]) -> Callable[[], None]:
     """The bias and penalties part of :func:`penalize_` (the request's token slots)."""
     pen = state.pen
-    cells = [(r, state._slot(int(t))) for r, p in enumerate(paths) for t in p] if state.penal else []
     n, rows = state.n, logits.shape[0]
-    if n == 0:
+    cells, extra = [], {}  # (row, column); draft tokens not among the slots: this step's own columns after them
+    if state.penal:
+        for r, p in enumerate(paths):
+            for t in p:
+                t = int(t)
+                k = state.slot.get(t)
+                if k is None:
+                    k = extra.setdefault(t, n + len(extra))
+                cells.append((r, k))
+    if n + len(extra) == 0:
         return _noop
-    ids = state.ids[:n]
+    ids, in_prompt, bias, base = state.ids[:n], state.in_prompt[:n], state.bias[:n], state.counts[:n]
+    if extra:  # a rejected draft token must not keep a column for the rest of the request
+        m = len(extra)
+        ids = np.concatenate([ids, np.fromiter(extra, np.int64, m)])
+        in_prompt = np.concatenate([in_prompt, np.zeros(m, np.bool_)])
+        bias, base = np.concatenate([bias, np.zeros(m, np.float32)]), np.concatenate([base, np.zeros(m, np.float32)])
     view = logits.detach().numpy() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
     if view is not None:
         orig = view[:, ids]  # fancy indexing: a copy
     else:
         idx = torch.from_numpy(ids).to(logits.device)
         orig = logits[:, idx].float().cpu().numpy()
-    counts = np.broadcast_to(state.counts[:n], (rows, n))
+    counts = np.broadcast_to(base, (rows, len(ids)))
     if cells:
         counts = counts.copy()
         r, k = zip(*cells, strict=True)
         np.add.at(counts, (np.asarray(r), np.asarray(k)), 1.0)
-    vals = _adjusted(orig, pen, counts, state.in_prompt[:n], state.bias[:n])
+    vals = _adjusted(orig, pen, counts, in_prompt, bias)
 
     def put(block: np.ndarray) -> None:
         if view is not None:

@@ -82,6 +82,20 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def leading_strip(self) -> int:
+        """How many leading spaces the decoder drops from a text (a ``Strip`` step: SentencePiece's dummy prefix,
+        as transformers builds Llama / Mistral tokenizers); 0 for byte-level and Gemma tokenizers."""
+        self._decoder_steps()
+        return self._decoder["strip"]
+
+    def _decoder_steps(self) -> None:
+        if self._decoder is None:
+            d = json.loads(self.backend.to_str()).get("decoder") or {}
+            steps = d.get("decoders", []) if d.get("type") == "Sequence" else [d]
+            strip = sum(int(x.get("start", 0)) for x in steps if x.get("type") == "Strip" and x.get("content") == " ")
+            self._decoder = {"steps": steps, "types": {x.get("type") for x in steps}, "strip": strip}
+
     def token_bytes(self, token_id: int) -> bytes:
         """One token's own bytes, as OpenAI's logprobs ``bytes`` report them: the raw bytes a byte-level BPE token
         (GPT-2 / Llama 3 / SmolLM2 style) or a byte-fallback token (``<0xE6>``, SentencePiece style) stands for,
@@ -97,10 +111,7 @@ class Tokenizer:
         if added is not None:
             return str(added.content if hasattr(added, "content") else added).encode("utf-8")
         piece = self.hf.convert_ids_to_tokens(token_id)
-        if self._decoder is None:
-            d = json.loads(self.backend.to_str()).get("decoder") or {}
-            steps = d.get("decoders", []) if d.get("type") == "Sequence" else [d]
-            self._decoder = {"steps": steps, "types": {x.get("type") for x in steps}}
+        self._decoder_steps()
         types = self._decoder["types"]
         if isinstance(piece, str) and "ByteLevel" in types:
             table = byte_level_alphabet()

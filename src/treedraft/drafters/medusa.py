@@ -235,7 +235,6 @@ class MedusaHeads(nn.Module):
             return "bf16"
         return str(next(self.parameters()).dtype).removeprefix("torch.")
 
-    @torch.inference_mode()
     def target_columns(self) -> np.ndarray | None:
         """Each target token id's column in the draft vocabulary (-1: not in it); None when the heads score the
         whole vocabulary. For adjusting draft logits by target ids (:func:`treedraft.penalties.penalize_draft_`)."""
@@ -249,6 +248,7 @@ class MedusaHeads(nn.Module):
             self._columns = cols
         return self._columns
 
+    @torch.inference_mode()
     def draft_logits(self, h: Tensor, root: Tensor | None, num_heads: int) -> Tensor:
         """(H,) hidden state [+ root id] -> (num_heads, V') scores of the first ``num_heads`` heads."""
         if self._native is not None:

@@ -101,20 +101,27 @@ class _TextOffsets:
     per piece and drifted from the text after the first such character. Tokens the text leaves out (special
     tokens of a generated text, a BOS put before an echoed string) take no room."""
 
-    def __init__(self, token_bytes: Callable[[int], bytes], special: Collection[int]) -> None:
+    def __init__(self, token_bytes: Callable[[int], bytes], special: Collection[int], strip: int = 0) -> None:
         self.token_bytes = token_bytes
         self.special = special
+        self.strip = strip  # leading spaces the decoder drops from a text (SentencePiece's dummy prefix)
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._begun: set[bool] = set()  # the parts (echoed prompt False, generated True) whose first token came
         self.at = 0
 
     def take(self, lps: list[TokenLogprob], lead: int = 0, generated: bool = True) -> list[int]:
         """The offsets of ``lps``, the next tokens of the text: ``lead`` first ones left out of it, and special
-        tokens too where ``generated`` (the echoed prompt is decoded with them)."""
+        tokens too where ``generated`` (the echoed prompt is decoded with them). Each part's first counted token
+        loses the leading spaces its decoder strips (the generated part is decoded on its own)."""
         out = []
         for k, x in enumerate(lps):
             out.append(self.at)
             if k >= lead and not (generated and x.token_id in self.special):
-                self.at += len(self._utf8.decode(self.token_bytes(x.token_id)))
+                text = self._utf8.decode(self.token_bytes(x.token_id))
+                if self.strip and generated not in self._begun:
+                    self._begun.add(generated)
+                    text = text[min(self.strip, len(text) - len(text.lstrip(" "))) :]
+                self.at += len(text)
         return out
 
 
@@ -198,7 +205,8 @@ class OpenAIServer:
             for k, p in enumerate(prompt_list(req.prompt)):
                 if isinstance(p, list):
                     if not p:
-                        where = f"prompt {k}" if isinstance(req.prompt[0], list) else "prompt"
+                        several = isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], list)
+                        where = f"prompt {k}" if several else "prompt"
                         raise APIError(400, f"{where} is empty; give text or token ids", param="prompt")
                     out.append(list(p))
                 else:
@@ -592,7 +600,8 @@ class OpenAIServer:
 
     def text_offsets(self) -> _TextOffsets:
         """A fresh ``text_offset`` counter for one choice."""
-        return _TextOffsets(lambda i: bytes(self.token_bytes(i)), self._special)
+        strip = getattr(self.llm.tokenizer, "leading_strip", 0)
+        return _TextOffsets(lambda i: bytes(self.token_bytes(i)), self._special, strip)
 
     def logprobs_object(self, lps: list[TokenLogprob], chat: bool, offsets: list[int]) -> dict:
         """OpenAI's ``logprobs`` of a choice or a streamed chunk for tokens ``lps``: chat's ``content`` entries

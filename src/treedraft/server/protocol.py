@@ -216,9 +216,13 @@ def reject_unsupported(req: CommonRequest) -> None:
     """400 for OpenAI parameters this server does not implement (never silently ignored)."""
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
         raise APIError(400, f"n must be in 1..{MAX_CHOICES}, got {req.n}", param="n")
+    seen: set[int] = set()
     for k in req.logit_bias or {}:
-        if not k.isdigit():
+        if not (k.isascii() and k.isdigit()):
             raise APIError(400, f"logit_bias keys must be token ids (decimal integers), got {k!r}", param="logit_bias")
+        if int(k) in seen:
+            raise APIError(400, f"logit_bias names token {int(k)} more than once", param="logit_bias")
+        seen.add(int(k))
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed together with stream=true", param="stream_options")
     if isinstance(req, ChatCompletionRequest):
