@@ -146,9 +146,9 @@ class PenalisedExact(Exact):
 
 def test_sampled_distribution_with_penalties_matches_plain(monkeypatch: pytest.MonkeyPatch) -> None:
     """Recursive rejection sampling (forced) over random trees with sampled and top children: the sequences'
-    distribution is the penalised plain one (chi-square, 800 draws)."""
+    distribution is the penalised plain one (chi-square, 500 draws)."""
     monkeypatch.setattr(treedraft.verify, "uses_coupling", lambda rule, params, tree=None: False)
-    V, n, trials = 12, 4, 800
+    V, n, trials = 12, 3, 500
     params = SamplingParams(temperature=0.9)
     pen = Penalties(repetition=1.5, presence=0.3, frequency=0.6)
     model = tiny(4, vocab=V, scale=0.6)
