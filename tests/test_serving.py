@@ -698,6 +698,30 @@ def test_streamed_choices_and_prompts_equal_the_whole_answers(server: LiveServer
             assert sorted(roles) == list(range(len(texts)))
 
 
+def test_a_broken_choice_stream_ends_the_merged_stream_with_an_error(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If one choice's event stream raises, the merged stream reports a server error in-band and ends, instead of
+    waiting for that choice forever; the other jobs are freed."""
+    from treedraft.server.app import OpenAIServer
+
+    real = OpenAIServer.choice_events
+
+    async def flaky(self, job, item, p, index, chat):
+        async for ev in real(self, job, item, p, index, chat):
+            if index == 1:
+                raise RuntimeError("boom")
+            yield ev
+
+    monkeypatch.setattr(OpenAIServer, "choice_events", flaky)
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 50, "temperature": 0, "ignore_eos": True, "n": 2}
+    r = httpx.post(f"{server.url}/v1/completions", json=body | {"stream": True}, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    errors = [e for e in _sse_events(r) if "error" in e]
+    assert len(errors) == 1 and errors[0]["error"]["type"] == "server_error"
+    wait_for(lambda: metric(scrape(server.url), "treedraft:num_requests_running") == 0, "the jobs to leave", 30)
+
+
 def test_n_choices_are_independent_seeded_draws(server: LiveServer) -> None:
     """n = 3: three choices decoded together; a seeded request's choice i is the n = 1 request with seed
     choice_seed(seed, i) (choice 0: the seed itself)."""
