@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/mt_bench_questions.jsonl"))
     ap.add_argument("--drafter", default="default")
     ap.add_argument("--no-draft-penalties", action="store_true")
+    ap.add_argument("--only", default=None, help="one setting, e.g. repetition_penalty=1.3")
     a = ap.parse_args()
     if a.no_draft_penalties:
         import treedraft.drafters.medusa as medusa
@@ -42,7 +43,11 @@ def main() -> None:
     qs = [json.loads(line)["turns"][0] for line in open(a.data)][: a.prompts]
     llm = treedraft.load()
     llm.generate(qs[0], max_new_tokens=8)  # warm-up
-    for kw in SETTINGS:
+    settings = SETTINGS
+    if a.only:
+        key, value = a.only.split("=")
+        settings = [{key: float(value)}]
+    for kw in settings:
         t_plain = t_spec = 0.0
         acc, first, same = [], [], 0
         for q in qs:
