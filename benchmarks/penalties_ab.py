@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import treedraft
+from treedraft.drafters.hybrid import fresh_copy
 
 SETTINGS = [
     {},
@@ -55,7 +56,9 @@ def main() -> None:
             t0 = time.perf_counter()
             plain = llm.generate(msgs, max_new_tokens=a.tokens, drafter=None, **kw)
             t1 = time.perf_counter()
-            spec = llm.generate(msgs, max_new_tokens=a.tokens, drafter=a.drafter, **kw)
+            # a fresh copy each run: the suffix member's index must not hold earlier runs' answers to this prompt
+            drafter = fresh_copy(llm.get_drafter(a.drafter))
+            spec = llm.generate(msgs, max_new_tokens=a.tokens, drafter=drafter, **kw)
             t2 = time.perf_counter()
             t_plain += t1 - t0
             t_spec += t2 - t1
