@@ -639,6 +639,35 @@ def test_several_prompts_are_answered_in_order_as_alone(server: LiveServer) -> N
     assert two["usage"]["prompt_tokens"] == 13
 
 
+def test_echoed_prompt_is_scored_once_for_all_its_choices(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """echo + logprobs with n = 3 over two prompts: each prompt is scored once (not once per choice), and every
+    choice reports the same prompt logprobs, streamed or not."""
+    from treedraft.server import worker as worker_mod
+
+    calls: list[int] = []
+    real = worker_mod.prompt_logprobs
+
+    def counted(model, ids, top):
+        calls.append(len(ids))
+        return real(model, ids, top)
+
+    monkeypatch.setattr(worker_mod, "prompt_logprobs", counted)
+    url = f"{server.url}/v1/completions"
+    body = {"model": "tiny", "prompt": ["abc abd ab", "xyz xy"], "max_tokens": 3, "temperature": 1.0, "seed": 2}
+    body |= {"echo": True, "logprobs": 1, "n": 3, "ignore_eos": True}
+    out = httpx.post(url, json=body, timeout=TIMEOUT).json()
+    assert sorted(calls) == [6, 10]
+    for k, q in enumerate(["abc abd ab", "xyz xy"]):
+        lps = [c["logprobs"]["token_logprobs"][: len(q)] for c in out["choices"][3 * k : 3 * k + 3]]
+        assert lps[0] == lps[1] == lps[2] and lps[0][0] is None and all(v is not None for v in lps[0][1:])
+        assert all(c["text"].startswith(q) for c in out["choices"][3 * k : 3 * k + 3])
+    calls.clear()
+    events = _sse_events(httpx.post(url, json=body | {"stream": True}, timeout=TIMEOUT))
+    assert sorted(calls) == [6, 10]
+    echoed = [ch["logprobs"]["token_logprobs"] for ev in events for ch in ev["choices"] if ch["logprobs"]]
+    assert sum(1 for x in echoed if x and x[0] is None) == 6  # every choice's echo chunk carries the scores
+
+
 def test_echo_with_max_tokens_zero_scores_the_prompt_only(server: LiveServer) -> None:
     """max_tokens 0 with echo (how evaluation harnesses score texts, several at a time): the prompt back with the
     same logprobs as echo with a generated token, nothing generated, finish_reason length."""

@@ -344,13 +344,16 @@ class OpenAIServer:
 
     # -- queueing
 
-    def submit(self, p: _Prepared) -> Job:
-        """Queue a job, or 429 + Retry-After when the queue is full."""
+    def submit(self, p: _Prepared, scored_by: Job | None = None) -> Job:
+        """Queue a job, or 429 + Retry-After when the queue is full. ``scored_by``: the same prompt's first choice,
+        queued before this one, which scores an echoed prompt once for all its choices."""
         if not self.worker.alive():
             raise APIError(503, "the model worker is not running; restart the server", "server_error")
         job = Job(p.prompt_ids, p.config, p.drafter, asyncio.get_running_loop(), tenant=p.tenant)
         if p.echo is not None and p.config.logprobs is not None:
-            job.score_top = p.config.logprobs
+            if scored_by is None:
+                job.score_top = p.config.logprobs
+            job.scored_by = scored_by
         job.score_only = p.score_only
         if not self.worker.queue.put_nowait(job):
             s = self.settings
@@ -383,7 +386,7 @@ class OpenAIServer:
         try:
             for p in preps:
                 for i in range(p.n):
-                    jobs.append((p, self.submit(p.choice(i))))
+                    jobs.append((p, self.submit(p.choice(i), jobs[-i][1] if i else None)))
             first = await self.next_or_disconnect(jobs[0][1], request)
         finally:
             if not isinstance(first, (Chunk, Done)):  # an error, a failed job or a client gone: free every job
@@ -461,10 +464,10 @@ class OpenAIServer:
         logprobs = None
         if p.config.logprobs is not None:
             offsets = self.text_offsets()
-            at = offsets.take(job.prompt_logprobs or [], p.echo_lead, generated=False) if p.echo is not None else []
+            at = offsets.take(job.prompt_scores(), p.echo_lead, generated=False) if p.echo is not None else []
             at += offsets.take(lps)
             if p.echo is not None:
-                lps = (job.prompt_logprobs or []) + lps
+                lps = job.prompt_scores() + lps
             logprobs = self.logprobs_object(lps, chat, at)
         if p.echo is not None:
             text = p.echo + text
@@ -559,7 +562,7 @@ class OpenAIServer:
         while item is None:  # a disconnect cancels the stream, so there is nothing else to watch
             item = await job.next(3600.0)
         if p.echo is not None and not isinstance(item, Failed):  # the prompt (and its logprobs) first
-            pending += job.prompt_logprobs or []
+            pending += job.prompt_scores()
             yield "choice", index, choice(p.echo, None, echo=True)
         while True:
             if isinstance(item, Failed):

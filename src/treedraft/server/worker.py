@@ -86,6 +86,8 @@ class Job:
         self.score_top: int | None = None  # echo + logprobs: score the prompt (top alternatives per token) first
         self.score_only = False  # echo with max_tokens 0: answered once the prompt is scored, nothing decoded
         self.prompt_logprobs: list[TokenLogprob] | None = None  # set by the worker before it delivers any item
+        # another choice of the same prompt, queued (so admitted and scored) before this one: it scores the prompt
+        self.scored_by: Job | None = None
         self.tenant = tenant  # who asked: "key-<hash>" (API key) or "user-<user field>"; None when anonymous
         self.loop = loop
         self.t_arrival = time.perf_counter()
@@ -93,6 +95,10 @@ class Job:
         self._items: deque[Chunk | Done | Failed] = deque()
         self._ready = asyncio.Event()
         self.queue: JobQueue | None = None
+
+    def prompt_scores(self) -> list[TokenLogprob]:
+        """The echoed prompt's logprobs: this job's, or those of the choice that scored the prompt for it."""
+        return (self.scored_by or self).prompt_logprobs or []
 
     def cancel(self) -> bool:
         """Stop this job: True if it was still waiting (now dropped); else the worker stops at its next chunk."""
