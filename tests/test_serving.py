@@ -69,8 +69,8 @@ def capture_tenants(s: LiveServer) -> list[str | None]:
     seen: list[str | None] = []
     real = srv.submit
 
-    def submit(p):
-        job = real(p)
+    def submit(p, *args, **kw):
+        job = real(p, *args, **kw)
         seen.append(job.tenant)
         return job
 
