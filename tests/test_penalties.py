@@ -16,8 +16,9 @@ from test_engine import DraftFromQ, Exact, RandomTreeDrafter, cfg, tiny
 
 import treedraft.verify
 from treedraft.engine import Engine, GenerationConfig, GenerationStats
-from treedraft.penalties import Penalties, PenaltyState, penalize_, tree_paths
+from treedraft.penalties import Penalties, PenaltyState, penalize_
 from treedraft.sampling import SamplingParams, target_probs
+from treedraft.tree import TokenTree
 
 BOTH = Penalties(repetition=1.6, presence=0.4, frequency=0.7, bias=((3, 1.5), (5, -0.8)))
 
@@ -73,7 +74,10 @@ def test_penalize_rows_as_the_per_token_reference_and_undo(pen: Penalties) -> No
 
 
 def test_tree_paths_and_off_penalties() -> None:
-    assert tree_paths((-1, 0, 0, 1, 3, 2)) == [[], [1], [2], [1, 3], [1, 3, 4], [2, 5]]
+    tree = TokenTree(
+        (9, 1, 2, 3, 4, 5), (-1, 0, 0, 1, 3, 2)
+    )  # what the scheduler counts per row: path_to below the root
+    assert [tree.path_to(i)[1:] for i in range(6)] == [[], [1], [2], [1, 3], [1, 3, 4], [2, 5]]
     logits = torch.randn(2, 8)
     before = logits.clone()
     state = PenaltyState(Penalties(), [1, 2])

@@ -127,11 +127,7 @@ def _noop() -> None:
 def penalize_(logits: Tensor, state: PenaltyState, paths: Sequence[Sequence[int]]) -> Callable[[], None]:
     """Adjust ``logits`` (N, V) in place: row r as plain decoding would after the committed tokens and then
     ``paths[r]`` (the draft tokens on row r's path below the root; ``[]`` for the root's row). Returns a
-    function that restores the model's values.
-
-    The (N, slots) block is computed in NumPy (a step's few small ops cost microseconds each there, tens in
-    torch); a float32 CPU tensor is read and written through its NumPy view, any other through torch indexing.
-    """
+    function that restores the model's values (the (N, slots) block is computed in NumPy: :func:`_columns`)."""
     pen = state.pen
     if not pen.active:
         return _noop
@@ -171,27 +167,33 @@ def _adjust_slots(logits: Tensor, state: PenaltyState, paths: Sequence[Sequence[
         ids = np.concatenate([ids, np.fromiter(extra, np.int64, m)])
         in_prompt = np.concatenate([in_prompt, np.zeros(m, np.bool_)])
         bias, base = np.concatenate([bias, np.zeros(m, np.float32)]), np.concatenate([base, np.zeros(m, np.float32)])
-    view = logits.detach().numpy() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
-    if view is not None:
-        orig = view[:, ids]  # fancy indexing: a copy
-    else:
-        idx = torch.from_numpy(ids).to(logits.device)
-        orig = logits[:, idx].float().cpu().numpy()
+    orig, put = _columns(logits, ids)
     counts = np.broadcast_to(base, (rows, len(ids)))
     if cells:
         counts = counts.copy()
         r, k = zip(*cells, strict=True)
         np.add.at(counts, (np.asarray(r), np.asarray(k)), 1.0)
-    vals = _adjusted(orig, pen, counts, in_prompt, bias)
-
-    def put(block: np.ndarray) -> None:
-        if view is not None:
-            view[:, ids] = block
-        else:
-            logits[:, idx] = torch.from_numpy(block).to(logits.device, logits.dtype)
-
-    put(vals)
+    put(_adjusted(orig, pen, counts, in_prompt, bias))
     return lambda: put(orig)
+
+
+def _columns(logits: Tensor, cols: np.ndarray) -> tuple[np.ndarray, Callable[[np.ndarray], None]]:
+    """Columns ``cols`` of ``logits`` (N, V) as a float32 NumPy copy, and a function writing such a block back. A
+    float32 CPU tensor goes through its NumPy view (a step's few small ops cost microseconds there, tens in torch),
+    any other through torch indexing."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        view = logits.detach().numpy()
+
+        def put(block: np.ndarray) -> None:
+            view[:, cols] = block
+
+        return view[:, cols], put  # fancy indexing: a copy
+    idx = torch.from_numpy(cols).to(logits.device)
+
+    def put_tensor(block: np.ndarray) -> None:
+        logits[:, idx] = torch.from_numpy(block).to(logits.device, logits.dtype)
+
+    return logits[:, idx].float().cpu().numpy(), put_tensor
 
 
 def _adjusted(vals: np.ndarray, pen: Penalties, counts: np.ndarray, in_prompt: np.ndarray, bias: np.ndarray):
@@ -230,25 +232,6 @@ def penalize_draft_(logits: Tensor, state: PenaltyState, cols: np.ndarray | None
         sel = np.flatnonzero((ids < len(cols)) & (cols[np.minimum(ids, len(cols) - 1)] >= 0))
     if len(sel) == 0:
         return
-    at = ids[sel] if cols is None else cols[ids[sel]]
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        view = logits.detach().numpy()
-        block = view[:, at]
-    else:
-        view, idx = None, torch.from_numpy(at).to(logits.device)
-        block = logits[:, idx].float().cpu().numpy()
+    block, put = _columns(logits, ids[sel] if cols is None else cols[ids[sel]])
     counts = np.broadcast_to(state.counts[sel], block.shape)
-    vals = _adjusted(block, pen, counts, state.in_prompt[sel], state.bias[sel])
-    if view is not None:
-        view[:, at] = vals
-    else:
-        logits[:, idx] = torch.from_numpy(vals).to(logits.device, logits.dtype)
-
-
-def tree_paths(parents: Sequence[int]) -> list[list[int]]:
-    """For each node of a tree (``parents[i]`` < i, the root's -1): its path's node indices below the root, in
-    order (the root's: empty)."""
-    out: list[list[int]] = []
-    for i, p in enumerate(parents):
-        out.append([] if p < 0 else out[p] + [i])
-    return out
+    put(_adjusted(block, pen, counts, state.in_prompt[sel], state.bias[sel]))

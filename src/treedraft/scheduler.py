@@ -33,7 +33,7 @@ from torch import Tensor
 from .budget import STEP_ROWS_MAX, NodeStats, RowBudget, measured_latency, measured_step_rows, step_rows_from_latency
 from .interfaces import DraftContext, Drafter, GenerationError, request_drafter
 from .logprobs import Committed, token_logprobs
-from .penalties import PenaltyState, penalize_, tree_paths
+from .penalties import PenaltyState, penalize_
 from .prefix_cache import PrefixCache
 from .tree import TokenTree, TreeError, full_attention_mask
 from .verify import accept, sample_token, uses_coupling
@@ -479,7 +479,7 @@ class Scheduler:
         tree, n = p.tree, len(p.tree)
         undo = None
         if req.penalty is not None:  # each row as plain decoding would adjust it (its path's tokens counted)
-            paths = [()] if n == 1 else [[tree.tokens[k] for k in q] for q in tree_paths(tree.parents)]
+            paths = [[tree.tokens[k] for k in tree.path_to(i)[1:]] for i in range(n)]
             undo = penalize_(logits, req.penalty, paths)
         try:
             if n == 1:
