@@ -67,7 +67,7 @@ class _Prepared:
     model: str
     tenant: str | None = None
     echo: str | None = None  # completions with echo: the prompt's text, put before the answer
-    n: int = 1  # choices: independent jobs, decoded together in the worker's batch (not streamed)
+    n: int = 1  # choices: independent jobs, decoded together in the worker's batch
     echo_lead: int = 0  # leading prompt tokens not in the echoed text (a BOS the engine put before a raw string)
     score_only: bool = False  # echo with max_tokens 0: the prompt back (scored when logprobs are asked), no tokens
 
@@ -79,6 +79,11 @@ class _Prepared:
             return self
         sampling = replace(self.config.sampling, seed=choice_seed(seed, i))
         return replace(self, config=replace(self.config, sampling=sampling))
+
+
+def _prompt_tokens(jobs: list[tuple[_Prepared, Job]]) -> int:
+    """A request's prompt tokens for its usage: each prompt once, not once per choice (jobs: n per prompt)."""
+    return sum(len(p.prompt_ids) for p, _ in jobs[:: jobs[0][0].n])
 
 
 def choice_seed(seed: int, i: int) -> int:
@@ -273,6 +278,7 @@ class OpenAIServer:
                 param="n" if len(prompts) == 1 else "prompt",
             )
         inc = bool(req.stream_options and req.stream_options.include_usage)
+        given = prompt_list(req.prompt) if not chat and req.echo else []  # what each echo gives back
         out = []
         for k, prompt_ids in enumerate(prompts):
             where = "" if len(prompts) == 1 else f"prompt {k}: "
@@ -323,8 +329,8 @@ class OpenAIServer:
                 )
                 raise APIError(400, msg, param=param) from None
             echo, lead = None, 0
-            if not chat and req.echo:
-                p = prompt_list(req.prompt)[k]
+            if given:
+                p = given[k]
                 tok = self.llm.tokenizer
                 echo = p if isinstance(p, str) else tok.decode(prompt_ids, skip_special_tokens=False)
                 lead = int(isinstance(p, str) and getattr(tok, "add_bos", False))  # encode_prompt's BOS: not in p
@@ -429,7 +435,6 @@ class OpenAIServer:
             for _, job in jobs:
                 job.cancel()  # a no-op once done; frees the worker on any other exit
         p = jobs[0][0]
-        prompt_tokens = sum(len(q.prompt_ids) for q, _ in jobs[:: p.n])  # each prompt once, not once per choice
         return JSONResponse(
             {
                 "id": rid,
@@ -438,7 +443,7 @@ class OpenAIServer:
                 "model": p.model,
                 "system_fingerprint": None,
                 "choices": choices,
-                "usage": _usage(prompt_tokens, n),
+                "usage": _usage(_prompt_tokens(jobs), n),
                 "treedraft": _spec_info(self.drafter_name(p.drafter), done.stats),
             }
         )
@@ -463,9 +468,11 @@ class OpenAIServer:
         text = "".join(texts)
         logprobs = None
         if p.config.logprobs is not None:
-            offsets = self.text_offsets()
-            at = offsets.take(job.prompt_scores(), p.echo_lead, generated=False) if p.echo is not None else []
-            at += offsets.take(lps)
+            at = None
+            if not chat:  # text_offset: completions only
+                offsets = self.text_offsets()
+                at = offsets.take(job.prompt_scores(), p.echo_lead, generated=False) if p.echo is not None else []
+                at += offsets.take(lps)
             if p.echo is not None:
                 lps = job.prompt_scores() + lps
             logprobs = self.logprobs_object(lps, chat, at)
@@ -524,8 +531,7 @@ class OpenAIServer:
                     n += payload[1]
                     stats = payload[0].stats if index == 0 else stats
             if not left and p0.include_usage:
-                prompt_tokens = sum(len(q.prompt_ids) for q, _ in jobs[:: p0.n])  # each prompt once
-                usage = {**base, "choices": [], "usage": _usage(prompt_tokens, n)}
+                usage = {**base, "choices": [], "usage": _usage(_prompt_tokens(jobs), n)}
                 yield _sse(usage | {"treedraft": _spec_info(self.drafter_name(p0.drafter), stats)})
             yield _sse("[DONE]")
         finally:
@@ -541,12 +547,14 @@ class OpenAIServer:
         ("failed", index, Failed). ``item``: the job's first item when already taken (else None)."""
         want = p.config.logprobs is not None
         pending: list[TokenLogprob] = []  # reported with the next event: a token's text may come out later
-        offsets = self.text_offsets()
+        offsets = None if chat else self.text_offsets()  # text_offset: completions only
 
         def choice(text: str | None, finish: str | None, role: bool = False, echo: bool = False) -> dict:
             lp = None
             if want and not role and pending:
-                at = offsets.take(pending, p.echo_lead, generated=False) if echo else offsets.take(pending)
+                at = None
+                if offsets is not None:
+                    at = offsets.take(pending, p.echo_lead, generated=False) if echo else offsets.take(pending)
                 lp = self.logprobs_object(pending, chat, at)
                 pending.clear()
             if chat:
@@ -595,18 +603,18 @@ class OpenAIServer:
             t = self._token_texts[token_id] = self.llm.tokenizer.decode([token_id], skip_special_tokens=False)
         return t
 
-    def token_bytes(self, token_id: int) -> list[int]:
+    def token_bytes(self, token_id: int) -> bytes:
         """One token's bytes as chat logprobs report them: its raw bytes where the tokenizer knows them (part of a
         character included; :meth:`treedraft.tokenizer.Tokenizer.token_bytes`), else its text's UTF-8."""
         f = getattr(self.llm.tokenizer, "token_bytes", None)
-        return list(f(token_id) if f is not None else self.token_text(token_id).encode("utf-8"))
+        return f(token_id) if f is not None else self.token_text(token_id).encode("utf-8")
 
     def text_offsets(self) -> _TextOffsets:
-        """A fresh ``text_offset`` counter for one choice."""
+        """A fresh ``text_offset`` counter for one completions choice."""
         strip = getattr(self.llm.tokenizer, "leading_strip", 0)
-        return _TextOffsets(lambda i: bytes(self.token_bytes(i)), self._special, strip)
+        return _TextOffsets(self.token_bytes, self._special, strip)
 
-    def logprobs_object(self, lps: list[TokenLogprob], chat: bool, offsets: list[int]) -> dict:
+    def logprobs_object(self, lps: list[TokenLogprob], chat: bool, offsets: list[int] | None) -> dict:
         """OpenAI's ``logprobs`` of a choice or a streamed chunk for tokens ``lps``: chat's ``content`` entries
         (token, logprob, bytes, top_logprobs) or the completions' parallel lists (``text_offset``: ``offsets``,
         from :class:`_TextOffsets`). Values are the model's own log-softmax (before temperature / top-k / top-p);
@@ -621,9 +629,9 @@ class OpenAIServer:
                     {
                         "token": self.token_text(x.token_id),
                         "logprob": val(x.logprob),
-                        "bytes": self.token_bytes(x.token_id),
+                        "bytes": list(self.token_bytes(x.token_id)),
                         "top_logprobs": [
-                            {"token": self.token_text(i), "logprob": val(v), "bytes": self.token_bytes(i)}
+                            {"token": self.token_text(i), "logprob": val(v), "bytes": list(self.token_bytes(i))}
                             for i, v in x.top
                         ],
                     }
