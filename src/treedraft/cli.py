@@ -190,7 +190,10 @@ def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> None:
     kw = _gen_kwargs(a)
     sampling = SamplingParams(kw.pop("temperature"), kw.pop("top_k"), kw.pop("top_p"), kw.pop("seed"))
     penalties = Penalties(
-        kw.pop("repetition_penalty"), kw.pop("presence_penalty"), kw.pop("frequency_penalty"), (), kw.pop("min_tokens")
+        repetition=kw.pop("repetition_penalty"),
+        presence=kw.pop("presence_penalty"),
+        frequency=kw.pop("frequency_penalty"),
+        min_tokens=kw.pop("min_tokens"),
     )
     GenerationConfig(sampling=sampling, penalties=penalties, **{**kw, "stop": tuple(kw["stop"])})  # validates
     if prompt is not None and not prompt.strip():

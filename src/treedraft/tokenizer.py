@@ -6,7 +6,7 @@ import json
 import re
 import shutil
 from collections.abc import Sequence
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -36,7 +36,6 @@ class Tokenizer:
             eos.add(int(hf_tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
         self._bytes: dict[int, bytes] = {}
-        self._decoder: dict | None = None
 
     @classmethod
     def from_gguf(cls, path: str | Path, cache_dir: Path | None = None) -> Tokenizer:
@@ -86,15 +85,14 @@ class Tokenizer:
     def leading_strip(self) -> int:
         """How many leading spaces the decoder drops from a text (a ``Strip`` step: SentencePiece's dummy prefix,
         as transformers builds Llama / Mistral tokenizers); 0 for byte-level and Gemma tokenizers."""
-        self._decoder_steps()
-        return self._decoder["strip"]
+        steps = self._decoder_steps
+        return sum(int(x.get("start", 0)) for x in steps if x.get("type") == "Strip" and x.get("content") == " ")
 
-    def _decoder_steps(self) -> None:
-        if self._decoder is None:
-            d = json.loads(self.backend.to_str()).get("decoder") or {}
-            steps = d.get("decoders", []) if d.get("type") == "Sequence" else [d]
-            strip = sum(int(x.get("start", 0)) for x in steps if x.get("type") == "Strip" and x.get("content") == " ")
-            self._decoder = {"steps": steps, "types": {x.get("type") for x in steps}, "strip": strip}
+    @cached_property
+    def _decoder_steps(self) -> list[dict]:
+        """The backend decoder's steps (a Sequence's members, or the one decoder), from its JSON."""
+        d = json.loads(self.backend.to_str()).get("decoder") or {}
+        return d.get("decoders", []) if d.get("type") == "Sequence" else [d]
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's own bytes, as OpenAI's logprobs ``bytes`` report them: the raw bytes a byte-level BPE token
@@ -111,8 +109,7 @@ class Tokenizer:
         if added is not None:
             return str(added.content if hasattr(added, "content") else added).encode("utf-8")
         piece = self.hf.convert_ids_to_tokens(token_id)
-        self._decoder_steps()
-        types = self._decoder["types"]
+        types = {x.get("type") for x in self._decoder_steps}
         if isinstance(piece, str) and "ByteLevel" in types:
             table = byte_level_alphabet()
             if all(c in table for c in piece):
@@ -121,7 +118,7 @@ class Tokenizer:
             m = _BYTE_TOKEN.fullmatch(piece)
             if m:
                 return bytes([int(m.group(1), 16)])
-            for step in self._decoder["steps"]:  # e.g. Replace("▁", " "); Fuse / Strip act on whole texts
+            for step in self._decoder_steps:  # e.g. Replace("▁", " "); Fuse / Strip act on whole texts
                 pat = (step.get("pattern") or {}).get("String") if step.get("type") == "Replace" else None
                 if pat is not None:
                     piece = piece.replace(pat, step.get("content", ""))
