@@ -69,6 +69,8 @@ def test_bad_limits_are_reported_cleanly_before_loading(capsys, no_model_load) -
     assert r.returncode == 2 and "repetition_penalty" in r.stderr and "Traceback" not in r.stderr
     r = run_in_process(capsys, "chat", "--frequency-penalty", "5")
     assert r.returncode == 2 and "frequency_penalty" in r.stderr
+    r = run_in_process(capsys, "generate", "hi", "--json", "--min-tokens", "3")
+    assert r.returncode == 2 and "--min-tokens cannot be combined with --json" in r.stderr
 
 
 def test_unknown_drafter_is_reported_before_loading(capsys, monkeypatch) -> None:

@@ -385,7 +385,9 @@ BAD_REQUESTS = [
     ("chat", {"messages": _HI, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
     ("chat", {"messages": _HI, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
     ("chat", {"messages": _HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("chat", {"messages": _HI, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat", {"messages": _HI, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("chat", {"messages": _HI, "response_format": {"type": "json_object"}, "ignore_eos": True}, 400, "ignore_eos"),
+    ("chat", {"messages": _HI, "response_format": {"type": "json_object"}, "min_tokens": 2}, 400, "min_tokens"),
     ("chat", {"messages": _HI, "logit_bias": {"5": 101.0}}, 400, "logit_bias"),
     ("chat", {"messages": _HI, "logit_bias": {"x": 1.0}}, 400, "logit_bias"),
     ("chat", {"messages": _HI, "logit_bias": {"-1": 1.0}}, 400, "logit_bias"),
@@ -601,6 +603,35 @@ def test_penalties_reach_the_engine(server: LiveServer, llm: LLM) -> None:
     assert forced["choices"][0]["text"] == chr(32 + 90) * 16  # +100 on one token: greedy takes it every time
     free = httpx.post(url, json=body | {"logit_bias": banned}, timeout=TIMEOUT).json()["choices"][0]["text"]
     assert free and not set(free) & set("abc ")
+
+
+def test_json_mode_reaches_the_engine(server: LiveServer, llm: LLM) -> None:
+    """response_format json_object (chat and completions, greedy and seeded, streamed): the text is the engine's
+    JSON-mode text and a JSON object's prefix (the whole object where it stops), and not the free text."""
+    from treedraft.grammar import DONE, run
+
+    url = f"{server.url}/v1/completions"
+    prompt = "abc abc abc abc ab"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0}
+    fmt = {"response_format": {"type": "json_object"}}
+    out = httpx.post(url, json=body | fmt, timeout=TIMEOUT).json()["choices"][0]
+    want = llm.text.generate(llm.encode_prompt(prompt, raw=True), llm.config(40, response_format="json_object"))
+    assert out["text"] == want.text
+    assert out["text"] != httpx.post(url, json=body, timeout=TIMEOUT).json()["choices"][0]["text"]
+    end = run((0, 0, 0, ""), out["text"].encode())
+    assert end is not None and (end[0] == DONE) == (out["finish_reason"] == "stop")
+    chat = f"{server.url}/v1/chat/completions"
+    sampled = {"model": "tiny", "messages": CHAT, "max_tokens": 30, "temperature": 1.0, "seed": 3, "n": 2} | fmt
+    texts = [c["message"]["content"] for c in httpx.post(chat, json=sampled, timeout=TIMEOUT).json()["choices"]]
+    streamed = ["", ""]
+    with httpx.stream("POST", chat, json=sampled | {"stream": True}, timeout=TIMEOUT) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed[c["index"]] += c["delta"].get("content") or ""
+    assert streamed == texts
+    for t in texts:
+        assert run((0, 0, 0, ""), t.encode()) is not None
 
 
 def test_min_tokens_holds_the_end_back(server: LiveServer) -> None:

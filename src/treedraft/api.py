@@ -18,6 +18,7 @@ import torch
 
 from .drafters.registry import DEFAULT, DrafterCache, DrafterOptions, canonical
 from .engine import Engine, GenerationConfig, GenerationStats
+from .grammar import JsonGrammar
 from .interfaces import Drafter, GenerationError
 from .models.gguf_meta import model_architecture
 from .models.plan import pack_tuned
@@ -69,6 +70,7 @@ class LLM:
     suffix_store: Any = None  # the SuffixStore of drafter "suffix" (None: each built one keeps its own, in memory)
     drafters: DrafterCache = field(init=False, repr=False)  # drafters built by name, reused
     text: TextGenerator = field(init=False, repr=False)  # the engine wrapped with detokenization, stop, EOS
+    _json: JsonGrammar | None = field(default=None, init=False, repr=False)  # JSON mode's automaton, once built
 
     def __post_init__(self) -> None:
         self.drafters = DrafterCache(
@@ -126,6 +128,7 @@ class LLM:
         frequency_penalty: float = 0.0,
         logit_bias: dict[int, float] | None = None,
         min_tokens: int = 0,
+        response_format: str | dict | None = None,
     ) -> GenerationConfig:
         """A :class:`GenerationConfig` from keyword arguments. ``logprobs``: None (off), or n: each generated
         token's log-probability and its position's n most likely alternatives (``GenerationResult.logprobs``,
@@ -135,7 +138,8 @@ class LLM:
         ``frequency_penalty`` in [-2, 2] on the output's tokens (OpenAI's; 0 off); ``logit_bias`` {token id: amount
         in [-100, 100]} added to those logits at every position, before the penalties (OpenAI's); ``min_tokens``:
         no EOS before the output holds that many tokens (vLLM's); speculative output stays the plain (penalised)
-        output."""
+        output. ``response_format``: ``"json_object"`` (or OpenAI's ``{"type": "json_object"}``) constrains the
+        answer to one JSON object (:mod:`treedraft.grammar`); None or ``"text"``: free text."""
         bias = tuple((t, float(v)) for t, v in (logit_bias or {}).items())
         eos = tuple(sorted(self.tokenizer.eos_token_ids))
         penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty, bias, min_tokens, eos)
@@ -148,7 +152,18 @@ class LLM:
             max_tree_nodes=max_tree_nodes,
             logprobs=logprobs,
             penalties=penalties,
+            grammar=self._grammar(response_format),
         )
+
+    def _grammar(self, response_format: str | dict | None) -> JsonGrammar | None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+        if kind is None or kind == "text":
+            return None
+        if kind != "json_object":
+            raise GenerationError(f"response_format must be 'text' or 'json_object', got {response_format!r}")
+        if self._json is None:  # built once per model (~1.5 s for a 49k vocabulary), shared by requests
+            self._json = JsonGrammar.from_tokenizer(self.tokenizer, self.model.vocab_size)
+        return self._json
 
     def get_drafter(
         self,

@@ -97,6 +97,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2, minus this for a token in the output")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2, minus this x the token's count")
     p.add_argument("--min-tokens", type=int, default=0, help="no end of turn (EOS) before this many tokens")
+    p.add_argument("--json", action="store_true", help="JSON mode: the answer is one JSON object")
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
@@ -159,6 +160,7 @@ def _gen_kwargs(a: argparse.Namespace) -> dict:
         presence_penalty=a.presence_penalty,
         frequency_penalty=a.frequency_penalty,
         min_tokens=a.min_tokens,
+        response_format="json_object" if a.json else None,
     )
 
 
@@ -188,6 +190,8 @@ def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> None:
     from .sampling import SamplingParams
 
     kw = _gen_kwargs(a)
+    if kw.pop("response_format") and a.min_tokens:
+        raise ValueError("--min-tokens cannot be combined with --json (the closed object ends the answer)")
     sampling = SamplingParams(kw.pop("temperature"), kw.pop("top_k"), kw.pop("top_p"), kw.pop("seed"))
     penalties = Penalties(
         repetition=kw.pop("repetition_penalty"),

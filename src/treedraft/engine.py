@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .grammar import JsonGrammar
 from .interfaces import DraftContext, Drafter, GenerationError, TargetModel, target_device
 from .logprobs import TokenLogprob, check_top
 from .penalties import Penalties
@@ -53,6 +54,7 @@ class GenerationConfig:
     max_tree_nodes: int = 64
     logprobs: int | None = None  # None: off; n: each token's log p and its row's n best (treedraft.logprobs)
     penalties: Penalties = field(default_factory=Penalties)  # repetition / presence / frequency (treedraft.penalties)
+    grammar: JsonGrammar | None = None  # JSON mode: the automaton over this model's vocabulary (treedraft.grammar)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -73,6 +75,10 @@ class GenerationConfig:
             check_top(self.logprobs)
         except ValueError as err:
             raise GenerationError(str(err)) from None
+        if self.grammar is not None and self.ignore_eos:
+            raise GenerationError("JSON mode ends the answer with EOS once the object is closed; drop ignore_eos")
+        if self.grammar is not None and self.penalties.min_tokens > 0:
+            raise GenerationError("min_tokens cannot be combined with JSON mode (the closed object ends the answer)")
 
 
 def acceptance_per_depth(steps: Iterable[tuple[int, int]]) -> list[float]:

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .budget import STEP_ROWS_MAX, NodeStats, RowBudget, measured_latency, measured_step_rows, step_rows_from_latency
+from .grammar import constrain_, prune
 from .interfaces import DraftContext, Drafter, GenerationError, request_drafter
 from .logprobs import Committed, token_logprobs
 from .penalties import PenaltyState, penalize_
@@ -84,6 +85,7 @@ class Request:
     idle_streak: int = 0  # drafted steps in a row that accepted no draft token
     pause: int = 0  # steps left to decode plainly (drafting stopped paying; BACKOFF_*)
     backoff: int = BACKOFF_START  # the next pause's length
+    gstate: tuple | None = None  # JSON mode (config.grammar): the automaton's state after the committed tokens
 
     @property
     def done(self) -> bool:
@@ -129,6 +131,7 @@ class _Rows:
     tree: TokenTree | None  # None: a prefill chunk
     logit_rows: list[int]  # rows of this block that need logits
     t_draft: float = 0.0
+    states: list | None = None  # JSON mode: each tree row's automaton state (after the committed tokens and its path)
 
 
 @dataclass
@@ -231,6 +234,8 @@ class Scheduler:
         req.scope = scope
         if cfg.penalties.active:
             req.penalty = PenaltyState(cfg.penalties, prompt)
+        if cfg.grammar is not None:
+            req.gstate = cfg.grammar.start()
         if self.prefix_cache is not None and getattr(cache, "kv", None) is not None:
             self._reuse_prefix(req)
         self.active.append(req)
@@ -290,13 +295,18 @@ class Scheduler:
             except TreeError as e:
                 raise TreeError(f"drafter {name!r} built a malformed tree: {e}") from e
             eng._check_tree(tree, root, eng.model.vocab_size, name)
-            tree = tree.pruned_depth(max_depth).truncated(budget)
+            tree = tree.pruned_depth(max_depth)
         else:
             tree = TokenTree((root,), (-1,))
+        states = None
+        if req.gstate is not None:  # JSON mode: the drafts it refuses would never be accepted; they cost no rows
+            tree, states = prune(req.config.grammar, tree, req.gstate)
+        tree = tree.truncated(budget)
         start, dev, n = req.cache.length, eng.device, len(tree)
         mask = None if n == 1 else full_attention_mask(tree, start, dev)
         pos = [start] if n == 1 else [start + d for d in tree.depths()]
         rows = _Rows(req, list(tree.tokens), pos, start, mask, tree, list(range(n)))
+        rows.states = None if states is None else states[:n]
         rows.t_draft = time.perf_counter() - ts
         return rows
 
@@ -444,14 +454,15 @@ class Scheduler:
     def _first(self, req: Request, logits: Tensor, hidden: Tensor | None) -> Committed:
         """Draw the first token from the prompt's last logits row (V,); ``hidden``: that position's (H,) state."""
         cfg = req.config
-        undo = penalize_(logits[None], req.penalty, [()]) if req.penalty is not None else None
+        undo = self._constrain(req, logits[None], [()], None if req.gstate is None else [req.gstate])
         try:
             root = sample_token(cfg.rule, logits, cfg.sampling, req.gen, len(req.tokens))
         finally:
-            if undo is not None:
-                undo()  # the model's own row again: the prefix cache may hold it; logprobs report it
+            undo()  # the model's own row again: the prefix cache may hold it; logprobs report it
         if req.penalty is not None:
             req.penalty.add([root])
+        if req.gstate is not None:
+            req.gstate = self._advance(req, req.gstate, [root])
         req.last_hidden = hidden
         req.tokens.append(root)
         req.n_out = 1
@@ -477,10 +488,10 @@ class Scheduler:
                 req.prompt_hidden = None
             return self._first(req, logits[-1], None if hidden is None else hidden[-1])
         tree, n = p.tree, len(p.tree)
-        undo = None
+        paths = None
         if req.penalty is not None:  # each row as plain decoding would adjust it (its path's tokens counted)
             paths = [[tree.tokens[k] for k in tree.path_to(i)[1:]] for i in range(n)]
-            undo = penalize_(logits, req.penalty, paths)
+        undo = self._constrain(req, logits, paths, p.states)
         try:
             if n == 1:
                 acc_nodes, bonus = (0,), sample_token(cfg.rule, logits[0], cfg.sampling, req.gen, len(req.tokens))
@@ -488,8 +499,7 @@ class Scheduler:
                 a = accept(cfg.rule, tree, logits, cfg.sampling, req.gen, len(req.tokens))
                 acc_nodes, bonus = a.nodes, a.bonus
         finally:
-            if undo is not None:
-                undo()
+            undo()
         req.cache.keep(p.start, list(acc_nodes))
         if self.budget is not None:
             self.budget.observe(req.node_stats, n, acc_nodes, p.t_draft, self._sized)
@@ -503,6 +513,8 @@ class Scheduler:
         req.tokens.extend(new)
         if req.penalty is not None:
             req.penalty.add(new)
+        if p.states is not None:  # the accepted path's state, then the bonus token
+            req.gstate = self._advance(req, p.states[acc_nodes[-1]], [bonus])
         if n > 1:
             self._track_drafting(req, accepted=len(new) > 1)
         te = time.perf_counter()
@@ -516,6 +528,30 @@ class Scheduler:
             return new
         # token new[i] was predicted by the row of accepted node i (the bonus by the last one's)
         return Committed.of(new, token_logprobs(logits[list(acc_nodes)], new, cfg.logprobs))
+
+    @staticmethod
+    def _constrain(req: Request, logits: Tensor, paths: list | None, states: list | None) -> Callable[[], None]:
+        """Adjust a step's rows in place as plain decoding would (penalties with each row's ``paths``, then JSON
+        mode's ``states``); returns the undo."""
+        undos = []
+        if req.penalty is not None:
+            undos.append(penalize_(logits, req.penalty, paths))
+        if states is not None:
+            undos.append(constrain_(logits, req.config.grammar, states, req.config.sampling.greedy))
+
+        def undo() -> None:
+            for u in reversed(undos):
+                u()
+
+        return undo
+
+    @staticmethod
+    def _advance(req: Request, state: tuple, tokens: list[int]) -> tuple:
+        for t in tokens:
+            state = req.config.grammar.advance(state, t)
+            if state is None:  # the rows were constrained: only a broken mask gets here
+                raise GenerationError(f"JSON mode: token {t} was chosen where the JSON text cannot take it")
+        return state
 
     @staticmethod
     def _track_drafting(req: Request, accepted: bool) -> None:

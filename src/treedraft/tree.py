@@ -137,13 +137,16 @@ class TokenTree:
         """Drop nodes deeper than ``max_depth``."""
         d = self.depths()
         keep = [i for i in range(len(self)) if d[i] <= max_depth]
-        if len(keep) == len(self):
-            return self
+        return self if len(keep) == len(self) else self.kept(keep)
+
+    def kept(self, keep: Sequence[int], drop_q: set[int] | frozenset[int] = frozenset()) -> TokenTree:
+        """The tree of nodes ``keep`` (ascending, the root first, each one's parent kept too), renumbered; the
+        nodes in ``drop_q`` lose their ``child_q``."""
         remap = {old: new for new, old in enumerate(keep)}
         return TokenTree(
             tuple(self.tokens[i] for i in keep),
             tuple(-1 if i == 0 else remap[self.parents[i]] for i in keep),
-            {remap[k]: v for k, v in self.child_q.items() if k in remap},
+            {remap[k]: v for k, v in self.child_q.items() if k in remap and k not in drop_q},
         )
 
 

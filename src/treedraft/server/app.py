@@ -320,12 +320,14 @@ class OpenAIServer:
                     frequency_penalty=req.frequency_penalty or 0.0,
                     logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
                     min_tokens=req.min_tokens or 0,
+                    response_format=req.response_format,
                 )
                 cfg = replace(cfg, ignore_eos=bool(req.ignore_eos))
             except ValueError as e:  # e.g. rule 'greedy' with temperature > 0
                 msg = str(e)
                 param = next(
-                    (x for x in ("logit_bias", "min_tokens") if x in msg), "treedraft.rule" if "rule" in msg else None
+                    (x for x in ("logit_bias", "min_tokens", "ignore_eos") if x in msg),
+                    "treedraft.rule" if "rule" in msg else None,
                 )
                 raise APIError(400, msg, param=param) from None
             echo, lead = None, 0

@@ -147,6 +147,7 @@ class CommonRequest(BaseModel):
     min_tokens: int | None = Field(None, ge=0)  # vLLM-style extra: no EOS before this many tokens
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None  # {"type": "text"} or {"type": "json_object"} (JSON mode)
     treedraft: TreedraftOptions | None = None
 
 
@@ -157,7 +158,6 @@ class ChatCompletionRequest(CommonRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(CommonRequest):
@@ -223,6 +223,13 @@ def reject_unsupported(req: CommonRequest) -> None:
         if int(k) in seen:
             raise APIError(400, f"logit_bias names token {int(k)} more than once", param="logit_bias")
         seen.add(int(k))
+    kind = None if req.response_format is None else req.response_format.get("type")
+    if req.response_format is not None and kind not in ("text", "json_object"):
+        raise APIError(
+            400,
+            f"response_format type {kind!r} is not supported; use 'text' or 'json_object' (JSON mode)",
+            param="response_format",
+        )
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed together with stream=true", param="stream_options")
     if isinstance(req, ChatCompletionRequest):
@@ -234,8 +241,6 @@ def reject_unsupported(req: CommonRequest) -> None:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if req.tools or req.tool_choice not in (None, "none"):
             raise APIError(400, "tools / tool_choice are not supported", param="tools")
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
     if isinstance(req, CompletionRequest):
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise APIError(400, f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.logprobs}", param="logprobs")

@@ -1,0 +1,407 @@
+"""JSON mode: the byte automaton against Python's json module and UTF-8 codec, the token masks against a
+token-by-token scan, pruning of refused drafts, the per-row constraint and its undo, constrained plain decoding
+against a step-by-step reference, speculative output = plain (greedy and seeded), the sampled distribution, and
+the real model's answers."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
+import torch
+from spec_stats import assert_fits
+from test_engine import DraftFromQ, Exact, RandomTreeDrafter, tiny
+
+import treedraft.verify
+from treedraft.engine import Engine, GenerationConfig, GenerationError, GenerationStats
+from treedraft.grammar import DONE, MAX_DEPTH, MAX_WS, JsonGrammar, constrain_, prune, run
+from treedraft.sampling import SamplingParams, target_probs
+from treedraft.tree import TokenTree
+
+WS = " \t\n\r"
+
+
+def reference_valid(data: bytes) -> bool:
+    """One JSON object as the automaton defines it, from Python's own codec and parser: strict UTF-8, an object at
+    the top level, no NaN / Infinity, nothing after it, whitespace runs and nesting within the automaton's caps."""
+    try:
+        text = data.decode("utf-8")
+        obj = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    except (UnicodeDecodeError, ValueError):
+        return False
+    if not isinstance(obj, dict) or text != text.rstrip(WS):
+        return False
+    run_ws = depth = best = 0
+    in_str = esc = False
+    for ch in text:  # the caps: whitespace runs and nesting outside strings
+        if in_str:
+            in_str, esc = (True, False) if esc else (ch != '"', ch == "\\")
+            continue
+        run_ws = run_ws + 1 if ch in WS else 0
+        best = max(best, run_ws)
+        depth += (ch in "{[") - (ch in "}]")
+        if depth > MAX_DEPTH:
+            return False
+        in_str = ch == '"'
+    return best <= MAX_WS
+
+
+def random_value(rng: random.Random, depth: int = 0):
+    k = rng.randrange(8 if depth < 3 else 5)
+    if k == 0:
+        return rng.choice([True, False, None])
+    if k == 1:
+        return rng.randint(-(10**6), 10**6)
+    if k == 2:
+        return rng.choice([0.5, -1.25e-7, 3.0e21, 0.0, 1e100])
+    if k in (3, 4):
+        return "".join(rng.choice('ab "\\/\n\t\u00e9\u4e2d\U0001f600\x01') for _ in range(rng.randint(0, 6)))
+    if k == 5:
+        return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {random_value(rng, 9) if rng.random() < 0.3 else "k": random_value(rng, depth + 1) for _ in range(3)}
+
+
+def random_doc(rng: random.Random) -> bytes:
+    obj = {f"k{i}": random_value(rng) for i in range(rng.randint(0, 4))}
+    text = json.dumps(obj, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 0, 2]))
+    if rng.random() < 0.5:
+        text = rng.choice(["", " ", "\n\t "]) + text
+    return text.encode("utf-8")
+
+
+def test_automaton_accepts_exactly_the_json_objects() -> None:
+    """Valid documents (and every prefix of them) are alive, whole ones end closed; byte mutations of them are
+    accepted exactly when Python's parser and codec accept them."""
+    rng = random.Random(0)
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    mutated_ok = mutated_bad = 0
+    for _ in range(300):
+        doc = random_doc(rng)
+        assert reference_valid(doc), doc
+        s = g.start()
+        for i, c in enumerate(doc):
+            s = run(s, bytes([c]))
+            assert s is not None, (doc, i)
+            assert (s[0] == DONE) == (i == len(doc) - 1), (doc, i)
+        for _ in range(8):
+            b = bytearray(doc)
+            i = rng.randrange(len(b) + 1)
+            op = rng.randrange(3)
+            c = rng.choice(b'{}[]":,0123456789.-+eEtrufalsn \n\\u\x80\xc3\xa9\xe4\xed\xf0\xff')
+            if op == 0:
+                b.insert(i, c)
+            elif i < len(b):
+                if op == 1:
+                    del b[i]
+                else:
+                    b[i] = c
+            ok = reference_valid(bytes(b))
+            end = run(g.start(), bytes(b))
+            assert (end is not None and end[0] == DONE) == ok, bytes(b)
+            mutated_ok += ok
+            mutated_bad += not ok
+    assert mutated_ok > 100 and mutated_bad > 500  # both sides were exercised
+
+
+@pytest.mark.parametrize(
+    "text,ok",
+    [
+        (b'{"a": "\xed\x9f\xbf"}', True),  # U+D7FF
+        (b'{"a": "\xed\xa0\x80"}', False),  # a surrogate
+        (b'{"a": "\xc0\xaf"}', False),  # overlong
+        (b'{"a": "\xf4\x8f\xbf\xbf"}', True),  # U+10FFFF
+        (b'{"a": "\xf4\x90\x80\x80"}', False),  # past U+10FFFF
+        (b'{"a": 01}', False),
+        (b'{"a": -0.5E+3}', True),
+        (b"{" + b" " * MAX_WS + b"}", True),
+        (b"{" + b" " * (MAX_WS + 1) + b"}", False),
+        (b'{"a":' + b"[" * (MAX_DEPTH - 1) + b"]" * (MAX_DEPTH - 1) + b"}", True),
+        (b'{"a":' + b"[" * MAX_DEPTH + b"]" * MAX_DEPTH + b"}", False),
+        (b"[1]", False),
+        (b"{} ", False),
+    ],
+)
+def test_automaton_edge_cases(text: bytes, ok: bool) -> None:
+    end = run((0, 0, 0, ""), text)
+    assert (end is not None and end[0] == DONE) == ok
+    assert reference_valid(text) == ok
+
+
+def synthetic_vocab(rng: random.Random, n: int) -> list[bytes | None]:
+    """Every single byte, then random tokens over JSON's bytes, letters, and whole / partial UTF-8 characters."""
+    alphabet = [*b'{}[]":,0123456789.-+eE \n\t\\/u', *b"truefalsnxyz"]
+    pieces = [bytes([c]) for c in alphabet] + [
+        "é".encode(),
+        "中".encode(),
+        "😀".encode(),
+        b"\xe4",
+        b"\xb8\xad",
+        b"\x80",
+    ]
+    vocab: list[bytes | None] = [bytes([b]) for b in range(256)]
+    seen = set(vocab)
+    while len(vocab) < n:
+        tok = b"".join(rng.choice(pieces) for _ in range(rng.randint(2, 6)))
+        if tok not in seen:
+            seen.add(tok)
+            vocab.append(tok)
+    vocab[5] = None  # a control token: never allowed
+    return vocab
+
+
+def states_along(g: JsonGrammar, rng: random.Random, docs: int) -> list[tuple]:
+    out = []
+    for _ in range(docs):
+        doc = random_doc(rng)
+        s = g.start()
+        for c in doc:
+            out.append(s)
+            s = run(s, bytes([c]))
+        out.append(s)
+    return out
+
+
+def test_masks_equal_a_token_by_token_scan() -> None:
+    """allowed(state) = {t : the token's bytes run from the state} (EOS: only once the object is closed), for
+    states all along random documents, inside and outside strings and mid-character; served again from the
+    per-state store."""
+    rng = random.Random(1)
+    vocab = synthetic_vocab(rng, 1500)
+    eos = len(vocab)
+    g = JsonGrammar(vocab + [b"</s>"], [eos], eos + 3)  # two padding rows past the tokenizer's vocabulary
+    states = states_along(g, rng, 25)
+    assert any(s[0] == 7 and s[2] != 0 for s in states)  # mid-character inside a string
+    for s in rng.sample(states, 150):
+        m = g.allowed(s)
+        want = [vocab[t] is not None and run(s, vocab[t]) is not None for t in range(len(vocab))]
+        assert m[: len(vocab)].tolist() == want, s
+        assert bool(m[eos]) == (s[0] == DONE) and not m[eos + 1 :].any()
+        assert g.allowed(s) is m
+        with pytest.raises(ValueError):
+            m[0] = True  # shared: read-only
+
+
+def test_prune_drops_refused_drafts_and_their_subtrees() -> None:
+    rng = random.Random(2)
+    vocab = synthetic_vocab(rng, 400)
+    g = JsonGrammar(vocab + [None], [len(vocab)])
+    for s in rng.sample(states_along(g, rng, 6), 40):
+        tokens, parents, seen = [7], [-1], set()
+        while len(tokens) < 30:
+            p, t = rng.randrange(len(tokens)), rng.randrange(len(vocab) + 1)
+            if (p, t) not in seen:
+                seen.add((p, t))
+                tokens.append(t)
+                parents.append(p)
+        q = torch.full((len(vocab) + 1,), 1.0 / (len(vocab) + 1))
+        tree = TokenTree(tuple(tokens), tuple(parents), {0: q, 1: q})
+        got, states = prune(g, tree, s)
+        alive = [s]
+        for i in range(1, len(tree)):
+            alive.append(None if alive[tree.parents[i]] is None else g.advance(alive[tree.parents[i]], tree.tokens[i]))
+        keep = [i for i, a in enumerate(alive) if a is not None]
+        assert list(got.tokens) == [tree.tokens[i] for i in keep]
+        assert states == [alive[i] for i in keep]
+        for new, old in enumerate(keep[1:], 1):  # parents renumbered
+            assert keep[got.parents[new]] == tree.parents[old]
+        lost = {tree.parents[i] for i, a in enumerate(alive) if a is None}
+        assert set(got.child_q) == {keep.index(k) for k in (0, 1) if k in keep and k not in lost}
+
+
+def test_constrain_masks_rows_and_undoes() -> None:
+    """Sampled rows: -inf exactly on the refused tokens. Greedy rows: left alone where the argmax is allowed,
+    masked where not. The undo restores every value."""
+    rng = random.Random(3)
+    vocab = synthetic_vocab(rng, 300)
+    V = len(vocab) + 1
+    g = JsonGrammar(vocab + [None], [len(vocab)])
+    states = rng.sample(states_along(g, rng, 4), 12)
+    gen = torch.Generator().manual_seed(0)
+    for greedy in (False, True):
+        logits = torch.randn(len(states), V, generator=gen)
+        ok_row = 3  # make row 3's argmax an allowed token
+        logits[ok_row, int(torch.from_numpy(g.allowed(states[ok_row])).nonzero()[0])] = 50.0
+        before = logits.clone()
+        undo = constrain_(logits, g, states, greedy)
+        masked = 0
+        for r, s in enumerate(states):
+            allowed = torch.from_numpy(g.allowed(s))
+            if greedy and g.allows(s, int(before[r].argmax())):
+                assert torch.equal(logits[r], before[r])
+            else:
+                masked += 1
+                assert torch.isinf(logits[r][~allowed]).all() and torch.equal(logits[r][allowed], before[r][allowed])
+            assert g.allows(s, int(logits[r].argmax()))
+        assert masked >= (1 if greedy else len(states))
+        assert not greedy or torch.equal(logits[ok_row], before[ok_row])
+        undo()
+        assert torch.equal(logits, before)
+
+
+# a 16-token vocabulary for the tiny model; 15 is EOS
+TINY = [b"{", b"}", b'"', b"a", b":", b",", b" ", b"1", b'{"a":', b'"b"', b"[", b"]", b"true", b"0.", b"\n", None]
+EOS = 15
+
+
+def tiny_grammar() -> JsonGrammar:
+    return JsonGrammar(TINY, [EOS])
+
+
+def test_constrained_plain_decoding_step_by_step() -> None:
+    """Greedy plain decoding in JSON mode = argmax of the masked full-forward row at each step; its text is a
+    JSON object's prefix (closed and then EOS where it ends), and it differs from free decoding."""
+    model = tiny(0, vocab=16, scale=2.0)
+    engine, g = Engine(model), tiny_grammar()
+    closed = 0
+    for seed in range(6):
+        prompt = [seed, 3, 5, 7]
+        got = engine.generate(prompt, GenerationConfig(max_new_tokens=20, grammar=g), drafter=None).token_ids
+        ctx, s = list(prompt), g.start()
+        with torch.inference_mode():
+            for _ in range(20):
+                lg, _ = model.forward(torch.tensor([ctx]), torch.arange(len(ctx)), logits_for=slice(-1, None))
+                row = lg[0, -1].masked_fill(~torch.from_numpy(g.allowed(s)), float("-inf"))
+                ctx.append(int(row.argmax()))
+                s = g.advance(s, ctx[-1])
+        assert got == ctx[len(prompt) :], seed
+        assert got != engine.generate(prompt, GenerationConfig(max_new_tokens=20), drafter=None).token_ids
+        closed += EOS in got
+        text = b"".join(TINY[t] for t in got[: got.index(EOS)] if t != EOS) if EOS in got else None
+        if text is not None:
+            assert run(g.start(), text)[0] == DONE
+    assert closed >= 1
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=5)], ids=["greedy", "seeded"]
+)
+def test_speculative_equals_plain_in_json_mode(sampling: SamplingParams) -> None:
+    """Random trees with right and wrong (often non-JSON) branches: pruned and constrained row by row, the output
+    is plain's token for token, with deep paths accepted."""
+    model = tiny(1, vocab=16, scale=2.0)
+    engine, g = Engine(model), tiny_grammar()
+    rng = random.Random(2)
+    accepted = 0
+    for trial in range(10):
+        prompt = [rng.randrange(16) for _ in range(rng.randint(2, 10))]
+        config = GenerationConfig(max_new_tokens=24, sampling=sampling, grammar=g)
+        ref = engine.generate(prompt, config, drafter=None).token_ids
+        drafter = RandomTreeDrafter(16, seed=trial, oracle=prompt + ref, p_right=0.8, max_depth=5)
+        stats = GenerationStats()
+        got = [t for step in engine.decode(prompt, config, drafter, stats) for t in step]
+        assert got == ref, trial
+        accepted += sum(s.accepted for s in stats.steps if s.accepted >= 2)
+    assert accepted > 30
+
+
+class ConstrainedExact(Exact):
+    """Exact's plain sequence distribution with each position masked by the automaton (prompt of ``n_prompt``)."""
+
+    def __init__(self, model, params: SamplingParams, g: JsonGrammar, n_prompt: int) -> None:
+        super().__init__(model, params)
+        self.g, self.n_prompt = g, n_prompt
+
+    def probs(self, ctx: Sequence[int]) -> torch.Tensor:
+        key = tuple(ctx)
+        if key not in self.memo:
+            s = self.g.start()
+            for t in ctx[self.n_prompt :]:
+                s = self.g.advance(s, t)
+            row = self.logits(ctx).masked_fill(~torch.from_numpy(self.g.allowed(s)), float("-inf"))
+            self.memo[key] = target_probs(row[None], self.params)[0].double()
+        return self.memo[key]
+
+
+def test_sampled_distribution_in_json_mode_matches_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recursive rejection sampling (forced) over random trees with sampled and top children, pruned by the
+    automaton: the sequences' distribution is the constrained plain one (chi-square, 500 draws)."""
+    monkeypatch.setattr(treedraft.verify, "uses_coupling", lambda rule, params, tree=None: False)
+    V, n, trials = 16, 3, 500
+    params = SamplingParams(temperature=0.9)
+    g = tiny_grammar()
+    model = tiny(4, vocab=V, scale=0.6)
+    engine = Engine(model)
+    prompt = [1, 5, 2]
+    expected = ConstrainedExact(model, params, g, len(prompt)).sequences(prompt, n)
+    draft = Exact(tiny(5, vocab=V, scale=0.6), SamplingParams(temperature=1.0))
+    drafter = DraftFromQ(draft.probs, 0.3, vocab=V, seed=7, p_sample=0.6, max_children=3, max_depth=3)
+    counts: Counter = Counter()
+    accepted = 0
+    for i in range(trials):
+        sampling = SamplingParams(params.temperature, seed=3000 + i)
+        r = engine.generate(prompt, GenerationConfig(n, sampling, grammar=g), drafter)
+        counts[tuple(r.token_ids)] += 1
+        accepted += r.stats.accepted_tokens
+    assert set(counts) <= set(expected)  # only JSON prefixes
+    assert_fits(counts, expected, "speculative sampling in JSON mode")
+    assert accepted > trials / 20
+
+
+def test_json_mode_config_errors() -> None:
+    g = tiny_grammar()
+    with pytest.raises(GenerationError, match="ignore_eos"):
+        GenerationConfig(grammar=g, ignore_eos=True)
+    from treedraft.penalties import Penalties
+
+    with pytest.raises(GenerationError, match="min_tokens"):
+        GenerationConfig(grammar=g, penalties=Penalties(min_tokens=2, stop_ids=(EOS,)))
+    with pytest.raises(ValueError, match="EOS"):
+        JsonGrammar(TINY, [])
+
+
+@pytest.mark.slow
+def test_json_mode_real_model(smollm_int4) -> None:
+    """The real int4 model: answers in JSON mode parse as objects, and the default drafter's output = plain."""
+    llm = smollm_int4
+    asks = [
+        "List three fruits and their colors as JSON.",
+        "Write a short poem about the sea.",  # not a JSON request: the mask has to steer it
+    ]
+    for q in asks:
+        plain = llm.generate(q, drafter=None, max_new_tokens=96, response_format="json_object")
+        spec = llm.generate(q, drafter="default", max_new_tokens=96, response_format={"type": "json_object"})
+        assert spec.token_ids == plain.token_ids, q
+        if plain.finish_reason == "stop":
+            assert isinstance(json.loads(plain.text), dict), plain.text
+        else:  # cut by max_new_tokens: still a JSON object's prefix
+            g = llm._json
+            s = g.start()
+            for t in plain.token_ids:
+                s = g.advance(s, t)
+            assert s is not None and s[0] != DONE
+    first = llm.generate(asks[0], drafter=None, max_new_tokens=96, response_format="json_object")
+    assert first.finish_reason == "stop" and len(json.loads(first.text)) >= 1
+    with pytest.raises(GenerationError, match="json_object"):
+        llm.generate(asks[0], max_new_tokens=4, response_format="yaml")
+
+
+@pytest.mark.parametrize("scheme", ["byte-level", "byte-fallback"])
+def test_grammar_from_tokenizers_of_both_byte_schemes(scheme: str) -> None:
+    """From a real tokenizer object: a JSON text's own tokens run to the closed object (pieces of characters,
+    and an added non-special token such as Gemma's "\\n\\n"), special tokens are never allowed, EOS only at the
+    end."""
+    from test_tokenizer import byte_fallback, byte_level
+
+    from treedraft.tokenizer import Tokenizer
+
+    base = (byte_level if scheme == "byte-level" else byte_fallback)().hf
+    hf = base.__class__(tokenizer_object=base.backend_tokenizer.__class__.from_str(base.backend_tokenizer.to_str()))
+    hf.eos_token = "<eos>"
+    hf.add_tokens(["\n\n"])  # added, not special
+    hf.add_special_tokens({"additional_special_tokens": ["<ctl>"]})
+    tok = Tokenizer(hf)
+    g = JsonGrammar.from_tokenizer(tok)
+    eos, ctl, nl2 = hf.eos_token_id, hf.convert_tokens_to_ids("<ctl>"), hf.convert_tokens_to_ids("\n\n")
+    assert tok.special_ids >= {eos, ctl} and nl2 not in tok.special_ids
+    text = '{"a": "h\u00e9llo w\u00f6rld \u65e5\u672c\u8a9e \U0001f642",\n\n "b": [1, true]}'
+    ids = tok.encode(text)
+    assert nl2 in ids and b"".join(tok.token_bytes(t) for t in ids) == text.encode()
+    s = g.start()
+    for t in ids:
+        assert not g.allowed(s)[ctl] and not g.allowed(s)[eos]
+        assert g.allowed(s)[t]
+        s = g.advance(s, t)
+    assert s[0] == DONE and g.allowed(s).nonzero()[0].tolist() == [eos]
