@@ -58,7 +58,7 @@ def test_generate_prints_text_and_speed() -> None:
     assert "tok/s" in r.stderr
 
 
-def test_bad_limits_are_reported_cleanly_before_loading(capsys, no_model_load) -> None:
+def test_bad_limits_are_reported_cleanly_before_loading(capsys, no_model_load, tmp_path) -> None:
     r = run_in_process(capsys, "generate", "hi", "--max-new-tokens", "0")
     assert r.returncode == 2 and "max_new_tokens" in r.stderr and "Traceback" not in r.stderr
     r = run_in_process(capsys, "generate", "", "--drafter", "none")
@@ -71,6 +71,12 @@ def test_bad_limits_are_reported_cleanly_before_loading(capsys, no_model_load) -
     assert r.returncode == 2 and "frequency_penalty" in r.stderr
     r = run_in_process(capsys, "generate", "hi", "--json", "--min-tokens", "3")
     assert r.returncode == 2 and "--min-tokens cannot be combined with --json" in r.stderr
+    r = run_in_process(capsys, "generate", "hi", "--json-schema", "/nonexistent/schema.json")
+    assert r.returncode == 2 and "--json-schema /nonexistent/schema.json" in r.stderr
+    bad = tmp_path / "s.json"
+    bad.write_text('{"type": "object", "properties": {"a": {"format": "date"}}}')
+    r = run_in_process(capsys, "generate", "hi", "--json-schema", str(bad))
+    assert r.returncode == 2 and "'format'" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_unknown_drafter_is_reported_before_loading(capsys, monkeypatch) -> None:

@@ -125,7 +125,7 @@ def test_automaton_accepts_exactly_the_json_objects() -> None:
     ],
 )
 def test_automaton_edge_cases(text: bytes, ok: bool) -> None:
-    end = run((0, 0, 0, ""), text)
+    end = run((0, 0, 0, ()), text)
     assert (end is not None and end[0] == DONE) == ok
     assert reference_valid(text) == ok
 
@@ -376,6 +376,19 @@ def test_json_mode_real_model(smollm_int4) -> None:
     assert first.finish_reason == "stop" and len(json.loads(first.text)) >= 1
     with pytest.raises(GenerationError, match="json_object"):
         llm.generate(asks[0], max_new_tokens=4, response_format="yaml")
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"enum": ["Paris", "Rome"]}},
+        "required": ["name", "age", "city"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": person}}
+    q = "Describe Alice, 30, from Paris."
+    plain = llm.generate(q, drafter=None, max_new_tokens=64, response_format=fmt)
+    spec = llm.generate(q, drafter="default", max_new_tokens=64, response_format=fmt)
+    assert spec.token_ids == plain.token_ids and plain.finish_reason == "stop"
+    assert schema_valid(plain.text.encode(), person), plain.text
+    with pytest.raises(GenerationError, match="'minimum'"):
+        llm.generate(q, max_new_tokens=4, response_format=fmt | {"json_schema": {"schema": {"minimum": 1}}})
 
 
 @pytest.mark.parametrize("scheme", ["byte-level", "byte-fallback"])
@@ -405,3 +418,283 @@ def test_grammar_from_tokenizers_of_both_byte_schemes(scheme: str) -> None:
         assert g.allowed(s)[t]
         s = g.advance(s, t)
     assert s[0] == DONE and g.allowed(s).nonzero()[0].tolist() == [eos]
+
+
+# ---- JSON Schema (response_format json_schema)
+
+
+def conforms(v, sch) -> bool:
+    """The schema subset's meaning, for the reference: declared keys only where ``properties`` is given."""
+    if sch is True or sch == {}:
+        return True
+    if "const" in sch or "enum" in sch:
+        vals = [sch["const"]] if "const" in sch else sch["enum"]
+        return any(type(v) is type(x) and v == x for x in vals)
+    t = sch.get("type") or ("object" if "properties" in sch else "array" if "items" in sch else None)
+    types = [t] if isinstance(t, str) else t
+    ok_type = {
+        "object": isinstance(v, dict),
+        "array": isinstance(v, list),
+        "string": isinstance(v, str),
+        "number": isinstance(v, (int, float)) and not isinstance(v, bool),
+        "integer": isinstance(v, int) and not isinstance(v, bool),
+        "boolean": isinstance(v, bool),
+        "null": v is None,
+    }
+    if types is not None and not any(ok_type[x] for x in types):
+        return False
+    if isinstance(v, dict) and "properties" in sch:
+        props = sch["properties"]
+        if not set(v) <= set(props) or not set(sch.get("required", [])) <= set(v):
+            return False
+        return all(conforms(x, props[k]) for k, x in v.items())
+    if isinstance(v, list) and "items" in sch:
+        return all(conforms(x, sch["items"]) for x in v)
+    return True
+
+
+def schema_valid(data: bytes, sch: dict) -> bool:
+    """reference_valid, no repeated key, and the schema."""
+    if not reference_valid(data):
+        return False
+
+    def pairs(kv):
+        if len({k for k, _ in kv}) != len(kv):
+            raise ValueError("repeated key")
+        return dict(kv)
+
+    try:
+        v = json.loads(data.decode(), object_pairs_hook=pairs)
+    except ValueError:
+        return False
+    return conforms(v, sch)
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    k = rng.randrange(9 if depth < 2 else 6)
+    if k == 0:
+        return {"type": rng.choice(["string", "number", "integer", "boolean", "null"])}
+    if k == 1:
+        return {"type": ["integer", "null"]}
+    if k == 2:
+        return {"enum": rng.sample(["ab", "ba", "a", 3, 30, True, None], 3)}
+    if k == 3:
+        return {"const": rng.choice(["x", 7, False])}
+    if k == 4:
+        return {}
+    if k == 5:
+        return {"type": "string", "description": "an annotation"}
+    if k == 6:
+        return {"type": "array", "items": random_schema(rng, depth + 1)}
+    return random_object_schema(rng, depth + 1)
+
+
+def random_object_schema(rng: random.Random, depth: int = 0) -> dict:
+    names = rng.sample(["a", "ab", "b", "na\u00efve", 'q"t', "x"], rng.randint(0, 4))
+    props = {n: random_schema(rng, depth) for n in names}
+    return {"type": "object", "properties": props, "required": [n for n in names if rng.random() < 0.6]}
+
+
+def random_instance(rng: random.Random, sch: dict, depth: int = 0):
+    if sch == {}:
+        return random_value(rng, 3)
+    if "const" in sch:
+        return sch["const"]
+    if "enum" in sch:
+        return rng.choice(sch["enum"])
+    t = sch.get("type")
+    t = rng.choice(t) if isinstance(t, list) else t
+    if t == "object":
+        props = sch.get("properties", {})
+        keys = [k for k in props if k in sch.get("required", []) or rng.random() < 0.5]
+        rng.shuffle(keys)
+        return {k: random_instance(rng, props[k], depth + 1) for k in keys}
+    if t == "array":
+        return [random_instance(rng, sch["items"], depth + 1) for _ in range(rng.randint(0, 3))]
+    return {
+        "string": lambda: "".join(rng.choice('ab "\\\n\u00e9\U0001f600') for _ in range(rng.randint(0, 5))),
+        "number": lambda: rng.choice([1.5, -2, 0, 1e-3]),
+        "integer": lambda: rng.randint(-50, 50),
+        "boolean": lambda: rng.random() < 0.5,
+        "null": lambda: None,
+    }[t]()
+
+
+def test_schema_automaton_accepts_exactly_the_valid_objects() -> None:
+    """Random schemas (declared keys in any order, required ones, enums, consts, integer / number, nested arrays and
+    objects): their random instances (and every prefix) are alive and end closed; byte mutations are accepted
+    exactly when Python's parser and the schema's meaning accept them."""
+    rng = random.Random(5)
+    base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    ok_seen = bad_seen = 0
+    for _ in range(120):
+        sch = random_object_schema(rng)
+        g = base.with_schema(sch)
+        for _ in range(3):
+            doc = json.dumps(random_instance(rng, sch), ensure_ascii=False, indent=rng.choice([None, 1])).encode()
+            assert schema_valid(doc, sch), (sch, doc)
+            s = g.start()
+            for i, c in enumerate(doc):
+                s = g.advance(s, c)
+                assert s is not None, (sch, doc, i)
+            assert s[0] == DONE
+            for _ in range(6):
+                b = bytearray(doc)
+                i = rng.randrange(len(b) + 1)
+                c = rng.choice(b'{}[]":,0123456789.-eEtrufalsnabxq \\')
+                if rng.random() < 0.5 or i == len(b):
+                    b.insert(i, c)
+                else:
+                    b[i] = c
+                want = schema_valid(bytes(b), sch)
+                end = run(g.start(), bytes(b), g.nodes)
+                assert (end is not None and end[0] == DONE) == want, (sch, bytes(b))
+                ok_seen += want
+                bad_seen += not want
+    assert ok_seen > 30 and bad_seen > 500
+
+
+def test_schema_masks_equal_a_token_by_token_scan() -> None:
+    rng = random.Random(6)
+    vocab = synthetic_vocab(rng, 1200)
+    eos = len(vocab)
+    base = JsonGrammar(vocab + [b"</s>"], [eos])
+    for _ in range(8):
+        sch = random_object_schema(rng)
+        g = base.with_schema(sch)
+        for _ in range(3):
+            doc = json.dumps(random_instance(rng, sch), ensure_ascii=False).encode()
+            s = g.start()
+            for c in doc:
+                m = g.allowed(s)
+                want = [vocab[t] is not None and run(s, vocab[t], g.nodes) is not None for t in range(len(vocab))]
+                assert m[: len(vocab)].tolist() == want, (sch, s)
+                assert m[c] and not m[eos]
+                s = run(s, bytes([c]), g.nodes)
+            assert g.allowed(s).nonzero()[0].tolist() == [eos]
+
+
+@pytest.mark.parametrize(
+    "schema,match",
+    [
+        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}, "'pattern'"),
+        ({"type": "array", "items": {}}, "root must be an object"),
+        ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required"),
+        ({"type": "object", "properties": {"a": {"enum": []}}}, "enum"),
+        ({"type": "object", "properties": {"a": {"type": "text"}}}, "type must be"),
+        ({"type": "object", "properties": {"a": {"$ref": "#/x"}}}, "'\\$ref'"),
+    ],
+)
+def test_unsupported_schemas_are_refused_by_name(schema: dict, match: str) -> None:
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    with pytest.raises(ValueError, match=match):
+        g.with_schema(schema)
+
+
+TINY_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "array", "items": {"type": "boolean"}}},
+    "required": ["a"],
+}
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=5)], ids=["greedy", "seeded"]
+)
+def test_speculative_equals_plain_under_a_schema(sampling: SamplingParams) -> None:
+    """The tiny model under a schema ({"a": [booleans]}, required): random trees give plain's tokens, and every
+    closed answer holds the required key and booleans only."""
+    model = tiny(0, vocab=16, scale=2.0)
+    engine, g = Engine(model), tiny_grammar().with_schema(TINY_SCHEMA)
+    rng = random.Random(4)
+    closed = 0
+    for trial in range(8):
+        prompt = [rng.randrange(16) for _ in range(rng.randint(2, 8))]
+        config = GenerationConfig(max_new_tokens=20, sampling=sampling, grammar=g)
+        ref = engine.generate(prompt, config, drafter=None).token_ids
+        drafter = RandomTreeDrafter(16, seed=trial, oracle=prompt + ref, p_right=0.8, max_depth=5)
+        assert engine.generate(prompt, config, drafter).token_ids == ref, trial
+        if EOS in ref:
+            closed += 1
+            text = b"".join(TINY[t] for t in ref[: ref.index(EOS)])
+            assert schema_valid(text, TINY_SCHEMA), text
+    assert closed >= 2
+
+
+def can_finish(s: tuple, g: JsonGrammar) -> bool:
+    """Whether some bytes take ``s`` to the closed object: a depth-first search over bytes that can write every key
+    and value of the test schemas, closers first and openers last (so it closes before it nests), each state once."""
+    order = b'}]",:0123456789-.etfrualsnbxqiv\\\xc3\xaf {['
+    seen: set = set()
+
+    def dfs(x: tuple, depth: int) -> bool:
+        if x[0] == DONE:
+            return True
+        if depth > 250 or x in seen:
+            return False
+        seen.add(x)
+        return any(y is not None and dfs(y, depth + 1) for y in (run(x, bytes([c]), g.nodes) for c in order))
+
+    return dfs(s, 0)
+
+
+def test_no_live_state_is_a_dead_end() -> None:
+    """Every state the automaton accepts, along instances and along mutated documents up to where it refuses them,
+    can still reach a closed object (a dead end would leave a row with no allowed token)."""
+    rng = random.Random(8)
+    base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    for _ in range(25):
+        sch = random_object_schema(rng)
+        g = base.with_schema(sch)
+        doc = bytearray(json.dumps(random_instance(rng, sch), ensure_ascii=False).encode())
+        for _ in range(3):
+            doc.insert(rng.randrange(len(doc) + 1), rng.choice(b'{}[]":,0-etn \\'))
+        s, states = g.start(), set()
+        for c in doc:
+            s = run(s, bytes([c]), g.nodes)
+            if s is None:
+                break
+            states.add(s)
+        for s in states:
+            assert can_finish(s, g), (sch, s)
+
+
+EDGE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer"},
+        "b": {"type": ["number", "null"]},
+        "e": {"enum": [3, 30, "x"]},
+        'q"t': {"const": True},
+        "o": {"type": "object", "properties": {}},
+    },
+    "required": ["a"],
+}
+
+
+@pytest.mark.parametrize(
+    "text,ok",
+    [
+        (b'{"a": 1}', True),
+        (b'{"b": null, "a": -2}', True),  # any order
+        (b'{"a": 1, "a": 2}', False),  # a key once
+        (b'{"b": 1}', False),  # "a" is required
+        (b'{"a": 1.5}', False),  # an integer
+        (b'{"a": 1, "b": 1.5e3}', True),
+        (b'{"a": 1, "c": 2}', False),  # declared keys only
+        (b'{"a": 1, "e": 30}', True),
+        (b'{"a": 1, "e": 303}', False),
+        (b'{"a": 1, "e": "x"}', True),
+        (b'{"a": 1, "e": "xy"}', False),
+        (b'{"a": 1, "q\\"t": true}', True),  # an escaped quote inside a key
+        (b'{"a": 1, "o": {}}', True),
+        (b'{"a": 1, "o": {"k": 1}}', False),  # properties {}: no keys at all
+    ],
+)
+def test_schema_edge_cases(text: bytes, ok: bool) -> None:
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257).with_schema(EDGE_SCHEMA)
+    end = run(g.start(), text, g.nodes)
+    assert (end is not None and end[0] == DONE) == ok
+    assert schema_valid(text, EDGE_SCHEMA) == ok
+    every = run(g.start(), b'{"a": 1, "b": 2, "e": 3, "q\\"t": true, "o": {}', g.nodes)
+    assert every is not None and run(every, b",", g.nodes) is None  # no key left: no comma (no dead end)

@@ -386,6 +386,13 @@ BAD_REQUESTS = [
     ("chat", {"messages": _HI, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
     ("chat", {"messages": _HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("chat", {"messages": _HI, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("chat", {"messages": _HI, "response_format": {"type": "yaml"}}, 400, "response_format"),
+    (
+        "chat",
+        {"messages": _HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {"pattern": "x"}}}},
+        400,
+        "response_format",
+    ),
     ("chat", {"messages": _HI, "response_format": {"type": "json_object"}, "ignore_eos": True}, 400, "ignore_eos"),
     ("chat", {"messages": _HI, "response_format": {"type": "json_object"}, "min_tokens": 2}, 400, "min_tokens"),
     ("chat", {"messages": _HI, "logit_bias": {"5": 101.0}}, 400, "logit_bias"),
@@ -618,7 +625,7 @@ def test_json_mode_reaches_the_engine(server: LiveServer, llm: LLM) -> None:
     want = llm.text.generate(llm.encode_prompt(prompt, raw=True), llm.config(40, response_format="json_object"))
     assert out["text"] == want.text
     assert out["text"] != httpx.post(url, json=body, timeout=TIMEOUT).json()["choices"][0]["text"]
-    end = run((0, 0, 0, ""), out["text"].encode())
+    end = run((0, 0, 0, ()), out["text"].encode())
     assert end is not None and (end[0] == DONE) == (out["finish_reason"] == "stop")
     chat = f"{server.url}/v1/chat/completions"
     sampled = {"model": "tiny", "messages": CHAT, "max_tokens": 30, "temperature": 1.0, "seed": 3, "n": 2} | fmt
@@ -631,7 +638,14 @@ def test_json_mode_reaches_the_engine(server: LiveServer, llm: LLM) -> None:
                     streamed[c["index"]] += c["delta"].get("content") or ""
     assert streamed == texts
     for t in texts:
-        assert run((0, 0, 0, ""), t.encode()) is not None
+        assert run((0, 0, 0, ()), t.encode()) is not None
+    schema = {"type": "object", "properties": {"ab": {"type": "boolean"}}, "required": ["ab"]}
+    fmt = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    out = httpx.post(url, json=body | fmt, timeout=TIMEOUT).json()["choices"][0]
+    want = llm.text.generate(
+        llm.encode_prompt(prompt, raw=True), llm.config(40, response_format=fmt["response_format"])
+    )
+    assert out["text"] == want.text and out["text"].lstrip().startswith('{"ab"')
 
 
 def test_min_tokens_holds_the_end_back(server: LiveServer) -> None:

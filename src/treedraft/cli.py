@@ -98,6 +98,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2, minus this x the token's count")
     p.add_argument("--min-tokens", type=int, default=0, help="no end of turn (EOS) before this many tokens")
     p.add_argument("--json", action="store_true", help="JSON mode: the answer is one JSON object")
+    p.add_argument(
+        "--json-schema", default=None, metavar="FILE", help="the answer is an object valid under this schema"
+    )
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
@@ -160,8 +163,25 @@ def _gen_kwargs(a: argparse.Namespace) -> dict:
         presence_penalty=a.presence_penalty,
         frequency_penalty=a.frequency_penalty,
         min_tokens=a.min_tokens,
-        response_format="json_object" if a.json else None,
+        response_format=_response_format(a),
     )
+
+
+def _response_format(a: argparse.Namespace) -> str | dict | None:
+    """--json / --json-schema FILE as a response_format (ValueError naming the file if it is not a JSON schema)."""
+    if a.json_schema is None:
+        return "json_object" if a.json else None
+    import json
+
+    try:
+        with open(a.json_schema, encoding="utf-8") as f:
+            schema = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--json-schema {a.json_schema}: {e}") from None
+    from .grammar import compile_schema
+
+    compile_schema(schema)  # unsupported keywords are reported before the model loads
+    return {"type": "json_schema", "json_schema": {"schema": schema}}
 
 
 def _run_stream(llm, prompt, a: argparse.Namespace, raw: bool) -> str:
@@ -191,7 +211,9 @@ def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> None:
 
     kw = _gen_kwargs(a)
     if kw.pop("response_format") and a.min_tokens:
-        raise ValueError("--min-tokens cannot be combined with --json (the closed object ends the answer)")
+        raise ValueError(
+            "--min-tokens cannot be combined with --json / --json-schema (the closed object ends the answer)"
+        )
     sampling = SamplingParams(kw.pop("temperature"), kw.pop("top_k"), kw.pop("top_p"), kw.pop("seed"))
     penalties = Penalties(
         repetition=kw.pop("repetition_penalty"),

@@ -26,8 +26,11 @@ The pieces:
 
 from __future__ import annotations
 
+import copy
+import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,12 +41,14 @@ from .tree import TokenTree
 MAX_DEPTH = 32  # nested objects / arrays
 MAX_WS = 32  # whitespace bytes in a row between tokens of the JSON text
 
-# modes (a state is (mode, a, b, stack); stack: the open containers, "{" / "[")
-START, VALUE, ARR_FIRST, OBJ_FIRST, KEY, COLON, AFTER, STR, ESC, UHEX, NUM, LIT, DONE, END = range(14)
-# structural modes: a = the whitespace bytes just read
-# STR: a = 1 in a key, 0 in a value; b = the UTF-8 state below.  ESC: a as STR.  UHEX: a as STR, b = hex digits left.
-# NUM: a = the number state below.  LIT: a = the literal's bytes still to come.  DONE: the object is closed (EOS only);
-# END: after that EOS (EOS only: drafts beyond it are never delivered)
+# modes. A state is (mode, a, b, stack); stack: a tuple of the open containers' frames, ("{", schema node, keys seen
+# (bitmask), the key being written or -1) for objects and ("[", schema node) for arrays
+START, VALUE, ARR_FIRST, OBJ_FIRST, KEY, COLON, AFTER, STR, ESC, UHEX, NUM, LIT, KSTR, ENUM, DONE, END = range(16)
+# structural modes: a = the whitespace bytes just read (START: b = the root's schema node)
+# STR: a = 1 in a free object's key, 0 in a value; b = the UTF-8 state below.  ESC: a as STR.  UHEX: a as STR, b =
+# hex digits left.  NUM: a = the number state below, b = 1 for integers only.  LIT: a = the literal's bytes still to
+# come.  KSTR: a declared key being written, a = its bytes so far.  ENUM: a = the value's bytes so far, b = its node.
+# DONE: the object is closed (EOS only); END: after that EOS (EOS only: drafts beyond it are never delivered)
 
 # UTF-8 inside strings: b = 0 (at a character boundary) or the continuation still needed and its allowed first byte
 # (the Unicode standard's table 3-7 of well-formed sequences: no overlongs, surrogates or code points past U+10FFFF)
@@ -70,44 +75,77 @@ _WS = frozenset(b" \t\n\r")
 _ESCAPED = frozenset(b'"\\/bfnrt')
 
 State = tuple
+TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
-def _close(stack: str) -> State:
+@dataclass(frozen=True)
+class SchemaNode:
+    """One schema of a compiled JSON Schema (:func:`compile_schema`). ``keys``: the declared properties' names as
+    their JSON text (escaped UTF-8, no quotes), the only keys its objects take unless ``free`` (no ``properties``:
+    any keys, each value node 0, any JSON). ``required``: bitmask over ``keys``. ``enum``: the allowed values'
+    compact JSON texts (None: any of ``types``)."""
+
+    types: frozenset[str] = frozenset(TYPES)
+    keys: tuple[bytes, ...] = ()
+    values: tuple[int, ...] = ()
+    required: int = 0
+    items: int = 0
+    enum: tuple[bytes, ...] | None = None
+    free: bool = True
+
+
+ANY = (SchemaNode(),)  # json_object: node 0 is any JSON value (an object at the top)
+
+
+def _close(stack: tuple) -> State:
     rest = stack[:-1]
-    return (AFTER, 0, 0, rest) if rest else (DONE, 0, 0, "")
+    return (AFTER, 0, 0, rest) if rest else (DONE, 0, 0, ())
 
 
-def _value(c: int, stack: str) -> State | None:
-    """The state after byte ``c`` where a value starts."""
+def _value_node(stack: tuple, nodes: Sequence[SchemaNode]) -> int:
+    """The schema node of the value that starts here (in the innermost container)."""
+    top = stack[-1]
+    if top[0] == "[":
+        return nodes[top[1]].items
+    node = nodes[top[1]]
+    return 0 if node.free else node.values[top[3]]
+
+
+def _value(c: int, stack: tuple, n: int, nodes: Sequence[SchemaNode]) -> State | None:
+    """The state after byte ``c`` where a value of schema node ``n`` starts."""
+    node = nodes[n]
+    if node.enum is not None:
+        p = bytes([c])
+        return (ENUM, p, n, stack) if any(e.startswith(p) for e in node.enum) else None
+    t = node.types
     if c == 0x22:  # "
-        return (STR, 0, 0, stack)
-    if c in _DIGITS:
-        return (NUM, N_ZERO if c == 0x30 else N_INT, 0, stack)
-    if c == 0x2D:  # -
-        return (NUM, N_MINUS, 0, stack)
-    if c == 0x7B or c == 0x5B:  # { [
-        if len(stack) >= MAX_DEPTH:
+        return (STR, 0, 0, stack) if "string" in t else None
+    if c in _DIGITS or c == 0x2D:  # a digit, -
+        if "number" not in t and "integer" not in t:
             return None
-        return (OBJ_FIRST if c == 0x7B else ARR_FIRST, 0, 0, stack + chr(c))
-    if c == 0x74:  # t
-        return (LIT, b"rue", 0, stack)
-    if c == 0x66:  # f
-        return (LIT, b"alse", 0, stack)
-    if c == 0x6E:  # n
+        sub = N_MINUS if c == 0x2D else N_ZERO if c == 0x30 else N_INT
+        return (NUM, sub, int("number" not in t), stack)
+    if c == 0x7B or c == 0x5B:  # { [
+        if len(stack) >= MAX_DEPTH or ("object" if c == 0x7B else "array") not in t:
+            return None
+        return (OBJ_FIRST, 0, 0, (*stack, ("{", n, 0, -1))) if c == 0x7B else (ARR_FIRST, 0, 0, (*stack, ("[", n)))
+    if (c == 0x74 or c == 0x66) and "boolean" in t:  # t f
+        return (LIT, b"rue" if c == 0x74 else b"alse", 0, stack)
+    if c == 0x6E and "null" in t:  # n
         return (LIT, b"ull", 0, stack)
     return None
 
 
-def _number(s: State, c: int) -> State | None:
-    n, stack = s[1], s[3]
+def _number(s: State, c: int, nodes: Sequence[SchemaNode]) -> State | None:
+    n, integer, stack = s[1], s[2], s[3]
     digit = c in _DIGITS
     if n == N_MINUS:
-        return (NUM, N_ZERO if c == 0x30 else N_INT, 0, stack) if digit else None
+        return (NUM, N_ZERO if c == 0x30 else N_INT, integer, stack) if digit else None
     if n == N_INT and digit:
         return s
-    if n in (N_ZERO, N_INT) and c == 0x2E:  # .
+    if n in (N_ZERO, N_INT) and c == 0x2E and not integer:  # .
         return (NUM, N_DOT, 0, stack)
-    if n in (N_ZERO, N_INT, N_FRAC) and c in (0x65, 0x45):  # e E
+    if n in (N_ZERO, N_INT, N_FRAC) and c in (0x65, 0x45) and not integer:  # e E
         return (NUM, N_E, 0, stack)
     if n in (N_DOT, N_FRAC) and digit:
         return (NUM, N_FRAC, 0, stack)
@@ -116,12 +154,44 @@ def _number(s: State, c: int) -> State | None:
     if n in (N_E, N_ESIGN, N_EXP) and digit:
         return (NUM, N_EXP, 0, stack)
     if n in _N_END and not digit:  # the number ended: this byte follows a value ("01" is no number)
-        return step((AFTER, 0, 0, stack), c)
+        return step((AFTER, 0, 0, stack), c, nodes)
     return None
 
 
-def step(s: State, c: int) -> State | None:
-    """The automaton's state after byte ``c`` (0..255), or None where no JSON object continues so."""
+def _key(stack: tuple, nodes: Sequence[SchemaNode]) -> State:
+    """The state after a key's opening quote: a declared key, or any string in a free object."""
+    return (STR, 1, 0, stack) if nodes[stack[-1][1]].free else (KSTR, b"", 0, stack)
+
+
+def _declared_key(s: State, c: int, nodes: Sequence[SchemaNode]) -> State | None:
+    prefix, stack = s[1], s[3]
+    _, n, seen, _ = frame = stack[-1]
+    keys = nodes[n].keys
+    if c == 0x22 and (len(prefix) - len(prefix.rstrip(b"\\"))) % 2 == 0:  # the key ends (no escaped quote)
+        for i, k in enumerate(keys):
+            if k == prefix and not seen >> i & 1:
+                return (COLON, 0, 0, (*stack[:-1], (frame[0], n, seen | 1 << i, i)))
+        return None
+    p = prefix + bytes([c])
+    ok = any(k.startswith(p) and not seen >> i & 1 for i, k in enumerate(keys))
+    return (KSTR, p, 0, stack) if ok else None
+
+
+def _closes(frame: tuple, nodes: Sequence[SchemaNode]) -> bool:
+    """An object may close here: every required key written."""
+    req = nodes[frame[1]].required
+    return frame[2] & req == req
+
+
+def _more_keys(frame: tuple, nodes: Sequence[SchemaNode]) -> bool:
+    """An object may take another key: a free one, or a declared key not written yet."""
+    node = nodes[frame[1]]
+    return node.free or frame[2] != (1 << len(node.keys)) - 1
+
+
+def step(s: State, c: int, nodes: Sequence[SchemaNode] = ANY) -> State | None:
+    """The automaton's state after byte ``c`` (0..255), or None where no JSON object (of ``nodes``' schema)
+    continues so."""
     mode = s[0]
     if mode == STR:
         b = s[2]
@@ -139,7 +209,15 @@ def step(s: State, c: int) -> State | None:
         lo, hi = _UTF8_RANGE[b]
         return (STR, s[1], _UTF8_NEXT[b], s[3]) if lo <= c <= hi else None
     if mode == NUM:
-        return _number(s, c)
+        return _number(s, c, nodes)
+    if mode == KSTR:
+        return _declared_key(s, c, nodes)
+    if mode == ENUM:
+        p = s[1] + bytes([c])
+        enum = nodes[s[2]].enum
+        if any(e.startswith(p) for e in enum):
+            return (ENUM, p, s[2], s[3])
+        return step((AFTER, 0, 0, s[3]), c, nodes) if s[1] in enum else None
     if mode == ESC:
         if c in _ESCAPED:
             return (STR, s[1], 0, s[3])
@@ -157,34 +235,100 @@ def step(s: State, c: int) -> State | None:
         return None
     stack = s[3]
     if c in _WS:
-        return None if s[1] >= MAX_WS else (mode, s[1] + 1, 0, stack)
+        return None if s[1] >= MAX_WS else (mode, s[1] + 1, s[2], stack)
     if mode == AFTER:
+        top = stack[-1]
+        if top[0] == "[":
+            return (VALUE, 0, 0, stack) if c == 0x2C else _close(stack) if c == 0x5D else None
         if c == 0x2C:  # ,
-            return (KEY if stack[-1] == "{" else VALUE, 0, 0, stack)
-        return _close(stack) if c == (0x7D if stack[-1] == "{" else 0x5D) else None
+            return (KEY, 0, 0, stack) if _more_keys(top, nodes) else None
+        return _close(stack) if c == 0x7D and _closes(top, nodes) else None
     if mode == VALUE:
-        return _value(c, stack)
+        return _value(c, stack, _value_node(stack, nodes), nodes)
     if mode == COLON:
         return (VALUE, 0, 0, stack) if c == 0x3A else None
     if mode == KEY:
-        return (STR, 1, 0, stack) if c == 0x22 else None
+        return _key(stack, nodes) if c == 0x22 else None
     if mode == OBJ_FIRST:
         if c == 0x22:
-            return (STR, 1, 0, stack)
-        return _close(stack) if c == 0x7D else None
+            return _key(stack, nodes) if _more_keys(stack[-1], nodes) else None
+        return _close(stack) if c == 0x7D and _closes(stack[-1], nodes) else None
     if mode == ARR_FIRST:
-        return _close(stack) if c == 0x5D else _value(c, stack)
+        return _close(stack) if c == 0x5D else _value(c, stack, _value_node(stack, nodes), nodes)
     # START: whitespace, then the object
-    return (OBJ_FIRST, 0, 0, "{") if c == 0x7B else None
+    return (OBJ_FIRST, 0, 0, (("{", s[2], 0, -1),)) if c == 0x7B else None
 
 
-def run(s: State | None, data: bytes) -> State | None:
+def run(s: State | None, data: bytes, nodes: Sequence[SchemaNode] = ANY) -> State | None:
     """``step`` over every byte of ``data`` (None once refused)."""
     for c in data:
         if s is None:
             return None
-        s = step(s, c)
+        s = step(s, c, nodes)
     return s
+
+
+_ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$schema", "$id", "$comment"))
+_KEYWORDS = frozenset(("type", "properties", "required", "additionalProperties", "items", "enum", "const"))
+
+
+def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
+    """A JSON Schema (the subset OpenAI's strict structured outputs use, without references) as schema nodes, the
+    root last. Keywords: ``type`` (a name or a list), ``properties``, ``required``, ``additionalProperties`` (only
+    the declared properties are ever generated, whatever it says: a subset of what it allows), ``items``,
+    ``enum``, ``const``, and annotations (title, description, default, examples). Anything else is a ValueError
+    naming it: a constraint that cannot be enforced is refused, not silently dropped. The root must be an object."""
+    nodes: list[SchemaNode] = [SchemaNode()]
+
+    def add(sch: object, where: str) -> int:
+        if sch is True or sch == {}:
+            return 0
+        if not isinstance(sch, dict):
+            raise ValueError(f"json_schema at {where}: a schema must be an object, got {sch!r}")
+        unknown = sorted(set(sch) - _KEYWORDS - _ANNOTATIONS)
+        if unknown:
+            raise ValueError(
+                f"json_schema at {where}: keyword(s) {', '.join(map(repr, unknown))} not supported; supported: "
+                f"{', '.join(sorted(_KEYWORDS))} (and annotations)"
+            )
+        if "enum" in sch or "const" in sch:
+            vals = [sch["const"]] if "const" in sch else sch["enum"]
+            if not isinstance(vals, list) or not vals:
+                raise ValueError(f"json_schema at {where}: enum must be a non-empty list")
+            texts = []
+            for v in vals:
+                if isinstance(v, (dict, list)):
+                    raise ValueError(f"json_schema at {where}: enum / const values must be strings, numbers, "
+                                     f"booleans or null, got {v!r}")  # fmt: skip
+                texts.append(json.dumps(v, ensure_ascii=False, allow_nan=False).encode("utf-8"))
+            nodes.append(SchemaNode(enum=tuple(dict.fromkeys(texts))))
+            return len(nodes) - 1
+        t = sch.get("type")
+        if t is None:
+            t = "object" if "properties" in sch else "array" if "items" in sch else list(TYPES)
+        types = [t] if isinstance(t, str) else t
+        if not isinstance(types, list) or not types or any(x not in TYPES for x in types):
+            raise ValueError(f"json_schema at {where}: type must be one of {', '.join(TYPES)} or a list of them")
+        props = sch.get("properties", {})
+        if not isinstance(props, dict):
+            raise ValueError(f"json_schema at {where}: properties must be an object")
+        required = sch.get("required", [])
+        if not isinstance(required, list) or any(r not in props for r in required):
+            raise ValueError(f"json_schema at {where}: required must list names from properties, got {required!r}")
+        names = list(props)
+        values = tuple(add(props[k], f"{where}.properties.{k}") for k in names)
+        items = add(sch.get("items", {}), f"{where}.items")
+        keys = tuple(json.dumps(k, ensure_ascii=False)[1:-1].encode("utf-8") for k in names)
+        req = sum(1 << names.index(r) for r in set(required))
+        nodes.append(SchemaNode(frozenset(types), keys, values, req, items, None, "properties" not in sch))
+        return len(nodes) - 1
+
+    if not isinstance(schema, dict):
+        raise ValueError(f"json_schema: the schema must be a JSON object, got {schema!r}")
+    root = add(schema, "$")
+    if root == 0 or "object" not in nodes[root].types or nodes[root].enum is not None:
+        raise ValueError("json_schema: the root must be an object schema (type: object)")
+    return tuple(nodes)
 
 
 class _Node:
@@ -198,7 +342,10 @@ class _Node:
 class JsonGrammar:
     """The JSON automaton over one vocabulary: ``token_bytes[t]`` is token t's bytes (None: never allowed, e.g.
     control tokens); ``eos_ids`` end the answer once the object is closed (and only then); ``vocab_size``: the
-    model's logit rows (ids past ``token_bytes`` are never allowed). Shared by requests (it keeps masks per state)."""
+    model's logit rows (ids past ``token_bytes`` are never allowed). Any JSON object; :meth:`with_schema` gives the
+    automaton of a JSON Schema over the same vocabulary index. Shared by requests (it keeps masks per state)."""
+
+    nodes: tuple[SchemaNode, ...] = ANY
 
     def __init__(self, token_bytes: Sequence[bytes | None], eos_ids: Sequence[int], vocab_size: int | None = None):
         self.vocab_size = len(token_bytes) if vocab_size is None else int(vocab_size)
@@ -242,18 +389,26 @@ class JsonGrammar:
         token_bytes = [None if t in special else of(t) for t in range(n)]
         return cls(token_bytes, sorted(tokenizer.eos_token_ids), vocab_size if vocab_size is not None else n)
 
+    def with_schema(self, schema: dict) -> JsonGrammar:
+        """The automaton of objects valid under ``schema`` (:func:`compile_schema`; ValueError for what it does not
+        support), sharing this one's vocabulary index (the trie, the in-string tables)."""
+        g = copy.copy(self)
+        g.nodes = compile_schema(schema)
+        g._masks = OrderedDict()
+        return g
+
     def start(self) -> State:
         """The state before the answer's first token."""
-        return (START, 0, 0, "")
+        return (START, 0, len(self.nodes) - 1 if self.nodes is not ANY else 0, ())
 
     def advance(self, s: State | None, token: int) -> State | None:
         """The state after ``token`` (None: the automaton refuses it there)."""
         if s is None:
             return None
         if token in self.eos:
-            return (END, 0, 0, "") if s[0] >= DONE else None
+            return (END, 0, 0, ()) if s[0] >= DONE else None
         b = self.bytes[token] if 0 <= token < self.vocab_size else None
-        return None if b is None else run(s, b)
+        return None if b is None else run(s, b, self.nodes)
 
     def allows(self, s: State, token: int) -> bool:
         return self.advance(s, token) is not None
@@ -268,7 +423,7 @@ class JsonGrammar:
             return self._eos_only
         if s[0] == STR:
             m = self._in_string_mask(s[2]).copy()
-            m[[t for t in self._exits if run(s, self.bytes[t]) is not None]] = True
+            m[[t for t in self._exits if run(s, self.bytes[t], self.nodes) is not None]] = True
         else:
             m = np.zeros(self.vocab_size, np.bool_)
             ids: list[int] = []
@@ -284,7 +439,7 @@ class JsonGrammar:
 
     def _walk(self, node: _Node, s: State, out: list[int]) -> None:
         for c, kid in node.kids.items():
-            ns = step(s, c)
+            ns = step(s, c, self.nodes)
             if ns is not None:
                 out.extend(kid.ids)
                 if kid.kids:
@@ -295,7 +450,7 @@ class JsonGrammar:
         m = self._in_string.get(utf8)
         if m is None:
             m = np.zeros(self.vocab_size, np.bool_)
-            s0 = (STR, 0, utf8, "{")
+            s0 = (STR, 0, utf8, (("{", 0, 0, -1),))
             for t, b in enumerate(self.bytes):
                 if b is not None and b'"' not in b and b"\\" not in b:
                     s = run(s0, b)

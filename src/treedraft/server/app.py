@@ -270,6 +270,13 @@ class OpenAIServer:
         if any(not x for x in stop):
             raise APIError(400, f"stop strings must be non-empty, got {stop!r}", param="stop")
         prompts = await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.encode, req)
+        if req.response_format is not None:  # JSON mode's automaton: built once (~1.4 s) off the event loop
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    self.tok_pool, self.llm.json_grammar, req.response_format
+                )
+            except ValueError as e:  # a schema it does not support, say
+                raise APIError(400, str(e), param="response_format") from None
         if len(prompts) * (req.n or 1) > self.settings.max_queue:
             what = f"n={req.n}" if len(prompts) == 1 else f"{len(prompts)} prompts x n={req.n or 1}"
             raise APIError(

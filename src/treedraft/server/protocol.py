@@ -147,7 +147,7 @@ class CommonRequest(BaseModel):
     min_tokens: int | None = Field(None, ge=0)  # vLLM-style extra: no EOS before this many tokens
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    response_format: dict[str, Any] | None = None  # {"type": "text"} or {"type": "json_object"} (JSON mode)
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema"} (JSON mode)
     treedraft: TreedraftOptions | None = None
 
 
@@ -224,10 +224,10 @@ def reject_unsupported(req: CommonRequest) -> None:
             raise APIError(400, f"logit_bias names token {int(k)} more than once", param="logit_bias")
         seen.add(int(k))
     kind = None if req.response_format is None else req.response_format.get("type")
-    if req.response_format is not None and kind not in ("text", "json_object"):
+    if req.response_format is not None and kind not in ("text", "json_object", "json_schema"):
         raise APIError(
             400,
-            f"response_format type {kind!r} is not supported; use 'text' or 'json_object' (JSON mode)",
+            f"response_format type {kind!r} is not supported; use 'text', 'json_object' or 'json_schema'",
             param="response_format",
         )
     if req.stream_options is not None and not req.stream:
