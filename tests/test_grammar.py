@@ -5,6 +5,7 @@ the real model's answers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections import Counter
@@ -18,6 +19,7 @@ from test_engine import DraftFromQ, Exact, RandomTreeDrafter, tiny
 import treedraft.verify
 from treedraft.engine import Engine, GenerationConfig, GenerationError, GenerationStats
 from treedraft.grammar import DONE, MAX_DEPTH, MAX_WS, JsonGrammar, constrain_, prune, run
+from treedraft.penalties import Penalties
 from treedraft.sampling import SamplingParams, target_probs
 from treedraft.tree import TokenTree
 
@@ -344,8 +346,6 @@ def test_json_mode_config_errors() -> None:
     g = tiny_grammar()
     with pytest.raises(GenerationError, match="ignore_eos"):
         GenerationConfig(grammar=g, ignore_eos=True)
-    from treedraft.penalties import Penalties
-
     with pytest.raises(GenerationError, match="min_tokens"):
         GenerationConfig(grammar=g, penalties=Penalties(min_tokens=2, stop_ids=(EOS,)))
     with pytest.raises(ValueError, match="EOS"):
@@ -371,7 +371,7 @@ def test_json_mode_real_model(smollm_int4) -> None:
             s = g.start()
             for t in plain.token_ids:
                 s = g.advance(s, t)
-            assert s is not None and s[0] != DONE
+            assert s is not None
     first = llm.generate(asks[0], drafter=None, max_new_tokens=96, response_format="json_object")
     assert first.finish_reason == "stop" and len(json.loads(first.text)) >= 1
     with pytest.raises(GenerationError, match="json_object"):
@@ -698,3 +698,63 @@ def test_schema_edge_cases(text: bytes, ok: bool) -> None:
     assert schema_valid(text, EDGE_SCHEMA) == ok
     every = run(g.start(), b'{"a": 1, "b": 2, "e": 3, "q\\"t": true, "o": {}', g.nodes)
     assert every is not None and run(every, b",", g.nodes) is None  # no key left: no comma (no dead end)
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=9)], ids=["greedy", "seeded"]
+)
+def test_json_mode_with_penalties_and_logprobs(sampling: SamplingParams) -> None:
+    """JSON mode on top of penalties, with logprobs: random trees give plain's tokens and logprobs, and every value
+    is the model's own log-softmax (both adjustments undone, in the right order, before they are read)."""
+    from test_penalties import BOTH
+
+    from treedraft.text import TextGenerator
+
+    model = tiny(0, vocab=16, scale=2.0)
+    gen = TextGenerator(Engine(model))
+    config = GenerationConfig(max_new_tokens=20, sampling=sampling, grammar=tiny_grammar(), penalties=BOTH, logprobs=2)
+    prompt = [3, 1, 4, 1, 5]
+    plain = gen.generate(prompt, config, None)
+    free = gen.generate(prompt, dataclasses.replace(config, grammar=None, penalties=Penalties()), None)
+    assert plain.token_ids != free.token_ids
+    seq = prompt + plain.token_ids
+    with torch.inference_mode():
+        logits, _ = model.forward(torch.tensor([seq]), torch.arange(len(seq)), None, 0)
+    ref = logits[0].double().log_softmax(-1)
+    for i, lp in enumerate(plain.logprobs):
+        assert abs(lp.logprob - float(ref[len(prompt) - 1 + i, lp.token_id])) < 1e-4, i
+    for trial in range(4):
+        drafter = RandomTreeDrafter(16, seed=trial, oracle=seq, p_right=0.8, max_depth=4)
+        spec = gen.generate(prompt, config, drafter)
+        assert spec.token_ids == plain.token_ids, trial
+        for a, b in zip(spec.logprobs, plain.logprobs, strict=True):  # fp32 rows: the tree's rounding differs
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4, trial
+
+
+def test_grammar_of_another_vocabulary_size_is_refused() -> None:
+    engine = Engine(tiny(0, vocab=16))
+    short = JsonGrammar(TINY[:15], [14])
+    with pytest.raises(GenerationError, match="from_tokenizer"):
+        engine.generate([1, 2], GenerationConfig(max_new_tokens=4, grammar=short), drafter=None)
+
+
+def test_drafts_the_automaton_always_refuses_back_off() -> None:
+    """A drafter whose every draft token is refused (pruned to the root): those steps count as failed drafting, so
+    the drafting backoff pauses it as it would any drafter that is never accepted."""
+    from treedraft.scheduler import BACKOFF_AFTER
+
+    class Refused:
+        name = "refused"
+        calls = 0
+
+        def propose(self, ctx):
+            self.calls += 1
+            return TokenTree.chain(ctx.root, [15, 15])  # EOS before the object closes: never allowed
+
+    drafter = Refused()
+    engine = Engine(tiny(3, vocab=16, scale=2.0))  # its answer never closes: EOS stays refused
+    config = GenerationConfig(max_new_tokens=40, grammar=tiny_grammar())
+    ref = engine.generate([0, 3, 5, 7], config, drafter=None).token_ids
+    got = engine.generate([0, 3, 5, 7], config, drafter)
+    assert got.token_ids == ref and EOS not in ref and len(ref) >= BACKOFF_AFTER + 8
+    assert drafter.calls < len(ref) - 4  # paused for some steps

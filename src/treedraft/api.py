@@ -165,8 +165,10 @@ class LLM:
         "json_object"}`` any JSON object, ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` (OpenAI's
         shape) objects valid under that schema; None for "text" or None. The vocabulary's index is built at the
         first call (~1.4 s for 49k tokens) and shared; schemas' automata are kept for reuse (the last 32)."""
+        if response_format is None:
+            return None
         kind = response_format.get("type") if isinstance(response_format, dict) else response_format
-        if kind is None or kind == "text":
+        if kind == "text":
             return None
         if kind not in ("json_object", "json_schema"):
             raise GenerationError(

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .interfaces import GenerationError
 from .tree import TokenTree
 
 MAX_DEPTH = 32  # nested objects / arrays
@@ -430,7 +431,7 @@ class JsonGrammar:
             self._walk(self.root, s, ids)
             m[ids] = True
         if not m.any():  # cannot happen with a vocabulary holding every single byte
-            raise ValueError("no token of this vocabulary continues the JSON text")
+            raise GenerationError("no token of this vocabulary continues the JSON text")
         m.setflags(write=False)
         self._masks[s] = m
         if len(self._masks) > self._max_masks:
@@ -488,21 +489,23 @@ def constrain_(logits: Tensor, grammar: JsonGrammar, states: Sequence[State], gr
     from .verify import greedy_token
 
     kept: list[tuple[int, Tensor]] = []
-    for r, s in enumerate(states):
-        row = logits[r]
-        if greedy and grammar.allows(s, greedy_token(row)):
-            continue
-        ok = grammar.allowed(s)
-        kept.append((r, row.clone()))
-        if row.device.type == "cpu" and row.dtype == torch.float32:
-            np.copyto(row.detach().numpy(), np.float32("-inf"), where=~ok)
-        else:
-            row.masked_fill_(~torch.from_numpy(ok).to(row.device), float("-inf"))
-    if not kept:
-        return _noop
 
     def undo() -> None:
         for r, v in kept:
             logits[r] = v
 
-    return undo
+    try:
+        for r, s in enumerate(states):
+            row = logits[r]
+            if greedy and grammar.allows(s, greedy_token(row)):
+                continue
+            ok = grammar.allowed(s)
+            kept.append((r, row.clone()))
+            if row.device.type == "cpu" and row.dtype == torch.float32:
+                np.copyto(row.detach().numpy(), np.float32("-inf"), where=~ok)
+            else:
+                row.masked_fill_(~torch.from_numpy(ok.copy()).to(row.device), float("-inf"))
+    except BaseException:
+        undo()  # no row left half constrained
+        raise
+    return undo if kept else _noop

@@ -132,6 +132,7 @@ class _Rows:
     logit_rows: list[int]  # rows of this block that need logits
     t_draft: float = 0.0
     states: list | None = None  # JSON mode: each tree row's automaton state (after the committed tokens and its path)
+    drafted: bool = False  # its drafter proposed draft tokens (JSON mode may have pruned them all)
 
 
 @dataclass
@@ -235,6 +236,11 @@ class Scheduler:
         if cfg.penalties.active:
             req.penalty = PenaltyState(cfg.penalties, prompt)
         if cfg.grammar is not None:
+            if cfg.grammar.vocab_size != eng.model.vocab_size:
+                raise GenerationError(
+                    f"the JSON grammar covers {cfg.grammar.vocab_size} token ids but the model has "
+                    f"{eng.model.vocab_size}; build it with JsonGrammar.from_tokenizer(tokenizer, model.vocab_size)"
+                )
             req.gstate = cfg.grammar.start()
         if self.prefix_cache is not None and getattr(cache, "kv", None) is not None:
             self._reuse_prefix(req)
@@ -298,7 +304,7 @@ class Scheduler:
             tree = tree.pruned_depth(max_depth)
         else:
             tree = TokenTree((root,), (-1,))
-        states = None
+        states, drafted = None, len(tree) > 1
         if req.gstate is not None:  # JSON mode: the drafts it refuses would never be accepted; they cost no rows
             tree, states = prune(req.config.grammar, tree, req.gstate)
         tree = tree.truncated(budget)
@@ -307,6 +313,7 @@ class Scheduler:
         pos = [start] if n == 1 else [start + d for d in tree.depths()]
         rows = _Rows(req, list(tree.tokens), pos, start, mask, tree, list(range(n)))
         rows.states = None if states is None else states[:n]
+        rows.drafted = drafted
         rows.t_draft = time.perf_counter() - ts
         return rows
 
@@ -414,8 +421,13 @@ class Scheduler:
         self._prev = None
         plan = self._plan()
         failed = [(r, []) for r in self.active if r.error is not None]
-        firsts = [(r, self._first(r, r.first_logits, r.last_hidden)) for r in self.active if r.first_logits is not None]
-        for r, _ in firsts:
+        firsts = []
+        for r in [r for r in self.active if r.first_logits is not None]:
+            try:
+                firsts.append((r, self._first(r, r.first_logits, r.last_hidden)))
+            except Exception as e:  # e.g. JSON mode with no allowed token: this request alone fails
+                r.error = e
+                failed.append((r, []))
             r.first_logits = None
         if not plan:
             self.last_step = StepTimes(committed=len(firsts))
@@ -515,7 +527,7 @@ class Scheduler:
             req.penalty.add(new)
         if p.states is not None:  # the accepted path's state, then the bonus token
             req.gstate = self._advance(req, p.states[acc_nodes[-1]], [bonus])
-        if n > 1:
+        if p.drafted:  # drafts the automaton refused all count as a failed drafted step (backoff)
             self._track_drafting(req, accepted=len(new) > 1)
         te = time.perf_counter()
         depth = 0 if n == 1 else max(tree.depths())
@@ -537,7 +549,12 @@ class Scheduler:
         if req.penalty is not None:
             undos.append(penalize_(logits, req.penalty, paths))
         if states is not None:
-            undos.append(constrain_(logits, req.config.grammar, states, req.config.sampling.greedy))
+            try:
+                undos.append(constrain_(logits, req.config.grammar, states, req.config.sampling.greedy))
+            except BaseException:
+                for u in undos:  # the rows may be the prefix cache's: never leave them adjusted
+                    u()
+                raise
 
         def undo() -> None:
             for u in reversed(undos):
