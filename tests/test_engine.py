@@ -211,10 +211,14 @@ class Exact:
             self.raw[key] = lg[0, -1]
         return self.raw[key]
 
+    def row(self, ctx: Sequence[int]) -> torch.Tensor:
+        """The logits plain decoding samples from after ``ctx`` (subclasses adjust them: penalties, JSON mode)."""
+        return self.logits(ctx)
+
     def probs(self, ctx: Sequence[int]) -> torch.Tensor:
         key = tuple(ctx)
         if key not in self.memo:
-            self.memo[key] = target_probs(self.logits(ctx)[None], self.params)[0].double()
+            self.memo[key] = target_probs(self.row(ctx)[None], self.params)[0].double()
         return self.memo[key]
 
     def sequences(self, prompt: list[int], n: int) -> dict[tuple[int, ...], float]:

@@ -17,7 +17,7 @@ from test_engine import DraftFromQ, Exact, RandomTreeDrafter, cfg, tiny
 import treedraft.verify
 from treedraft.engine import Engine, GenerationConfig, GenerationStats
 from treedraft.penalties import Penalties, PenaltyState, penalize_
-from treedraft.sampling import SamplingParams, target_probs
+from treedraft.sampling import SamplingParams
 from treedraft.tree import TokenTree
 
 BOTH = Penalties(repetition=1.6, presence=0.4, frequency=0.7, bias=((3, 1.5), (5, -0.8)))
@@ -140,12 +140,8 @@ class PenalisedExact(Exact):
         super().__init__(model, params)
         self.pen, self.n_prompt = pen, n_prompt
 
-    def probs(self, ctx: Sequence[int]) -> torch.Tensor:
-        key = tuple(ctx)
-        if key not in self.memo:
-            row = reference(self.logits(ctx), ctx[: self.n_prompt], ctx[self.n_prompt :], self.pen)
-            self.memo[key] = target_probs(row[None], self.params)[0].double()
-        return self.memo[key]
+    def row(self, ctx: Sequence[int]) -> torch.Tensor:
+        return reference(self.logits(ctx), ctx[: self.n_prompt], ctx[self.n_prompt :], self.pen)
 
 
 def test_sampled_distribution_with_penalties_matches_plain(monkeypatch: pytest.MonkeyPatch) -> None:
