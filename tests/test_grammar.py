@@ -6,6 +6,7 @@ the real model's answers."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import random
 from collections import Counter
@@ -585,6 +586,14 @@ def test_schema_masks_equal_a_token_by_token_scan() -> None:
         ({"type": "object", "properties": {"a": {"enum": []}}}, "enum"),
         ({"type": "object", "properties": {"a": {"type": "text"}}}, "type must be"),
         ({"type": "object", "properties": {"a": {"$ref": "#/x"}}}, "'\\$ref'"),
+        (
+            functools.reduce(
+                lambda inner, _: {"type": "object", "properties": {"a": inner}, "required": ["a"]},
+                range(MAX_DEPTH + 1),  # 33 nested objects (32 + a scalar leaf fit)
+                {"type": "integer"},
+            ),
+            "more than 32 nested",
+        ),
     ],
 )
 def test_unsupported_schemas_are_refused_by_name(schema: dict, match: str) -> None:
@@ -737,3 +746,15 @@ def test_drafts_the_automaton_always_refuses_back_off() -> None:
     got = engine.generate([0, 3, 5, 7], config, drafter)
     assert got.token_ids == ref and EOS not in ref and len(ref) >= BACKOFF_AFTER + 8
     assert drafter.calls < len(ref) - 4  # paused for some steps
+
+
+def test_schema_nesting_up_to_the_cap_compiles_and_closes() -> None:
+    """32 required nested objects (the automaton's cap) around a scalar: compiled, and the only document closes."""
+    sch = functools.reduce(
+        lambda inner, _: {"type": "object", "properties": {"a": inner}, "required": ["a"]},
+        range(MAX_DEPTH),
+        {"type": "integer"},
+    )
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257).with_schema(sch)
+    end = run(g.start(), b'{"a":' * (MAX_DEPTH - 1) + b'{"a":1' + b"}" * MAX_DEPTH, g.nodes)
+    assert end is not None and end[0] == DONE

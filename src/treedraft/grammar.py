@@ -281,7 +281,7 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
     naming it: a constraint that cannot be enforced is refused, not silently dropped. The root must be an object."""
     nodes: list[SchemaNode] = [SchemaNode()]
 
-    def add(sch: object, where: str) -> int:
+    def add(sch: object, where: str, depth: int = 1) -> int:
         if sch is True or sch == {}:
             return 0
         if not isinstance(sch, dict):
@@ -310,6 +310,8 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         types = [t] if isinstance(t, str) else t
         if not isinstance(types, list) or not types or any(x not in TYPES for x in types):
             raise ValueError(f"json_schema at {where}: type must be one of {', '.join(TYPES)} or a list of them")
+        if depth > MAX_DEPTH and set(types) <= {"object", "array"}:  # a container past the automaton's cap
+            raise ValueError(f"json_schema at {where}: needs more than {MAX_DEPTH} nested objects / arrays")
         props = sch.get("properties", {})
         if not isinstance(props, dict):
             raise ValueError(f"json_schema at {where}: properties must be an object")
@@ -317,8 +319,8 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         if not isinstance(required, list) or any(r not in props for r in required):
             raise ValueError(f"json_schema at {where}: required must list names from properties, got {required!r}")
         names = list(props)
-        values = tuple(add(props[k], f"{where}.properties.{k}") for k in names)
-        items = add(sch.get("items", {}), f"{where}.items")
+        values = tuple(add(props[k], f"{where}.properties.{k}", depth + 1) for k in names)
+        items = add(sch.get("items", {}), f"{where}.items", depth + 1)
         keys = tuple(json.dumps(k, ensure_ascii=False)[1:-1].encode("utf-8") for k in names)
         req = sum(1 << names.index(r) for r in set(required))
         nodes.append(SchemaNode(frozenset(types), keys, values, req, items, None, "properties" not in sch))
