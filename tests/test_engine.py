@@ -197,6 +197,24 @@ def test_kv_cache_matches_plain_prefill_after_each_step(sampling: SamplingParams
             assert stats.accepted_tokens > 0
 
 
+def random_trees_equal_plain(engine: Engine, config: GenerationConfig, trials: int = 10) -> tuple[list[list[int]], int]:
+    """Random prompts (seeded): each one's speculative output over random trees with right and wrong branches
+    (``RandomTreeDrafter``) must be its plain output. Returns the plain outputs and the draft tokens accepted on
+    steps that took two or more (deep paths: rows below the root did the work)."""
+    rng = random.Random(2)
+    refs, accepted = [], 0
+    for trial in range(trials):
+        prompt = [rng.randrange(16) for _ in range(rng.randint(2, 10))]
+        ref = engine.generate(prompt, config, drafter=None).token_ids
+        drafter = RandomTreeDrafter(16, seed=trial, oracle=prompt + ref, p_right=0.8, max_depth=5)
+        stats = GenerationStats()
+        got = [t for step in engine.decode(prompt, config, drafter, stats) for t in step]
+        assert got == ref, trial
+        refs.append(ref)
+        accepted += sum(s.accepted for s in stats.steps if s.accepted >= 2)
+    return refs, accepted
+
+
 # ---- sampling distribution of whole sequences --------------------------------
 class Exact:
     """Exact sequence distribution of plain sampling, by enumerating prefixes (memoised)."""

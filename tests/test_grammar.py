@@ -15,10 +15,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 from spec_stats import assert_fits
-from test_engine import DraftFromQ, Exact, RandomTreeDrafter, tiny
+from test_engine import DraftFromQ, Exact, RandomTreeDrafter, random_trees_equal_plain, tiny
 
 import treedraft.verify
-from treedraft.engine import Engine, GenerationConfig, GenerationError, GenerationStats
+from treedraft.engine import Engine, GenerationConfig, GenerationError
 from treedraft.grammar import DONE, MAX_DEPTH, MAX_WS, JsonGrammar, constrain_, prune, run
 from treedraft.penalties import Penalties
 from treedraft.sampling import SamplingParams
@@ -286,19 +286,11 @@ def test_speculative_equals_plain_in_json_mode(sampling: SamplingParams, schema:
     """Random trees with right and wrong (often non-JSON) branches: pruned and constrained row by row, the output
     is plain's token for token, with deep paths accepted; under a schema ({"a": [booleans]}, required) every
     closed answer is valid."""
-    model = tiny(0, vocab=16, scale=2.0)
-    engine, g = Engine(model), tiny_grammar().with_schema(TINY_SCHEMA) if schema else tiny_grammar()
-    rng = random.Random(2)
-    accepted = closed = 0
-    for trial in range(10):
-        prompt = [rng.randrange(16) for _ in range(rng.randint(2, 10))]
-        config = GenerationConfig(max_new_tokens=24, sampling=sampling, grammar=g)
-        ref = engine.generate(prompt, config, drafter=None).token_ids
-        drafter = RandomTreeDrafter(16, seed=trial, oracle=prompt + ref, p_right=0.8, max_depth=5)
-        stats = GenerationStats()
-        got = [t for step in engine.decode(prompt, config, drafter, stats) for t in step]
-        assert got == ref, trial
-        accepted += sum(s.accepted for s in stats.steps if s.accepted >= 2)
+    g = tiny_grammar().with_schema(TINY_SCHEMA) if schema else tiny_grammar()
+    config = GenerationConfig(max_new_tokens=24, sampling=sampling, grammar=g)
+    refs, accepted = random_trees_equal_plain(Engine(tiny(0, vocab=16, scale=2.0)), config)
+    closed = 0
+    for ref in refs:
         if schema and EOS in ref:
             closed += 1
             text = b"".join(TINY[t] for t in ref[: ref.index(EOS)])

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 from spec_stats import assert_fits
-from test_engine import DraftFromQ, Exact, RandomTreeDrafter, cfg, tiny
+from test_engine import DraftFromQ, Exact, RandomTreeDrafter, cfg, random_trees_equal_plain, tiny
 
 import treedraft.verify
-from treedraft.engine import Engine, GenerationConfig, GenerationStats
+from treedraft.engine import Engine, GenerationConfig
 from treedraft.penalties import Penalties, PenaltyState, penalize_
 from treedraft.sampling import SamplingParams
 from treedraft.tree import TokenTree
@@ -117,19 +117,9 @@ def test_plain_decoding_applies_the_penalties_step_by_step() -> None:
 def test_speculative_equals_plain_with_penalties(sampling: SamplingParams) -> None:
     """Random trees with right and wrong branches: each row is penalised with its own path counted, so the
     output is plain's token for token; ignoring the paths (the committed tokens only) fails it."""
-    model = tiny(1, vocab=16, scale=2.0)
-    engine = Engine(model)
-    rng = random.Random(2)
-    accepted = 0
-    for trial in range(10):
-        prompt = [rng.randrange(16) for _ in range(rng.randint(2, 10))]
-        config = GenerationConfig(max_new_tokens=24, sampling=sampling, ignore_eos=True, penalties=BOTH)
-        ref = engine.generate(prompt, config, drafter=None).token_ids
-        drafter = RandomTreeDrafter(16, seed=trial, oracle=prompt + ref, p_right=0.8, max_depth=5)
-        stats = GenerationStats()
-        got = [t for step in engine.decode(prompt, config, drafter, stats) for t in step]
-        assert got == ref, trial
-        accepted += sum(s.accepted for s in stats.steps if s.accepted >= 2)
+    engine = Engine(tiny(1, vocab=16, scale=2.0))
+    config = GenerationConfig(max_new_tokens=24, sampling=sampling, ignore_eos=True, penalties=BOTH)
+    _, accepted = random_trees_equal_plain(engine, config)
     assert accepted > 30  # deep paths were accepted: rows below the root were penalised with their paths
 
 
