@@ -174,16 +174,16 @@ class LLM:
             raise GenerationError(
                 f"response_format must be 'text', 'json_object' or 'json_schema', got {response_format!r}"
             )
-        if self._json is None:
-            self._json = JsonGrammar.from_tokenizer(self.tokenizer, self.model.vocab_size)
-        if kind == "json_object":
-            return self._json
         spec = response_format.get("json_schema") if isinstance(response_format, dict) else None
         schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
+        if kind == "json_schema" and not isinstance(schema, dict):
             raise GenerationError('response_format json_schema needs {"json_schema": {"schema": {...}}}')
-        key = json.dumps(schema, sort_keys=True)
-        with self._lock:  # the server builds these on its tokenizer threads
+        with self._lock:  # the server builds these on its tokenizer threads: once, not once per thread
+            if self._json is None:
+                self._json = JsonGrammar.from_tokenizer(self.tokenizer, self.model.vocab_size)
+            if kind == "json_object":
+                return self._json
+            key = json.dumps(schema, sort_keys=True)
             g = self._schemas.pop(key, None)
             if g is None:
                 try:

@@ -402,7 +402,7 @@ class JsonGrammar:
 
     def start(self) -> State:
         """The state before the answer's first token."""
-        return (START, 0, len(self.nodes) - 1 if self.nodes is not ANY else 0, ())
+        return (START, 0, len(self.nodes) - 1, ())  # the root is the last node (ANY's only one)
 
     def advance(self, s: State | None, token: int) -> State | None:
         """The state after ``token`` (None: the automaton refuses it there)."""
