@@ -371,17 +371,29 @@ def test_json_mode_real_model(smollm_int4) -> None:
     assert first.finish_reason == "stop" and len(json.loads(first.text)) >= 1
     with pytest.raises(GenerationError, match="json_object"):
         llm.generate(asks[0], max_new_tokens=4, response_format="yaml")
-    person = {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"enum": ["Paris", "Rome"]}},
-        "required": ["name", "age", "city"],
-    }
+    import enum
+
+    import pydantic
+
+    class City(str, enum.Enum):  # pydantic writes it to $defs and refers to it
+        paris = "Paris"
+        rome = "Rome"
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+        city: City
+        nickname: str | None = None  # anyOf string / null
+
+    person = Person.model_json_schema()
+    assert "$defs" in person and "anyOf" in json.dumps(person)
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": person}}
     q = "Describe Alice, 30, from Paris."
     plain = llm.generate(q, drafter=None, max_new_tokens=64, response_format=fmt)
     spec = llm.generate(q, drafter="default", max_new_tokens=64, response_format=fmt)
     assert spec.token_ids == plain.token_ids and plain.finish_reason == "stop"
     assert schema_valid(plain.text.encode(), person), plain.text
+    assert Person.model_validate_json(plain.text).city in (City.paris, City.rome)
     with pytest.raises(GenerationError, match="'minimum'"):
         llm.generate(q, max_new_tokens=4, response_format=fmt | {"json_schema": {"schema": {"minimum": 1}}})
 
@@ -418,10 +430,32 @@ def test_grammar_from_tokenizers_of_both_byte_schemes(scheme: str) -> None:
 # ---- JSON Schema (response_format json_schema)
 
 
-def conforms(v, sch) -> bool:
-    """The schema subset's meaning, for the reference: declared keys only where ``properties`` is given."""
+def resolve(sch, root):
+    """The schema a $ref / one-schema allOf stands for (local JSON pointers only)."""
+    while isinstance(sch, dict) and ("$ref" in sch or "allOf" in sch):
+        if "allOf" in sch:
+            sch = sch["allOf"][0]
+            continue
+        cur = root
+        for part in sch["$ref"].lstrip("#").split("/")[1:]:
+            cur = cur[part]
+        sch = cur
+    return sch
+
+
+def conforms(v, sch, root=None) -> bool:
+    """The schema subset's meaning, for the reference: declared keys only where ``properties`` is given, integers
+    and enum values as their own JSON types (no 1.0 for 1)."""
+    root = sch if root is None else root
+    sch = resolve(sch, root)
     if sch is True or sch == {}:
         return True
+    if sch is False:
+        return False
+    if "anyOf" in sch:
+        return any(conforms(v, b, root) for b in sch["anyOf"])
+    if "oneOf" in sch:
+        return sum(conforms(v, b, root) for b in sch["oneOf"]) == 1
     if "const" in sch or "enum" in sch:
         vals = [sch["const"]] if "const" in sch else sch["enum"]
         return any(type(v) is type(x) and v == x for x in vals)
@@ -442,9 +476,14 @@ def conforms(v, sch) -> bool:
         props = sch["properties"]
         if not set(v) <= set(props) or not set(sch.get("required", [])) <= set(v):
             return False
-        return all(conforms(x, props[k]) for k, x in v.items())
-    if isinstance(v, list) and "items" in sch:
-        return all(conforms(x, sch["items"]) for x in v)
+        return all(conforms(x, props[k], root) for k, x in v.items())
+    if isinstance(v, dict):
+        extra = sch.get("additionalProperties", True)
+        return all(conforms(x, extra, root) for x in v.values())
+    if isinstance(v, list):
+        if not sch.get("minItems", 0) <= len(v) <= sch.get("maxItems", len(v)):
+            return False
+        return all(conforms(x, sch.get("items", {}), root) for x in v)
     return True
 
 
@@ -554,11 +593,12 @@ def test_schema_masks_equal_a_token_by_token_scan() -> None:
     vocab = synthetic_vocab(rng, 1200)
     eos = len(vocab)
     base = JsonGrammar(vocab + [b"</s>"], [eos])
-    for _ in range(8):
-        sch = random_object_schema(rng)
+    for i in range(16):  # the first subset's schemas, then references, unions and array bounds
+        sch = random_object_schema(rng) if i < 8 else random_full_root(rng)
         g = base.with_schema(sch)
         for _ in range(3):
-            doc = json.dumps(random_instance(rng, sch), ensure_ascii=False).encode()
+            inst = random_instance(rng, sch) if i < 8 else full_instance(rng, sch, sch)
+            doc = json.dumps(inst, ensure_ascii=False).encode()
             s = g.start()
             for c in doc:
                 m = g.allowed(s)
@@ -577,7 +617,21 @@ def test_schema_masks_equal_a_token_by_token_scan() -> None:
         ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required"),
         ({"type": "object", "properties": {"a": {"enum": []}}}, "enum"),
         ({"type": "object", "properties": {"a": {"type": "text"}}}, "type must be"),
-        ({"type": "object", "properties": {"a": {"$ref": "#/x"}}}, "'\\$ref'"),
+        ({"type": "object", "properties": {"a": {"$ref": "#/x"}}}, "points to nothing"),
+        ({"type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}}, "only references into"),
+        ({"type": "object", "properties": {"a": {"$ref": "#/$defs/b", "minItems": 1}}, "$defs": {"b": {}}}, "beside"),
+        ({"type": "object", "properties": {"a": {"type": "string", "format": "date"}}}, "'format'"),
+        ({"type": "object", "properties": {"a": {"anyOf": [{"type": "integer"}, {"type": "number"}]}}}, "numbers"),
+        ({"type": "object", "properties": {"a": {"anyOf": [{"enum": ["x"]}, {"type": "string"}]}}}, "strings"),
+        ({"type": "object", "properties": {"a": {"oneOf": [{"type": "object"}, {"type": "object"}]}}}, "objects"),
+        ({"type": "object", "properties": {"a": {"anyOf": [{"type": "null"}], "type": "string"}}}, "beside"),
+        ({"type": "object", "properties": {"a": {"allOf": [{"type": "null"}, {"type": "null"}]}}}, "exactly one"),
+        ({"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}}, "refers to itself"),
+        ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 2}}}, "more than max"),
+        ({"type": "object", "properties": {"a": {"type": "array", "minItems": -1}}}, "non-negative"),
+        ({"type": "object", "properties": {"a": {"type": "integer", "enum": ["x"]}}}, "no enum"),
+        ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "none is finite"),
+        ({"anyOf": [{"type": "string"}, {"type": "null"}]}, "root must be an object"),
         (
             functools.reduce(
                 lambda inner, _: {"type": "object", "properties": {"a": inner}, "required": ["a"]},
@@ -750,3 +804,274 @@ def test_schema_nesting_up_to_the_cap_compiles_and_closes() -> None:
     g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257).with_schema(sch)
     end = run(g.start(), b'{"a":' * (MAX_DEPTH - 1) + b'{"a":1' + b"}" * MAX_DEPTH, g.nodes)
     assert end is not None and end[0] == DONE
+
+
+# ---- references, unions, array bounds, additionalProperties (what pydantic writes)
+
+TREE_DEF = {
+    "type": "object",
+    "properties": {
+        "val": {"type": "integer"},
+        "sub": {"type": "array", "items": {"$ref": "#/$defs/tree"}, "maxItems": 2},
+    },
+    "required": ["val"],
+    "additionalProperties": False,
+}
+
+
+def random_full_schema(rng: random.Random, depth: int = 0) -> dict:
+    k = rng.randrange(12 if depth < 2 else 6)
+    if k == 0:
+        return {"type": rng.choice(["string", "number", "integer", "boolean", "null", ["integer", "null"]])}
+    if k == 1:
+        return {"enum": rng.sample(["ab", "ba", "a", 3, 30, True, None], 3)}
+    if k == 2:
+        return {"const": rng.choice(["x", 7, False, None])}
+    if k == 3:
+        return {}
+    if k == 4:
+        return {"$ref": "#/$defs/tree", "description": "an annotation beside a reference"}
+    if k == 5:
+        return {"anyOf": [{"type": rng.choice(["string", "integer", "boolean"])}, {"type": "null"}]}
+    if k == 6:
+        return {"anyOf": [random_full_object(rng, depth + 1), {"type": "null"}]}
+    if k == 7:
+        arr = {"type": "array", "items": random_full_schema(rng, depth + 1), "minItems": 1}
+        return {"oneOf": [arr, {"enum": ["ab", "ba"]}, {"type": "integer"}]}
+    if k == 8:
+        return {"allOf": [random_full_schema(rng, depth + 1)], "title": "x"}
+    if k == 9:
+        lo = rng.randint(0, 2)
+        bounds = {"minItems": lo} | ({"maxItems": lo + rng.randint(0, 2)} if rng.random() < 0.7 else {})
+        return {"type": "array", "items": random_full_schema(rng, depth + 1), **bounds}
+    if k == 10:
+        extra = rng.choice([False, {"type": "integer"}, {"$ref": "#/$defs/tree"}, {"anyOf": [{}]}])
+        return {"type": "object", "additionalProperties": extra}
+    return random_full_object(rng, depth + 1)
+
+
+def random_full_object(rng: random.Random, depth: int = 0) -> dict:
+    names = rng.sample(["a", "ab", "b", "na\u00efve", 'q"t', "x"], rng.randint(0, 4))
+    props = {n: random_full_schema(rng, depth) for n in names}
+    required = [n for n in names if rng.random() < 0.6]
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+def random_full_root(rng: random.Random) -> dict:
+    return random_full_object(rng) | {"$defs": {"tree": TREE_DEF}}
+
+
+def full_instance(rng: random.Random, sch, root: dict, depth: int = 0):
+    sch = resolve(sch, root)
+    if sch == {}:
+        return random_value(rng, 3)
+    if "anyOf" in sch or "oneOf" in sch:
+        return full_instance(rng, rng.choice(sch.get("anyOf") or sch["oneOf"]), root, depth)
+    if "const" in sch:
+        return sch["const"]
+    if "enum" in sch:
+        return rng.choice(sch["enum"])
+    t = sch.get("type")
+    t = rng.choice(t) if isinstance(t, list) else t
+    if t == "object" and "properties" in sch:
+        props = sch["properties"]
+        keys = [k for k in props if k in sch.get("required", []) or rng.random() < 0.5]
+        rng.shuffle(keys)
+        return {k: full_instance(rng, props[k], root, depth + 1) for k in keys}
+    if t == "object":
+        extra = sch.get("additionalProperties", True)
+        n = 0 if extra is False or depth > 4 else rng.randint(0, 2)
+        return {f"k{i}": full_instance(rng, extra, root, depth + 1) for i in range(n)}
+    if t == "array":
+        lo = sch.get("minItems", 0)
+        hi = lo if depth > 4 else sch.get("maxItems", lo + 2)
+        return [full_instance(rng, sch.get("items", {}), root, depth + 1) for _ in range(rng.randint(lo, hi))]
+    return random_instance(rng, {"type": t})
+
+
+def jsonschema_valid(doc: bytes, sch: dict) -> bool:
+    """An independent validator (Draft 2020-12) as a second reference."""
+    jsonschema = pytest.importorskip("jsonschema")
+    return jsonschema.Draft202012Validator(sch).is_valid(json.loads(doc))
+
+
+def test_full_schema_automaton_accepts_exactly_the_valid_objects() -> None:
+    """Schemas with $defs / $ref (a recursive one), anyOf / oneOf over JSON types, allOf of one, minItems /
+    maxItems and additionalProperties: random instances (every prefix alive) end closed; byte mutations are
+    accepted exactly when the subset's meaning accepts them, and only what the jsonschema validator accepts."""
+    rng = random.Random(15)
+    base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    ok_seen = bad_seen = 0
+    for _ in range(120):
+        sch = random_full_root(rng)
+        g = base.with_schema(sch)
+        for _ in range(3):
+            doc = json.dumps(full_instance(rng, sch, sch), ensure_ascii=False, indent=rng.choice([None, 1])).encode()
+            assert schema_valid(doc, sch) and jsonschema_valid(doc, sch), (sch, doc)
+            s = g.start()
+            for i, c in enumerate(doc):
+                s = g.advance(s, c)
+                assert s is not None, (sch, doc, i)
+            assert s[0] == DONE
+            for _ in range(6):
+                b = bytearray(doc)
+                i = rng.randrange(len(b) + 1)
+                c = rng.choice(b'{}[]":,0123456789.-eEtrufalsnabxqv \\')
+                if rng.random() < 0.5 or i == len(b):
+                    b.insert(i, c)
+                else:
+                    b[i] = c
+                want = schema_valid(bytes(b), sch)
+                end = run(g.start(), bytes(b), g.nodes)
+                assert (end is not None and end[0] == DONE) == want, (sch, bytes(b))
+                if want:
+                    assert jsonschema_valid(bytes(b), sch), (sch, bytes(b))
+                ok_seen += want
+                bad_seen += not want
+    assert ok_seen > 30 and bad_seen > 500
+
+
+def finish(s: tuple, g: JsonGrammar) -> bytes | None:
+    """Bytes (no whitespace) that take ``s`` to the closed object, or None: a depth-first search, closers first and
+    openers last (so it closes before it nests), each state once (no depth limit: a state that cannot close from
+    one path cannot from any)."""
+    alphabet = b'}]",:0123456789-.' + bytes(range(0x61, 0x7B)) + b"\\\xc3\xaf{["  # every test schema's keys
+    seen = {s}
+    path: list[tuple[tuple, int]] = [(s, 0)]  # (state, next alphabet index)
+    while path:
+        x, i = path[-1]
+        if x[0] == DONE:
+            return bytes(alphabet[j - 1] for _, j in path[:-1])
+        if i == len(alphabet):
+            path.pop()
+            continue
+        path[-1] = (x, i + 1)
+        y = run(x, alphabet[i : i + 1], g.nodes)
+        if y is not None and y not in seen:
+            seen.add(y)
+            path.append((y, 0))
+    return None
+
+
+WALK_BYTES = bytes(range(0x20, 0x7F)) + b"\t\n\x01\xc3\xa9\xaf\xe4\xb8\xad\xf0\x9f\x98\x80\xff"
+
+
+def random_walk(rng: random.Random, g: JsonGrammar, nest: float, steps: int) -> tuple[bytes, list[tuple]]:
+    """A document the automaton writes: random allowed bytes (openers taken with probability ``nest`` where
+    allowed) for ``steps`` bytes, then the shortest way it finds to close. Returns it and its states."""
+    s, out, states = g.start(), bytearray(), []
+    for _ in range(steps):
+        ok = [c for c in WALK_BYTES if run(s, bytes([c]), g.nodes) is not None]
+        if s[0] >= DONE or not ok:
+            break
+        openers = [c for c in ok if c in b"{[,"]
+        c = rng.choice(openers) if openers and rng.random() < nest else rng.choice(ok)
+        s = run(s, bytes([c]), g.nodes)
+        out.append(c)
+        states.append(s)
+    rest = finish(s, g)
+    assert rest is not None, (bytes(out), s)  # no dead end
+    return bytes(out) + rest, states
+
+
+def test_random_walks_write_valid_objects() -> None:
+    """Whatever bytes the automaton allows, under recursive schemas, unions and array bounds, lead to objects both
+    references accept (and the walk can always be closed: no dead end)."""
+    rng = random.Random(16)
+    base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    schemas = [random_full_root(rng) for _ in range(12)]
+    schemas.append({"$ref": "#/$defs/tree", "$defs": {"tree": TREE_DEF}})
+    for sch in schemas:
+        g = base.with_schema(sch)
+        for nest in (0.2, 0.9):
+            doc, _ = random_walk(rng, g, nest, 300)
+            assert schema_valid(doc, sch) and jsonschema_valid(doc, sch), (sch, doc)
+
+
+def test_recursive_schemas_at_the_nesting_cap() -> None:
+    """Near MAX_DEPTH a recursive schema offers only what still fits: a key whose value needs more levels is not
+    offered, a union takes its scalar branch, a free object's keys stop; every state on the way can still close."""
+    base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    empty = {"type": "object", "additionalProperties": False}
+    need2 = {"type": "object", "properties": {"n": {"$ref": "#"}, "r": empty}, "required": ["r"]}
+    g = base.with_schema(need2)  # an object needs two levels (its required "r" holds an object)
+    s = run(g.start(), b'{"n":' * 30 + b"{", g.nodes)
+    assert len(s[3]) == 31 and run(s, b'"n', g.nodes) is None and run(s, b'"r":{}}', g.nodes) is not None
+    nullable = {"type": "object", "properties": {"n": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}, "r": empty}}
+    nullable["required"] = ["r"]
+    g = base.with_schema(nullable)
+    s = run(g.start(), b'{"n":' * 30 + b'{"n":', g.nodes)
+    assert len(s[3]) == 31 and run(s, b"{", g.nodes) is None and run(s, b"null", g.nodes) is not None
+    free = {"type": "object", "additionalProperties": {"$ref": "#"}}
+    g = base.with_schema(free)
+    s = run(g.start(), b'{"k":' * 31 + b"{", g.nodes)
+    assert len(s[3]) == 32 and run(s, b'"', g.nodes) is None and run(s, b"}", g.nodes) is not None
+    nonempty = {"type": "array", "items": {"$ref": "#"}, "minItems": 1}
+    lists = {"type": "object", "properties": {"a": {"anyOf": [nonempty, {"type": "null"}]}}}
+    g = base.with_schema(lists)  # a non-empty list of objects needs two levels
+    s = run(g.start(), b'{"a":[' * 15 + b'{"a":', g.nodes)
+    assert len(s[3]) == 31 and run(s, b"[", g.nodes) is None and run(s, b"null}", g.nodes) is not None
+    g = base.with_schema({"$ref": "#/$defs/tree", "$defs": {"tree": TREE_DEF}})
+    s = run(g.start(), b'{"val":1,"sub":[' * 15 + b'{"val":1,"sub":[', g.nodes)
+    assert len(s[3]) == 32 and run(s, b"{", g.nodes) is None and run(s, b"]", g.nodes) is not None
+    for sch, doc in ((need2, b'{"n":' * 30 + b'{"r":{}}' + b',"r":{}}' * 30), (nullable, b'{"n":' * 31 + b"null"),
+                     (free, b'{"k":' * 31 + b"{"), (lists, b'{"a":[' * 15 + b'{"a":null}' + b"]}" * 15), (TREE_DEF, b'{"sub":[' * 16)):  # fmt: skip
+        g = base.with_schema(sch | {"$defs": {"tree": TREE_DEF}} if sch is TREE_DEF else sch)
+        s = g.start()
+        for c in doc:
+            s = run(s, bytes([c]), g.nodes)
+            assert s is not None and finish(s, g) is not None, (sch, doc)
+
+
+def test_pydantic_models_schemas_compile_and_bind() -> None:
+    """pydantic's own schemas (nested models through $defs, Optional fields as anyOf with null, str enums,
+    Literal, bounded lists, dicts, a recursive model): its dumps of valid models are accepted, and the documents
+    random walks write validate as the model."""
+    import enum
+    from typing import Literal
+
+    pydantic = pytest.importorskip("pydantic")
+
+    class Color(str, enum.Enum):
+        red = "red"
+        blue = "blue"
+
+    class Pet(pydantic.BaseModel):
+        kind: Literal["cat", "dog"]
+        name: str
+        age: int | None = None
+
+    class Node(pydantic.BaseModel):
+        label: str
+        children: list[Node] = []
+
+    class Person(pydantic.BaseModel):
+        name: str
+        score: float
+        color: Color
+        pets: list[Pet] = pydantic.Field(min_length=1, max_length=3)
+        tags: dict[str, int] = {}
+        nick: str | None = None
+        tree: Node | None = None
+
+    Node.model_rebuild()
+    sch = Person.model_json_schema()
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257).with_schema(sch)
+    good = Person(
+        name="A \u00e9",
+        score=1.5,
+        color=Color.blue,
+        pets=[Pet(kind="cat", name="Tom", age=3)],
+        tags={"x": 1},
+        tree=Node(label="r", children=[Node(label="c")]),
+    )
+    for text in (good.model_dump_json(), good.model_dump_json(indent=2), good.model_dump_json(exclude_none=True)):
+        end = run(g.start(), text.encode(), g.nodes)
+        assert end is not None and end[0] == DONE, text
+    bad = json.loads(good.model_dump_json()) | {"pets": []}  # min_length=1
+    assert run(g.start(), json.dumps(bad).encode(), g.nodes) is None
+    rng = random.Random(17)
+    for nest in (0.1, 0.5, 0.9):
+        for _ in range(3):
+            doc, _ = random_walk(rng, g, nest, 200)
+            Person.model_validate_json(doc)  # raises on an invalid document

@@ -648,6 +648,36 @@ def test_json_mode_reaches_the_engine(server: LiveServer, llm: LLM) -> None:
     assert out["text"] == want.text and out["text"].lstrip().startswith('{"ab"')
 
 
+def test_openai_sdk_parse_with_a_pydantic_model(server: LiveServer) -> None:
+    """The OpenAI SDK's structured outputs (``chat.completions.parse`` with a pydantic model: a strict json_schema
+    with $defs, $ref, anyOf with null and enums): the answer is parsed into the model."""
+    import enum
+    from typing import Literal
+
+    openai = pytest.importorskip("openai")
+    pydantic = pytest.importorskip("pydantic")
+
+    class Kind(str, enum.Enum):
+        x = "x"
+
+    class Inner(pydantic.BaseModel):
+        kind: Kind
+
+    class Answer(pydantic.BaseModel):
+        ab: Literal["ab", "ba"]
+        inner: Inner
+        flag: bool | None
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+    out = client.chat.completions.parse(
+        model="tiny", messages=CHAT, response_format=Answer, max_tokens=400, temperature=0
+    )  # fmt: skip
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content  # closed well within max_tokens
+    assert isinstance(choice.message.parsed, Answer) and choice.message.parsed.inner.kind == Kind.x
+    assert choice.message.parsed == Answer.model_validate_json(choice.message.content)
+
+
 def test_min_tokens_holds_the_end_back(server: LiveServer) -> None:
     """A bias that makes EOS (95) the best token everywhere: with min_tokens 3 the answer has exactly 3 tokens and
     stops at EOS; without it none; min_tokens above max_tokens is a 400."""

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import copy
 import json
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -77,14 +78,30 @@ _ESCAPED = frozenset(b'"\\/bfnrt')
 
 State = tuple
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+NEVER = MAX_DEPTH + 1  # container levels no instance can stay within (an impossible value)
+
+# the JSON value classes, by a value's first byte: object, array, string, number, boolean, null (anyOf / oneOf
+# branches must differ in class: the first byte then says which branch a value takes)
+_CLASS_NAMES = ("objects", "arrays", "strings", "numbers", "booleans", "null")
+_CLASS = [-1] * 256
+for _c, _k in ((0x7B, 0), (0x5B, 1), (0x22, 2), (0x2D, 3), (0x74, 4), (0x66, 4), (0x6E, 5)):
+    _CLASS[_c] = _k
+for _c in b"0123456789":
+    _CLASS[_c] = 3
+_TYPE_CLASS = {"object": 0, "array": 1, "string": 2, "number": 3, "integer": 3, "boolean": 4, "null": 5}
 
 
 @dataclass(frozen=True)
 class SchemaNode:
     """One schema of a compiled JSON Schema (:func:`compile_schema`). ``keys``: the declared properties' names as
     their JSON text (escaped UTF-8, no quotes), the only keys its objects take unless ``free`` (no ``properties``:
-    any keys, each value node 0, any JSON). ``required``: bitmask over ``keys``. ``enum``: the allowed values'
-    compact JSON texts (None: any of ``types``)."""
+    any keys, each value of node ``extra``, the ``additionalProperties`` schema; -1: no keys at all). ``required``:
+    bitmask over ``keys``. ``enum``: the allowed values' compact JSON texts (None: any of ``types``). Arrays hold
+    ``min_items``..``max_items`` (-1: no bound) values of node ``items``. ``dispatch`` (anyOf / oneOf): the node
+    that takes a value of each class (:data:`_CLASS`; -1: none), the automaton never enters the union itself.
+    ``need``: the fewest nested containers an instance opens (:data:`NEVER`: none fits), ``obj_need`` /
+    ``arr_need`` those of its objects / arrays: a container opens only where that many levels are left, and an
+    optional key or another array item only where its value fits, so no state is a dead end."""
 
     types: frozenset[str] = frozenset(TYPES)
     keys: tuple[bytes, ...] = ()
@@ -93,6 +110,13 @@ class SchemaNode:
     items: int = 0
     enum: tuple[bytes, ...] | None = None
     free: bool = True
+    extra: int = 0
+    min_items: int = 0
+    max_items: int = -1
+    dispatch: tuple[int, ...] | None = None
+    need: int = 0
+    obj_need: int = 1
+    arr_need: int = 1
 
 
 ANY = (SchemaNode(),)  # json_object: node 0 is any JSON value (an object at the top)
@@ -109,12 +133,18 @@ def _value_node(stack: tuple, nodes: Sequence[SchemaNode]) -> int:
     if top[0] == "[":
         return nodes[top[1]].items
     node = nodes[top[1]]
-    return 0 if node.free else node.values[top[3]]
+    return node.extra if node.free else node.values[top[3]]
 
 
 def _value(c: int, stack: tuple, n: int, nodes: Sequence[SchemaNode]) -> State | None:
     """The state after byte ``c`` where a value of schema node ``n`` starts."""
     node = nodes[n]
+    if node.dispatch is not None:  # anyOf / oneOf: the branch that takes this class of value
+        k = _CLASS[c]
+        n = node.dispatch[k] if k >= 0 else -1
+        if n < 0:
+            return None
+        node = nodes[n]
     if node.enum is not None:
         p = bytes([c])
         return (ENUM, p, n, stack) if any(e.startswith(p) for e in node.enum) else None
@@ -126,10 +156,14 @@ def _value(c: int, stack: tuple, n: int, nodes: Sequence[SchemaNode]) -> State |
             return None
         sub = N_MINUS if c == 0x2D else N_ZERO if c == 0x30 else N_INT
         return (NUM, sub, int("number" not in t), stack)
-    if c == 0x7B or c == 0x5B:  # { [
-        if len(stack) >= MAX_DEPTH or ("object" if c == 0x7B else "array") not in t:
+    if c == 0x7B:  # {
+        if "object" not in t or len(stack) + node.obj_need > MAX_DEPTH:
             return None
-        return (OBJ_FIRST, 0, 0, (*stack, ("{", n, 0, -1))) if c == 0x7B else (ARR_FIRST, 0, 0, (*stack, ("[", n)))
+        return (OBJ_FIRST, 0, 0, (*stack, ("{", n, 0, -1)))
+    if c == 0x5B:  # [
+        if "array" not in t or len(stack) + node.arr_need > MAX_DEPTH:
+            return None
+        return (ARR_FIRST, 0, 0, (*stack, ("[", n, 0)))
     if (c == 0x74 or c == 0x66) and "boolean" in t:  # t f
         return (LIT, b"rue" if c == 0x74 else b"alse", 0, stack)
     if c == 0x6E and "null" in t:  # n
@@ -164,18 +198,28 @@ def _key(stack: tuple, nodes: Sequence[SchemaNode]) -> State:
     return (STR, 1, 0, stack) if nodes[stack[-1][1]].free else (KSTR, b"", 0, stack)
 
 
+def _open_keys(frame: tuple, depth: int, nodes: Sequence[SchemaNode]) -> list[int]:
+    """The declared keys the object in ``frame`` (at stack depth ``depth``) may still take: not written yet, and a
+    value that fits in the levels left."""
+    node = nodes[frame[1]]
+    seen = frame[2]
+    return [
+        i for i, v in enumerate(node.values) if not seen >> i & 1 and depth + nodes[v].need <= MAX_DEPTH
+    ]  # fmt: skip
+
+
 def _declared_key(s: State, c: int, nodes: Sequence[SchemaNode]) -> State | None:
     prefix, stack = s[1], s[3]
     _, n, seen, _ = frame = stack[-1]
     keys = nodes[n].keys
+    open_keys = _open_keys(frame, len(stack), nodes)
     if c == 0x22 and (len(prefix) - len(prefix.rstrip(b"\\"))) % 2 == 0:  # the key ends (no escaped quote)
-        for i, k in enumerate(keys):
-            if k == prefix and not seen >> i & 1:
+        for i in open_keys:
+            if keys[i] == prefix:
                 return (COLON, 0, 0, (*stack[:-1], (frame[0], n, seen | 1 << i, i)))
         return None
     p = prefix + bytes([c])
-    ok = any(k.startswith(p) and not seen >> i & 1 for i, k in enumerate(keys))
-    return (KSTR, p, 0, stack) if ok else None
+    return (KSTR, p, 0, stack) if any(keys[i].startswith(p) for i in open_keys) else None
 
 
 def _closes(frame: tuple, nodes: Sequence[SchemaNode]) -> bool:
@@ -184,10 +228,31 @@ def _closes(frame: tuple, nodes: Sequence[SchemaNode]) -> bool:
     return frame[2] & req == req
 
 
-def _more_keys(frame: tuple, nodes: Sequence[SchemaNode]) -> bool:
-    """An object may take another key: a free one, or a declared key not written yet."""
+def _more_keys(stack: tuple, nodes: Sequence[SchemaNode]) -> bool:
+    """The innermost object may take another key: any key of a free one (if its values fit), or a declared key
+    not written yet."""
+    frame = stack[-1]
     node = nodes[frame[1]]
-    return node.free or frame[2] != (1 << len(node.keys)) - 1
+    if node.free:
+        return node.extra >= 0 and len(stack) + nodes[node.extra].need <= MAX_DEPTH
+    return bool(_open_keys(frame, len(stack), nodes))
+
+
+def _more_items(stack: tuple, nodes: Sequence[SchemaNode]) -> bool:
+    """The innermost array may take another value: below ``max_items`` (whether one fits in the levels left,
+    :func:`_value` checks: an item that fitted once fits again)."""
+    _, n, count = stack[-1]
+    node = nodes[n]
+    return node.max_items < 0 or count < node.max_items
+
+
+def _item(stack: tuple, nodes: Sequence[SchemaNode]) -> tuple:
+    """The stack with one more value in its innermost array (counted up to the larger bound: past it counts no
+    longer matter, and the states stay few)."""
+    _, n, count = stack[-1]
+    node = nodes[n]
+    cap = max(node.min_items, node.max_items)
+    return stack if count >= cap else (*stack[:-1], ("[", n, count + 1))
 
 
 def step(s: State, c: int, nodes: Sequence[SchemaNode] = ANY) -> State | None:
@@ -240,9 +305,11 @@ def step(s: State, c: int, nodes: Sequence[SchemaNode] = ANY) -> State | None:
     if mode == AFTER:
         top = stack[-1]
         if top[0] == "[":
-            return (VALUE, 0, 0, stack) if c == 0x2C else _close(stack) if c == 0x5D else None
-        if c == 0x2C:  # ,
-            return (KEY, 0, 0, stack) if _more_keys(top, nodes) else None
+            if c == 0x2C:  # ,
+                return (VALUE, 0, 0, _item(stack, nodes)) if _more_items(stack, nodes) else None
+            return _close(stack) if c == 0x5D and top[2] >= nodes[top[1]].min_items else None
+        if c == 0x2C:
+            return (KEY, 0, 0, stack) if _more_keys(stack, nodes) else None
         return _close(stack) if c == 0x7D and _closes(top, nodes) else None
     if mode == VALUE:
         return _value(c, stack, _value_node(stack, nodes), nodes)
@@ -252,10 +319,15 @@ def step(s: State, c: int, nodes: Sequence[SchemaNode] = ANY) -> State | None:
         return _key(stack, nodes) if c == 0x22 else None
     if mode == OBJ_FIRST:
         if c == 0x22:
-            return _key(stack, nodes) if _more_keys(stack[-1], nodes) else None
+            return _key(stack, nodes) if _more_keys(stack, nodes) else None
         return _close(stack) if c == 0x7D and _closes(stack[-1], nodes) else None
     if mode == ARR_FIRST:
-        return _close(stack) if c == 0x5D else _value(c, stack, _value_node(stack, nodes), nodes)
+        if c == 0x5D:
+            return _close(stack) if nodes[stack[-1][1]].min_items == 0 else None
+        if not _more_items(stack, nodes):
+            return None
+        stack = _item(stack, nodes)
+        return _value(c, stack, _value_node(stack, nodes), nodes)
     # START: whitespace, then the object
     return (OBJ_FIRST, 0, 0, (("{", s[2], 0, -1),)) if c == 0x7B else None
 
@@ -269,29 +341,127 @@ def run(s: State | None, data: bytes, nodes: Sequence[SchemaNode] = ANY) -> Stat
     return s
 
 
-_ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$schema", "$id", "$comment"))
-_KEYWORDS = frozenset(("type", "properties", "required", "additionalProperties", "items", "enum", "const"))
+_ANNOTATIONS = frozenset(
+    ("title", "description", "default", "examples", "$schema", "$id", "$comment", "$defs", "definitions",
+     "readOnly", "writeOnly", "deprecated")
+)  # fmt: skip
+_KEYWORDS = frozenset(
+    ("type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
+     "anyOf", "oneOf", "allOf", "$ref")
+)  # fmt: skip
+_SCALARS = ("string", "number", "integer", "boolean", "null")
+
+
+def _conforms_type(v: object, types: Sequence[str]) -> bool:
+    """Whether an enum / const value is of one of ``types``."""
+    kind = {bool: "boolean", str: "string", type(None): "null", float: "number"}.get(type(v))
+    if isinstance(v, int) and not isinstance(v, bool):
+        return "integer" in types or "number" in types
+    if kind == "number" and float(v).is_integer() and "integer" in types:
+        return True
+    return kind in types
 
 
 def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
-    """A JSON Schema (the subset OpenAI's strict structured outputs use, without references) as schema nodes, the
-    root last. Keywords: ``type`` (a name or a list), ``properties``, ``required``, ``additionalProperties`` (only
-    the declared properties are ever generated, whatever it says: a subset of what it allows), ``items``,
-    ``enum``, ``const``, and annotations (title, description, default, examples). Anything else is a ValueError
-    naming it: a constraint that cannot be enforced is refused, not silently dropped. The root must be an object."""
-    nodes: list[SchemaNode] = [SchemaNode()]
+    """A JSON Schema (the subset OpenAI's strict structured outputs use, and what pydantic's ``model_json_schema``
+    writes for models of plain fields) as schema nodes, the root last. Keywords:
 
-    def add(sch: object, where: str, depth: int = 1) -> int:
+    - ``type`` (a name or a list), ``enum``, ``const``;
+    - ``properties``, ``required``, ``additionalProperties``: with ``properties``, only the declared keys are ever
+      generated, whatever ``additionalProperties`` says (a subset of what it allows); without, any keys with
+      values of the ``additionalProperties`` schema (``false``: none);
+    - ``items``, ``minItems``, ``maxItems``;
+    - ``anyOf`` / ``oneOf`` whose branches differ in JSON type (e.g. a type or null: the first byte of a value
+      says its branch), ``allOf`` of one schema;
+    - ``$ref`` to this document (``#``, ``#/$defs/Name``, any JSON pointer), recursion included;
+    - annotations (title, description, default, examples, ``$defs``, ...).
+
+    Anything else is a ValueError naming it: a constraint that cannot be enforced is refused, not silently dropped.
+    The root must be an object schema, and some instance must fit in :data:`MAX_DEPTH` nested containers."""
+    if not isinstance(schema, dict):
+        raise ValueError(f"json_schema: the schema must be a JSON object, got {schema!r}")
+    nodes: list[SchemaNode | None] = [SchemaNode()]
+    unions: dict[int, tuple[str, tuple[int, ...]]] = {}  # node -> (where, branches)
+    built: dict[int, int] = {}  # id(schema dict) -> its node (shared subschemas and recursion via $ref)
+
+    def deref(sch: object, where: str) -> tuple[object, str]:
+        """Follows ``$ref`` and one-schema ``allOf`` (their other keywords must be annotations) to the schema meant."""
+        seen: set[int] = set()
+        while isinstance(sch, dict) and ("$ref" in sch or "allOf" in sch):
+            if id(sch) in seen:
+                raise ValueError(f"json_schema at {where}: refers to itself without a value in between")
+            seen.add(id(sch))
+            kw = "$ref" if "$ref" in sch else "allOf"
+            other = sorted(set(sch) - {kw} - _ANNOTATIONS)
+            if other:
+                raise ValueError(f"json_schema at {where}: {kw} beside {', '.join(map(repr, other))} is not "
+                                 f"supported (only annotations may stand beside it)")  # fmt: skip
+            if kw == "allOf":
+                if not isinstance(sch["allOf"], list) or len(sch["allOf"]) != 1:
+                    raise ValueError(f"json_schema at {where}: allOf is supported with exactly one schema")
+                sch, where = sch["allOf"][0], f"{where}.allOf[0]"
+            else:
+                sch, where = pointer(sch["$ref"], where), sch["$ref"]
+        return sch, where
+
+    def pointer(ref: object, where: str) -> object:
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise ValueError(f"json_schema at {where}: $ref {ref!r} is not supported; only references into this "
+                             f"schema ('#', '#/$defs/Name', a JSON pointer)")  # fmt: skip
+        cur: object = schema
+        path = urllib.parse.unquote(ref[1:])
+        if path and not path.startswith("/"):
+            raise ValueError(f"json_schema at {where}: $ref {ref!r}: anchors are not supported, use a JSON pointer")
+        for part in path.split("/")[1:] if path else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(cur, dict) and part in cur:
+                cur = cur[part]
+            elif isinstance(cur, list) and part.isdigit() and int(part) < len(cur):
+                cur = cur[int(part)]
+            else:
+                raise ValueError(f"json_schema at {where}: $ref {ref!r} points to nothing in the schema")
+        return cur
+
+    def add(sch: object, where: str) -> int:
+        sch, where = deref(sch, where)
         if sch is True or sch == {}:
             return 0
+        if sch is False:
+            nodes.append(SchemaNode(types=frozenset(), need=NEVER, obj_need=NEVER, arr_need=NEVER))
+            return len(nodes) - 1
         if not isinstance(sch, dict):
             raise ValueError(f"json_schema at {where}: a schema must be an object, got {sch!r}")
+        if id(sch) in built:
+            return built[id(sch)]
+        at = built[id(sch)] = len(nodes)
+        nodes.append(None)  # its slot, taken before its parts (a part may refer back to it)
+        nodes[at] = build(sch, where, at)
+        return at
+
+    def build(sch: dict, where: str, at: int) -> SchemaNode:
         unknown = sorted(set(sch) - _KEYWORDS - _ANNOTATIONS)
         if unknown:
             raise ValueError(
                 f"json_schema at {where}: keyword(s) {', '.join(map(repr, unknown))} not supported; supported: "
                 f"{', '.join(sorted(_KEYWORDS))} (and annotations)"
             )
+        if "anyOf" in sch or "oneOf" in sch:
+            kw = "anyOf" if "anyOf" in sch else "oneOf"
+            other = sorted(set(sch) - {kw} - _ANNOTATIONS)
+            if other:
+                raise ValueError(f"json_schema at {where}: {kw} beside {', '.join(map(repr, other))} is not "
+                                 f"supported (put those keywords in each branch)")  # fmt: skip
+            branches = sch[kw]
+            if not isinstance(branches, list) or not branches:
+                raise ValueError(f"json_schema at {where}: {kw} must be a non-empty list of schemas")
+            unions[at] = (f"{where}.{kw}", tuple(add(b, f"{where}.{kw}[{i}]") for i, b in enumerate(branches)))
+            return SchemaNode(types=frozenset())
+        t = sch.get("type")
+        if t is None:
+            t = "object" if "properties" in sch else "array" if "items" in sch else list(TYPES)
+        types = [t] if isinstance(t, str) else t
+        if not isinstance(types, list) or not types or any(x not in TYPES for x in types):
+            raise ValueError(f"json_schema at {where}: type must be one of {', '.join(TYPES)} or a list of them")
         if "enum" in sch or "const" in sch:
             vals = [sch["const"]] if "const" in sch else sch["enum"]
             if not isinstance(vals, list) or not vals:
@@ -301,37 +471,105 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
                 if isinstance(v, (dict, list)):
                     raise ValueError(f"json_schema at {where}: enum / const values must be strings, numbers, "
                                      f"booleans or null, got {v!r}")  # fmt: skip
-                texts.append(json.dumps(v, ensure_ascii=False, allow_nan=False).encode("utf-8"))
-            nodes.append(SchemaNode(enum=tuple(dict.fromkeys(texts))))
-            return len(nodes) - 1
-        t = sch.get("type")
-        if t is None:
-            t = "object" if "properties" in sch else "array" if "items" in sch else list(TYPES)
-        types = [t] if isinstance(t, str) else t
-        if not isinstance(types, list) or not types or any(x not in TYPES for x in types):
-            raise ValueError(f"json_schema at {where}: type must be one of {', '.join(TYPES)} or a list of them")
-        if depth > MAX_DEPTH and set(types) <= {"object", "array"}:  # a container past the automaton's cap
-            raise ValueError(f"json_schema at {where}: needs more than {MAX_DEPTH} nested objects / arrays")
+                if _conforms_type(v, types):
+                    texts.append(json.dumps(v, ensure_ascii=False, allow_nan=False).encode("utf-8"))
+            if not texts:
+                raise ValueError(f"json_schema at {where}: no enum / const value is of type {t!r}")
+            return SchemaNode(enum=tuple(dict.fromkeys(texts)))
         props = sch.get("properties", {})
         if not isinstance(props, dict):
             raise ValueError(f"json_schema at {where}: properties must be an object")
         required = sch.get("required", [])
         if not isinstance(required, list) or any(r not in props for r in required):
             raise ValueError(f"json_schema at {where}: required must list names from properties, got {required!r}")
+        bounds = []
+        for kw in ("minItems", "maxItems"):
+            v = sch.get(kw, 0 if kw == "minItems" else -1)
+            if isinstance(v, bool) or not isinstance(v, int) or v < -1 or (kw in sch and v < 0):
+                raise ValueError(f"json_schema at {where}: {kw} must be a non-negative integer, got {v!r}")
+            bounds.append(v)
+        if 0 <= bounds[1] < bounds[0]:
+            raise ValueError(f"json_schema at {where}: minItems {bounds[0]} is more than maxItems {bounds[1]}")
         names = list(props)
-        values = tuple(add(props[k], f"{where}.properties.{k}", depth + 1) for k in names)
-        items = add(sch.get("items", {}), f"{where}.items", depth + 1)
+        values = tuple(add(props[k], f"{where}.properties.{k}") for k in names)
+        items = add(sch.get("items", {}), f"{where}.items")
+        extra = sch.get("additionalProperties", True)
+        extra = -1 if extra is False else add(extra, f"{where}.additionalProperties")
         keys = tuple(json.dumps(k, ensure_ascii=False)[1:-1].encode("utf-8") for k in names)
         req = sum(1 << names.index(r) for r in set(required))
-        nodes.append(SchemaNode(frozenset(types), keys, values, req, items, None, "properties" not in sch))
-        return len(nodes) - 1
+        return SchemaNode(frozenset(types), keys, values, req, items, None, "properties" not in sch, extra, *bounds)
 
-    if not isinstance(schema, dict):
-        raise ValueError(f"json_schema: the schema must be a JSON object, got {schema!r}")
     root = add(schema, "$")
-    if root == 0 or "object" not in nodes[root].types or nodes[root].enum is not None:
+    for at, (where, _) in unions.items():
+        nodes[at] = replace(nodes[at], dispatch=_dispatch(nodes, unions, at, where))  # type: ignore[arg-type]
+    done = _needs(nodes)  # type: ignore[arg-type]
+    top = done[root]
+    if top.dispatch is not None:  # a union at the root: its object branch
+        top = done[top.dispatch[0]] if top.dispatch[0] >= 0 else top
+    if top.dispatch is not None or top.enum is not None or "object" not in top.types or root == 0:
         raise ValueError("json_schema: the root must be an object schema (type: object)")
-    return tuple(nodes)
+    if top.obj_need > MAX_DEPTH:
+        raise ValueError(f"json_schema: every instance needs more than {MAX_DEPTH} nested objects / arrays (the "
+                         f"most JSON mode writes), or none is finite")  # fmt: skip
+    return (*done, top)
+
+
+def _classes(node: SchemaNode) -> set[int]:
+    if node.enum is not None:
+        return {_CLASS[e[0]] for e in node.enum}
+    return {_TYPE_CLASS[t] for t in node.types}
+
+
+def _dispatch(nodes: list, unions: dict, at: int, where: str) -> tuple[int, ...]:
+    """A union's branch per value class, nested unions flattened; ValueError where two branches take one class."""
+    table = [-1] * len(_CLASS_NAMES)
+    owner: list[str] = [""] * len(_CLASS_NAMES)
+
+    def visit(n: int, path: str, trail: tuple[int, ...]) -> None:
+        if n in unions:
+            if n in trail:
+                raise ValueError(f"json_schema at {where}: refers to itself without a value in between")
+            for i, b in enumerate(unions[n][1]):
+                visit(b, f"{path}[{i}]" if n == at else f"{path}.{i}", (*trail, n))
+            return
+        for k in _classes(nodes[n]):
+            if table[k] >= 0 and table[k] != n:
+                raise ValueError(f"json_schema at {where}: branches {owner[k]} and {path} both take "
+                                 f"{_CLASS_NAMES[k]}; supported: branches of different JSON types (e.g. a type "
+                                 f"and null)")  # fmt: skip
+            table[k], owner[k] = n, path
+
+    visit(at, "", ())
+    return tuple(table)
+
+
+def _needs(nodes: list[SchemaNode]) -> list[SchemaNode]:
+    """Each node's ``need`` / ``obj_need`` / ``arr_need`` (see :class:`SchemaNode`): a fixed point from "never",
+    since recursive schemas refer to themselves."""
+    need = [NEVER] * len(nodes)
+    obj = [NEVER] * len(nodes)
+    arr = [NEVER] * len(nodes)
+    changed = True
+    while changed:
+        changed = False
+        for i, nd in enumerate(nodes):
+            if nd.dispatch is not None:
+                o, a = NEVER, NEVER
+                n = min([need[b] for b in nd.dispatch if b >= 0], default=NEVER)
+            elif nd.enum is not None:
+                o, a, n = NEVER, NEVER, 0
+            else:
+                o = a = NEVER
+                if "object" in nd.types:
+                    req = [need[v] for j, v in enumerate(nd.values) if nd.required >> j & 1]
+                    o = min(NEVER, 1 + max(req, default=0))
+                if "array" in nd.types:
+                    a = min(NEVER, 1 + (need[nd.items] if nd.min_items > 0 else 0))
+                n = min(o, a, 0 if any(t in nd.types for t in _SCALARS) else NEVER)
+            if (n, o, a) != (need[i], obj[i], arr[i]):
+                need[i], obj[i], arr[i] = n, o, a
+                changed = True
+    return [replace(nd, need=need[i], obj_need=obj[i], arr_need=arr[i]) for i, nd in enumerate(nodes)]
 
 
 class _Node:
