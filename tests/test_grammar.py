@@ -472,6 +472,8 @@ def conforms(v, sch, root=None) -> bool:
     }
     if types is not None and not any(ok_type[x] for x in types):
         return False
+    if isinstance(v, dict) and not sch.get("minProperties", 0) <= len(v) <= sch.get("maxProperties", len(v)):
+        return False
     if isinstance(v, dict) and "properties" in sch:
         props = sch["properties"]
         if not set(v) <= set(props) or not set(sch.get("required", [])) <= set(v):
@@ -629,6 +631,9 @@ def test_schema_masks_equal_a_token_by_token_scan() -> None:
         ({"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}}, "refers to itself"),
         ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 2}}}, "more than max"),
         ({"type": "object", "properties": {"a": {"type": "array", "minItems": -1}}}, "non-negative"),
+        ({"type": "object", "minProperties": 2, "maxProperties": 1}, "more than maxProperties"),
+        ({"type": "object", "properties": {"n": {"$ref": "#"}}, "minProperties": 1}, "none is finite"),
+        ({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"], "maxProperties": 1}, "below"),
         ({"type": "object", "properties": {"a": {"type": "integer", "enum": ["x"]}}}, "no enum"),
         ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "none is finite"),
         ({"anyOf": [{"type": "string"}, {"type": "null"}]}, "root must be an object"),
@@ -846,7 +851,10 @@ def random_full_schema(rng: random.Random, depth: int = 0) -> dict:
         return {"type": "array", "items": random_full_schema(rng, depth + 1), **bounds}
     if k == 10:
         extra = rng.choice([False, {"type": "integer"}, {"$ref": "#/$defs/tree"}, {"anyOf": [{}]}])
-        return {"type": "object", "additionalProperties": extra}
+        bounds = {"minProperties": rng.randint(0, 2)} if extra is not False and rng.random() < 0.5 else {}
+        if bounds and rng.random() < 0.6:
+            bounds["maxProperties"] = bounds["minProperties"] + rng.randint(0, 1)
+        return {"type": "object", "additionalProperties": extra, **bounds}
     return random_full_object(rng, depth + 1)
 
 
@@ -854,7 +862,12 @@ def random_full_object(rng: random.Random, depth: int = 0) -> dict:
     names = rng.sample(["a", "ab", "b", "na\u00efve", 'q"t', "x"], rng.randint(0, 4))
     props = {n: random_full_schema(rng, depth) for n in names}
     required = [n for n in names if rng.random() < 0.6]
-    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+    sch = {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+    if rng.random() < 0.3:  # a key count: at least / at most (never below the required ones)
+        lo = rng.randint(0, len(names))
+        hi = rng.randint(max(lo, len(required)), len(names)) if lo <= len(names) else None
+        sch |= {"minProperties": lo} | ({"maxProperties": hi} if hi is not None and rng.random() < 0.7 else {})
+    return sch
 
 
 def random_full_root(rng: random.Random) -> dict:
@@ -875,12 +888,18 @@ def full_instance(rng: random.Random, sch, root: dict, depth: int = 0):
     t = rng.choice(t) if isinstance(t, list) else t
     if t == "object" and "properties" in sch:
         props = sch["properties"]
-        keys = [k for k in props if k in sch.get("required", []) or rng.random() < 0.5]
+        req = [k for k in props if k in sch.get("required", [])]
+        opt = [k for k in props if k not in req]
+        rng.shuffle(opt)
+        lo = max(0, sch.get("minProperties", 0) - len(req))
+        hi = min(len(opt), sch.get("maxProperties", len(props)) - len(req))
+        keys = req + opt[: rng.randint(lo, hi)]
         rng.shuffle(keys)
         return {k: full_instance(rng, props[k], root, depth + 1) for k in keys}
     if t == "object":
         extra = sch.get("additionalProperties", True)
-        n = 0 if extra is False or depth > 4 else rng.randint(0, 2)
+        lo = sch.get("minProperties", 0)
+        n = 0 if extra is False else lo if depth > 4 else rng.randint(lo, sch.get("maxProperties", lo + 2))
         return {f"k{i}": full_instance(rng, extra, root, depth + 1) for i in range(n)}
     if t == "array":
         lo = sch.get("minItems", 0)
@@ -1075,3 +1094,39 @@ def test_pydantic_models_schemas_compile_and_bind() -> None:
         for _ in range(3):
             doc, _ = random_walk(rng, g, nest, 200)
             Person.model_validate_json(doc)  # raises on an invalid document
+
+
+COUNTED = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"}},
+    "required": ["a"],
+    "maxProperties": 2,
+    "additionalProperties": False,
+}
+FREE_COUNTED = {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 2}
+
+
+@pytest.mark.parametrize(
+    "sch,text,ok",
+    [
+        (COUNTED, b'{"a":1}', True),
+        (COUNTED, b'{"b":1,"a":1}', True),
+        (COUNTED, b'{"a":1,"b":1,"c":1}', False),
+        (COUNTED, b'{"b":1,"c":1}', False),
+        (COUNTED | {"minProperties": 2}, b'{"a":1}', False),
+        (COUNTED | {"minProperties": 2}, b'{"c":1,"a":1}', True),
+        (FREE_COUNTED, b"{}", False),
+        (FREE_COUNTED, b'{"x":1}', True),
+        (FREE_COUNTED, b'{"x":1,"y":2}', True),
+        (FREE_COUNTED, b'{"x":1,"y":2,"z":3}', False),
+    ],
+)
+def test_key_counts(sch: dict, text: bytes, ok: bool) -> None:
+    """minProperties / maxProperties, and with maxProperties only the required keys once the rest has no room (after
+    {"b":1, a second optional key would leave "a" no room: a dead end)."""
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257).with_schema(sch)
+    end = run(g.start(), text, g.nodes)
+    assert (end is not None and end[0] == DONE) == ok == schema_valid(text, sch)
+    if sch is COUNTED:
+        s = run(g.start(), b'{"b":1,"', g.nodes)
+        assert run(s, b"c", g.nodes) is None and run(s, b"a", g.nodes) is not None

@@ -44,7 +44,8 @@ MAX_DEPTH = 32  # nested objects / arrays
 MAX_WS = 32  # whitespace bytes in a row between tokens of the JSON text
 
 # modes. A state is (mode, a, b, stack); stack: a tuple of the open containers' frames, ("{", schema node, keys seen
-# (bitmask), the key being written or -1) for objects and ("[", schema node) for arrays
+# (bitmask; in a free object: the keys written, counted up to its bounds), the key being written or -1) for objects
+# and ("[", schema node, the values started, counted up to its bounds) for arrays
 START, VALUE, ARR_FIRST, OBJ_FIRST, KEY, COLON, AFTER, STR, ESC, UHEX, NUM, LIT, KSTR, ENUM, DONE, END = range(16)
 # structural modes: a = the whitespace bytes just read (START: b = the root's schema node)
 # STR: a = 1 in a free object's key, 0 in a value; b = the UTF-8 state below.  ESC: a as STR.  UHEX: a as STR, b =
@@ -97,7 +98,8 @@ class SchemaNode:
     their JSON text (escaped UTF-8, no quotes), the only keys its objects take unless ``free`` (no ``properties``:
     any keys, each value of node ``extra``, the ``additionalProperties`` schema; -1: no keys at all). ``required``:
     bitmask over ``keys``. ``enum``: the allowed values' compact JSON texts (None: any of ``types``). Arrays hold
-    ``min_items``..``max_items`` (-1: no bound) values of node ``items``. ``dispatch`` (anyOf / oneOf): the node
+    ``min_items``..``max_items`` (-1: no bound) values of node ``items``; objects ``min_props``..``max_props``
+    keys. ``dispatch`` (anyOf / oneOf): the node
     that takes a value of each class (:data:`_CLASS`; -1: none), the automaton never enters the union itself.
     ``need``: the fewest nested containers an instance opens (:data:`NEVER`: none fits), ``obj_need`` /
     ``arr_need`` those of its objects / arrays: a container opens only where that many levels are left, and an
@@ -113,6 +115,8 @@ class SchemaNode:
     extra: int = 0
     min_items: int = 0
     max_items: int = -1
+    min_props: int = 0
+    max_props: int = -1
     dispatch: tuple[int, ...] | None = None
     need: int = 0
     obj_need: int = 1
@@ -198,13 +202,30 @@ def _key(stack: tuple, nodes: Sequence[SchemaNode]) -> State:
     return (STR, 1, 0, stack) if nodes[stack[-1][1]].free else (KSTR, b"", 0, stack)
 
 
+def _count(frame: tuple, node: SchemaNode) -> int:
+    """The keys an object has written (a free object counts them in the frame)."""
+    return frame[2] if node.free else frame[2].bit_count()
+
+
+def _free_key(stack: tuple, nodes: Sequence[SchemaNode]) -> tuple:
+    """The stack with one more key written in its innermost (free) object, counted up to its bounds."""
+    f = stack[-1]
+    node = nodes[f[1]]
+    if f[2] >= max(node.min_props, node.max_props):
+        return stack
+    return (*stack[:-1], (f[0], f[1], f[2] + 1, f[3]))
+
+
 def _open_keys(frame: tuple, depth: int, nodes: Sequence[SchemaNode]) -> list[int]:
-    """The declared keys the object in ``frame`` (at stack depth ``depth``) may still take: not written yet, and a
-    value that fits in the levels left."""
+    """The declared keys the object in ``frame`` (at stack depth ``depth``) may still take: not written yet, a value
+    that fits in the levels left, and, where ``max_props`` leaves room for no more than the required keys still
+    missing, only those."""
     node = nodes[frame[1]]
     seen = frame[2]
+    only_required = node.max_props >= 0 and _count(frame, node) + (node.required & ~seen).bit_count() >= node.max_props
     return [
-        i for i, v in enumerate(node.values) if not seen >> i & 1 and depth + nodes[v].need <= MAX_DEPTH
+        i for i, v in enumerate(node.values)
+        if not seen >> i & 1 and depth + nodes[v].need <= MAX_DEPTH and (not only_required or node.required >> i & 1)
     ]  # fmt: skip
 
 
@@ -223,9 +244,11 @@ def _declared_key(s: State, c: int, nodes: Sequence[SchemaNode]) -> State | None
 
 
 def _closes(frame: tuple, nodes: Sequence[SchemaNode]) -> bool:
-    """An object may close here: every required key written."""
-    req = nodes[frame[1]].required
-    return frame[2] & req == req
+    """An object may close here: every required key written, and at least ``min_props`` keys."""
+    node = nodes[frame[1]]
+    if node.free:
+        return frame[2] >= node.min_props
+    return frame[2] & node.required == node.required and frame[2].bit_count() >= node.min_props
 
 
 def _more_keys(stack: tuple, nodes: Sequence[SchemaNode]) -> bool:
@@ -234,7 +257,8 @@ def _more_keys(stack: tuple, nodes: Sequence[SchemaNode]) -> bool:
     frame = stack[-1]
     node = nodes[frame[1]]
     if node.free:
-        return node.extra >= 0 and len(stack) + nodes[node.extra].need <= MAX_DEPTH
+        room = node.max_props < 0 or frame[2] < node.max_props
+        return room and node.extra >= 0 and len(stack) + nodes[node.extra].need <= MAX_DEPTH
     return bool(_open_keys(frame, len(stack), nodes))
 
 
@@ -263,7 +287,7 @@ def step(s: State, c: int, nodes: Sequence[SchemaNode] = ANY) -> State | None:
         b = s[2]
         if b == 0:
             if c == 0x22:  # the string ends: a key wants its colon, a value what follows values
-                return (COLON, 0, 0, s[3]) if s[1] else (AFTER, 0, 0, s[3])
+                return (COLON, 0, 0, _free_key(s[3], nodes)) if s[1] else (AFTER, 0, 0, s[3])
             if c == 0x5C:
                 return (ESC, s[1], 0, s[3])
             if c < 0x20:
@@ -347,7 +371,7 @@ _ANNOTATIONS = frozenset(
 )  # fmt: skip
 _KEYWORDS = frozenset(
     ("type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
-     "anyOf", "oneOf", "allOf", "$ref")
+     "minProperties", "maxProperties", "anyOf", "oneOf", "allOf", "$ref")
 )  # fmt: skip
 _SCALARS = ("string", "number", "integer", "boolean", "null")
 
@@ -483,13 +507,17 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         if not isinstance(required, list) or any(r not in props for r in required):
             raise ValueError(f"json_schema at {where}: required must list names from properties, got {required!r}")
         bounds = []
-        for kw in ("minItems", "maxItems"):
-            v = sch.get(kw, 0 if kw == "minItems" else -1)
+        for kw in ("minItems", "maxItems", "minProperties", "maxProperties"):
+            v = sch.get(kw, -1 if kw.startswith("max") else 0)
             if isinstance(v, bool) or not isinstance(v, int) or v < -1 or (kw in sch and v < 0):
                 raise ValueError(f"json_schema at {where}: {kw} must be a non-negative integer, got {v!r}")
             bounds.append(v)
-        if 0 <= bounds[1] < bounds[0]:
-            raise ValueError(f"json_schema at {where}: minItems {bounds[0]} is more than maxItems {bounds[1]}")
+        for lo, hi, what in ((bounds[0], bounds[1], "Items"), (bounds[2], bounds[3], "Properties")):
+            if 0 <= hi < lo:
+                raise ValueError(f"json_schema at {where}: min{what} {lo} is more than max{what} {hi}")
+        if 0 <= bounds[3] < len(set(required)):
+            raise ValueError(f"json_schema at {where}: maxProperties {bounds[3]} is below the {len(set(required))} "
+                             "required keys")  # fmt: skip
         names = list(props)
         values = tuple(add(props[k], f"{where}.properties.{k}") for k in names)
         items = add(sch.get("items", {}), f"{where}.items")
@@ -562,6 +590,12 @@ def _needs(nodes: list[SchemaNode]) -> list[SchemaNode]:
                 o = a = NEVER
                 if "object" in nd.types:
                     req = [need[v] for j, v in enumerate(nd.values) if nd.required >> j & 1]
+                    more = nd.min_props - len(req)  # keys past the required ones: the cheapest that many
+                    if more > 0 and nd.free:
+                        req += [need[nd.extra] if nd.extra >= 0 else NEVER]
+                    elif more > 0:
+                        opt = sorted(need[v] for j, v in enumerate(nd.values) if not nd.required >> j & 1)
+                        req += opt[more - 1 : more] if len(opt) >= more else [NEVER]
                     o = min(NEVER, 1 + max(req, default=0))
                 if "array" in nd.types:
                     a = min(NEVER, 1 + (need[nd.items] if nd.min_items > 0 else 0))
