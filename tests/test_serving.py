@@ -384,7 +384,7 @@ BAD_REQUESTS = [
     ("chat", {"messages": _HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("chat", {"messages": _HI, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
     ("chat", {"messages": _HI, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
-    ("chat", {"messages": _HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("chat", {"messages": _HI, "tools": [{"type": "function", "function": {"name": "f g"}}]}, 400, "tools"),
     ("chat", {"messages": _HI, "response_format": {"type": "json_schema"}}, 400, "response_format"),
     ("chat", {"messages": _HI, "response_format": {"type": "yaml"}}, 400, "response_format"),
     (
@@ -676,6 +676,81 @@ def test_openai_sdk_parse_with_a_pydantic_model(server: LiveServer) -> None:
     assert choice.finish_reason == "stop", choice.message.content  # closed well within max_tokens
     assert isinstance(choice.message.parsed, Answer) and choice.message.parsed.inner.kind == Kind.x
     assert choice.message.parsed == Answer.model_validate_json(choice.message.content)
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "abc", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer"}}, "required": ["n"]}}},
+    {"type": "function", "function": {"name": "xyz", "description": "No arguments."}},
+]  # fmt: skip
+
+
+def test_tool_calls(server: LiveServer, llm: LLM) -> None:
+    """tools with tool_choice required / a named tool / auto: the answer is the engine's constrained answer to the
+    rendered messages, returned as tool_calls (finish_reason "tool_calls") with arguments valid for the tool; the
+    stream gives the same call; an earlier call and its result are accepted as history; the SDK reads the call."""
+    from treedraft.tools import answer_schema, parse_tools, render_messages
+
+    url = f"{server.url}/v1/chat/completions"
+    body = {"model": "tiny", "messages": CHAT, "tools": TOOLS, "max_tokens": 400, "temperature": 0}
+    for choice in ("required", {"type": "function", "function": {"name": "xyz"}}):
+        out = httpx.post(url, json=body | {"tool_choice": choice}, timeout=TIMEOUT).json()["choices"][0]
+        mode = "required" if choice == "required" else "xyz"
+        tools = parse_tools(TOOLS)
+        ids = llm.encode_prompt(render_messages(CHAT, tools, mode))
+        fmt = {"type": "json_schema", "json_schema": {"schema": answer_schema(tools, mode)}}
+        want = llm.text.generate(ids, llm.config(400, response_format=fmt))
+        assert want.finish_reason == "stop" and out["finish_reason"] == "tool_calls"
+        assert out["message"]["content"] is None
+        (call,) = out["message"]["tool_calls"]
+        assert {call["function"]["name"]: json.loads(call["function"]["arguments"])} == json.loads(want.text)
+        assert mode == "required" or call["function"]["name"] == "xyz"
+        streamed, finish = {}, None
+        with httpx.stream("POST", url, json=body | {"tool_choice": choice, "stream": True}, timeout=TIMEOUT) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    c = json.loads(line[6:])["choices"][0]
+                    assert not c["delta"].get("content")  # nothing of the JSON leaks as text
+                    for tc in c["delta"].get("tool_calls", []):
+                        streamed = tc
+                    finish = c["finish_reason"] or finish
+        assert finish == "tool_calls" and streamed["index"] == 0
+        assert streamed["function"] == call["function"] and streamed["id"].startswith("call_")
+    auto = httpx.post(url, json=body, timeout=TIMEOUT).json()["choices"][0]  # tool_choice auto: either is fine
+    if auto["finish_reason"] == "tool_calls":
+        assert auto["message"]["tool_calls"][0]["function"]["name"] in ("abc", "xyz")
+    else:
+        assert auto["finish_reason"] == "stop" and isinstance(auto["message"]["content"], str)
+    history = CHAT + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "abc", "arguments": '{"n": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"},
+    ]  # fmt: skip
+    r = httpx.post(url, json=body | {"messages": history, "tool_choice": "required"}, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "tool_calls"
+    plain = httpx.post(url, json=body | {"tool_choice": "none", "max_tokens": 8}, timeout=TIMEOUT).json()
+    assert plain["choices"][0]["message"]["content"] and "tool_calls" not in plain["choices"][0]["message"]
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+    sdk = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, tool_choice="required",
+                                         max_tokens=400, temperature=0)  # fmt: skip
+    assert sdk.choices[0].message.tool_calls[0].function.name in ("abc", "xyz")
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string", "format": "date"}}}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+    ],
+)  # fmt: skip
+def test_bad_tool_requests_are_400(server: LiveServer, extra: dict, param: str) -> None:
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 4} | extra
+    assert_error(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=TIMEOUT), 400, param)
 
 
 def test_min_tokens_holds_the_end_back(server: LiveServer) -> None:

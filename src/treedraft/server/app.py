@@ -31,6 +31,7 @@ from ..engine import GenerationConfig
 from ..interfaces import GenerationError
 from ..logprobs import TokenLogprob
 from ..text import Chunk
+from ..tools import answer_message, answer_schema, render_messages
 from ..verify import RULES as _RULES
 from .auth import APIKeys, AuthMiddleware
 from .metrics import Metrics
@@ -41,6 +42,7 @@ from .protocol import (
     CompletionRequest,
     ServerSettings,
     TreedraftOptions,
+    chat_tools,
     parse_body,
     prompt_list,
     reject_unsupported,
@@ -70,6 +72,7 @@ class _Prepared:
     n: int = 1  # choices: independent jobs, decoded together in the worker's batch
     echo_lead: int = 0  # leading prompt tokens not in the echoed text (a BOS the engine put before a raw string)
     score_only: bool = False  # echo with max_tokens 0: the prompt back (scored when logprobs are asked), no tokens
+    tool_mode: str | None = None  # chat with tools: the answer is a tool call or, with "auto", text (treedraft.tools)
 
     def choice(self, i: int) -> _Prepared:
         """The request of choice ``i``: a seeded one draws with :func:`choice_seed` (seed, i): each choice is
@@ -200,12 +203,10 @@ class OpenAIServer:
             if chat:
                 if not req.messages:
                     raise APIError(400, "messages must contain at least one message", param="messages")
-                msgs = [
-                    {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
-                ]
-                if not any(m["content"].strip() for m in msgs):
+                if not any(m.text().strip() or m.tool_calls for m in req.messages):
                     raise APIError(400, "all messages are empty; give some text", param="messages")
-                return [self.llm.encode_prompt(msgs)]
+                tools, mode = chat_tools(req)
+                return [self.llm.encode_prompt(render_messages([m.as_dict() for m in req.messages], tools, mode))]
             out = []
             for k, p in enumerate(prompt_list(req.prompt)):
                 if isinstance(p, list):
@@ -270,13 +271,16 @@ class OpenAIServer:
         if any(not x for x in stop):
             raise APIError(400, f"stop strings must be non-empty, got {stop!r}", param="stop")
         prompts = await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.encode, req)
-        if req.response_format is not None:  # JSON mode's automaton: built once (~1.4 s) off the event loop
+        fmt, mode = req.response_format, None
+        if chat:
+            tools, mode = chat_tools(req)
+            if mode is not None:  # the answer: one JSON object naming a tool (treedraft.tools)
+                fmt = {"type": "json_schema", "json_schema": {"schema": answer_schema(tools, mode)}}
+        if fmt is not None:  # JSON mode's automaton: built once (~1.4 s) off the event loop
             try:
-                await asyncio.get_running_loop().run_in_executor(
-                    self.tok_pool, self.llm.json_grammar, req.response_format
-                )
+                await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.llm.json_grammar, fmt)
             except ValueError as e:  # a schema it does not support, say
-                raise APIError(400, str(e), param="response_format") from None
+                raise APIError(400, str(e), param="response_format" if mode is None else "tools") from None
         if len(prompts) * (req.n or 1) > self.settings.max_queue:
             what = f"n={req.n}" if len(prompts) == 1 else f"{len(prompts)} prompts x n={req.n or 1}"
             raise APIError(
@@ -327,7 +331,7 @@ class OpenAIServer:
                     frequency_penalty=req.frequency_penalty or 0.0,
                     logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
                     min_tokens=req.min_tokens or 0,
-                    response_format=req.response_format,
+                    response_format=fmt,
                 )
                 cfg = replace(cfg, ignore_eos=bool(req.ignore_eos))
             except ValueError as e:  # e.g. rule 'greedy' with temperature > 0
@@ -345,8 +349,19 @@ class OpenAIServer:
                 lead = int(isinstance(p, str) and getattr(tok, "add_bos", False))  # encode_prompt's BOS: not in p
             out.append(
                 _Prepared(
-                    prompt_ids, cfg, drafter, bool(req.stream), inc, model, tenant, echo, req.n or 1, lead, score_only
-                )
+                    prompt_ids,
+                    cfg,
+                    drafter,
+                    bool(req.stream),
+                    inc,
+                    model,
+                    tenant,
+                    echo,
+                    req.n or 1,
+                    lead,
+                    score_only,
+                    mode,
+                )  # fmt: skip
             )
         return out
 
@@ -488,12 +503,10 @@ class OpenAIServer:
         if p.echo is not None:
             text = p.echo + text
         if chat:
-            choice = {
-                "index": index,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": item.finish_reason,
-            }
+            message, finish = {"role": "assistant", "content": text}, item.finish_reason
+            if p.tool_mode is not None:
+                message, finish = answer_message(text, finish, p.tool_mode)
+            choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": item.finish_reason}
         return choice, n, item
@@ -572,6 +585,7 @@ class OpenAIServer:
             return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
         n = 0
+        held: list[str] | None = [] if p.tool_mode is not None else None  # a tool answer: sent whole at its end
         if chat:
             yield "choice", index, choice(None, None, role=True)
         if item is None:
@@ -586,12 +600,22 @@ class OpenAIServer:
                 yield "failed", index, item
                 return
             if isinstance(item, Done):
-                yield "choice", index, choice(None if chat else "", item.finish_reason)
+                finish = item.finish_reason
+                if held is not None and p.tool_mode is not None:
+                    message, finish = answer_message("".join(held), finish, p.tool_mode)
+                    delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+                    for i, call in enumerate(delta.get("tool_calls", [])):
+                        call["index"] = i
+                    last = choice("", None)
+                    yield "choice", index, last | {"delta": delta}
+                yield "choice", index, choice(None if chat else "", finish)
                 yield "done", index, (item, n)
                 return
             n += len(item.token_ids)
             pending += self.reported_logprobs(p, item)
-            if item.text:
+            if held is not None:
+                held.append(item.text)
+            elif item.text:
                 yield "choice", index, choice(item.text, None)
             nxt = await job.next(3600.0)
             while nxt is None:

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from ..logprobs import MAX_TOP_LOGPROBS
+from ..tools import Tool, parse_tools, tool_mode
 
 MAX_CHOICES = 16  # n: choices per request, each its own job in the batch
 
@@ -96,6 +97,19 @@ class APIError(Exception):
 _STRICT = ConfigDict(strict=True, extra="ignore")
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = _STRICT
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class TextPart(BaseModel):
     model_config = _STRICT
     type: Literal["text"]
@@ -104,13 +118,34 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = _STRICT
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    # after the fields its check reads; None only in an assistant turn that called tools
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, v: object, info: ValidationInfo) -> object:
+        if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("content is required (null only in an assistant message with tool_calls)")
+        return v
 
     def text(self) -> str:
         """The message content as one string."""
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def as_dict(self) -> dict:
+        """The message as :func:`treedraft.tools.render_messages` reads it (developer is a system message)."""
+        out: dict = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class StreamOptions(BaseModel):
@@ -156,8 +191,9 @@ class ChatCompletionRequest(CommonRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # OpenAI's function tools (treedraft.tools)
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # one call per answer here, which either value allows
 
 
 class CompletionRequest(CommonRequest):
@@ -212,6 +248,18 @@ def prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[s
     return [prompt]
 
 
+def chat_tools(req: ChatCompletionRequest) -> tuple[list[Tool], str | None]:
+    """A chat request's tools and tool mode (:func:`treedraft.tools.tool_mode`); 400 naming what is wrong."""
+    try:
+        tools = parse_tools(req.tools) if req.tools is not None else []
+    except ValueError as e:
+        raise APIError(400, str(e), param="tools") from None
+    try:
+        return tools, tool_mode(req.tool_choice, tools)
+    except ValueError as e:
+        raise APIError(400, str(e), param="tool_choice") from None
+
+
 def reject_unsupported(req: CommonRequest) -> None:
     """400 for OpenAI parameters this server does not implement (never silently ignored)."""
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
@@ -239,8 +287,10 @@ def reject_unsupported(req: CommonRequest) -> None:
             )
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if req.tools or req.tool_choice not in (None, "none"):
-            raise APIError(400, "tools / tool_choice are not supported", param="tools")
+        _, mode = chat_tools(req)
+        if mode is not None and req.response_format is not None and kind != "text":
+            raise APIError(400, "response_format cannot be combined with tools (the answer's form is the tool call's); "
+                           "drop one, or set tool_choice 'none'", param="response_format")  # fmt: skip
     if isinstance(req, CompletionRequest):
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise APIError(400, f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.logprobs}", param="logprobs")

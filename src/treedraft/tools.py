@@ -1,0 +1,190 @@
+"""Tool calling (OpenAI's ``tools`` / ``tool_choice``) for any model, its chat template aware of tools or not.
+
+The tools are described in the system message, and the answer is constrained (JSON Schema mode,
+:mod:`treedraft.grammar`) to one JSON object with exactly one key: a tool's name, whose value is that tool's
+arguments, valid under its ``parameters`` schema; with ``tool_choice`` "auto", the key ``"response"`` holding a
+plain answer is the other choice. So a call always names a declared tool with valid arguments, and speculative
+decoding stays exact as in JSON mode. llama.cpp's "generic" tool-call format makes the same choice for models
+without a tool template; this one is shorter (the tool's name is the key).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+RESPONSE_KEY = "response"
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NO_ARGS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict
+
+
+def parse_tools(tools: Sequence[Any]) -> list[Tool]:
+    """OpenAI's ``tools`` list (``{"type": "function", "function": {"name", "description", "parameters"}}``) as
+    :class:`Tool` s; ValueError naming what is wrong (the schemas are checked when the grammar compiles)."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("tools must be a non-empty list of {'type': 'function', 'function': {...}}")
+    out: list[Tool] = []
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict):
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
+        name = f.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(f"tools[{i}].function.name must be 1-64 letters, digits, _ or -, got {name!r}")
+        if any(x.name == name for x in out):
+            raise ValueError(f"tools[{i}]: a second tool named {name!r}")
+        desc = f.get("description") or ""
+        params = f.get("parameters", _NO_ARGS)
+        if not isinstance(desc, str) or not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise ValueError(f"tools[{i}].function: description must be a string and parameters a JSON Schema of "
+                             "type object")  # fmt: skip
+        out.append(Tool(name, desc, params))
+    return out
+
+
+def tool_mode(tool_choice: Any, tools: Sequence[Tool]) -> str | None:
+    """``tool_choice`` as a mode: "auto" (the default with tools), "required", a tool's name (that tool must be
+    called), or None ("none": answer without tools)."""
+    if tool_choice is None or tool_choice == "auto":
+        return "auto" if tools else None
+    if tool_choice == "none":
+        return None
+    if tool_choice == "required":
+        if not tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return "required"
+    f = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(f, dict):
+        name = f.get("name")
+        if not any(t.name == name for t in tools):
+            raise ValueError(f"tool_choice names {name!r}, which is not in tools")
+        return str(name)
+    raise ValueError(
+        "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}, "
+        f"got {tool_choice!r}"
+    )
+
+
+def _offered(tools: Sequence[Tool], mode: str) -> list[Tool]:
+    return list(tools) if mode in ("auto", "required") else [t for t in tools if t.name == mode]
+
+
+def _moved_refs(sch: Any, base: str) -> Any:
+    """``sch`` with its local ``$ref`` s rebased under ``base`` (its place in the combined schema)."""
+    if isinstance(sch, dict):
+        out = {}
+        for k, v in sch.items():
+            if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+                out[k] = base + v[1:]
+            else:
+                out[k] = _moved_refs(v, base)
+        return out
+    if isinstance(sch, list):
+        return [_moved_refs(v, base) for v in sch]
+    return sch
+
+
+def answer_schema(tools: Sequence[Tool], mode: str) -> dict:
+    """The JSON Schema of the answer: an object with exactly one key, a tool's name (its value: the arguments)
+    or, with "auto", ``"response"`` (a string). Each tool's parameters sit in ``$defs`` with their references
+    rebased, so ``#/$defs/...`` inside them still resolve."""
+    offered = _offered(tools, mode)
+    if mode == "auto" and any(t.name == RESPONSE_KEY for t in offered):
+        raise ValueError(f"a tool named {RESPONSE_KEY!r} clashes with tool_choice 'auto''s answer key; rename it")
+    defs = {f"tool{i}": _moved_refs(copy.deepcopy(t.parameters), f"#/$defs/tool{i}") for i, t in enumerate(offered)}
+    props: dict[str, Any] = {RESPONSE_KEY: {"type": "string"}} if mode == "auto" else {}
+    props |= {t.name: {"$ref": f"#/$defs/tool{i}"} for i, t in enumerate(offered)}
+    return {
+        "type": "object",
+        "properties": props,
+        "minProperties": 1,
+        "maxProperties": 1,
+        "additionalProperties": False,
+        "$defs": defs,
+    }
+
+
+def system_text(tools: Sequence[Tool], mode: str) -> str:
+    """What the model is told about the tools and the answer's form."""
+    lines = ["You can call these tools (their arguments as JSON Schema):"]
+    for t in _offered(tools, mode):
+        desc = f" {t.description.strip()}" if t.description.strip() else ""
+        lines.append(f"- {t.name}:{desc} Arguments: {json.dumps(t.parameters, ensure_ascii=False)}")
+    call = '{"<tool name>": {<arguments>}}'
+    if mode == "auto":
+        lines.append(f'To call a tool, answer with only {call}. To answer directly, answer {{"{RESPONSE_KEY}": '
+                     '"<your answer>"}.')  # fmt: skip
+    elif mode == "required":
+        lines.append(f"Answer with only {call}, calling one of them.")
+    else:
+        lines.append(f'Answer with only {{"{mode}": {{<arguments>}}}}, calling {mode}.')
+    return "\n".join(lines)
+
+
+def render_messages(messages: list[dict], tools: Sequence[Tool], mode: str | None) -> list[dict]:
+    """Chat messages for a template that knows no tools: the tools' description joined to the system message (or
+    a new one first), an assistant's earlier tool calls as the JSON it would have written, and tool results as user
+    turns naming the call they answer."""
+    names: dict[str, str] = {}
+    out: list[dict] = []
+    for m in messages:
+        calls = m.get("tool_calls") or []
+        if m["role"] == "assistant" and calls:
+            text = "\n".join(
+                json.dumps({c["function"]["name"]: _arguments(c)}, ensure_ascii=False) for c in calls
+            )  # fmt: skip
+            for c in calls:
+                names[c.get("id", "")] = c["function"]["name"]
+            out.append({"role": "assistant", "content": ((m.get("content") or "") + "\n" + text).strip()})
+        elif m["role"] == "tool":
+            cid = m.get("tool_call_id") or ""
+            who = names.get(cid)
+            head = f"Result of {who}" if who else "Tool result"
+            out.append({"role": "user", "content": f"{head} (call {cid}): {m.get('content') or ''}"})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    if mode is not None:
+        text = system_text(tools, mode)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{text}".strip()}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def _arguments(call: dict) -> Any:
+    args = call["function"].get("arguments") or "{}"
+    try:
+        return json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        return args  # as the client sent it
+
+
+def answer_message(text: str, finish_reason: str, mode: str) -> tuple[dict, str]:
+    """The assistant message and finish reason for a constrained answer: a tool call (``tool_calls``, finish
+    reason "tool_calls") or, for ``"response"``, its text. An answer cut by the token budget is returned as its raw
+    text (finish reason "length"): the call in it is incomplete."""
+    if finish_reason != "stop":
+        return {"role": "assistant", "content": text}, finish_reason
+    obj = json.loads(text)
+    ((key, value),) = obj.items()  # the grammar allows exactly one key
+    if mode == "auto" and key == RESPONSE_KEY:
+        return {"role": "assistant", "content": value}, "stop"
+    call = {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": key, "arguments": json.dumps(value, ensure_ascii=False)},
+    }
+    return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"

@@ -1,0 +1,144 @@
+"""Tool calling (treedraft.tools): the answer schema and what it accepts, the rendered messages, the answer's
+message, and the real model calling a tool with speculative output = plain."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from treedraft.grammar import DONE, JsonGrammar, run
+from treedraft.tools import RESPONSE_KEY, answer_message, answer_schema, parse_tools, render_messages, tool_mode
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/unit"}},
+            "required": ["city"],
+            "additionalProperties": False,
+            "$defs": {"unit": {"enum": ["C", "F"]}},  # a reference inside a tool's parameters
+        },
+    },
+}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}  # fmt: skip
+NOARGS = {"type": "function", "function": {"name": "now"}}
+
+
+def accepts(sch: dict, text: bytes) -> bool:
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257).with_schema(sch)
+    end = run(g.start(), text, g.nodes)
+    return end is not None and end[0] == DONE
+
+
+@pytest.mark.parametrize(
+    "choice,text,ok",
+    [
+        ("required", b'{"get_weather": {"city": "Paris", "unit": "C"}}', True),
+        ("required", b'{"get_weather": {"unit": "C"}}', False),  # city is required
+        ("required", b'{"get_weather": {"city": "Paris", "unit": "K"}}', False),  # the $ref'd enum
+        ("required", b'{"add": {"a": 1, "b": 2}}', True),
+        ("required", b'{"add": {"a": 1, "b": 2.5}}', False),
+        ("required", b'{"now": {}}', True),
+        ("required", b"{}", False),  # exactly one call
+        ("required", b'{"add": {"a": 1, "b": 2}, "now": {}}', False),
+        ("required", b'{"response": "hi"}', False),  # only "auto" may answer in text
+        ("required", b'{"sub": {}}', False),  # no such tool
+        ("auto", b'{"response": "hi"}', True),
+        ("auto", b'{"now": {}}', True),
+        ("auto", b'{"response": "hi", "now": {}}', False),
+        ({"type": "function", "function": {"name": "add"}}, b'{"add": {"a": 1, "b": 2}}', True),
+        ({"type": "function", "function": {"name": "add"}}, b'{"now": {}}', False),  # only the named tool
+    ],
+)
+def test_answer_schema_accepts_exactly_one_valid_call(choice, text: bytes, ok: bool) -> None:
+    tools = parse_tools([WEATHER, ADD, NOARGS])
+    assert accepts(answer_schema(tools, tool_mode(choice, tools)), text) == ok
+
+
+@pytest.mark.parametrize(
+    "tools,choice,match",
+    [
+        ([], "required", "non-empty"),
+        ([{"type": "function", "function": {"name": "a b"}}], None, "letters"),
+        ([NOARGS, NOARGS], None, "second tool"),
+        ([{"type": "retrieval"}], None, "must be"),
+        ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None, "type object"),
+        ([NOARGS], {"type": "function", "function": {"name": "later"}}, "not in tools"),
+        ([NOARGS], "sometimes", "tool_choice must be"),
+        ([{"type": "function", "function": {"name": RESPONSE_KEY}}], "auto", "clashes"),
+    ],
+)
+def test_bad_tools_are_refused_with_the_reason(tools: list, choice, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parsed = parse_tools(tools)
+        answer_schema(parsed, tool_mode(choice, parsed) or "auto")
+
+
+def test_modes() -> None:
+    tools = parse_tools([NOARGS])
+    assert tool_mode(None, tools) == "auto" and tool_mode("none", tools) is None and tool_mode(None, []) is None
+    assert tool_mode("required", tools) == "required" and tool_mode(NOARGS, tools) == "now"
+
+
+def test_rendered_messages_describe_tools_and_replay_calls() -> None:
+    """The tools' description joins the system message (or comes first); an earlier call is the JSON the model
+    writes; a tool result is a user turn naming its tool and call."""
+    tools = parse_tools([WEATHER, ADD])
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "21 C, sunny"},
+    ]  # fmt: skip
+    out = render_messages(msgs, tools, "auto")
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert (
+        out[0]["content"].startswith("Be brief.\n\n") and "- get_weather: The weather in a city." in out[0]["content"]
+    )
+    assert "- add: Arguments:" in out[0]["content"] and '{"response": "<your answer>"}' in out[0]["content"]
+    assert json.loads(out[2]["content"]) == {"get_weather": {"city": "Paris"}}
+    assert out[3]["content"] == "Result of get_weather (call c1): 21 C, sunny"
+    named = render_messages(msgs[1:2], tools, "add")
+    assert (
+        named[0]["role"] == "system"
+        and "get_weather" not in named[0]["content"]
+        and "calling add" in named[0]["content"]
+    )
+    assert render_messages(msgs[1:2], tools, None) == msgs[1:2]  # tool_choice none: no description
+
+
+def test_answer_message() -> None:
+    msg, finish = answer_message('{"add": {"a": 1, "b": 2}}', "stop", "required")
+    assert finish == "tool_calls" and msg["content"] is None
+    (call,) = msg["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": 1, "b": 2}
+    assert answer_message('{"response": "hi \\"x\\""}', "stop", "auto") == (
+        {"role": "assistant", "content": 'hi "x"'},
+        "stop",
+    )
+    assert answer_message('{"add": {"a": 1', "length", "auto") == (
+        {"role": "assistant", "content": '{"add": {"a": 1'},
+        "length",
+    )
+
+
+@pytest.mark.slow
+def test_real_model_calls_a_tool(smollm_int4) -> None:
+    """SmolLM2 with the weather tool: the forced call names it with valid arguments, and the default drafter's
+    answer = plain."""
+    llm = smollm_int4
+    tools = parse_tools([WEATHER, ADD])
+    msgs = render_messages([{"role": "user", "content": "What is the weather in Paris?"}], tools, "required")
+    fmt = {"type": "json_schema", "json_schema": {"schema": answer_schema(tools, "required")}}
+    plain = llm.generate(msgs, drafter=None, max_new_tokens=64, response_format=fmt)
+    spec = llm.generate(msgs, drafter="default", max_new_tokens=64, response_format=fmt)
+    assert spec.token_ids == plain.token_ids and plain.finish_reason == "stop", plain.text
+    msg, finish = answer_message(plain.text, "stop", "required")
+    assert finish == "tool_calls" and msg["tool_calls"][0]["function"]["name"] in ("get_weather", "add")
