@@ -8,6 +8,7 @@ import json
 import pytest
 
 from treedraft.grammar import DONE, JsonGrammar, run
+from treedraft.interfaces import GenerationError
 from treedraft.tools import RESPONSE_KEY, answer_message, answer_schema, parse_tools, render_messages, tool_mode
 
 WEATHER = {
@@ -142,3 +143,14 @@ def test_real_model_calls_a_tool(smollm_int4) -> None:
     assert spec.token_ids == plain.token_ids and plain.finish_reason == "stop", plain.text
     msg, finish = answer_message(plain.text, "stop", "required")
     assert finish == "tool_calls" and msg["tool_calls"][0]["function"]["name"] in ("get_weather", "add")
+    api = llm.generate("What is the weather in Paris?", max_new_tokens=64, tools=[WEATHER, ADD], tool_choice="required")
+    assert api.token_ids == plain.token_ids and api.finish_reason == "tool_calls" and api.text == ""
+    assert api.tool_calls[0]["function"] == msg["tool_calls"][0]["function"]
+    with pytest.raises(GenerationError, match="not in tools"):
+        llm.generate("Hi", max_new_tokens=4, tools=[ADD], tool_choice={"type": "function", "function": {"name": "x"}})
+    with pytest.raises(GenerationError, match="'format'"):
+        bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "d": {"type": "string", "format": "date"}}}}}  # fmt: skip
+        llm.generate("Hi", max_new_tokens=4, tools=[bad], tool_choice="required")
+    free = llm.generate("Hi", max_new_tokens=4, tools=[ADD], tool_choice="none")
+    assert free.tool_calls is None and free.token_ids == llm.generate("Hi", max_new_tokens=4).token_ids

@@ -12,7 +12,7 @@ import json
 import threading
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -209,10 +209,39 @@ class LLM:
         return drafter
 
     def generate(
-        self, prompt: str | list[dict], raw: bool = False, drafter: Drafter | str | None = DEFAULT, **kw
+        self,
+        prompt: str | list[dict],
+        raw: bool = False,
+        drafter: Drafter | str | None = DEFAULT,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        **kw,
     ) -> GenerationResult:
-        """Generate a whole answer. kw: see :meth:`config`."""
-        return self.text.generate(self.encode_prompt(prompt, raw), self.config(**kw), self.get_drafter(drafter))
+        """Generate a whole answer. kw: see :meth:`config`. ``tools`` / ``tool_choice``: OpenAI's function tools
+        (:mod:`treedraft.tools`); a call comes back in ``tool_calls`` (``finish_reason`` "tool_calls", ``text``
+        empty), a plain answer (tool_choice "auto") in ``text``."""
+        from .tools import answer_message, answer_schema, parse_tools, render_messages, tool_mode
+
+        try:
+            parsed = parse_tools(tools) if tools is not None else []
+            mode = tool_mode(tool_choice, parsed)
+        except ValueError as e:
+            raise GenerationError(str(e)) from None
+        if mode is None:
+            return self.text.generate(self.encode_prompt(prompt, raw), self.config(**kw), self.get_drafter(drafter))
+        if kw.get("response_format") is not None:
+            raise GenerationError("response_format cannot be combined with tools (the answer's form is the call's)")
+        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        try:
+            fmt = {"type": "json_schema", "json_schema": {"schema": answer_schema(parsed, mode)}}
+            cfg = self.config(**kw, response_format=fmt)
+        except ValueError as e:
+            raise GenerationError(f"tools: {e}") from None
+        out = self.text.generate(
+            self.encode_prompt(render_messages(msgs, parsed, mode)), cfg, self.get_drafter(drafter)
+        )
+        message, finish = answer_message(out.text, out.finish_reason, mode)
+        return replace(out, text=message["content"] or "", finish_reason=finish, tool_calls=message.get("tool_calls"))
 
     def stream(
         self,

@@ -123,6 +123,7 @@ class GenerationResult:
     finish_reason: str
     stats: GenerationStats
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    tool_calls: list[dict] | None = None  # LLM.generate with tools: the call (OpenAI's shape) the answer made
 
 
 class TextGenerator:
