@@ -716,11 +716,24 @@ def test_tool_calls(server: LiveServer, llm: LLM) -> None:
                     finish = c["finish_reason"] or finish
         assert finish == "tool_calls" and streamed["index"] == 0
         assert streamed["function"] == call["function"] and streamed["id"].startswith("call_")
-    auto = httpx.post(url, json=body, timeout=TIMEOUT).json()["choices"][0]  # tool_choice auto: either is fine
-    if auto["finish_reason"] == "tool_calls":
-        assert auto["message"]["tool_calls"][0]["function"]["name"] in ("abc", "xyz")
-    else:
-        assert auto["finish_reason"] == "stop" and isinstance(auto["message"]["content"], str)
+    # tool_choice auto: a call, or (with "r" and '"' favoured: the key "response", then r's up to max_tokens) a text
+    # answer, cut by the budget
+    for extra in ({}, {"logit_bias": {str(ord("r") - 32): 100, str(ord('"') - 32): 50}, "max_tokens": 60}):
+        auto = httpx.post(url, json=body | extra, timeout=TIMEOUT).json()["choices"][0]
+        parts, calls, finish = [], [], None
+        with httpx.stream("POST", url, json=body | extra | {"stream": True}, timeout=TIMEOUT) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    c = json.loads(line[6:])["choices"][0]
+                    parts += [c["delta"]["content"]] if c["delta"].get("content") else []
+                    calls += c["delta"].get("tool_calls", [])
+                    finish = c["finish_reason"] or finish
+        assert finish == auto["finish_reason"] == ("length" if extra else "tool_calls")
+        if finish == "tool_calls":
+            assert not parts and calls[0]["function"] == auto["message"]["tool_calls"][0]["function"]
+        else:  # a "response": its text streams as it is written, not as JSON
+            assert "".join(parts) == auto["message"]["content"] and not calls
+            assert set(auto["message"]["content"]) == {"r"} and len(parts) > 1
     history = CHAT + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
             "name": "abc", "arguments": '{"n": 1}'}}]},

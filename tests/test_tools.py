@@ -154,3 +154,34 @@ def test_real_model_calls_a_tool(smollm_int4) -> None:
         llm.generate("Hi", max_new_tokens=4, tools=[bad], tool_choice="required")
     free = llm.generate("Hi", max_new_tokens=4, tools=[ADD], tool_choice="none")
     assert free.tool_calls is None and free.token_ids == llm.generate("Hi", max_new_tokens=4).token_ids
+
+
+def test_response_text_streams_the_decoded_string_whatever_the_chunks() -> None:
+    """ResponseText on an "auto" answer cut into random chunks (escapes, \\u escapes, surrogate pairs, whitespace):
+    the pieces it returns join to the response's value; a tool call's answer returns nothing; an answer cut by the
+    budget gives the text so far."""
+    import random
+
+    from treedraft.tools import ResponseText
+
+    rng = random.Random(3)
+    for _ in range(200):
+        value = "".join(rng.choice(["a", " ", '"', "\\", "\n", "\u00e9", "\U0001f600", "\x01", "/"]) for _ in range(12))
+        text = json.dumps({"response": value}, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 1]))
+        r, got, i = ResponseText(), [], 0
+        while i < len(text):
+            j = i + rng.randint(1, 4)
+            got.append(r.feed(text[i:j]))
+            i = j
+        assert r.mode == "response" and r.closed and "".join(got) == value, (text, got)
+        cut = rng.randrange(len(text))
+        msg, finish = answer_message(text[:cut], "length", "auto")
+        started = ResponseText()
+        started.feed(text[:cut])
+        if started.mode == "response":  # the value's characters so far
+            assert finish == "length" and value.startswith(msg["content"])
+        else:  # cut before the value: the raw text
+            assert msg["content"] == text[:cut]
+    call = ResponseText()
+    assert call.feed('{"get_weather": {"city": "') == "" and call.mode == "call"
+    assert answer_message('{"add": {"a": 1', "length", "auto")[0]["content"] == '{"add": {"a": 1'

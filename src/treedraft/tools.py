@@ -172,12 +172,64 @@ def _arguments(call: dict) -> Any:
         return args  # as the client sent it
 
 
+_RESPONSE_START = re.compile(r'\s*\{\s*"' + RESPONSE_KEY + r'"\s*:\s*"')
+_FIRST_KEY = re.compile(r'\s*\{\s*"([^"]*)"')
+_HIGH_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}$")
+
+
+class ResponseText:
+    """The text of an "auto" answer's ``"response"`` as the JSON arrives, so a stream can send it as it is written:
+    :meth:`feed` takes the answer's next text and returns the string's newly complete characters (an escape is held
+    until whole; a surrogate pair's first half until its second). ``mode``: "undecided" until the key is known,
+    then "response" (its characters stream) or "call" (a tool's name: nothing streams)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.mode = "undecided"
+        self.done = 0  # where the value's undecoded characters start
+        self.closed = False
+
+    def feed(self, more: str) -> str:
+        self.text += more
+        if self.mode == "undecided":
+            m = _RESPONSE_START.match(self.text)
+            if m is not None:
+                self.mode, self.done = "response", m.end()
+            else:
+                key = _FIRST_KEY.match(self.text)
+                if key is not None and key.group(1) != RESPONSE_KEY:
+                    self.mode = "call"  # a tool's name
+        if self.mode != "response" or self.closed:
+            return ""
+        i, cut = self.done, self.done
+        while i < len(self.text):
+            c = self.text[i]
+            if c == '"':
+                self.closed = True
+                break
+            if c == "\\":
+                n = 6 if self.text[i + 1 : i + 2] == "u" else 2
+                if i + n > len(self.text):
+                    break
+                i += n
+                if n == 6 and _HIGH_SURROGATE.search(self.text[:i]) and i + 6 > len(self.text):
+                    break  # a pair's first half: wait for the second
+            else:
+                i += 1
+            cut = i
+        out = json.loads('"' + self.text[self.done : cut] + '"') if cut > self.done else ""
+        self.done = cut
+        return out
+
+
 def answer_message(text: str, finish_reason: str, mode: str) -> tuple[dict, str]:
     """The assistant message and finish reason for a constrained answer: a tool call (``tool_calls``, finish
-    reason "tool_calls") or, for ``"response"``, its text. An answer cut by the token budget is returned as its raw
-    text (finish reason "length"): the call in it is incomplete."""
+    reason "tool_calls") or, for ``"response"``, its text. An answer cut by the token budget (finish reason
+    "length") is the response's text so far, or a call's raw JSON text (the call is incomplete)."""
     if finish_reason != "stop":
-        return {"role": "assistant", "content": text}, finish_reason
+        part = ResponseText() if mode == "auto" else None
+        said = part.feed(text) if part is not None else ""
+        return {"role": "assistant", "content": said if part and part.mode == "response" else text}, finish_reason
     obj = json.loads(text)
     ((key, value),) = obj.items()  # the grammar allows exactly one key
     if mode == "auto" and key == RESPONSE_KEY:

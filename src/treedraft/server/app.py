@@ -31,7 +31,7 @@ from ..engine import GenerationConfig
 from ..interfaces import GenerationError
 from ..logprobs import TokenLogprob
 from ..text import Chunk
-from ..tools import answer_message, answer_schema, render_messages
+from ..tools import ResponseText, answer_message, answer_schema, render_messages
 from ..verify import RULES as _RULES
 from .auth import APIKeys, AuthMiddleware
 from .metrics import Metrics
@@ -585,7 +585,9 @@ class OpenAIServer:
             return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
         n = 0
-        held: list[str] | None = [] if p.tool_mode is not None else None  # a tool answer: sent whole at its end
+        # a tool answer: a call is sent whole at its end; with "auto", a "response" streams its text as it comes
+        held: list[str] | None = [] if p.tool_mode is not None else None
+        said = ResponseText() if p.tool_mode == "auto" else None
         if chat:
             yield "choice", index, choice(None, None, role=True)
         if item is None:
@@ -604,10 +606,15 @@ class OpenAIServer:
                 if held is not None and p.tool_mode is not None:
                     message, finish = answer_message("".join(held), finish, p.tool_mode)
                     delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+                    if said is not None and said.mode == "response":  # its text went out as it came
+                        delta.pop("content", None)
+                        rest = said.feed("")
+                        if rest:
+                            delta["content"] = rest
                     for i, call in enumerate(delta.get("tool_calls", [])):
                         call["index"] = i
-                    last = choice("", None)
-                    yield "choice", index, last | {"delta": delta}
+                    if delta or pending:
+                        yield "choice", index, choice("", None) | {"delta": delta}
                 yield "choice", index, choice(None if chat else "", finish)
                 yield "done", index, (item, n)
                 return
@@ -615,6 +622,9 @@ class OpenAIServer:
             pending += self.reported_logprobs(p, item)
             if held is not None:
                 held.append(item.text)
+                text = said.feed(item.text) if said is not None else ""
+                if text:
+                    yield "choice", index, choice(text, None)
             elif item.text:
                 yield "choice", index, choice(item.text, None)
             nxt = await job.next(3600.0)
