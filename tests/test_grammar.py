@@ -614,7 +614,7 @@ def test_schema_masks_equal_a_token_by_token_scan() -> None:
 @pytest.mark.parametrize(
     "schema,match",
     [
-        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}, "'pattern'"),
+        ({"type": "object", "properties": {"a": {"type": "string", "minLength": 1}}}, "'minLength'"),
         ({"type": "array", "items": {}}, "root must be an object"),
         ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required"),
         ({"type": "object", "properties": {"a": {"enum": []}}}, "enum"),
@@ -622,7 +622,7 @@ def test_schema_masks_equal_a_token_by_token_scan() -> None:
         ({"type": "object", "properties": {"a": {"$ref": "#/x"}}}, "points to nothing"),
         ({"type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}}, "only references into"),
         ({"type": "object", "properties": {"a": {"$ref": "#/$defs/b", "minItems": 1}}, "$defs": {"b": {}}}, "beside"),
-        ({"type": "object", "properties": {"a": {"type": "string", "format": "date"}}}, "'format'"),
+        ({"type": "object", "properties": {"a": {"type": "string", "format": "uri"}}}, "'uri'"),
         ({"type": "object", "properties": {"a": {"anyOf": [{"type": "integer"}, {"type": "number"}]}}}, "numbers"),
         ({"type": "object", "properties": {"a": {"anyOf": [{"enum": ["x"]}, {"type": "string"}]}}}, "strings"),
         ({"type": "object", "properties": {"a": {"oneOf": [{"type": "object"}, {"type": "object"}]}}}, "objects"),
@@ -954,7 +954,7 @@ def finish(s: tuple, g: JsonGrammar) -> bytes | None:
     """Bytes (no whitespace) that take ``s`` to the closed object, or None: a depth-first search, closers first and
     openers last (so it closes before it nests), each state once (no depth limit: a state that cannot close from
     one path cannot from any)."""
-    alphabet = b'}]",:0123456789-.' + bytes(range(0x61, 0x7B)) + b"\\\xc3\xaf{["  # every test schema's keys
+    alphabet = b'}]",:0123456789-.' + bytes(range(0x61, 0x7B)) + bytes(range(0x41, 0x5B)) + b"@+\\\xc3\xaf\xa9{["
     seen = {s}
     path: list[tuple[tuple, int]] = [(s, 0)]  # (state, next alphabet index)
     while path:
@@ -1130,3 +1130,125 @@ def test_key_counts(sch: dict, text: bytes, ok: bool) -> None:
     if sch is COUNTED:
         s = run(g.start(), b'{"b":1,"', g.nodes)
         assert run(s, b"c", g.nodes) is None and run(s, b"a", g.nodes) is not None
+
+
+# ---- pattern / format (treedraft.pattern)
+
+PATTERNS = [
+    "^[a-c]+$", "ab", "^a|b$", "^(ab|c)*d?$", "^[^a]{2,3}$", "x.y", "^\\d{2}-\\w+$", "^(?:a|bc){2}$",
+    "^[\u00e9-\u00ff\U0001f600]*$", "^a+?b??$", "\\.\\$", "^[a\\-z]$", "^\\u0061\\x62$", "^\t", "c{2,}",
+]  # fmt: skip
+ALPHABET = ["a", "b", "c", "d", "x", "y", "z", "-", ".", "$", "1", "2", "\t", '"', "\\", "\u00e9", "\U0001f600"]
+
+
+def pattern_doc(value: str, ascii_only: bool) -> bytes:
+    return json.dumps({"s": value}, ensure_ascii=ascii_only).encode()
+
+
+def test_patterns_match_as_pythons_re() -> None:
+    """Strings under a pattern: the automaton closes the object exactly when Python's re finds the pattern in the
+    string (the subset means the same in both here: ASCII classes, no line terminators), whether the string is
+    written as UTF-8 or as \\\\u escapes (surrogate pairs for the astral character)."""
+    import re
+
+    rng = random.Random(21)
+    base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    seen = Counter()
+    for pat in PATTERNS:
+        g = base.with_schema({"type": "object", "properties": {"s": {"type": "string", "pattern": pat}}})
+        rx = re.compile(pat, re.ASCII)
+        for _ in range(150):
+            value = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 5)))
+            want = rx.search(value) is not None
+            for ascii_only in (False, True):
+                end = run(g.start(), pattern_doc(value, ascii_only), g.nodes)
+                assert (end is not None and end[0] == DONE) == want, (pat, value, ascii_only)
+            seen[want] += 1
+    assert seen[True] > 100 and seen[False] > 300
+
+
+FORMAT_CASES = {
+    "date": (["2024-02-28", "1999-12-31", "0001-01-01", "2023-04-30"], ["2024-02-30", "2023-13-01", "2023-4-01", ""]),
+    "time": (["23:59:59Z", "00:00:00.123456+05:30", "12:30:00-08:00"], ["24:00:00Z", "12:60:00Z", "12:30:00"]),
+    "date-time": (["2024-01-31T08:15:00Z", "2024-06-30T23:00:00.5+02:00"], ["2024-01-31 08:15:00Z", "2024-01-31T08:15Z"]),
+    "uuid": (["123e4567-e89b-12d3-a456-426614174000"], ["123e4567e89b12d3a456426614174000", "g23e4567-e89b-12d3-a456-426614174000"]),
+    "email": (["a.b+c@example.co.uk", "x@y.io"], ["a@b", "@example.com", "a b@example.com", "a..b@example.com"]),
+    "ipv4": (["192.168.0.1", "0.0.0.0", "255.255.255.255"], ["256.1.1.1", "1.2.3", "01.2.3.4"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", list(FORMAT_CASES))
+def test_formats_take_their_strings(fmt: str) -> None:
+    """Each format: valid strings (and their prefixes) are accepted, invalid ones refused; what is accepted parses
+    with Python's own parser for the format where it has one."""
+    import datetime
+    import ipaddress
+    import uuid
+
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    g = g.with_schema({"type": "object", "properties": {"s": {"type": "string", "format": fmt}}, "required": ["s"]})
+    good, bad = FORMAT_CASES[fmt]
+    parse = {
+        "date": datetime.date.fromisoformat,
+        "time": datetime.time.fromisoformat,
+        "date-time": datetime.datetime.fromisoformat,
+        "uuid": uuid.UUID,
+        "ipv4": ipaddress.IPv4Address,
+    }.get(fmt)
+    for v in good:
+        end = run(g.start(), pattern_doc(v, False), g.nodes)
+        assert end is not None and end[0] == DONE, v
+        if parse is not None:
+            parse(v)
+    for v in bad:
+        end = run(g.start(), pattern_doc(v, False), g.nodes)
+        assert end is None or end[0] != DONE, v
+
+
+def test_patterned_strings_never_dead_end_and_validate() -> None:
+    """Random walks (UTF-8 bytes, escapes, \\\\u escapes and surrogate halves included) under patterns and formats,
+    and a pydantic model with date / datetime / UUID / constrained-string fields: every walk can be closed and the
+    result matches (re.search / the model's own validation)."""
+    import datetime
+    import re
+    import uuid
+
+    pydantic = pytest.importorskip("pydantic")
+
+    class Event(pydantic.BaseModel):
+        day: datetime.date
+        at: datetime.datetime
+        id: uuid.UUID
+        code: str = pydantic.Field(pattern="^[A-Z]{3}-\\d{2}$")
+
+    rng = random.Random(22)
+    base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    for pat in PATTERNS[:9]:
+        sch = {"type": "object", "properties": {"s": {"type": "string", "pattern": pat}}, "required": ["s"]}
+        g = base.with_schema(sch)
+        for nest in (0.0, 0.5):
+            doc, _ = random_walk(rng, g, nest, 60)
+            assert re.search(pat, json.loads(doc)["s"], re.ASCII), (pat, doc)
+    g = base.with_schema(Event.model_json_schema())
+    for _ in range(12):
+        doc, _ = random_walk(rng, g, 0.3, 150)
+        Event.model_validate_json(doc)
+
+
+@pytest.mark.parametrize(
+    "sch,match",
+    [
+        ({"type": "string", "pattern": "(a)\\1"}, "not supported"),
+        ({"type": "string", "pattern": "(?=a)"}, "lookaround"),
+        ({"type": "string", "pattern": "a^b"}, "only at the start"),
+        ({"type": "string", "pattern": "[^\\s\\S]"}, "matches no string"),
+        ({"type": "string", "pattern": "a{3,2}"}, "below the minimum"),
+        ({"type": "string", "pattern": "(ab"}, "missing"),
+        ({"type": "string", "format": "uri"}, "'uri' is not supported"),
+        ({"type": "string", "format": "date", "pattern": "x"}, "together"),
+    ],
+)
+def test_unsupported_patterns_are_refused_by_name(sch: dict, match: str) -> None:
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    with pytest.raises(ValueError, match=match):
+        g.with_schema({"type": "object", "properties": {"s": sch}})

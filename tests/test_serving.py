@@ -389,7 +389,7 @@ BAD_REQUESTS = [
     ("chat", {"messages": _HI, "response_format": {"type": "yaml"}}, 400, "response_format"),
     (
         "chat",
-        {"messages": _HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {"pattern": "x"}}}},
+        {"messages": _HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {"minLength": 1}}}},
         400,
         "response_format",
     ),
@@ -757,7 +757,7 @@ def test_tool_calls(server: LiveServer, llm: LLM) -> None:
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"a": {"type": "string", "format": "date"}}}}}]}, "tools"),
+            "type": "object", "properties": {"a": {"type": "string", "format": "uri"}}}}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
     ],
 )  # fmt: skip

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from .interfaces import GenerationError
+from .pattern import FORMATS, Pattern
 from .tree import TokenTree
 
 MAX_DEPTH = 32  # nested objects / arrays
@@ -46,12 +47,36 @@ MAX_WS = 32  # whitespace bytes in a row between tokens of the JSON text
 # modes. A state is (mode, a, b, stack); stack: a tuple of the open containers' frames, ("{", schema node, keys seen
 # (bitmask; in a free object: the keys written, counted up to its bounds), the key being written or -1) for objects
 # and ("[", schema node, the values started, counted up to its bounds) for arrays
-START, VALUE, ARR_FIRST, OBJ_FIRST, KEY, COLON, AFTER, STR, ESC, UHEX, NUM, LIT, KSTR, ENUM, DONE, END = range(16)
+(
+    START,
+    VALUE,
+    ARR_FIRST,
+    OBJ_FIRST,
+    KEY,
+    COLON,
+    AFTER,
+    STR,
+    ESC,
+    UHEX,
+    NUM,
+    LIT,
+    KSTR,
+    ENUM,
+    PSTR,
+    PESC,
+    PUHEX,
+    DONE,
+    END,
+) = range(19)
 # structural modes: a = the whitespace bytes just read (START: b = the root's schema node)
 # STR: a = 1 in a free object's key, 0 in a value; b = the UTF-8 state below.  ESC: a as STR.  UHEX: a as STR, b =
 # hex digits left.  NUM: a = the number state below, b = 1 for integers only.  LIT: a = the literal's bytes still to
 # come.  KSTR: a declared key being written, a = its bytes so far.  ENUM: a = the value's bytes so far, b = its node.
-# DONE: the object is closed (EOS only); END: after that EOS (EOS only: drafts beyond it are never delivered)
+# PSTR: a string value under a pattern / format, a = its DFA state (:mod:`treedraft.pattern`), b = (its node, the
+# UTF-8 state below, the code point's bits so far).  PESC: a as PSTR, b = (node, a high surrogate's code point or 0,
+# 0 or 1: its second escape's backslash read).  PUHEX: a as PSTR, b = (node, hex digits left, value so far, high
+# surrogate or 0).  DONE: the object is closed (EOS only); END: after that EOS (EOS only: drafts beyond it are never
+# delivered)
 
 # UTF-8 inside strings: b = 0 (at a character boundary) or the continuation still needed and its allowed first byte
 # (the Unicode standard's table 3-7 of well-formed sequences: no overlongs, surrogates or code points past U+10FFFF)
@@ -99,7 +124,7 @@ class SchemaNode:
     any keys, each value of node ``extra``, the ``additionalProperties`` schema; -1: no keys at all). ``required``:
     bitmask over ``keys``. ``enum``: the allowed values' compact JSON texts (None: any of ``types``). Arrays hold
     ``min_items``..``max_items`` (-1: no bound) values of node ``items``; objects ``min_props``..``max_props``
-    keys. ``dispatch`` (anyOf / oneOf): the node
+    keys; strings match ``pattern`` (``pattern`` / ``format``) if given. ``dispatch`` (anyOf / oneOf): the node
     that takes a value of each class (:data:`_CLASS`; -1: none), the automaton never enters the union itself.
     ``need``: the fewest nested containers an instance opens (:data:`NEVER`: none fits), ``obj_need`` /
     ``arr_need`` those of its objects / arrays: a container opens only where that many levels are left, and an
@@ -118,6 +143,7 @@ class SchemaNode:
     min_props: int = 0
     max_props: int = -1
     dispatch: tuple[int, ...] | None = None
+    pattern: Pattern | None = None
     need: int = 0
     obj_need: int = 1
     arr_need: int = 1
@@ -154,7 +180,9 @@ def _value(c: int, stack: tuple, n: int, nodes: Sequence[SchemaNode]) -> State |
         return (ENUM, p, n, stack) if any(e.startswith(p) for e in node.enum) else None
     t = node.types
     if c == 0x22:  # "
-        return (STR, 0, 0, stack) if "string" in t else None
+        if "string" not in t:
+            return None
+        return (STR, 0, 0, stack) if node.pattern is None else (PSTR, 0, (n, 0, 0), stack)
     if c in _DIGITS or c == 0x2D:  # a digit, -
         if "number" not in t and "integer" not in t:
             return None
@@ -279,6 +307,98 @@ def _item(stack: tuple, nodes: Sequence[SchemaNode]) -> tuple:
     return stack if count >= cap else (*stack[:-1], ("[", n, count + 1))
 
 
+_ESCAPE_CHAR = {0x22: 0x22, 0x5C: 0x5C, 0x2F: 0x2F, 0x62: 0x08, 0x66: 0x0C, 0x6E: 0x0A, 0x72: 0x0D, 0x74: 0x09}
+_UTF8_BITS = {1: 0x1F, 2: 0x0F, 3: 0x0F, 4: 0x0F, 5: 0x07, 6: 0x07, 7: 0x07}  # a lead byte's bits, by its state
+
+
+def _char(s: State, cp: int, nodes: Sequence[SchemaNode]) -> State | None:
+    """A patterned string after its next character ``cp``."""
+    n = s[2][0]
+    d = nodes[n].pattern.next(s[1], cp)  # type: ignore[union-attr]
+    return None if d < 0 else (PSTR, d, (n, 0, 0), s[3])
+
+
+def _utf8_live(p: Pattern, d: int, utf8: int, cp: int) -> bool:
+    """Whether some character that the UTF-8 sequence so far (its bits ``cp``, state ``utf8``) can still become
+    continues the pattern from DFA state ``d`` (else its bytes would lead into a dead end)."""
+    more = 0
+    u = utf8
+    while u:
+        more, u = more + 1, _UTF8_NEXT[u]
+    lo, hi = _UTF8_RANGE[utf8]
+    shift = 6 * (more - 1)
+    return p.any_in(d, (cp << 6 | lo & 0x3F) << shift, (cp << 6 | hi & 0x3F) << shift | (1 << shift) - 1)
+
+
+def _hex_live(p: Pattern, d: int, v: int, left: int, high: int) -> bool:
+    """The same for a \\u escape with value ``v`` so far and ``left`` hex digits to come (``high``: the high
+    surrogate whose low half this is): its BMP characters, and the astral ones of the high surrogates it can be."""
+    span = 1 << 4 * left
+    lo, hi = v * span, v * span + span - 1
+    if high:
+        lo, hi = max(lo, 0xDC00), min(hi, 0xDFFF)
+        base = 0x10000 + (high - 0xD800 << 10) - 0xDC00
+        return lo <= hi and p.any_in(d, base + lo, base + hi)
+    if lo <= 0xD7FF and p.any_in(d, lo, min(hi, 0xD7FF)):
+        return True
+    if hi >= 0xE000 and p.any_in(d, max(lo, 0xE000), hi):
+        return True
+    a, b = max(lo, 0xD800), min(hi, 0xDBFF)
+    return a <= b and p.any_in(d, 0x10000 + (a - 0xD800 << 10), 0x10000 + (b - 0xD800 << 10) + 0x3FF)
+
+
+def _patterned(s: State, c: int, nodes: Sequence[SchemaNode]) -> State | None:
+    """A string under a pattern: its characters (literal UTF-8 or JSON escapes; surrogates only as a \\u pair)
+    run through the pattern's DFA, the closing quote only where it matches, and no byte that only leads to
+    characters the pattern refuses there (so no dead end)."""
+    mode, d, b, stack = s
+    p: Pattern = nodes[b[0]].pattern  # type: ignore[assignment]
+    if mode == PSTR:
+        n, utf8, cp = b
+        if utf8:
+            lo, hi = _UTF8_RANGE[utf8]
+            if not lo <= c <= hi:
+                return None
+            cp = cp << 6 | c & 0x3F
+            nxt = _UTF8_NEXT[utf8]
+            if not nxt:
+                return _char(s, cp, nodes)
+            return (PSTR, d, (n, nxt, cp), stack) if _utf8_live(p, d, nxt, cp) else None
+        if c == 0x22:
+            return (AFTER, 0, 0, stack) if p.accepts(d) else None
+        if c == 0x5C:
+            return (PESC, d, (n, 0, 0), stack) if _hex_live(p, d, 0, 4, 0) else None
+        if c < 0x20:
+            return None
+        if c < 0x80:
+            return _char(s, c, nodes)
+        lead = _UTF8_LEAD[c]
+        if lead < 0 or not _utf8_live(p, d, lead, c & _UTF8_BITS[lead]):
+            return None
+        return (PSTR, d, (n, lead, c & _UTF8_BITS[lead]), stack)
+    if mode == PESC:
+        n, high, slash = b
+        if high:  # a high surrogate's escape read: only its low half's "\\u" may follow
+            if not slash:
+                return (PESC, d, (n, high, 1), stack) if c == 0x5C else None
+            return (PUHEX, d, (n, 4, 0, high), stack) if c == 0x75 else None
+        if c == 0x75:  # u
+            return (PUHEX, d, (n, 4, 0, 0), stack)
+        ch = _ESCAPE_CHAR.get(c)
+        return None if ch is None else _char((PSTR, d, (n, 0, 0), stack), ch, nodes)
+    n, left, v, high = b
+    if c not in _HEX:
+        return None
+    v = v << 4 | int(chr(c), 16)
+    if left > 1:
+        return (PUHEX, d, (n, left - 1, v, high), stack) if _hex_live(p, d, v, left - 1, high) else None
+    if high:  # the low half (its range checked above)
+        return _char((PSTR, d, (n, 0, 0), stack), 0x10000 + (high - 0xD800 << 10) + (v - 0xDC00), nodes)
+    if 0xD800 <= v <= 0xDBFF:  # a high surrogate: its pair's second half must follow
+        return (PESC, d, (n, v, 0), stack) if _hex_live(p, d, v, 0, 0) else None
+    return None if 0xDC00 <= v <= 0xDFFF else _char((PSTR, d, (n, 0, 0), stack), v, nodes)
+
+
 def step(s: State, c: int, nodes: Sequence[SchemaNode] = ANY) -> State | None:
     """The automaton's state after byte ``c`` (0..255), or None where no JSON object (of ``nodes``' schema)
     continues so."""
@@ -300,6 +420,8 @@ def step(s: State, c: int, nodes: Sequence[SchemaNode] = ANY) -> State | None:
         return (STR, s[1], _UTF8_NEXT[b], s[3]) if lo <= c <= hi else None
     if mode == NUM:
         return _number(s, c, nodes)
+    if mode == PSTR or mode == PESC or mode == PUHEX:
+        return _patterned(s, c, nodes)
     if mode == KSTR:
         return _declared_key(s, c, nodes)
     if mode == ENUM:
@@ -371,7 +493,7 @@ _ANNOTATIONS = frozenset(
 )  # fmt: skip
 _KEYWORDS = frozenset(
     ("type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
-     "minProperties", "maxProperties", "anyOf", "oneOf", "allOf", "$ref")
+     "minProperties", "maxProperties", "pattern", "format", "anyOf", "oneOf", "allOf", "$ref")
 )  # fmt: skip
 _SCALARS = ("string", "number", "integer", "boolean", "null")
 
@@ -518,6 +640,21 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         if 0 <= bounds[3] < len(set(required)):
             raise ValueError(f"json_schema at {where}: maxProperties {bounds[3]} is below the {len(set(required))} "
                              "required keys")  # fmt: skip
+        pattern = None
+        if "pattern" in sch and "format" in sch:
+            raise ValueError(f"json_schema at {where}: pattern and format together are not supported; use one")
+        if "pattern" in sch:
+            if not isinstance(sch["pattern"], str):
+                raise ValueError(f"json_schema at {where}: pattern must be a string")
+            try:
+                pattern = Pattern(sch["pattern"])
+            except ValueError as e:
+                raise ValueError(f"json_schema at {where}: {e}") from None
+        elif "format" in sch:
+            if sch["format"] not in FORMATS:
+                raise ValueError(f"json_schema at {where}: format {sch['format']!r} is not supported; supported: "
+                                 f"{', '.join(FORMATS)}")  # fmt: skip
+            pattern = Pattern(FORMATS[sch["format"]], label=f"format {sch['format']}")
         names = list(props)
         values = tuple(add(props[k], f"{where}.properties.{k}") for k in names)
         items = add(sch.get("items", {}), f"{where}.items")
@@ -525,7 +662,8 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         extra = -1 if extra is False else add(extra, f"{where}.additionalProperties")
         keys = tuple(json.dumps(k, ensure_ascii=False)[1:-1].encode("utf-8") for k in names)
         req = sum(1 << names.index(r) for r in set(required))
-        return SchemaNode(frozenset(types), keys, values, req, items, None, "properties" not in sch, extra, *bounds)
+        node = SchemaNode(frozenset(types), keys, values, req, items, None, "properties" not in sch, extra, *bounds)
+        return replace(node, pattern=pattern)
 
     root = add(schema, "$")
     for at, (where, _) in unions.items():

@@ -1,0 +1,364 @@
+"""JSON Schema ``pattern`` and ``format`` for strings: an ECMA-262 regular expression (the subset without
+backreferences, lookaround or anchors inside the expression) as a DFA over Unicode code points, which the JSON
+automaton (:mod:`treedraft.grammar`) runs over a string's characters as their bytes arrive.
+
+A ``pattern`` matches anywhere in the string (JSON Schema's rule) unless anchored: each top-level alternative may
+start with ``^`` and end with ``$``. ``format`` ``date``, ``time``, ``date-time``, ``uuid``, ``email`` and ``ipv4``
+are patterns of a subset of their valid strings (no February 29th, no leap second: a generated string always
+validates). DFA states from which no match can be completed are dropped, so a patterned string never dead-ends.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+MAX_CP = 0x10FFFF
+MAX_NFA = 20000  # states of the expanded expression (counted repetitions copy it)
+MAX_DFA = 4000
+
+Ranges = tuple  # sorted, disjoint (lo, hi) code point ranges
+
+
+def _norm(rs) -> Ranges:
+    out: list[list[int]] = []
+    for lo, hi in sorted(rs):
+        if out and lo <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return tuple((a, b) for a, b in out)
+
+
+def _neg(rs: Ranges) -> Ranges:
+    out, at = [], 0
+    for lo, hi in rs:
+        if lo > at:
+            out.append((at, lo - 1))
+        at = hi + 1
+    if at <= MAX_CP:
+        out.append((at, MAX_CP))
+    return tuple(out)
+
+
+_DIGIT = ((0x30, 0x39),)
+_WORD = _norm([(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)])
+_SPACE = _norm([(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+                (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)])  # fmt: skip
+_DOT = _neg(_norm([(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)]))  # ECMA's line terminators
+_ANY = ((0, MAX_CP),)
+_CLASS_ESC = {"d": _DIGIT, "D": _neg(_DIGIT), "w": _WORD, "W": _neg(_WORD), "s": _SPACE, "S": _neg(_SPACE)}
+_CTRL_ESC = {"n": 0x0A, "t": 0x09, "r": 0x0D, "f": 0x0C, "v": 0x0B, "0": 0x00}
+
+
+class _Parser:
+    """Recursive descent over the pattern; nodes: ("set", ranges), ("cat", [...]), ("alt", [...]),
+    ("rep", node, min, max or None)."""
+
+    def __init__(self, src: str) -> None:
+        self.s, self.i = src, 0
+
+    def fail(self, what: str) -> ValueError:
+        return ValueError(f"pattern {self.s!r}: {what} (at {self.i})")
+
+    def peek(self) -> str:
+        return self.s[self.i] if self.i < len(self.s) else ""
+
+    def top(self) -> list[tuple[bool, object, bool]]:
+        """The top-level alternatives, each with its anchors: (starts with ^, node, ends with $)."""
+        alts = []
+        while True:
+            bol = self.peek() == "^"
+            self.i += bol
+            node = self.cat(top=True)
+            eol = self.peek() == "$"
+            self.i += eol
+            alts.append((bol, node, eol))
+            if self.peek() == "|":
+                self.i += 1
+                continue
+            if self.i < len(self.s):
+                raise self.fail(f"unexpected {self.peek()!r}" if self.peek() != "$" else "'$' before the end")
+            return alts
+
+    def alt(self) -> object:
+        parts = [self.cat()]
+        while self.peek() == "|":
+            self.i += 1
+            parts.append(self.cat())
+        return parts[0] if len(parts) == 1 else ("alt", parts)
+
+    def cat(self, top: bool = False) -> object:
+        items = []
+        while self.i < len(self.s) and self.peek() not in "|)":
+            if self.peek() == "$" and top:
+                break
+            items.append(self.quantified())
+        return ("cat", items)
+
+    def quantified(self) -> object:
+        atom = self.atom()
+        while True:
+            c = self.peek()
+            if c in ("*", "+", "?"):
+                self.i += 1
+                lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+            elif c == "{" and self._counted() is not None:
+                lo, hi = self._counted()  # type: ignore[misc]
+                self.i = self._counted_end
+            else:
+                return atom
+            if self.peek() == "?":  # lazy: the same language
+                self.i += 1
+            atom = ("rep", atom, lo, hi)
+
+    def _counted(self) -> tuple[int, int | None] | None:
+        j = self.s.find("}", self.i)
+        if j < 0:
+            return None
+        body = self.s[self.i + 1 : j]
+        lo, comma, hi = body.partition(",")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            return None
+        self._counted_end = j + 1
+        a, b = int(lo), (int(hi) if hi else None) if comma else int(lo)
+        if b is not None and b < a:
+            raise self.fail(f"{{{body}}}: the maximum is below the minimum")
+        return a, b
+
+    def atom(self) -> object:
+        c = self.peek()
+        if c == "(":
+            self.i += 1
+            if self.s.startswith("?:", self.i):
+                self.i += 2
+            elif self.peek() == "?":
+                raise self.fail("lookaround and named groups are not supported")
+            node = self.alt()
+            if self.peek() != ")":
+                raise self.fail("missing ')'")
+            self.i += 1
+            return node
+        if c == "[":
+            return ("set", self.klass())
+        if c == ".":
+            self.i += 1
+            return ("set", _DOT)
+        if c == "\\":
+            return ("set", self.escape(in_class=False))
+        if c in ("^", "$"):
+            raise self.fail(f"'{c}' is supported only at the start / end of a top-level alternative")
+        if c in ("*", "+", "?", ")"):
+            raise self.fail(f"nothing to repeat or an unmatched {c!r}")
+        if c == "{" and self._counted() is not None:
+            raise self.fail("nothing to repeat")
+        self.i += 1
+        return ("set", ((ord(c), ord(c)),))
+
+    def escape(self, in_class: bool) -> Ranges:
+        self.i += 1  # the backslash
+        c = self.peek()
+        if not c:
+            raise self.fail("a trailing backslash")
+        self.i += 1
+        if c in _CLASS_ESC:
+            return _CLASS_ESC[c]
+        if c in _CTRL_ESC:
+            return ((_CTRL_ESC[c],) * 2,)
+        if c in ("u", "x"):
+            n = 4 if c == "u" else 2
+            h = self.s[self.i : self.i + n]
+            if len(h) != n or any(x not in "0123456789abcdefABCDEF" for x in h):
+                raise self.fail(f"\\{c} needs {n} hex digits")
+            self.i += n
+            return ((int(h, 16),) * 2,)
+        if c == "b" and in_class:
+            return ((0x08, 0x08),)
+        if c.isalnum():
+            raise self.fail(f"\\{c} is not supported (backreferences, word boundaries, ...)")
+        return ((ord(c), ord(c)),)
+
+    def klass(self) -> Ranges:
+        self.i += 1
+        neg = self.peek() == "^"
+        self.i += neg
+        rs: list[tuple[int, int]] = []
+        first = True
+        while True:
+            c = self.peek()
+            if not c:
+                raise self.fail("missing ']'")
+            if c == "]" and not first:
+                self.i += 1
+                break
+            first = False
+            lo = self.class_atom()
+            if self.peek() == "-" and self.s[self.i + 1 : self.i + 2] not in ("]", ""):
+                self.i += 1
+                hi = self.class_atom()
+                if len(lo) != 1 or len(hi) != 1 or lo[0][0] != lo[0][1] or hi[0][0] != hi[0][1]:
+                    raise self.fail("a range between classes")
+                if hi[0][0] < lo[0][0]:
+                    raise self.fail("a range out of order")
+                rs.append((lo[0][0], hi[0][0]))
+            else:
+                rs.extend(lo)
+        out = _norm(rs)
+        return _neg(out) if neg else out
+
+    def class_atom(self) -> Ranges:
+        if self.peek() == "\\":
+            return self.escape(in_class=True)
+        c = self.peek()
+        self.i += 1
+        return ((ord(c), ord(c)),)
+
+
+class _NFA:
+    def __init__(self) -> None:
+        self.eps: list[list[int]] = []
+        self.edges: list[list[tuple[Ranges, int]]] = []
+
+    def state(self) -> int:
+        if len(self.eps) >= MAX_NFA:
+            raise ValueError(f"pattern too large (over {MAX_NFA} states once its counted repetitions are expanded)")
+        self.eps.append([])
+        self.edges.append([])
+        return len(self.eps) - 1
+
+    def build(self, node, start: int) -> int:
+        """Adds ``node`` from ``start``; returns its end state."""
+        kind = node[0]
+        if kind == "set":
+            end = self.state()
+            if node[1]:
+                self.edges[start].append((node[1], end))
+            return end
+        if kind == "cat":
+            for part in node[1]:
+                start = self.build(part, start)
+            return start
+        if kind == "alt":
+            end = self.state()
+            for part in node[1]:
+                s = self.state()
+                self.eps[start].append(s)
+                self.eps[self.build(part, s)].append(end)
+            return end
+        _, inner, lo, hi = node
+        for _ in range(lo):
+            start = self.build(inner, start)
+        if hi is None:  # a loop
+            loop = self.state()
+            self.eps[start].append(loop)
+            self.eps[self.build(inner, loop)].append(loop)
+            return loop
+        end = self.state()
+        self.eps[start].append(end)
+        for _ in range(hi - lo):
+            start = self.build(inner, start)
+            self.eps[start].append(end)
+        return end
+
+
+class Pattern:
+    """A DFA over code points: ``next(state, cp)`` (-1: no match can follow), ``accepts(state)``; state 0 is the
+    start. Only states from which a match can still be completed are kept."""
+
+    def __init__(self, source: str, label: str | None = None) -> None:
+        self.source = label or source
+        alts = _Parser(source).top()
+        nfa = _NFA()
+        start, accept = nfa.state(), nfa.state()
+        for bol, node, eol in alts:
+            s = nfa.state()
+            nfa.eps[start].append(s)
+            if not bol:
+                s = nfa.build(("rep", ("set", _ANY), 0, None), s)
+            s = nfa.build(node, s)
+            if not eol:
+                s = nfa.build(("rep", ("set", _ANY), 0, None), s)
+            nfa.eps[s].append(accept)
+        self._determinize(nfa, start, accept)
+
+    def _determinize(self, nfa: _NFA, start: int, accept: int) -> None:
+        def closure(states) -> frozenset:
+            seen, todo = set(states), list(states)
+            while todo:
+                for t in nfa.eps[todo.pop()]:
+                    if t not in seen:
+                        seen.add(t)
+                        todo.append(t)
+            return frozenset(seen)
+
+        cuts = {0, MAX_CP + 1}
+        for edges in nfa.edges:
+            for rs, _ in edges:
+                for lo, hi in rs:
+                    cuts.update((lo, hi + 1))
+        self._cuts = sorted(cuts)[:-1]  # interval starts
+        first = closure([start])
+        index = {first: 0}
+        sets = [first]
+        table: list[list[int]] = []
+        while len(table) < len(sets):
+            cur = sets[len(table)]
+            row = []
+            for lo in self._cuts:
+                nxt = {t for s in cur for rs, t in nfa.edges[s] if _has(rs, lo)}
+                if not nxt:
+                    row.append(-1)
+                    continue
+                key = closure(nxt)
+                if key not in index:
+                    if len(sets) >= MAX_DFA:
+                        raise ValueError(f"pattern too complex (over {MAX_DFA} automaton states)")
+                    index[key] = len(sets)
+                    sets.append(key)
+                row.append(index[key])
+            table.append(row)
+        acc = [accept in s for s in sets]
+        live = set(i for i, a in enumerate(acc) if a)  # states that can still reach a match
+        changed = True
+        while changed:
+            changed = False
+            for i, row in enumerate(table):
+                if i not in live and any(t in live for t in row):
+                    live.add(i)
+                    changed = True
+        if 0 not in live:
+            raise ValueError(f"pattern {self.source!r} matches no string")
+        self._next = [[t if t in live else -1 for t in row] for row in table]
+        self._accept = acc
+
+    def next(self, state: int, cp: int) -> int:
+        return self._next[state][bisect.bisect_right(self._cuts, cp) - 1]
+
+    def accepts(self, state: int) -> bool:
+        return self._accept[state]
+
+    def any_in(self, state: int, lo: int, hi: int) -> bool:
+        """Whether some code point in lo..hi can follow ``state`` (towards a match)."""
+        cuts = self._cuts
+        row = self._next[state]
+        return any(t >= 0 for t in row[bisect.bisect_right(cuts, lo) - 1 : bisect.bisect_right(cuts, hi)])
+
+
+def _has(rs: Ranges, cp: int) -> bool:
+    i = bisect.bisect_right(rs, (cp, MAX_CP + 1)) - 1
+    return i >= 0 and rs[i][0] <= cp <= rs[i][1]
+
+
+_MONTH_DAY = r"((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
+_DATE = r"(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})-" + _MONTH_DAY  # years 0001-9999
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+FORMATS = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}T{_TIME}$",
+    "uuid": r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
+    "email": rf"^{_ATOM}(\.{_ATOM})*@{_LABEL}(\.{_LABEL})*\.[A-Za-z]{{2,63}}$",
+    "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
+}
