@@ -37,6 +37,10 @@ def reference_valid(data: bytes) -> bool:
         return False
     if not isinstance(obj, dict) or text != text.rstrip(WS):
         return False
+    try:  # no lone surrogate (\\ud800 alone): no Unicode text
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
     run_ws = depth = best = 0
     in_str = esc = False
     for ch in text:  # the caps: whitespace runs and nesting outside strings
@@ -125,6 +129,11 @@ def test_automaton_accepts_exactly_the_json_objects() -> None:
         (b'{"a":' + b"[" * MAX_DEPTH + b"]" * MAX_DEPTH + b"}", False),
         (b"[1]", False),
         (b"{} ", False),
+        (b'{"a": "\\ud83d\\ude00"}', True),  # a surrogate pair
+        (b'{"a": "\\ud83d"}', False),  # a high surrogate alone
+        (b'{"a": "\\ude00x"}', False),  # a low one alone
+        (b'{"a": "\\ud83d\\u0041"}', False),  # a high one, then no low one
+        (b'{"\\udbff\\udfff": 1}', True),  # U+10FFFF, in a key
     ],
 )
 def test_automaton_edge_cases(text: bytes, ok: bool) -> None:
@@ -632,6 +641,17 @@ def test_schema_masks_equal_a_token_by_token_scan() -> None:
         ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 2}}}, "more than max"),
         ({"type": "object", "properties": {"a": {"type": "array", "minItems": -1}}}, "non-negative"),
         ({"type": "object", "minProperties": 2, "maxProperties": 1}, "more than maxProperties"),
+        ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}, "above 1"),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"oneOf": [{"$ref": "#/$defs/x"}, {"$ref": "#/$defs/x"}]}},
+                "$defs": {"x": {"type": "string"}},
+            },
+            "both take",
+        ),  # fmt: skip
+        ({"type": "object", "properties": {"a": {}}, "required": [["a"]]}, "required must list"),
+        (functools.reduce(lambda inner, _: {"type": "array", "items": inner}, range(3000), {}), "too deeply"),
         ({"type": "object", "properties": {"n": {"$ref": "#"}}, "minProperties": 1}, "none is finite"),
         ({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"], "maxProperties": 1}, "below"),
         ({"type": "object", "properties": {"a": {"type": "integer", "enum": ["x"]}}}, "no enum"),
@@ -851,7 +871,7 @@ def random_full_schema(rng: random.Random, depth: int = 0) -> dict:
         return {"type": "array", "items": random_full_schema(rng, depth + 1), **bounds}
     if k == 10:
         extra = rng.choice([False, {"type": "integer"}, {"$ref": "#/$defs/tree"}, {"anyOf": [{}]}])
-        bounds = {"minProperties": rng.randint(0, 2)} if extra is not False and rng.random() < 0.5 else {}
+        bounds = {"minProperties": rng.randint(0, 1)} if extra is not False and rng.random() < 0.5 else {}
         if bounds and rng.random() < 0.6:
             bounds["maxProperties"] = bounds["minProperties"] + rng.randint(0, 1)
         return {"type": "object", "additionalProperties": extra, **bounds}

@@ -695,7 +695,7 @@ def test_tool_calls(server: LiveServer, llm: LLM) -> None:
     body = {"model": "tiny", "messages": CHAT, "tools": TOOLS, "max_tokens": 400, "temperature": 0}
     for choice in ("required", {"type": "function", "function": {"name": "xyz"}}):
         out = httpx.post(url, json=body | {"tool_choice": choice}, timeout=TIMEOUT).json()["choices"][0]
-        mode = "required" if choice == "required" else "xyz"
+        mode = "required" if choice == "required" else "fn:xyz"
         tools = parse_tools(TOOLS)
         ids = llm.encode_prompt(render_messages(CHAT, tools, mode))
         fmt = {"type": "json_schema", "json_schema": {"schema": answer_schema(tools, mode)}}
@@ -759,6 +759,8 @@ def test_tool_calls(server: LiveServer, llm: LLM) -> None:
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"a": {"type": "string", "format": "uri"}}}}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "stop": ["}"]}, "stop"),  # it could cut the call
+        ({"tools": [{"type": "function", "function": {"name": "response"}}]}, "tools"),  # auto's answer key
     ],
 )  # fmt: skip
 def test_bad_tool_requests_are_400(server: LiveServer, extra: dict, param: str) -> None:

@@ -83,7 +83,12 @@ def test_bad_tools_are_refused_with_the_reason(tools: list, choice, match: str) 
 def test_modes() -> None:
     tools = parse_tools([NOARGS])
     assert tool_mode(None, tools) == "auto" and tool_mode("none", tools) is None and tool_mode(None, []) is None
-    assert tool_mode("required", tools) == "required" and tool_mode(NOARGS, tools) == "now"
+    assert tool_mode("required", tools) == "required" and tool_mode(NOARGS, tools) == "fn:now"
+    named_auto = {"type": "function", "function": {"name": "auto"}}  # a tool named like a mode is still forced
+    tools = parse_tools([named_auto, ADD])
+    sch = answer_schema(tools, tool_mode(named_auto, tools))
+    assert accepts(sch, b'{"auto": {}}') and not accepts(sch, b'{"add": {"a": 1, "b": 2}}')
+    assert not accepts(sch, b'{"response": "x"}')
 
 
 def test_rendered_messages_describe_tools_and_replay_calls() -> None:
@@ -96,16 +101,17 @@ def test_rendered_messages_describe_tools_and_replay_calls() -> None:
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "21 C, sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": "no such call"},
     ]  # fmt: skip
     out = render_messages(msgs, tools, "auto")
-    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]  # the results: one user turn
     assert (
         out[0]["content"].startswith("Be brief.\n\n") and "- get_weather: The weather in a city." in out[0]["content"]
     )
     assert "- add: Arguments:" in out[0]["content"] and '{"response": "<your answer>"}' in out[0]["content"]
     assert json.loads(out[2]["content"]) == {"get_weather": {"city": "Paris"}}
-    assert out[3]["content"] == "Result of get_weather (call c1): 21 C, sunny"
-    named = render_messages(msgs[1:2], tools, "add")
+    assert out[3]["content"] == "Result of get_weather (call c1): 21 C, sunny\nTool result (call c2): no such call"
+    named = render_messages(msgs[1:2], tools, "fn:add")
     assert (
         named[0]["role"] == "system"
         and "get_weather" not in named[0]["content"]
@@ -124,6 +130,8 @@ def test_answer_message() -> None:
         {"role": "assistant", "content": 'hi "x"'},
         "stop",
     )
+    whole, finish = answer_message('{"add": {"a": 1, "b": 2}}', "length", "auto")  # the budget ended at the "}"
+    assert finish == "tool_calls" and whole["tool_calls"][0]["function"]["name"] == "add"
     assert answer_message('{"add": {"a": 1', "length", "auto") == (
         {"role": "assistant", "content": '{"add": {"a": 1'},
         "length",

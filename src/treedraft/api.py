@@ -231,6 +231,8 @@ class LLM:
             return self.text.generate(self.encode_prompt(prompt, raw), self.config(**kw), self.get_drafter(drafter))
         if kw.get("response_format") is not None:
             raise GenerationError("response_format cannot be combined with tools (the answer's form is the call's)")
+        if kw.get("stop"):
+            raise GenerationError("stop cannot be combined with tools (a stop string could cut the call)")
         msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         try:
             fmt = {"type": "json_schema", "json_schema": {"schema": answer_schema(parsed, mode)}}

@@ -69,8 +69,9 @@ MAX_WS = 32  # whitespace bytes in a row between tokens of the JSON text
     END,
 ) = range(19)
 # structural modes: a = the whitespace bytes just read (START: b = the root's schema node)
-# STR: a = 1 in a free object's key, 0 in a value; b = the UTF-8 state below.  ESC: a as STR.  UHEX: a as STR, b =
-# hex digits left.  NUM: a = the number state below, b = 1 for integers only.  LIT: a = the literal's bytes still to
+# STR: a = 1 in a free object's key, 0 in a value; b = the UTF-8 state below.  ESC: a as STR, b = 0, or (a high
+# surrogate, 0 or 1: its pair's backslash read) (surrogates only in pairs: a lone one is no Unicode text).  UHEX: a as
+# STR, b = (hex digits left, value so far, the high surrogate it pairs with or 0).  NUM: a = the number state below, b = 1 for integers only.  LIT: a = the literal's bytes still to
 # come.  KSTR: a declared key being written, a = its bytes so far.  ENUM: a = the value's bytes so far, b = its node.
 # PSTR: a string value under a pattern / format, a = its DFA state (:mod:`treedraft.pattern`), b = (its node, the
 # UTF-8 state below, the code point's bits so far).  PESC: a as PSTR, b = (node, a high surrogate's code point or 0,
@@ -431,13 +432,28 @@ def step(s: State, c: int, nodes: Sequence[SchemaNode] = ANY) -> State | None:
             return (ENUM, p, s[2], s[3])
         return step((AFTER, 0, 0, s[3]), c, nodes) if s[1] in enum else None
     if mode == ESC:
+        if s[2]:  # a high surrogate's escape read: only its low half's "\\u" may follow
+            high, slash = s[2]
+            if not slash:
+                return (ESC, s[1], (high, 1), s[3]) if c == 0x5C else None
+            return (UHEX, s[1], (4, 0, high), s[3]) if c == 0x75 else None
         if c in _ESCAPED:
             return (STR, s[1], 0, s[3])
-        return (UHEX, s[1], 4, s[3]) if c == 0x75 else None  # u
+        return (UHEX, s[1], (4, 0, 0), s[3]) if c == 0x75 else None  # u
     if mode == UHEX:
         if c not in _HEX:
             return None
-        return (STR, s[1], 0, s[3]) if s[2] == 1 else (UHEX, s[1], s[2] - 1, s[3])
+        left, v, high = s[2]
+        v, left = v << 4 | int(chr(c), 16), left - 1
+        if high and (left == 3 and v != 0xD or left == 2 and not 0xDC <= v <= 0xDF):
+            return None  # a high surrogate's pair: its low half, DC00-DFFF
+        if not high and left == 2 and 0xDC <= v <= 0xDF:
+            return None  # a low surrogate alone
+        if left:
+            return (UHEX, s[1], (left, v, high), s[3])
+        if not high and 0xD800 <= v <= 0xDBFF:
+            return (ESC, s[1], (v, 0), s[3])
+        return (STR, s[1], 0, s[3])
     if mode == LIT:
         rest = s[1]
         if c != rest[0]:
@@ -527,7 +543,7 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
     if not isinstance(schema, dict):
         raise ValueError(f"json_schema: the schema must be a JSON object, got {schema!r}")
     nodes: list[SchemaNode | None] = [SchemaNode()]
-    unions: dict[int, tuple[str, tuple[int, ...]]] = {}  # node -> (where, branches)
+    unions: dict[int, tuple[str, tuple[int, ...], str]] = {}  # node -> (where, branches, anyOf or oneOf)
     built: dict[int, int] = {}  # id(schema dict) -> its node (shared subschemas and recursion via $ref)
 
     def deref(sch: object, where: str) -> tuple[object, str]:
@@ -600,7 +616,7 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
             branches = sch[kw]
             if not isinstance(branches, list) or not branches:
                 raise ValueError(f"json_schema at {where}: {kw} must be a non-empty list of schemas")
-            unions[at] = (f"{where}.{kw}", tuple(add(b, f"{where}.{kw}[{i}]") for i, b in enumerate(branches)))
+            unions[at] = (f"{where}.{kw}", tuple(add(b, f"{where}.{kw}[{i}]") for i, b in enumerate(branches)), kw)
             return SchemaNode(types=frozenset())
         t = sch.get("type")
         if t is None:
@@ -626,7 +642,7 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         if not isinstance(props, dict):
             raise ValueError(f"json_schema at {where}: properties must be an object")
         required = sch.get("required", [])
-        if not isinstance(required, list) or any(r not in props for r in required):
+        if not isinstance(required, list) or any(not isinstance(r, str) or r not in props for r in required):
             raise ValueError(f"json_schema at {where}: required must list names from properties, got {required!r}")
         bounds = []
         for kw in ("minItems", "maxItems", "minProperties", "maxProperties"):
@@ -637,6 +653,9 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         for lo, hi, what in ((bounds[0], bounds[1], "Items"), (bounds[2], bounds[3], "Properties")):
             if 0 <= hi < lo:
                 raise ValueError(f"json_schema at {where}: min{what} {lo} is more than max{what} {hi}")
+        if "properties" not in sch and bounds[2] > 1:
+            raise ValueError(f"json_schema at {where}: minProperties above 1 is supported only with properties (an "
+                             "object without them does not track its keys, so a repeated key would count twice)")  # fmt: skip
         if 0 <= bounds[3] < len(set(required)):
             raise ValueError(f"json_schema at {where}: maxProperties {bounds[3]} is below the {len(set(required))} "
                              "required keys")  # fmt: skip
@@ -665,9 +684,12 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         node = SchemaNode(frozenset(types), keys, values, req, items, None, "properties" not in sch, extra, *bounds)
         return replace(node, pattern=pattern)
 
-    root = add(schema, "$")
-    for at, (where, _) in unions.items():
-        nodes[at] = replace(nodes[at], dispatch=_dispatch(nodes, unions, at, where))  # type: ignore[arg-type]
+    try:
+        root = add(schema, "$")
+    except RecursionError:
+        raise ValueError("json_schema: nested too deeply to compile") from None
+    for at, (where, _, kw) in unions.items():
+        nodes[at] = replace(nodes[at], dispatch=_dispatch(nodes, unions, at, where, kw == "oneOf"))  # type: ignore[arg-type]
     done = _needs(nodes)  # type: ignore[arg-type]
     top = done[root]
     if top.dispatch is not None:  # a union at the root: its object branch
@@ -686,8 +708,9 @@ def _classes(node: SchemaNode) -> set[int]:
     return {_TYPE_CLASS[t] for t in node.types}
 
 
-def _dispatch(nodes: list, unions: dict, at: int, where: str) -> tuple[int, ...]:
-    """A union's branch per value class, nested unions flattened; ValueError where two branches take one class."""
+def _dispatch(nodes: list, unions: dict, at: int, where: str, one: bool) -> tuple[int, ...]:
+    """A union's branch per value class, nested unions flattened; ValueError where two branches take one class
+    (``one``, oneOf: also where one schema comes twice: no value of it would match exactly one branch)."""
     table = [-1] * len(_CLASS_NAMES)
     owner: list[str] = [""] * len(_CLASS_NAMES)
 
@@ -699,7 +722,7 @@ def _dispatch(nodes: list, unions: dict, at: int, where: str) -> tuple[int, ...]
                 visit(b, f"{path}[{i}]" if n == at else f"{path}.{i}", (*trail, n))
             return
         for k in _classes(nodes[n]):
-            if table[k] >= 0 and table[k] != n:
+            if table[k] >= 0 and (table[k] != n or one):
                 raise ValueError(f"json_schema at {where}: branches {owner[k]} and {path} both take "
                                  f"{_CLASS_NAMES[k]}; supported: branches of different JSON types (e.g. a type "
                                  f"and null)")  # fmt: skip

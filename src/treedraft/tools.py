@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 RESPONSE_KEY = "response"
+NAMED = "fn:"  # a named tool_choice's mode: this + the name (":" is in no tool name, so no name reads as a mode)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _NO_ARGS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -55,8 +56,8 @@ def parse_tools(tools: Sequence[Any]) -> list[Tool]:
 
 
 def tool_mode(tool_choice: Any, tools: Sequence[Tool]) -> str | None:
-    """``tool_choice`` as a mode: "auto" (the default with tools), "required", a tool's name (that tool must be
-    called), or None ("none": answer without tools)."""
+    """``tool_choice`` as a mode: "auto" (the default with tools), "required", ``NAMED`` + a tool's name (that tool
+    must be called), or None ("none": answer without tools)."""
     if tool_choice is None or tool_choice == "auto":
         return "auto" if tools else None
     if tool_choice == "none":
@@ -70,7 +71,7 @@ def tool_mode(tool_choice: Any, tools: Sequence[Tool]) -> str | None:
         name = f.get("name")
         if not any(t.name == name for t in tools):
             raise ValueError(f"tool_choice names {name!r}, which is not in tools")
-        return str(name)
+        return NAMED + str(name)
     raise ValueError(
         "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}, "
         f"got {tool_choice!r}"
@@ -78,7 +79,7 @@ def tool_mode(tool_choice: Any, tools: Sequence[Tool]) -> str | None:
 
 
 def _offered(tools: Sequence[Tool], mode: str) -> list[Tool]:
-    return list(tools) if mode in ("auto", "required") else [t for t in tools if t.name == mode]
+    return list(tools) if mode in ("auto", "required") else [t for t in tools if NAMED + t.name == mode]
 
 
 def _moved_refs(sch: Any, base: str) -> Any:
@@ -129,7 +130,8 @@ def system_text(tools: Sequence[Tool], mode: str) -> str:
     elif mode == "required":
         lines.append(f"Answer with only {call}, calling one of them.")
     else:
-        lines.append(f'Answer with only {{"{mode}": {{<arguments>}}}}, calling {mode}.')
+        name = mode.removeprefix(NAMED)
+        lines.append(f'Answer with only {{"{name}": {{<arguments>}}}}, calling {name}.')
     return "\n".join(lines)
 
 
@@ -148,13 +150,17 @@ def render_messages(messages: list[dict], tools: Sequence[Tool], mode: str | Non
             for c in calls:
                 names[c.get("id", "")] = c["function"]["name"]
             out.append({"role": "assistant", "content": ((m.get("content") or "") + "\n" + text).strip()})
-        elif m["role"] == "tool":
+        elif m["role"] == "tool":  # consecutive results make one user turn (templates may want roles to alternate)
             cid = m.get("tool_call_id") or ""
             who = names.get(cid)
-            head = f"Result of {who}" if who else "Tool result"
-            out.append({"role": "user", "content": f"{head} (call {cid}): {m.get('content') or ''}"})
+            line = f"{f'Result of {who}' if who else 'Tool result'} (call {cid}): {m.get('content') or ''}"
+            if out and out[-1].get("tool_result"):
+                out[-1]["content"] += "\n" + line
+            else:
+                out.append({"role": "user", "content": line, "tool_result": True})
         else:
             out.append({"role": m["role"], "content": m.get("content") or ""})
+    out = [{"role": m["role"], "content": m["content"]} for m in out]
     if mode is not None:
         text = system_text(tools, mode)
         if out and out[0]["role"] == "system":
@@ -222,10 +228,20 @@ class ResponseText:
         return out
 
 
+def _complete(text: str) -> bool:
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and len(obj) == 1
+
+
 def answer_message(text: str, finish_reason: str, mode: str) -> tuple[dict, str]:
     """The assistant message and finish reason for a constrained answer: a tool call (``tool_calls``, finish
     reason "tool_calls") or, for ``"response"``, its text. An answer cut by the token budget (finish reason
     "length") is the response's text so far, or a call's raw JSON text (the call is incomplete)."""
+    if finish_reason != "stop" and _complete(text):
+        finish_reason = "stop"  # the budget ended right at the closing brace: the answer is whole
     if finish_reason != "stop":
         part = ResponseText() if mode == "auto" else None
         said = part.feed(text) if part is not None else ""

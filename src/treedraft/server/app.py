@@ -275,7 +275,13 @@ class OpenAIServer:
         if chat:
             tools, mode = chat_tools(req)
             if mode is not None:  # the answer: one JSON object naming a tool (treedraft.tools)
-                fmt = {"type": "json_schema", "json_schema": {"schema": answer_schema(tools, mode)}}
+                if stop:
+                    raise APIError(400, "stop cannot be combined with tools (a stop string could cut the call); "
+                                   "drop stop, or set tool_choice 'none'", param="stop")  # fmt: skip
+                try:
+                    fmt = {"type": "json_schema", "json_schema": {"schema": answer_schema(tools, mode)}}
+                except ValueError as e:
+                    raise APIError(400, str(e), param="tools") from None
         if fmt is not None:  # JSON mode's automaton: built once (~1.4 s) off the event loop
             try:
                 await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.llm.json_grammar, fmt)
