@@ -491,6 +491,8 @@ def conforms(v, sch, root=None) -> bool:
     if isinstance(v, dict):
         extra = sch.get("additionalProperties", True)
         return all(conforms(x, extra, root) for x in v.values())
+    if isinstance(v, str) and not sch.get("minLength", 0) <= len(v) <= sch.get("maxLength", len(v)):
+        return False
     if isinstance(v, list):
         if not sch.get("minItems", 0) <= len(v) <= sch.get("maxItems", len(v)):
             return False
@@ -623,7 +625,7 @@ def test_schema_masks_equal_a_token_by_token_scan() -> None:
 @pytest.mark.parametrize(
     "schema,match",
     [
-        ({"type": "object", "properties": {"a": {"type": "string", "minLength": 1}}}, "'minLength'"),
+        ({"type": "object", "properties": {"a": {"type": "string", "minimum": 1}}}, "'minimum'"),
         ({"type": "array", "items": {}}, "root must be an object"),
         ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required"),
         ({"type": "object", "properties": {"a": {"enum": []}}}, "enum"),
@@ -846,6 +848,11 @@ TREE_DEF = {
 
 def random_full_schema(rng: random.Random, depth: int = 0) -> dict:
     k = rng.randrange(12 if depth < 2 else 6)
+    if k == 0 and rng.random() < 0.4:  # a length-bounded string
+        lo = rng.randint(0, 2)
+        return {"type": "string", "minLength": lo} | (
+            {"maxLength": lo + rng.randint(0, 3)} if rng.random() < 0.7 else {}
+        )
     if k == 0:
         return {"type": rng.choice(["string", "number", "integer", "boolean", "null", ["integer", "null"]])}
     if k == 1:
@@ -906,6 +913,9 @@ def full_instance(rng: random.Random, sch, root: dict, depth: int = 0):
         return rng.choice(sch["enum"])
     t = sch.get("type")
     t = rng.choice(t) if isinstance(t, list) else t
+    if t == "string" and ("minLength" in sch or "maxLength" in sch):
+        n = rng.randint(sch.get("minLength", 0), sch.get("maxLength", sch.get("minLength", 0) + 3))
+        return "".join(rng.choice('ab "\\\n\u00e9\U0001f600') for _ in range(n))
     if t == "object" and "properties" in sch:
         props = sch["properties"]
         req = [k for k in props if k in sch.get("required", [])]
@@ -1240,6 +1250,7 @@ def test_patterned_strings_never_dead_end_and_validate() -> None:
         at: datetime.datetime
         id: uuid.UUID
         code: str = pydantic.Field(pattern="^[A-Z]{3}-\\d{2}$")
+        note: str = pydantic.Field(min_length=2, max_length=6)
 
     rng = random.Random(22)
     base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
@@ -1266,9 +1277,37 @@ def test_patterned_strings_never_dead_end_and_validate() -> None:
         ({"type": "string", "pattern": "(ab"}, "missing"),
         ({"type": "string", "format": "uri"}, "'uri' is not supported"),
         ({"type": "string", "format": "date", "pattern": "x"}, "together"),
+        ({"type": "string", "maxLength": 3, "pattern": "x"}, "together"),
+        ({"type": "string", "minLength": 3, "maxLength": 2}, "more than maxLength"),
+        ({"type": "string", "minLength": -1}, "non-negative"),
     ],
 )
 def test_unsupported_patterns_are_refused_by_name(sch: dict, match: str) -> None:
     g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
     with pytest.raises(ValueError, match=match):
         g.with_schema({"type": "object", "properties": {"s": sch}})
+
+
+def test_length_bounded_strings_masks_and_counts() -> None:
+    """minLength / maxLength count characters (code points: a \\\\u pair is one, a UTF-8 sequence is one): the fast
+    masks (per-token character counts beside the in-string table) equal a token-by-token scan in every state, tokens
+    ending inside a character included, and the bounds hold at the closing quote."""
+    rng = random.Random(23)
+    vocab = synthetic_vocab(rng, 1500)
+    eos = len(vocab)
+    sch = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 4}}, "required": ["s"]}
+    g = JsonGrammar(vocab + [b"</s>"], [eos]).with_schema(sch)
+    for value in ["ab", "\u00e9\u4e2d\U0001f600", "a\nb\\", "\U0001f600" * 4, 'x"y']:
+        for ascii_only in (False, True):
+            doc = pattern_doc(value, ascii_only)
+            s = g.start()
+            for c in doc:
+                m = g.allowed(s)
+                want = [vocab[t] is not None and run(s, vocab[t], g.nodes) is not None for t in range(len(vocab))]
+                assert m[: len(vocab)].tolist() == want, (value, s)
+                s = run(s, bytes([c]), g.nodes)
+            assert s[0] == DONE
+    for value, ok in (("a", False), ("abcd", True), ("abcde", False), ("\U0001f600" * 5, False)):
+        for ascii_only in (False, True):
+            end = run(g.start(), pattern_doc(value, ascii_only), g.nodes)
+            assert (end is not None and end[0] == DONE) == ok, (value, ascii_only)

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from .interfaces import GenerationError
-from .pattern import FORMATS, Pattern
+from .pattern import FORMATS, Length, Pattern
 from .tree import TokenTree
 
 MAX_DEPTH = 32  # nested objects / arrays
@@ -144,7 +144,7 @@ class SchemaNode:
     min_props: int = 0
     max_props: int = -1
     dispatch: tuple[int, ...] | None = None
-    pattern: Pattern | None = None
+    pattern: Pattern | Length | None = None
     need: int = 0
     obj_need: int = 1
     arr_need: int = 1
@@ -509,7 +509,8 @@ _ANNOTATIONS = frozenset(
 )  # fmt: skip
 _KEYWORDS = frozenset(
     ("type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
-     "minProperties", "maxProperties", "pattern", "format", "anyOf", "oneOf", "allOf", "$ref")
+     "minProperties", "maxProperties", "pattern", "format", "minLength", "maxLength", "anyOf", "oneOf", "allOf",
+     "$ref")
 )  # fmt: skip
 _SCALARS = ("string", "number", "integer", "boolean", "null")
 
@@ -659,9 +660,20 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         if 0 <= bounds[3] < len(set(required)):
             raise ValueError(f"json_schema at {where}: maxProperties {bounds[3]} is below the {len(set(required))} "
                              "required keys")  # fmt: skip
-        pattern = None
-        if "pattern" in sch and "format" in sch:
-            raise ValueError(f"json_schema at {where}: pattern and format together are not supported; use one")
+        pattern: Pattern | Length | None = None
+        given = [k for k in ("pattern", "format") if k in sch] + (
+            ["minLength / maxLength"] if {"minLength", "maxLength"} & set(sch) else []
+        )
+        if len(given) > 1:
+            raise ValueError(f"json_schema at {where}: {' and '.join(given)} together are not supported; use one")
+        if {"minLength", "maxLength"} & set(sch):
+            lo, hi = sch.get("minLength", 0), sch.get("maxLength", -1)
+            for kw, v in (("minLength", lo), ("maxLength", hi)):
+                if isinstance(v, bool) or not isinstance(v, int) or (kw in sch and v < 0):
+                    raise ValueError(f"json_schema at {where}: {kw} must be a non-negative integer, got {v!r}")
+            if 0 <= hi < lo:
+                raise ValueError(f"json_schema at {where}: minLength {lo} is more than maxLength {hi}")
+            pattern = Length(lo, hi)
         if "pattern" in sch:
             if not isinstance(sch["pattern"], str):
                 raise ValueError(f"json_schema at {where}: pattern must be a string")
@@ -807,6 +819,7 @@ class JsonGrammar:
         # tokens with a quote or a backslash: the only ones that can leave a string or start an escape
         self._exits = [t for t, b in enumerate(self.bytes) if b is not None and (b'"' in b or b"\\" in b)]
         self._in_string: dict[int, np.ndarray] = {}  # UTF-8 state -> tokens that stay inside a string
+        self._in_string_n: dict[int, np.ndarray] = {}  # UTF-8 state -> characters each of those takes
         self._masks: OrderedDict[State, np.ndarray] = OrderedDict()
         self._max_masks = max(16, (32 << 20) // max(1, self.vocab_size))
         eos_only = np.zeros(self.vocab_size, np.bool_)
@@ -857,8 +870,13 @@ class JsonGrammar:
             return m
         if s[0] >= DONE:
             return self._eos_only
-        if s[0] == STR:
-            m = self._in_string_mask(s[2]).copy()
+        if s[0] == STR or s[0] == PSTR and isinstance(self.nodes[s[2][0]].pattern, Length):
+            if s[0] == STR:
+                m = self._in_string_mask(s[2]).copy()
+            else:  # a length-bounded string: the in-string tokens whose characters fit
+                room = self.nodes[s[2][0]].pattern.room(s[1])  # type: ignore[union-attr]
+                need = self._in_string_chars(s[2][1])
+                m = need >= 0 if room < 0 else (need >= 0) & (need <= room)
             m[[t for t in self._exits if run(s, self.bytes[t], self.nodes) is not None]] = True
         else:
             m = np.zeros(self.vocab_size, np.bool_)
@@ -880,6 +898,23 @@ class JsonGrammar:
                 out.extend(kid.ids)
                 if kid.kids:
                     self._walk(kid, ns, out)
+
+    def _in_string_chars(self, utf8: int) -> np.ndarray:
+        """Per token, the characters it takes room for inside a string from UTF-8 state ``utf8``: those it completes,
+        plus one it leaves unfinished (-1: it cannot stay in the string)."""
+        v = self._in_string_n.get(utf8)
+        if v is None:
+            v = np.full(self.vocab_size, -1, np.int32)
+            stay = self._in_string_mask(utf8)
+            for t in np.flatnonzero(stay):
+                b = self.bytes[t]
+                done, u = 0, utf8
+                for c in b:  # well-formed (the mask says so): count the characters that end here
+                    u = _UTF8_NEXT[u] if u else (_UTF8_LEAD[c] if c >= 0x80 else 0)
+                    done += u == 0
+                v[t] = done + (u != 0)
+            self._in_string_n[utf8] = v
+        return v
 
     def _in_string_mask(self, utf8: int) -> np.ndarray:
         """Tokens that stay inside a string (no quote, backslash or control byte; well-formed UTF-8 from ``utf8``)."""

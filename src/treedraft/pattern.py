@@ -343,6 +343,30 @@ class Pattern:
         return any(t >= 0 for t in row[bisect.bisect_right(cuts, lo) - 1 : bisect.bisect_right(cuts, hi)])
 
 
+class Length:
+    """``minLength`` / ``maxLength`` (characters, i.e. code points) as the DFA :class:`Pattern` would be for
+    ``^[\\s\\S]{lo,hi}$``, without building it: state = the characters so far (up to ``hi``; -1: no bound)."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.source = f"minLength {lo}" + ("" if hi < 0 else f", maxLength {hi}")
+
+    def next(self, state: int, cp: int) -> int:
+        if self.hi < 0:
+            return min(state + 1, self.lo)  # past the minimum the count no longer matters
+        return state + 1 if state < self.hi else -1
+
+    def accepts(self, state: int) -> bool:
+        return state >= self.lo
+
+    def any_in(self, state: int, lo: int, hi: int) -> bool:
+        return self.hi < 0 or state < self.hi
+
+    def room(self, state: int) -> int:
+        """Characters that may still come (-1: any number)."""
+        return -1 if self.hi < 0 else self.hi - state
+
+
 def _has(rs: Ranges, cp: int) -> bool:
     i = bisect.bisect_right(rs, (cp, MAX_CP + 1)) - 1
     return i >= 0 and rs[i][0] <= cp <= rs[i][1]
