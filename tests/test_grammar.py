@@ -1292,3 +1292,25 @@ def test_length_bounded_strings_masks_and_counts() -> None:
         for ascii_only in (False, True):
             end = run(g.start(), pattern_doc(value, ascii_only), g.nodes)
             assert (end is not None and end[0] == DONE) == ok, (value, ascii_only)
+
+
+@pytest.mark.parametrize(
+    "prefix,alive",
+    [
+        (b"\\ud83d", True),  # the high half of U+1F600
+        (b"\\ud83e", False),  # a high half none of whose characters the pattern takes
+        (b"\\ud83d\\ude01", False),  # U+1F601
+        (b"\\u00", True),  # can still become "a"
+        (b"\\u01", False),
+        (b"\xf0\x9f\x98", True),  # U+1F600's first three bytes
+        (b"\xf0\x9f\x99", False),
+        (b"\xc3", False),  # U+00C0-U+00FF: none taken
+        (b"\\n", False),
+    ],
+)
+def test_patterned_strings_refuse_a_dead_prefix_at_once(prefix: bytes, alive: bool) -> None:
+    """Under ^[a\\U0001f600]*$ a UTF-8 sequence or a \\\\u escape is refused at its first byte that leaves only
+    characters the pattern refuses (else its row would have no allowed token)."""
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    g = g.with_schema({"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a\U0001f600]*$"}}})
+    assert (run(g.start(), b'{"s": "' + prefix, g.nodes) is not None) == alive

@@ -331,7 +331,7 @@ def _utf8_live(p: Pattern, d: int, utf8: int, cp: int) -> bool:
     return p.any_in(d, (cp << 6 | lo & 0x3F) << shift, (cp << 6 | hi & 0x3F) << shift | (1 << shift) - 1)
 
 
-def _hex_live(p: Pattern, d: int, v: int, left: int, high: int) -> bool:
+def _hex_live(p: Pattern | Length | _AnyChar, d: int, v: int, left: int, high: int) -> bool:
     """The same for a \\u escape with value ``v`` so far and ``left`` hex digits to come (``high``: the high
     surrogate whose low half this is): its BMP characters, and the astral ones of the high surrogates it can be."""
     span = 1 << 4 * left
@@ -346,6 +346,30 @@ def _hex_live(p: Pattern, d: int, v: int, left: int, high: int) -> bool:
         return True
     a, b = max(lo, 0xD800), min(hi, 0xDBFF)
     return a <= b and p.any_in(d, 0x10000 + (a - 0xD800 << 10), 0x10000 + (b - 0xD800 << 10) + 0x3FF)
+
+
+class _AnyChar:
+    """The pattern of a free string: any character may come."""
+
+    @staticmethod
+    def any_in(state: int, lo: int, hi: int) -> bool:
+        return True
+
+
+_ANY_CHAR = _AnyChar()
+
+
+def _uhex(c: int, left: int, v: int, high: int, p: Pattern | Length | _AnyChar = _ANY_CHAR, d: int = 0):
+    """A \\u escape's next byte ``c`` (``left`` hex digits were to come, ``v`` so far; ``high``: the high surrogate
+    whose low half this is, or 0), in any string (``p``, ``d``: a pattern and its DFA state). Returns None where
+    refused (a lone surrogate, or only characters ``p`` refuses can follow), (digits left, value) while digits
+    remain, else the code point: a character, or a high surrogate whose low half must follow."""
+    if c not in _HEX:
+        return None
+    v, left = v << 4 | int(chr(c), 16), left - 1
+    if left or 0xD800 <= v <= 0xDBFF:
+        return ((left, v) if left else v) if _hex_live(p, d, v, left, high) else None
+    return 0x10000 + (high - 0xD800 << 10) + (v - 0xDC00) if high else v  # (a low half alone: refused above)
 
 
 def _patterned(s: State, c: int, nodes: Sequence[SchemaNode]) -> State | None:
@@ -388,16 +412,14 @@ def _patterned(s: State, c: int, nodes: Sequence[SchemaNode]) -> State | None:
         ch = _ESCAPE_CHAR.get(c)
         return None if ch is None else _char((PSTR, d, (n, 0, 0), stack), ch, nodes)
     n, left, v, high = b
-    if c not in _HEX:
+    r = _uhex(c, left, v, high, p, d)
+    if r is None:
         return None
-    v = v << 4 | int(chr(c), 16)
-    if left > 1:
-        return (PUHEX, d, (n, left - 1, v, high), stack) if _hex_live(p, d, v, left - 1, high) else None
-    if high:  # the low half (its range checked above)
-        return _char((PSTR, d, (n, 0, 0), stack), 0x10000 + (high - 0xD800 << 10) + (v - 0xDC00), nodes)
-    if 0xD800 <= v <= 0xDBFF:  # a high surrogate: its pair's second half must follow
-        return (PESC, d, (n, v, 0), stack) if _hex_live(p, d, v, 0, 0) else None
-    return None if 0xDC00 <= v <= 0xDFFF else _char((PSTR, d, (n, 0, 0), stack), v, nodes)
+    if isinstance(r, tuple):
+        return (PUHEX, d, (n, *r, high), stack)
+    if 0xD800 <= r <= 0xDBFF:  # a high surrogate: its pair's second half must follow
+        return (PESC, d, (n, r, 0), stack)
+    return _char((PSTR, d, (n, 0, 0), stack), r, nodes)
 
 
 def step(s: State, c: int, nodes: Sequence[SchemaNode] = ANY) -> State | None:
@@ -441,19 +463,13 @@ def step(s: State, c: int, nodes: Sequence[SchemaNode] = ANY) -> State | None:
             return (STR, s[1], 0, s[3])
         return (UHEX, s[1], (4, 0, 0), s[3]) if c == 0x75 else None  # u
     if mode == UHEX:
-        if c not in _HEX:
+        high = s[2][2]
+        r = _uhex(c, *s[2])
+        if r is None:
             return None
-        left, v, high = s[2]
-        v, left = v << 4 | int(chr(c), 16), left - 1
-        if high and (left == 3 and v != 0xD or left == 2 and not 0xDC <= v <= 0xDF):
-            return None  # a high surrogate's pair: its low half, DC00-DFFF
-        if not high and left == 2 and 0xDC <= v <= 0xDF:
-            return None  # a low surrogate alone
-        if left:
-            return (UHEX, s[1], (left, v, high), s[3])
-        if not high and 0xD800 <= v <= 0xDBFF:
-            return (ESC, s[1], (v, 0), s[3])
-        return (STR, s[1], 0, s[3])
+        if isinstance(r, tuple):
+            return (UHEX, s[1], (*r, high), s[3])
+        return (ESC, s[1], (r, 0), s[3]) if 0xD800 <= r <= 0xDBFF else (STR, s[1], 0, s[3])
     if mode == LIT:
         rest = s[1]
         if c != rest[0]:
