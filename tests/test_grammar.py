@@ -542,31 +542,6 @@ def random_object_schema(rng: random.Random, depth: int = 0) -> dict:
     return {"type": "object", "properties": props, "required": [n for n in names if rng.random() < 0.6]}
 
 
-def random_instance(rng: random.Random, sch: dict, depth: int = 0):
-    if sch == {}:
-        return random_value(rng, 3)
-    if "const" in sch:
-        return sch["const"]
-    if "enum" in sch:
-        return rng.choice(sch["enum"])
-    t = sch.get("type")
-    t = rng.choice(t) if isinstance(t, list) else t
-    if t == "object":
-        props = sch.get("properties", {})
-        keys = [k for k in props if k in sch.get("required", []) or rng.random() < 0.5]
-        rng.shuffle(keys)
-        return {k: random_instance(rng, props[k], depth + 1) for k in keys}
-    if t == "array":
-        return [random_instance(rng, sch["items"], depth + 1) for _ in range(rng.randint(0, 3))]
-    return {
-        "string": lambda: "".join(rng.choice('ab "\\\n\u00e9\U0001f600') for _ in range(rng.randint(0, 5))),
-        "number": lambda: rng.choice([1.5, -2, 0, 1e-3]),
-        "integer": lambda: rng.randint(-50, 50),
-        "boolean": lambda: rng.random() < 0.5,
-        "null": lambda: None,
-    }[t]()
-
-
 def instances_and_mutations(rng: random.Random, make_schema, make_instance, second_ref=None) -> None:
     """120 schemas from ``make_schema``: three instances each (``make_instance(rng, schema)``; every prefix alive,
     the whole closed) and six byte mutations of each, accepted exactly when :func:`schema_valid` accepts them (and
@@ -606,7 +581,7 @@ def test_schema_automaton_accepts_exactly_the_valid_objects() -> None:
     """Random schemas (declared keys in any order, required ones, enums, consts, integer / number, nested arrays and
     objects): their random instances (and every prefix) are alive and end closed; byte mutations are accepted
     exactly when Python's parser and the schema's meaning accept them."""
-    instances_and_mutations(random.Random(5), random_object_schema, random_instance)
+    instances_and_mutations(random.Random(5), random_object_schema, instance)
 
 
 def test_schema_masks_equal_a_token_by_token_scan() -> None:
@@ -618,7 +593,7 @@ def test_schema_masks_equal_a_token_by_token_scan() -> None:
         sch = random_object_schema(rng) if i < 8 else random_full_root(rng)
         g = base.with_schema(sch)
         for _ in range(3):
-            inst = random_instance(rng, sch) if i < 8 else full_instance(rng, sch, sch)
+            inst = instance(rng, sch)
             doc = json.dumps(inst, ensure_ascii=False).encode()
             s = g.start()
             for c in doc:
@@ -715,7 +690,7 @@ def test_no_live_state_is_a_dead_end() -> None:
     for _ in range(25):
         sch = random_object_schema(rng)
         g = base.with_schema(sch)
-        doc = bytearray(json.dumps(random_instance(rng, sch), ensure_ascii=False).encode())
+        doc = bytearray(json.dumps(instance(rng, sch), ensure_ascii=False).encode())
         for _ in range(3):
             doc.insert(rng.randrange(len(doc) + 1), rng.choice(b'{}[]":,0-etn \\'))
         s, states = g.start(), set()
@@ -943,7 +918,18 @@ def full_instance(rng: random.Random, sch, root: dict, depth: int = 0):
         lo = sch.get("minItems", 0)
         hi = lo if depth > 4 else sch.get("maxItems", lo + 2)
         return [full_instance(rng, sch.get("items", {}), root, depth + 1) for _ in range(rng.randint(lo, hi))]
-    return random_instance(rng, {"type": t})
+    return {
+        "string": lambda: "".join(rng.choice('ab "\\\n\u00e9\U0001f600') for _ in range(rng.randint(0, 5))),
+        "number": lambda: rng.choice([1.5, -2, 0, 1e-3]),
+        "integer": lambda: rng.randint(-50, 50),
+        "boolean": lambda: rng.random() < 0.5,
+        "null": lambda: None,
+    }[t]()
+
+
+def instance(rng: random.Random, sch: dict):
+    """A random instance of a root schema (its references resolved against itself)."""
+    return full_instance(rng, sch, sch)
 
 
 def jsonschema_valid(doc: bytes, sch: dict) -> bool:
@@ -957,8 +943,7 @@ def test_full_schema_automaton_accepts_exactly_the_valid_objects() -> None:
     maxItems, key counts, string lengths and additionalProperties: random instances (every prefix alive) end closed;
     byte mutations are accepted exactly when the subset's meaning accepts them, and only what the jsonschema
     validator accepts."""
-    instances_and_mutations(random.Random(15), random_full_root, lambda rng, sch: full_instance(rng, sch, sch),
-                            jsonschema_valid)  # fmt: skip
+    instances_and_mutations(random.Random(15), random_full_root, instance, jsonschema_valid)
 
 
 def finish(s: tuple, g: JsonGrammar) -> bytes | None:
