@@ -193,3 +193,19 @@ def test_response_text_streams_the_decoded_string_whatever_the_chunks() -> None:
     call = ResponseText()
     assert call.feed('{"get_weather": {"city": "') == "" and call.mode == "call"
     assert answer_message('{"add": {"a": 1', "length", "auto")[0]["content"] == '{"add": {"a": 1'
+
+
+def test_answer_format_refuses_what_cannot_go_with_tools() -> None:
+    """A response_format of its own or stop strings (one could cut the call) are refused, naming the parameter;
+    otherwise the answer's JSON Schema format (the server and LLM.generate share this)."""
+    from treedraft.tools import ToolRequestError, answer_format
+
+    tools = parse_tools([ADD])
+    with pytest.raises(ToolRequestError, match="stop cannot") as e:
+        answer_format(tools, "required", stop=["}"])
+    assert e.value.param == "stop"
+    with pytest.raises(ToolRequestError, match="response_format cannot") as e:
+        answer_format(tools, "required", response_format={"type": "json_object"})
+    assert e.value.param == "response_format"
+    fmt = answer_format(tools, "required")
+    assert fmt == {"type": "json_schema", "json_schema": {"schema": answer_schema(tools, "required")}}

@@ -220,7 +220,7 @@ class LLM:
         """Generate a whole answer. kw: see :meth:`config`. ``tools`` / ``tool_choice``: OpenAI's function tools
         (:mod:`treedraft.tools`); a call comes back in ``tool_calls`` (``finish_reason`` "tool_calls", ``text``
         empty), a plain answer (tool_choice "auto") in ``text``."""
-        from .tools import answer_message, answer_schema, parse_tools, render_messages, tool_mode
+        from .tools import ToolRequestError, answer_format, answer_message, parse_tools, render_messages, tool_mode
 
         try:
             parsed = parse_tools(tools) if tools is not None else []
@@ -229,14 +229,12 @@ class LLM:
             raise GenerationError(str(e)) from None
         if mode is None:
             return self.text.generate(self.encode_prompt(prompt, raw), self.config(**kw), self.get_drafter(drafter))
-        if kw.get("response_format") is not None:
-            raise GenerationError("response_format cannot be combined with tools (the answer's form is the call's)")
-        if kw.get("stop"):
-            raise GenerationError("stop cannot be combined with tools (a stop string could cut the call)")
         msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         try:
-            fmt = {"type": "json_schema", "json_schema": {"schema": answer_schema(parsed, mode)}}
+            fmt = answer_format(parsed, mode, kw.pop("stop", ()), kw.pop("response_format", None))
             cfg = self.config(**kw, response_format=fmt)
+        except ToolRequestError as e:
+            raise GenerationError(str(e)) from None
         except ValueError as e:
             raise GenerationError(f"tools: {e}") from None
         out = self.text.generate(

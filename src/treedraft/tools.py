@@ -117,6 +117,27 @@ def answer_schema(tools: Sequence[Tool], mode: str) -> dict:
     }
 
 
+class ToolRequestError(ValueError):
+    """A request parameter that cannot go with tools; ``param`` names it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def answer_format(tools: Sequence[Tool], mode: str, stop: Sequence[str] = (), response_format: Any = None) -> dict:
+    """The ``response_format`` that constrains a tool answer (:func:`answer_schema`). ToolRequestError for a
+    ``response_format`` of its own (the answer's form is the call's) or stop strings (one could cut the call);
+    ValueError where the tools' schemas cannot make one."""
+    if response_format is not None:
+        raise ToolRequestError("response_format cannot be combined with tools (the answer's form is the tool call's); "
+                               "drop one, or set tool_choice 'none'", "response_format")  # fmt: skip
+    if stop:
+        raise ToolRequestError("stop cannot be combined with tools (a stop string could cut the call); drop stop, or "
+                               "set tool_choice 'none'", "stop")  # fmt: skip
+    return {"type": "json_schema", "json_schema": {"schema": answer_schema(tools, mode)}}
+
+
 def system_text(tools: Sequence[Tool], mode: str) -> str:
     """What the model is told about the tools and the answer's form."""
     lines = ["You can call these tools (their arguments as JSON Schema):"]

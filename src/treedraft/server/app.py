@@ -15,7 +15,7 @@ import codecs
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -31,7 +31,7 @@ from ..engine import GenerationConfig
 from ..interfaces import GenerationError
 from ..logprobs import TokenLogprob
 from ..text import Chunk
-from ..tools import ResponseText, answer_message, answer_schema, render_messages
+from ..tools import ResponseText, Tool, ToolRequestError, answer_format, answer_message, render_messages
 from ..verify import RULES as _RULES
 from .auth import APIKeys, AuthMiddleware
 from .metrics import Metrics
@@ -195,9 +195,10 @@ class OpenAIServer:
             )
         return name
 
-    def encode(self, req: CommonRequest) -> list[list[int]]:
+    def encode(self, req: CommonRequest, tools: Sequence[Tool] = (), mode: str | None = None) -> list[list[int]]:
         """Request -> each prompt's ids: one for chat; completions' several prompts (a list of strings or of
-        token-id lists) in order (runs on the tokenizer thread; user errors -> APIError 400)."""
+        token-id lists) in order; chat renders its ``tools`` for tool ``mode`` (runs on the tokenizer thread; user
+        errors -> APIError 400)."""
         chat = isinstance(req, ChatCompletionRequest)
         try:
             if chat:
@@ -205,7 +206,6 @@ class OpenAIServer:
                     raise APIError(400, "messages must contain at least one message", param="messages")
                 if not any(m.text().strip() or m.tool_calls for m in req.messages):
                     raise APIError(400, "all messages are empty; give some text", param="messages")
-                tools, mode = chat_tools(req)
                 return [self.llm.encode_prompt(render_messages([m.as_dict() for m in req.messages], tools, mode))]
             out = []
             for k, p in enumerate(prompt_list(req.prompt)):
@@ -241,6 +241,7 @@ class OpenAIServer:
         model = self.check_model(req.model)
         reject_unsupported(req)
         chat = isinstance(req, ChatCompletionRequest)
+        tools, mode = chat_tools(req) if chat else ([], None)
         pname = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(req, pname)
         score_only = max_tokens == 0 and not chat and bool(req.echo)  # OpenAI's echo with max_tokens 0: scoring
@@ -270,18 +271,16 @@ class OpenAIServer:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not x for x in stop):
             raise APIError(400, f"stop strings must be non-empty, got {stop!r}", param="stop")
-        prompts = await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.encode, req)
-        fmt, mode = req.response_format, None
-        if chat:
-            tools, mode = chat_tools(req)
-            if mode is not None:  # the answer: one JSON object naming a tool (treedraft.tools)
-                if stop:
-                    raise APIError(400, "stop cannot be combined with tools (a stop string could cut the call); "
-                                   "drop stop, or set tool_choice 'none'", param="stop")  # fmt: skip
-                try:
-                    fmt = {"type": "json_schema", "json_schema": {"schema": answer_schema(tools, mode)}}
-                except ValueError as e:
-                    raise APIError(400, str(e), param="tools") from None
+        prompts = await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.encode, req, tools, mode)
+        fmt = req.response_format
+        if mode is not None:  # the answer: one JSON object naming a tool (treedraft.tools)
+            own = None if fmt is None or fmt.get("type") == "text" else fmt
+            try:
+                fmt = answer_format(tools, mode, stop, own)
+            except ToolRequestError as e:
+                raise APIError(400, str(e), param=e.param) from None
+            except ValueError as e:
+                raise APIError(400, str(e), param="tools") from None
         if fmt is not None:  # JSON mode's automaton: built once (~1.4 s) off the event loop
             try:
                 await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.llm.json_grammar, fmt)
@@ -609,7 +608,7 @@ class OpenAIServer:
                 return
             if isinstance(item, Done):
                 finish = item.finish_reason
-                if held is not None and p.tool_mode is not None:
+                if held is not None:  # a tool answer
                     message, finish = answer_message("".join(held), finish, p.tool_mode)
                     delta = {k: v for k, v in message.items() if k != "role" and v is not None}
                     if said is not None and said.mode == "response":  # its text went out as it came

@@ -287,10 +287,6 @@ def reject_unsupported(req: CommonRequest) -> None:
             )
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        _, mode = chat_tools(req)
-        if mode is not None and req.response_format is not None and kind != "text":
-            raise APIError(400, "response_format cannot be combined with tools (the answer's form is the tool call's); "
-                           "drop one, or set tool_choice 'none'", param="response_format")  # fmt: skip
     if isinstance(req, CompletionRequest):
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise APIError(400, f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {req.logprobs}", param="logprobs")
