@@ -102,16 +102,17 @@ class _Parser:
             if c in ("*", "+", "?"):
                 self.i += 1
                 lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
-            elif c == "{" and self._counted() is not None:
-                lo, hi = self._counted()  # type: ignore[misc]
-                self.i = self._counted_end
+            elif c == "{" and (counted := self._counted()) is not None:
+                lo, hi, self.i = counted
             else:
                 return atom
             if self.peek() == "?":  # lazy: the same language
                 self.i += 1
             atom = ("rep", atom, lo, hi)
 
-    def _counted(self) -> tuple[int, int | None] | None:
+    def _counted(self) -> tuple[int, int | None, int] | None:
+        """A counted repetition ``{n}``, ``{n,}``, ``{n,m}`` here: (n, m or None, where it ends); None where the
+        brace is a literal character."""
         j = self.s.find("}", self.i)
         if j < 0:
             return None
@@ -119,11 +120,10 @@ class _Parser:
         lo, comma, hi = body.partition(",")
         if not lo.isdigit() or (hi and not hi.isdigit()):
             return None
-        self._counted_end = j + 1
         a, b = int(lo), (int(hi) if hi else None) if comma else int(lo)
         if b is not None and b < a:
             raise self.fail(f"{{{body}}}: the maximum is below the minimum")
-        return a, b
+        return a, b, j + 1
 
     def atom(self) -> object:
         c = self.peek()
