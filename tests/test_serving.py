@@ -678,6 +678,17 @@ def test_openai_sdk_parse_with_a_pydantic_model(server: LiveServer) -> None:
     assert choice.message.parsed == Answer.model_validate_json(choice.message.content)
 
 
+def _streamed_choice(url: str, body: dict) -> tuple[list[str], list[dict], str | None]:
+    """A streamed chat answer (one choice): its content pieces, its tool_calls deltas and its finish reason."""
+    parts, calls, finish = [], [], None
+    for ev in _sse_events(httpx.post(url, json=body | {"stream": True}, timeout=TIMEOUT)):
+        for c in ev["choices"]:
+            parts += [c["delta"]["content"]] if c["delta"].get("content") else []
+            calls += c["delta"].get("tool_calls", [])
+            finish = c["finish_reason"] or finish
+    return parts, calls, finish
+
+
 TOOLS = [
     {"type": "function", "function": {"name": "abc", "parameters": {"type": "object", "properties": {
         "n": {"type": "integer"}}, "required": ["n"]}}},
@@ -705,29 +716,15 @@ def test_tool_calls(server: LiveServer, llm: LLM) -> None:
         (call,) = out["message"]["tool_calls"]
         assert {call["function"]["name"]: json.loads(call["function"]["arguments"])} == json.loads(want.text)
         assert mode == "required" or call["function"]["name"] == "xyz"
-        streamed, finish = {}, None
-        with httpx.stream("POST", url, json=body | {"tool_choice": choice, "stream": True}, timeout=TIMEOUT) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    c = json.loads(line[6:])["choices"][0]
-                    assert not c["delta"].get("content")  # nothing of the JSON leaks as text
-                    for tc in c["delta"].get("tool_calls", []):
-                        streamed = tc
-                    finish = c["finish_reason"] or finish
+        parts, (streamed,), finish = _streamed_choice(url, body | {"tool_choice": choice})
+        assert not parts  # nothing of the JSON leaks as text
         assert finish == "tool_calls" and streamed["index"] == 0
         assert streamed["function"] == call["function"] and streamed["id"].startswith("call_")
     # tool_choice auto: a call, or (with "r" and '"' favoured: the key "response", then r's up to max_tokens) a text
     # answer, cut by the budget
     for extra in ({}, {"logit_bias": {str(ord("r") - 32): 100, str(ord('"') - 32): 50}, "max_tokens": 60}):
         auto = httpx.post(url, json=body | extra, timeout=TIMEOUT).json()["choices"][0]
-        parts, calls, finish = [], [], None
-        with httpx.stream("POST", url, json=body | extra | {"stream": True}, timeout=TIMEOUT) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    c = json.loads(line[6:])["choices"][0]
-                    parts += [c["delta"]["content"]] if c["delta"].get("content") else []
-                    calls += c["delta"].get("tool_calls", [])
-                    finish = c["finish_reason"] or finish
+        parts, calls, finish = _streamed_choice(url, body | extra)
         assert finish == auto["finish_reason"] == ("length" if extra else "tool_calls")
         if finish == "tool_calls":
             assert not parts and calls[0]["function"] == auto["message"]["tool_calls"][0]["function"]
