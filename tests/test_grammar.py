@@ -9,8 +9,11 @@ import dataclasses
 import functools
 import json
 import random
+import re
 from collections import Counter
 from collections.abc import Sequence
+from decimal import Decimal
+from fractions import Fraction
 
 import pytest
 import torch
@@ -390,7 +393,7 @@ def test_json_mode_real_model(smollm_int4) -> None:
 
     class Person(pydantic.BaseModel):
         name: str
-        age: int
+        age: int = pydantic.Field(ge=0, le=130)  # bounds: a number written within them
         city: City
         nickname: str | None = None  # anyOf string / null
 
@@ -403,8 +406,8 @@ def test_json_mode_real_model(smollm_int4) -> None:
     assert spec.token_ids == plain.token_ids and plain.finish_reason == "stop"
     assert schema_valid(plain.text.encode(), person), plain.text
     assert Person.model_validate_json(plain.text).city in (City.paris, City.rome)
-    with pytest.raises(GenerationError, match="'minimum'"):
-        llm.generate(q, max_new_tokens=4, response_format=fmt | {"json_schema": {"schema": {"minimum": 1}}})
+    with pytest.raises(GenerationError, match="'multipleOf'"):
+        llm.generate(q, max_new_tokens=4, response_format=fmt | {"json_schema": {"schema": {"multipleOf": 1}}})
 
 
 @pytest.mark.parametrize("scheme", ["byte-level", "byte-fallback"])
@@ -608,7 +611,7 @@ def test_schema_masks_equal_a_token_by_token_scan() -> None:
 @pytest.mark.parametrize(
     "schema,match",
     [
-        ({"type": "object", "properties": {"a": {"type": "string", "minimum": 1}}}, "'minimum'"),
+        ({"type": "object", "properties": {"a": {"type": "string", "multipleOf": 1}}}, "'multipleOf'"),
         ({"type": "array", "items": {}}, "root must be an object"),
         ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required"),
         ({"type": "object", "properties": {"a": {"enum": []}}}, "enum"),
@@ -1145,8 +1148,6 @@ def test_patterns_match_as_pythons_re() -> None:
     """Strings under a pattern: the automaton closes the object exactly when Python's re finds the pattern in the
     string (the subset means the same in both here: ASCII classes, no line terminators), whether the string is
     written as UTF-8 or as \\\\u escapes (surrogate pairs for the astral character)."""
-    import re
-
     rng = random.Random(21)
     base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
     seen = Counter()
@@ -1206,7 +1207,6 @@ def test_patterned_strings_never_dead_end_and_validate() -> None:
     and a pydantic model with date / datetime / UUID / constrained-string fields: every walk can be closed and the
     result matches (re.search / the model's own validation)."""
     import datetime
-    import re
     import uuid
 
     pydantic = pytest.importorskip("pydantic")
@@ -1299,3 +1299,210 @@ def test_patterned_strings_refuse_a_dead_prefix_at_once(prefix: bytes, alive: bo
     g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
     g = g.with_schema({"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a\U0001f600]*$"}}})
     assert (run(g.start(), b'{"s": "' + prefix, g.nodes) is not None) == alive
+
+
+# ---- numeric bounds (minimum / maximum / exclusiveMinimum / exclusiveMaximum)
+
+PLAIN_NUMBER = re.compile(rb"-?(0|[1-9][0-9]*)(\.[0-9]+)?")
+BOUND_VALUES = [0, 1, -1, 0.5, -0.5, 2.25, 7, 10, 99, 100, -100, 3.14159, 0.05, -0.05, 19.9, 0.999, 1000.5, 1e-3]
+
+
+def random_bounds(rng: random.Random) -> dict:
+    """One or both sides, each inclusive, exclusive (a number), both (the tighter applies) or draft 4's boolean."""
+    out: dict = {}
+    for inc, exc in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        form = rng.randrange(5)
+        if form == 1:
+            out[inc] = rng.choice(BOUND_VALUES)
+        elif form == 2:
+            out[exc] = rng.choice(BOUND_VALUES)
+        elif form == 3:
+            out[inc], out[exc] = rng.choice(BOUND_VALUES), rng.choice(BOUND_VALUES)
+        elif form == 4:
+            out[inc], out[exc] = rng.choice(BOUND_VALUES), rng.random() < 0.5
+    return out or {"minimum": rng.choice(BOUND_VALUES)}
+
+
+def in_bounds(text: bytes, sch: dict) -> bool:
+    """The reference: a number written without an exponent (an integer without a fraction) whose exact value is
+    within the bounds."""
+    if not PLAIN_NUMBER.fullmatch(text) or sch["type"] == "integer" and b"." in text:
+        return False
+    v = Fraction(text.decode())
+    for inc, exc, sign in (("minimum", "exclusiveMinimum", 1), ("maximum", "exclusiveMaximum", -1)):
+        b = sch.get(inc)
+        if b is not None and (sign * (v - Fraction(str(b))) < 0 or sch.get(exc) is True and v == Fraction(str(b))):
+            return False
+        e = sch.get(exc)
+        if not isinstance(e, bool) and e is not None and sign * (v - Fraction(str(e))) <= 0:
+            return False
+    return True
+
+
+def number_texts(rng: random.Random, sch: dict) -> list[bytes]:
+    """Random number texts (leading zeros, exponents, "-0", fractions) and ones at and around each bound."""
+    out = []
+    for _ in range(40):
+        ip = rng.choice(
+            ["0", "00", "07", str(rng.randint(1, 9)), str(rng.randint(10, 120)), str(rng.randint(999, 10**5))]
+        )
+        fr = rng.choice(["", "", "." + "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 4))), "."])
+        ex = rng.choice(["", "", "", "e1", "E-2", "e+0"])
+        out.append((rng.choice(["", "", "-"]) + ip + fr + ex).encode())
+    for b in (sch.get(k) for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+        if b is not None and not isinstance(b, bool):
+            t = format(Decimal(repr(b)) if isinstance(b, float) else Decimal(b), "f")
+            for x in (t, t + "0", t + "1", t + ".0", t + ".01", "-" + t, t[:-1] or "0", str(int(Decimal(t)) + 1)):
+                out.append(x.replace("--", "").encode())
+    return out
+
+
+def second_ref(doc: bytes, root: dict, sch: dict) -> bool:
+    """The jsonschema validator of the bounds' draft: 2020-12 (numeric exclusive bounds), 4 (boolean ones), neither
+    where the two sides mix them."""
+    jsonschema = pytest.importorskip("jsonschema")
+    forms = {type(sch[k]) is bool for k in ("exclusiveMinimum", "exclusiveMaximum") if k in sch}
+    if len(forms) > 1:
+        return True
+    validator = jsonschema.Draft4Validator if forms == {True} else jsonschema.Draft202012Validator
+    return validator(root).is_valid(json.loads(doc))
+
+
+def test_number_bounds_take_exactly_the_numbers_within() -> None:
+    """Random bounds of every form on integers and numbers: a number is taken exactly when it is written without an
+    exponent and its exact value is within them (every such number, so nothing in range is cut off), only what
+    the jsonschema validator accepts; bounds no number fits are refused by name."""
+    rng = random.Random(23)
+    base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    taken = refused = empty = 0
+    for _ in range(250):
+        sch = {"type": rng.choice(["integer", "number"])} | random_bounds(rng)
+        root = {"type": "object", "properties": {"v": sch}, "required": ["v"]}
+        texts = number_texts(rng, sch)
+        try:
+            g = base.with_schema(root)
+        except ValueError as e:
+            assert "within these bounds" in str(e) and not any(in_bounds(t, sch) for t in texts), (sch, e)
+            empty += 1
+            continue
+        for t in texts:
+            doc = b'{"v": ' + t + b"}"
+            end = run(g.start(), doc, g.nodes)
+            ok = end is not None and end[0] == DONE
+            assert ok == in_bounds(t, sch), (sch, t)
+            if ok:
+                assert second_ref(doc, root, sch), (sch, t)
+            taken += ok
+            refused += not ok
+    assert taken > 500 and refused > 2000 and 5 < empty < 150
+
+
+def test_bounded_numbers_masks_and_walks() -> None:
+    """In bounded numbers (nullable, inside arrays, beside free ones) the masks equal a token-by-token scan over
+    multi-byte tokens, and random walks never dead-end and write documents the jsonschema validator accepts."""
+    rng = random.Random(24)
+    vocab = synthetic_vocab(rng, 1200)
+    eos = len(vocab)
+    base = JsonGrammar(vocab + [b"</s>"], [eos])
+    byte_base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    for _ in range(10):
+        while True:
+            a, b = random_bounds(rng), random_bounds(rng)
+            if any(type(v) is bool for v in (*a.values(), *b.values())):
+                continue  # draft 4's form: not the validator's draft
+            sch = {
+                "type": "object",
+                "properties": {
+                    "a": {"type": ["integer", "null"]} | a,
+                    "b": {"type": "array", "items": {"type": "number"} | b},
+                    "c": {"type": "number"},
+                },
+                "required": ["a", "b"],
+            }
+            try:
+                g = base.with_schema(sch)
+                break
+            except ValueError:
+                continue
+        for _ in range(2):
+            doc, states = random_walk(rng, byte_base.with_schema(sch), 0.4, 80)
+            assert jsonschema_valid(doc, sch), (sch, doc)
+            for s in rng.sample(states, min(12, len(states))):
+                m = g.allowed(s)
+                want = [vocab[t] is not None and run(s, vocab[t], g.nodes) is not None for t in range(len(vocab))]
+                assert m[: len(vocab)].tolist() == want, (sch, s)
+
+
+@pytest.mark.parametrize(
+    "sch,match",
+    [
+        ({"type": "integer", "minimum": "1"}, "minimum must be a number"),
+        ({"type": "number", "maximum": True}, "maximum must be a number"),
+        ({"type": "number", "minimum": 3, "maximum": 2}, "no number is within"),
+        ({"type": "number", "minimum": 2, "exclusiveMaximum": 2}, "no number is within"),
+        ({"type": "integer", "minimum": 0.2, "maximum": 0.8}, "minimum 0.2 and maximum 0.8: no integer"),
+        ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "no integer"),
+        ({"type": "number", "exclusiveMinimum": True}, "needs minimum"),
+        ({"type": "number", "minimum": 1e45}, "more than 40 digits"),
+        ({"type": "number", "multipleOf": 2}, "'multipleOf'"),
+        ({"enum": [1, 2], "minimum": 5}, "no enum / const value is of type .* within its bounds"),
+    ],
+)
+def test_bad_number_bounds_are_refused_by_name(sch: dict, match: str) -> None:
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    with pytest.raises(ValueError, match=match):
+        g.with_schema({"type": "object", "properties": {"v": sch}})
+
+
+def test_bounds_filter_enums_and_leave_other_types_alone() -> None:
+    """An enum keeps only its numbers within the bounds (and its other values); bounds do not constrain strings, and
+    a large int64-style range compiles."""
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    sch = {"enum": [1, 2, 3.5, "x", None], "minimum": 2, "exclusiveMaximum": 3.5}
+    g2 = g.with_schema({"type": "object", "properties": {"v": sch}, "required": ["v"]})
+    kept = [v for v in (b"1", b"2", b"3.5", b'"x"', b"null") if (e := run(g2.start(), b'{"v":' + v + b"}", g2.nodes))
+            and e[0] == DONE]  # fmt: skip
+    assert kept == [b"2", b'"x"', b"null"]
+    g3 = g.with_schema({"type": "object", "properties": {"v": {"type": ["string", "integer"], "minimum": 5}}})
+    for v, ok in ((b'"3"', True), (b"3", False), (b"5", True)):
+        e = run(g3.start(), b'{"v":' + v + b"}", g3.nodes)
+        assert (e is not None and e[0] == DONE) == ok, v
+    big = {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
+    g4 = g.with_schema({"type": "object", "properties": {"v": big}})
+    for v, ok in ((str(2**63 - 1), True), (str(2**63), False), (str(-(2**63)), True), (str(-(2**63) - 1), False)):
+        e = run(g4.start(), b'{"v":' + v.encode() + b"}", g4.nodes)
+        assert (e is not None and e[0] == DONE) == ok, v
+    near = {"type": "integer", "exclusiveMinimum": 2**63, "exclusiveMaximum": 2**63 + 3}  # exact past 28 digits too
+    g5 = g.with_schema({"type": "object", "properties": {"v": near}})
+    for d in range(-1, 5):
+        e = run(g5.start(), b'{"v":' + str(2**63 + d).encode() + b"}", g5.nodes)
+        assert (e is not None and e[0] == DONE) == (d in (1, 2)), d
+
+
+def test_pydantic_constrained_numbers() -> None:
+    """pydantic's ge / gt / le / lt fields (conint, PositiveInt, confloat): its dumps of valid models are accepted,
+    out-of-range values refused, and random walks write documents the model validates."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Review(pydantic.BaseModel):
+        stars: int = pydantic.Field(ge=1, le=5)
+        weight: float = pydantic.Field(gt=0, lt=1)
+        count: pydantic.PositiveInt
+        delta: pydantic.conint(ge=-10, lt=10) | None = None
+        scores: list[pydantic.confloat(ge=-1.5, le=2.25)] = []
+
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257).with_schema(Review.model_json_schema())
+    good = Review(stars=5, weight=0.25, count=3, delta=-10, scores=[-1.5, 2.25, 0])
+    for text in (good.model_dump_json(), good.model_dump_json(indent=2), good.model_dump_json(exclude_none=True)):
+        end = run(g.start(), text.encode(), g.nodes)
+        assert end is not None and end[0] == DONE, text
+    for field, value in (("stars", 6), ("stars", 0), ("weight", 1), ("weight", 0), ("count", 0), ("delta", 10),
+                         ("scores", [2.5])):  # fmt: skip
+        bad = json.loads(good.model_dump_json()) | {field: value}
+        end = run(g.start(), json.dumps(bad).encode(), g.nodes)
+        assert end is None or end[0] != DONE, (field, value)
+    rng = random.Random(25)
+    for nest in (0.1, 0.5, 0.9):
+        for _ in range(3):
+            doc, _ = random_walk(rng, g, nest, 200)
+            Review.model_validate_json(doc)  # raises on an invalid document

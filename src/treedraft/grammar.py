@@ -28,17 +28,19 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from decimal import Decimal
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from .interfaces import GenerationError
-from .pattern import FORMATS, Length, Pattern
+from .pattern import FORMATS, Length, Pattern, number_range
 from .tree import TokenTree
 
 MAX_DEPTH = 32  # nested objects / arrays
@@ -65,9 +67,10 @@ MAX_WS = 32  # whitespace bytes in a row between tokens of the JSON text
     PSTR,
     PESC,
     PUHEX,
+    PNUM,
     DONE,
     END,
-) = range(19)
+) = range(20)
 # structural modes: a = the whitespace bytes just read (START: b = the root's schema node)
 # STR: a = 1 in a free object's key, 0 in a value; b = the UTF-8 state below.  ESC: a as STR, b = 0, or (a high
 # surrogate, 0 or 1: its pair's backslash read) (surrogates only in pairs: a lone one is no Unicode text).  UHEX: a as
@@ -76,7 +79,8 @@ MAX_WS = 32  # whitespace bytes in a row between tokens of the JSON text
 # PSTR: a string value under a pattern / format, a = its DFA state (:mod:`treedraft.pattern`), b = (its node, the
 # UTF-8 state below, the code point's bits so far).  PESC: a as PSTR, b = (node, a high surrogate's code point or 0,
 # 0 or 1: its second escape's backslash read).  PUHEX: a as PSTR, b = (node, hex digits left, value so far, high
-# surrogate or 0).  DONE: the object is closed (EOS only); END: after that EOS (EOS only: drafts beyond it are never
+# surrogate or 0).  PNUM: a number under bounds, a = its DFA state (:func:`treedraft.pattern.number_range`), b = its
+# node.  DONE: the object is closed (EOS only); END: after that EOS (EOS only: drafts beyond it are never
 # delivered)
 
 # UTF-8 inside strings: b = 0 (at a character boundary) or the continuation still needed and its allowed first byte
@@ -99,6 +103,7 @@ _UTF8_LEAD[0xF0], _UTF8_LEAD[0xF4] = 6, 7
 N_MINUS, N_ZERO, N_INT, N_DOT, N_FRAC, N_E, N_ESIGN, N_EXP = range(8)
 _N_END = frozenset((N_ZERO, N_INT, N_FRAC, N_EXP))
 _DIGITS = frozenset(b"0123456789")
+_NUM_BYTES = frozenset(b"0123456789.-+eE")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _WS = frozenset(b" \t\n\r")
 _ESCAPED = frozenset(b'"\\/bfnrt')
@@ -125,7 +130,7 @@ class SchemaNode:
     any keys, each value of node ``extra``, the ``additionalProperties`` schema; -1: no keys at all). ``required``:
     bitmask over ``keys``. ``enum``: the allowed values' compact JSON texts (None: any of ``types``). Arrays hold
     ``min_items``..``max_items`` (-1: no bound) values of node ``items``; objects ``min_props``..``max_props``
-    keys; strings match ``pattern`` (``pattern`` / ``format``) if given. ``dispatch`` (anyOf / oneOf): the node
+    keys; strings match ``pattern`` (``pattern`` / ``format``) if given, numbers ``numeric`` (their bounds). ``dispatch`` (anyOf / oneOf): the node
     that takes a value of each class (:data:`_CLASS`; -1: none), the automaton never enters the union itself.
     ``need``: the fewest nested containers an instance opens (:data:`NEVER`: none fits), ``obj_need`` /
     ``arr_need`` those of its objects / arrays: a container opens only where that many levels are left, and an
@@ -145,6 +150,7 @@ class SchemaNode:
     max_props: int = -1
     dispatch: tuple[int, ...] | None = None
     pattern: Pattern | Length | None = None
+    numeric: Pattern | None = None
     need: int = 0
     obj_need: int = 1
     arr_need: int = 1
@@ -187,6 +193,9 @@ def _value(c: int, stack: tuple, n: int, nodes: Sequence[SchemaNode]) -> State |
     if c in _DIGITS or c == 0x2D:  # a digit, -
         if "number" not in t and "integer" not in t:
             return None
+        if node.numeric is not None:
+            d = node.numeric.next(0, c)
+            return (PNUM, d, n, stack) if d >= 0 else None
         sub = N_MINUS if c == 0x2D else N_ZERO if c == 0x30 else N_INT
         return (NUM, sub, int("number" not in t), stack)
     if c == 0x7B:  # {
@@ -445,6 +454,12 @@ def step(s: State, c: int, nodes: Sequence[SchemaNode] = ANY) -> State | None:
         return _number(s, c, nodes)
     if mode == PSTR or mode == PESC or mode == PUHEX:
         return _patterned(s, c, nodes)
+    if mode == PNUM:  # a bounded number: its bytes through the range's DFA, its end only where that accepts
+        p: Pattern = nodes[s[2]].numeric  # type: ignore[assignment]
+        if c in _NUM_BYTES:
+            d = p.next(s[1], c)
+            return (PNUM, d, s[2], s[3]) if d >= 0 else None
+        return step((AFTER, 0, 0, s[3]), c, nodes) if p.accepts(s[1]) else None
     if mode == KSTR:
         return _declared_key(s, c, nodes)
     if mode == ENUM:
@@ -526,7 +541,7 @@ _ANNOTATIONS = frozenset(
 _KEYWORDS = frozenset(
     ("type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
      "minProperties", "maxProperties", "pattern", "format", "minLength", "maxLength", "anyOf", "oneOf", "allOf",
-     "$ref")
+     "$ref", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 )  # fmt: skip
 _SCALARS = ("string", "number", "integer", "boolean", "null")
 
@@ -541,6 +556,43 @@ def _conforms_type(v: object, types: Sequence[str]) -> bool:
     return kind in types
 
 
+def _numeric_bounds(sch: dict, where: str) -> tuple | None:
+    """``minimum`` / ``exclusiveMinimum`` / ``maximum`` / ``exclusiveMaximum`` as (low or None, low exclusive, high or
+    None, high exclusive) in exact decimals (None: no bound given). A numeric exclusive bound beside the inclusive
+    one: the tighter applies; a boolean one (draft 4) makes ``minimum`` / ``maximum`` exclusive."""
+    if not {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & set(sch):
+        return None
+    out: list = []
+    for inc, exc, tighter in (("minimum", "exclusiveMinimum", max), ("maximum", "exclusiveMaximum", min)):
+        vals = {}
+        for kw in (inc, exc):
+            v = sch.get(kw)
+            if v is None or kw == exc and isinstance(v, bool):
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"json_schema at {where}: {kw} must be a number, got {v!r}")
+            vals[kw] = Decimal(v) if isinstance(v, int) else Decimal(repr(v))
+        flag = sch.get(exc)
+        if isinstance(flag, bool) and flag and inc not in vals:
+            raise ValueError(f"json_schema at {where}: {exc}: true needs {inc} (draft 4's form), or give {exc} a "
+                             "number")  # fmt: skip
+        if not vals:
+            out += [None, False]
+            continue
+        b = tighter(vals.values())
+        out += [b, exc in vals and vals[exc] == b or flag is True and vals.get(inc) == b and exc not in vals]
+    return tuple(out)
+
+
+def _within(v: object, bounds: tuple | None) -> bool:
+    """Whether an enum / const value is within numeric bounds (not a number: bounds do not apply)."""
+    if bounds is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+        return True
+    x = Decimal(v) if isinstance(v, int) else Decimal(repr(v))
+    lo, lo_x, hi, hi_x = bounds
+    return (lo is None or (x > lo if lo_x else x >= lo)) and (hi is None or (x < hi if hi_x else x <= hi))
+
+
 def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
     """A JSON Schema (the subset OpenAI's strict structured outputs use, and what pydantic's ``model_json_schema``
     writes for models of plain fields) as schema nodes, the root last. Keywords:
@@ -550,6 +602,9 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
       generated, whatever ``additionalProperties`` says (a subset of what it allows); without, any keys with
       values of the ``additionalProperties`` schema (``false``: none);
     - ``items``, ``minItems``, ``maxItems``;
+    - ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum`` (numbers or draft 4's booleans): a bounded
+      number is written without an exponent (a subset of what they allow), and every such number within the
+      bounds can be;
     - ``anyOf`` / ``oneOf`` whose branches differ in JSON type (e.g. a type or null: the first byte of a value
       says its branch), ``allOf`` of one schema;
     - ``$ref`` to this document (``#``, ``#/$defs/Name``, any JSON pointer), recursion included;
@@ -641,6 +696,7 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         types = [t] if isinstance(t, str) else t
         if not isinstance(types, list) or not types or any(x not in TYPES for x in types):
             raise ValueError(f"json_schema at {where}: type must be one of {', '.join(TYPES)} or a list of them")
+        bounds = _numeric_bounds(sch, where)
         if "enum" in sch or "const" in sch:
             vals = [sch["const"]] if "const" in sch else sch["enum"]
             if not isinstance(vals, list) or not vals:
@@ -650,10 +706,11 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
                 if isinstance(v, (dict, list)):
                     raise ValueError(f"json_schema at {where}: enum / const values must be strings, numbers, "
                                      f"booleans or null, got {v!r}")  # fmt: skip
-                if _conforms_type(v, types):
+                if _conforms_type(v, types) and _within(v, bounds):
                     texts.append(json.dumps(v, ensure_ascii=False, allow_nan=False).encode("utf-8"))
             if not texts:
-                raise ValueError(f"json_schema at {where}: no enum / const value is of type {t!r}")
+                raise ValueError(f"json_schema at {where}: no enum / const value is of type {t!r}"
+                                 + (" within its bounds" if bounds else ""))  # fmt: skip
             return SchemaNode(enum=tuple(dict.fromkeys(texts)))
         props = sch.get("properties", {})
         if not isinstance(props, dict):
@@ -661,6 +718,12 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         required = sch.get("required", [])
         if not isinstance(required, list) or any(not isinstance(r, str) or r not in props for r in required):
             raise ValueError(f"json_schema at {where}: required must list names from properties, got {required!r}")
+        numeric = None
+        if bounds and ("number" in types or "integer" in types):
+            try:
+                numeric = number_range(*bounds, integer="number" not in types)
+            except ValueError as e:
+                raise ValueError(f"json_schema at {where}: {e}") from None
         bounds = []
         for kw in ("minItems", "maxItems", "minProperties", "maxProperties"):
             v = sch.get(kw, -1 if kw.startswith("max") else 0)
@@ -710,7 +773,7 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         keys = tuple(json.dumps(k, ensure_ascii=False)[1:-1].encode("utf-8") for k in names)
         req = sum(1 << names.index(r) for r in set(required))
         node = SchemaNode(frozenset(types), keys, values, req, items, None, "properties" not in sch, extra, *bounds)
-        return replace(node, pattern=pattern)
+        return replace(node, pattern=pattern, numeric=numeric)
 
     try:
         root = add(schema, "$")

@@ -11,6 +11,7 @@ validates). DFA states from which no match can be completed are dropped, so a pa
 from __future__ import annotations
 
 import bisect
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, localcontext
 
 MAX_CP = 0x10FFFF
 MAX_NFA = 20000  # states of the expanded expression (counted repetitions copy it)
@@ -316,8 +317,11 @@ class Pattern:
                     sets.append(key)
                 row.append(index[key])
             table.append(row)
-        acc = [accept in s for s in sets]
-        live = set(i for i, a in enumerate(acc) if a)  # states that can still reach a match
+        self._finish(table, [accept in s for s in sets])
+
+    def _finish(self, table: list[list[int]], acc: list[bool]) -> None:
+        """Keeps the transitions into states from which a match can still be completed."""
+        live = set(i for i, a in enumerate(acc) if a)
         changed = True
         while changed:
             changed = False
@@ -329,6 +333,32 @@ class Pattern:
             raise ValueError(f"pattern {self.source!r} matches no string")
         self._next = [[t if t in live else -1 for t in row] for row in table]
         self._accept = acc
+
+    def __and__(self, other: Pattern) -> Pattern:
+        """The DFA of the strings both match (the product automaton)."""
+        out = Pattern.__new__(Pattern)
+        out.source = f"{self.source} and {other.source}"
+        out._cuts = sorted(set(self._cuts) | set(other._cuts))
+        index = {(0, 0): 0}
+        pairs = [(0, 0)]
+        table: list[list[int]] = []
+        while len(table) < len(pairs):
+            a, b = pairs[len(table)]
+            row = []
+            for lo in out._cuts:
+                key = (self.next(a, lo), other.next(b, lo))
+                if key[0] < 0 or key[1] < 0:
+                    row.append(-1)
+                    continue
+                if key not in index:
+                    if len(pairs) >= MAX_DFA:
+                        raise ValueError(f"{out.source}: too complex (over {MAX_DFA} automaton states)")
+                    index[key] = len(pairs)
+                    pairs.append(key)
+                row.append(index[key])
+            table.append(row)
+        out._finish(table, [self.accepts(a) and other.accepts(b) for a, b in pairs])
+        return out
 
     def next(self, state: int, cp: int) -> int:
         return self._next[state][bisect.bisect_right(self._cuts, cp) - 1]
@@ -386,3 +416,112 @@ FORMATS = {
     "email": rf"^{_ATOM}(\.{_ATOM})*@{_LABEL}(\.{_LABEL})*\.[A-Za-z]{{2,63}}$",
     "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
 }
+
+
+# Numeric bounds (``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``) as patterns over a number's
+# JSON text: the numbers written without an exponent (``-?(0|[1-9][0-9]*)(\.[0-9]+)?``, no fraction for integers)
+# whose value is within the bounds, every one of them. A magnitude is compared with a bound digit by digit (no
+# leading zeros: more integer digits is a larger number), as in any regular expression for a numeric range.
+MAX_BOUND_DIGITS = 40
+_FRAC = r"(\.[0-9]+)?"
+
+
+def _digits(m: Decimal) -> tuple[str, str]:
+    """A non-negative decimal's integer digits and its fraction's (no trailing zeros)."""
+    i, _, f = format(m, "f").partition(".")
+    return i, f.rstrip("0")
+
+
+def _ge(m: Decimal, strict: bool, frac: bool) -> list[str]:
+    """Magnitudes (unsigned number texts) >= m (> m where ``strict``), as alternatives."""
+    i, f = _digits(m)
+    fr, n = _FRAC if frac else "", len(i)
+    alts = [f"[1-9][0-9]{{{n},}}{fr}"]  # more integer digits
+    for k in range(n):  # the same count, larger at digit k
+        if i[k] < "9":
+            alts.append(f"{i[:k]}[{int(i[k]) + 1}-9]" + (f"[0-9]{{{n - k - 1}}}" if k < n - 1 else "") + fr)
+    if not f:  # the same integer part
+        if not strict:
+            alts.append(i + fr)
+        elif frac:
+            alts.append(i + r"\.0*[1-9][0-9]*")
+        return alts
+    alts += [rf"{i}\.{f[:k]}[{int(f[k]) + 1}-9][0-9]*" for k in range(len(f)) if f[k] < "9"]
+    alts.append(rf"{i}\.{f}" + ("0*[1-9][0-9]*" if strict else "[0-9]*"))
+    return alts
+
+
+def _le(m: Decimal, strict: bool, frac: bool) -> list[str]:
+    """Magnitudes <= m (< m where ``strict``), as alternatives."""
+    i, f = _digits(m)
+    fr, n = _FRAC if frac else "", len(i)
+    alts = []
+    if n > 1:  # fewer integer digits
+        alts.append(("[0-9]" if n == 2 else f"(0|[1-9][0-9]{{0,{n - 2}}})") + fr)
+    for k in range(n):  # the same count, smaller at digit k (no leading zero)
+        low = 1 if k == 0 and n > 1 else 0
+        if int(i[k]) - 1 >= low:
+            alts.append(f"{i[:k]}[{low}-{int(i[k]) - 1}]" + (f"[0-9]{{{n - k - 1}}}" if k < n - 1 else "") + fr)
+    if not f:
+        if not strict:
+            alts.append(i + (r"(\.0+)?" if frac else ""))
+        return alts
+    alts.append(i)  # the integer part alone is below
+    alts += [rf"{i}\.{f[:k]}[0-{int(f[k]) - 1}][0-9]*" for k in range(len(f)) if f[k] > "0"]
+    alts += [rf"{i}\.{f[:k]}" for k in range(1, len(f))]  # a shorter fraction that is a prefix is below
+    if not strict:
+        alts.append(rf"{i}\.{f}0*")
+    return alts
+
+
+def _alt(alts: list[str]) -> str:
+    return "(" + "|".join(alts) + ")" if alts else "[]"
+
+
+def _zero(frac: bool) -> str:
+    return r"0(\.0+)?" if frac else "0"
+
+
+def _lower(lo: Decimal, strict: bool, frac: bool) -> str:
+    """Number texts >= lo (> lo)."""
+    mag = "(0|[1-9][0-9]*)" + (_FRAC if frac else "")
+    if lo > 0:
+        return _alt(_ge(lo, strict, frac))
+    if lo == 0:
+        return _alt(_ge(lo, True, frac)) if strict else f"({mag}|-{_zero(frac)})"
+    return f"({mag}|-{_alt(_le(-lo, strict, frac))})"
+
+
+def _upper(hi: Decimal, strict: bool, frac: bool) -> str:
+    """Number texts <= hi (< hi)."""
+    mag = "(0|[1-9][0-9]*)" + (_FRAC if frac else "")
+    if hi > 0:
+        return f"(-{mag}|{_alt(_le(hi, strict, frac))})"
+    if hi == 0:
+        return f"-{_alt(_ge(hi, True, frac))}" if strict else f"(-{mag}|{_zero(frac)})"
+    return f"-{_alt(_ge(-hi, strict, frac))}"
+
+
+def number_range(lo: Decimal | None, lo_strict: bool, hi: Decimal | None, hi_strict: bool, integer: bool) -> Pattern:
+    """The pattern of the JSON number texts without an exponent (integers: without a fraction either) whose value
+    is >= ``lo`` (> where ``lo_strict``; None: no bound) and <= ``hi``. ValueError where no number is."""
+    given = ((lo, lo_strict, "Minimum"), (hi, hi_strict, "Maximum"))
+    label = " and ".join(f"{'exclusive' + w if x else w.lower()} {b}" for b, x, w in given if b is not None)
+    kind = "integer" if integer else "number"
+    if any(b is not None and len(format(abs(b), "f").replace(".", "")) > MAX_BOUND_DIGITS for b, _, _ in given):
+        raise ValueError(f"{label}: bounds of more than {MAX_BOUND_DIGITS} digits are not supported")
+    if integer:  # an integer's bounds as inclusive integers (exact: the context holds every digit)
+        with localcontext(prec=2 * MAX_BOUND_DIGITS):
+            if lo is not None:
+                lo = lo.to_integral_value(ROUND_FLOOR) + 1 if lo_strict else lo.to_integral_value(ROUND_CEILING)
+            if hi is not None:
+                hi = hi.to_integral_value(ROUND_CEILING) - 1 if hi_strict else hi.to_integral_value(ROUND_FLOOR)
+        lo_strict = hi_strict = False
+    if lo is not None and hi is not None and (lo > hi or lo == hi and (lo_strict or hi_strict)):
+        raise ValueError(f"{label}: no {kind} is within these bounds")
+    parts = [Pattern(f"^{f(b, x, not integer)}$", label=label)
+             for f, b, x in ((_lower, lo, lo_strict), (_upper, hi, hi_strict)) if b is not None]  # fmt: skip
+    try:
+        return parts[0] & parts[1] if len(parts) == 2 else parts[0]
+    except ValueError:
+        raise ValueError(f"{label}: no {kind} is within these bounds") from None
