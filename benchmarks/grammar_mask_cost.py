@@ -1,5 +1,6 @@
-"""What a JSON Schema string costs the automaton: the first-time mask of each state while a value is written,
-per kind of string (free, length-bounded, formats, restrictive and permissive patterns), on the loaded model's
+"""What a JSON Schema value costs the automaton: the first-time mask of each state while a value is written, per
+kind of string (free, length-bounded, formats, restrictive and permissive patterns, a pattern or format with a
+length bound) and of number (free, bounded), on the loaded model's
 vocabulary. Masks are cached per state afterwards, so this is the once-per-state cost.
 
     python benchmarks/grammar_mask_cost.py
@@ -13,14 +14,23 @@ import time
 import treedraft
 from treedraft.grammar import JsonGrammar, run
 
-CASES = [
-    ("free string", {}, "The quick brown fox jumps over the lazy"),
-    ("maxLength 40", {"maxLength": 40}, "The quick brown fox jumps over the lazy"),
-    ("format date", {"format": "date"}, "2024-05-17"),
-    ("format date-time", {"format": "date-time"}, "2024-05-17T10:30:00Z"),
-    ("format uuid", {"format": "uuid"}, "123e4567-e89b-12d3-a456-426614174000"),
-    ("pattern ^[A-Za-z ]+$", {"pattern": "^[A-Za-z ]+$"}, "Hello World"),
-    ("pattern x (unanchored: permissive)", {"pattern": "x"}, "a x b"),
+CASES = [  # (label, the value's schema, its text as written)
+    ("free string", {"type": "string"}, '"The quick brown fox jumps over the lazy'),
+    ("maxLength 40", {"type": "string", "maxLength": 40}, '"The quick brown fox jumps over the lazy'),
+    ("format date", {"type": "string", "format": "date"}, '"2024-05-17'),
+    ("format date-time", {"type": "string", "format": "date-time"}, '"2024-05-17T10:30:00Z'),
+    ("format uuid", {"type": "string", "format": "uuid"}, '"123e4567-e89b-12d3-a456-426614174000'),
+    ("pattern ^[A-Za-z ]+$", {"type": "string", "pattern": "^[A-Za-z ]+$"}, '"Hello World'),
+    ("pattern x (unanchored: permissive)", {"type": "string", "pattern": "x"}, '"a x b'),
+    (
+        "pattern ^[A-Za-z ]+$ + maxLength 40",
+        {"type": "string", "pattern": "^[A-Za-z ]+$", "maxLength": 40},
+        '"Hello World and more words',
+    ),  # fmt: skip
+    ("format email + maxLength 64", {"type": "string", "format": "email", "maxLength": 64}, '"jane.doe@example.com'),
+    ("free number", {"type": "number"}, "-1234.5678"),
+    ("number 0 < x <= 1000.5", {"type": "number", "exclusiveMinimum": 0, "maximum": 1000.5}, "999.1234"),
+    ("integer int64", {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}, "-922337203685477580"),
 ]
 
 
@@ -28,10 +38,11 @@ def main() -> None:
     llm = treedraft.load()
     base = JsonGrammar.from_tokenizer(llm.tokenizer, llm.model.vocab_size)
     base.allowed(run(base.start(), b'{"s": "', base.nodes))  # the in-string tables: once per model
+    base.allowed(run(base.start(), b'{"s": 1', base.nodes))
     print(f"cpu: {platform.processor() or platform.machine()}; vocabulary {base.vocab_size}")
     for label, sub, value in CASES:
-        g = base.with_schema({"type": "object", "properties": {"s": {"type": "string", **sub}}, "required": ["s"]})
-        s = run(g.start(), b'{"s": "', g.nodes)
+        g = base.with_schema({"type": "object", "properties": {"s": sub}, "required": ["s"]})
+        s = run(g.start(), b'{"s": ', g.nodes)
         times = []
         for c in value.encode():
             t = time.perf_counter()

@@ -1164,6 +1164,41 @@ def test_patterns_match_as_pythons_re() -> None:
     assert seen[True] > 100 and seen[False] > 300
 
 
+def test_patterns_formats_and_lengths_together() -> None:
+    """A pattern, a format and a length bound on one string: the automaton closes the object exactly when every one
+    of them holds (re.search, the format's pattern, the code point count), UTF-8 or \\u escapes."""
+    from treedraft.pattern import FORMATS
+
+    rng = random.Random(26)
+    base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    seen = Counter()
+    for pat in PATTERNS:
+        lo = rng.randint(0, 2)
+        hi = lo + rng.randint(0, 3) if rng.random() < 0.7 else -1
+        sch = {"type": "string", "pattern": pat, "minLength": lo} | ({"maxLength": hi} if hi >= 0 else {})
+        try:
+            g = base.with_schema({"type": "object", "properties": {"s": sch}})
+        except ValueError as e:
+            assert "matches no string" in str(e), (sch, e)
+            continue
+        rx = re.compile(pat, re.ASCII)
+        for _ in range(100):
+            value = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 6)))
+            want = rx.search(value) is not None and lo <= len(value) and (hi < 0 or len(value) <= hi)
+            for ascii_only in (False, True):
+                end = run(g.start(), pattern_doc(value, ascii_only), g.nodes)
+                assert (end is not None and end[0] == DONE) == want, (sch, value, ascii_only)
+            seen[want] += 1
+    assert seen[True] > 40 and seen[False] > 300
+    sch = {"type": "string", "format": "email", "pattern": "^[a-c]", "maxLength": 8}
+    g = base.with_schema({"type": "object", "properties": {"s": sch}})
+    email = re.compile(FORMATS["email"])
+    for value in ("a@b.io", "ab@cd.io", "abc@cd.io", "x@b.io", "a@b", "b.c@d.ef", "\u0061@b.io"):
+        want = bool(email.search(value) and value[0] in "abc" and len(value) <= 8)
+        end = run(g.start(), pattern_doc(value, False), g.nodes)
+        assert (end is not None and end[0] == DONE) == want, value
+
+
 FORMAT_CASES = {
     "date": (["2024-02-28", "1999-12-31", "0001-01-01", "2023-04-30"], ["2024-02-30", "2023-13-01", "2023-4-01", ""]),
     "time": (["23:59:59Z", "00:00:00.123456+05:30", "12:30:00-08:00"], ["24:00:00Z", "12:60:00Z", "12:30:00"]),
@@ -1242,8 +1277,9 @@ def test_patterned_strings_never_dead_end_and_validate() -> None:
         ({"type": "string", "pattern": "a{3,2}"}, "below the minimum"),
         ({"type": "string", "pattern": "(ab"}, "missing"),
         ({"type": "string", "format": "uri"}, "'uri' is not supported"),
-        ({"type": "string", "format": "date", "pattern": "x"}, "together"),
-        ({"type": "string", "maxLength": 3, "pattern": "x"}, "together"),
+        ({"type": "string", "format": "date", "pattern": "x"}, "matches no string"),
+        ({"type": "string", "maxLength": 2, "pattern": "^abc"}, "matches no string"),
+        ({"type": "string", "format": "email", "maxLength": 1000}, "too complex together"),
         ({"type": "string", "minLength": 3, "maxLength": 2}, "more than maxLength"),
         ({"type": "string", "minLength": -1}, "non-negative"),
     ],

@@ -27,8 +27,10 @@ The pieces:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
+import operator
 import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -740,11 +742,7 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
             raise ValueError(f"json_schema at {where}: maxProperties {bounds[3]} is below the {len(set(required))} "
                              "required keys")  # fmt: skip
         pattern: Pattern | Length | None = None
-        given = [k for k in ("pattern", "format") if k in sch] + (
-            ["minLength / maxLength"] if {"minLength", "maxLength"} & set(sch) else []
-        )
-        if len(given) > 1:
-            raise ValueError(f"json_schema at {where}: {' and '.join(given)} together are not supported; use one")
+        parts: list[Pattern | Length] = []
         if {"minLength", "maxLength"} & set(sch):
             lo, hi = sch.get("minLength", 0), sch.get("maxLength", -1)
             for kw, v in (("minLength", lo), ("maxLength", hi)):
@@ -752,19 +750,27 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
                     raise ValueError(f"json_schema at {where}: {kw} must be a non-negative integer, got {v!r}")
             if 0 <= hi < lo:
                 raise ValueError(f"json_schema at {where}: minLength {lo} is more than maxLength {hi}")
-            pattern = Length(lo, hi)
+            parts.append(Length(lo, hi))
         if "pattern" in sch:
             if not isinstance(sch["pattern"], str):
                 raise ValueError(f"json_schema at {where}: pattern must be a string")
             try:
-                pattern = Pattern(sch["pattern"])
+                parts.append(Pattern(sch["pattern"]))
             except ValueError as e:
                 raise ValueError(f"json_schema at {where}: {e}") from None
-        elif "format" in sch:
+        if "format" in sch:
             if sch["format"] not in FORMATS:
                 raise ValueError(f"json_schema at {where}: format {sch['format']!r} is not supported; supported: "
                                  f"{', '.join(FORMATS)}")  # fmt: skip
-            pattern = Pattern(FORMATS[sch["format"]], label=f"format {sch['format']}")
+            parts.append(Pattern(FORMATS[sch["format"]], label=f"format {sch['format']}"))
+        if len(parts) == 1:
+            pattern = parts[0]  # a length bound alone keeps its fast masks (Length)
+        elif parts:  # together: the product automaton of their DFAs (a length bound as ^[\s\S]{lo,hi}$)
+            try:
+                pattern = functools.reduce(operator.and_, [p.as_pattern() if isinstance(p, Length) else p
+                                                           for p in parts])  # fmt: skip
+            except ValueError as e:
+                raise ValueError(f"json_schema at {where}: {e}") from None
         names = list(props)
         values = tuple(add(props[k], f"{where}.properties.{k}") for k in names)
         items = add(sch.get("items", {}), f"{where}.items")

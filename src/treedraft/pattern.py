@@ -16,6 +16,7 @@ from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, localcontext
 MAX_CP = 0x10FFFF
 MAX_NFA = 20000  # states of the expanded expression (counted repetitions copy it)
 MAX_DFA = 4000
+MAX_PRODUCT = 20000  # states of two DFAs combined (a format with a length bound: email x maxLength 64 ~ 9,600)
 
 Ranges = tuple  # sorted, disjoint (lo, hi) code point ranges
 
@@ -351,8 +352,9 @@ class Pattern:
                     row.append(-1)
                     continue
                 if key not in index:
-                    if len(pairs) >= MAX_DFA:
-                        raise ValueError(f"{out.source}: too complex (over {MAX_DFA} automaton states)")
+                    if len(pairs) >= MAX_PRODUCT:
+                        raise ValueError(f"{out.source}: too complex together (over {MAX_PRODUCT} automaton "
+                                         "states); drop one of them or lower the length bound")  # fmt: skip
                     index[key] = len(pairs)
                     pairs.append(key)
                 row.append(index[key])
@@ -391,6 +393,10 @@ class Length:
 
     def any_in(self, state: int, lo: int, hi: int) -> bool:
         return self.hi < 0 or state < self.hi
+
+    def as_pattern(self) -> Pattern:
+        """The same language as a DFA (to combine with a pattern or a format: :meth:`Pattern.__and__`)."""
+        return Pattern(f"^[\\s\\S]{{{self.lo},{'' if self.hi < 0 else self.hi}}}$", label=self.source)
 
     def room(self, state: int) -> int:
         """Characters that may still come (-1: any number)."""
