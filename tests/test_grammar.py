@@ -22,7 +22,7 @@ from test_engine import DraftFromQ, Exact, RandomTreeDrafter, random_trees_equal
 
 import treedraft.verify
 from treedraft.engine import Engine, GenerationConfig, GenerationError
-from treedraft.grammar import DONE, MAX_DEPTH, MAX_WS, JsonGrammar, constrain_, prune, run
+from treedraft.grammar import DONE, MAX_DEPTH, MAX_WS, PSTR, JsonGrammar, constrain_, prune, run
 from treedraft.penalties import Penalties
 from treedraft.sampling import SamplingParams
 from treedraft.tree import TokenTree
@@ -1197,6 +1197,39 @@ def test_patterns_formats_and_lengths_together() -> None:
         want = bool(email.search(value) and value[0] in "abc" and len(value) <= 8)
         end = run(g.start(), pattern_doc(value, False), g.nodes)
         assert (end is not None and end[0] == DONE) == want, value
+
+
+def test_patterned_masks_equal_a_token_by_token_scan() -> None:
+    """Masks in patterned strings (patterns, formats, a pattern with a length bound) come from the pattern's class
+    trie: they equal a scan of every token (multi-character tokens, tokens ending inside a character, quotes and
+    backslashes) in every state along values written as UTF-8 and as \\u escapes, and a second schema over the same
+    vocabulary gets its own trie."""
+    rng = random.Random(27)
+    vocab = synthetic_vocab(rng, 1500)
+    eos = len(vocab)
+    base = JsonGrammar(vocab + [b"</s>"], [eos])
+    cases = [(p, ["abc", "ab-1", "x\u00e9y", "\u00e9\U0001f600", "12-ab"]) for p in PATTERNS[:10]] + [
+        ({"format": "date"}, ["2024-02-28"]),
+        ({"format": "email", "maxLength": 12}, ["a.b@cd.io"]),
+        ({"pattern": "^[a\u00e9\U0001f600 ]*$", "minLength": 1, "maxLength": 5}, ["a\u00e9 \U0001f600"]),
+    ]
+    checked = 0
+    for sub, values in cases:
+        sub = {"pattern": sub} if isinstance(sub, str) else sub
+        g = base.with_schema({"type": "object", "properties": {"s": {"type": "string", **sub}}})
+        for value in values:
+            value = value.encode().decode("unicode_escape")
+            for ascii_only in (False, True):
+                s = g.start()
+                for c in pattern_doc(value, ascii_only):
+                    m = g.allowed(s)
+                    want = [vocab[t] is not None and run(s, vocab[t], g.nodes) is not None for t in range(len(vocab))]
+                    assert m[: len(vocab)].tolist() == want, (sub, value, s)
+                    checked += s[0] == PSTR and s[2][1] == 0
+                    s = run(s, bytes([c]), g.nodes)
+                    if s is None:
+                        break
+    assert checked > 150
 
 
 FORMAT_CASES = {

@@ -872,6 +872,19 @@ class _Node:
         self.ids: list[int] = []
 
 
+class _ClassNode:
+    """A node of a pattern's class trie: the in-string tokens as sequences of the pattern's character classes
+    (``kids`` by class), those ending here (``ids``) and those ending here inside an unfinished character
+    (``tails``: (UTF-8 state, its bits so far) -> their ids)."""
+
+    __slots__ = ("kids", "ids", "tails")
+
+    def __init__(self) -> None:
+        self.kids: dict[int, _ClassNode] = {}
+        self.ids: np.ndarray | list[int] = []
+        self.tails: dict[tuple[int, int], np.ndarray] = {}
+
+
 class JsonGrammar:
     """The JSON automaton over one vocabulary: ``token_bytes[t]`` is token t's bytes (None: never allowed, e.g.
     control tokens); ``eos_ids`` end the answer once the object is closed (and only then); ``vocab_size``: the
@@ -906,6 +919,8 @@ class JsonGrammar:
         self._in_string: dict[int, np.ndarray] = {}  # UTF-8 state -> tokens that stay inside a string
         self._in_string_n: dict[int, np.ndarray] = {}  # UTF-8 state -> characters each of those takes
         self._masks: OrderedDict[State, np.ndarray] = OrderedDict()
+        self._shared: dict = {}  # the vocabulary's tables every schema's automaton shares (_string_chars)
+        self._class_tries: dict[int, tuple] = {}  # id(pattern) -> its class trie (per schema)
         self._max_masks = max(16, (32 << 20) // max(1, self.vocab_size))
         eos_only = np.zeros(self.vocab_size, np.bool_)
         eos_only[list(self.eos)] = True
@@ -929,6 +944,7 @@ class JsonGrammar:
         g = copy.copy(self)
         g.nodes = compile_schema(schema)
         g._masks = OrderedDict()
+        g._class_tries = {}
         return g
 
     def start(self) -> State:
@@ -963,6 +979,9 @@ class JsonGrammar:
                 need = self._in_string_chars(s[2][1])
                 m = need >= 0 if room < 0 else (need >= 0) & (need <= room)
             m[[t for t in self._exits if run(s, self.bytes[t], self.nodes) is not None]] = True
+        elif s[0] == PSTR and s[2][1] == 0:  # a patterned string at a character boundary: the class trie
+            m = self._patterned_mask(self.nodes[s[2][0]].pattern, s[1])  # type: ignore[arg-type]
+            m[[t for t in self._exits if run(s, self.bytes[t], self.nodes) is not None]] = True
         else:
             m = np.zeros(self.vocab_size, np.bool_)
             ids: list[int] = []
@@ -983,6 +1002,98 @@ class JsonGrammar:
                 out.extend(kid.ids)
                 if kid.kids:
                     self._walk(kid, ns, out)
+
+    def _string_chars(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The tokens that stay inside a string from a character boundary, as (their ids; the code points of the
+        characters they complete, all in a row; where each token's start there (one more: the end); each one's
+        unfinished last character as UTF-8 state << 32 | its bits so far, 0 for none). Once per vocabulary."""
+        got = self._shared.get("chars")
+        if got is None:
+            ids = np.flatnonzero(self._in_string_mask(0))
+            flat: list[int] = []
+            starts, tails = [0], []
+            for t in ids.tolist():
+                u = cp = 0
+                for c in self.bytes[t]:  # well-formed (the mask says so)
+                    if u:
+                        cp, u = cp << 6 | c & 0x3F, _UTF8_NEXT[u]
+                        if not u:
+                            flat.append(cp)
+                    elif c < 0x80:
+                        flat.append(c)
+                    else:
+                        u = _UTF8_LEAD[c]
+                        cp = c & _UTF8_BITS[u]
+                starts.append(len(flat))
+                tails.append(u << 32 | cp if u else 0)
+            got = (ids, np.array(flat, np.int64), np.array(starts, np.int64), np.array(tails, np.int64))
+            self._shared["chars"] = got
+        return got
+
+    def _class_trie(self, p: Pattern) -> tuple[list[list[int]], _ClassNode]:
+        """The in-string tokens as a trie over ``p``'s character classes (:meth:`Pattern.classes`): tokens whose
+        characters fall in the same classes share a path, so a mask walks a few hundred nodes, not the vocabulary's
+        byte trie. Built a character position at a time over all tokens at once (a node per distinct (parent,
+        class)). Returns (per DFA state, the next state by class; the root)."""
+        got = self._class_tries.get(id(p))
+        if got is None:
+            ids, flat, starts, tails = self._string_chars()
+            cuts, of, table = p.classes()
+            width = len(table[0])
+            cls = np.asarray(of, np.int64)[np.searchsorted(np.asarray(cuts, np.int64), flat, side="right") - 1]
+            lengths = np.diff(starts)
+            at = np.zeros(len(ids), np.int64)  # each token's node so far (0: the root)
+            nodes = [_ClassNode()]
+            active, j = np.arange(len(ids)), 0
+            while True:
+                active = active[lengths[active] > j]
+                if not len(active):
+                    break
+                key = at[active] * width + cls[starts[active] + j]  # (parent node, class): dense, so no sort
+                seen = np.zeros(len(nodes) * width, np.bool_)
+                seen[key] = True
+                new = np.flatnonzero(seen)
+                rank = np.cumsum(seen) - 1
+                for k in new.tolist():
+                    node = _ClassNode()
+                    nodes[k // width].kids[k % width] = node
+                    nodes.append(node)
+                at[active] = len(nodes) - len(new) + rank[key]
+                j += 1
+            order = np.lexsort((tails, at))  # tokens grouped by (node, unfinished character)
+            bounds = np.flatnonzero(np.diff(at[order]) | np.diff(tails[order])) + 1
+            for group in np.split(order, bounds):
+                node, tail = nodes[int(at[group[0]])], int(tails[group[0]])
+                if tail:
+                    node.tails[(tail >> 32, tail & 0xFFFFFFFF)] = ids[group]
+                else:
+                    node.ids = ids[group]
+            got = self._class_tries[id(p)] = (table, nodes[0])
+        return got
+
+    def _patterned_mask(self, p: Pattern, d: int) -> np.ndarray:
+        """The in-string tokens that keep a string under ``p`` alive from DFA state ``d`` (at a character boundary):
+        each complete character a step of the DFA, an unfinished last one live where some character it can still
+        become is (as :func:`_patterned` checks it byte by byte)."""
+        table, root = self._class_trie(p)
+        out: list[np.ndarray] = []
+
+        def walk(node: _ClassNode, d: int) -> None:
+            for tail, toks in node.tails.items():
+                if _utf8_live(p, d, *tail):
+                    out.append(toks)
+            for k, kid in node.kids.items():
+                d2 = table[d][k]
+                if d2 >= 0:
+                    if len(kid.ids):
+                        out.append(kid.ids)  # type: ignore[arg-type]
+                    walk(kid, d2)
+
+        walk(root, d)
+        m = np.zeros(self.vocab_size, np.bool_)
+        if out:
+            m[np.concatenate(out)] = True
+        return m
 
     def _in_string_chars(self, utf8: int) -> np.ndarray:
         """Per token, the characters it takes room for inside a string from UTF-8 state ``utf8``: those it completes,

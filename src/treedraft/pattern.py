@@ -365,6 +365,17 @@ class Pattern:
     def next(self, state: int, cp: int) -> int:
         return self._next[state][bisect.bisect_right(self._cuts, cp) - 1]
 
+    def classes(self) -> tuple[list[int], list[int], list[list[int]]]:
+        """The code points in classes that every state treats alike: (each class's first code point, sorted; the
+        class of the code points from each of them on, in the same order; per state, the next state by class).
+        Intervals of the DFA's alphabet that no state tells apart share a class (``[A-Za-z ]``: one)."""
+        sig: dict[tuple[int, ...], int] = {}
+        of = [sig.setdefault(tuple(row[j] for row in self._next), len(sig)) for j in range(len(self._cuts))]
+        rep = [0] * len(sig)
+        for j in reversed(range(len(of))):
+            rep[of[j]] = j
+        return self._cuts, of, [[row[rep[k]] for k in range(len(sig))] for row in self._next]
+
     def accepts(self, state: int) -> bool:
         return self._accept[state]
 
