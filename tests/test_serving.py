@@ -389,7 +389,7 @@ BAD_REQUESTS = [
     ("chat", {"messages": _HI, "response_format": {"type": "yaml"}}, 400, "response_format"),
     (
         "chat",
-        {"messages": _HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {"multipleOf": 1}}}},
+        {"messages": _HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {"propertyNames": {}}}}},
         400,
         "response_format",
     ),

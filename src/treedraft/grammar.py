@@ -36,13 +36,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from decimal import Decimal
+from fractions import Fraction
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from .interfaces import GenerationError
-from .pattern import FORMATS, Length, Pattern, number_range
+from .pattern import FORMATS, Length, Pattern, multiple_of, number_range
 from .tree import TokenTree
 
 MAX_DEPTH = 32  # nested objects / arrays
@@ -81,8 +82,8 @@ MAX_WS = 32  # whitespace bytes in a row between tokens of the JSON text
 # PSTR: a string value under a pattern / format, a = its DFA state (:mod:`treedraft.pattern`), b = (its node, the
 # UTF-8 state below, the code point's bits so far).  PESC: a as PSTR, b = (node, a high surrogate's code point or 0,
 # 0 or 1: its second escape's backslash read).  PUHEX: a as PSTR, b = (node, hex digits left, value so far, high
-# surrogate or 0).  PNUM: a number under bounds, a = its DFA state (:func:`treedraft.pattern.number_range`), b = its
-# node.  DONE: the object is closed (EOS only); END: after that EOS (EOS only: drafts beyond it are never
+# surrogate or 0).  PNUM: a number under bounds or a step, a = its DFA state (:func:`treedraft.pattern.number_range`,
+# :func:`treedraft.pattern.multiple_of`), b = its node.  DONE: the object is closed (EOS only); END: after that EOS (EOS only: drafts beyond it are never
 # delivered)
 
 # UTF-8 inside strings: b = 0 (at a character boundary) or the continuation still needed and its allowed first byte
@@ -132,8 +133,9 @@ class SchemaNode:
     any keys, each value of node ``extra``, the ``additionalProperties`` schema; -1: no keys at all). ``required``:
     bitmask over ``keys``. ``enum``: the allowed values' compact JSON texts (None: any of ``types``). Arrays hold
     ``min_items``..``max_items`` (-1: no bound) values of node ``items``; objects ``min_props``..``max_props``
-    keys; strings match ``pattern`` (``pattern`` / ``format``) if given, numbers ``numeric`` (their bounds). ``dispatch`` (anyOf / oneOf): the node
-    that takes a value of each class (:data:`_CLASS`; -1: none), the automaton never enters the union itself.
+    keys; strings match ``pattern`` (``pattern`` / ``format``) if given, numbers ``numeric`` (bounds, step).
+    ``dispatch`` (anyOf / oneOf): the node that takes a value of each class (:data:`_CLASS`; -1: none), the
+    automaton never enters the union itself.
     ``need``: the fewest nested containers an instance opens (:data:`NEVER`: none fits), ``obj_need`` /
     ``arr_need`` those of its objects / arrays: a container opens only where that many levels are left, and an
     optional key or another array item only where its value fits, so no state is a dead end."""
@@ -543,7 +545,7 @@ _ANNOTATIONS = frozenset(
 _KEYWORDS = frozenset(
     ("type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
      "minProperties", "maxProperties", "pattern", "format", "minLength", "maxLength", "anyOf", "oneOf", "allOf",
-     "$ref", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+     "$ref", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 )  # fmt: skip
 _SCALARS = ("string", "number", "integer", "boolean", "null")
 
@@ -558,11 +560,15 @@ def _conforms_type(v: object, types: Sequence[str]) -> bool:
     return kind in types
 
 
-def _numeric_bounds(sch: dict, where: str) -> tuple | None:
-    """``minimum`` / ``exclusiveMinimum`` / ``maximum`` / ``exclusiveMaximum`` as (low or None, low exclusive, high or
-    None, high exclusive) in exact decimals (None: no bound given). A numeric exclusive bound beside the inclusive
-    one: the tighter applies; a boolean one (draft 4) makes ``minimum`` / ``maximum`` exclusive."""
-    if not {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & set(sch):
+_NUMERIC = frozenset(("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"))
+
+
+def _numeric(sch: dict, where: str) -> tuple | None:
+    """``minimum`` / ``exclusiveMinimum`` / ``maximum`` / ``exclusiveMaximum`` / ``multipleOf`` as (low or None, low
+    exclusive, high or None, high exclusive, the step or None) in exact decimals (None: none given). A numeric
+    exclusive bound beside the inclusive one: the tighter applies; a boolean one (draft 4) makes ``minimum`` /
+    ``maximum`` exclusive."""
+    if not _NUMERIC & set(sch):
         return None
     out: list = []
     for inc, exc, tighter in (("minimum", "exclusiveMinimum", max), ("maximum", "exclusiveMaximum", min)):
@@ -583,15 +589,30 @@ def _numeric_bounds(sch: dict, where: str) -> tuple | None:
             continue
         b = tighter(vals.values())
         out += [b, exc in vals and vals[exc] == b or flag is True and vals.get(inc) == b and exc not in vals]
-    return tuple(out)
+    m = sch.get("multipleOf")
+    if m is not None:
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m <= 0:
+            raise ValueError(f"json_schema at {where}: multipleOf must be a number above 0, got {m!r}")
+        m = Decimal(m) if isinstance(m, int) else Decimal(repr(m))
+    return (*out, m)
 
 
-def _within(v: object, bounds: tuple | None) -> bool:
-    """Whether an enum / const value is within numeric bounds (not a number: bounds do not apply)."""
-    if bounds is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+def _numeric_pattern(spec: tuple, integer: bool) -> Pattern:
+    """The DFA of the number texts :func:`_numeric`'s constraints allow (bounds and step intersected)."""
+    lo, lo_x, hi, hi_x, m = spec
+    parts = [number_range(lo, lo_x, hi, hi_x, integer)] if lo is not None or hi is not None else []
+    parts += [multiple_of(m, integer)] if m is not None else []
+    return functools.reduce(operator.and_, parts)
+
+
+def _within(v: object, spec: tuple | None) -> bool:
+    """Whether an enum / const value meets :func:`_numeric`'s constraints (not a number: they do not apply)."""
+    if spec is None or isinstance(v, bool) or not isinstance(v, (int, float)):
         return True
     x = Decimal(v) if isinstance(v, int) else Decimal(repr(v))
-    lo, lo_x, hi, hi_x = bounds
+    lo, lo_x, hi, hi_x, m = spec
+    if m is not None and (Fraction(x) / Fraction(m)).denominator != 1:
+        return False
     return (lo is None or (x > lo if lo_x else x >= lo)) and (hi is None or (x < hi if hi_x else x <= hi))
 
 
@@ -604,9 +625,9 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
       generated, whatever ``additionalProperties`` says (a subset of what it allows); without, any keys with
       values of the ``additionalProperties`` schema (``false``: none);
     - ``items``, ``minItems``, ``maxItems``;
-    - ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum`` (numbers or draft 4's booleans): a bounded
-      number is written without an exponent (a subset of what they allow), and every such number within the
-      bounds can be;
+    - ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum`` (numbers or draft 4's booleans),
+      ``multipleOf``: such a number is written without an exponent (a subset of what they allow), and every such
+      number that meets them can be;
     - ``anyOf`` / ``oneOf`` whose branches differ in JSON type (e.g. a type or null: the first byte of a value
       says its branch), ``allOf`` of one schema;
     - ``$ref`` to this document (``#``, ``#/$defs/Name``, any JSON pointer), recursion included;
@@ -698,7 +719,7 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         types = [t] if isinstance(t, str) else t
         if not isinstance(types, list) or not types or any(x not in TYPES for x in types):
             raise ValueError(f"json_schema at {where}: type must be one of {', '.join(TYPES)} or a list of them")
-        bounds = _numeric_bounds(sch, where)
+        num = _numeric(sch, where)
         if "enum" in sch or "const" in sch:
             vals = [sch["const"]] if "const" in sch else sch["enum"]
             if not isinstance(vals, list) or not vals:
@@ -708,11 +729,11 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
                 if isinstance(v, (dict, list)):
                     raise ValueError(f"json_schema at {where}: enum / const values must be strings, numbers, "
                                      f"booleans or null, got {v!r}")  # fmt: skip
-                if _conforms_type(v, types) and _within(v, bounds):
+                if _conforms_type(v, types) and _within(v, num):
                     texts.append(json.dumps(v, ensure_ascii=False, allow_nan=False).encode("utf-8"))
             if not texts:
                 raise ValueError(f"json_schema at {where}: no enum / const value is of type {t!r}"
-                                 + (" within its bounds" if bounds else ""))  # fmt: skip
+                                 + (" within its bounds / multipleOf" if num else ""))  # fmt: skip
             return SchemaNode(enum=tuple(dict.fromkeys(texts)))
         props = sch.get("properties", {})
         if not isinstance(props, dict):
@@ -721,9 +742,9 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         if not isinstance(required, list) or any(not isinstance(r, str) or r not in props for r in required):
             raise ValueError(f"json_schema at {where}: required must list names from properties, got {required!r}")
         numeric = None
-        if bounds and ("number" in types or "integer" in types):
+        if num and ("number" in types or "integer" in types):
             try:
-                numeric = number_range(*bounds, integer="number" not in types)
+                numeric = _numeric_pattern(num, integer="number" not in types)
             except ValueError as e:
                 raise ValueError(f"json_schema at {where}: {e}") from None
         bounds = []

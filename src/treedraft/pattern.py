@@ -3,9 +3,11 @@ backreferences, lookaround or anchors inside the expression) as a DFA over Unico
 automaton (:mod:`treedraft.grammar`) runs over a string's characters as their bytes arrive.
 
 A ``pattern`` matches anywhere in the string (JSON Schema's rule) unless anchored: each top-level alternative may
-start with ``^`` and end with ``$``. ``format`` ``date``, ``time``, ``date-time``, ``uuid``, ``email`` and ``ipv4``
-are patterns of a subset of their valid strings (no February 29th, no leap second: a generated string always
-validates). DFA states from which no match can be completed are dropped, so a patterned string never dead-ends.
+start with ``^`` and end with ``$``. ``format`` ``date``, ``time``, ``date-time``, ``duration``, ``uuid``, ``email``,
+``hostname``, ``ipv4`` and ``ipv6`` (the formats OpenAI's structured outputs list) are patterns of a subset of their
+valid strings (no February 29th, no leap second, hostnames of up to 4 labels of up to 62 characters, IPv6 without an
+embedded IPv4: a generated string always validates). DFA states from which no match can be completed are dropped,
+so a patterned string never dead-ends.
 """
 
 from __future__ import annotations
@@ -335,6 +337,28 @@ class Pattern:
         self._next = [[t if t in live else -1 for t in row] for row in table]
         self._accept = acc
 
+    @classmethod
+    def from_dfa(cls, label: str, cuts: list[int], start: object, step, accepts) -> Pattern:
+        """A DFA given by its transitions: ``cuts`` the first code point of each interval of the alphabet (from 0),
+        ``step(state, cut)`` the state after a code point of the interval starting at ``cut`` (None: refused),
+        ``accepts(state)``; states are any hashable values, numbered here from ``start``."""
+        out = cls.__new__(cls)
+        out.source, out._cuts = label, list(cuts)
+        index, states, table = {start: 0}, [start], []
+        while len(table) < len(states):
+            row = []
+            for lo in out._cuts:
+                nxt = step(states[len(table)], lo)
+                if nxt is not None and nxt not in index:
+                    if len(states) >= MAX_PRODUCT:
+                        raise ValueError(f"{label}: too complex (over {MAX_PRODUCT} automaton states)")
+                    index[nxt] = len(states)
+                    states.append(nxt)
+                row.append(-1 if nxt is None else index[nxt])
+            table.append(row)
+        out._finish(table, [bool(accepts(x)) for x in states])
+        return out
+
     def __and__(self, other: Pattern) -> Pattern:
         """The DFA of the strings both match (the product automaton)."""
         out = Pattern.__new__(Pattern)
@@ -354,7 +378,7 @@ class Pattern:
                 if key not in index:
                     if len(pairs) >= MAX_PRODUCT:
                         raise ValueError(f"{out.source}: too complex together (over {MAX_PRODUCT} automaton "
-                                         "states); drop one of them or lower the length bound")  # fmt: skip
+                                         "states); drop or loosen one of them")  # fmt: skip
                     index[key] = len(pairs)
                     pairs.append(key)
                 row.append(index[key])
@@ -425,6 +449,15 @@ _TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,6})?(Z|[+-]([01][0-
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,60}[A-Za-z0-9])?"  # up to 62 characters: 4 labels fit 253
+_H16 = r"[0-9a-fA-F]{1,4}"
+_IPV6 = "|".join(  # RFC 4291's text forms: 8 groups, or fewer around one "::" (no embedded IPv4)
+    [rf"({_H16}:){{7}}{_H16}", rf"({_H16}:){{1,7}}:", rf"{_H16}:(:{_H16}){{1,6}}", rf":(:{_H16}){{1,7}}", "::"]
+    + [rf"({_H16}:){{1,{k}}}(:{_H16}){{1,{7 - k}}}" for k in range(2, 7)]
+)
+_D = "[0-9]+"
+_DUR_TIME = f"T({_D}H({_D}M({_D}S)?)?|{_D}M({_D}S)?|{_D}S)"
+_DUR_DATE = f"({_D}D|{_D}M({_D}D)?|{_D}Y({_D}M({_D}D)?)?)({_DUR_TIME})?"
 FORMATS = {
     "date": f"^{_DATE}$",
     "time": f"^{_TIME}$",
@@ -432,6 +465,9 @@ FORMATS = {
     "uuid": r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
     "email": rf"^{_ATOM}(\.{_ATOM})*@{_LABEL}(\.{_LABEL})*\.[A-Za-z]{{2,63}}$",
     "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
+    "ipv6": f"^({_IPV6})$",
+    "hostname": rf"^{_HOST_LABEL}(\.{_HOST_LABEL}){{0,3}}$",
+    "duration": f"^P({_DUR_DATE}|{_DUR_TIME}|{_D}W)$",  # RFC 3339 appendix A
 }
 
 
@@ -523,7 +559,8 @@ def number_range(lo: Decimal | None, lo_strict: bool, hi: Decimal | None, hi_str
     """The pattern of the JSON number texts without an exponent (integers: without a fraction either) whose value
     is >= ``lo`` (> where ``lo_strict``; None: no bound) and <= ``hi``. ValueError where no number is."""
     given = ((lo, lo_strict, "Minimum"), (hi, hi_strict, "Maximum"))
-    label = " and ".join(f"{'exclusive' + w if x else w.lower()} {b}" for b, x, w in given if b is not None)
+    names = [f"{'exclusive' + w if x else w.lower()} {b}" for b, x, w in given]
+    label = " and ".join(n for n, (b, _, _) in zip(names, given) if b is not None)
     kind = "integer" if integer else "number"
     if any(b is not None and len(format(abs(b), "f").replace(".", "")) > MAX_BOUND_DIGITS for b, _, _ in given):
         raise ValueError(f"{label}: bounds of more than {MAX_BOUND_DIGITS} digits are not supported")
@@ -536,9 +573,57 @@ def number_range(lo: Decimal | None, lo_strict: bool, hi: Decimal | None, hi_str
         lo_strict = hi_strict = False
     if lo is not None and hi is not None and (lo > hi or lo == hi and (lo_strict or hi_strict)):
         raise ValueError(f"{label}: no {kind} is within these bounds")
-    parts = [Pattern(f"^{f(b, x, not integer)}$", label=label)
-             for f, b, x in ((_lower, lo, lo_strict), (_upper, hi, hi_strict)) if b is not None]  # fmt: skip
+    parts = [Pattern(f"^{f(b, x, not integer)}$", label=n)
+             for f, b, x, n in ((_lower, lo, lo_strict, names[0]), (_upper, hi, hi_strict, names[1]))
+             if b is not None]  # fmt: skip
     try:
         return parts[0] & parts[1] if len(parts) == 2 else parts[0]
     except ValueError:
         raise ValueError(f"{label}: no {kind} is within these bounds") from None
+
+
+# the alphabet of a number's text, as intervals: below "-", "-", ".", "/", each digit, then the rest
+_NUM_CUTS = [0, 0x2D, 0x2E, 0x2F, *range(0x30, 0x3A), 0x3A]
+
+
+def multiple_of(m: Decimal, integer: bool) -> Pattern:
+    """The pattern of the JSON number texts without an exponent (integers: without a fraction either) whose value
+    is an exact multiple of ``m`` (> 0). With m = M / 10^q (M an integer), the DFA keeps the value so far times
+    10^(fraction digits read, up to q) modulo M; past q fraction digits only zeros may follow."""
+    i, f = _digits(m)
+    q, big = len(f), int(i + f)
+    label = f"multipleOf {m}"
+    if big * (q + 3) > MAX_PRODUCT:
+        raise ValueError(f"{label}: too many digits for this automaton (at most {MAX_PRODUCT} states: "
+                         f"{big * (q + 3)} needed)")  # fmt: skip
+    # states: "start", "-", "0" (a leading zero), ("i", r) integer digits, ("f", r, k) k fraction digits (k up to
+    # q + 1: past q, the value no longer changes)
+
+    def step(st: object, lo: int) -> object:
+        digit = lo - 0x30 if 0x30 <= lo <= 0x39 else -1
+        if st in ("start", "-"):
+            if lo == 0x2D and st == "start":
+                return "-"
+            return "0" if digit == 0 else ("i", digit % big) if digit > 0 else None
+        if lo == 0x2E and not integer and (st == "0" or st[0] == "i"):  # type: ignore[index]
+            return ("f", 0 if st == "0" else st[1], 0)  # type: ignore[index]
+        if digit < 0 or st == "0":
+            return None
+        if st[0] == "i":  # type: ignore[index]
+            return ("i", (10 * st[1] + digit) % big)  # type: ignore[index]
+        _, r, k = st  # type: ignore[misc]
+        if k < q:
+            return ("f", (10 * r + digit) % big, k + 1)
+        return ("f", r, q + 1) if digit == 0 else None
+
+    def accepts(st: object) -> bool:
+        if st == "0":
+            return True
+        if st in ("start", "-"):
+            return False
+        if st[0] == "i":  # type: ignore[index]
+            return st[1] * 10**q % big == 0  # type: ignore[index]
+        _, r, k = st  # type: ignore[misc]
+        return k > 0 and r * 10 ** (q - min(k, q)) % big == 0
+
+    return Pattern.from_dfa(label, _NUM_CUTS, "start", step, accepts)
