@@ -22,7 +22,7 @@ from test_engine import DraftFromQ, Exact, RandomTreeDrafter, random_trees_equal
 
 import treedraft.verify
 from treedraft.engine import Engine, GenerationConfig, GenerationError
-from treedraft.grammar import DONE, MAX_DEPTH, MAX_WS, PSTR, JsonGrammar, constrain_, prune, run
+from treedraft.grammar import DONE, MAX_DEPTH, MAX_WS, MULTI, PSTR, JsonGrammar, constrain_, prune, run
 from treedraft.penalties import Penalties
 from treedraft.sampling import SamplingParams
 from treedraft.tree import TokenTree
@@ -496,6 +496,10 @@ def conforms(v, sch, root=None) -> bool:
         return all(conforms(x, extra, root) for x in v.values())
     if isinstance(v, str) and not sch.get("minLength", 0) <= len(v) <= sch.get("maxLength", len(v)):
         return False
+    if isinstance(v, str) and "pattern" in sch and not re.search(sch["pattern"], v, re.ASCII):
+        return False
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and not in_bounds(json.dumps(v).encode(), sch):
+        return False
     if isinstance(v, list):
         if not sch.get("minItems", 0) <= len(v) <= sch.get("maxItems", len(v)):
             return False
@@ -620,8 +624,8 @@ def test_schema_masks_equal_a_token_by_token_scan() -> None:
         ({"type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}}, "only references into"),
         ({"type": "object", "properties": {"a": {"$ref": "#/$defs/b", "minItems": 1}}, "$defs": {"b": {}}}, "beside"),
         ({"type": "object", "properties": {"a": {"type": "string", "format": "uri"}}}, "'uri'"),
-        ({"type": "object", "properties": {"a": {"anyOf": [{"type": "integer"}, {"type": "number"}]}}}, "numbers"),
-        ({"type": "object", "properties": {"a": {"anyOf": [{"enum": ["x"]}, {"type": "string"}]}}}, "strings"),
+        ({"type": "object", "properties": {"a": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}, "numbers"),
+        ({"type": "object", "properties": {"a": {"oneOf": [{"enum": ["x"]}, {"type": "string"}]}}}, "strings"),
         ({"type": "object", "properties": {"a": {"oneOf": [{"type": "object"}, {"type": "object"}]}}}, "objects"),
         ({"type": "object", "properties": {"a": {"anyOf": [{"type": "null"}], "type": "string"}}}, "beside"),
         ({"type": "object", "properties": {"a": {"allOf": [{"type": "null"}, {"type": "null"}]}}}, "exactly one"),
@@ -1422,8 +1426,10 @@ def random_bounds(rng: random.Random) -> dict:
 
 def in_bounds(text: bytes, sch: dict) -> bool:
     """The reference: a number written without an exponent (an integer without a fraction) whose exact value is
-    within the bounds."""
-    if not PLAIN_NUMBER.fullmatch(text) or sch["type"] == "integer" and b"." in text:
+    within the bounds (any number where none are given)."""
+    if not {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"} & set(sch):
+        return True
+    if not PLAIN_NUMBER.fullmatch(text) or sch.get("type") == "integer" and b"." in text:
         return False
     v = Fraction(text.decode())
     for inc, exc, sign in (("minimum", "exclusiveMinimum", 1), ("maximum", "exclusiveMaximum", -1)):
@@ -1619,3 +1625,150 @@ def test_pydantic_constrained_numbers() -> None:
         for _ in range(3):
             doc, _ = random_walk(rng, g, nest, 200)
             Review.model_validate_json(doc)  # raises on an invalid document
+
+
+# ---- anyOf / oneOf branches of one JSON type (followed side by side: MULTI states)
+
+
+def random_union_schema(rng: random.Random, depth: int = 0) -> dict:
+    """Unions whose branches share a JSON type: objects (plain, or discriminated by a "kind" const under oneOf),
+    numbers, strings under different patterns, nested unions, inside arrays and objects."""
+    k = rng.randrange(7 if depth < 2 else 4)
+    if k == 0:
+        return {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "number", "maximum": 0}, {"type": "null"}]}
+    if k == 1:
+        return {"anyOf": [{"type": "string", "pattern": "^a+$"}, {"type": "string", "maxLength": 2}, {"enum": ["ab"]}]}
+    if k == 2:
+        return random_full_schema(rng, 2)
+    if k == 3:
+        return {"anyOf": [random_full_object(rng, 2), random_full_object(rng, 2)]}
+    if k == 4:
+        kinds = rng.sample(["a", "b", "c"], 2)
+        branches = [
+            {"type": "object", "properties": {"kind": {"const": kd}, "v": random_union_schema(rng, depth + 1)},
+             "required": ["kind"] + (["v"] if rng.random() < 0.5 else []), "additionalProperties": False}
+            for kd in kinds
+        ]  # fmt: skip
+        return {"oneOf": branches, "discriminator": {"propertyName": "kind"}}
+    if k == 5:
+        return {"type": "array", "items": random_union_schema(rng, depth + 1), "maxItems": 3}
+    return {"anyOf": [random_union_object(rng, depth + 1), random_union_object(rng, depth + 1), {"type": "null"}]}
+
+
+def random_union_object(rng: random.Random, depth: int = 0) -> dict:
+    names = rng.sample(["a", "ab", "b", "x"], rng.randint(0, 3))
+    props = {n: random_union_schema(rng, depth) for n in names}
+    return {"type": "object", "properties": props, "required": [n for n in names if rng.random() < 0.5],
+            "additionalProperties": False}  # fmt: skip
+
+
+def random_union_root(rng: random.Random) -> dict:
+    if rng.random() < 0.3:  # a union at the root: any of two object models
+        return {"anyOf": [random_union_object(rng), random_union_object(rng)], "$defs": {"tree": TREE_DEF}}
+    return random_union_object(rng) | {"$defs": {"tree": TREE_DEF}}
+
+
+def union_instance(rng: random.Random, sch: dict):
+    """An instance of a union root: a branch's instance (``full_instance`` picks a branch of each union)."""
+    while True:
+        v = full_instance(rng, sch, sch)
+        if conforms(v, sch):  # a numeric branch's instance may miss its own bounds (full_instance ignores them)
+            return v
+
+
+def test_same_type_unions_accept_exactly_the_valid_objects() -> None:
+    """anyOf over objects, numbers and patterned strings of one type, oneOf over discriminated objects, a union at
+    the root: random instances (every prefix alive) end closed; byte mutations are accepted exactly when the
+    subset's meaning accepts them, and only what the jsonschema validator accepts."""
+    instances_and_mutations(random.Random(28), random_union_root, union_instance, jsonschema_valid)
+
+
+def test_same_type_unions_walks_and_masks() -> None:
+    """Random walks under same-type unions never dead-end and write documents both references accept; masks in
+    their side-by-side (MULTI) states equal a token-by-token scan."""
+    rng = random.Random(29)
+    base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    vocab = synthetic_vocab(rng, 1000)
+    eos = len(vocab)
+    tok = JsonGrammar(vocab + [b"</s>"], [eos])
+    multi = 0
+    for _ in range(12):
+        sch = random_union_root(rng)
+        g, gt = base.with_schema(sch), tok.with_schema(sch)
+        for nest in (0.2, 0.6):
+            doc, states = random_walk(rng, g, nest, 120)
+            assert schema_valid(doc, sch) and jsonschema_valid(doc, sch), (sch, doc)
+            for s in [x for x in states if x[0] == MULTI][:6]:
+                multi += 1
+                m = gt.allowed(s)
+                want = [vocab[t] is not None and run(s, vocab[t], gt.nodes) is not None for t in range(len(vocab))]
+                assert m[: len(vocab)].tolist() == want, (sch, s)
+    assert multi > 20
+
+
+def test_pydantic_unions_of_models() -> None:
+    """pydantic's Union[Cat, Dog] (anyOf), its discriminated form (oneOf + discriminator) and a RootModel of the
+    union (a union at the root): the models' dumps are accepted, mixtures of the two refused, random walks
+    validate as the model."""
+    from typing import Literal
+
+    pydantic = pytest.importorskip("pydantic")
+
+    class Cat(pydantic.BaseModel):
+        kind: Literal["cat"]
+        lives: int
+        name: str = ""
+
+    class Dog(pydantic.BaseModel):
+        kind: Literal["dog"]
+        good: bool
+        name: str = ""
+
+    class Owner(pydantic.BaseModel):
+        pet: Cat | Dog = pydantic.Field(discriminator="kind")
+        other: Cat | Dog
+        many: list[Cat | Dog] = []
+
+    base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    g = base.with_schema(Owner.model_json_schema())
+    good = Owner(
+        pet=Dog(kind="dog", good=True), other=Cat(kind="cat", lives=9, name="x"), many=[Cat(kind="cat", lives=1)]
+    )
+    for text in (good.model_dump_json(), good.model_dump_json(indent=2)):
+        end = run(g.start(), text.encode(), g.nodes)
+        assert end is not None and end[0] == DONE, text
+    for bad in ({"kind": "cat", "good": True}, {"kind": "dog", "lives": 1}, {"kind": "cow", "lives": 1}):
+        doc = json.loads(good.model_dump_json()) | {"other": bad}
+        end = run(g.start(), json.dumps(doc).encode(), g.nodes)
+        assert end is None or end[0] != DONE, bad
+    rng = random.Random(30)
+    for nest in (0.2, 0.5, 0.8):
+        for _ in range(3):
+            doc, _ = random_walk(rng, g, nest, 200)
+            Owner.model_validate_json(doc)
+    root = pydantic.RootModel[Cat | Dog]
+    g = base.with_schema(root.model_json_schema())
+    for v in (Cat(kind="cat", lives=2), Dog(kind="dog", good=False)):
+        end = run(g.start(), root(v).model_dump_json().encode(), g.nodes)
+        assert end is not None and end[0] == DONE
+    for _ in range(4):
+        doc, _ = random_walk(rng, g, 0.5, 100)
+        root.model_validate_json(doc)
+
+
+def test_same_type_union_limits() -> None:
+    """oneOf over objects without a discriminator is refused by name (a value could match two branches); branches
+    that never tell themselves apart multiply per nesting level and stop with a clear error past the cap."""
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    obj = {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}}, "required": ["kind"]}
+    with pytest.raises(ValueError, match="discriminator"):
+        g.with_schema({"type": "object", "properties": {"p": {"oneOf": [obj, dict(obj)]}}})
+    same = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}}
+    sch = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}},
+           "$defs": {"x": {"anyOf": [same, dict(same, title="twin"), {"type": "null"}]}}}  # fmt: skip
+    g2 = g.with_schema(sch)
+    doc = b'{"a": ' + b'{"a": ' * 5
+    s = run(g2.start(), doc, g2.nodes)
+    assert s is not None and s[0] == MULTI and len(s[1]) == 32  # 2 ** 5 ways to have written it
+    with pytest.raises(GenerationError, match="branches alive at once"):
+        run(s, b'{"a": {"a": ', g2.nodes)

@@ -71,9 +71,10 @@ MAX_WS = 32  # whitespace bytes in a row between tokens of the JSON text
     PESC,
     PUHEX,
     PNUM,
+    MULTI,
     DONE,
     END,
-) = range(20)
+) = range(21)
 # structural modes: a = the whitespace bytes just read (START: b = the root's schema node)
 # STR: a = 1 in a free object's key, 0 in a value; b = the UTF-8 state below.  ESC: a as STR, b = 0, or (a high
 # surrogate, 0 or 1: its pair's backslash read) (surrogates only in pairs: a lone one is no Unicode text).  UHEX: a as
@@ -83,8 +84,10 @@ MAX_WS = 32  # whitespace bytes in a row between tokens of the JSON text
 # UTF-8 state below, the code point's bits so far).  PESC: a as PSTR, b = (node, a high surrogate's code point or 0,
 # 0 or 1: its second escape's backslash read).  PUHEX: a as PSTR, b = (node, hex digits left, value so far, high
 # surrogate or 0).  PNUM: a number under bounds or a step, a = its DFA state (:func:`treedraft.pattern.number_range`,
-# :func:`treedraft.pattern.multiple_of`), b = its node.  DONE: the object is closed (EOS only); END: after that EOS (EOS only: drafts beyond it are never
-# delivered)
+# :func:`treedraft.pattern.multiple_of`), b = its node.  MULTI: inside a value that several anyOf branches of one
+# JSON type could still be, a = the frozenset of the states (one per live branch; nested ones flattened), each stepped
+# alike until one is left.  DONE: the object is closed (EOS only); END: after that EOS (EOS only: drafts beyond it
+# are never delivered)
 
 # UTF-8 inside strings: b = 0 (at a character boundary) or the continuation still needed and its allowed first byte
 # (the Unicode standard's table 3-7 of well-formed sequences: no overlongs, surrogates or code points past U+10FFFF)
@@ -134,8 +137,8 @@ class SchemaNode:
     bitmask over ``keys``. ``enum``: the allowed values' compact JSON texts (None: any of ``types``). Arrays hold
     ``min_items``..``max_items`` (-1: no bound) values of node ``items``; objects ``min_props``..``max_props``
     keys; strings match ``pattern`` (``pattern`` / ``format``) if given, numbers ``numeric`` (bounds, step).
-    ``dispatch`` (anyOf / oneOf): the node that takes a value of each class (:data:`_CLASS`; -1: none), the
-    automaton never enters the union itself.
+    ``dispatch`` (anyOf / oneOf): the nodes that take a value of each class (:data:`_CLASS`; () none, several:
+    followed side by side, a MULTI state), the automaton never enters the union itself.
     ``need``: the fewest nested containers an instance opens (:data:`NEVER`: none fits), ``obj_need`` /
     ``arr_need`` those of its objects / arrays: a container opens only where that many levels are left, and an
     optional key or another array item only where its value fits, so no state is a dead end."""
@@ -152,7 +155,7 @@ class SchemaNode:
     max_items: int = -1
     min_props: int = 0
     max_props: int = -1
-    dispatch: tuple[int, ...] | None = None
+    dispatch: tuple[tuple[int, ...], ...] | None = None
     pattern: Pattern | Length | None = None
     numeric: Pattern | None = None
     need: int = 0
@@ -180,11 +183,12 @@ def _value_node(stack: tuple, nodes: Sequence[SchemaNode]) -> int:
 def _value(c: int, stack: tuple, n: int, nodes: Sequence[SchemaNode]) -> State | None:
     """The state after byte ``c`` where a value of schema node ``n`` starts."""
     node = nodes[n]
-    if node.dispatch is not None:  # anyOf / oneOf: the branch that takes this class of value
+    if node.dispatch is not None:  # anyOf / oneOf: the branch(es) that take this class of value
         k = _CLASS[c]
-        n = node.dispatch[k] if k >= 0 else -1
-        if n < 0:
-            return None
+        branches = node.dispatch[k] if k >= 0 else ()
+        if len(branches) != 1:  # none, or several followed side by side until the value tells them apart
+            return _alternatives([_value(c, stack, b, nodes) for b in branches])
+        n = branches[0]
         node = nodes[n]
     if node.enum is not None:
         p = bytes([c])
@@ -215,6 +219,28 @@ def _value(c: int, stack: tuple, n: int, nodes: Sequence[SchemaNode]) -> State |
     if c == 0x6E and "null" in t:  # n
         return (LIT, b"ull", 0, stack)
     return None
+
+
+MAX_ALTERNATIVES = 64  # anyOf branches alive at once (nested unions multiply)
+
+
+def _alternatives(states: Sequence[State | None]) -> State | None:
+    """The state of a value that any of ``states`` may continue (None where none can): MULTI states flattened, dead
+    and repeated ones dropped (branches that agree again, e.g. after their value, merge)."""
+    alive: set[State] = set()
+    for x in states:
+        if x is None:
+            continue
+        if x[0] == MULTI:
+            alive.update(x[1])
+        else:
+            alive.add(x)
+    if len(alive) <= 1:
+        return next(iter(alive), None)
+    if len(alive) > MAX_ALTERNATIVES:
+        raise GenerationError(f"JSON Schema: more than {MAX_ALTERNATIVES} anyOf branches alive at once; make the "
+                              "branches tell themselves apart sooner (e.g. a distinct first key)")  # fmt: skip
+    return (MULTI, frozenset(alive), 0, ())
 
 
 def _number(s: State, c: int, nodes: Sequence[SchemaNode]) -> State | None:
@@ -494,6 +520,8 @@ def step(s: State, c: int, nodes: Sequence[SchemaNode] = ANY) -> State | None:
         if c != rest[0]:
             return None
         return (LIT, rest[1:], 0, s[3]) if len(rest) > 1 else (AFTER, 0, 0, s[3])
+    if mode == MULTI:
+        return _alternatives([step(x, c, nodes) for x in s[1]])
     if mode >= DONE:
         return None
     stack = s[3]
@@ -525,8 +553,8 @@ def step(s: State, c: int, nodes: Sequence[SchemaNode] = ANY) -> State | None:
             return None
         stack = _item(stack, nodes)
         return _value(c, stack, _value_node(stack, nodes), nodes)
-    # START: whitespace, then the object
-    return (OBJ_FIRST, 0, 0, (("{", s[2], 0, -1),)) if c == 0x7B else None
+    # START: whitespace, then the object (of the root's branches, at a union)
+    return _value(c, (), s[2], nodes) if c == 0x7B else None
 
 
 def run(s: State | None, data: bytes, nodes: Sequence[SchemaNode] = ANY) -> State | None:
@@ -540,7 +568,7 @@ def run(s: State | None, data: bytes, nodes: Sequence[SchemaNode] = ANY) -> Stat
 
 _ANNOTATIONS = frozenset(
     ("title", "description", "default", "examples", "$schema", "$id", "$comment", "$defs", "definitions",
-     "readOnly", "writeOnly", "deprecated")
+     "readOnly", "writeOnly", "deprecated", "discriminator")
 )  # fmt: skip
 _KEYWORDS = frozenset(
     ("type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
@@ -628,8 +656,9 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
     - ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum`` (numbers or draft 4's booleans),
       ``multipleOf``: such a number is written without an exponent (a subset of what they allow), and every such
       number that meets them can be;
-    - ``anyOf`` / ``oneOf`` whose branches differ in JSON type (e.g. a type or null: the first byte of a value
-      says its branch), ``allOf`` of one schema;
+    - ``anyOf`` / ``oneOf``: a value's first byte says its JSON type and so its branch; several branches of one type
+      (anyOf; oneOf only over objects with a discriminator key) are followed side by side until the value tells
+      them apart; ``allOf`` of one schema;
     - ``$ref`` to this document (``#``, ``#/$defs/Name``, any JSON pointer), recursion included;
     - annotations (title, description, default, examples, ``$defs``, ...).
 
@@ -810,9 +839,19 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         nodes[at] = replace(nodes[at], dispatch=_dispatch(nodes, unions, at, where, kw == "oneOf"))  # type: ignore[arg-type]
     done = _needs(nodes)  # type: ignore[arg-type]
     top = done[root]
-    if top.dispatch is not None:  # a union at the root: its object branch
-        top = done[top.dispatch[0]] if top.dispatch[0] >= 0 else top
-    if top.dispatch is not None or top.enum is not None or "object" not in top.types or root == 0:
+    if top.dispatch is not None:  # a union at the root: its object branch(es)
+        objs = top.dispatch[0]
+        if len(objs) == 1:
+            top = done[objs[0]]
+        elif objs:
+            need = min(done[b].obj_need for b in objs)
+            top = replace(top, dispatch=(objs,) + ((),) * (len(_CLASS_NAMES) - 1), obj_need=need)
+    if (
+        top.enum is not None
+        or (top.dispatch is None and "object" not in top.types)
+        or root == 0
+        or (top.dispatch is not None and not top.dispatch[0])
+    ):
         raise ValueError("json_schema: the root must be an object schema (type: object)")
     if top.obj_need > MAX_DEPTH:
         raise ValueError(f"json_schema: every instance needs more than {MAX_DEPTH} nested objects / arrays (the "
@@ -826,11 +865,12 @@ def _classes(node: SchemaNode) -> set[int]:
     return {_TYPE_CLASS[t] for t in node.types}
 
 
-def _dispatch(nodes: list, unions: dict, at: int, where: str, one: bool) -> tuple[int, ...]:
-    """A union's branch per value class, nested unions flattened; ValueError where two branches take one class
-    (``one``, oneOf: also where one schema comes twice: no value of it would match exactly one branch)."""
-    table = [-1] * len(_CLASS_NAMES)
-    owner: list[str] = [""] * len(_CLASS_NAMES)
+def _dispatch(nodes: list, unions: dict, at: int, where: str, one: bool) -> tuple[tuple[int, ...], ...]:
+    """A union's branches per value class, nested unions flattened. Several branches of one class are followed side
+    by side (anyOf); under oneOf only object branches told apart by a discriminator (:func:`_discriminated`), so no
+    value matches two. ValueError where oneOf has one schema twice (no value of it would match exactly one)."""
+    table: list[list[int]] = [[] for _ in _CLASS_NAMES]
+    owner: list[list[str]] = [[] for _ in _CLASS_NAMES]
 
     def visit(n: int, path: str, trail: tuple[int, ...]) -> None:
         if n in unions:
@@ -840,14 +880,43 @@ def _dispatch(nodes: list, unions: dict, at: int, where: str, one: bool) -> tupl
                 visit(b, f"{path}[{i}]" if n == at else f"{path}.{i}", (*trail, n))
             return
         for k in _classes(nodes[n]):
-            if table[k] >= 0 and (table[k] != n or one):
-                raise ValueError(f"json_schema at {where}: branches {owner[k]} and {path} both take "
-                                 f"{_CLASS_NAMES[k]}; supported: branches of different JSON types (e.g. a type "
-                                 f"and null)")  # fmt: skip
-            table[k], owner[k] = n, path
+            if n in table[k]:
+                if one:
+                    raise ValueError(f"json_schema at {where}: branches {owner[k][table[k].index(n)]} and {path} both "
+                                     f"take {_CLASS_NAMES[k]} (the same schema twice under oneOf: no value matches "
+                                     "exactly one)")  # fmt: skip
+                continue
+            table[k].append(n)
+            owner[k].append(path)
 
     visit(at, "", ())
-    return tuple(table)
+    for k, branches in enumerate(table):
+        if one and len(branches) > 1 and (k != 0 or not _discriminated(nodes, branches)):
+            raise ValueError(f"json_schema at {where}: branches {' and '.join(owner[k])} of oneOf both take "
+                             f"{_CLASS_NAMES[k]}; supported: branches of different JSON types, or objects with a "
+                             "discriminator (a key every branch requires, with a distinct const / enum in each); "
+                             "anyOf takes any")  # fmt: skip
+    return tuple(tuple(b) for b in table)
+
+
+def _discriminated(nodes: list, branches: list[int]) -> bool:
+    """Whether the object schemas ``branches`` share a declared key that each requires with const / enum values no
+    other branch allows (pydantic's discriminated unions): then no object matches two of them."""
+    first = nodes[branches[0]]
+    for key in first.keys:
+        seen: set[bytes] = set()
+        for b in branches:
+            nd = nodes[b]
+            if nd.free or nd.dispatch is not None or key not in nd.keys:
+                break
+            i = nd.keys.index(key)
+            vals = nodes[nd.values[i]].enum
+            if not nd.required >> i & 1 or vals is None or seen & set(vals):
+                break
+            seen |= set(vals)
+        else:
+            return True
+    return False
 
 
 def _needs(nodes: list[SchemaNode]) -> list[SchemaNode]:
@@ -862,7 +931,7 @@ def _needs(nodes: list[SchemaNode]) -> list[SchemaNode]:
         for i, nd in enumerate(nodes):
             if nd.dispatch is not None:
                 o, a = NEVER, NEVER
-                n = min([need[b] for b in nd.dispatch if b >= 0], default=NEVER)
+                n = min([need[b] for bs in nd.dispatch for b in bs], default=NEVER)
             elif nd.enum is not None:
                 o, a, n = NEVER, NEVER, 0
             else:
