@@ -290,15 +290,36 @@ def test_constrained_plain_decoding_step_by_step() -> None:
     assert closed >= 1
 
 
-@pytest.mark.parametrize("schema", [False, True], ids=["json_object", "schema"])
+TINY_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "array", "items": {"type": "boolean"}}},
+    "required": ["a"],
+}
+
+
+TINY_UNION = {  # two array branches (side by side after "["), one of bounded numbers
+    "type": "object",
+    "properties": {
+        "a": {
+            "anyOf": [
+                {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+                {"type": "array", "items": {"type": "number", "minimum": 1}},
+            ]
+        }  # fmt: skip
+    },
+    "required": ["a"],
+}
+
+
+@pytest.mark.parametrize("schema", [None, TINY_SCHEMA, TINY_UNION], ids=["json_object", "schema", "union"])
 @pytest.mark.parametrize(
     "sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=5)], ids=["greedy", "seeded"]
 )
-def test_speculative_equals_plain_in_json_mode(sampling: SamplingParams, schema: bool) -> None:
+def test_speculative_equals_plain_in_json_mode(sampling: SamplingParams, schema: dict | None) -> None:
     """Random trees with right and wrong (often non-JSON) branches: pruned and constrained row by row, the output
-    is plain's token for token, with deep paths accepted; under a schema ({"a": [booleans]}, required) every
-    closed answer is valid."""
-    g = tiny_grammar().with_schema(TINY_SCHEMA) if schema else tiny_grammar()
+    is plain's token for token, with deep paths accepted; under a schema ({"a": [booleans]}, required; or a union
+    of two array schemas) every closed answer is valid."""
+    g = tiny_grammar().with_schema(schema) if schema else tiny_grammar()
     config = GenerationConfig(max_new_tokens=24, sampling=sampling, grammar=g)
     refs, accepted = random_trees_equal_plain(Engine(tiny(0, vocab=16, scale=2.0)), config)
     closed = 0
@@ -306,7 +327,7 @@ def test_speculative_equals_plain_in_json_mode(sampling: SamplingParams, schema:
         if schema and EOS in ref:
             closed += 1
             text = b"".join(TINY[t] for t in ref[: ref.index(EOS)])
-            assert schema_valid(text, TINY_SCHEMA), text
+            assert schema_valid(text, schema) and jsonschema_valid(text, schema), text
     assert accepted > 30 and (closed >= 2 or not schema)
 
 
@@ -663,13 +684,6 @@ def test_unsupported_schemas_are_refused_by_name(schema: dict, match: str) -> No
     g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
     with pytest.raises(ValueError, match=match):
         g.with_schema(schema)
-
-
-TINY_SCHEMA = {
-    "type": "object",
-    "properties": {"a": {"type": "array", "items": {"type": "boolean"}}},
-    "required": ["a"],
-}
 
 
 def can_finish(s: tuple, g: JsonGrammar) -> bool:
