@@ -524,7 +524,10 @@ def conforms(v, sch, root=None) -> bool:
     if isinstance(v, list):
         if not sch.get("minItems", 0) <= len(v) <= sch.get("maxItems", len(v)):
             return False
-        return all(conforms(x, sch.get("items", {}), root) for x in v)
+        prefix, rest = sch.get("prefixItems", []), sch.get("items", {})
+        if isinstance(rest, list):  # the older tuple form
+            prefix, rest = rest, sch.get("additionalItems", {})
+        return all(conforms(x, prefix[i] if i < len(prefix) else rest, root) for i, x in enumerate(v))
     return True
 
 
@@ -936,9 +939,15 @@ def full_instance(rng: random.Random, sch, root: dict, depth: int = 0):
         n = 0 if extra is False else lo if depth > 4 else rng.randint(lo, sch.get("maxProperties", lo + 2))
         return {f"k{i}": full_instance(rng, extra, root, depth + 1) for i in range(n)}
     if t == "array":
+        prefix, rest = sch.get("prefixItems", []), sch.get("items", {})
+        if isinstance(rest, list):
+            prefix, rest = rest, sch.get("additionalItems", {})
         lo = sch.get("minItems", 0)
         hi = lo if depth > 4 else sch.get("maxItems", lo + 2)
-        return [full_instance(rng, sch.get("items", {}), root, depth + 1) for _ in range(rng.randint(lo, hi))]
+        if rest is False:
+            hi = min(hi, len(prefix))
+        return [full_instance(rng, prefix[i] if i < len(prefix) else rest, root, depth + 1)
+                for i in range(rng.randint(lo, hi))]  # fmt: skip
     return {
         "string": lambda: "".join(rng.choice('ab "\\\n\u00e9\U0001f600') for _ in range(rng.randint(0, 5))),
         "number": lambda: rng.choice([1.5, -2, 0, 1e-3]),
@@ -1768,6 +1777,97 @@ def test_pydantic_unions_of_models() -> None:
     for _ in range(4):
         doc, _ = random_walk(rng, g, 0.5, 100)
         root.model_validate_json(doc)
+
+
+def random_tuple_schema(rng: random.Random, depth: int = 0) -> dict:
+    """Arrays of prefixItems (1-3 schemas), then items (a schema, false, or any), with item counts."""
+    prefix = [random_full_schema(rng, 2) if depth < 2 and rng.random() < 0.3 else
+              {"type": rng.choice(["integer", "string", "boolean", "null"])} for _ in range(rng.randint(1, 3))]  # fmt: skip
+    sch: dict = {"type": "array", "prefixItems": prefix}
+    rest = rng.choice([False, {"type": "number"}, None, random_tuple_schema(rng, depth + 1) if depth < 2 else False])
+    if rest is not None:
+        sch["items"] = rest
+    lo = rng.randint(0, len(prefix) + 1)
+    if rest is False:
+        lo = min(lo, len(prefix))
+    if rng.random() < 0.6:
+        sch["minItems"] = lo
+    if rng.random() < 0.5:
+        sch["maxItems"] = lo + rng.randint(0, 2)
+    return sch
+
+
+def random_tuple_root(rng: random.Random) -> dict:
+    names = rng.sample(["a", "b", "x"], rng.randint(1, 3))
+    return {"type": "object", "properties": {n: random_tuple_schema(rng) for n in names}, "required": names[:1],
+            "$defs": {"tree": TREE_DEF}}  # fmt: skip
+
+
+def test_prefix_items_accept_exactly_the_valid_objects() -> None:
+    """prefixItems (tuples) with items after them (a schema, false, any) and item counts: instances and their byte
+    mutations against both references; random walks never dead-end and validate."""
+    rng = random.Random(31)
+    instances_and_mutations(rng, random_tuple_root, instance, jsonschema_valid)
+    base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    for _ in range(10):
+        sch = random_tuple_root(rng)
+        g = base.with_schema(sch)
+        for nest in (0.2, 0.7):
+            doc, _ = random_walk(rng, g, nest, 100)
+            assert schema_valid(doc, sch) and jsonschema_valid(doc, sch), (sch, doc)
+
+
+def test_tuple_forms_pydantic_and_the_older_items_list() -> None:
+    """pydantic's tuple[int, str], tuple[float, ...], NamedTuple and tuple[()] fields; the drafts 4-2019 form (items
+    as a list, additionalItems); a prefix item that needs nesting is offered only where it fits."""
+    from typing import NamedTuple
+
+    pydantic = pytest.importorskip("pydantic")
+    jsonschema = pytest.importorskip("jsonschema")
+
+    class Point(NamedTuple):
+        x: float
+        y: float
+
+    class Shape(pydantic.BaseModel):
+        pair: tuple[int, str]
+        many: tuple[float, ...]
+        at: Point
+        none: tuple[()] = ()
+
+    base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    g = base.with_schema(Shape.model_json_schema())
+    good = Shape(pair=(1, "a"), many=(1.5, 2.0), at=Point(0.5, -1.0))
+    end = run(g.start(), good.model_dump_json().encode(), g.nodes)
+    assert end is not None and end[0] == DONE
+    for bad in ({"pair": [1]}, {"pair": [1, "a", 2]}, {"pair": ["a", 1]}, {"none": [1]}, {"at": [1, 2, 3]}):
+        doc = json.dumps(json.loads(good.model_dump_json()) | bad).encode()
+        end = run(g.start(), doc, g.nodes)
+        assert end is None or end[0] != DONE, bad
+    rng = random.Random(32)
+    for nest in (0.2, 0.6):
+        for _ in range(3):
+            doc, _ = random_walk(rng, g, nest, 150)
+            Shape.model_validate_json(doc)
+    old = {"type": "object", "properties": {"t": {"type": "array", "items": [{"type": "integer"}, {"type": "null"}],
+                                                  "additionalItems": {"type": "string"}}}}  # fmt: skip
+    g = base.with_schema(old)
+    for t, ok in (("[1, null]", True), ('[1, null, "s", "t"]', True), ("[1, null, 2]", False), ("[null]", False)):
+        end = run(g.start(), b'{"t": ' + t.encode() + b"}", g.nodes)
+        assert (
+            (end is not None and end[0] == DONE) == ok == jsonschema.Draft7Validator(old).is_valid({"t": json.loads(t)})
+        )
+    with pytest.raises(ValueError, match="beside prefixItems"):
+        base.with_schema({"type": "object", "properties": {"t": {"prefixItems": [{}], "items": [{}]}}})
+    # a prefix item that needs 3 more levels: at depth 30 only the first (a scalar) and no second item is offered
+    deep = functools.reduce(
+        lambda inner, _: {"type": "array", "items": inner, "minItems": 1}, range(3), {"type": "null"}
+    )
+    nested = {"type": "array", "prefixItems": [{"type": "null"}, deep]}
+    sch = functools.reduce(lambda inner, _: {"type": "array", "items": inner}, range(29), nested)
+    g = base.with_schema({"type": "object", "properties": {"t": sch}})
+    s = run(g.start(), b'{"t": ' + b"[" * 30 + b"null", g.nodes)
+    assert s is not None and run(s, b",", g.nodes) is None and run(s, b"]", g.nodes) is not None
 
 
 def test_same_type_union_limits() -> None:

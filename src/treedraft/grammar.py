@@ -135,7 +135,7 @@ class SchemaNode:
     their JSON text (escaped UTF-8, no quotes), the only keys its objects take unless ``free`` (no ``properties``:
     any keys, each value of node ``extra``, the ``additionalProperties`` schema; -1: no keys at all). ``required``:
     bitmask over ``keys``. ``enum``: the allowed values' compact JSON texts (None: any of ``types``). Arrays hold
-    ``min_items``..``max_items`` (-1: no bound) values of node ``items``; objects ``min_props``..``max_props``
+    ``min_items``..``max_items`` (-1: no bound) values, of the nodes in ``prefix`` first, then of node ``items``; objects ``min_props``..``max_props``
     keys; strings match ``pattern`` (``pattern`` / ``format``) if given, numbers ``numeric`` (bounds, step).
     ``dispatch`` (anyOf / oneOf): the nodes that take a value of each class (:data:`_CLASS`; () none, several:
     followed side by side, a MULTI state), the automaton never enters the union itself.
@@ -156,6 +156,7 @@ class SchemaNode:
     min_props: int = 0
     max_props: int = -1
     dispatch: tuple[tuple[int, ...], ...] | None = None
+    prefix: tuple[int, ...] = ()
     pattern: Pattern | Length | None = None
     numeric: Pattern | None = None
     need: int = 0
@@ -171,11 +172,16 @@ def _close(stack: tuple) -> State:
     return (AFTER, 0, 0, rest) if rest else (DONE, 0, 0, ())
 
 
+def _item_node(node: SchemaNode, i: int) -> int:
+    """The schema node of an array's item ``i`` (from 0): ``prefixItems``' own, then ``items``."""
+    return node.prefix[i] if 0 <= i < len(node.prefix) else node.items
+
+
 def _value_node(stack: tuple, nodes: Sequence[SchemaNode]) -> int:
     """The schema node of the value that starts here (in the innermost container)."""
     top = stack[-1]
     if top[0] == "[":
-        return nodes[top[1]].items
+        return _item_node(nodes[top[1]], top[2] - 1)
     node = nodes[top[1]]
     return node.extra if node.free else node.values[top[3]]
 
@@ -331,11 +337,13 @@ def _more_keys(stack: tuple, nodes: Sequence[SchemaNode]) -> bool:
 
 
 def _more_items(stack: tuple, nodes: Sequence[SchemaNode]) -> bool:
-    """The innermost array may take another value: below ``max_items`` (whether one fits in the levels left,
-    :func:`_value` checks: an item that fitted once fits again)."""
+    """The innermost array may take another value: below ``max_items``, and its schema has an instance that fits in
+    the levels left (``items: false`` past ``prefixItems`` has none)."""
     _, n, count = stack[-1]
     node = nodes[n]
-    return node.max_items < 0 or count < node.max_items
+    if node.max_items >= 0 and count >= node.max_items:
+        return False
+    return len(stack) + nodes[_item_node(node, count)].need <= MAX_DEPTH
 
 
 def _item(stack: tuple, nodes: Sequence[SchemaNode]) -> tuple:
@@ -343,7 +351,7 @@ def _item(stack: tuple, nodes: Sequence[SchemaNode]) -> tuple:
     longer matter, and the states stay few)."""
     _, n, count = stack[-1]
     node = nodes[n]
-    cap = max(node.min_items, node.max_items)
+    cap = max(node.min_items, node.max_items, len(node.prefix) + 1 if node.prefix else 0)
     return stack if count >= cap else (*stack[:-1], ("[", n, count + 1))
 
 
@@ -572,6 +580,7 @@ _ANNOTATIONS = frozenset(
 )  # fmt: skip
 _KEYWORDS = frozenset(
     ("type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
+     "prefixItems", "additionalItems",
      "minProperties", "maxProperties", "pattern", "format", "minLength", "maxLength", "anyOf", "oneOf", "allOf",
      "$ref", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 )  # fmt: skip
@@ -744,7 +753,7 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
             return SchemaNode(types=frozenset())
         t = sch.get("type")
         if t is None:
-            t = "object" if "properties" in sch else "array" if "items" in sch else list(TYPES)
+            t = "object" if "properties" in sch else "array" if {"items", "prefixItems"} & set(sch) else list(TYPES)
         types = [t] if isinstance(t, str) else t
         if not isinstance(types, list) or not types or any(x not in TYPES for x in types):
             raise ValueError(f"json_schema at {where}: type must be one of {', '.join(TYPES)} or a list of them")
@@ -823,13 +832,22 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
                 raise ValueError(f"json_schema at {where}: {e}") from None
         names = list(props)
         values = tuple(add(props[k], f"{where}.properties.{k}") for k in names)
-        items = add(sch.get("items", {}), f"{where}.items")
+        prefix_given = sch.get("prefixItems", [])
+        rest, rest_kw = sch.get("items", {}), "items"
+        if isinstance(rest, list):  # drafts 4-2019's tuple form: items as a list, then additionalItems
+            if "prefixItems" in sch:
+                raise ValueError(f"json_schema at {where}: items as a list beside prefixItems; use prefixItems")
+            prefix_given, rest, rest_kw = rest, sch.get("additionalItems", {}), "additionalItems"
+        if not isinstance(prefix_given, list):
+            raise ValueError(f"json_schema at {where}: prefixItems must be a list of schemas")
+        prefix = tuple(add(x, f"{where}.prefixItems[{i}]") for i, x in enumerate(prefix_given))
+        items = add(rest, f"{where}.{rest_kw}")
         extra = sch.get("additionalProperties", True)
         extra = -1 if extra is False else add(extra, f"{where}.additionalProperties")
         keys = tuple(json.dumps(k, ensure_ascii=False)[1:-1].encode("utf-8") for k in names)
         req = sum(1 << names.index(r) for r in set(required))
         node = SchemaNode(frozenset(types), keys, values, req, items, None, "properties" not in sch, extra, *bounds)
-        return replace(node, pattern=pattern, numeric=numeric)
+        return replace(node, pattern=pattern, numeric=numeric, prefix=prefix)
 
     try:
         root = add(schema, "$")
@@ -945,8 +963,9 @@ def _needs(nodes: list[SchemaNode]) -> list[SchemaNode]:
                         opt = sorted(need[v] for j, v in enumerate(nd.values) if not nd.required >> j & 1)
                         req += opt[more - 1 : more] if len(opt) >= more else [NEVER]
                     o = min(NEVER, 1 + max(req, default=0))
-                if "array" in nd.types:
-                    a = min(NEVER, 1 + (need[nd.items] if nd.min_items > 0 else 0))
+                if "array" in nd.types:  # the items minItems asks for: prefixItems' first, then items
+                    firsts = [need[_item_node(nd, i)] for i in range(min(nd.min_items, len(nd.prefix) + 1))]
+                    a = min(NEVER, 1 + max(firsts, default=0))
                 n = min(o, a, 0 if any(t in nd.types for t in _SCALARS) else NEVER)
             if (n, o, a) != (need[i], obj[i], arr[i]):
                 need[i], obj[i], arr[i] = n, o, a
