@@ -647,7 +647,7 @@ def test_schema_masks_equal_a_token_by_token_scan() -> None:
         ({"type": "object", "properties": {"a": {"$ref": "#/x"}}}, "points to nothing"),
         ({"type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}}, "only references into"),
         ({"type": "object", "properties": {"a": {"$ref": "#/$defs/b", "minItems": 1}}, "$defs": {"b": {}}}, "beside"),
-        ({"type": "object", "properties": {"a": {"type": "string", "format": "uri"}}}, "'uri'"),
+        ({"type": "object", "properties": {"a": {"type": "string", "format": "uri-reference"}}}, "'uri-reference'"),
         ({"type": "object", "properties": {"a": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}, "numbers"),
         ({"type": "object", "properties": {"a": {"oneOf": [{"enum": ["x"]}, {"type": "string"}]}}}, "strings"),
         ({"type": "object", "properties": {"a": {"oneOf": [{"type": "object"}, {"type": "object"}]}}}, "objects"),
@@ -1273,6 +1273,10 @@ FORMAT_CASES = {
                  ["-a.com", "a-.com", "a..b", ".a", "a.", "a" * 63, "a b", "a.b.c.d.e", "h\u00e9"]),
     "duration": (["P1D", "PT1H", "P1Y2M3DT4H5M6S", "P2W", "PT5M", "PT0S", "P1M", "P10Y1M1D", "PT1H"],
                  ["P", "PT", "P1", "1D", "P1H", "P1W2D", "PT1D", "P1DT", "P1.5D", "P1D2Y", "P10Y1D", "PT1H30S"]),
+    "uri": (["https://example.com", "http://a.b:8080/p/a%20th?q=1&r=2#frag", "ftp://1.2.3.4/", "x+y://h/", "s://h#/?"],
+            ["example.com", "http://", "http://a b", "http://a:99999", "1http://a", "http://-a.com", "http://a/%zz",
+             "http://a/\u00e9", "mailto:x@y.z"]),
+    "ipvanyaddress": (["1.2.3.4", "::1", "fe80::1"], ["1.2.3", "1::2::3", "::1.2.3.4", "a"]),
 }  # fmt: skip
 
 
@@ -1282,7 +1286,12 @@ def test_formats_take_their_strings(fmt: str) -> None:
     with Python's own parser for the format where it has one."""
     import datetime
     import ipaddress
+    import urllib.parse
     import uuid
+
+    def uri(v: str) -> None:
+        parts = urllib.parse.urlsplit(v)
+        assert parts.scheme and parts.hostname and (parts.port or 0) >= 0, v
 
     g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
     g = g.with_schema({"type": "object", "properties": {"s": {"type": "string", "format": fmt}}, "required": ["s"]})
@@ -1294,6 +1303,8 @@ def test_formats_take_their_strings(fmt: str) -> None:
         "uuid": uuid.UUID,
         "ipv4": ipaddress.IPv4Address,
         "ipv6": ipaddress.IPv6Address,
+        "ipvanyaddress": ipaddress.ip_address,
+        "uri": uri,
     }.get(fmt)
     for v in good:
         end = run(g.start(), pattern_doc(v, False), g.nodes)
@@ -1337,7 +1348,9 @@ def test_patterned_strings_never_dead_end_and_validate() -> None:
 
     host = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*")  # RFC 1123, <= 253
     duration = re.compile(r"P(\d+Y)?(\d+M)?(\d+W)?(\d+D)?(T(\d+H)?(\d+M)?(\d+S)?)?")  # ISO 8601's order
+    any_url = pydantic.TypeAdapter(pydantic.AnyUrl)
     check = {
+        "uri": any_url.validate_python,  # pydantic's own URL parser takes what the format writes
         "ipv6": ipaddress.IPv6Address,
         "hostname": lambda v: host.fullmatch(v) and len(v) <= 253 or pytest.fail(v),
         "duration": lambda v: duration.fullmatch(v) and v not in ("P", "PT") and not v.endswith("T") or pytest.fail(v),
@@ -1361,7 +1374,7 @@ def test_patterned_strings_never_dead_end_and_validate() -> None:
         ({"type": "string", "pattern": "[^\\s\\S]"}, "matches no string"),
         ({"type": "string", "pattern": "a{3,2}"}, "below the minimum"),
         ({"type": "string", "pattern": "(ab"}, "missing"),
-        ({"type": "string", "format": "uri"}, "'uri' is not supported"),
+        ({"type": "string", "format": "iri"}, "'iri' is not supported"),
         ({"type": "string", "format": "date", "pattern": "x"}, "matches no string"),
         ({"type": "string", "maxLength": 2, "pattern": "^abc"}, "matches no string"),
         ({"type": "string", "format": "email", "maxLength": 1000}, "too complex together"),
@@ -1886,3 +1899,28 @@ def test_same_type_union_limits() -> None:
     assert s is not None and s[0] == MULTI and len(s[1]) == 32  # 2 ** 5 ways to have written it
     with pytest.raises(GenerationError, match="branches alive at once"):
         run(s, b'{"a": {"a": ', g2.nodes)
+
+
+def test_pydantic_url_address_and_plain_string_formats() -> None:
+    """AnyUrl (format uri), IPvAnyAddress, and the formats that constrain nothing in JSON (SecretStr's password,
+    bytes' binary, Path's path: any string): the model's dump is accepted, and random walks validate as the model."""
+    import pathlib
+
+    pydantic = pytest.importorskip("pydantic")
+
+    class Links(pydantic.BaseModel):
+        url: pydantic.AnyUrl
+        ip: pydantic.IPvAnyAddress
+        secret: pydantic.SecretStr
+        raw: bytes
+        where: pathlib.Path
+
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257).with_schema(Links.model_json_schema())
+    good = Links(url="https://example.com/a?b=1", ip="::1", secret="s", raw=b'x"\\y', where="/tmp/a b")
+    end = run(g.start(), good.model_dump_json().encode(), g.nodes)
+    assert end is not None and end[0] == DONE
+    rng = random.Random(33)
+    for nest in (0.1, 0.5):
+        for _ in range(4):
+            doc, _ = random_walk(rng, g, nest, 200)
+            Links.model_validate_json(doc)

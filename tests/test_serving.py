@@ -754,7 +754,7 @@ def test_tool_calls(server: LiveServer, llm: LLM) -> None:
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"a": {"type": "string", "format": "uri"}}}}}]}, "tools"),
+            "type": "object", "properties": {"a": {"type": "string", "format": "uri-reference"}}}}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "required", "stop": ["}"]}, "stop"),  # it could cut the call
         ({"tools": [{"type": "function", "function": {"name": "response"}}]}, "tools"),  # auto's answer key

@@ -156,9 +156,9 @@ def test_real_model_calls_a_tool(smollm_int4) -> None:
     assert api.tool_calls[0]["function"] == msg["tool_calls"][0]["function"]
     with pytest.raises(GenerationError, match="not in tools"):
         llm.generate("Hi", max_new_tokens=4, tools=[ADD], tool_choice={"type": "function", "function": {"name": "x"}})
-    with pytest.raises(GenerationError, match="'uri'"):
+    with pytest.raises(GenerationError, match="'uri-reference'"):
         bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-            "d": {"type": "string", "format": "uri"}}}}}  # fmt: skip
+            "d": {"type": "string", "format": "uri-reference"}}}}}  # fmt: skip
         llm.generate("Hi", max_new_tokens=4, tools=[bad], tool_choice="required")
     free = llm.generate("Hi", max_new_tokens=4, tools=[ADD], tool_choice="none")
     assert free.tool_calls is None and free.token_ids == llm.generate("Hi", max_new_tokens=4).token_ids

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from .interfaces import GenerationError
-from .pattern import FORMATS, Length, Pattern, multiple_of, number_range
+from .pattern import ANY_STRING_FORMATS, FORMATS, Length, Pattern, multiple_of, number_range
 from .tree import TokenTree
 
 MAX_DEPTH = 32  # nested objects / arrays
@@ -817,10 +817,10 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
                 parts.append(Pattern(sch["pattern"]))
             except ValueError as e:
                 raise ValueError(f"json_schema at {where}: {e}") from None
-        if "format" in sch:
+        if "format" in sch and sch["format"] not in ANY_STRING_FORMATS:
             if sch["format"] not in FORMATS:
                 raise ValueError(f"json_schema at {where}: format {sch['format']!r} is not supported; supported: "
-                                 f"{', '.join(FORMATS)}")  # fmt: skip
+                                 f"{', '.join([*FORMATS, *sorted(ANY_STRING_FORMATS)])}")  # fmt: skip
             parts.append(Pattern(FORMATS[sch["format"]], label=f"format {sch['format']}"))
         if len(parts) == 1:
             pattern = parts[0]  # a length bound alone keeps its fast masks (Length)

@@ -455,6 +455,12 @@ _IPV6 = "|".join(  # RFC 4291's text forms: 8 groups, or fewer around one "::" (
     [rf"({_H16}:){{7}}{_H16}", rf"({_H16}:){{1,7}}:", rf"{_H16}:(:{_H16}){{1,6}}", rf":(:{_H16}){{1,7}}", "::"]
     + [rf"({_H16}:){{1,{k}}}(:{_H16}){{1,{7 - k}}}" for k in range(2, 7)]
 )
+_PORT = r"([0-9]|[1-9][0-9]{1,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+_PCHAR = r"([A-Za-z0-9._~!$&'()*+,;=:@-]|%[0-9A-Fa-f]{2})"
+# an absolute URI with an authority (RFC 3986): scheme://host[:port][/path][?query][#fragment], the host a DNS name
+# or an IPv4 address, no user info
+_URI = (rf"[A-Za-z][A-Za-z0-9+.-]{{0,31}}://({_HOST_LABEL}(\.{_HOST_LABEL})*|({_OCTET}\.){{3}}{_OCTET})(:{_PORT})?"
+        rf"(/{_PCHAR}*)*(\?({_PCHAR}|[/?])*)?(#({_PCHAR}|[/?])*)?")  # fmt: skip
 _D = "[0-9]+"
 _DUR_TIME = f"T({_D}H({_D}M({_D}S)?)?|{_D}M({_D}S)?|{_D}S)"
 _DUR_DATE = f"({_D}D|{_D}M({_D}D)?|{_D}Y({_D}M({_D}D)?)?)({_DUR_TIME})?"
@@ -468,7 +474,11 @@ FORMATS = {
     "ipv6": f"^({_IPV6})$",
     "hostname": rf"^{_HOST_LABEL}(\.{_HOST_LABEL}){{0,3}}$",
     "duration": f"^P({_DUR_DATE}|{_DUR_TIME}|{_D}W)$",  # RFC 3339 appendix A
+    "uri": f"^{_URI}$",
+    "ipvanyaddress": rf"^(({_OCTET}\.){{3}}{_OCTET}|{_IPV6})$",  # pydantic's IPvAnyAddress
 }
+# formats that constrain nothing in a JSON string (pydantic's: SecretStr, bytes, Path): any string is valid
+ANY_STRING_FORMATS = frozenset(("password", "binary", "path"))
 
 
 # Numeric bounds (``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``) as patterns over a number's
