@@ -1377,7 +1377,7 @@ def test_patterned_strings_never_dead_end_and_validate() -> None:
         ({"type": "string", "format": "iri"}, "'iri' is not supported"),
         ({"type": "string", "format": "date", "pattern": "x"}, "matches no string"),
         ({"type": "string", "maxLength": 2, "pattern": "^abc"}, "matches no string"),
-        ({"type": "string", "format": "email", "maxLength": 1000}, "too complex together"),
+        ({"type": "string", "format": "email", "minLength": 5, "maxLength": 1000}, "too complex together"),
         ({"type": "string", "minLength": 3, "maxLength": 2}, "more than maxLength"),
         ({"type": "string", "minLength": -1}, "non-negative"),
     ],
@@ -1924,3 +1924,57 @@ def test_pydantic_url_address_and_plain_string_formats() -> None:
         for _ in range(4):
             doc, _ = random_walk(rng, g, nest, 200)
             Links.model_validate_json(doc)
+
+
+def test_long_max_length_beside_a_pattern_is_counted_not_multiplied() -> None:
+    """A pattern with minLength 0 / 1 and a long maxLength (pydantic's HttpUrl: format uri, 1..2083) is counted beside
+    the pattern's DFA (LengthBounded): it takes exactly the strings the product automaton takes (random patterns and
+    strings, small bounds), its masks equal a scan, and HttpUrl's schema compiles and holds its bound."""
+    from treedraft.pattern import Length, LengthBounded, Pattern
+
+    rng = random.Random(34)
+    for pat in PATTERNS:
+        for lo in (0, 1):
+            hi = rng.randint(0, 5)
+            try:
+                eager = Length(lo, hi).as_pattern() & Pattern(pat)
+            except ValueError:
+                with pytest.raises(ValueError, match="matches no string"):
+                    LengthBounded(Pattern(pat), lo, hi)
+                continue
+            lazy = LengthBounded(Pattern(pat), lo, hi)
+            for _ in range(150):
+                value = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 7)))
+                a, b = 0, 0
+                for ch in value:
+                    a = eager.next(a, ord(ch)) if a >= 0 else -1
+                    b = lazy.next(b, ord(ch)) if b >= 0 else -1
+                    assert (a >= 0) == (b >= 0), (pat, lo, hi, value)
+                assert (a >= 0 and eager.accepts(a)) == (b >= 0 and lazy.accepts(b)), (pat, lo, hi, value)
+    vocab = synthetic_vocab(rng, 1000)
+    eos = len(vocab)
+    sch = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "pattern": "^[a-z\u00e9]+[.]com$", "maxLength": 70}},
+    }
+    g = JsonGrammar(vocab + [b"</s>"], [eos]).with_schema(sch)
+    assert any(isinstance(n.pattern, LengthBounded) for n in g.nodes)
+    s = run(g.start(), b'{"s": "' + b"abc" * 21, g.nodes)  # 63 characters: 7 left, ".com" takes 4
+    for c in "ab\u00e9.com".encode():
+        m = g.allowed(s)
+        want = [vocab[t] is not None and run(s, vocab[t], g.nodes) is not None for t in range(len(vocab))]
+        assert m[: len(vocab)].tolist() == want
+        s = run(s, bytes([c]), g.nodes)
+    assert run(s, b"x", g.nodes) is None and run(s, b'"}', g.nodes)[0] == DONE  # 70: full
+    s = run(g.start(), b'{"s": "' + b"abc" * 22, g.nodes)  # 66: only ".com" fits (\\u002e too; no \u00e9)
+    assert run(s, "\u00e9".encode()[:1], g.nodes) is None and run(s, b"\\u00e", g.nodes) is None
+    pydantic = pytest.importorskip("pydantic")
+    model = pydantic.create_model("Page", url=(pydantic.HttpUrl, ...))
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257).with_schema(model.model_json_schema())
+    for url, ok in (
+        ("https://example.com/a", True),
+        ("http://h/" + "a" * 2074, True),
+        ("http://h/" + "a" * 2075, False),
+    ):
+        end = run(g.start(), json.dumps({"url": url}).encode(), g.nodes)
+        assert (end is not None and end[0] == DONE) == ok, len(url)

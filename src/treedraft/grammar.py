@@ -43,11 +43,12 @@ import torch
 from torch import Tensor
 
 from .interfaces import GenerationError
-from .pattern import ANY_STRING_FORMATS, FORMATS, Length, Pattern, multiple_of, number_range
+from .pattern import ANY_STRING_FORMATS, FORMATS, Length, LengthBounded, Pattern, multiple_of, number_range
 from .tree import TokenTree
 
 MAX_DEPTH = 32  # nested objects / arrays
 MAX_WS = 32  # whitespace bytes in a row between tokens of the JSON text
+LONG_LENGTH = 64  # a maxLength from here on (with minLength 0 or 1) beside a pattern: LengthBounded, not a product
 
 # modes. A state is (mode, a, b, stack); stack: a tuple of the open containers' frames, ("{", schema node, keys seen
 # (bitmask; in a free object: the keys written, counted up to its bounds), the key being written or -1) for objects
@@ -157,7 +158,7 @@ class SchemaNode:
     max_props: int = -1
     dispatch: tuple[tuple[int, ...], ...] | None = None
     prefix: tuple[int, ...] = ()
-    pattern: Pattern | Length | None = None
+    pattern: Pattern | Length | LengthBounded | None = None
     numeric: Pattern | None = None
     need: int = 0
     obj_need: int = 1
@@ -800,7 +801,7 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         if 0 <= bounds[3] < len(set(required)):
             raise ValueError(f"json_schema at {where}: maxProperties {bounds[3]} is below the {len(set(required))} "
                              "required keys")  # fmt: skip
-        pattern: Pattern | Length | None = None
+        pattern: Pattern | Length | LengthBounded | None = None
         parts: list[Pattern | Length] = []
         if {"minLength", "maxLength"} & set(sch):
             lo, hi = sch.get("minLength", 0), sch.get("maxLength", -1)
@@ -824,10 +825,16 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
             parts.append(Pattern(FORMATS[sch["format"]], label=f"format {sch['format']}"))
         if len(parts) == 1:
             pattern = parts[0]  # a length bound alone keeps its fast masks (Length)
-        elif parts:  # together: the product automaton of their DFAs (a length bound as ^[\s\S]{lo,hi}$)
+        elif parts:  # together: the product automaton of their DFAs (a length bound as ^[\s\S]{lo,hi}$), or
+            # a long maxLength with minLength 0 or 1 counted beside the patterns' DFA (LengthBounded)
             try:
-                pattern = functools.reduce(operator.and_, [p.as_pattern() if isinstance(p, Length) else p
-                                                           for p in parts])  # fmt: skip
+                length = parts[0] if isinstance(parts[0], Length) else None
+                pats = [p for p in parts if isinstance(p, Pattern)]
+                if length is not None and length.lo <= 1 and length.hi >= LONG_LENGTH:
+                    pattern = LengthBounded(functools.reduce(operator.and_, pats), length.lo, length.hi)
+                else:
+                    pattern = functools.reduce(operator.and_, [p.as_pattern() if isinstance(p, Length) else p
+                                                               for p in parts])  # fmt: skip
             except ValueError as e:
                 raise ValueError(f"json_schema at {where}: {e}") from None
         names = list(props)

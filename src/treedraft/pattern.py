@@ -438,6 +438,70 @@ class Length:
         return -1 if self.hi < 0 else self.hi - state
 
 
+class LengthBounded:
+    """A pattern with a length bound of ``lo`` <= 1 and any ``hi`` (pydantic's ``HttpUrl``: ``format: uri``,
+    ``minLength`` 1, ``maxLength`` 2083), without the product automaton (``hi`` + 1 copies of the DFA): state = DFA
+    state x (hi + 1) + characters so far, a character taken only where the DFA can still reach a match within the
+    room left (its shortest way to one, per DFA state). Exact for ``lo`` <= 1: past the first character every
+    match is long enough."""
+
+    def __init__(self, p: Pattern, lo: int, hi: int) -> None:
+        if lo > 1 or hi < 0:
+            raise ValueError("LengthBounded takes minLength 0 or 1 and a maxLength")
+        self.p, self.lo, self.hi, self.width = p, lo, hi, hi + 1
+        self.source = f"{p.source} and minLength {lo}, maxLength {hi}"
+        far = len(p._next) + 1  # past any shortest way
+        dist = [0 if a else far for a in p._accept]
+        changed = True
+        while changed:  # shortest number of characters to a match (Bellman-Ford over the DFA's rows)
+            changed = False
+            for d, row in enumerate(p._next):
+                best = min((dist[t] + 1 for t in row if t >= 0), default=far)
+                if best < dist[d]:
+                    dist[d], changed = best, True
+        self.dist = dist
+        first = any(t >= 0 and 1 + dist[t] <= hi for t in p._next[0])
+        if not (first or lo == 0 and p._accept[0]):
+            raise ValueError(f"pattern {self.source!r} matches no string")
+        self._rows: dict[int, list[int]] = {}
+
+    def next(self, state: int, cp: int) -> int:
+        d, c = divmod(state, self.width)
+        t = self.p.next(d, cp)
+        return -1 if t < 0 or c + 1 + self.dist[t] > self.hi else t * self.width + c + 1
+
+    def accepts(self, state: int) -> bool:
+        d, c = divmod(state, self.width)
+        return c >= self.lo and self.p.accepts(d)
+
+    def any_in(self, state: int, lo: int, hi: int) -> bool:
+        d, c = divmod(state, self.width)
+        cuts, row = self.p._cuts, self.p._next[d]
+        part = row[bisect.bisect_right(cuts, lo) - 1 : bisect.bisect_right(cuts, hi)]
+        return any(t >= 0 and c + 1 + self.dist[t] <= self.hi for t in part)
+
+    def classes(self) -> tuple[list[int], list[int], _LazyRows]:
+        """As :meth:`Pattern.classes`, the per-state rows made when first asked for."""
+        cuts, of, table = self.p.classes()
+        return cuts, of, _LazyRows(self, table)
+
+
+class _LazyRows:
+    """Per state of a :class:`LengthBounded`, the next state by character class (``rows[state][class]``)."""
+
+    def __init__(self, b: LengthBounded, table: list[list[int]]) -> None:
+        self.b, self.table, self.rows = b, table, {}
+
+    def __getitem__(self, state: int) -> list[int]:
+        row = self.rows.get(state)
+        if row is None:
+            b = self.b
+            d, c = divmod(state, b.width)
+            row = [-1 if t < 0 or c + 1 + b.dist[t] > b.hi else t * b.width + c + 1 for t in self.table[d]]
+            self.rows[state] = row
+        return row
+
+
 def _has(rs: Ranges, cp: int) -> bool:
     i = bisect.bisect_right(rs, (cp, MAX_CP + 1)) - 1
     return i >= 0 and rs[i][0] <= cp <= rs[i][1]
