@@ -427,8 +427,8 @@ def test_json_mode_real_model(smollm_int4) -> None:
     assert spec.token_ids == plain.token_ids and plain.finish_reason == "stop"
     assert schema_valid(plain.text.encode(), person), plain.text
     assert Person.model_validate_json(plain.text).city in (City.paris, City.rome)
-    with pytest.raises(GenerationError, match="'propertyNames'"):
-        llm.generate(q, max_new_tokens=4, response_format=fmt | {"json_schema": {"schema": {"propertyNames": {}}}})
+    with pytest.raises(GenerationError, match="'uniqueItems'"):
+        llm.generate(q, max_new_tokens=4, response_format=fmt | {"json_schema": {"schema": {"uniqueItems": True}}})
 
 
 @pytest.mark.parametrize("scheme", ["byte-level", "byte-fallback"])
@@ -514,6 +514,9 @@ def conforms(v, sch, root=None) -> bool:
         return all(conforms(x, props[k], root) for k, x in v.items())
     if isinstance(v, dict):
         extra = sch.get("additionalProperties", True)
+        names = resolve(sch.get("propertyNames", {}), root)
+        if {"enum", "const"} & set(names) and not set(v) <= set(names.get("enum", [names.get("const")])):
+            return False
         return all(conforms(x, extra, root) for x in v.values())
     if isinstance(v, str) and not sch.get("minLength", 0) <= len(v) <= sch.get("maxLength", len(v)):
         return False
@@ -639,7 +642,7 @@ def test_schema_masks_equal_a_token_by_token_scan() -> None:
 @pytest.mark.parametrize(
     "schema,match",
     [
-        ({"type": "object", "properties": {"a": {"type": "string", "propertyNames": {}}}}, "'propertyNames'"),
+        ({"type": "object", "properties": {"a": {"type": "string", "uniqueItems": True}}}, "'uniqueItems'"),
         ({"type": "array", "items": {}}, "root must be an object"),
         ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required"),
         ({"type": "object", "properties": {"a": {"enum": []}}}, "enum"),
@@ -980,7 +983,7 @@ def finish(s: tuple, g: JsonGrammar) -> bytes | None:
     """Bytes (no whitespace) that take ``s`` to the closed object, or None: a depth-first search, closers first and
     openers last (so it closes before it nests), each state once (no depth limit: a state that cannot close from
     one path cannot from any)."""
-    alphabet = b'}]",:0123456789-.' + bytes(range(0x61, 0x7B)) + bytes(range(0x41, 0x5B)) + b"@+\\\xc3\xaf\xa9{["
+    alphabet = b'}]",:0123456789-._' + bytes(range(0x61, 0x7B)) + bytes(range(0x41, 0x5B)) + b"@+\\\xc3\xaf\xa9{["
     seen = {s}
     path: list[tuple[tuple, int]] = [(s, 0)]  # (state, next alphabet index)
     while path:
@@ -1978,3 +1981,59 @@ def test_long_max_length_beside_a_pattern_is_counted_not_multiplied() -> None:
     ):
         end = run(g.start(), json.dumps({"url": url}).encode(), g.nodes)
         assert (end is not None and end[0] == DONE) == ok, len(url)
+
+
+def test_property_names_as_key_enums() -> None:
+    """propertyNames as an enum / const of names (pydantic's dict[Literal[...], X] and enum-keyed dicts): only those
+    keys, each at most once, values of the additionalProperties schema; both references agree on instances and
+    mutations; other propertyNames are refused by name."""
+    import enum
+    from typing import Literal
+
+    pydantic = pytest.importorskip("pydantic")
+
+    class Color(str, enum.Enum):
+        red = "red"
+        blue = "blue"
+
+    class Counts(pydantic.BaseModel):
+        by_letter: dict[Literal["x", "y", 'q"t'], int]
+        by_color: dict[Color, list[int]] = {}
+
+    sch = Counts.model_json_schema()
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257).with_schema(sch)
+    good = Counts(by_letter={"x": 1, 'q"t': 2}, by_color={Color.red: [1, 2]})
+    end = run(g.start(), good.model_dump_json().encode(), g.nodes)
+    assert end is not None and end[0] == DONE
+    for bad in ({"by_letter": {"z": 1}}, {"by_color": {"green": []}}, {"by_letter": {"x": "1"}}):
+        end = run(g.start(), json.dumps(json.loads(good.model_dump_json()) | bad).encode(), g.nodes)
+        assert end is None or end[0] != DONE, bad
+    rng = random.Random(35)
+    for _ in range(6):
+        doc, _ = random_walk(rng, g, 0.4, 120)
+        Counts.model_validate_json(doc)
+
+    def keyed(rng: random.Random) -> dict:
+        names = rng.sample(["a", "b", "na\u00efve", "x"], rng.randint(1, 3))
+        pn = {"const": names[0]} if len(names) == 1 and rng.random() < 0.5 else {"enum": names}
+        extra = rng.choice([{"type": "integer"}, {"type": ["string", "null"]}, {}, False])
+        inner = {"type": "object", "propertyNames": pn, "additionalProperties": extra}
+        return {"type": "object", "properties": {"m": inner, "n": {"type": "object", "propertyNames": {}}},
+                "required": ["m"]}  # fmt: skip
+
+    def keyed_instance(rng: random.Random, sch: dict) -> dict:
+        inner = sch["properties"]["m"]
+        names = (
+            [inner["propertyNames"]["const"]] if "const" in inner["propertyNames"] else inner["propertyNames"]["enum"]
+        )
+        extra = inner["additionalProperties"]
+        keys = [] if extra is False else rng.sample(names, rng.randint(0, len(names)))
+        return {"m": {k: full_instance(rng, extra, sch) for k in keys}}
+
+    instances_and_mutations(random.Random(36), keyed, keyed_instance, jsonschema_valid)
+    base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    for pn, match in (({"pattern": "^a"}, "enum / const of key names"), ({"enum": ["a"], "type": "integer"}, "enum")):
+        with pytest.raises(ValueError, match=match):
+            base.with_schema({"type": "object", "properties": {"m": {"type": "object", "propertyNames": pn}}})
+    with pytest.raises(ValueError, match="beside properties"):
+        base.with_schema({"type": "object", "propertyNames": {"enum": ["a"]}, "properties": {"a": {}}})

@@ -389,7 +389,7 @@ BAD_REQUESTS = [
     ("chat", {"messages": _HI, "response_format": {"type": "yaml"}}, 400, "response_format"),
     (
         "chat",
-        {"messages": _HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {"propertyNames": {}}}}},
+        {"messages": _HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {"uniqueItems": True}}}},
         400,
         "response_format",
     ),

@@ -581,7 +581,7 @@ _ANNOTATIONS = frozenset(
 )  # fmt: skip
 _KEYWORDS = frozenset(
     ("type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
-     "prefixItems", "additionalItems",
+     "prefixItems", "additionalItems", "propertyNames",
      "minProperties", "maxProperties", "pattern", "format", "minLength", "maxLength", "anyOf", "oneOf", "allOf",
      "$ref", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 )  # fmt: skip
@@ -734,6 +734,26 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         nodes[at] = build(sch, where, at)
         return at
 
+    def named_keys(sch: dict, where: str) -> dict:
+        """``propertyNames`` as an enum / const of names (pydantic's ``dict[Literal[...], X]``, enum-keyed dicts):
+        the same schema with those names as optional declared keys, each of the ``additionalProperties`` schema."""
+        pn, _ = deref(sch["propertyNames"], f"{where}.propertyNames")
+        rest = {k: v for k, v in sch.items() if k not in ("propertyNames", "additionalProperties")}
+        if pn is True or pn == {}:
+            return dict(rest, additionalProperties=sch.get("additionalProperties", True))
+        allowed = isinstance(pn, dict) and set(pn) - _ANNOTATIONS <= {"type", "enum", "const"}
+        if not allowed or pn.get("type", "string") != "string" or not {"enum", "const"} & set(pn):  # type: ignore[union-attr]
+            raise ValueError(f"json_schema at {where}: propertyNames is supported as an enum / const of key names "
+                             "(e.g. a dict keyed by a Literal or an enum)")  # fmt: skip
+        if "properties" in sch:
+            raise ValueError(f"json_schema at {where}: propertyNames beside properties is not supported")
+        names = [pn["const"]] if "const" in pn else pn["enum"]  # type: ignore[index, operator]
+        if not isinstance(names, list):
+            raise ValueError(f"json_schema at {where}: propertyNames.enum must be a list")
+        extra = sch.get("additionalProperties", True)
+        keys = [] if extra is False else [n for n in dict.fromkeys(names) if isinstance(n, str)]
+        return dict(rest, properties={n: extra for n in keys}, additionalProperties=False)
+
     def build(sch: dict, where: str, at: int) -> SchemaNode:
         unknown = sorted(set(sch) - _KEYWORDS - _ANNOTATIONS)
         if unknown:
@@ -741,6 +761,8 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
                 f"json_schema at {where}: keyword(s) {', '.join(map(repr, unknown))} not supported; supported: "
                 f"{', '.join(sorted(_KEYWORDS))} (and annotations)"
             )
+        if "propertyNames" in sch:
+            sch = named_keys(sch, where)
         if "anyOf" in sch or "oneOf" in sch:
             kw = "anyOf" if "anyOf" in sch else "oneOf"
             other = sorted(set(sch) - {kw} - _ANNOTATIONS)
