@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import random
 import re
 from collections import Counter
@@ -1463,6 +1464,21 @@ def random_bounds(rng: random.Random) -> dict:
     return out or {"minimum": rng.choice(BOUND_VALUES)}
 
 
+def negatives_allowed(sch: dict) -> bool:
+    """Whether some negative number (of the schema's type) is within its lower bound."""
+    low = []  # (bound, exclusive)
+    if type(sch.get("minimum")) in (int, float):
+        low.append((Fraction(str(sch["minimum"])), sch.get("exclusiveMinimum") is True))
+    if type(sch.get("exclusiveMinimum")) in (int, float):
+        low.append((Fraction(str(sch["exclusiveMinimum"])), True))
+    if not low:
+        return True
+    bound, strict = max(low, key=lambda b: (b[0], b[1]))
+    if sch.get("type") == "integer":
+        return (math.floor(bound) + 1 if strict else math.ceil(bound)) <= -1
+    return bound < 0
+
+
 def in_bounds(text: bytes, sch: dict) -> bool:
     """The reference: a number written without an exponent (an integer without a fraction) whose exact value is
     within the bounds (any number where none are given)."""
@@ -1471,6 +1487,8 @@ def in_bounds(text: bytes, sch: dict) -> bool:
     if not PLAIN_NUMBER.fullmatch(text) or sch.get("type") == "integer" and b"." in text:
         return False
     v = Fraction(text.decode())
+    if text.startswith(b"-") and v == 0 and not negatives_allowed(sch):
+        return False  # no negative zero where no negative number is allowed
     for inc, exc, sign in (("minimum", "exclusiveMinimum", 1), ("maximum", "exclusiveMaximum", -1)):
         b = sch.get(inc)
         if b is not None and (sign * (v - Fraction(str(b))) < 0 or sch.get(exc) is True and v == Fraction(str(b))):

@@ -547,7 +547,8 @@ ANY_STRING_FORMATS = frozenset(("password", "binary", "path"))
 
 # Numeric bounds (``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``) as patterns over a number's
 # JSON text: the numbers written without an exponent (``-?(0|[1-9][0-9]*)(\.[0-9]+)?``, no fraction for integers)
-# whose value is within the bounds, every one of them. A magnitude is compared with a bound digit by digit (no
+# whose value is within the bounds, every one of them but a negative zero where no negative number is (SmolLM2 wrote
+# "-0" for a ``ge=0`` field: the minus sign, once taken, left it nothing else). A magnitude is compared with a bound digit by digit (no
 # leading zeros: more integer digits is a larger number), as in any regular expression for a numeric range.
 MAX_BOUND_DIGITS = 40
 _FRAC = r"(\.[0-9]+)?"
@@ -614,8 +615,8 @@ def _lower(lo: Decimal, strict: bool, frac: bool) -> str:
     mag = "(0|[1-9][0-9]*)" + (_FRAC if frac else "")
     if lo > 0:
         return _alt(_ge(lo, strict, frac))
-    if lo == 0:
-        return _alt(_ge(lo, True, frac)) if strict else f"({mag}|-{_zero(frac)})"
+    if lo == 0:  # no "-0": a minus sign that could only lead to zero would trap a model that wrote it
+        return _alt(_ge(lo, True, frac)) if strict else mag
     return f"({mag}|-{_alt(_le(-lo, strict, frac))})"
 
 
