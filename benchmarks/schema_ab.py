@@ -5,14 +5,20 @@ outputs checked against plain, answers that validate as the model. Runs of a pro
 
     python benchmarks/schema_ab.py --mode schema --prompts 20 --tokens 256
     python benchmarks/schema_ab.py --mode tools
+    python benchmarks/schema_ab.py --mode rich --prompts 20 --tokens 256
+
+``--mode rich``: the same first turns answered as a ``Review`` (numeric bounds and a step, a tuple, an HttpUrl, a
+discriminated union, a Literal-keyed dict, a date, a pattern with a length bound).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import platform
 from pathlib import Path
+from typing import Literal
 
 import pydantic
 
@@ -24,6 +30,31 @@ class Answer(pydantic.BaseModel):
     title: str
     points: list[str] = pydantic.Field(max_length=5)
     summary: str
+
+
+class Good(pydantic.BaseModel):
+    kind: Literal["good"]
+    why: str
+
+
+class Bad(pydantic.BaseModel):
+    kind: Literal["bad"]
+    risk: int = pydantic.Field(ge=1, le=5)
+
+
+class Review(pydantic.BaseModel):
+    """What session 27's schema keywords let a model be: bounds, a step, a tuple, a URL, a discriminated union, a
+    dict keyed by a Literal, a date and a bounded pattern."""
+
+    title: str = pydantic.Field(max_length=80)
+    rating: int = pydantic.Field(ge=1, le=10)
+    confidence: float = pydantic.Field(ge=0, le=1, multiple_of=0.05)
+    span: tuple[int, int]
+    source: pydantic.HttpUrl
+    verdict: Good | Bad = pydantic.Field(discriminator="kind")
+    effort: dict[Literal["easy", "hard"], int] = {}
+    day: datetime.date
+    code: str = pydantic.Field(pattern="^[A-Z]{2}-[0-9]{3}$", max_length=80)
 
 
 def tool(name: str, desc: str, props: dict, required: list[str]) -> dict:
@@ -65,16 +96,23 @@ ASKS = [
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=("schema", "tools"), default="schema")
+    ap.add_argument("--mode", choices=("schema", "tools", "rich"), default="schema")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/mt_bench_questions.jsonl"))
     a = ap.parse_args()
     llm = treedraft.load()
-    if a.mode == "schema":
-        fmt = {"type": "json_schema", "json_schema": {"schema": Answer.model_json_schema()}}
+    model = Review if a.mode == "rich" else Answer
+    if a.mode in ("schema", "rich"):
+        fmt = {"type": "json_schema", "json_schema": {"schema": model.model_json_schema()}}
         asks = [json.loads(line)["turns"][0] for line in open(a.data)][: a.prompts]
-        asks = [q + "\n\nAnswer as JSON with a title, up to five points and a summary." for q in asks]
+        ask = (
+            "Answer as JSON with a title, up to five points and a summary."
+            if a.mode == "schema"
+            else "Review this request as JSON: a title, a rating, your confidence, a span, a source URL, a verdict, "
+            "the effort, a date and a code."
+        )
+        asks = [q + "\n\n" + ask for q in asks]
         kw = {"response_format": fmt, "max_new_tokens": a.tokens}
     else:
         asks = ASKS[: a.prompts]
@@ -93,13 +131,13 @@ def main() -> None:
         p = res["plain"]
         same += p.token_ids == res["default"].token_ids
         try:
-            if a.mode == "schema":
-                valid += p.finish_reason == "stop" and bool(Answer.model_validate_json(p.text))
+            if a.mode in ("schema", "rich"):
+                valid += p.finish_reason == "stop" and bool(model.model_validate_json(p.text))
             else:
                 valid += p.finish_reason == "tool_calls" and bool(json.loads(p.tool_calls[0]["function"]["arguments"]))
         except (ValueError, TypeError):
             pass
-        what = p.text[:70] if a.mode == "schema" else json.dumps(p.tool_calls)[:160] if p.tool_calls else p.text[:70]
+        what = p.text[:70] if a.mode != "tools" else json.dumps(p.tool_calls)[:160] if p.tool_calls else p.text[:70]
         print(f"{i}: {p.stats.new_tokens} tokens, {p.finish_reason}: {what!r}", flush=True)
     rate = {k: tok[k] / sec[k] for k in tok}
     print(f"\ncpu: {platform.processor() or platform.machine()}; mode {a.mode}; {len(asks)} prompts x {a.tokens}")
