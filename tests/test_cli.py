@@ -74,9 +74,9 @@ def test_bad_limits_are_reported_cleanly_before_loading(capsys, no_model_load, t
     r = run_in_process(capsys, "generate", "hi", "--json-schema", "/nonexistent/schema.json")
     assert r.returncode == 2 and "--json-schema /nonexistent/schema.json" in r.stderr
     bad = tmp_path / "s.json"
-    bad.write_text('{"type": "object", "properties": {"a": {"format": "uri"}}}')
+    bad.write_text('{"type": "object", "properties": {"a": {"format": "uri-reference"}}}')
     r = run_in_process(capsys, "generate", "hi", "--json-schema", str(bad))
-    assert r.returncode == 2 and "'uri'" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "'uri-reference'" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_unknown_drafter_is_reported_before_loading(capsys, monkeypatch) -> None:
