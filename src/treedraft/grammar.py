@@ -662,7 +662,12 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
     - ``properties``, ``required``, ``additionalProperties``: with ``properties``, only the declared keys are ever
       generated, whatever ``additionalProperties`` says (a subset of what it allows); without, any keys with
       values of the ``additionalProperties`` schema (``false``: none);
-    - ``items``, ``minItems``, ``maxItems``;
+    - ``items``, ``minItems``, ``maxItems``; ``prefixItems`` (tuples) and the older ``items`` list with
+      ``additionalItems``;
+    - ``propertyNames`` as an enum / const of key names (those keys, optional, of the ``additionalProperties``
+      schema);
+    - ``pattern``, ``format`` (:data:`treedraft.pattern.FORMATS`; :data:`treedraft.pattern.ANY_STRING_FORMATS` take
+      any string), ``minLength``, ``maxLength``, any of them together;
     - ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum`` (numbers or draft 4's booleans),
       ``multipleOf``: such a number is written without an exponent (a subset of what they allow), and every such
       number that meets them can be;
