@@ -428,8 +428,8 @@ def test_json_mode_real_model(smollm_int4) -> None:
     assert spec.token_ids == plain.token_ids and plain.finish_reason == "stop"
     assert schema_valid(plain.text.encode(), person), plain.text
     assert Person.model_validate_json(plain.text).city in (City.paris, City.rome)
-    with pytest.raises(GenerationError, match="'uniqueItems'"):
-        llm.generate(q, max_new_tokens=4, response_format=fmt | {"json_schema": {"schema": {"uniqueItems": True}}})
+    with pytest.raises(GenerationError, match="'patternProperties'"):
+        llm.generate(q, max_new_tokens=4, response_format=fmt | {"json_schema": {"schema": {"patternProperties": {}}}})
 
 
 @pytest.mark.parametrize("scheme", ["byte-level", "byte-fallback"])
@@ -531,8 +531,19 @@ def conforms(v, sch, root=None) -> bool:
         prefix, rest = sch.get("prefixItems", []), sch.get("items", {})
         if isinstance(rest, list):  # the older tuple form
             prefix, rest = rest, sch.get("additionalItems", {})
+        if sch.get("uniqueItems") and len({json_key(x) for x in v}) < len(v):
+            return False
         return all(conforms(x, prefix[i] if i < len(prefix) else rest, root) for i, x in enumerate(v))
     return True
+
+
+def json_key(v) -> tuple:
+    """A scalar's JSON value for equality: numbers by value (1 = 1.0), booleans apart from numbers."""
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return (type(v).__name__, v)
+    if isinstance(v, (int, float)):
+        return ("n", Fraction(v))
+    return ("j", json.dumps(v, sort_keys=True))
 
 
 def schema_valid(data: bytes, sch: dict) -> bool:
@@ -643,7 +654,7 @@ def test_schema_masks_equal_a_token_by_token_scan() -> None:
 @pytest.mark.parametrize(
     "schema,match",
     [
-        ({"type": "object", "properties": {"a": {"type": "string", "uniqueItems": True}}}, "'uniqueItems'"),
+        ({"type": "object", "properties": {"a": {"type": "string", "patternProperties": {}}}}, "'patternProperties'"),
         ({"type": "array", "items": {}}, "root must be an object"),
         ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required"),
         ({"type": "object", "properties": {"a": {"enum": []}}}, "enum"),
@@ -1005,9 +1016,34 @@ def finish(s: tuple, g: JsonGrammar) -> bytes | None:
 WALK_BYTES = bytes(range(0x20, 0x7F)) + b"\t\n\x01\xc3\xa9\xaf\xe4\xb8\xad\xf0\x9f\x98\x80\xff"
 
 
-def random_walk(rng: random.Random, g: JsonGrammar, nest: float, steps: int) -> tuple[bytes, list[tuple]]:
+def close_greedily(s: tuple, g: JsonGrammar) -> bytes | None:
+    """Bytes that take ``s`` to the closed object, for states :func:`finish`'s search cannot bound (a uniqueItems
+    array's carry the item so far, so none repeats): a depth-first search, quote and closers first, that goes at
+    most 12 bytes past the last closing bracket it wrote (each one ends a level) and visits 50,000 states at most."""
+    order = b'"]}.0123456789' + bytes(range(0x61, 0x7B)) + b",:["
+    budget = [50000]
+
+    def dfs(x: tuple, since: int) -> bytes | None:
+        if x[0] == DONE:
+            return b""
+        if since > 12 or budget[0] <= 0:
+            return None
+        budget[0] -= 1
+        for c in order:
+            y = run(x, bytes([c]), g.nodes)
+            if y is not None:
+                rest = dfs(y, 0 if c in b"]}" else since + 1)
+                if rest is not None:
+                    return bytes([c]) + rest
+        return None
+
+    return dfs(s, 0)
+
+
+def random_walk(rng: random.Random, g: JsonGrammar, nest: float, steps: int, close=None) -> tuple[bytes, list[tuple]]:
     """A document the automaton writes: random allowed bytes (openers taken with probability ``nest`` where
-    allowed) for ``steps`` bytes, then the shortest way it finds to close. Returns it and its states."""
+    allowed) for ``steps`` bytes, then the shortest way it finds to close (``close``: another way). Returns it and
+    its states."""
     s, out, states = g.start(), bytearray(), []
     for _ in range(steps):
         ok = [c for c in WALK_BYTES if run(s, bytes([c]), g.nodes) is not None]
@@ -1018,7 +1054,7 @@ def random_walk(rng: random.Random, g: JsonGrammar, nest: float, steps: int) -> 
         s = run(s, bytes([c]), g.nodes)
         out.append(c)
         states.append(s)
-    rest = finish(s, g)
+    rest = (close or finish)(s, g)
     assert rest is not None, (bytes(out), s)  # no dead end
     return bytes(out) + rest, states
 
@@ -2055,3 +2091,104 @@ def test_property_names_as_key_enums() -> None:
             base.with_schema({"type": "object", "properties": {"m": {"type": "object", "propertyNames": pn}}})
     with pytest.raises(ValueError, match="beside properties"):
         base.with_schema({"type": "object", "propertyNames": {"enum": ["a"]}, "properties": {"a": {}}})
+
+
+# ---- uniqueItems (arrays of scalars)
+
+UNIQUE_ITEMS = [
+    {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {"type": ["boolean", "null"]},
+    {"type": ["string", "null"]}, {"enum": ["a", "b", 1]}, {"enum": [1, 10, 2.5]}, {"const": "x"},
+]  # fmt: skip
+
+
+def random_unique_root(rng: random.Random) -> dict:
+    names = rng.sample(["a", "b", "x"], rng.randint(1, 2))
+    props = {}
+    for n in names:
+        arr = {"type": "array", "items": rng.choice(UNIQUE_ITEMS), "uniqueItems": True}
+        if rng.random() < 0.4:
+            arr["maxItems"] = rng.randint(1, 4)
+        props[n] = arr
+    return {"type": "object", "properties": props, "required": names[:1]}
+
+
+def unique_instance(rng: random.Random, sch: dict) -> dict:
+    out = {}
+    for n, arr in sch["properties"].items():
+        if n not in sch["required"] and rng.random() < 0.3:
+            continue
+        items, want = [], rng.randint(0, arr.get("maxItems", 4))
+        for _ in range(20):
+            if len(items) >= want:
+                break
+            v = full_instance(rng, arr["items"], sch)
+            if json_key(v) not in {json_key(x) for x in items}:
+                items.append(v)
+        out[n] = items
+    return out
+
+
+def test_unique_items_accept_exactly_the_valid_objects() -> None:
+    """uniqueItems over strings (escapes: "p" = "\\u0070"), integers, numbers (1 = 1.0), booleans, null and enums:
+    instances and byte mutations against both references (repeated values refused, booleans apart from numbers)."""
+    instances_and_mutations(random.Random(37), random_unique_root, unique_instance, jsonschema_valid)
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    g = g.with_schema({"type": "object", "properties": {"u": {"type": "array", "items": {"type": ["number", "string",
+                                                                "boolean"]}, "uniqueItems": True}}})  # fmt: skip
+    for text, ok in (('[1, 1.0]', False), ('[1, true]', True), ('["p", "\\u0070"]', False), ('[0, -0]', False),
+                     ('[10, 1e1]', False), ('[1.5, 15e-1]', False), ('["1", 1]', True), ("[false, 0]", True)):  # fmt: skip
+        end = run(g.start(), b'{"u": ' + text.encode() + b"}", g.nodes)
+        assert (end is not None and end[0] == DONE) == ok, text
+
+
+def test_unique_items_walks_masks_and_refusals() -> None:
+    """Walks never dead-end (an enum's values, once all written, leave no comma; an integer 0 already written is
+    not begun again), validate against both references; masks in unique arrays equal a token-by-token scan;
+    pydantic's set / frozenset / set[Literal] fields; item schemas it cannot follow are refused by name."""
+    from typing import Literal
+
+    pydantic = pytest.importorskip("pydantic")
+    rng = random.Random(38)
+    base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    vocab = synthetic_vocab(rng, 1000)
+    eos = len(vocab)
+    tok = JsonGrammar(vocab + [b"</s>"], [eos])
+    for _ in range(12):
+        sch = random_unique_root(rng)
+        g, gt = base.with_schema(sch), tok.with_schema(sch)
+        for nest in (0.3, 0.8):
+            doc, states = random_walk(rng, g, nest, 80, close_greedily)
+            assert schema_valid(doc, sch) and jsonschema_valid(doc, sch), (sch, doc)
+            for st in rng.sample(states, min(8, len(states))):
+                m = gt.allowed(st)
+                want = [vocab[t] is not None and run(st, vocab[t], gt.nodes) is not None for t in range(len(vocab))]
+                assert m[: len(vocab)].tolist() == want, (sch, st)
+    enum2 = base.with_schema({"type": "object", "properties": {"u": {"type": "array", "items": {"enum": ["x", "y"]},
+                                                                      "uniqueItems": True}}})  # fmt: skip
+    s = run(enum2.start(), b'{"u": ["x", "y"', enum2.nodes)
+    assert run(s, b",", enum2.nodes) is None and run(s, b"]", enum2.nodes) is not None
+    s = run(enum2.start(), b'{"u": ["x", ', enum2.nodes)
+    assert run(s, b'"x', enum2.nodes) is None and run(s, b'"y', enum2.nodes) is not None
+    ints = base.with_schema({"type": "object", "properties": {"u": {"type": "array", "items": {"type": "integer"},
+                                                                     "uniqueItems": True}}})  # fmt: skip
+    s = run(ints.start(), b'{"u": [0, ', ints.nodes)
+    assert run(s, b"0", ints.nodes) is None and run(s, b"-0", ints.nodes) is None and run(s, b"1", ints.nodes)
+
+    class Tags(pydantic.BaseModel):
+        names: set[str]
+        ids: frozenset[int] = frozenset()
+        flags: set[Literal["a", "b", "c"]] = set()
+
+    g = base.with_schema(Tags.model_json_schema())
+    for _ in range(6):
+        doc, _ = random_walk(rng, g, 0.5, 150, close_greedily)
+        t = Tags.model_validate_json(doc)
+        raw = json.loads(doc)
+        assert len(t.names) == len(raw["names"]) and len(t.flags) == len(raw.get("flags", []))
+    for items, match in (({"type": "object"}, "uniqueItems is supported"), ({"type": "string", "pattern": "a"},
+                         "uniqueItems is supported"), ({"anyOf": [{"type": "string"}, {"type": "null"}]}, "unions")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            base.with_schema({"type": "object", "properties": {"u": {"type": "array", "items": items,
+                                                                     "uniqueItems": True}}})  # fmt: skip
+    with pytest.raises(ValueError, match="with prefixItems"):
+        base.with_schema({"type": "object", "properties": {"u": {"prefixItems": [{}], "uniqueItems": True}}})

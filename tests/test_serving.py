@@ -389,7 +389,10 @@ BAD_REQUESTS = [
     ("chat", {"messages": _HI, "response_format": {"type": "yaml"}}, 400, "response_format"),
     (
         "chat",
-        {"messages": _HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {"uniqueItems": True}}}},
+        {
+            "messages": _HI,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"patternProperties": {}}}},
+        },
         400,
         "response_format",
     ),

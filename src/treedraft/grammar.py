@@ -158,6 +158,7 @@ class SchemaNode:
     max_props: int = -1
     dispatch: tuple[tuple[int, ...], ...] | None = None
     prefix: tuple[int, ...] = ()
+    unique: bool = False
     pattern: Pattern | Length | LengthBounded | None = None
     numeric: Pattern | None = None
     need: int = 0
@@ -220,7 +221,8 @@ def _value(c: int, stack: tuple, n: int, nodes: Sequence[SchemaNode]) -> State |
     if c == 0x5B:  # [
         if "array" not in t or len(stack) + node.arr_need > MAX_DEPTH:
             return None
-        return (ARR_FIRST, 0, 0, (*stack, ("[", n, 0)))
+        frame = ("[", n, 0, frozenset(), b"") if node.unique else ("[", n, 0)  # uniqueItems: the items so far
+        return (ARR_FIRST, 0, 0, (*stack, frame))
     if (c == 0x74 or c == 0x66) and "boolean" in t:  # t f
         return (LIT, b"rue" if c == 0x74 else b"alse", 0, stack)
     if c == 0x6E and "null" in t:  # n
@@ -340,7 +342,7 @@ def _more_keys(stack: tuple, nodes: Sequence[SchemaNode]) -> bool:
 def _more_items(stack: tuple, nodes: Sequence[SchemaNode]) -> bool:
     """The innermost array may take another value: below ``max_items``, and its schema has an instance that fits in
     the levels left (``items: false`` past ``prefixItems`` has none)."""
-    _, n, count = stack[-1]
+    n, count = stack[-1][1], stack[-1][2]
     node = nodes[n]
     if node.max_items >= 0 and count >= node.max_items:
         return False
@@ -350,10 +352,11 @@ def _more_items(stack: tuple, nodes: Sequence[SchemaNode]) -> bool:
 def _item(stack: tuple, nodes: Sequence[SchemaNode]) -> tuple:
     """The stack with one more value in its innermost array (counted up to the larger bound: past it counts no
     longer matter, and the states stay few)."""
-    _, n, count = stack[-1]
+    f = stack[-1]
+    n, count = f[1], f[2]
     node = nodes[n]
     cap = max(node.min_items, node.max_items, len(node.prefix) + 1 if node.prefix else 0)
-    return stack if count >= cap else (*stack[:-1], ("[", n, count + 1))
+    return stack if count >= cap else (*stack[:-1], ("[", n, count + 1, *f[3:]))
 
 
 _ESCAPE_CHAR = {0x22: 0x22, 0x5C: 0x5C, 0x2F: 0x2F, 0x62: 0x08, 0x66: 0x0C, 0x6E: 0x0A, 0x72: 0x0D, 0x74: 0x09}
@@ -473,6 +476,84 @@ def _patterned(s: State, c: int, nodes: Sequence[SchemaNode]) -> State | None:
 def step(s: State, c: int, nodes: Sequence[SchemaNode] = ANY) -> State | None:
     """The automaton's state after byte ``c`` (0..255), or None where no JSON object (of ``nodes``' schema)
     continues so."""
+    stack = s[3]
+    if stack and len(stack[-1]) == 5:  # in a uniqueItems array (of scalars: its frame is innermost throughout)
+        return _unique_step(s, c, nodes)
+    return _step(s, c, nodes)
+
+
+# modes inside a scalar item; of them, those whose value ends on the byte after it (which is not part of it)
+_ITEM_MODES = frozenset((STR, ESC, UHEX, NUM, LIT, ENUM))
+_ENDS_AFTER = frozenset((NUM, ENUM))
+
+
+def _canon(text: bytes) -> tuple:
+    """A scalar's JSON text as its value for uniqueItems: numbers equal by value (1 = 1.0), never equal to a
+    boolean."""
+    v = json.loads(text)
+    if isinstance(v, str):
+        return ("s", v)
+    if v is None or isinstance(v, bool):
+        return ("l", v)
+    return ("n", Fraction(Decimal(text.decode())))
+
+
+def _unique_left(node: SchemaNode, seen: frozenset) -> bool:
+    """Whether an item of schema ``node`` not in ``seen`` exists (free strings and numbers: always)."""
+    if node.enum is not None:
+        return any(_canon(e) not in seen for e in node.enum)
+    if {"string", "number", "integer"} & node.types:
+        return True
+    lits = [("l", True), ("l", False)] * ("boolean" in node.types) + [("l", None)] * ("null" in node.types)
+    return any(x not in seen for x in lits)
+
+
+def _unique_step(s: State, c: int, nodes: Sequence[SchemaNode]) -> State | None:
+    """``_step`` in a uniqueItems array, its frame ("[", node, count, the items' values so far, the current item's
+    text): an item that ends equal to an earlier one is refused, and so is any byte after which every way the item
+    (or, after a comma, the next one) can go is an earlier value, so that no state dead-ends."""
+    f = s[3][-1]
+    ns = _step(s, c, nodes)
+    if ns is None:
+        return None
+    mode, depth = s[0], len(s[3])
+    seen, cur = f[3], f[4]
+    items = nodes[nodes[f[1]].items]
+    inside = ns[0] in _ITEM_MODES and len(ns[3]) == depth
+    if mode in _ITEM_MODES:
+        if inside:
+            cur += bytes([c])
+        else:  # the item ended: with this byte (a quote, a literal's last letter) or before it (a number, an enum)
+            key = _canon(cur if mode in _ENDS_AFTER else cur + bytes([c]))
+            if key in seen:
+                return None
+            seen, cur = seen | {key}, b""
+    elif inside:  # this byte starts an item
+        cur = bytes([c])
+    if len(ns[3]) < depth:  # the array closed
+        return ns
+    if ns[0] == VALUE and s[0] != VALUE and not _unique_left(items, seen):
+        return None  # a comma with no value left that is not an earlier one
+    if inside and not _open(ns, items, seen, cur):
+        return None
+    g = ns[3][-1]
+    return (ns[0], ns[1], ns[2], (*ns[3][:-1], (g[0], g[1], g[2], seen, cur)))
+
+
+def _open(ns: State, node: SchemaNode, seen: frozenset, cur: bytes) -> bool:
+    """Whether the item begun as ``cur`` (state ``ns``) can still end as a value not in ``seen``: a literal is
+    fixed by its first letter, an enum value by the values its text begins, an integer that began with 0 is 0; a
+    string or any other number can still be made longer."""
+    if ns[0] == LIT:
+        return _canon({0x74: b"true", 0x66: b"false", 0x6E: b"null"}[cur[0]]) not in seen
+    if ns[0] == ENUM:
+        return any(e.startswith(ns[1]) and _canon(e) not in seen for e in node.enum)  # type: ignore[union-attr]
+    if ns[0] == NUM and ns[1] == N_ZERO and ns[2]:
+        return ("n", Fraction(0)) not in seen
+    return True
+
+
+def _step(s: State, c: int, nodes: Sequence[SchemaNode] = ANY) -> State | None:
     mode = s[0]
     if mode == STR:
         b = s[2]
@@ -581,7 +662,7 @@ _ANNOTATIONS = frozenset(
 )  # fmt: skip
 _KEYWORDS = frozenset(
     ("type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
-     "prefixItems", "additionalItems", "propertyNames",
+     "prefixItems", "additionalItems", "propertyNames", "uniqueItems",
      "minProperties", "maxProperties", "pattern", "format", "minLength", "maxLength", "anyOf", "oneOf", "allOf",
      "$ref", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 )  # fmt: skip
@@ -663,7 +744,8 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
       generated, whatever ``additionalProperties`` says (a subset of what it allows); without, any keys with
       values of the ``additionalProperties`` schema (``false``: none);
     - ``items``, ``minItems``, ``maxItems``; ``prefixItems`` (tuples) and the older ``items`` list with
-      ``additionalItems``;
+      ``additionalItems``; ``uniqueItems`` over scalar items (no repeated value, no state that could only repeat
+      one);
     - ``propertyNames`` as an enum / const of key names (those keys, optional, of the ``additionalProperties``
       schema);
     - ``pattern``, ``format`` (:data:`treedraft.pattern.FORMATS`; :data:`treedraft.pattern.ANY_STRING_FORMATS` take
@@ -683,6 +765,7 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         raise ValueError(f"json_schema: the schema must be a JSON object, got {schema!r}")
     nodes: list[SchemaNode | None] = [SchemaNode()]
     unions: dict[int, tuple[str, tuple[int, ...], str]] = {}  # node -> (where, branches, anyOf or oneOf)
+    uniques: list[tuple[int, str]] = []  # uniqueItems arrays (their items are checked once every node is built)
     built: dict[int, int] = {}  # id(schema dict) -> its node (shared subschemas and recursion via $ref)
 
     def deref(sch: object, where: str) -> tuple[object, str]:
@@ -881,7 +964,14 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         keys = tuple(json.dumps(k, ensure_ascii=False)[1:-1].encode("utf-8") for k in names)
         req = sum(1 << names.index(r) for r in set(required))
         node = SchemaNode(frozenset(types), keys, values, req, items, None, "properties" not in sch, extra, *bounds)
-        return replace(node, pattern=pattern, numeric=numeric, prefix=prefix)
+        unique = sch.get("uniqueItems", False)
+        if not isinstance(unique, bool):
+            raise ValueError(f"json_schema at {where}: uniqueItems must be true or false")
+        if unique and prefix:
+            raise ValueError(f"json_schema at {where}: uniqueItems with prefixItems is not supported")
+        if unique and "array" in types:  # (on other types it constrains nothing)
+            uniques.append((at, where))
+        return replace(node, pattern=pattern, numeric=numeric, prefix=prefix, unique=unique)
 
     try:
         root = add(schema, "$")
@@ -889,6 +979,13 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         raise ValueError("json_schema: nested too deeply to compile") from None
     for at, (where, _, kw) in unions.items():
         nodes[at] = replace(nodes[at], dispatch=_dispatch(nodes, unions, at, where, kw == "oneOf"))  # type: ignore[arg-type]
+    for at, where in uniques:
+        it = nodes[nodes[at].items]  # type: ignore[union-attr]
+        scalar = it.enum is not None or not it.types & {"object", "array"} and it.types
+        if it.dispatch is not None or not scalar or it.pattern is not None or it.numeric is not None:
+            raise ValueError(f"json_schema at {where}: uniqueItems is supported for arrays of free strings, numbers, "
+                             "booleans, null or enum values (no objects, arrays, unions, patterns or bounds in the "
+                             "items)")  # fmt: skip
     done = _needs(nodes)  # type: ignore[arg-type]
     top = done[root]
     if top.dispatch is not None:  # a union at the root: its object branch(es)
