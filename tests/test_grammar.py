@@ -2192,3 +2192,43 @@ def test_unique_items_walks_masks_and_refusals() -> None:
                                                                      "uniqueItems": True}}})  # fmt: skip
     with pytest.raises(ValueError, match="with prefixItems"):
         base.with_schema({"type": "object", "properties": {"u": {"prefixItems": [{}], "uniqueItems": True}}})
+
+
+def test_schema_traps_a_review_found() -> None:
+    """Found by a review of this session's schema code, each failing before its fix: a unique array of numbers took
+    "0e" after a 0 (every way on was 0 again: a dead end) and compared 1e30000000 by building the integer (40 s); minItems
+    beyond a unique array's distinct values compiled into a dead end; 65 same-type branches compiled and failed
+    mid-generation; shared nested unions were walked once per path (2^k); oneOf took 1 and 1.0 as two discriminator
+    values; exclusiveMinimum -0.0 failed with an unrelated message."""
+    import time
+
+    base = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+
+    def obj(v: dict) -> dict:
+        return {"type": "object", "properties": {"x": v}, "required": ["x"]}
+
+    nums = base.with_schema(obj({"type": "array", "items": {"type": "number"}, "uniqueItems": True}))
+    for doc in (b'{"x":[0,0e', b'{"x":[0,-0.0E', b'{"x":[0.0e5,0e'):
+        assert run(nums.start(), doc, nums.nodes) is None, doc
+    assert run(nums.start(), b'{"x":[0,0.5,1.25,1e1,10]', nums.nodes) is None  # 10 = 1e1
+    assert run(nums.start(), b'{"x":[0,0.5,1.25,1e1,0.1e1]}', nums.nodes)[0] == DONE  # 0.1e1 = 1: new
+    t = time.perf_counter()
+    assert run(nums.start(), b'{"x":[1e30000000,1E+30000000]', nums.nodes) is None
+    assert run(nums.start(), b'{"x":[1e30000000,2e30000000]}', nums.nodes)[0] == DONE and time.perf_counter() - t < 1
+    for items, n in (({"type": "boolean"}, 3), ({"enum": ["a", "b"]}, 3), ({"enum": [1, 1.0]}, 2), ({"const": 1}, 2)):
+        with pytest.raises(ValueError, match="distinct values"):
+            base.with_schema(obj({"type": "array", "items": items, "minItems": n, "uniqueItems": True}))
+    with pytest.raises(ValueError, match="65 branches take strings"):
+        base.with_schema(obj({"anyOf": [{"type": "string", "pattern": f"^a{i}"} for i in range(65)]}))
+    defs = {"U0": {"type": "string"}}
+    for i in range(1, 31):
+        defs[f"U{i}"] = {"anyOf": [{"$ref": f"#/$defs/U{i - 1}"}, {"$ref": f"#/$defs/U{i - 1}"}]}
+    t = time.perf_counter()
+    g = base.with_schema(obj({"$ref": "#/$defs/U30"}) | {"$defs": defs})
+    assert time.perf_counter() - t < 2.0 and run(g.start(), b'{"x": "s"}', g.nodes)[0] == DONE
+    with pytest.raises(ValueError, match="both take objects"):
+        base.with_schema({"oneOf": [{"type": "object", "properties": {"k": {"const": 1}}, "required": ["k"]},
+                                    {"type": "object", "properties": {"k": {"const": 1.0}}, "required": ["k"]}]})  # fmt: skip
+    g = base.with_schema(obj({"type": "number", "exclusiveMinimum": -0.0}))
+    end = run(g.start(), b'{"x": 0}', g.nodes)
+    assert run(g.start(), b'{"x": 0.5}', g.nodes)[0] == DONE and (end is None or end[0] != DONE)

@@ -495,7 +495,7 @@ def _canon(text: bytes) -> tuple:
         return ("s", v)
     if v is None or isinstance(v, bool):
         return ("l", v)
-    return ("n", Fraction(Decimal(text.decode())))
+    return ("n", Decimal(text.decode()))  # exact, equal and hashed by value (1e30000000 stays small)
 
 
 def _unique_left(node: SchemaNode, seen: frozenset) -> bool:
@@ -550,6 +550,9 @@ def _open(ns: State, node: SchemaNode, seen: frozenset, cur: bytes) -> bool:
         return any(e.startswith(ns[1]) and _canon(e) not in seen for e in node.enum)  # type: ignore[union-attr]
     if ns[0] == NUM and ns[1] == N_ZERO and ns[2]:
         return ("n", Fraction(0)) not in seen
+    if ns[0] == NUM and ns[1] in (N_E, N_ESIGN, N_EXP):  # an exponent on a zero mantissa: 0 whatever follows
+        mantissa = cur.replace(b"E", b"e").split(b"e")[0]
+        return Decimal(mantissa.decode()) != 0 or _canon(b"0") not in seen
     return True
 
 
@@ -698,7 +701,7 @@ def _numeric(sch: dict, where: str) -> tuple | None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"json_schema at {where}: {kw} must be a number, got {v!r}")
-            vals[kw] = Decimal(v) if isinstance(v, int) else Decimal(repr(v))
+            vals[kw] = Decimal(v) if isinstance(v, int) else Decimal(repr(v)) + 0  # + 0: -0.0 is 0
         flag = sch.get(exc)
         if isinstance(flag, bool) and flag and inc not in vals:
             raise ValueError(f"json_schema at {where}: {exc}: true needs {inc} (draft 4's form), or give {exc} a "
@@ -730,7 +733,7 @@ def _within(v: object, spec: tuple | None) -> bool:
         return True
     x = Decimal(v) if isinstance(v, int) else Decimal(repr(v))
     lo, lo_x, hi, hi_x, m = spec
-    if m is not None and (Fraction(x) / Fraction(m)).denominator != 1:
+    if m is not None and (Fraction(x) / Fraction(m)).denominator != 1:  # (schema values: no runaway exponents)
         return False
     return (lo is None or (x > lo if lo_x else x >= lo)) and (hi is None or (x < hi if hi_x else x <= hi))
 
@@ -986,6 +989,12 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
             raise ValueError(f"json_schema at {where}: uniqueItems is supported for arrays of free strings, numbers, "
                              "booleans, null or enum values (no objects, arrays, unions, patterns or bounds in the "
                              "items)")  # fmt: skip
+        if it.enum is not None or not {"string", "number", "integer"} & it.types:  # finitely many distinct items
+            lits = [b"true", b"false"] * ("boolean" in it.types) + [b"null"] * ("null" in it.types)
+            distinct = len({_canon(e) for e in (it.enum if it.enum is not None else lits)})
+            if nodes[at].min_items > distinct:  # type: ignore[union-attr]
+                raise ValueError(f"json_schema at {where}: minItems {nodes[at].min_items} with uniqueItems, but "  # type: ignore[union-attr]
+                                 f"the items have only {distinct} distinct values")  # fmt: skip
     done = _needs(nodes)  # type: ignore[arg-type]
     top = done[root]
     if top.dispatch is not None:  # a union at the root: its object branch(es)
@@ -1021,10 +1030,18 @@ def _dispatch(nodes: list, unions: dict, at: int, where: str, one: bool) -> tupl
     table: list[list[int]] = [[] for _ in _CLASS_NAMES]
     owner: list[list[str]] = [[] for _ in _CLASS_NAMES]
 
+    visited: set[int] = set()  # unions already flattened (shared ones would otherwise be walked once per path)
+
     def visit(n: int, path: str, trail: tuple[int, ...]) -> None:
         if n in unions:
             if n in trail:
                 raise ValueError(f"json_schema at {where}: refers to itself without a value in between")
+            if n in visited:
+                if one:
+                    raise ValueError(f"json_schema at {where}: {path} repeats a union already among the branches "
+                                     "(the same schemas twice under oneOf: no value matches exactly one)")  # fmt: skip
+                return
+            visited.add(n)
             for i, b in enumerate(unions[n][1]):
                 visit(b, f"{path}[{i}]" if n == at else f"{path}.{i}", (*trail, n))
             return
@@ -1040,6 +1057,9 @@ def _dispatch(nodes: list, unions: dict, at: int, where: str, one: bool) -> tupl
 
     visit(at, "", ())
     for k, branches in enumerate(table):
+        if len(branches) > MAX_ALTERNATIVES:
+            raise ValueError(f"json_schema at {where}: {len(branches)} branches take {_CLASS_NAMES[k]}; at most "
+                             f"{MAX_ALTERNATIVES} can be followed side by side")  # fmt: skip
         if one and len(branches) > 1 and (k != 0 or not _discriminated(nodes, branches)):
             raise ValueError(f"json_schema at {where}: branches {' and '.join(owner[k])} of oneOf both take "
                              f"{_CLASS_NAMES[k]}; supported: branches of different JSON types, or objects with a "
@@ -1053,16 +1073,17 @@ def _discriminated(nodes: list, branches: list[int]) -> bool:
     other branch allows (pydantic's discriminated unions): then no object matches two of them."""
     first = nodes[branches[0]]
     for key in first.keys:
-        seen: set[bytes] = set()
+        seen: set[tuple] = set()
         for b in branches:
             nd = nodes[b]
             if nd.free or nd.dispatch is not None or key not in nd.keys:
                 break
             i = nd.keys.index(key)
             vals = nodes[nd.values[i]].enum
-            if not nd.required >> i & 1 or vals is None or seen & set(vals):
+            keys = {_canon(v) for v in vals} if vals is not None else set()
+            if not nd.required >> i & 1 or vals is None or seen & keys:
                 break
-            seen |= set(vals)
+            seen |= keys
         else:
             return True
     return False
