@@ -71,11 +71,12 @@ def parity(model: str, device: str) -> dict:
     }
 
 
-def bench(model: str, device: str, prompts: int, max_new: int, methods: str, out: Path) -> dict:
+def bench(model: str, device: str, prompts: int, max_new: int, methods: str, out: Path, dataset: str | None) -> dict:
     """``treedraft bench`` side by side (greedy, fp32 on ``device``); returns its records.json."""
     from treedraft.cli import main as cli_main
 
     args = ["bench", "--model", model, "--device", device, "--dtype", "fp32", "--methods", methods]
+    args += ["--dataset", dataset] if dataset else []
     args += ["--num-prompts", str(prompts), "--max-new-tokens", str(max_new), "--out", str(out), "--no-progress"]
     if device == "cpu":
         args += ["--weights", "fp32"]  # the same weights on every device (the GPU path is dense fp32 too)
@@ -115,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--methods", default=DEFAULT_METHODS)
+    ap.add_argument(
+        "--dataset", default=None, help="MT-Bench questions file (default: the bench's, ../shared/data beside the repo)"
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu-check"))
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     print("machine:", machine, flush=True)
     par = parity(a.model, a.device)
     print("parity:", par, flush=True)
-    doc = bench(a.model, a.device, a.prompts, a.max_new, a.methods, out / "bench")
+    doc = bench(a.model, a.device, a.prompts, a.max_new, a.methods, out / "bench", a.dataset)
     md = (out / "bench" / "report.md").read_text(encoding="utf-8")
     text, ok = summary(machine, par, doc, md, time.perf_counter() - t0)
     (out / "gpu_check.md").write_text(text, encoding="utf-8")

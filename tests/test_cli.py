@@ -188,3 +188,18 @@ def test_cli_loads_freeze_the_models_objects_out_of_the_gc(monkeypatch) -> None:
     finally:
         gc.unfreeze()
     assert any(o is marker for o in gc.get_objects())
+
+
+def test_a_missing_optional_dependency_disables_only_its_command(capsys, monkeypatch) -> None:
+    """Without the server extra (fastapi), `treedraft bench` and the rest still work and `treedraft serve` says what
+    to install; before, every command died in the parser's import of the server (seen on a GPU image)."""
+    from treedraft.cli import build_parser, main
+
+    for name in [m for m in sys.modules if m == "treedraft.server" or m.startswith("treedraft.server.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # import fastapi -> ModuleNotFoundError
+    choices = build_parser()._subparsers._group_actions[0].choices
+    assert {"generate", "bench", "serve", "train-heads"} <= set(choices)
+    assert main(["serve", "--port", "8000", "-h"]) == 2
+    err = capsys.readouterr().err
+    assert "'fastapi'" in err and "pip install 'treedraft[server]'" in err

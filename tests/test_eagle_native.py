@@ -249,3 +249,21 @@ def test_measured_latency_is_measured_once_and_feeds_step_rows(monkeypatch: pyte
     assert lat[1] == 0.01 and lat[4] == pytest.approx(0.05) and len(calls) == 1
     assert scheduler.measured_latency(model) == lat and len(calls) == 1  # cached
     assert scheduler.measured_step_rows(model) == scheduler.step_rows_from_latency(lat) == 2
+
+
+def test_a_target_off_the_cpu_never_drafts_through_the_native_cpu_kernels() -> None:
+    """The native kernels are CPU code: an EAGLE net with its own draft vocabulary beside a CUDA target went native
+    anyway (quantized copies of CUDA weights fed to the CPU kernels) and the GPU check crashed with a segfault."""
+    from native_utils import tiny_config
+
+    from treedraft.models.llama import Transformer
+
+    model = Transformer(tiny_config(256, 64)).eval().requires_grad_(False)
+    net = random_net(model, 2, draft_vocab=24, depth=3, topk=3)
+
+    class OnGpu:  # the target as the drafter sees it: its lm_head and the device it reports
+        lm_head = model.lm_head
+        device = torch.device("cuda")
+
+    fast, lm, vocab = fast_drafting(net, OnGpu())
+    assert fast is net and lm is None and vocab is None

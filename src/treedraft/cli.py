@@ -6,9 +6,14 @@ import argparse
 import importlib
 import sys
 import time
+from typing import Any
 
 # module -> name of its `register(subparsers)` function; loaded only if the module imports
 _PLUGINS = ("treedraft.bench", "treedraft.server", "treedraft.training.cli", "treedraft.loadtest")
+# commands of a plugin whose optional dependency may be missing (pyproject extras): they are still listed, and
+# running one says what to install, while every other command keeps working (a GPU image without fastapi ran
+# `treedraft bench` into a ModuleNotFoundError from the server's import)
+_OPTIONAL = {"treedraft.server": (("serve",), "server"), "treedraft.loadtest": (("loadtest",), "server")}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -264,6 +269,30 @@ def cmd_chat(a: argparse.Namespace) -> int:
     return 0
 
 
+def _register_missing(sub: Any, mod: str, missing: str) -> None:
+    """Stand-in commands for plugin ``mod`` whose optional dependency ``missing`` is not installed."""
+    names, extra = _OPTIONAL[mod]
+
+    def fail(a: argparse.Namespace) -> int:
+        print(
+            f"error: `treedraft {a.command}` needs the Python package {missing!r}, which is not installed; "
+            f"install it with: pip install 'treedraft[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
+
+    for name in names:
+        # no option prefix: whatever follows (--port 8000, -h) lands in `args` and the command says what is missing
+        p = sub.add_parser(
+            name,
+            help=f"(unavailable: needs {missing!r}; pip install 'treedraft[{extra}]')",
+            prefix_chars="\0",
+            add_help=False,
+        )
+        p.add_argument("args", nargs="*")
+        p.set_defaults(func=fail)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="treedraft", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -286,7 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as e:
             if e.name and e.name.startswith("treedraft"):
                 continue  # feature module not present in this build
-            raise
+            if mod not in _OPTIONAL:
+                raise
+            _register_missing(sub, mod, e.name or str(e))
+            continue
         m.register(sub)
     return ap
 

@@ -135,8 +135,12 @@ def fast_drafting(net: nn.Module, target: Any, weights: str = "q8") -> tuple[nn.
     if weights not in DRAFT_WEIGHTS:
         raise ValueError(f"EAGLE draft weights must be one of {sorted(DRAFT_WEIGHTS)}, got {weights!r}")
 
+    from ..interfaces import target_device
+
     lm = getattr(target, "lm_head", None)
     lm = lm if isinstance(lm, QuantLinear) else None
+    if target_device(target).type != "cpu":  # the native kernels are CPU code: a CUDA target's net crashed in them
+        return net, lm, None
     natives = native_kernels()
     # a net with its own draft vocabulary needs nothing of the target's lm_head: it drafts natively whatever the
     # target's weights (an fp32 target drafted through PyTorch and, unsized, verified whole 16-node trees: 0.66x plain)
