@@ -1286,3 +1286,16 @@ def test_loadtest_raw_client_parses_chunked_and_plain_event_streams() -> None:
     assert not bad.ok and bad.error == "http 429"
     cut = asyncio.run(one(b"200 OK", stream[:40], True, cut=1))
     assert not cut.ok and cut.error == "stream ended without [DONE]"
+
+
+def test_loadtest_without_a_server_says_so(capsys: pytest.CaptureFixture) -> None:
+    """A free loopback port: a clear error naming the URL and how to start a server (was a ConnectError traceback)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    assert main(["loadtest", "--url", url, "--requests", "1", "--concurrency", "1", "--max-seconds", "30"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no server answers at " + url) and "treedraft serve" in err, err

@@ -444,7 +444,13 @@ async def run_loadtest(cfg: LoadTestConfig, log: Any = None) -> dict:
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, follow_redirects=False) as client:
         model = cfg.model
         if model is None:
-            r = await client.get(f"{cfg.url}/v1/models", headers=headers)
+            try:
+                r = await client.get(f"{cfg.url}/v1/models", headers=headers)
+            except httpx.TransportError as e:  # refused, unreachable, timed out: no server to measure
+                raise LoadTestError(
+                    f"no server answers at {cfg.url} ({type(e).__name__}: {e}); start one first "
+                    "(treedraft serve --host 127.0.0.1 --port PORT) and pass its --url"
+                ) from None
             if r.status_code != 200:
                 raise LoadTestError(
                     f"GET {cfg.url}/v1/models answered {r.status_code}: {r.text[:200]}"
