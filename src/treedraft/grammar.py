@@ -498,14 +498,23 @@ def _canon(text: bytes) -> tuple:
     return ("n", Decimal(text.decode()))  # exact, equal and hashed by value (1e30000000 stays small)
 
 
+_ZERO = _canon(b"0")
+
+
+def _finite_values(node: SchemaNode) -> set[tuple] | None:
+    """The values (as :func:`_canon`) an item of scalar schema ``node`` can take, or None where there is no end to
+    them (free strings and numbers)."""
+    if node.enum is not None:
+        return {_canon(e) for e in node.enum}
+    if {"string", "number", "integer"} & node.types:
+        return None
+    return {_canon(t) for t in [b"true", b"false"] * ("boolean" in node.types) + [b"null"] * ("null" in node.types)}
+
+
 def _unique_left(node: SchemaNode, seen: frozenset) -> bool:
     """Whether an item of schema ``node`` not in ``seen`` exists (free strings and numbers: always)."""
-    if node.enum is not None:
-        return any(_canon(e) not in seen for e in node.enum)
-    if {"string", "number", "integer"} & node.types:
-        return True
-    lits = [("l", True), ("l", False)] * ("boolean" in node.types) + [("l", None)] * ("null" in node.types)
-    return any(x not in seen for x in lits)
+    values = _finite_values(node)
+    return values is None or not values <= seen
 
 
 def _unique_step(s: State, c: int, nodes: Sequence[SchemaNode]) -> State | None:
@@ -549,10 +558,10 @@ def _open(ns: State, node: SchemaNode, seen: frozenset, cur: bytes) -> bool:
     if ns[0] == ENUM:
         return any(e.startswith(ns[1]) and _canon(e) not in seen for e in node.enum)  # type: ignore[union-attr]
     if ns[0] == NUM and ns[1] == N_ZERO and ns[2]:
-        return ("n", Fraction(0)) not in seen
+        return _ZERO not in seen
     if ns[0] == NUM and ns[1] in (N_E, N_ESIGN, N_EXP):  # an exponent on a zero mantissa: 0 whatever follows
         mantissa = cur.replace(b"E", b"e").split(b"e")[0]
-        return Decimal(mantissa.decode()) != 0 or _canon(b"0") not in seen
+        return Decimal(mantissa.decode()) != 0 or _ZERO not in seen
     return True
 
 
@@ -685,6 +694,11 @@ def _conforms_type(v: object, types: Sequence[str]) -> bool:
 _NUMERIC = frozenset(("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"))
 
 
+def _exact(v: int | float) -> Decimal:
+    """A schema's JSON number as the exact decimal it was written as (a float by its shortest repr: 0.1 is 0.1)."""
+    return Decimal(v) if isinstance(v, int) else Decimal(repr(v))
+
+
 def _numeric(sch: dict, where: str) -> tuple | None:
     """``minimum`` / ``exclusiveMinimum`` / ``maximum`` / ``exclusiveMaximum`` / ``multipleOf`` as (low or None, low
     exclusive, high or None, high exclusive, the step or None) in exact decimals (None: none given). A numeric
@@ -701,7 +715,7 @@ def _numeric(sch: dict, where: str) -> tuple | None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"json_schema at {where}: {kw} must be a number, got {v!r}")
-            vals[kw] = Decimal(v) if isinstance(v, int) else Decimal(repr(v)) + 0  # + 0: -0.0 is 0
+            vals[kw] = _exact(v) + 0  # + 0: -0.0 is 0
         flag = sch.get(exc)
         if isinstance(flag, bool) and flag and inc not in vals:
             raise ValueError(f"json_schema at {where}: {exc}: true needs {inc} (draft 4's form), or give {exc} a "
@@ -715,7 +729,7 @@ def _numeric(sch: dict, where: str) -> tuple | None:
     if m is not None:
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m <= 0:
             raise ValueError(f"json_schema at {where}: multipleOf must be a number above 0, got {m!r}")
-        m = Decimal(m) if isinstance(m, int) else Decimal(repr(m))
+        m = _exact(m)
     return (*out, m)
 
 
@@ -731,7 +745,7 @@ def _within(v: object, spec: tuple | None) -> bool:
     """Whether an enum / const value meets :func:`_numeric`'s constraints (not a number: they do not apply)."""
     if spec is None or isinstance(v, bool) or not isinstance(v, (int, float)):
         return True
-    x = Decimal(v) if isinstance(v, int) else Decimal(repr(v))
+    x = _exact(v)
     lo, lo_x, hi, hi_x, m = spec
     if m is not None and (Fraction(x) / Fraction(m)).denominator != 1:  # (schema values: no runaway exponents)
         return False
@@ -989,9 +1003,9 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
             raise ValueError(f"json_schema at {where}: uniqueItems is supported for arrays of free strings, numbers, "
                              "booleans, null or enum values (no objects, arrays, unions, patterns or bounds in the "
                              "items)")  # fmt: skip
-        if it.enum is not None or not {"string", "number", "integer"} & it.types:  # finitely many distinct items
-            lits = [b"true", b"false"] * ("boolean" in it.types) + [b"null"] * ("null" in it.types)
-            distinct = len({_canon(e) for e in (it.enum if it.enum is not None else lits)})
+        values = _finite_values(it)
+        if values is not None:  # finitely many distinct items
+            distinct = len(values)
             if nodes[at].min_items > distinct:  # type: ignore[union-attr]
                 raise ValueError(f"json_schema at {where}: minItems {nodes[at].min_items} with uniqueItems, but "  # type: ignore[union-attr]
                                  f"the items have only {distinct} distinct values")  # fmt: skip
