@@ -28,6 +28,16 @@ CASES = [  # (label, the value's schema, its text as written)
         '"Hello World and more words',
     ),  # fmt: skip
     ("format email + maxLength 64", {"type": "string", "format": "email", "maxLength": 64}, '"jane.doe@example.com'),
+    (
+        "union of two objects (MULTI), a free string inside",
+        {
+            "anyOf": [
+                {"type": "object", "properties": {"name": {"type": "string"}, "lives": {"type": "integer"}}},
+                {"type": "object", "properties": {"name": {"type": "string"}, "good": {"type": "boolean"}}},
+            ]
+        },
+        '{"name": "Whiskers the grey',
+    ),  # fmt: skip
     ("free number", {"type": "number"}, "-1234.5678"),
     ("number 0 < x <= 1000.5", {"type": "number", "exclusiveMinimum": 0, "maximum": 1000.5}, "999.1234"),
     ("integer int64", {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}, "-922337203685477580"),

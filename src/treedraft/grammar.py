@@ -1257,6 +1257,15 @@ class JsonGrammar:
         elif s[0] == PSTR and s[2][1] == 0:  # a patterned string at a character boundary: the class trie
             m = self._patterned_mask(self.nodes[s[2][0]].pattern, s[1])  # type: ignore[arg-type]
             m[[t for t in self._exits if run(s, self.bytes[t], self.nodes) is not None]] = True
+        elif s[0] == MULTI:
+            # branches side by side: a token is allowed where one of them takes it whole (each follows its own
+            # bytes; merging only drops repeats), so the union of their masks, each by its own fast path (a free
+            # string's first mask under a union took 231 ms as one walk of the byte trie, 2 ms so). A finished
+            # branch takes no byte, and EOS only once the union is resolved
+            m = np.zeros(self.vocab_size, np.bool_)
+            for x in s[1]:
+                if x[0] < DONE:
+                    m |= self.allowed(x)
         else:
             m = np.zeros(self.vocab_size, np.bool_)
             ids: list[int] = []
