@@ -236,3 +236,34 @@ def test_device_smoke(device: str) -> None:
     ((ans, hid),) = batched_greedy(m, [prompt], 6, frozenset())
     assert ans == plain[:6] and hid.device.type == device
     assert set(measure_latency(m, context=16, sizes=(1, 4), reps=1)) == {1, 4}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_runs_on_the_models_device(device: str, tmp_path) -> None:
+    """train-heads, the calibrator's rank accuracy and train-eagle with the target on ``device``: the shards stay on
+    the CPU and each batch goes over. On CUDA the heads and the EAGLE net were left on the CPU beside the target's
+    weights (a device mismatch at the first step, after all the data had been generated)."""
+    from test_eagle import write_tiny_shards
+    from test_training import TC, _mcfg, _tiny_data
+
+    from treedraft.drafters.eagle_net import EagleConfig
+    from treedraft.training.eagle_train import EagleTrainConfig, train_eagle
+    from treedraft.training.train import rank_accuracy, train_heads
+
+    m, d = _tiny_data(tmp_path)
+    m = m.to(device)
+    mcfg = _mcfg(m, num_heads=2, root_conditioned=True)  # as train-heads trains them: the root's embedding too
+    heads, rep = train_heads(
+        d, m.lm_head.weight, mcfg, TC, tmp_path / "heads", progress=False, embed_weight=m.input_embedding_weight()
+    )
+    assert next(heads.parameters()).device.type == device and rep["train_rows"] > 0
+    hid, tok = torch.randn(6, m.hidden_size), torch.randint(0, m.vocab_size, (6,))
+    acc = rank_accuracy(heads, hid, torch.randint(0, m.vocab_size, (6, 2)), max_rank=3, roots=tok)
+    assert len(acc) == 2 and all(0.0 <= a <= 1.0 for row in acc for a in row)
+    write_tiny_shards(m.cpu(), tmp_path / "eagle-data", n=8)
+    m = m.to(device)
+    tc = EagleTrainConfig(epochs=1, tokens_per_batch=128, heldout=0.25, unroll=2, eval_unroll=2)
+    net, erep = train_eagle(
+        tmp_path / "eagle-data", m, EagleConfig.for_target(m, "tiny"), tc, tmp_path / "ck", progress=False
+    )
+    assert net.fc.weight.device.type == device and len(erep["epochs"][-1]["heldout_top1"]) == 2

@@ -27,12 +27,16 @@ def timed_after_forwards(
     ``call(i)`` right after the i-th, as drafting runs in decoding (the forward's weights evict the drafter's
     from the caches); the measurement loop of the drafters' cached draft costs."""
     dev = ids.device
+    # CUDA runs async: without a sync the forward's kernels would be charged to the drafting that waits on them
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     fwd, draft = [], []
     for i in range(n):
         t0 = time.perf_counter()
         target.forward(ids[:, :1], torch.arange(context, context + 1, device=dev), cache, context)
+        sync()
         t1 = time.perf_counter()
         call(i)
+        sync()
         t2 = time.perf_counter()
         fwd.append(t1 - t0)
         draft.append(t2 - t1)

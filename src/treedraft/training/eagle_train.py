@@ -107,6 +107,11 @@ def make_batches(spans: list[tuple[int, int]], tokens_per_batch: int) -> list[li
     return out
 
 
+def to_device(b: dict[str, Tensor], dev: torch.device) -> dict[str, Tensor]:
+    """A batch (collate's) on the net's device."""
+    return {k: v.to(dev) for k, v in b.items()}
+
+
 def collate(data: dict[str, Tensor], batch: list[tuple[int, int]]) -> dict[str, Tensor]:
     """Right-padded (B, T) tensors of one batch; ``valid`` marks rows j that have a target f_{j+1}."""
     T = max(b - a for a, b in batch)
@@ -213,7 +218,7 @@ def evaluate(
     hit, tot = [0] * passes, [0] * passes
     vm = net.vocab_map
     for batch in make_batches(spans, tokens_per_batch):
-        b = (batch_fn or collate)(data, batch)
+        b = to_device((batch_fn or collate)(data, batch), net.embed_weight.device)
         for k, out in enumerate(unrolled_forward(net, b["feat"], b["tok"], passes, blocks)):
             pred = net.logits(out).argmax(-1)
             pred = pred if vm is None else vm[pred]
@@ -276,6 +281,10 @@ def train_eagle(
             k: v.float() for k, v in load_file(str(Path(init_from) / "eagle.safetensors")).items() if k != "vocab_map"
         }
         net.load_state_dict(sd)
+    # trained where the target's weights are (a GPU when the model was loaded there; the net's embedding and
+    # lm_head buffers are the target's own), batches built on the CPU and moved over one at a time
+    dev = net.embed_weight.device
+    net.to(dev)
     batches = make_batches(train_spans, tcfg.tokens_per_batch)
     opt = torch.optim.AdamW(net.parameters(), lr=tcfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     total_steps = tcfg.epochs * len(batches)
@@ -314,7 +323,7 @@ def train_eagle(
         for bi in order[i:]:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
-            loss, stats = batch_loss(net, collate(data, batches[bi]), tcfg.unroll, tcfg.ce_weight)
+            loss, stats = batch_loss(net, to_device(collate(data, batches[bi]), dev), tcfg.unroll, tcfg.ce_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)

@@ -83,13 +83,16 @@ def rank_hits(
     hits = torch.zeros(K, max_rank)
     n = torch.zeros(K)
     vm = heads.vocab_map
+    dev = next(heads.parameters()).device  # rows stored on the CPU, heads where their target is (a GPU too)
     for s in range(0, hidden.shape[0], batch):
         t = targets[s : s + batch]  # (b, K)
-        logits = heads(hidden[s : s + batch].float(), None if roots is None else roots[s : s + batch])  # (b,K,V')
+        root = None if roots is None else roots[s : s + batch].to(dev)
+        logits = heads(hidden[s : s + batch].to(dev).float(), root)  # (b, K, V')
         r = min(max_rank, logits.shape[-1])
         top = logits.topk(r, dim=-1).indices  # (b, K, r)
         if vm is not None:
-            top = vm[top]
+            top = vm.to(dev)[top]
+        top = top.cpu()
         ok = t >= 0
         n += ok.sum(0)
         hits[:, :r] += ((top == t[..., None]) & ok[..., None]).sum(0)
@@ -255,7 +258,10 @@ def train_heads(
         vocab_map = None if init.vocab_map is None else init.vocab_map.clone()
     else:
         vocab_map = frequency_vocab(tokens[~held], mcfg.vocab_size, mcfg.draft_vocab) if mcfg.draft_vocab else None
-    heads = MedusaHeads(mcfg, lm_head_weight, vocab_map, embed_weight)
+    # trained where the target's weights are (a GPU when the model was loaded there); the rows stay on the CPU and
+    # go over a batch at a time
+    dev = lm_head_weight.device
+    heads = MedusaHeads(mcfg, lm_head_weight, vocab_map, embed_weight).to(dev)
     if init is not None:
         heads.load_state_dict(init.state_dict())
     params = [p for p in heads.parameters() if p.requires_grad]
@@ -286,7 +292,7 @@ def train_heads(
         tgt_local = torch.where(targets >= 0, inv[targets.clamp_min(0)], targets)
     else:
         tgt_local = targets
-    wts = torch.tensor([tcfg.decay**k for k in range(mcfg.num_heads)])
+    wts = torch.tensor([tcfg.decay**k for k in range(mcfg.num_heads)], device=dev)
     bar = tqdm(total=total, initial=step, desc="train-heads", disable=not progress)
     heads.train()
     t0 = time.time()
@@ -298,8 +304,8 @@ def train_heads(
             lr = tcfg.lr * min(1.0, (step + 1) / tcfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * step / total))
             for grp in opt.param_groups:
                 grp["lr"] = lr
-            logits = heads(hidden[idx].float(), tokens[idx])  # (b, K, V'); row j's root is token j
-            t = tgt_local[idx]  # (b, K)
+            logits = heads(hidden[idx].to(dev).float(), tokens[idx].to(dev))  # (b, K, V'); row j's root is token j
+            t = tgt_local[idx].to(dev)  # (b, K)
             losses = torch.stack(
                 [F.cross_entropy(logits[:, k], t[:, k], ignore_index=-100) for k in range(mcfg.num_heads)]
             )
