@@ -267,3 +267,29 @@ def test_training_runs_on_the_models_device(device: str, tmp_path) -> None:
         tmp_path / "eagle-data", m, EagleConfig.for_target(m, "tiny"), tc, tmp_path / "ck", progress=False
     )
     assert net.fc.weight.device.type == device and len(erep["epochs"][-1]["heldout_top1"]) == 2
+
+
+def test_moving_a_model_off_the_cpu_drops_the_cpu_kernels_or_refuses() -> None:
+    """The row-invariant fp32 plan and attention are native CPU kernels: a model moved off the CPU runs the stock
+    ops there. Quantized weights cannot move at all: a clear error, and nothing moved. (Both used to reach the C++
+    kernels with device pointers.) The meta device stands in for a GPU."""
+    from native_utils import tiny_config
+    from test_batch import native_tiny
+
+    from treedraft import kernels
+    from treedraft.models.llama import Transformer
+    from treedraft.models.matmul import exact_plan
+
+    if not kernels.available():
+        pytest.skip("native kernels unavailable")
+    m = Transformer(tiny_config(64, 32)).eval()
+    m.pack(exact_plan())
+    m.exact_attention = True
+    m.half()  # a dtype change on the CPU keeps them
+    assert m.exact_attention and m.matmul_plan is not None
+    m.float().to("meta")
+    assert not m.exact_attention and m.matmul_plan is None and m.embed.weight.device.type == "meta"
+    q = native_tiny()
+    with pytest.raises(RuntimeError, match="quantized weights .* CPU code"):
+        q.to("meta")
+    assert q.embed.weight.device.type == "cpu" and q.exact_attention

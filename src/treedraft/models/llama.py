@@ -246,10 +246,22 @@ class Transformer(nn.Module):
         Rounding the RoPE frequencies to bf16 shifts angles by up to ~0.4% (1.8 rad at position 4096 for
         head_dim 64, theta 1e4), so a cast buffer is recomputed in float32 from the config on its new device.
         """
+        from .quant import QuantLinear
+
+        # where fn sends tensors (an empty probe): the CPU-only paths are checked before anything moves
+        off_cpu = fn(torch.empty(0)).device.type != "cpu" and self.embed.weight.device.type == "cpu"
+        if off_cpu and any(isinstance(m, QuantLinear) for m in self.modules()):
+            raise RuntimeError(
+                "this model runs quantized weights (weights='int4' / 'int8'), whose kernels are CPU code, so it "
+                "cannot move off the CPU; load it on the device instead, e.g. treedraft.load(device='cuda')"
+            )
         out = super()._apply(fn, recurse)
         watch.bump()  # _apply replaces buffers without the registration hooks
         if self.inv_freq.dtype != torch.float32:
             self.inv_freq = rope_frequencies(self.config, self.inv_freq.device)
+        if off_cpu:  # the row-invariant fp32 plan and attention are native CPU kernels: the stock ops there
+            self.exact_attention = False
+            self.unpack()
         return out
 
     @property
