@@ -5,7 +5,10 @@
 2. **Greedy equality and speed**: ``treedraft bench`` on ``--prompts`` MT-Bench first turns (round-robin over the
    categories) x ``--max-new`` tokens, greedy, methods ``--methods`` side by side (default: plain, the default
    drafter, medusa, eagle, transformers ``generate``): every method's output against treedraft plain's, tok/s.
-3. A summary (``gpu_check.md`` in ``--out``) with the machine, each check's result and the bench's table.
+3. **Other paths**, each with the default drafter beside plain decoding on ``--device``: seeded sampling, JSON
+   Schema, penalties, logprobs, and four requests batched through the server's scheduler against each alone
+   (``--no-paths`` skips them). A path that raises fails the check; equality is reported.
+4. A summary (``gpu_check.md`` in ``--out``) with the machine, each check's result and the bench's table.
 
 Runs on any device (``--device cpu`` here exercises the same code; CI runs a tiny version); on a CUDA machine
 through ``benchmarks/gpu_check.sh`` (which also assembles the model file when it had to travel in parts).
@@ -71,6 +74,72 @@ def parity(model: str, device: str) -> dict:
     }
 
 
+PATH_PROMPTS = ["Write a haiku about the sea.", "What is 17 times 23?", "List three primary colors.", "Say hi."]
+SCHEMA = {
+    "type": "object",
+    "properties": {"title": {"type": "string", "maxLength": 40}, "rating": {"type": "integer", "minimum": 1,
+                   "maximum": 5}, "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+    "required": ["title", "rating", "tags"],
+}  # fmt: skip
+
+
+@torch.inference_mode()
+def paths(model: str, device: str, tokens: int = 48) -> dict:
+    """The engine's other paths on ``device``, each with the default drafter beside plain decoding: seeded sampling,
+    JSON Schema, penalties, logprobs, and four requests batched through the server's scheduler (2 greedy, 2
+    sampled) against each alone. A path that raises fails the check; equality with plain is reported (on the CPU it
+    holds by construction; a GPU's kernels may round a tree row differently from a single row)."""
+    import treedraft
+    from treedraft.engine import GenerationStats
+    from treedraft.scheduler import Scheduler
+
+    llm = treedraft.load(model, device=device, dtype="fp32", runtime="own", weights="fp32")
+    q = [{"role": "user", "content": "Describe a lighthouse in two sentences."}]
+    out: dict = {}
+    cases = {
+        "sampled (t 0.7, seed 3)": dict(temperature=0.7, top_p=0.95, seed=3),
+        "JSON Schema": dict(response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}}),
+        "penalties (repetition 1.2, presence 0.5)": dict(repetition_penalty=1.2, presence_penalty=0.5),
+        "logprobs 2": dict(logprobs=2),
+    }
+    for name, kw in cases.items():
+        try:
+            plain = llm.generate(q, drafter=None, max_new_tokens=tokens, **kw)
+            spec = llm.generate(q, max_new_tokens=tokens, **kw)
+            out[name] = {"ok": True, "equal": spec.token_ids == plain.token_ids, "tokens": len(spec.token_ids),
+                         "mean_accepted": round(spec.stats.mean_accepted_length, 2)}  # fmt: skip
+            if "response_format" in kw and spec.finish_reason == "stop":
+                json.loads(spec.text)  # a closed answer must parse
+        except Exception as e:  # a crash on this device is what the check is for
+            out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+    try:
+        reqs = []
+        for i, text in enumerate(PATH_PROMPTS):
+            kw = dict(temperature=0.8, top_p=0.9, seed=7 + i) if i % 2 else {}
+            reqs.append((llm.encode_prompt([{"role": "user", "content": text}]), llm.config(tokens, **kw)))
+        alone = [llm.engine.generate(p, c, llm.engine.drafter).token_ids for p, c in reqs]
+        sched = Scheduler(llm.engine, 16, 64)
+        got: dict = {}
+        for i, (p, c) in enumerate(reqs):
+            got[sched.add(p, c, "default", GenerationStats())] = i
+        res: dict[int, list[int]] = {i: [] for i in range(len(reqs))}
+        while sched.active:
+            for req, new in sched.step():
+                if req.error is not None:
+                    raise RuntimeError(f"request {got[req]}: {req.error}")
+                res[got[req]] += new
+            for req in [r for r in sched.active if r.done]:
+                sched.remove(req)
+        out["batched (4 requests, scheduler)"] = {
+            "ok": all(len(res[i]) > 0 for i in res),
+            "equal": sum(res[i] == alone[i] for i in res),
+            "of": len(res),
+        }
+    except Exception as e:
+        out["batched (4 requests, scheduler)"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+    return out
+
+
 def bench(model: str, device: str, prompts: int, max_new: int, methods: str, out: Path, dataset: str | None) -> dict:
     """``treedraft bench`` side by side (greedy, fp32 on ``device``); returns its records.json."""
     from treedraft.cli import main as cli_main
@@ -86,7 +155,9 @@ def bench(model: str, device: str, prompts: int, max_new: int, methods: str, out
     return json.loads((out / "records.json").read_text(encoding="utf-8"))
 
 
-def summary(machine: str, par: dict, doc: dict, bench_md: str, seconds: float) -> tuple[str, bool]:
+def summary(
+    machine: str, par: dict, doc: dict, bench_md: str, seconds: float, extra: dict | None = None
+) -> tuple[str, bool]:
     """The check's report and whether every check passed (parity, each method's output = plain's)."""
     lines = ["# GPU check (benchmarks/gpu_check.py)", "", f"- machine: {machine}", f"- wall time: {seconds:.0f} s", ""]
     lines.append(
@@ -105,6 +176,17 @@ def summary(machine: str, par: dict, doc: dict, bench_md: str, seconds: float) -
             f"- greedy output of `{name}` = treedraft plain: {equal}/{len(rs)}"
             + ("" if equal == len(rs) else " **(FAILED)**")
         )
+    if extra:
+        lines += ["", "## Other paths (default drafter beside plain; equality reported, a crash fails)", ""]
+        for name, r in extra.items():
+            ok &= bool(r["ok"])
+            if not r["ok"]:
+                lines.append(f"- {name}: **FAILED**: {r['error']}")
+            elif "of" in r:
+                lines.append(f"- {name}: ran; = alone {r['equal']}/{r['of']}")
+            else:
+                lines.append(f"- {name}: ran; = plain: {r['equal']}; {r['tokens']} tokens, mean accepted "
+                             f"{r['mean_accepted']}")  # fmt: skip
     lines += ["", "## Bench", "", bench_md]
     return "\n".join(lines) + "\n", ok
 
@@ -120,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         "--dataset", default=None, help="MT-Bench questions file (default: the bench's, ../shared/data beside the repo)"
     )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu-check"))
+    ap.add_argument("--no-paths", action="store_true", help="skip the other paths (sampling, JSON, batched, ...)")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
@@ -132,9 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     print("machine:", machine, flush=True)
     par = parity(a.model, a.device)
     print("parity:", par, flush=True)
+    extra = {} if a.no_paths else paths(a.model, a.device)
+    print("paths:", extra, flush=True)
     doc = bench(a.model, a.device, a.prompts, a.max_new, a.methods, out / "bench", a.dataset)
     md = (out / "bench" / "report.md").read_text(encoding="utf-8")
-    text, ok = summary(machine, par, doc, md, time.perf_counter() - t0)
+    text, ok = summary(machine, par, doc, md, time.perf_counter() - t0, extra)
     (out / "gpu_check.md").write_text(text, encoding="utf-8")
     (out / "parity.json").write_text(json.dumps(par, indent=1) + "\n", encoding="utf-8")
     print(text)

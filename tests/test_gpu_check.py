@@ -41,6 +41,19 @@ def test_summary_passes_only_when_parity_holds_and_every_drafter_equals_plain():
     assert not ok and "FAILED" in text
 
 
+def test_a_path_that_crashes_fails_the_check_and_inequality_is_only_reported():
+    doc = _doc({"plain": [True], "hybrid-suffix": [True]})
+    extra = {
+        "JSON Schema": {"ok": True, "equal": False, "tokens": 40, "mean_accepted": 2.5},
+        "batched (4 requests, scheduler)": {"ok": True, "equal": 3, "of": 4},
+    }
+    text, ok = gpu_check.summary("GPU X", PARITY_OK, doc, "", 1.0, extra)
+    assert ok and "- JSON Schema: ran; = plain: False" in text and "= alone 3/4" in text
+    extra["sampled (t 0.7, seed 3)"] = {"ok": False, "error": "RuntimeError: Expected all tensors on one device"}
+    text, ok = gpu_check.summary("GPU X", PARITY_OK, doc, "", 1.0, extra)
+    assert not ok and "- sampled (t 0.7, seed 3): **FAILED**: RuntimeError: Expected" in text
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_gpu_check_sh_refuses_clearly_without_cuda(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path), DEVICE="cuda")
