@@ -6,8 +6,9 @@
    categories) x ``--max-new`` tokens, greedy, methods ``--methods`` side by side (default: plain, the default
    drafter, medusa, eagle, transformers ``generate``): every method's output against treedraft plain's, tok/s.
 3. **Other paths**, each with the default drafter beside plain decoding on ``--device``: seeded sampling, JSON
-   Schema, penalties, logprobs, and four requests batched through the server's scheduler against each alone
-   (``--no-paths`` skips them). A path that raises fails the check; equality is reported.
+   Schema, penalties, logprobs, and four requests batched through the server's scheduler against each alone; on
+   CUDA also bf16, the dtype a GPU user gets by default (``--no-paths`` skips them). A path that raises fails the
+   check; equality is reported.
 4. A summary (``gpu_check.md`` in ``--out``) with the machine, each check's result and the bench's table.
 
 Runs on any device (``--device cpu`` here exercises the same code; CI runs a tiny version); on a CUDA machine
@@ -84,7 +85,7 @@ SCHEMA = {
 
 
 @torch.inference_mode()
-def paths(model: str, device: str, tokens: int = 48) -> dict:
+def paths(model: str, device: str, tokens: int = 48, bf16: bool | None = None) -> dict:
     """The engine's other paths on ``device``, each with the default drafter beside plain decoding: seeded sampling,
     JSON Schema, penalties, logprobs, and four requests batched through the server's scheduler (2 greedy, 2
     sampled) against each alone. A path that raises fails the check; equality with plain is reported (on the CPU it
@@ -93,6 +94,7 @@ def paths(model: str, device: str, tokens: int = 48) -> dict:
     from treedraft.engine import GenerationStats
     from treedraft.scheduler import Scheduler
 
+    bf16 = device.startswith("cuda") if bf16 is None else bf16
     llm = treedraft.load(model, device=device, dtype="fp32", runtime="own", weights="fp32")
     q = [{"role": "user", "content": "Describe a lighthouse in two sentences."}]
     out: dict = {}
@@ -137,6 +139,26 @@ def paths(model: str, device: str, tokens: int = 48) -> dict:
         }
     except Exception as e:
         out["batched (4 requests, scheduler)"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+    if bf16:  # what a GPU user gets by default (--dtype auto is bf16 on CUDA): greedy default drafter vs plain
+        name = "bf16 (the CUDA default dtype), greedy, 4 prompts"
+        try:
+            del llm
+            b16 = treedraft.load(model, device=device, dtype="bf16")
+            n_eq, tok, sec = 0, {"plain": 0, "default": 0}, {"plain": 0.0, "default": 0.0}
+            for text in PATH_PROMPTS:
+                m = [{"role": "user", "content": text}]
+                r = {
+                    k: b16.generate(m, drafter=None if k == "plain" else "default", max_new_tokens=tokens) for k in tok
+                }
+                n_eq += r["plain"].token_ids == r["default"].token_ids
+                for k, v in r.items():
+                    tok[k] += v.stats.new_tokens
+                    sec[k] += v.stats.t_decode
+            rate = {k: tok[k] / max(sec[k], 1e-9) for k in tok}
+            out[name] = {"ok": True, "equal": n_eq, "of": len(PATH_PROMPTS),
+                         "speed": f"plain {rate['plain']:.1f} tok/s, default {rate['default']:.1f} tok/s"}  # fmt: skip
+        except Exception as e:
+            out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
     return out
 
 
@@ -183,7 +205,8 @@ def summary(
             if not r["ok"]:
                 lines.append(f"- {name}: **FAILED**: {r['error']}")
             elif "of" in r:
-                lines.append(f"- {name}: ran; = alone {r['equal']}/{r['of']}")
+                lines.append(f"- {name}: ran; = {'plain' if 'speed' in r else 'alone'} {r['equal']}/{r['of']}"
+                             + (f"; {r['speed']}" if "speed" in r else ""))  # fmt: skip
             else:
                 lines.append(f"- {name}: ran; = plain: {r['equal']}; {r['tokens']} tokens, mean accepted "
                              f"{r['mean_accepted']}")  # fmt: skip
