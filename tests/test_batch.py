@@ -439,7 +439,7 @@ def test_real_model_int4_batched_equals_alone() -> None:
             # partial hit (session 27, cause not recorded); this is the one way the lookup gives none
             from treedraft.models.fused import status
 
-            assert status(eng.model) is not None and sched.chunk_rows > shared
+            assert "neither a native linear" in str(status(eng.model)) and sched.chunk_rows > shared
             assert sched.prefix_cache.partial_hits == 0 and sched.prefix_cache.reused_tokens == 0
 
 

@@ -203,3 +203,9 @@ def test_a_missing_optional_dependency_disables_only_its_command(capsys, monkeyp
     assert main(["serve", "--port", "8000", "-h"]) == 2
     err = capsys.readouterr().err
     assert "'fastapi'" in err and "pip install 'treedraft[server]'" in err
+    # httpx (loadtest) and uvicorn (serve) are imported only when their command runs: checked by name
+    monkeypatch.delitem(sys.modules, "fastapi")  # installed again (found by name, not imported here)
+    monkeypatch.setitem(sys.modules, "httpx", None)
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    assert main(["loadtest", "--url", "http://127.0.0.1:9"]) == 2 and "'httpx'" in capsys.readouterr().err
+    assert main(["serve"]) == 2 and "'uvicorn'" in capsys.readouterr().err

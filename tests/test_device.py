@@ -287,9 +287,29 @@ def test_moving_a_model_off_the_cpu_drops_the_cpu_kernels_or_refuses() -> None:
     m.exact_attention = True
     m.half()  # a dtype change on the CPU keeps them
     assert m.exact_attention and m.matmul_plan is not None
-    m.float().to("meta")
+    with torch.device("meta"):  # (a default device is not where a CPU-to-CPU cast sends the weights)
+        m.float()
+    assert m.exact_attention and m.matmul_plan is not None
+    m.to("meta")
     assert not m.exact_attention and m.matmul_plan is None and m.embed.weight.device.type == "meta"
     q = native_tiny()
     with pytest.raises(RuntimeError, match="quantized weights .* CPU code"):
         q.to("meta")
     assert q.embed.weight.device.type == "cpu" and q.exact_attention
+
+
+def test_a_cast_on_the_cpu_makes_the_planned_weight_copies_again() -> None:
+    """A plan reading (in, out) copies of the weights (``xwt``): after .half().float() the copies follow the
+    rounded weights (they kept the old values, off by ~3e-4 in a product)."""
+    from native_utils import tiny_config
+
+    from treedraft.models.llama import Transformer
+
+    torch.manual_seed(0)
+    m = Transformer(tiny_config(64, 32)).eval()
+    m.pack(dict.fromkeys((1, 2, 4), "xwt"))
+    m.half().float()
+    lin = m.layers[0].attn.wqkv
+    assert torch.equal(lin.weight_t, lin.weight.t())
+    x = torch.randn(2, lin.in_features)
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight), rtol=1e-5, atol=1e-5)

@@ -2232,3 +2232,22 @@ def test_schema_traps_a_review_found() -> None:
     g = base.with_schema(obj({"type": "number", "exclusiveMinimum": -0.0}))
     end = run(g.start(), b'{"x": 0}', g.nodes)
     assert run(g.start(), b'{"x": 0.5}', g.nodes)[0] == DONE and (end is None or end[0] != DONE)
+
+
+def test_too_many_union_branches_fail_where_the_token_is_taken_never_in_a_draft() -> None:
+    """Two branches that each open a 40-way union: '{' would leave 80 alive (past MAX_ALTERNATIVES). The mask
+    (the union of the branches' own masks) lists it; taking it raises the clear error, as plain decoding does when
+    it picks it; a draft holding it is pruned instead of failing the request."""
+    inner = lambda tag: {"anyOf": [  # noqa: E731
+        {"type": "object", "properties": {f"{tag}{i}": {"type": "integer"}}, "required": [f"{tag}{i}"],
+         "additionalProperties": False} for i in range(40)]}  # fmt: skip
+    sch = {"anyOf": [{"type": "object", "properties": {"a": inner(t)}, "required": ["a"],
+                      "additionalProperties": False} for t in "xy"]}  # fmt: skip
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257).with_schema(sch)
+    s = run(g.start(), b'{"a":', g.nodes)
+    assert s[0] == MULTI and g.allowed(s)[ord("{")] and g.allowed(s)[ord(" ")]
+    with pytest.raises(GenerationError, match="anyOf branches alive"):
+        g.advance(s, ord("{"))
+    tree = TokenTree((ord(":"), ord(" "), ord("{"), ord("{")), (-1, 0, 1, 0))
+    kept, states = prune(g, tree, s)
+    assert kept.tokens == (ord(":"), ord(" ")) and states[1] == g.advance(s, ord(" "))

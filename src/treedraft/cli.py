@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 import time
 from typing import Any
@@ -13,7 +14,21 @@ _PLUGINS = ("treedraft.bench", "treedraft.server", "treedraft.training.cli", "tr
 # commands of a plugin whose optional dependency may be missing (pyproject extras): they are still listed, and
 # running one says what to install, while every other command keeps working (a GPU image without fastapi ran
 # `treedraft bench` into a ModuleNotFoundError from the server's import)
-_OPTIONAL = {"treedraft.server": (("serve",), "server"), "treedraft.loadtest": (("loadtest",), "server")}
+# module -> (its commands, the pyproject extra, the third-party modules they import, some only when they run)
+_OPTIONAL = {
+    "treedraft.server": (("serve",), "server", ("fastapi", "uvicorn")),
+    "treedraft.loadtest": (("loadtest",), "server", ("httpx",)),
+}
+
+
+def _installed(name: str) -> bool:
+    """Whether module ``name`` can be imported (without importing it)."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -269,13 +284,15 @@ def cmd_chat(a: argparse.Namespace) -> int:
     return 0
 
 
-def _register_missing(sub: Any, mod: str, missing: str) -> None:
-    """Stand-in commands for plugin ``mod`` whose optional dependency ``missing`` is not installed."""
-    names, extra = _OPTIONAL[mod]
+def _register_missing(sub: Any, mod: str, missing: str, why: str | None = None) -> None:
+    """Stand-in commands for plugin ``mod`` whose optional dependency ``missing`` is not installed (or, ``why``,
+    failed to import)."""
+    names, extra, _ = _OPTIONAL[mod]
+    reason = "which is not installed" if why is None else f"which failed to import ({why})"
 
     def fail(a: argparse.Namespace) -> int:
         print(
-            f"error: `treedraft {a.command}` needs the Python package {missing!r}, which is not installed; "
+            f"error: `treedraft {a.command}` needs the Python package {missing!r}, {reason}; "
             f"install it with: pip install 'treedraft[{extra}]'",
             file=sys.stderr,
         )
@@ -310,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_arg(c)
     c.set_defaults(func=cmd_chat)
     for mod in _PLUGINS:
+        needs = _OPTIONAL[mod][2] if mod in _OPTIONAL else ()
+        missing = next((d for d in needs if not _installed(d)), None)
+        if missing is not None:  # (some are imported only when the command runs: checked here, by name)
+            _register_missing(sub, mod, missing)
+            continue
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:
@@ -318,6 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
             if mod not in _OPTIONAL:
                 raise
             _register_missing(sub, mod, e.name or str(e))
+            continue
+        except ImportError as e:  # installed but broken (e.g. clashing versions): the other commands still work
+            if mod not in _OPTIONAL:
+                raise
+            _register_missing(sub, mod, needs[0], str(e).splitlines()[0][:200])
             continue
         m.register(sub)
     return ap

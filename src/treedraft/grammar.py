@@ -1419,7 +1419,10 @@ def prune(grammar: JsonGrammar, tree: TokenTree, state: State) -> tuple[TokenTre
     states: list[State | None] = [state]
     for i in range(1, len(tree)):
         ps = states[tree.parents[i]]
-        states.append(None if ps is None else grammar.advance(ps, tree.tokens[i]))
+        try:
+            states.append(None if ps is None else grammar.advance(ps, tree.tokens[i]))
+        except GenerationError:  # (too many union branches alive after it): a draft never raises; plain decoding
+            states.append(None)  # fails exactly where it takes this token, and so does the target's own choice
     keep = [i for i, s in enumerate(states) if s is not None]
     if len(keep) == len(tree):
         return tree, states  # type: ignore[return-value]

@@ -248,12 +248,15 @@ class Transformer(nn.Module):
         """
         from .quant import QuantLinear
 
-        # where fn sends tensors (an empty probe): the CPU-only paths are checked before anything moves
-        off_cpu = fn(torch.empty(0)).device.type != "cpu" and self.embed.weight.device.type == "cpu"
+        # where fn sends tensors (an empty probe made where the weights are, not on a default device): the CPU-only
+        # paths are checked before anything moves
+        w = self.embed.weight
+        off_cpu = w.device.type == "cpu" and fn(torch.empty(0, device=w.device)).device.type != "cpu"
         if off_cpu and any(isinstance(m, QuantLinear) for m in self.modules()):
             raise RuntimeError(
                 "this model runs quantized weights (weights='int4' / 'int8'), whose kernels are CPU code, so it "
-                "cannot move off the CPU; load it on the device instead, e.g. treedraft.load(device='cuda')"
+                "cannot move off the CPU; load it on the device instead, e.g. treedraft.load(device='cuda') "
+                "(its weights load as fp32 there)"
             )
         out = super()._apply(fn, recurse)
         watch.bump()  # _apply replaces buffers without the registration hooks
@@ -262,6 +265,12 @@ class Transformer(nn.Module):
         if off_cpu:  # the row-invariant fp32 plan and attention are native CPU kernels: the stock ops there
             self.exact_attention = False
             self.unpack()
+        elif (
+            getattr(self, "matmul_plan", None) is not None
+        ):  # (in, out) copies are plain attributes: made again from the new weights
+            for m in self.modules():
+                if isinstance(m, Linear) and m.weight_t is not None:
+                    m.weight_t = m.weight.detach().t().contiguous()
         return out
 
     @property

@@ -301,7 +301,7 @@ def train_eagle(
         key["extra_data"] = [str(d) for d in extra_data]
     step, report = 0, {"epochs": [], "train_rows": sum(b - a for a, b in train_spans), "heldout_sequences": len(held)}
     if ck.is_file():
-        st = torch.load(ck, weights_only=False)
+        st = torch.load(ck, weights_only=False, map_location="cpu")  # a GPU run resumes anywhere; moved on load
         if st["key"] != key:
             raise ValueError(f"{ck} was written for other settings or data; delete {ckpt_dir} to start over")
         net.load_state_dict(st["net"])

@@ -273,7 +273,7 @@ def train_heads(
     ckpt = out / "checkpoint.pt"
     step = 0
     if resume and ckpt.is_file():
-        st = torch.load(ckpt, weights_only=False)
+        st = torch.load(ckpt, weights_only=False, map_location="cpu")  # (load_state_dict moves it to the heads)
         check_checkpoint(st, ckpt, mcfg, tcfg, vocab_map, len(tokens), init_id)
         try:
             heads.load_state_dict(st["heads"])
