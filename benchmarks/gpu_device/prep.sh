@@ -6,13 +6,14 @@
 # next call does not name is removed there) and the second call assembles it and runs the check.
 #
 #   bash benchmarks/gpu_device/prep.sh           # here, once: parts, the gguf wheel, the MT-Bench file
+#   bash benchmarks/gpu_device/tree.sh hide      # benchmarks/results out of what travels (see below)
 #   then, with the device tool, back to back (the machine is given back after 30 s idle):
 #     run  command "bash benchmarks/gpu_device/call1.sh"  carry [".gpu/a", ".whl"]
 #     run  command "bash benchmarks/gpu_device/call2.sh"  carry [".gpu/b", ".whl"]
+#   bash benchmarks/gpu_device/tree.sh restore   # at once, before any commit
 #
-# The tracked tree itself must stay under the limit with a half beside it: in session 28 it was 70 MB, 55 MB of it
-# benchmarks/results, which was taken out of the index for the two calls (git rm -r -q --cached
-# benchmarks/results && mv benchmarks/results elsewhere; afterwards move it back and git reset -q -- benchmarks/results).
+# The tracked tree itself must stay under the limit with a half beside it: in session 28 it was 71 MB, 55 MB of it
+# benchmarks/results, which tree.sh takes out of the index and the work tree for the calls.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
