@@ -313,3 +313,22 @@ def test_a_cast_on_the_cpu_makes_the_planned_weight_copies_again() -> None:
     assert torch.equal(lin.weight_t, lin.weight.t())
     x = torch.randn(2, lin.in_features)
     torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_the_native_entry_points_refuse_tensors_off_the_cpu() -> None:
+    """Their C++ reads host memory: a GPU tensor's device pointer would be read as one (the meta device stands in)."""
+    from treedraft import kernels
+
+    if not kernels.available():
+        pytest.skip("native kernels unavailable")
+    x = torch.zeros(2, 64, device="meta")
+    w = kernels.pack_q8_0(torch.ones(8, 2), torch.zeros(8, 64, dtype=torch.int8))
+    with pytest.raises(ValueError, match="mm: the native kernels are CPU code, got a tensor on meta"):
+        kernels.mm(x, w)
+    with pytest.raises(ValueError, match="mm_f32: the native kernels are CPU code"):
+        kernels.mm_f32(torch.zeros(2, 64), torch.zeros(8, 64, device="meta"))
+    with pytest.raises(ValueError, match="quantize_activations: the native kernels are CPU code"):
+        kernels.quantize_activations(x)
+    q, kv = torch.zeros(1, 4, 16, device="meta"), torch.zeros(2, 3, 16)
+    with pytest.raises(ValueError, match="attend: the native kernels are CPU code"):
+        kernels.attend(q, kv, kv, None, 0.25)

@@ -266,8 +266,16 @@ def read_bandwidth(mbytes: int = 256, reps: int = 5) -> float:
     return float(ext.read_bandwidth(buf, reps))
 
 
+def _on_cpu(name: str, *ts: torch.Tensor) -> None:
+    """The native kernels read host memory: a tensor elsewhere (a GPU's) would be read through its device pointer."""
+    for t in ts:
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: the native kernels are CPU code, got a tensor on {t.device}")
+
+
 def mm(x: torch.Tensor, w: PackedWeight, *, path: str = "") -> torch.Tensor:
     """y (M, N) = x (M, K) float32 @ W^T for a packed weight (path: force 'avx2'/'scalar'/...)."""
+    _on_cpu("mm", x)
     if x.dim() != 2 or x.shape[1] != w.K:
         raise ValueError(f"mm: x must be (M, {w.K}), got {tuple(x.shape)}")
     ext = _ext()
@@ -290,6 +298,7 @@ def mm_f32(x: torch.Tensor, w: torch.Tensor, *, path: str = "") -> torch.Tensor:
     """y (M, N) = x (M, K) @ w (N, K)^T in float32 with every row computed the same way whatever M (kernels/
     f32mm.h: a tree row equals the 1-token row bitwise, which BLAS does not promise); path: force 'avx2' /
     'scalar' (same bits). Needs the native kernel (:func:`available`)."""
+    _on_cpu("mm_f32", x, w)
     ext = _ext()
     if ext is None:
         raise RuntimeError(f"mm_f32 needs the native kernel ({unavailable_reason()})")
@@ -365,6 +374,7 @@ _ROW_PASS_CALLER = 1 << 40  # mm_core.h kRowPassCaller
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The native GEMM's int8 activation codes of x (M, K): q (M, K) int8, d (M, K/32), s = d * sum(q) (M, K/32)."""
+    _on_cpu("quantize_activations", x)
     if x.dim() != 2 or x.shape[1] % 32:
         raise ValueError(f"quantize_activations: x must be (M, K) with K a multiple of 32, got {tuple(x.shape)}")
     ext = _ext()
@@ -388,6 +398,7 @@ def attend(
     stored contiguously (bitwise). GQA: head h uses kv head h // (nh // nkv). Needs the extension
     (check ``available()``); path forces 'avx512'/'avx2'/'scalar' (all give the same bits).
     """
+    _on_cpu("attend", q, k, v)
     ext = _ext()
     if ext is None:
         raise RuntimeError(f"treedraft.kernels.attend needs the native extension ({unavailable_reason()})")
