@@ -19,7 +19,7 @@ cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
 model=$(PYTHONPATH=src "$PY" -c "from treedraft.models.registry import resolve; print(resolve('smollm2-135m-instruct'))")
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
-rm -rf .gpu && mkdir -p .gpu/a .gpu/b .whl
+rm -rf .gpu/a .gpu/b .gpu/m.xz && mkdir -p .gpu/a .gpu/b .whl  # (never all of .gpu: tree.sh keeps benchmarks/results there)
 xz -T2 -6 -c "$model" > .gpu/m.xz
 split -n 2 -d .gpu/m.xz .gpu/part. && mv .gpu/part.00 .gpu/a/ && mv .gpu/part.01 .gpu/b/ && rm .gpu/m.xz
 sha256sum "$model" | cut -c1-64 > .gpu/b/model.sha256
