@@ -70,6 +70,21 @@ def test_the_bundled_model_on_float_weights_defaults_to_hybrid_eagle() -> None:
     assert registry.default_name(opts) == "hybrid-suffix"  # no target to look at
 
 
+def test_heads_of_ones_own_are_never_replaced_by_the_shipped_eagle(tmp_path: Path) -> None:
+    """--heads DIR with Medusa heads only: on float weights the default drafts with them (it took the shipped EAGLE
+    drafter and dropped them, silently), and --drafter eagle says the directory holds no EAGLE drafter (it used the
+    shipped one instead)."""
+    from treedraft.models.quant import native_kernels
+
+    m = tiny_llama()
+    own = DrafterOptions("smollm2-135m-instruct", heads=str(_save_heads(m, tmp_path / "own")))
+    assert registry.default_name(own, m) == "hybrid-suffix"
+    with pytest.raises(FileNotFoundError, match="holds no eagle.json, so it is no EAGLE drafter"):
+        registry.build("eagle", m, None, own)
+    if native_kernels() is not None:  # where the shipped EAGLE drafter would be the default on float weights
+        assert registry.default_name(DrafterOptions("smollm2-135m-instruct"), m) == "hybrid-eagle"
+
+
 def test_aliases_none_and_unknown_names() -> None:
     m = tiny_llama()
     assert registry.build("none", m) is None and registry.build("plain", m) is None

@@ -287,18 +287,25 @@ def _hybrid_suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions)
 
 
 def eagle_dir(options: DrafterOptions) -> Path | None:
-    """The EAGLE drafter directory: ``--heads DIR`` when it holds an eagle.json, else the shipped one, else None."""
+    """The EAGLE drafter directory: ``--heads DIR`` when it holds an eagle.json; with no ``--heads``, the shipped
+    one; else None. A ``--heads DIR`` without one (Medusa heads of the user's) is never replaced by the shipped
+    EAGLE drafter: the default then drafts with those heads, and ``--drafter eagle`` says what is missing."""
     from .eagle import EAGLE_JSON, shipped_eagle_for
 
-    if options.heads not in (None, DEFAULT) and (Path(options.heads) / EAGLE_JSON).is_file():
-        return Path(options.heads)
+    if options.heads not in (None, DEFAULT):
+        return Path(options.heads) if (Path(options.heads) / EAGLE_JSON).is_file() else None
     return shipped_eagle_for(options.model_name)
 
 
 def _eagle(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Any:
-    from .eagle import EagleDrafter
+    from .eagle import EAGLE_JSON, EagleDrafter
 
     d = eagle_dir(options)
+    if d is None and options.heads not in (None, DEFAULT):
+        raise FileNotFoundError(
+            f"--heads {options.heads} holds no {EAGLE_JSON}, so it is no EAGLE drafter (Medusa heads?); pass the "
+            "directory `treedraft train-eagle` wrote, or leave --heads out for the shipped EAGLE drafter"
+        )
     if d is None:
         raise FileNotFoundError(
             f"no EAGLE drafter is shipped for {options.model_name!r}; "
