@@ -84,6 +84,11 @@ SCHEMA = {
 }  # fmt: skip
 
 
+def _failed(e: Exception) -> dict:
+    """A path that raised, as the summary reports it."""
+    return {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+
+
 @torch.inference_mode()
 def paths(model: str, device: str, tokens: int = 48, bf16: bool | None = None) -> dict:
     """The engine's other paths on ``device``, each with the default drafter beside plain decoding: seeded sampling,
@@ -113,7 +118,7 @@ def paths(model: str, device: str, tokens: int = 48, bf16: bool | None = None) -
             if "response_format" in kw and spec.finish_reason == "stop":
                 json.loads(spec.text)  # a closed answer must parse
         except Exception as e:  # a crash on this device is what the check is for
-            out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+            out[name] = _failed(e)
     try:
         reqs = []
         for i, text in enumerate(PATH_PROMPTS):
@@ -138,7 +143,7 @@ def paths(model: str, device: str, tokens: int = 48, bf16: bool | None = None) -
             "of": len(res),
         }
     except Exception as e:
-        out["batched (4 requests, scheduler)"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        out["batched (4 requests, scheduler)"] = _failed(e)
     if bf16:  # what a GPU user gets by default (--dtype auto is bf16 on CUDA): greedy default drafter vs plain
         name = "bf16 (the CUDA default dtype), greedy, 4 prompts"
         try:
@@ -158,7 +163,7 @@ def paths(model: str, device: str, tokens: int = 48, bf16: bool | None = None) -
             out[name] = {"ok": True, "equal": n_eq, "of": len(PATH_PROMPTS),
                          "speed": f"plain {rate['plain']:.1f} tok/s, default {rate['default']:.1f} tok/s"}  # fmt: skip
         except Exception as e:
-            out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+            out[name] = _failed(e)
     return out
 
 

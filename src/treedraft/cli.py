@@ -11,10 +11,10 @@ from typing import Any
 
 # module -> name of its `register(subparsers)` function; loaded only if the module imports
 _PLUGINS = ("treedraft.bench", "treedraft.server", "treedraft.training.cli", "treedraft.loadtest")
-# commands of a plugin whose optional dependency may be missing (pyproject extras): they are still listed, and
-# running one says what to install, while every other command keeps working (a GPU image without fastapi ran
-# `treedraft bench` into a ModuleNotFoundError from the server's import)
-# module -> (its commands, the pyproject extra, the third-party modules they import, some only when they run)
+# plugins with optional dependencies (pyproject extras): module -> (its commands, the extra, the third-party modules
+# they import, some only when a command runs). Where one is missing or broken the commands are still listed and
+# say what to install, while every other command keeps working (a GPU image without fastapi ran `treedraft bench`
+# into a ModuleNotFoundError from the server's import)
 _OPTIONAL = {
     "treedraft.server": (("serve",), "server", ("fastapi", "uvicorn")),
     "treedraft.loadtest": (("loadtest",), "server", ("httpx",)),

@@ -265,12 +265,8 @@ class Transformer(nn.Module):
         if off_cpu:  # the row-invariant fp32 plan and attention are native CPU kernels: the stock ops there
             self.exact_attention = False
             self.unpack()
-        elif (
-            getattr(self, "matmul_plan", None) is not None
-        ):  # (in, out) copies are plain attributes: made again from the new weights
-            for m in self.modules():
-                if isinstance(m, Linear) and m.weight_t is not None:
-                    m.weight_t = m.weight.detach().t().contiguous()
+        elif getattr(self, "matmul_plan", None) is not None:
+            self.pack(self.matmul_plan)  # the plan's (in, out) weight copies are plain attributes: made again
         return out
 
     @property

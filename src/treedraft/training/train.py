@@ -91,7 +91,7 @@ def rank_hits(
         r = min(max_rank, logits.shape[-1])
         top = logits.topk(r, dim=-1).indices  # (b, K, r)
         if vm is not None:
-            top = vm.to(dev)[top]
+            top = vm[top]  # (a buffer: on the heads' device)
         top = top.cpu()
         ok = t >= 0
         n += ok.sum(0)
