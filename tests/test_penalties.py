@@ -84,9 +84,11 @@ def test_tree_paths_and_off_penalties() -> None:
     state.add([3, 3])
     penalize_(logits, state, [[], [4]])()
     assert torch.equal(logits, before)
-    for bad in (dict(repetition=0.0), dict(repetition=-1.0), dict(presence=2.5), dict(frequency=-3.0)):
+    bad_repetition = [0.0, -1.0, 1e-40, 1e-300, 0.0099, 100.01, 1e300, float("inf"), float("nan")]
+    for bad in [dict(repetition=r) for r in bad_repetition] + [dict(presence=2.5), dict(frequency=-3.0)]:
         with pytest.raises(ValueError, match="penalty"):
             Penalties(**bad)
+    assert Penalties(repetition=0.01).repetition == 0.01 and Penalties(repetition=100.0).repetition == 100.0
     for bias in (((1, 101.0),), ((-1, 1.0),), ((1, 1.0), (1, 2.0)), (("1", 1.0),)):
         with pytest.raises(ValueError, match="logit_bias"):
             Penalties(bias=bias)

@@ -172,3 +172,17 @@ def test_equal_probabilities_enter_the_nucleus_lower_id_first(path: str, request
     kept = (target_probs(y, params)[0] > 0).nonzero().flatten().tolist()
     assert kept == (reference_probs(y, params)[0] > 0).nonzero().flatten().tolist()
     assert kept == list(range(150, 150 + len(kept))) and 1 < len(kept) < 50
+
+
+def test_a_temperature_below_greedy_below_is_greedy() -> None:
+    """Below GREEDY_BELOW the temperature is 0 for every consumer (target_probs, the native sampler): 1e-38 made
+    float32 logits / temperature overflow to inf and NaN before."""
+    from treedraft.sampling import GREEDY_BELOW
+
+    for t in (1e-38, 5e-324, GREEDY_BELOW / 2):
+        p = SamplingParams(temperature=t, seed=1)
+        assert p.greedy and p.temperature == 0.0
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
+    logits = torch.tensor([[3.0, 5.0, 1.0, 5.0 - 1e-3]])
+    probs = target_probs(logits, SamplingParams(temperature=1e-38))
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import re
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -460,6 +461,23 @@ def test_bad_requests_get_openai_errors(
     assert err["type"] == "invalid_request_error"
 
 
+def test_an_oversize_chunked_body_is_a_413_and_a_body_at_the_limit_is_read(server: LiveServer) -> None:
+    """Without a Content-Length (chunked upload) the body is counted as it arrives: one over the limit is a 413; a
+    small one sent in many chunks is read whole."""
+    url = f"{server.url}/v1/chat/completions"
+    big = b'{"messages": [{"role": "user", "content": "' + b"a" * 70000 + b'"}]}'
+    r = httpx.post(url, content=(big[i : i + 4096] for i in range(0, len(big), 4096)), timeout=60)
+    assert "limit" in assert_error(r, 413, None)["message"]
+    small = json.dumps({"model": "tiny", "messages": CHAT, "max_tokens": 2, "temperature": 0}).encode()
+    r = httpx.post(url, content=(small[i : i + 7] for i in range(0, len(small), 7)), timeout=60)
+    assert r.status_code == 200, r.text
+    # a declared length over the limit is answered before any of the body is sent (it never is, here)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        head = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {10**9}\r\n\r\n".encode())
+        assert sock.recv(4096).split(b"\r\n", 1)[0] == b"HTTP/1.1 413 Request Entity Too Large"
+
+
 _ANY_JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
@@ -513,6 +531,56 @@ def test_random_bodies_never_get_5xx(server: LiveServer, chat: bool, body: dict)
     assert r.status_code < 500, (body, r.status_code, r.text)
     if r.status_code != 200:
         assert_error(r, r.status_code)
+
+
+def test_a_tiny_temperature_is_greedy_and_an_extreme_repetition_penalty_a_400(server: LiveServer) -> None:
+    """temperature 1e-38 (below GREEDY_BELOW) answers as greedy instead of failing with a 500 (float32 logits
+    divided by it overflowed, so sampling found no mass); a repetition penalty outside [0.01, 10] is a 400."""
+    url = f"{server.url}/v1/chat/completions"
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 6, "ignore_eos": True, "treedraft": {"drafter": "none"}}
+    greedy = httpx.post(url, json=body | {"temperature": 0}, timeout=TIMEOUT)
+    assert greedy.status_code == 200, greedy.text
+    for t in (1e-38, 1e-45, 5e-324, 1e-6):
+        r = httpx.post(url, json=body | {"temperature": t, "seed": 3}, timeout=TIMEOUT)
+        assert r.status_code == 200, (t, r.text)
+        assert r.json()["choices"][0]["message"]["content"] == greedy.json()["choices"][0]["message"]["content"]
+    for rep in (1e-300, 1e-40, 0.009):
+        r = httpx.post(url, json=body | {"temperature": 0.7, "repetition_penalty": rep}, timeout=TIMEOUT)
+        assert_error(r, 400, "repetition_penalty")
+    r = httpx.post(url, json=body | {"temperature": 0.7, "repetition_penalty": 0.01, "seed": 1}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+
+
+def test_openai_fields_that_would_change_the_answer_are_refused_by_name(server: LiveServer) -> None:
+    """The deprecated functions / function_call, audio, web search and non-text modalities are a 400 naming the
+    field (they were dropped silently: the answer came back as text without a call); fields that change nothing
+    here (store, metadata, modalities ["text"]) are accepted."""
+    url = f"{server.url}/v1/chat/completions"
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 2, "temperature": 0}
+    fn = {"name": "f", "parameters": {"type": "object", "properties": {}}}
+    for extra, param in (
+        ({"functions": [fn], "function_call": {"name": "f"}}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"web_search_options": {}}, "web_search_options"),
+    ):
+        err = assert_error(httpx.post(url, json=body | extra, timeout=TIMEOUT), 400, param)
+        assert "tools" in err["message"] if param.startswith("function") else err["message"]
+    ok = body | {"store": True, "metadata": {"a": "b"}, "modalities": ["text"], "functions": None}
+    assert httpx.post(url, json=ok, timeout=TIMEOUT).status_code == 200
+
+
+def test_one_model_can_be_retrieved_and_health_answers_head(server: LiveServer) -> None:
+    """client.models.retrieve (GET /v1/models/{id}) gives the listing's entry, an unknown id a 404 naming it;
+    HEAD /health (load balancers' probe) is a 200 like GET."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    listed = httpx.get(f"{server.url}/v1/models", timeout=TIMEOUT).json()["data"]
+    got = client.models.retrieve("tiny")
+    assert got.id == "tiny" and got.model_dump(exclude_none=True) == next(m for m in listed if m["id"] == "tiny")
+    r = httpx.get(f"{server.url}/v1/models/other-model", timeout=TIMEOUT)
+    assert "other-model" in assert_error(r, 404, None)["message"]
+    assert httpx.head(f"{server.url}/health", timeout=TIMEOUT).status_code == 200
 
 
 # ----------------------------------------------------------------------------- disconnects
@@ -983,6 +1051,39 @@ def test_a_client_leaving_mid_stream_frees_its_slot(server: LiveServer, n: int) 
         f"{server.url}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=TIMEOUT
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2 * n
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_client_leaving_a_non_streamed_request_frees_its_slot(llm: LLM, n: int) -> None:
+    """A non-streamed request whose client gives up while tokens keep coming (the handler is never idle for a
+    whole poll interval, the default 0.25 s here): its jobs leave the worker at once, counted as aborted, instead
+    of running to max_tokens."""
+    with LiveServer(create_app(llm, ServerSettings(poll_interval_s=0.25))) as server:
+        _leave_a_non_streamed_request(server, n)
+
+
+def _leave_a_non_streamed_request(server: LiveServer, n: int) -> None:
+    before = scrape(server.url)
+    body = {
+        "model": "tiny",
+        "messages": CHAT,
+        "max_tokens": 4000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "treedraft": {"drafter": "none"},
+        "n": n,
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=1.0))
+    wait_for(
+        lambda: metric(scrape(server.url), "treedraft:num_requests_running") == 0,
+        "the abandoned request to leave the worker",
+        10,
+    )
+    after = scrape(server.url)
+    assert metric(after, "treedraft:request_aborted_total") - metric(before, "treedraft:request_aborted_total") == n
+    gen = metric(after, "treedraft:generation_tokens_total") - metric(before, "treedraft:generation_tokens_total")
+    assert 0 < gen < 4000 * n, gen
 
 
 # ----------------------------------------------------------------------------- loadtest

@@ -32,6 +32,9 @@ from torch import Tensor
 
 PENALTY_RANGE = 2.0  # |presence|, |frequency| at most this (OpenAI's range)
 BIAS_RANGE = 100.0  # |logit_bias| values at most this (OpenAI's range)
+# repetition within [1/this, this]: a factor past it only saturates the choice, and near float32's limits the
+# division overflows (1e-40 made every positive logit inf, so sampling had no mass left)
+REPETITION_RANGE = 100.0
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,11 @@ class Penalties:
     stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not (self.repetition > 0.0) or self.repetition == float("inf"):
-            raise ValueError(f"repetition_penalty must be a positive number (1.0 is off), got {self.repetition}")
+        if not (1 / REPETITION_RANGE <= self.repetition <= REPETITION_RANGE):
+            raise ValueError(
+                f"repetition_penalty must be in [{1 / REPETITION_RANGE:g}, {REPETITION_RANGE:g}] (1.0 is off), "
+                f"got {self.repetition}"
+            )
         for name, v in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency)):
             if not (-PENALTY_RANGE <= v <= PENALTY_RANGE):
                 raise ValueError(f"{name} must be in [-{PENALTY_RANGE}, {PENALTY_RANGE}] (0 is off), got {v}")

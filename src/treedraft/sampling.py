@@ -7,10 +7,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as in vLLM), see SamplingParams
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 disable those filters."""
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 disable those filters.
+
+    A temperature below :data:`GREEDY_BELOW` is taken as 0 (greedy): sampling there is the argmax but for exact
+    ties, and float32 logits divided by a temperature near float32's smallest (1e-38) overflow to inf / NaN."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -20,6 +25,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (self.temperature >= 0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):

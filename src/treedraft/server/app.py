@@ -177,10 +177,17 @@ class OpenAIServer:
 
     async def read(self, request: Request, model: type[BaseModel]) -> Any:
         """The request body validated against ``model``."""
-        body = await request.body()
-        if len(body) > self.settings.max_body_bytes:
-            raise APIError(413, f"the request body has {len(body)} bytes; the limit is {self.settings.max_body_bytes}")
-        return parse_body(model, body)
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:  # refused before a byte of it is read
+            raise APIError(413, f"the request body has {declared} bytes; the limit is {limit}")
+        parts, size = [], 0
+        async for part in request.stream():  # counted as it arrives: a chunked upload is not buffered past the limit
+            size += len(part)
+            if size > limit:
+                raise APIError(413, f"the request body has more than {limit} bytes; the limit is {limit}")
+            parts.append(part)
+        return parse_body(model, b"".join(parts))
 
     def check_model(self, name: str | None) -> str:
         """The served name a request asked for (404 when unknown)."""
@@ -403,15 +410,24 @@ class OpenAIServer:
         return job
 
     async def next_or_disconnect(self, job: Job, request: Request) -> Chunk | Done | Failed | None:
-        """The worker's next item; None (and the job cancelled) once the client has gone."""
+        """The worker's next item; None (and the job cancelled) once the client has gone.
+
+        The client is checked at least every ``poll_interval_s``, also while items keep arriving (a non-streamed
+        request reads no socket until it answers: without this, a client that left went on costing its slot until
+        ``max_tokens``)."""
+        poll = self.settings.poll_interval_s
         while True:
-            item = await job.next(self.settings.poll_interval_s)
-            if item is not None:
+            item = await job.next(poll)
+            now = time.monotonic()
+            if item is not None and now - job.checked_at < poll:
                 return item
+            job.checked_at = now
             if await request.is_disconnected():
                 if job.cancel():  # it never reached the worker, which counts the others
                     self.metrics.aborted.inc()
                 return None
+            if item is not None:
+                return item
 
     async def serve(self, request: Request, preps: list[_Prepared], chat: bool) -> Response:
         """Queue the request (each prompt's n choices, in order), wait for its first output (or error), then answer
@@ -768,7 +784,15 @@ def create_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
         """The served model (and its aliases)."""
         return srv.models()
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        """One served name (``client.models.retrieve``); 404 for any other."""
+        for m in srv.models()["data"]:
+            if m["id"] == model_id:
+                return m
+        raise APIError(404, f"model {model_id!r} is not served here; see GET /v1/models", code="model_not_found")
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         """200 while the worker thread is alive, else 503."""
         if not srv.worker.alive():

@@ -136,14 +136,15 @@ def register(subparsers: Any) -> None:
         type=int,
         default=256,
         help="memory for finished prompt prefills (keys/values, hidden states, first-token logits): a request "
-        "whose prompt, or a prefix of it ending on a 64-token chunk boundary, was prefilled before for the same "
-        "tenant skips those rows and gets the same tokens; least recently used entries go first (0 = off)",
+        "whose prompt, or a prefix of it, was prefilled before for the same tenant skips those rows and gets the "
+        "same tokens (any prefix with the native prefill of --weights int4/int8; on the Python prefill path one "
+        "ending on a --prefill-chunk boundary); least recently used entries go first (0 = off)",
     )
     p.add_argument(
         "--max-tokens-limit",
         type=int,
         default=None,
-        help="largest max_tokens a request may ask for (default: the context window)",
+        help="largest max_tokens a request may ask for (default and upper bound: the context window - 1)",
     )
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     p.add_argument(

@@ -163,7 +163,8 @@ class TreedraftOptions(BaseModel):
 
 
 class CommonRequest(BaseModel):
-    model_config = _STRICT
+    # unknown fields are kept (model_extra) so that reject_unsupported can name OpenAI's unsupported ones
+    model_config = ConfigDict(strict=True, extra="allow")
     model: str | None = None
     max_tokens: int | None = None
     # explicit JSON null means "default" for every optional field, as with OpenAI's API
@@ -178,7 +179,7 @@ class CommonRequest(BaseModel):
     ignore_eos: bool | None = None  # vLLM-style extra
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # OpenAI's range; on the output's tokens
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # vLLM-style extra; prompt + output, 1 = off
+    repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)  # vLLM-style extra; prompt + output, 1 = off
     min_tokens: int | None = Field(None, ge=0)  # vLLM-style extra: no EOS before this many tokens
     logit_bias: dict[str, float] | None = None
     user: str | None = None
@@ -260,8 +261,28 @@ def chat_tools(req: ChatCompletionRequest) -> tuple[list[Tool], str | None]:
         raise APIError(400, str(e), param="tool_choice") from None
 
 
+# OpenAI request fields that change the answer and that this server does not implement -> what to send instead.
+# Other unknown fields (store, metadata, service_tier, ...) change nothing here and are ignored, as vLLM does.
+UNSUPPORTED_FIELDS = {
+    "functions": "the deprecated functions / function_call are not supported; send them as tools "
+    '([{"type": "function", "function": {...}}]) and tool_choice',
+    "function_call": "the deprecated functions / function_call are not supported; send them as tools "
+    '([{"type": "function", "function": {...}}]) and tool_choice',
+    "audio": "audio output is not supported; this server answers in text",
+    "web_search_options": "web search is not supported",
+}
+
+
 def reject_unsupported(req: CommonRequest) -> None:
     """400 for OpenAI parameters this server does not implement (never silently ignored)."""
+    for name, value in (req.model_extra or {}).items():
+        if name in UNSUPPORTED_FIELDS and value is not None:
+            raise APIError(400, UNSUPPORTED_FIELDS[name], param=name)
+    modalities = (req.model_extra or {}).get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise APIError(
+            400, f'modalities {modalities!r} is not supported; this server answers in ["text"]', param="modalities"
+        )
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
         raise APIError(400, f"n must be in 1..{MAX_CHOICES}, got {req.n}", param="n")
     seen: set[int] = set()

@@ -91,6 +91,7 @@ class Job:
         self.tenant = tenant  # who asked: "key-<hash>" (API key) or "user-<user field>"; None when anonymous
         self.loop = loop
         self.t_arrival = time.perf_counter()
+        self.checked_at = time.monotonic()  # when the HTTP handler last asked whether the client is still there
         self.cancelled = threading.Event()
         self._items: deque[Chunk | Done | Failed] = deque()
         self._ready = asyncio.Event()
