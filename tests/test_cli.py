@@ -77,6 +77,10 @@ def test_bad_limits_are_reported_cleanly_before_loading(capsys, no_model_load, t
     bad.write_text('{"type": "object", "properties": {"a": {"format": "uri-reference"}}}')
     r = run_in_process(capsys, "generate", "hi", "--json-schema", str(bad))
     assert r.returncode == 2 and "'uri-reference'" in r.stderr and "Traceback" not in r.stderr
+    r = run_in_process(capsys, "generate", "hi", "--prediction", "/nonexistent/old.py")
+    assert r.returncode == 2 and "--prediction /nonexistent/old.py" in r.stderr and "Traceback" not in r.stderr
+    r = run_in_process(capsys, "generate", "hi", "--repetition-penalty", "1e-40")
+    assert r.returncode == 2 and "repetition_penalty must be in [0.01, 100]" in r.stderr
 
 
 def test_unknown_drafter_is_reported_before_loading(capsys, monkeypatch) -> None:

@@ -583,6 +583,44 @@ def test_one_model_can_be_retrieved_and_health_answers_head(server: LiveServer) 
     assert httpx.head(f"{server.url}/health", timeout=TIMEOUT).status_code == 200
 
 
+def test_a_prediction_changes_nothing_but_is_drafted_from_and_counted(server: LiveServer) -> None:
+    """OpenAI's predicted outputs: the answer equals the one without a prediction, the drafters accept the
+    prediction's tokens (more accepted per step), and usage.completion_tokens_details counts the prediction's tokens
+    found in the answer and the rest, streamed or not."""
+    url = f"{server.url}/v1/chat/completions"
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    body |= {"treedraft": {"drafter": "prompt-lookup"}}
+    plain = httpx.post(url, json=body, timeout=TIMEOUT).json()
+    text = plain["choices"][0]["message"]["content"]
+    assert "completion_tokens_details" not in plain["usage"]
+    with_pred = httpx.post(
+        url, json=body | {"prediction": {"type": "content", "content": text + "~~~"}}, timeout=TIMEOUT
+    )
+    out = with_pred.json()
+    assert out["choices"][0]["message"]["content"] == text
+    assert out["usage"]["completion_tokens_details"] == {
+        "accepted_prediction_tokens": 40,
+        "rejected_prediction_tokens": 3,
+    }
+    assert out["treedraft"]["mean_accepted_length"] > 1.2 * plain["treedraft"]["mean_accepted_length"]  # drafted from
+    parts = {"type": "content", "content": [{"type": "text", "text": text[:10]}, {"type": "text", "text": text[10:]}]}
+    events = _sse_events(
+        httpx.post(
+            url,
+            json=body | {"prediction": parts, "stream": True, "stream_options": {"include_usage": True}},
+            timeout=TIMEOUT,
+        )
+    )
+    assert "".join(ch["delta"].get("content") or "" for ev in events for ch in ev["choices"]) == text
+    assert events[-1]["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 40
+    for bad, param in (
+        ({"type": "text", "content": text}, "prediction"),
+        ({"type": "content", "content": 5}, "prediction.content"),
+        ({"type": "content", "content": [{"type": "image_url"}]}, "prediction.content"),
+    ):
+        assert_error(httpx.post(url, json=body | {"prediction": bad}, timeout=TIMEOUT), 400, param)
+
+
 # ----------------------------------------------------------------------------- disconnects
 
 

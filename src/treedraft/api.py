@@ -11,7 +11,7 @@ import gc
 import json
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -133,6 +133,7 @@ class LLM:
         logit_bias: dict[int, float] | None = None,
         min_tokens: int = 0,
         response_format: str | dict | None = None,
+        prediction: str | Sequence[int] | None = None,
     ) -> GenerationConfig:
         """A :class:`GenerationConfig` from keyword arguments. ``logprobs``: None (off), or n: each generated
         token's log-probability and its position's n most likely alternatives (``GenerationResult.logprobs``,
@@ -144,7 +145,10 @@ class LLM:
         no EOS before the output holds that many tokens (vLLM's); speculative output stays the plain (penalised)
         output. ``response_format``: ``"json_object"`` (or OpenAI's ``{"type": "json_object"}``) constrains the
         answer to one JSON object (:mod:`treedraft.grammar`), ``{"type": "json_schema", "json_schema": {"schema": ...}}``
-        to one valid under that JSON Schema (:meth:`json_grammar`); None or ``"text"``: free text."""
+        to one valid under that JSON Schema (:meth:`json_grammar`); None or ``"text"``: free text. ``prediction``
+        (OpenAI's predicted outputs): text (or token ids) the answer is expected to resemble, e.g. the code an edit
+        rewrites; the text drafters (prompt lookup, suffix, and so the default) draft from it too. Only the speed
+        changes: the answer is the one it would be without."""
         bias = tuple((t, float(v)) for t, v in (logit_bias or {}).items())
         eos = tuple(sorted(self.tokenizer.eos_token_ids))
         penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty, bias, min_tokens, eos)
@@ -158,6 +162,22 @@ class LLM:
             logprobs=logprobs,
             penalties=penalties,
             grammar=self.json_grammar(response_format),
+            prediction=self.prediction_ids(prediction),
+        )
+
+    def prediction_ids(self, prediction: str | Sequence[int] | None) -> tuple[int, ...]:
+        """A predicted output as token ids: text is encoded as it stands (no chat template, no BOS)."""
+        if prediction is None:
+            return ()
+        if isinstance(prediction, str):
+            return tuple(self.tokenizer.encode(prediction))
+        if isinstance(prediction, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.model.vocab_size for t in prediction
+        ):
+            return tuple(prediction)
+        raise GenerationError(
+            f"prediction must be a string or a list of token ids in [0, {self.model.vocab_size}), "
+            f"got {type(prediction).__name__}"
         )
 
     def json_grammar(self, response_format: str | dict | None) -> JsonGrammar | None:

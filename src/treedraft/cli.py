@@ -184,7 +184,20 @@ def _gen_kwargs(a: argparse.Namespace) -> dict:
         frequency_penalty=a.frequency_penalty,
         min_tokens=a.min_tokens,
         response_format=_response_format(a),
+        prediction=_prediction(a),
     )
+
+
+def _prediction(a: argparse.Namespace) -> str | None:
+    """--prediction FILE's text (ValueError naming the file if it cannot be read)."""
+    path = getattr(a, "prediction", None)
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prediction {path}: {e}") from None
 
 
 def _response_format(a: argparse.Namespace) -> str | dict | None:
@@ -230,6 +243,7 @@ def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> None:
     from .sampling import SamplingParams
 
     kw = _gen_kwargs(a)
+    kw.pop("prediction")  # read here (a missing file is reported before the load), tokenized with the model
     if kw.pop("response_format") and a.min_tokens:
         raise ValueError(
             "--min-tokens cannot be combined with --json / --json-schema (the closed object ends the answer)"
@@ -316,6 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("prompt")
     g.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    g.add_argument(
+        "--prediction",
+        default=None,
+        metavar="FILE",
+        help="predicted output (OpenAI's predicted outputs): a text file the answer is expected to resemble, e.g. "
+        "the code an edit rewrites; the text drafters draft from it too, the answer stays the same",
+    )
     add_model_args(g)
     add_sampling_args(g)
     add_threads_arg(g)

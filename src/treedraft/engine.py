@@ -55,6 +55,9 @@ class GenerationConfig:
     logprobs: int | None = None  # None: off; n: each token's log p and its row's n best (treedraft.logprobs)
     penalties: Penalties = field(default_factory=Penalties)  # repetition / presence / frequency (treedraft.penalties)
     grammar: JsonGrammar | None = None  # JSON mode: the automaton over this model's vocabulary (treedraft.grammar)
+    # predicted output (OpenAI's "prediction"): token ids the answer is expected to resemble; text drafters search
+    # them as well (DraftContext.reference). Speed only: the output is the same with or without them.
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -77,6 +80,8 @@ class GenerationConfig:
             raise GenerationError(str(err)) from None
         if self.grammar is not None and self.ignore_eos:
             raise GenerationError("JSON mode ends the answer with EOS once the object is closed; drop ignore_eos")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.prediction):
+            raise GenerationError("prediction must be a sequence of token ids (integers >= 0)")
         if self.grammar is not None and self.penalties.min_tokens > 0:
             raise GenerationError("min_tokens cannot be combined with JSON mode (the closed object ends the answer)")
 

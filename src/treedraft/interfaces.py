@@ -115,6 +115,9 @@ class DraftContext:
     # The request's penalties / logit bias (treedraft.penalties.PenaltyState), None when off: a drafter that scores
     # the vocabulary may adjust its scores as the target's will be (penalize_draft_); verification is exact anyway.
     penalty: Any = None
+    # Predicted output (OpenAI's ``prediction``): token ids the caller expects the answer to be close to, e.g. the
+    # file an edit rewrites. Text drafters (prompt lookup, suffix) search it as well; () when none was given.
+    reference: Sequence[int] = ()
 
     @property
     def root(self) -> int:

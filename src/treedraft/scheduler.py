@@ -223,6 +223,11 @@ class Scheduler:
         cfg = config or GenerationConfig()
         eng.check_prompt(prompt_ids)
         prompt = [int(t) for t in prompt_ids]
+        if cfg.prediction and max(cfg.prediction) >= eng.model.vocab_size:
+            raise GenerationError(
+                f"prediction holds token id {max(cfg.prediction)}, outside this model's vocabulary of "
+                f"{eng.model.vocab_size}"
+            )
         max_new = eng.token_budget(len(prompt), cfg)
         if cache is None:  # room for the prompt, the budget and the widest tree at the last step
             model = eng.model
@@ -293,7 +298,15 @@ class Scheduler:
         req.pause -= paused
         if req.drafter is not None and budget > 1 and max_depth > 0 and not paused:
             ctx = DraftContext(
-                req.tokens, req.last_hidden, budget, max_depth, len(req.prompt), req.take_hidden(), *step, req.penalty
+                req.tokens,
+                req.last_hidden,
+                budget,
+                max_depth,
+                len(req.prompt),
+                req.take_hidden(),
+                *step,
+                req.penalty,
+                req.config.prediction,
             )
             name = getattr(req.drafter, "name", type(req.drafter).__name__)
             try:

@@ -17,6 +17,7 @@ branches pay where verification is cheaper per token (a GPU): raise ``max_tokens
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,13 +52,18 @@ class PromptLookupDrafter:
             m += 1
         return m
 
-    def candidates(self, tokens: list[int], depth: int) -> list[list[int]]:
+    def candidates(self, tokens: list[int], depth: int, reference: Sequence[int] = ()) -> list[list[int]]:
         """Continuations (after the root) of the most recent matches, longest n-gram first.
 
         ``depth`` caps every continuation; adaptive branches are also cut to their match length.
+        ``reference`` (a predicted output, :attr:`DraftContext.reference`) is searched as well, as text before the
+        prompt that no match runs across; then, per n-gram length, the occurrences whose match runs back furthest
+        come first, wherever they are: a prediction's aligned occurrence beats a stray recent one.
         """
         seqs: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
+        if reference:
+            tokens = [*reference, -1, *tokens]  # -1: no token id, so no match or continuation crosses it
         L = len(tokens)
         arr = np.asarray(tokens, dtype=np.int64)  # (L,): the occurrences are found vectorised, not by a Python scan
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
@@ -66,9 +72,19 @@ class PromptLookupDrafter:
             for j in range(1, n):
                 hit &= arr[j : L - n + j] == arr[L - n + j]
             # most recent first: recent matches are better predictors
-            for s in np.flatnonzero(hit)[::-1].tolist():
+            starts = np.flatnonzero(hit)[::-1].tolist()
+            if reference:
+                # longest run first; among equals the context's own occurrences most recent first, then the
+                # prediction's earliest first: in a repetitive prediction the earliest occurrence with the longest
+                # run is the one aligned with the output so far
+                R = len(reference)
+                runs = {s: self.match_length(tokens, s, n) for s in starts}
+                starts.sort(key=lambda s: (-runs[s], s < R, s if s < R else -s))
+            for s in starts:
                 length = min(depth, self.match_length(tokens, s, n)) if self.adaptive else depth
                 cont = tokens[s + n : s + n + length]
+                if reference and -1 in cont:
+                    cont = cont[: cont.index(-1)]
                 key = tuple(cont)
                 if cont and key not in seen and not any(k[: len(key)] == key for k in seen):
                     seen.add(key)
@@ -79,5 +95,5 @@ class PromptLookupDrafter:
 
     def propose(self, ctx: DraftContext) -> TokenTree:
         depth = min(self.max_tokens if self.adaptive else self.num_tokens, ctx.max_depth)
-        seqs = self.candidates(ctx.tokens, depth)
+        seqs = self.candidates(ctx.tokens, depth, ctx.reference)
         return TokenTree.from_sequences(ctx.root, seqs, max_nodes=ctx.max_nodes)

@@ -94,7 +94,8 @@ class SuffixDrafter:
     _cur_prompt_len: int = field(default=0, init=False, repr=False)
     _cur_tenant: str = field(default="", init=False, repr=False)  # the tenant when the request began
     _local: SuffixIndex = field(default_factory=SuffixIndex, init=False, repr=False)
-    # last step's match per index ("local", "store"): (index, its length, context length, m, nxt)
+    _ref: SuffixIndex | None = field(default=None, init=False, repr=False)  # the request's predicted output
+    # last step's match per index ("local", "store", "reference"): (index, its length, context length, m, nxt)
     _prev: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -156,6 +157,10 @@ class SuffixDrafter:
             self.flush()
             self._cur, self._cur_prompt_len, self._cur_tenant = toks, ctx.prompt_len, self.tenant
             self._local = SuffixIndex()
+            self._ref = None
+            if ctx.reference:  # a predicted output: an index of its own, matched like the store's
+                self._ref = SuffixIndex()
+                self._ref.extend([int(t) for t in ctx.reference], end=True)
             self._prev = {}
             self.acceptance.reset()  # outcomes are per request: no tenant's history shapes another's trees
             self._last = None
@@ -166,14 +171,20 @@ class SuffixDrafter:
 
     # ---- drafting --------------------------------------------------------------
     def paths(
-        self, index: SuffixIndex, context: Sequence[int], max_nodes: int, max_depth: int, local: bool = False
+        self,
+        index: SuffixIndex,
+        context: Sequence[int],
+        max_nodes: int,
+        max_depth: int,
+        local: bool = False,
+        key: str = "store",
     ) -> DraftPaths:
         """Match ``context`` in ``index`` and expand a tree sized by the match length (and the latency curve).
 
         ``local``: ``index`` holds exactly ``context`` (the request's own index), so a chain may run on
-        periodically past its end.
+        periodically past its end. ``key``: which index's last match a non-local lookup follows on from.
         """
-        m, nxt = self._match(index, context, local)
+        m, nxt = self._match(index, context, local, key)
         if m < self.min_match:
             return DraftPaths([], [], [], m)
         limit, depth = min(max_nodes, self.max_spec_tokens), min(max_depth, self.max_depth)
@@ -203,11 +214,13 @@ class SuffixDrafter:
         keep, _ = best_prefix(values, curve, max_nodes=size)
         return keep_nodes(raw, keep, values)
 
-    def _match(self, index: SuffixIndex, context: Sequence[int], local: bool) -> tuple[int, np.ndarray]:
+    def _match(
+        self, index: SuffixIndex, context: Sequence[int], local: bool, key: str = "store"
+    ) -> tuple[int, np.ndarray]:
         """``index.match`` of ``context``, followed on from the last step's match where one of its occurrences
         goes on with the tokens committed since (:meth:`SuffixIndex.follow`: no new seeding, the same result
         while the index only grew by this request's tokens; a match reaching ``max_match`` is re-matched)."""
-        key = "local" if local else "store"
+        key = "local" if local else key
         prev, got = self._prev.get(key), None
         if prev is not None and self.follow:
             idx, ilen, clen, m, nxt = prev
@@ -269,6 +282,10 @@ class SuffixDrafter:
                 index = self.store.index_for(self._cur_tenant)
                 with self.store.lock:  # another thread's add() may be growing this index
                     g = self.paths(index, ctx.tokens, budget, depth)
+                if g.score > best.score:
+                    best = g
+            if self._ref is not None:
+                g = self.paths(self._ref, ctx.tokens, budget, depth, key="reference")
                 if g.score > best.score:
                     best = g
         self._last = (len(ctx.tokens), best) if self._curve is not None and best.tokens else None

@@ -44,6 +44,7 @@ from .protocol import (
     TreedraftOptions,
     chat_tools,
     parse_body,
+    prediction_text,
     prompt_list,
     reject_unsupported,
     request_drafters,
@@ -279,6 +280,12 @@ class OpenAIServer:
         if any(not x for x in stop):
             raise APIError(400, f"stop strings must be non-empty, got {stop!r}", param="stop")
         prompts = await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.encode, req, tools, mode)
+        predicted = prediction_text(req)
+        prediction = ()
+        if predicted:  # tokenized off the event loop, once for every prompt and choice
+            prediction = await asyncio.get_running_loop().run_in_executor(
+                self.tok_pool, self.llm.prediction_ids, predicted
+            )
         fmt = req.response_format
         if mode is not None:  # the answer: one JSON object naming a tool (treedraft.tools)
             own = None if fmt is None or fmt.get("type") == "text" else fmt
@@ -344,6 +351,7 @@ class OpenAIServer:
                     logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
                     min_tokens=req.min_tokens or 0,
                     response_format=fmt,
+                    prediction=prediction,
                 )
                 cfg = replace(cfg, ignore_eos=bool(req.ignore_eos))
             except ValueError as e:  # e.g. rule 'greedy' with temperature > 0
@@ -488,7 +496,7 @@ class OpenAIServer:
                 "model": p.model,
                 "system_fingerprint": None,
                 "choices": choices,
-                "usage": _usage(_prompt_tokens(jobs), n),
+                "usage": _usage(_prompt_tokens(jobs), n, [j for _, j in jobs]),
                 "treedraft": _spec_info(self.drafter_name(p.drafter), done.stats),
             }
         )
@@ -574,7 +582,7 @@ class OpenAIServer:
                     n += payload[1]
                     stats = payload[0].stats if index == 0 else stats
             if not left and p0.include_usage:
-                usage = {**base, "choices": [], "usage": _usage(_prompt_tokens(jobs), n)}
+                usage = {**base, "choices": [], "usage": _usage(_prompt_tokens(jobs), n, [j for _, j in jobs])}
                 yield _sse(usage | {"treedraft": _spec_info(self.drafter_name(p0.drafter), stats)})
             yield _sse("[DONE]")
         finally:

@@ -184,6 +184,7 @@ class CommonRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema"} (JSON mode)
+    prediction: dict[str, Any] | None = None  # predicted output: {"type": "content", "content": text or text parts}
     treedraft: TreedraftOptions | None = None
 
 
@@ -271,6 +272,28 @@ UNSUPPORTED_FIELDS = {
     "audio": "audio output is not supported; this server answers in text",
     "web_search_options": "web search is not supported",
 }
+
+
+def prediction_text(req: CommonRequest) -> str | None:
+    """The text of OpenAI's ``prediction`` ({"type": "content", "content": a string or [{"type": "text", "text":
+    ...}, ...]}); None without one. 400 for any other shape."""
+    pred = req.prediction
+    if pred is None:
+        return None
+    content = pred.get("content")
+    if pred.get("type") != "content":
+        raise APIError(400, f"prediction type must be 'content', got {pred.get('type')!r}", param="prediction")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in content
+    ):
+        return "".join(x["text"] for x in content)
+    raise APIError(
+        400,
+        'prediction content must be a string or a list of {"type": "text", "text": "..."} parts',
+        param="prediction.content",
+    )
 
 
 def reject_unsupported(req: CommonRequest) -> None:

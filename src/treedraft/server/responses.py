@@ -3,8 +3,9 @@ streaming response that cancels its job however the response ends."""
 
 from __future__ import annotations
 
+import difflib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi.responses import StreamingResponse
 
@@ -12,12 +13,28 @@ from ..engine import GenerationStats
 from .worker import Job
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def _usage(prompt_tokens: int, completion_tokens: int, jobs: Sequence[Job] = ()) -> dict:
+    """OpenAI's usage block; with a predicted output, its completion_tokens_details too (summed over ``jobs``)."""
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if jobs and jobs[0].config.prediction:
+        got = [prediction_tokens(j.config.prediction, j.output_ids) for j in jobs]
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(a for a, _ in got),
+            "rejected_prediction_tokens": sum(r for _, r in got),
+        }
+    return out
+
+
+def prediction_tokens(prediction: Sequence[int], output: Sequence[int]) -> tuple[int, int]:
+    """(accepted, rejected) prediction tokens as OpenAI counts them: the prediction's tokens that appear in the
+    output (in order: the matching blocks of a diff of the two token lists), and the rest of the prediction."""
+    matcher = difflib.SequenceMatcher(None, list(prediction), list(output), autojunk=False)
+    accepted = sum(b.size for b in matcher.get_matching_blocks())
+    return accepted, len(prediction) - accepted
 
 
 def _spec_info(drafter: str, stats: GenerationStats) -> dict:

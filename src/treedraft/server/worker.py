@@ -94,6 +94,7 @@ class Job:
         self.checked_at = time.monotonic()  # when the HTTP handler last asked whether the client is still there
         self.cancelled = threading.Event()
         self._items: deque[Chunk | Done | Failed] = deque()
+        self.output_ids: list[int] = []  # the generated token ids handed out so far (predicted outputs' usage)
         self._ready = asyncio.Event()
         self.queue: JobQueue | None = None
 
@@ -145,7 +146,10 @@ class Job:
                 await asyncio.wait_for(self._ready.wait(), timeout)
             except asyncio.TimeoutError:
                 return None
-        return self._items.popleft()
+        item = self._items.popleft()
+        if isinstance(item, Chunk):
+            self.output_ids += item.token_ids
+        return item
 
 
 class JobQueue:
