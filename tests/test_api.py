@@ -52,3 +52,19 @@ def test_unreadable_gguf_raises_model_load_error_naming_the_file(tmp_path, conte
     p.write_bytes(content)
     with pytest.raises(ModelLoadError, match=r"broken\.gguf.*not a readable GGUF file"):
         treedraft.load(str(p), device="cpu")
+
+
+def test_a_stop_given_as_one_string_is_one_stop_string() -> None:
+    """stop="ab" is the stop string "ab" (as in OpenAI's API), not the stop strings "a" and "b" (tuple("ab")):
+    the tiny model's answer is all "b", which "ab" never cuts but "b" would cut at once."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from server_utils import tiny_llm
+
+    llm = tiny_llm()
+    full = llm.generate("abc abc", max_new_tokens=8, drafter=None)
+    assert full.text == "b" * 8
+    assert llm.generate("abc abc", max_new_tokens=8, drafter=None, stop="ab").text == full.text
+    assert llm.generate("abc abc", max_new_tokens=8, drafter=None, stop=["b"]).text == ""

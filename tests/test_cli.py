@@ -213,3 +213,70 @@ def test_a_missing_optional_dependency_disables_only_its_command(capsys, monkeyp
     monkeypatch.setitem(sys.modules, "uvicorn", None)
     assert main(["loadtest", "--url", "http://127.0.0.1:9"]) == 2 and "'httpx'" in capsys.readouterr().err
     assert main(["serve"]) == 2 and "'uvicorn'" in capsys.readouterr().err
+
+
+def test_bench_checks_out_warmup_and_baselines_before_loading(capsys, no_model_load, tmp_path) -> None:
+    """A bench --out that cannot take the report fails before the run (it failed after the whole benchmark),
+    and a negative --warmup or an unknown --baselines name is refused instead of ignored."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    base = ("bench", "--methods", "plain", "--num-prompts", "1", "--max-new-tokens", "4")
+    r = run_in_process(capsys, *base, "--out", str(blocker / "sub"))
+    assert r.returncode == 2 and f"--out {blocker / 'sub'}" in r.stderr and "Traceback" not in r.stderr
+    r = run_in_process(capsys, *base, "--warmup", "-1")
+    assert r.returncode == 2 and "--warmup must be >= 0" in r.stderr
+    r = run_in_process(capsys, *base, "--baselines", "plain,bogus")
+    assert r.returncode == 2 and "unknown --baselines bogus" in r.stderr
+
+
+def test_commands_do_not_take_options_they_would_ignore(capsys) -> None:
+    """train-heads / train-eagle / synth-prompts read no drafter, heads or suffix store and calibrate no drafter or
+    store: those options are an argparse error there (they were listed, accepted and ignored)."""
+    from treedraft.cli import build_parser
+
+    ap = build_parser()
+    for argv in (
+        ["calibrate", "--drafter", "bogus"],
+        ["calibrate", "--suffix-store", "d"],
+        ["train-heads", "--out", "o", "--heads", "d"],
+        ["train-eagle", "--drafter", "eagle"],
+        ["synth-prompts", "--out", "o", "--suffix-share"],
+    ):
+        with pytest.raises(SystemExit):
+            ap.parse_args(argv)
+        assert "unrecognized arguments" in capsys.readouterr().err, argv
+    assert ap.parse_args(["calibrate", "--heads", "d", "--kv-dtype", "float16"]).heads == "d"
+    assert ap.parse_args(["generate", "hi", "--drafter", "suffix", "--suffix-store", "d"]).suffix_store == "d"
+
+
+def test_os_errors_and_a_closed_pipe_end_without_a_traceback(capsys, monkeypatch, tmp_path) -> None:
+    """A path that cannot be used (OSError) is an error line with exit 2; a reader that closed the pipe
+    (`treedraft generate ... | head -c 10`) ends the command quietly (141, as a SIGPIPE'd tool) instead of a
+    BrokenPipeError traceback."""
+    import treedraft.cli as cli
+    from treedraft.drafters.suffix import open_suffix_store
+
+    def raiser(exc):
+        def run(a):
+            raise exc
+
+        return run
+
+    monkeypatch.setattr(cli, "cmd_generate", raiser(PermissionError(13, "Permission denied", "/root/x")))
+    r = run_in_process(capsys, "generate", "hi")
+    assert r.returncode == 2 and "Permission denied" in r.stderr
+    # a real closed pipe: the command writes far more than the reader takes
+    code = (
+        "import sys, treedraft.cli as c\n"
+        "c.cmd_generate = lambda a: [sys.stdout.write('x' * 65536) for _ in range(64)]\n"
+        "sys.exit(c.main(['generate', 'hi']))"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.read(10) == b"x" * 10
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="cannot keep the suffix store in .*a-file"):
+        open_suffix_store(blocker)

@@ -123,7 +123,7 @@ class LLM:
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int | None = None,
-        stop: list[str] | tuple[str, ...] = (),
+        stop: str | list[str] | tuple[str, ...] = (),
         rule: str = "speculative",
         max_tree_nodes: int = 64,
         logprobs: int | None = None,
@@ -157,7 +157,7 @@ class LLM:
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature, top_k, top_p, seed),
             rule=rule,
-            stop=tuple(stop),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),  # one string is one stop string, as in OpenAI's
             max_tree_nodes=max_tree_nodes,
             logprobs=logprobs,
             penalties=penalties,
@@ -350,6 +350,10 @@ def load(
 
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
+    if max_seq_len is not None and (
+        isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2
+    ):
+        raise ValueError(f"max_seq_len must be an integer >= 2 (or None: the model's own context), got {max_seq_len!r}")
 
     if isinstance(drafter, str):
         canonical(drafter)  # an unknown drafter name fails here, before the slow model load

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 import time
 from typing import Any
@@ -31,15 +32,23 @@ def _installed(name: str) -> bool:
         return False
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by every command that loads a model."""
+def add_model_args(p: argparse.ArgumentParser, drafting: bool = True, heads: bool = True) -> None:
+    """Options shared by every command that loads a model; ``drafting``: --drafter and the suffix store's options,
+    ``heads``: --heads (commands that train drafters or only generate data take neither: nothing would read them)."""
     from .models.registry import DEFAULT_MODEL
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry name, .gguf file or HF directory")
     from .drafters.registry import describe
 
-    p.add_argument("--drafter", default="default", help=describe())
-    p.add_argument("--heads", default="default", help="Medusa heads directory (default: the shipped ones)")
+    if drafting:
+        p.add_argument("--drafter", default="default", help=describe())
+    if heads:
+        p.add_argument(
+            "--heads",
+            default="default",
+            help="drafter weights directory: Medusa heads (medusa.json) and/or an EAGLE drafter (eagle.json) "
+            "(default: the shipped ones)",
+        )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on cpu, bf16 on cuda), fp32, bf16, fp16")
     p.add_argument("--runtime", default="auto", help="own (compact Llama module), hf (transformers), auto")
@@ -53,7 +62,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "(fastest measured here whose quality check passes)",
     )
     add_kv_dtype_arg(p)
-    add_suffix_args(p)
+    if drafting:
+        add_suffix_args(p)
 
 
 def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -98,16 +108,19 @@ def suffix_kwargs(a: argparse.Namespace) -> dict:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default; below 1e-5 too)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much mass (1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (the same seed, the same text)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument(
-        "--rule", default="speculative", help="acceptance rule when sampling: speculative (lossless) or typical (lossy)"
+        "--rule",
+        default="speculative",
+        help="acceptance rule: speculative (lossless, the default), greedy (temperature 0 only), typical (lossy, "
+        "sampling only)",
     )
-    p.add_argument("--max-tree-nodes", type=int, default=64)
+    p.add_argument("--max-tree-nodes", type=int, default=64, help="draft tree size cap, root included (default 64)")
     p.add_argument(
         "--repetition-penalty",
         type=float,
@@ -375,7 +388,13 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         return int(a.func(a) or 0)
-    except (ValueError, FileNotFoundError) as e:  # user errors: message, no traceback
+    except BrokenPipeError:  # the reader went away (`treedraft generate ... | head`): stop quietly, as cat does
+        try:  # stdout to /dev/null, so that the interpreter's own flush at exit fails no more
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # no file descriptor behind sys.stdout (captured)
+            pass
+        return 141
+    except (ValueError, OSError) as e:  # user errors (bad values, paths that cannot be read or written): no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

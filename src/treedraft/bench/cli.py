@@ -155,6 +155,17 @@ def cmd_bench(a: argparse.Namespace) -> int:
     prompts = select_prompts(prompts, a.num_prompts)
     if a.max_new_tokens <= 0:
         raise BenchError(f"--max-new-tokens must be positive, got {a.max_new_tokens}")
+    if a.warmup < 0:
+        raise BenchError(f"--warmup must be >= 0, got {a.warmup}")
+    baselines = [b.strip() for b in a.baselines.split(",") if b.strip()]
+    bad = [b for b in baselines if b not in known_methods()]
+    if bad:
+        raise BenchError(f"unknown --baselines {', '.join(bad)}; choose from {', '.join(known_methods())}")
+    out = Path(a.out) if a.out else default_out_dir()
+    try:  # checked now: a path that cannot take the report would otherwise fail after the whole run
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BenchError(f"--out {out}: {e}") from None
 
     fresh = fresh_drafter_state(a)
     t = time.perf_counter()
@@ -211,6 +222,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         else f"sampling T={a.temperature} top_p={a.top_p} top_k={a.top_k} seed={a.seed}",
         "device": llm.device,
         "dtype": str(dtype).removeprefix("torch."),
+        # the own runtime's linear weights as resolved (--weights auto measures them) and its KV cache storage;
+        # a baseline on other weights (hf: transformers in fp32) need not give plain's tokens
+        "weights": (getattr(llm.model, "weights_info", None) or {}).get("resolved", "-"),
+        "kv_dtype": str(getattr(llm.model, "kv_dtype", None) or dtype).removeprefix("torch."),
         "torch_threads": torch.get_num_threads(),
         **machine_info(),
         "kernels": _kernels_line(),
@@ -233,7 +248,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
         run_cfg["transformers"] = transformers.__version__
     except ImportError:
         pass
-    baselines = [b.strip() for b in a.baselines.split(",") if b.strip()]
     reference = next((m for m in (REFERENCE, "hf") if m in methods), None)
     result = run_bench(
         encoded,
@@ -248,7 +262,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
         config=run_cfg,
         busy_core=a.busy_core,
     )
-    out = Path(a.out) if a.out else default_out_dir()
     paths = write_report(result, out, decode=lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=False))
     print(paths["markdown"].read_text(encoding="utf-8"))
     print("[bench] wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
@@ -289,6 +302,7 @@ def _command_line(a: argparse.Namespace, dataset: Path | None) -> str:
         ("max_tree_nodes", 64),
         ("pld_tokens", 10),
         ("heads", "default"),
+        ("kv_dtype", "auto"),
         ("baselines", "hf,plain"),
     ):
         v = getattr(a, opt)

@@ -178,6 +178,8 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
             "decoding",
             "device",
             "dtype",
+            "weights",
+            "kv_dtype",
             "torch_threads",
             "cpu",
             "cpu_flags",

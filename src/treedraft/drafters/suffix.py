@@ -308,8 +308,12 @@ def tenant_id(api_key: str | None = None, user: str | None = None) -> str:
 def open_suffix_store(
     path: str | os.PathLike | None = None, max_tokens: int = 1_000_000, share: bool = False
 ) -> SuffixStore:
-    """The store behind ``--suffix-store DIR --suffix-max-tokens N --suffix-share`` (None = in memory)."""
-    return SuffixStore(path, max_tokens=max_tokens, share=share)
+    """The store behind ``--suffix-store DIR --suffix-max-tokens N --suffix-share`` (None = in memory); a ValueError
+    naming the directory when it cannot be one (a file there, no permission)."""
+    try:
+        return SuffixStore(path, max_tokens=max_tokens, share=share)
+    except OSError as e:
+        raise ValueError(f"cannot keep the suffix store in {path} (--suffix-store / suffix_store=): {e}") from None
 
 
 def make_suffix_drafter(store: SuffixStore | None = None, tenant: str = "", **options: object) -> SuffixDrafter:

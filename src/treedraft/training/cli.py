@@ -70,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from ..cli import add_model_args
 
     t = sub.add_parser("train-heads", help="self-distil Medusa heads for a model")
-    add_model_args(t)
+    add_model_args(t, drafting=False, heads=False)
     t.add_argument(
         "--prompts",
         default=_default_prompts(),
@@ -153,7 +153,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=cmd_train)
 
     c = sub.add_parser("calibrate", help="choose the tree for this machine from head accuracy and latency")
-    add_model_args(c)
+    add_model_args(c, drafting=False)
     c.add_argument(
         "--eval-data",
         default=None,
@@ -231,7 +231,9 @@ def cmd_train(a: argparse.Namespace) -> int:
     validate_train_args(a)
     if a.threads:
         torch.set_num_threads(a.threads)
-    llm = load(a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights)
+    llm = load(
+        a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights, kv_dtype=a.kv_dtype
+    )
     vocab = llm.model.vocab_size
     _check(a.draft_vocab <= vocab, f"--draft-vocab must be <= the model's vocabulary ({vocab}), got {a.draft_vocab}")
     prompts = read_prompts(a.prompts)[: a.num_prompts]
@@ -396,7 +398,14 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
     validate_calibrate_args(a)
     llm = load(
-        a.model, drafter="medusa", heads=a.heads, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights
+        a.model,
+        drafter="medusa",
+        heads=a.heads,
+        device=a.device,
+        dtype=a.dtype,
+        runtime=a.runtime,
+        weights=a.weights,
+        kv_dtype=a.kv_dtype,
     )
     max_len = getattr(llm.model, "max_seq_len", None)
     _check(

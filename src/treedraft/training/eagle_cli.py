@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     d = EagleTrainConfig()
     t = sub.add_parser("train-eagle", help="self-distil an EAGLE drafter (one decoder layer) for a model")
-    add_model_args(t)
+    add_model_args(t, drafting=False, heads=False)
     t.add_argument(
         "--prompts",
         default=_default_prompts(),
@@ -126,7 +126,9 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
-    llm = load(a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights)
+    llm = load(
+        a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights, kv_dtype=a.kv_dtype
+    )
     _check(a.draft_vocab <= llm.model.vocab_size, f"--draft-vocab must be <= {llm.model.vocab_size}")
     if a.no_generate:
         data = Path(a.train_data)

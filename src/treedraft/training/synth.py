@@ -257,7 +257,7 @@ def register(sub) -> None:
         "synth-prompts",
         help="have a chat model write user requests (Magpie), as training prompts for train-eagle / train-heads",
     )
-    add_model_args(p)
+    add_model_args(p, drafting=False, heads=False)
     add_threads_arg(p)
     p.add_argument("--out", required=True, help="jsonl of kept requests (resumable; .rejected.jsonl beside it)")
     p.add_argument("--num", type=int, default=d.num, help="requests to draw (keys 0 .. N-1; a larger N continues)")
@@ -278,7 +278,9 @@ def cmd_synth_prompts(a) -> int:
         raise SynthError(f"--concurrency must be >= 1, got {a.concurrency}")
     cfg = SynthConfig(num=a.num, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
     apply_threads(a.threads)
-    llm = load(a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights)
+    llm = load(
+        a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights, kv_dtype=a.kv_dtype
+    )
     how = {"weights": a.weights, "dtype": a.dtype, "runtime": a.runtime}
     stats = synthesize_prompts(
         llm.engine, llm.tokenizer, a.out, cfg, a.concurrency, model_name=llm.model_name, load_settings=how
