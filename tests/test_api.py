@@ -68,3 +68,9 @@ def test_a_stop_given_as_one_string_is_one_stop_string() -> None:
     assert full.text == "b" * 8
     assert llm.generate("abc abc", max_new_tokens=8, drafter=None, stop="ab").text == full.text
     assert llm.generate("abc abc", max_new_tokens=8, drafter=None, stop=["b"]).text == ""
+
+
+@pytest.mark.parametrize("bad", [0, 1, -5, True, 2.5])
+def test_a_bad_max_seq_len_is_refused_before_loading(bad) -> None:
+    with pytest.raises(ValueError, match="max_seq_len must be an integer >= 2"):
+        treedraft.load(max_seq_len=bad)

@@ -4,6 +4,7 @@ Text, stop strings and EOS: test_text.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -287,6 +288,13 @@ SEQ_CASES = {
         800,
         dict(p_top=0.0, p_sample=1.0, min_children=3, max_children=3, max_depth=2),
     ),
+    # min-p cuts tokens the draft model still proposes (q > 0 where the target has p = 0)
+    "sampled3-min_p0.2-3tokens": (
+        SamplingParams(temperature=1.0, min_p=0.2),
+        3,
+        800,
+        dict(p_top=0.0, p_sample=1.0, min_children=3, max_children=3, max_depth=2),
+    ),
 }
 
 
@@ -309,7 +317,7 @@ def sequence_counts(case: str) -> tuple[Counter, dict, list, RandomTreeDrafter]:
     counts: Counter = Counter()
     steps = []
     for i in range(trials):
-        sampling = SamplingParams(params.temperature, params.top_k, params.top_p, seed=1000 + i)
+        sampling = dataclasses.replace(params, seed=1000 + i)
         r = engine.generate(prompt, cfg(n, sampling), drafter)
         counts[tuple(r.token_ids)] += 1
         steps.extend(r.stats.steps)

@@ -17,6 +17,9 @@ def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_k and p.top_k < z.shape[-1]:
         kth = z.sort(-1, descending=True).values[..., p.top_k - 1 : p.top_k]
         z = z.masked_fill(z < kth, float("-inf"))
+    if p.min_p > 0:  # probabilities below min_p x the best one's, before top-p
+        probs = z.softmax(-1)
+        z = z.masked_fill(probs < p.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     probs = z.softmax(-1)
     if p.top_p < 1.0:
         out = torch.zeros_like(probs)
@@ -92,8 +95,11 @@ def test_nucleus_after_top_k_stops_at_the_kept_tokens() -> None:
         SamplingParams(1.0, top_k=300, top_p=0.6),  # top-k past the insertion bound (nth_element)
         SamplingParams(0.8, top_k=40, top_p=0.95),
         SamplingParams(2.0, top_p=0.02),  # the best token alone
+        SamplingParams(1.0, min_p=0.05),
+        SamplingParams(1.2, top_k=50, top_p=0.9, min_p=0.02),
+        SamplingParams(0.7, min_p=1.0),  # the best token alone
     ],
-    ids=["T", "top_p", "top_k", "top_k-large", "top_k-top_p", "top_p-tiny"],
+    ids=["T", "top_p", "top_k", "top_k-large", "top_k-top_p", "top_p-tiny", "min_p", "all", "min_p-1"],
 )
 @pytest.mark.parametrize("path", ["native", "tensor"])
 def test_target_probs_follow_the_definition(params: SamplingParams, path: str, request) -> None:
@@ -113,7 +119,9 @@ def test_top_k_keeps_every_token_tied_with_the_kth(native) -> None:
     assert (p[0] > 0).tolist() == [True, True, True, True, False, False]
 
 
-@pytest.mark.parametrize("params", [SamplingParams(0.9), SamplingParams(1.1, top_k=5, top_p=0.8)])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(0.9), SamplingParams(1.1, top_k=5, top_p=0.8), SamplingParams(1.0, min_p=0.1)]
+)
 def test_native_draws_invert_the_distributions_cdf(native, params: SamplingParams) -> None:
     x = distinct_logits(1, 400, 4.0, seed=4)[0]
     probs = reference_probs(x[None], params)[0]

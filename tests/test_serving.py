@@ -621,6 +621,19 @@ def test_a_prediction_changes_nothing_but_is_drafted_from_and_counted(server: Li
         assert_error(httpx.post(url, json=body | {"prediction": bad}, timeout=TIMEOUT), 400, param)
 
 
+def test_min_p_reaches_the_sampler(server: LiveServer) -> None:
+    """min_p (vLLM's extra) 1.0 keeps the best token alone: sampled at temperature 1.5 the answer is the greedy
+    one, and without min_p it is not; outside [0, 1] it is a 400."""
+    url = f"{server.url}/v1/chat/completions"
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 24, "ignore_eos": True, "treedraft": {"drafter": "none"}}
+    greedy = httpx.post(url, json=body | {"temperature": 0}, timeout=TIMEOUT).json()["choices"][0]["message"]
+    hot = body | {"temperature": 1.5, "seed": 11}
+    free = httpx.post(url, json=hot, timeout=TIMEOUT).json()["choices"][0]["message"]
+    only_best = httpx.post(url, json=hot | {"min_p": 1.0}, timeout=TIMEOUT).json()["choices"][0]["message"]
+    assert only_best["content"] == greedy["content"] != free["content"]
+    assert_error(httpx.post(url, json=hot | {"min_p": 1.5}, timeout=TIMEOUT), 400, "min_p")
+
+
 # ----------------------------------------------------------------------------- disconnects
 
 

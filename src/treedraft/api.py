@@ -124,6 +124,7 @@ class LLM:
         top_k: int = 0,
         seed: int | None = None,
         stop: str | list[str] | tuple[str, ...] = (),
+        min_p: float = 0.0,
         rule: str = "speculative",
         max_tree_nodes: int = 64,
         logprobs: int | None = None,
@@ -155,7 +156,7 @@ class LLM:
         penalties.check_vocab(self.model.vocab_size)
         return GenerationConfig(
             max_new_tokens=max_new_tokens,
-            sampling=SamplingParams(temperature, top_k, top_p, seed),
+            sampling=SamplingParams(temperature, top_k, top_p, seed, min_p),
             rule=rule,
             stop=(stop,) if isinstance(stop, str) else tuple(stop),  # one string is one stop string, as in OpenAI's
             max_tree_nodes=max_tree_nodes,

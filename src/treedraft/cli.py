@@ -112,6 +112,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default; below 1e-5 too)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much mass (1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
+    p.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens below this fraction of the best one's probability (0 = off)",
+    )
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (the same seed, the same text)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument(
@@ -190,6 +196,7 @@ def _gen_kwargs(a: argparse.Namespace) -> dict:
         top_k=a.top_k,
         seed=a.seed,
         stop=a.stop,
+        min_p=a.min_p,
         rule=a.rule,
         max_tree_nodes=a.max_tree_nodes,
         repetition_penalty=a.repetition_penalty,
@@ -261,7 +268,7 @@ def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> None:
         raise ValueError(
             "--min-tokens cannot be combined with --json / --json-schema (the closed object ends the answer)"
         )
-    sampling = SamplingParams(kw.pop("temperature"), kw.pop("top_k"), kw.pop("top_p"), kw.pop("seed"))
+    sampling = SamplingParams(kw.pop("temperature"), kw.pop("top_k"), kw.pop("top_p"), kw.pop("seed"), kw.pop("min_p"))
     penalties = Penalties(
         repetition=kw.pop("repetition_penalty"),
         presence=kw.pop("presence_penalty"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability (0 = off; vLLM's, llama.cpp's)
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0):
@@ -31,6 +33,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -48,9 +52,11 @@ class SamplingParams:
 
 
 def target_probs(logits: Tensor, p: SamplingParams) -> Tensor:
-    """(N, V) logits -> (N, V) probabilities after temperature, top-k and top-p (float32).
+    """(N, V) logits -> (N, V) probabilities after temperature, top-k, min-p and top-p (float32).
 
-    z = logits / temperature; top-k keeps z >= the k-th largest (equal values all kept); softmax; top-p drops,
+    z = logits / temperature; top-k keeps z >= the k-th largest (equal values all kept); min-p keeps z >= max z +
+    log(min_p) (probabilities at least min_p x the best, with top-k and before top-p, as vLLM orders them); softmax;
+    top-p drops,
     in descending probability order (equal probabilities: the lower id first), each token once the mass
     before it reaches top_p, and renormalises. On the CPU with the native kernel loaded, one native pass per
     row (kernels/sample.h); else these tensor ops. The two differ only in float rounding.
@@ -61,13 +67,16 @@ def target_probs(logits: Tensor, p: SamplingParams) -> Tensor:
     if logits.device.type == "cpu" and logits.dim() == 2:
         from . import kernels  # one native pass per row when the kernel is loaded (kernels/sample.h)
 
-        out = kernels.sample_probs(logits, p.temperature, p.top_k, p.top_p)
+        out = kernels.sample_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
         if out is not None:
             return out
     logits = logits / p.temperature
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = logits.topk(p.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.min_p > 0.0:  # p_j < min_p x max p  <=>  z_j - max z < log(min_p)
+        best = logits.max(-1, keepdim=True).values
+        logits = logits.masked_fill(logits - best < math.log(p.min_p), float("-inf"))
     probs = logits.softmax(-1)
     if p.top_p < 1.0:
         probs = nucleus(probs, p.top_p)
@@ -187,7 +196,7 @@ def draw(logits: Tensor, p: SamplingParams, u: float) -> int:
     """
     from . import kernels
 
-    x = kernels.sample_draw(logits, p.temperature, p.top_k, p.top_p, u)
+    x = kernels.sample_draw(logits, p.temperature, p.top_k, p.top_p, u, p.min_p)
     if x is not None:
         return x
     return inverse_cdf(target_probs(logits[None], p)[0], u)

@@ -333,24 +333,29 @@ def topk_rows(
     return raw - (m + np.log(np.exp(lg64 - m).sum(-1, keepdims=True))), top.astype(np.int64)
 
 
-def sample_probs(x: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor | None:
-    """Each row of x (R, V) float32 on the CPU -> its sampling distribution after temperature, top-k and top-p
-    (kernels/sample.h; treedraft.sampling.target_probs defines it); None when the native kernel is not loaded
-    in this process (this never builds it) or a row has no finite maximum."""
+def sample_probs(
+    x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+) -> torch.Tensor | None:
+    """Each row of x (R, V) float32 on the CPU -> its sampling distribution after temperature, top-k, min-p and
+    top-p (kernels/sample.h; treedraft.sampling.target_probs defines it); None when the native kernel is not
+    loaded in this process (this never builds it) or a row has no finite maximum."""
     ext = loaded_extension()
     if ext is None or not hasattr(ext, "sample_probs"):
         return None
-    return ext.sample_probs(x.detach().float().contiguous(), float(temperature), int(top_k), float(top_p))
+    x = x.detach().float().contiguous()
+    return ext.sample_probs(x, float(temperature), int(top_k), float(top_p), float(min_p))
 
 
-def sample_draw(row: torch.Tensor, temperature: float, top_k: int, top_p: float, u: float) -> int | None:
+def sample_draw(
+    row: torch.Tensor, temperature: float, top_k: int, top_p: float, u: float, min_p: float = 0.0
+) -> int | None:
     """The token of a (V,) float32 CPU logits row whose CDF (id order, float64) first passes u * total, under
-    temperature, top-k and top-p: one inverse-transform draw in one native call; None as for sample_probs."""
+    temperature, top-k, min-p and top-p: one inverse-transform draw in one native call; None as for sample_probs."""
     ext = loaded_extension()
     if ext is None or not hasattr(ext, "sample_draw"):
         return None
     row = row.detach().to("cpu", torch.float32).contiguous()
-    x = ext.sample_draw(row, float(temperature), int(top_k), float(top_p), float(u))
+    x = ext.sample_draw(row, float(temperature), int(top_k), float(top_p), float(u), float(min_p))
     return None if x < 0 else int(x)
 
 

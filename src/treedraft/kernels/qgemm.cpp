@@ -276,28 +276,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("x"), py::arg("k"), py::arg("normalize"));
   m.def(
       "sample_probs",
-      [](torch::Tensor x, double temperature, int64_t top_k, double top_p) -> py::object {
+      [](torch::Tensor x, double temperature, int64_t top_k, double top_p, double min_p) -> py::object {
         TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
                     "qgemm.sample_probs: x must be a contiguous float32 (R, V) tensor");
         TORCH_CHECK(temperature > 0.0, "qgemm.sample_probs: temperature must be > 0");
         auto probs = torch::empty_like(x);
         const bool ok = td::sample_probs_rows(x.data_ptr<float>(), x.size(0), x.size(1), (float)temperature, top_k,
-                                              top_p, probs.data_ptr<float>());
+                                              top_p, (float)min_p, probs.data_ptr<float>());
         if (!ok) return py::none();
         return py::cast(probs);
       },
-      "each row's sampling distribution (temperature, top-k, top-p), or None when a row has no finite maximum",
-      py::arg("x"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"));
+      "each row's sampling distribution (temperature, top-k, top-p, min-p), or None when a row has no finite maximum",
+      py::arg("x"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p") = 0.0);
   m.def(
       "sample_draw",
-      [](torch::Tensor x, double temperature, int64_t top_k, double top_p, double u) {
+      [](torch::Tensor x, double temperature, int64_t top_k, double top_p, double u, double min_p) {
         TORCH_CHECK(x.dim() == 1 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
                     "qgemm.sample_draw: x must be a contiguous float32 (V,) tensor");
         TORCH_CHECK(temperature > 0.0, "qgemm.sample_draw: temperature must be > 0");
-        return td::sample_draw_row(x.data_ptr<float>(), x.size(0), (float)temperature, top_k, top_p, u);
+        return td::sample_draw_row(x.data_ptr<float>(), x.size(0), (float)temperature, top_k, top_p, (float)min_p, u);
       },
       "the inverse-CDF draw of u from the row's sampling distribution, or -1 when it has no finite maximum",
-      py::arg("x"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("u"));
+      py::arg("x"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("u"), py::arg("min_p") = 0.0);
   m.def("paths", &td::paths, "compiled code paths, fastest first");
   m.def(
       "set_tuning",

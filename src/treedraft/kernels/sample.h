@@ -6,7 +6,8 @@
 //
 // The distribution (the same one treedraft.sampling.target_probs defines; only float rounding differs):
 //   z_j = x_j / T; top-k (0 < k < V) keeps z_j >= the k-th largest z (equal values are all kept);
-//   e_j = exp(z_j - max z) for kept tokens, else 0;
+//   e_j = exp(z_j - max z) for kept tokens, else 0; min-p (> 0) also drops e_j < min_p (p_j < min_p x the best p,
+//   applied with top-k, before top-p, as vLLM orders them);
 //   top-p (< 1) orders the kept tokens by e descending (equal e: lower id first) and drops each token once the
 //   mass before it reaches top_p * sum(e); p_j = e_j / sum of what is left.
 #pragma once
@@ -29,7 +30,8 @@ struct RowDist {
 };
 
 // e (V floats) <- the kept tokens' unnormalised weights, zeros elsewhere (see the header comment).
-inline RowDist row_dist(const float* x, int64_t V, float temperature, int64_t top_k, double top_p, float* e) {
+inline RowDist row_dist(const float* x, int64_t V, float temperature, int64_t top_k, double top_p, float min_p,
+                        float* e) {
   RowDist r;
   // z = x / T and its maximum, in 16 lanes (plain loops -O3 vectorizes); NaN counted apart (a NaN z fails z == z)
   constexpr int L = 16;
@@ -72,7 +74,7 @@ inline RowDist row_dist(const float* x, int64_t V, float temperature, int64_t to
   for (j = 0; j < V; ++j) {  // below e^-87 (~1e-38 of the best) a weight is 0, as for -inf logits
     const float d = e[j] - m;
     const float w = exp_nonpos(d);
-    e[j] = (e[j] >= kth && d >= -87.0f) ? w : 0.0f;
+    e[j] = (e[j] >= kth && d >= -87.0f && w >= min_p) ? w : 0.0f;
   }
   double acc[32] = {0.0};  // 32 independent lanes (a single chain of V dependent adds is ~5x slower)
   for (j = 0; j + 32 <= V; j += 32)
@@ -166,10 +168,10 @@ inline int64_t draw_from(const float* e, int64_t V, const RowDist& r, double u) 
 
 // probs (R, V) <- each row's distribution; returns false (probs undefined) when a row has no finite maximum.
 inline bool sample_probs_rows(const float* x, int64_t R, int64_t V, float temperature, int64_t top_k, double top_p,
-                              float* probs) {
+                              float min_p, float* probs) {
   for (int64_t r = 0; r < R; ++r) {
     float* p = probs + r * V;
-    const RowDist d = row_dist(x + r * V, V, temperature, top_k, top_p, p);
+    const RowDist d = row_dist(x + r * V, V, temperature, top_k, top_p, min_p, p);
     if (!(d.total > 0.0)) return false;  // no finite maximum (-1), or no mass
     const double inv = 1.0 / d.total;
     for (int64_t j = 0; j < V; ++j) p[j] = (float)((double)p[j] * inv);
@@ -178,10 +180,11 @@ inline bool sample_probs_rows(const float* x, int64_t R, int64_t V, float temper
 }
 
 // One draw by inverse transform of u in [0, 1) from row x (V); -1 when the row has no finite maximum.
-inline int64_t sample_draw_row(const float* x, int64_t V, float temperature, int64_t top_k, double top_p, double u) {
+inline int64_t sample_draw_row(const float* x, int64_t V, float temperature, int64_t top_k, double top_p, float min_p,
+                               double u) {
   thread_local std::vector<float> e;
   e.resize(V);
-  const RowDist d = row_dist(x, V, temperature, top_k, top_p, e.data());
+  const RowDist d = row_dist(x, V, temperature, top_k, top_p, min_p, e.data());
   if (!(d.total > 0.0)) return -1;  // no finite maximum (-1), or no mass
   return draw_from(e.data(), V, d, u);
 }

@@ -340,6 +340,7 @@ class OpenAIServer:
                     temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p,
                     top_k=req.top_k or 0,
+                    min_p=req.min_p or 0.0,
                     seed=req.seed,
                     stop=stop,
                     rule=opts.rule or "speculative",
