@@ -52,10 +52,13 @@ def test_generate_prints_text_and_speed() -> None:
         "16",
         "--drafter",
         "prompt-lookup",
+        "--max-seq-len",
+        "1024",
     )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "tok/s" in r.stderr
+    assert "tokens (ended)" in r.stderr  # the answer ended (EOS) before the 16-token limit
 
 
 def test_bad_limits_are_reported_cleanly_before_loading(capsys, no_model_load, tmp_path) -> None:

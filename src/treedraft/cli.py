@@ -33,8 +33,9 @@ def _installed(name: str) -> bool:
 
 
 def add_model_args(p: argparse.ArgumentParser, drafting: bool = True, heads: bool = True) -> None:
-    """Options shared by every command that loads a model; ``drafting``: --drafter and the suffix store's options,
-    ``heads``: --heads (commands that train drafters or only generate data take neither: nothing would read them)."""
+    """Options shared by every command that loads a model; ``drafting``: --drafter, --max-seq-len and the suffix
+    store's options, ``heads``: --heads (commands that train drafters or only generate data take neither: nothing
+    would read them)."""
     from .models.registry import DEFAULT_MODEL
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry name, .gguf file or HF directory")
@@ -63,6 +64,14 @@ def add_model_args(p: argparse.ArgumentParser, drafting: bool = True, heads: boo
     )
     add_kv_dtype_arg(p)
     if drafting:
+        p.add_argument(
+            "--max-seq-len",
+            type=int,
+            default=4096,
+            metavar="N",
+            help="context window in tokens, prompt and answer together (default 4096; at most the model's own: "
+            "8192 for SmolLM2; the KV cache of a request grows with what it uses)",
+        )
         add_suffix_args(p)
 
 
@@ -182,6 +191,7 @@ def load_from_args(a: argparse.Namespace):
         runtime=a.runtime,
         weights=a.weights,
         kv_dtype=a.kv_dtype,
+        max_seq_len=a.max_seq_len,
         **suffix_kwargs(a),
     )
     freeze_gc()
@@ -242,14 +252,17 @@ def _run_stream(llm, prompt, a: argparse.Namespace, raw: bool) -> str:
 
     stats = GenerationStats()
     parts = []
+    finish = None
     for ch in llm.stream(prompt, raw=raw, stats=stats, **_gen_kwargs(a)):
         sys.stdout.write(ch.text)
         sys.stdout.flush()
         parts.append(ch.text)
+        finish = ch.finish_reason or finish
     sys.stdout.write("\n")
     name = getattr(llm.engine.drafter, "name", "none") if llm.engine.drafter else "none"
+    why = {"stop": "ended", "length": "cut at the token limit"}.get(finish, finish)
     print(
-        f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, drafter {name}, "
+        f"[{stats.new_tokens} tokens ({why}), {stats.tokens_per_s:.1f} tok/s, drafter {name}, "
         f"mean accepted {stats.mean_accepted_length:.2f}, prefill {stats.t_prefill * 1000:.0f} ms]",
         file=sys.stderr,
     )
