@@ -188,7 +188,15 @@ def test_cli_loads_freeze_the_models_objects_out_of_the_gc(monkeypatch) -> None:
     marker = [object()]
     monkeypatch.setattr(treedraft, "load", lambda *a, **k: marker)
     args = argparse.Namespace(
-        model="m", drafter=None, heads=None, device="cpu", dtype=None, runtime=None, weights=None, kv_dtype=None
+        model="m",
+        drafter=None,
+        heads=None,
+        device="cpu",
+        dtype=None,
+        runtime=None,
+        weights=None,
+        kv_dtype=None,
+        max_seq_len=4096,
     )
     monkeypatch.setattr("treedraft.cli.suffix_kwargs", lambda a: {})
     try:
