@@ -82,6 +82,10 @@ def test_bad_limits_are_reported_cleanly_before_loading(capsys, no_model_load, t
     assert r.returncode == 2 and "'uri-reference'" in r.stderr and "Traceback" not in r.stderr
     r = run_in_process(capsys, "generate", "hi", "--prediction", "/nonexistent/old.py")
     assert r.returncode == 2 and "--prediction /nonexistent/old.py" in r.stderr and "Traceback" not in r.stderr
+    r = run_in_process(capsys, "generate", "hi", "--regex", "ok[")
+    assert r.returncode == 2 and "regex 'ok[': missing ']'" in r.stderr
+    r = run_in_process(capsys, "generate", "hi", "--json", "--choice", "a")
+    assert r.returncode == 2 and "give one of --json / --json-schema, --choice" in r.stderr
     r = run_in_process(capsys, "generate", "hi", "--min-p", "2")
     assert r.returncode == 2 and "min_p must be in [0, 1]" in r.stderr
     r = run_in_process(capsys, "generate", "hi", "--repetition-penalty", "1e-40")

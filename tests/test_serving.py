@@ -634,6 +634,35 @@ def test_min_p_reaches_the_sampler(server: LiveServer) -> None:
     assert_error(httpx.post(url, json=hot | {"min_p": 1.5}, timeout=TIMEOUT), 400, "min_p")
 
 
+def test_guided_choice_and_regex_constrain_the_answer(server: LiveServer) -> None:
+    """vLLM's guided_choice / guided_regex / structured_outputs: the answer is one of the strings or a full match
+    (greedy and sampled, streamed or not); two constraints at once, a bad expression or one next to a JSON
+    response_format is a 400 naming the field."""
+    url = f"{server.url}/v1/chat/completions"
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 12}
+    choices = ["cab", "b b", "abc"]
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 5}):
+            r = httpx.post(url, json=body | extra | sampling, timeout=TIMEOUT)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] in choices
+    rx = {"guided_regex": "(ab|c)+ ?b{2,3}"}
+    out = httpx.post(url, json=body | rx | {"temperature": 0}, timeout=TIMEOUT).json()["choices"][0]
+    assert out["finish_reason"] == "length" or re.fullmatch(rx["guided_regex"], out["message"]["content"]), out
+    events = _sse_events(httpx.post(url, json=body | rx | {"temperature": 0, "stream": True}, timeout=TIMEOUT))
+    assert (
+        "".join(ch["delta"].get("content") or "" for ev in events for ch in ev["choices"]) == out["message"]["content"]
+    )
+    for bad, param in (
+        ({"guided_regex": "ok[", "temperature": 0}, "guided_regex"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ):
+        assert_error(httpx.post(url, json=body | bad, timeout=TIMEOUT), 400, param)
+
+
 # ----------------------------------------------------------------------------- disconnects
 
 

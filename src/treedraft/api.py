@@ -75,6 +75,8 @@ class LLM:
     _json: JsonGrammar | None = field(default=None, init=False, repr=False)  # JSON mode's automaton, once built
     _schemas: dict = field(default_factory=dict, init=False, repr=False)  # json_schema automata by schema text
     _lock: Any = field(default_factory=threading.Lock, init=False, repr=False)
+    _text_vocab: Any = field(default=None, init=False, repr=False)  # regex / choice answers' vocabulary index
+    _regexes: dict = field(default_factory=dict, init=False, repr=False)  # their automata by expression
 
     def __post_init__(self) -> None:
         self.drafters = DrafterCache(
@@ -135,6 +137,8 @@ class LLM:
         min_tokens: int = 0,
         response_format: str | dict | None = None,
         prediction: str | Sequence[int] | None = None,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
     ) -> GenerationConfig:
         """A :class:`GenerationConfig` from keyword arguments. ``logprobs``: None (off), or n: each generated
         token's log-probability and its position's n most likely alternatives (``GenerationResult.logprobs``,
@@ -149,7 +153,9 @@ class LLM:
         to one valid under that JSON Schema (:meth:`json_grammar`); None or ``"text"``: free text. ``prediction``
         (OpenAI's predicted outputs): text (or token ids) the answer is expected to resemble, e.g. the code an edit
         rewrites; the text drafters (prompt lookup, suffix, and so the default) draft from it too. Only the speed
-        changes: the answer is the one it would be without."""
+        changes: the answer is the one it would be without. ``regex`` (vLLM's guided_regex): the whole answer is a
+        match of this regular expression (:mod:`treedraft.text_grammar`); ``choice`` (guided_choice): the answer is
+        exactly one of these strings. At most one of response_format, regex and choice."""
         bias = tuple((t, float(v)) for t, v in (logit_bias or {}).items())
         eos = tuple(sorted(self.tokenizer.eos_token_ids))
         penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty, bias, min_tokens, eos)
@@ -162,7 +168,7 @@ class LLM:
             max_tree_nodes=max_tree_nodes,
             logprobs=logprobs,
             penalties=penalties,
-            grammar=self.json_grammar(response_format),
+            grammar=self.answer_grammar(response_format, regex, choice),
             prediction=self.prediction_ids(prediction),
         )
 
@@ -180,6 +186,37 @@ class LLM:
             f"prediction must be a string or a list of token ids in [0, {self.model.vocab_size}), "
             f"got {type(prediction).__name__}"
         )
+
+    def answer_grammar(self, response_format: str | dict | None, regex: str | None, choice: Sequence[str] | None):
+        """The automaton the answer follows: JSON (:meth:`json_grammar`), a regular expression or a choice
+        (:meth:`text_grammar`), or None for free text."""
+        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+        given = [n for n, on in (("response_format", kind not in (None, "text")), ("regex", regex is not None),
+                                 ("choice", choice is not None)) if on]  # fmt: skip
+        if len(given) > 1:
+            raise GenerationError(f"give one of {' / '.join(given)}: each constrains the whole answer")
+        if regex is not None or choice is not None:
+            from .text_grammar import choice_pattern
+
+            try:
+                return self.text_grammar(regex if choice is None else choice_pattern(choice))
+            except ValueError as e:
+                raise GenerationError(str(e)) from None
+        return self.json_grammar(response_format)
+
+    def text_grammar(self, regex: str):
+        """The automaton of answers that match ``regex`` whole (:class:`treedraft.text_grammar.TextGrammar`); the
+        vocabulary's byte trie is built at the first call and shared, the automata kept for reuse (the last 32)."""
+        from .text_grammar import TextVocab
+
+        with self._lock:
+            if self._text_vocab is None:
+                self._text_vocab = TextVocab.from_tokenizer(self.tokenizer, self.model.vocab_size)
+            g = self._regexes.pop(regex, None) or self._text_vocab.grammar(regex)
+            self._regexes[regex] = g
+            while len(self._regexes) > 32:
+                self._regexes.pop(next(iter(self._regexes)))
+        return g
 
     def json_grammar(self, response_format: str | dict | None) -> JsonGrammar | None:
         """The automaton of ``response_format`` (:mod:`treedraft.grammar`): "json_object" / ``{"type":

@@ -149,6 +149,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--json-schema", default=None, metavar="FILE", help="the answer is an object valid under this schema"
     )
+    p.add_argument("--regex", default=None, help="the whole answer matches this regular expression (ECMA syntax)")
+    p.add_argument("--choice", action="append", default=None, help="the answer is one of these strings (repeatable)")
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
@@ -215,6 +217,8 @@ def _gen_kwargs(a: argparse.Namespace) -> dict:
         min_tokens=a.min_tokens,
         response_format=_response_format(a),
         prediction=_prediction(a),
+        regex=a.regex,
+        choice=a.choice,
     )
 
 
@@ -277,6 +281,17 @@ def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> None:
 
     kw = _gen_kwargs(a)
     kw.pop("prediction")  # read here (a missing file is reported before the load), tokenized with the model
+    regex, choice = kw.pop("regex"), kw.pop("choice")
+    constraints = [n for n, on in (("--json / --json-schema", a.json or a.json_schema), ("--regex", regex),
+                                   ("--choice", choice)) if on]  # fmt: skip
+    if len(constraints) > 1:
+        raise ValueError(f"give one of {', '.join(constraints)}: each constrains the whole answer")
+    if regex is not None or choice is not None:
+        from .text_grammar import choice_pattern, full_match
+
+        full_match(regex if choice is None else choice_pattern(choice))  # a bad expression: reported before the load
+        if a.min_tokens:
+            raise ValueError("--min-tokens cannot be combined with --regex / --choice (a full match ends the answer)")
     if kw.pop("response_format") and a.min_tokens:
         raise ValueError(
             "--min-tokens cannot be combined with --json / --json-schema (the closed object ends the answer)"

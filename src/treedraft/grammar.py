@@ -1206,12 +1206,10 @@ class JsonGrammar:
     def from_tokenizer(cls, tokenizer, vocab_size: int | None = None) -> JsonGrammar:
         """The grammar over a :class:`treedraft.tokenizer.Tokenizer`'s vocabulary; its special tokens are never
         part of the JSON text."""
-        special = getattr(tokenizer, "special_ids", frozenset())
         n = tokenizer.vocab_size
-        own = getattr(tokenizer, "token_bytes", None)  # else each token's text (a test tokenizer's)
-        of = own if callable(own) else lambda t: tokenizer.decode([t]).encode("utf-8")
-        token_bytes = [None if t in special else of(t) for t in range(n)]
-        return cls(token_bytes, sorted(tokenizer.eos_token_ids), vocab_size if vocab_size is not None else n)
+        return cls(
+            token_bytes_of(tokenizer), sorted(tokenizer.eos_token_ids), vocab_size if vocab_size is not None else n
+        )
 
     def with_schema(self, schema: dict) -> JsonGrammar:
         """The automaton of objects valid under ``schema`` (:func:`compile_schema`; ValueError for what it does not
@@ -1409,6 +1407,15 @@ class JsonGrammar:
                     m[t] = s is not None
             self._in_string[utf8] = m
         return m
+
+
+def token_bytes_of(tokenizer) -> list[bytes | None]:
+    """Each token's bytes (None for special tokens, never part of an answer's text), from the tokenizer's own
+    ``token_bytes`` or, for a test tokenizer without it, each token's text."""
+    special = getattr(tokenizer, "special_ids", frozenset())
+    own = getattr(tokenizer, "token_bytes", None)
+    of = own if callable(own) else lambda t: tokenizer.decode([t]).encode("utf-8")
+    return [None if t in special else of(t) for t in range(tokenizer.vocab_size)]
 
 
 def prune(grammar: JsonGrammar, tree: TokenTree, state: State) -> tuple[TokenTree, list[State]]:

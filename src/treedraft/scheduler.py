@@ -580,7 +580,7 @@ class Scheduler:
         for t in tokens:
             state = req.config.grammar.advance(state, t)
             if state is None:  # the rows were constrained: only a broken mask gets here
-                raise GenerationError(f"JSON mode: token {t} was chosen where the JSON text cannot take it")
+                raise GenerationError(f"constrained answer: token {t} was chosen where the grammar cannot take it")
         return state
 
     @staticmethod

@@ -31,6 +31,7 @@ from ..engine import GenerationConfig
 from ..interfaces import GenerationError
 from ..logprobs import TokenLogprob
 from ..text import Chunk
+from ..text_grammar import choice_pattern
 from ..tools import ResponseText, Tool, ToolRequestError, answer_format, answer_message, render_messages
 from ..verify import RULES as _RULES
 from .auth import APIKeys, AuthMiddleware
@@ -48,6 +49,7 @@ from .protocol import (
     prompt_list,
     reject_unsupported,
     request_drafters,
+    text_constraint,
 )
 from .responses import _JobStreamingResponse, _spec_info, _sse, _usage
 from .worker import Done, Failed, Job, Worker
@@ -295,6 +297,17 @@ class OpenAIServer:
                 raise APIError(400, str(e), param=e.param) from None
             except ValueError as e:
                 raise APIError(400, str(e), param="tools") from None
+        regex, choice, constraint = text_constraint(req)
+        if constraint:  # the regex / choice automaton (and once, the vocabulary's byte trie) off the event loop
+            if mode is not None or (fmt is not None and fmt.get("type") != "text"):
+                raise APIError(
+                    400, f"{constraint} cannot be combined with tools or a JSON response_format", param=constraint
+                )
+            expr = regex if choice is None else choice_pattern(choice)
+            try:
+                await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.llm.text_grammar, expr)
+            except ValueError as e:
+                raise APIError(400, str(e), param=constraint) from None
         if fmt is not None:  # JSON mode's automaton: built once (~1.4 s) off the event loop
             try:
                 await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.llm.json_grammar, fmt)
@@ -353,6 +366,8 @@ class OpenAIServer:
                     min_tokens=req.min_tokens or 0,
                     response_format=fmt,
                     prediction=prediction,
+                    regex=regex,
+                    choice=choice,
                 )
                 cfg = replace(cfg, ignore_eos=bool(req.ignore_eos))
             except ValueError as e:  # e.g. rule 'greedy' with temperature > 0

@@ -186,6 +186,11 @@ class CommonRequest(BaseModel):
     user: str | None = None
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema"} (JSON mode)
     prediction: dict[str, Any] | None = None  # predicted output: {"type": "content", "content": text or text parts}
+    # vLLM's extras for constrained free text (treedraft.text_grammar): the whole answer matches a regular
+    # expression, or is one of the strings; structured_outputs {"regex": ...} / {"choice": [...]} is vLLM's newer form
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
     treedraft: TreedraftOptions | None = None
 
 
@@ -295,6 +300,42 @@ def prediction_text(req: CommonRequest) -> str | None:
         'prediction content must be a string or a list of {"type": "text", "text": "..."} parts',
         param="prediction.content",
     )
+
+
+def text_constraint(req: CommonRequest) -> tuple[str | None, list[str] | None, str]:
+    """(regex, choice, the field that gave it) from guided_regex / guided_choice / structured_outputs; 400 for two
+    at once or a structured_outputs key other than regex / choice."""
+    given = []
+    if req.guided_regex is not None:
+        given.append((req.guided_regex, None, "guided_regex"))
+    if req.guided_choice is not None:
+        given.append((None, req.guided_choice, "guided_choice"))
+    so = req.structured_outputs
+    if so is not None:
+        bad = sorted(set(so) - {"regex", "choice"})
+        if bad:
+            raise APIError(
+                400,
+                f"structured_outputs {', '.join(bad)} is not supported here; use regex or choice, or response_format "
+                "for JSON",
+                param="structured_outputs",
+            )
+        if so.get("regex") is not None:
+            given.append((so["regex"], None, "structured_outputs.regex"))
+        if so.get("choice") is not None:
+            given.append((None, so["choice"], "structured_outputs.choice"))
+    if len(given) > 1:
+        raise APIError(400, f"give one of {', '.join(g[2] for g in given)}", param=given[1][2])
+    if not given:
+        return None, None, ""
+    regex, choice, name = given[0]
+    if regex is not None and (not isinstance(regex, str) or not regex):
+        raise APIError(400, f"{name} must be a non-empty string", param=name)
+    if choice is not None and (
+        not isinstance(choice, list) or not choice or not all(isinstance(c, str) and c for c in choice)
+    ):
+        raise APIError(400, f"{name} must be a non-empty list of non-empty strings", param=name)
+    return regex, choice, name
 
 
 def reject_unsupported(req: CommonRequest) -> None:
