@@ -111,6 +111,11 @@ def add_suffix_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def model_kwargs(a: argparse.Namespace) -> dict:
+    """load() keyword arguments from add_model_args' device / dtype / runtime / weights / KV-cache flags."""
+    return dict(device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights, kv_dtype=a.kv_dtype)
+
+
 def suffix_kwargs(a: argparse.Namespace) -> dict:
     """load() keyword arguments from the --suffix-* flags."""
     return dict(suffix_store=a.suffix_store, suffix_max_tokens=a.suffix_max_tokens, suffix_share=a.suffix_share)
@@ -185,16 +190,7 @@ def load_from_args(a: argparse.Namespace):
     apply_threads(getattr(a, "threads", None))
 
     llm = load(
-        a.model,
-        drafter=a.drafter,
-        heads=a.heads,
-        device=a.device,
-        dtype=a.dtype,
-        runtime=a.runtime,
-        weights=a.weights,
-        kv_dtype=a.kv_dtype,
-        max_seq_len=a.max_seq_len,
-        **suffix_kwargs(a),
+        a.model, drafter=a.drafter, heads=a.heads, max_seq_len=a.max_seq_len, **model_kwargs(a), **suffix_kwargs(a)
     )
     freeze_gc()
     return llm

@@ -224,6 +224,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     import torch
 
     from .. import load
+    from ..cli import model_kwargs
     from ..drafters.medusa import MedusaConfig
     from .data import generate_dataset, has_shards, load_shards, read_meta, read_prompts
     from .train import TrainConfig, evaluate, head_targets, rank_accuracy, train_heads
@@ -231,9 +232,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     validate_train_args(a)
     if a.threads:
         torch.set_num_threads(a.threads)
-    llm = load(
-        a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights, kv_dtype=a.kv_dtype
-    )
+    llm = load(a.model, drafter=None, **model_kwargs(a))
     vocab = llm.model.vocab_size
     _check(a.draft_vocab <= vocab, f"--draft-vocab must be <= the model's vocabulary ({vocab}), got {a.draft_vocab}")
     prompts = read_prompts(a.prompts)[: a.num_prompts]
@@ -382,6 +381,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     import torch
 
     from .. import load
+    from ..cli import model_kwargs
     from ..drafters.medusa import MedusaDrafter
     from ..engine import GenerationStats
     from ..interfaces import DraftContext
@@ -397,16 +397,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     from .train import head_targets, rank_accuracy
 
     validate_calibrate_args(a)
-    llm = load(
-        a.model,
-        drafter="medusa",
-        heads=a.heads,
-        device=a.device,
-        dtype=a.dtype,
-        runtime=a.runtime,
-        weights=a.weights,
-        kv_dtype=a.kv_dtype,
-    )
+    llm = load(a.model, drafter="medusa", heads=a.heads, **model_kwargs(a))
     max_len = getattr(llm.model, "max_seq_len", None)
     _check(
         max_len is None or a.context + a.max_nodes <= max_len,

@@ -116,6 +116,7 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
     import torch
 
     from .. import load
+    from ..cli import model_kwargs
     from ..drafters.eagle import EagleConfig
     from .cli import _check, cache_name
     from .data import read_prompts
@@ -126,9 +127,7 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
-    llm = load(
-        a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights, kv_dtype=a.kv_dtype
-    )
+    llm = load(a.model, drafter=None, **model_kwargs(a))
     _check(a.draft_vocab <= llm.model.vocab_size, f"--draft-vocab must be <= {llm.model.vocab_size}")
     if a.no_generate:
         data = Path(a.train_data)

@@ -272,15 +272,13 @@ def register(sub) -> None:
 def cmd_synth_prompts(a) -> int:
     """Load the model, draw the requests, print the counts."""
     from .. import load
-    from ..cli import apply_threads
+    from ..cli import apply_threads, model_kwargs
 
     if a.concurrency < 1:
         raise SynthError(f"--concurrency must be >= 1, got {a.concurrency}")
     cfg = SynthConfig(num=a.num, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
     apply_threads(a.threads)
-    llm = load(
-        a.model, drafter=None, device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights, kv_dtype=a.kv_dtype
-    )
+    llm = load(a.model, drafter=None, **model_kwargs(a))
     how = {"weights": a.weights, "dtype": a.dtype, "runtime": a.runtime}
     stats = synthesize_prompts(
         llm.engine, llm.tokenizer, a.out, cfg, a.concurrency, model_name=llm.model_name, load_settings=how
