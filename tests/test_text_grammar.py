@@ -21,6 +21,7 @@ PIECES = (
     + [b"ab", b"abc", b"ba", b"yes", b"no", b"xy ", b", ", b"10", b"99"]
     + ["é".encode(), "€".encode(), "é".encode()[:1], "é".encode()[1:], "€".encode()[:2], "€".encode()[2:]]
     + [b"a\xc3", b"\xa9b"]  # "a" + the first byte of "é"; its second byte + "b"
+    + [b"\xed", b"\xa0", b"\x9f"]  # a lead byte whose second byte decides: 0xA0 would begin a surrogate, 0x9F not
 )
 VOCAB = TextVocab(PIECES, [EOS], len(PIECES))
 REGEXES = ["a+b?", "(yes|no)[.!]?", "[0-9]{2,3}-[0-9]", "é*€?", "x(é|€)y", "(ab|ba)*c", "[^a-c]{1,2}"]
@@ -69,6 +70,23 @@ def test_accepted_texts_are_exactly_the_full_matches(regex: str) -> None:
         todo += [g.advance(s, int(t)) for t in np.flatnonzero(mask)]
 
 
+def test_anchors_are_allowed_and_change_nothing_in_a_full_match() -> None:
+    for anchored, plain in (("^[0-9]+$", "[0-9]+"), ("a|^b", "a|b"), ("^(ab|c)$", "(ab|c)")):
+        g, h = VOCAB.grammar(anchored), VOCAB.grammar(plain)
+        assert texts_of(g, g.start(), 3) == texts_of(h, h.start(), 3), anchored
+
+
+def test_the_mask_cache_is_bounded() -> None:
+    from treedraft.text_grammar import MAX_MASKS
+
+    g = VOCAB.grammar("a{0,700}")  # every position a new state
+    s, a = g.start(), PIECES.index(b"a")
+    for _ in range(700):
+        assert g.allowed(s)[a]
+        s = g.advance(s, a)
+    assert len(g._masks) == MAX_MASKS and g.allowed(s).tolist() == [True] + [False] * (len(PIECES) - 1)
+
+
 def test_split_characters_are_taken_only_towards_an_allowed_character() -> None:
     """The first byte of "é" is refused where only "€" may come (the answer would dead-end mid-character), taken
     where "é" may, and EOS waits for the character to be complete."""
@@ -104,6 +122,10 @@ def test_a_choice_is_exactly_one_of_its_strings(choices: list[str]) -> None:
 def test_bad_expressions_and_choices_are_named() -> None:
     with pytest.raises(ValueError, match=r"regex 'ok\[': missing '\]'"):
         full_match("ok[")
+    with pytest.raises(ValueError, match="unexpected '\\)'"):  # not wrapped into "(?:a)|(?:b)": a different regex
+        full_match("a)|(?:b")
+    with pytest.raises(ValueError, match=r"regex 'xxxxx.*\.\.\.': missing"):  # a long expression is shortened
+        full_match("x" * 200 + "[")
     with pytest.raises(ValueError, match="lookaround"):
         full_match("(?=a)b")
     for bad in ([], [""], "yes", [1]):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .drafters.registry import DEFAULT, DrafterCache, DrafterOptions, canonical
@@ -178,10 +179,15 @@ class LLM:
             return ()
         if isinstance(prediction, str):
             return tuple(self.tokenizer.encode(prediction))
-        if isinstance(prediction, (list, tuple)) and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.model.vocab_size for t in prediction
+        ids = None
+        if hasattr(prediction, "tolist"):
+            ids = prediction.tolist()  # a numpy array or tensor of ids (a scalar's tolist is no list)
+        elif isinstance(prediction, Sequence) and not isinstance(prediction, (bytes, bytearray)):
+            ids = list(prediction)
+        if isinstance(ids, list) and all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < self.model.vocab_size for t in ids
         ):
-            return tuple(prediction)
+            return tuple(int(t) for t in ids)
         raise GenerationError(
             f"prediction must be a string or a list of token ids in [0, {self.model.vocab_size}), "
             f"got {type(prediction).__name__}"

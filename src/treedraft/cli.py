@@ -260,9 +260,9 @@ def _run_stream(llm, prompt, a: argparse.Namespace, raw: bool) -> str:
         finish = ch.finish_reason or finish
     sys.stdout.write("\n")
     name = getattr(llm.engine.drafter, "name", "none") if llm.engine.drafter else "none"
-    why = {"stop": "ended", "length": "cut at the token limit"}.get(finish, finish)
+    why = {"stop": " (ended)", "length": " (cut at the token limit)"}.get(finish, "")
     print(
-        f"[{stats.new_tokens} tokens ({why}), {stats.tokens_per_s:.1f} tok/s, drafter {name}, "
+        f"[{stats.new_tokens} tokens{why}, {stats.tokens_per_s:.1f} tok/s, drafter {name}, "
         f"mean accepted {stats.mean_accepted_length:.2f}, prefill {stats.t_prefill * 1000:.0f} ms]",
         file=sys.stderr,
     )

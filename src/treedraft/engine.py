@@ -20,6 +20,7 @@ from .interfaces import DraftContext, Drafter, GenerationError, TargetModel, tar
 from .logprobs import TokenLogprob, check_top
 from .penalties import Penalties
 from .sampling import SamplingParams
+from .text_grammar import TextGrammar
 from .tree import TokenTree, TreeError
 from .verify import RULES
 
@@ -54,7 +55,8 @@ class GenerationConfig:
     max_tree_nodes: int = 64
     logprobs: int | None = None  # None: off; n: each token's log p and its row's n best (treedraft.logprobs)
     penalties: Penalties = field(default_factory=Penalties)  # repetition / presence / frequency (treedraft.penalties)
-    grammar: JsonGrammar | None = None  # JSON mode: the automaton over this model's vocabulary (treedraft.grammar)
+    # JSON mode (treedraft.grammar) or a regex / choice (treedraft.text_grammar): the automaton over the vocabulary
+    grammar: JsonGrammar | TextGrammar | None = None
     # predicted output (OpenAI's "prediction"): token ids the answer is expected to resemble; text drafters search
     # them as well (DraftContext.reference). Speed only: the output is the same with or without them.
     prediction: tuple[int, ...] = ()
@@ -79,11 +81,17 @@ class GenerationConfig:
         except ValueError as err:
             raise GenerationError(str(err)) from None
         if self.grammar is not None and self.ignore_eos:
-            raise GenerationError("JSON mode ends the answer with EOS once the object is closed; drop ignore_eos")
+            raise GenerationError(
+                "a constrained answer (JSON mode, a regex or a choice) ends with EOS once it is complete; "
+                "drop ignore_eos"
+            )
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.prediction):
             raise GenerationError("prediction must be a sequence of token ids (integers >= 0)")
         if self.grammar is not None and self.penalties.min_tokens > 0:
-            raise GenerationError("min_tokens cannot be combined with JSON mode (the closed object ends the answer)")
+            raise GenerationError(
+                "min_tokens cannot be combined with a constrained answer (JSON mode, a regex or a choice): the "
+                "complete answer ends it"
+            )
 
 
 def acceptance_per_depth(steps: Iterable[tuple[int, int]]) -> list[float]:

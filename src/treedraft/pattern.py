@@ -268,12 +268,15 @@ class Pattern:
     """A DFA over code points: ``next(state, cp)`` (-1: no match can follow), ``accepts(state)``; state 0 is the
     start. Only states from which a match can still be completed are kept."""
 
-    def __init__(self, source: str, label: str | None = None) -> None:
+    def __init__(self, source: str, label: str | None = None, full: bool = False) -> None:
+        """``full``: the whole text must match, as with ``re.fullmatch`` (every top-level alternative anchored at
+        both ends, so ``^`` / ``$`` there change nothing); else JSON Schema's search semantics."""
         self.source = label or source
         alts = _Parser(source).top()
         nfa = _NFA()
         start, accept = nfa.state(), nfa.state()
         for bol, node, eol in alts:
+            bol, eol = bol or full, eol or full
             s = nfa.state()
             nfa.eps[start].append(s)
             if not bol:

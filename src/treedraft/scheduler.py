@@ -243,7 +243,7 @@ class Scheduler:
         if cfg.grammar is not None:
             if cfg.grammar.vocab_size != eng.model.vocab_size:
                 raise GenerationError(
-                    f"the JSON grammar covers {cfg.grammar.vocab_size} token ids but the model has "
+                    f"the answer's grammar covers {cfg.grammar.vocab_size} token ids but the model has "
                     f"{eng.model.vocab_size}; build it with JsonGrammar.from_tokenizer(tokenizer, model.vocab_size)"
                 )
             req.gstate = cfg.grammar.start()

@@ -16,13 +16,14 @@ of the vocabulary with the DFA (only the branches that stay alive) and cached.
 
 from __future__ import annotations
 
-import re
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from .pattern import Pattern
 
+MAX_MASKS = 512  # masks kept per grammar
 DONE = (-2, b"")  # after EOS: only EOS again (a verify row past an accepted EOS still picks a bonus token)
 _SPECIAL = "\\^$.|?*+()[]{}/"  # what escape() puts a backslash before
 
@@ -44,15 +45,12 @@ def full_match(regex: str) -> Pattern:
     it) when it is not one :mod:`treedraft.pattern` supports."""
     if not isinstance(regex, str) or not regex:
         raise ValueError("regex must be a non-empty string")
-    wrapped = f"^(?:{regex})$"
+    shown = regex if len(regex) <= 80 else regex[:77] + "..."
     try:
-        return Pattern(wrapped, label=regex)
+        return Pattern(regex, label=shown, full=True)
     except ValueError as e:
-        msg = str(e).removeprefix(f"pattern {wrapped!r}: ")
-        at = re.search(r" \(at (\d+)\)$", msg)
-        if at:
-            msg = msg[: at.start()] + f" (at {min(max(0, int(at.group(1)) - 4), len(regex))})"
-        raise ValueError(f"regex {regex!r}: {msg}") from None
+        msg = str(e).removeprefix(f"pattern {regex!r}: ")
+        raise ValueError(f"regex {shown!r}: {msg}".replace(repr(regex), repr(shown))) from None
 
 
 def _utf8_len(lead: int) -> int:
@@ -80,6 +78,11 @@ def _prefix_range(pend: bytes, need: int) -> tuple[int, int]:
     return max(cp << left, _MIN_CP[need]), min((cp << left) | ((1 << left) - 1), 0x10FFFF)
 
 
+# the second byte's range after these lead bytes (UTF-8's rules: no overlong forms, no surrogates, nothing past
+# U+10FFFF); after any other lead byte and for later bytes, 0x80-0xBF
+_SECOND = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
 def _feed(p: Pattern, d: int, pend: bytes, data: bytes) -> tuple[int, bytes] | None:
     """The state after ``data``; None once no match can follow (or the bytes are not UTF-8). A character's first
     bytes are taken only if some character they can still become may follow (else the answer would dead-end)."""
@@ -87,6 +90,8 @@ def _feed(p: Pattern, d: int, pend: bytes, data: bytes) -> tuple[int, bytes] | N
         pend += bytes((b,))
         need = _utf8_len(pend[0])
         if need == 0 or (len(pend) > 1 and not 0x80 <= b <= 0xBF):
+            return None
+        if len(pend) == 2 and pend[0] in _SECOND and not _SECOND[pend[0]][0] <= b <= _SECOND[pend[0]][1]:
             return None
         if len(pend) < need:
             lo, hi = _prefix_range(pend, need)
@@ -147,7 +152,7 @@ class TextGrammar:
         self.eos = vocab.eos
         self.token_bytes = vocab.token_bytes
         self._trie = vocab.trie
-        self._masks: dict[tuple[int, bytes], np.ndarray] = {}
+        self._masks: OrderedDict[tuple[int, bytes], np.ndarray] = OrderedDict()  # the last MAX_MASKS states
 
     def start(self) -> tuple[int, bytes]:
         return (0, b"")
@@ -175,6 +180,7 @@ class TextGrammar:
         """(V,) bool: the tokens that keep a full match reachable after ``s`` (EOS where ``s`` is one)."""
         got = self._masks.get(s)
         if got is not None:
+            self._masks.move_to_end(s)
             return got
         mask = np.zeros(self.vocab_size, dtype=bool)
         if s == DONE:
@@ -195,4 +201,6 @@ class TextGrammar:
             if self.done(s):
                 mask[list(self.eos)] = True
         self._masks[s] = mask
+        while len(self._masks) > MAX_MASKS:  # 49 KB each for a 49k vocabulary; counted repetitions make many states
+            self._masks.popitem(last=False)
         return mask

@@ -25,6 +25,20 @@ import numpy as np
 from ..interfaces import DraftContext
 from ..tree import TokenTree
 
+RUN_CAP = 64  # with a prediction: how far back a match's run is measured (beyond it, runs count as equal)
+
+
+def _runs(arr: np.ndarray, starts: list[int], n: int, cap: int) -> np.ndarray:
+    """match_length for every occurrence in ``starts`` at once, each capped at ``cap`` (>= n): vectorised, so a
+    prediction full of repeats costs O(occurrences x cap) array work per step, not a Python walk per occurrence."""
+    L = len(arr)
+    k = np.arange(max(cap - n, 0))
+    a = np.asarray(starts, dtype=np.int64)[:, None] - 1 - k[None, :]  # before each occurrence, going back
+    b = L - 1 - n - k  # before the cursor's n tokens, going back (>= 0 where a is: s <= L - n - 1)
+    same = (a >= 0) & (arr[np.maximum(a, 0)] == arr[np.maximum(b, 0)][None, :])
+    extra = np.where(same.all(1), len(k), same.argmin(1)) if len(k) else np.zeros(len(starts), dtype=np.int64)
+    return n + extra
+
 
 @dataclass
 class PromptLookupDrafter:
@@ -73,15 +87,17 @@ class PromptLookupDrafter:
                 hit &= arr[j : L - n + j] == arr[L - n + j]
             # most recent first: recent matches are better predictors
             starts = np.flatnonzero(hit)[::-1].tolist()
-            if reference:
-                # longest run first; among equals the context's own occurrences most recent first, then the
-                # prediction's earliest first: in a repetitive prediction the earliest occurrence with the longest
-                # run is the one aligned with the output so far
+            runs = None
+            if reference and starts:
+                # longest run first (runs of RUN_CAP and more alike); among equals the context's own occurrences
+                # most recent first, then the prediction's earliest first: in a repetitive prediction the earliest
+                # occurrence with the longest run is the one aligned with the output so far
                 R = len(reference)
-                runs = {s: self.match_length(tokens, s, n) for s in starts}
+                runs = dict(zip(starts, _runs(arr, starts, n, RUN_CAP).tolist(), strict=True))
                 starts.sort(key=lambda s: (-runs[s], s < R, s if s < R else -s))
             for s in starts:
-                length = min(depth, self.match_length(tokens, s, n)) if self.adaptive else depth
+                run = runs[s] if runs is not None else self.match_length(tokens, s, n) if self.adaptive else 0
+                length = min(depth, run) if self.adaptive else depth
                 cont = tokens[s + n : s + n + length]
                 if reference and -1 in cont:
                     cont = cont[: cont.index(-1)]

@@ -312,7 +312,7 @@ def text_constraint(req: CommonRequest) -> tuple[str | None, list[str] | None, s
         given.append((None, req.guided_choice, "guided_choice"))
     so = req.structured_outputs
     if so is not None:
-        bad = sorted(set(so) - {"regex", "choice"})
+        bad = sorted(k for k, v in so.items() if v is not None and k not in ("regex", "choice"))
         if bad:
             raise APIError(
                 400,

@@ -3,7 +3,6 @@ streaming response that cancels its job however the response ends."""
 
 from __future__ import annotations
 
-import difflib
 import json
 from collections.abc import AsyncIterator, Sequence
 
@@ -31,10 +30,25 @@ def _usage(prompt_tokens: int, completion_tokens: int, jobs: Sequence[Job] = ())
 
 def prediction_tokens(prediction: Sequence[int], output: Sequence[int]) -> tuple[int, int]:
     """(accepted, rejected) prediction tokens as OpenAI counts them: the prediction's tokens that appear in the
-    output (in order: the matching blocks of a diff of the two token lists), and the rest of the prediction."""
-    matcher = difflib.SequenceMatcher(None, list(prediction), list(output), autojunk=False)
-    accepted = sum(b.size for b in matcher.get_matching_blocks())
-    return accepted, len(prediction) - accepted
+    output in order (the length of the longest common subsequence), and the rest of the prediction.
+
+    The LCS length by the bit-parallel recurrence of Allison & Dix (1986) in Hyyro's form (2004): one row of the
+    dynamic programme is a bit vector V over the prediction's positions, and each output token updates it with
+    U = V & match(token); V = (V + U) | (V - U). A few big-integer operations per output token, whatever the
+    repetition (difflib's matcher took 14 s on a 2,000-token loop, on the server's event loop)."""
+    m = len(prediction)
+    if m == 0 or not output:
+        return 0, m
+    where: dict[int, int] = {}
+    for i, t in enumerate(prediction):
+        where[t] = where.get(t, 0) | (1 << i)
+    full = (1 << m) - 1
+    v = full
+    for t in output:
+        u = v & where.get(t, 0)
+        v = ((v + u) | (v - u)) & full
+    accepted = m - v.bit_count()
+    return accepted, m - accepted
 
 
 def _spec_info(drafter: str, stats: GenerationStats) -> dict:
