@@ -74,3 +74,31 @@ def test_a_stop_given_as_one_string_is_one_stop_string() -> None:
 def test_a_bad_max_seq_len_is_refused_before_loading(bad) -> None:
     with pytest.raises(ValueError, match="max_seq_len must be an integer >= 2"):
         treedraft.load(max_seq_len=bad)
+
+
+def test_stop_token_ids_end_the_answer_like_eos() -> None:
+    """vLLM's stop_token_ids: the id ends the answer ("stop"), is in token_ids but not in the text, also with
+    ignore_eos; min_tokens holds it back; every drafter gives plain's tokens."""
+    import dataclasses
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from server_utils import tiny_llm
+
+    llm = tiny_llm()  # its greedy answer to "abc abc" is all "b" (id 66)
+    b = 66
+    out = llm.generate("abc abc", max_new_tokens=8, drafter=None, stop_token_ids=[b])
+    assert (out.text, out.token_ids, out.finish_reason) == ("", [b], "stop")
+    held = llm.generate("abc abc", max_new_tokens=16, drafter=None, stop_token_ids=[b], min_tokens=3)
+    assert b not in held.token_ids[:3] and len(held.token_ids) > 1
+    assert held.finish_reason == "length" or held.token_ids.index(b) == len(held.token_ids) - 1  # ends at its b
+    for d in ("prompt-lookup", "suffix"):
+        assert llm.generate("abc abc", max_new_tokens=16, drafter=d, stop_token_ids=[b], min_tokens=3).token_ids == (
+            held.token_ids
+        )
+    cfg = dataclasses.replace(llm.config(max_new_tokens=4, stop_token_ids=[b]), ignore_eos=True)
+    kept = llm.text.generate(llm.encode_prompt("abc abc"), cfg, None)
+    assert kept.token_ids == [b] and kept.finish_reason == "stop"  # ignore_eos leaves stop_token_ids on
+    with pytest.raises(treedraft.GenerationError, match="outside this model's vocabulary"):
+        llm.generate("abc", stop_token_ids=[96])

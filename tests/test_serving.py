@@ -621,6 +621,17 @@ def test_a_prediction_changes_nothing_but_is_drafted_from_and_counted(server: Li
         assert_error(httpx.post(url, json=body | {"prediction": bad}, timeout=TIMEOUT), 400, param)
 
 
+def test_stop_token_ids_end_the_answer(server: LiveServer) -> None:
+    """vLLM's stop_token_ids: the tiny model's answer is all "b" (id 66), so stopping on it gives an empty answer
+    that ended ("stop"), its id not reported as content in the logprobs; a bad id is a 400."""
+    url = f"{server.url}/v1/chat/completions"
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 8, "temperature": 0, "logprobs": True}
+    out = httpx.post(url, json=body | {"stop_token_ids": [66]}, timeout=TIMEOUT).json()["choices"][0]
+    assert out["message"]["content"] == "" and out["finish_reason"] == "stop"
+    assert out["logprobs"]["content"] == []
+    assert_error(httpx.post(url, json=body | {"stop_token_ids": [10**6]}, timeout=TIMEOUT), 400, "stop_token_ids")
+
+
 def test_min_p_reaches_the_sampler(server: LiveServer) -> None:
     """min_p (vLLM's extra) 1.0 keeps the best token alone: sampled at temperature 1.5 the answer is the greedy
     one, and without min_p it is not; outside [0, 1] it is a 400."""

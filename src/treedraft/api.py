@@ -128,6 +128,7 @@ class LLM:
         seed: int | None = None,
         stop: str | list[str] | tuple[str, ...] = (),
         min_p: float = 0.0,
+        stop_token_ids: Sequence[int] = (),
         rule: str = "speculative",
         max_tree_nodes: int = 64,
         logprobs: int | None = None,
@@ -158,7 +159,13 @@ class LLM:
         match of this regular expression (:mod:`treedraft.text_grammar`); ``choice`` (guided_choice): the answer is
         exactly one of these strings. At most one of response_format, regex and choice."""
         bias = tuple((t, float(v)) for t, v in (logit_bias or {}).items())
-        eos = tuple(sorted(self.tokenizer.eos_token_ids))
+        stop_ids = tuple(int(t) for t in stop_token_ids)
+        bad = [t for t in stop_ids if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise GenerationError(
+                f"stop_token_ids {bad} are outside this model's vocabulary of {self.model.vocab_size}"
+            )
+        eos = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(stop_ids)))  # min_tokens holds all of them back
         penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty, bias, min_tokens, eos)
         penalties.check_vocab(self.model.vocab_size)
         return GenerationConfig(
@@ -171,6 +178,7 @@ class LLM:
             penalties=penalties,
             grammar=self.answer_grammar(response_format, regex, choice),
             prediction=self.prediction_ids(prediction),
+            stop_token_ids=stop_ids,
         )
 
     def prediction_ids(self, prediction: str | Sequence[int] | None) -> tuple[int, ...]:

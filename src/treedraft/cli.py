@@ -135,6 +135,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (the same seed, the same text)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument(
+        "--stop-token-id", action="append", type=int, default=[], help="a token id that ends the answer (repeatable)"
+    )
+    p.add_argument(
         "--rule",
         default="speculative",
         help="acceptance rule: speculative (lossless, the default), greedy (temperature 0 only), typical (lossy, "
@@ -205,6 +208,7 @@ def _gen_kwargs(a: argparse.Namespace) -> dict:
         seed=a.seed,
         stop=a.stop,
         min_p=a.min_p,
+        stop_token_ids=a.stop_token_id,
         rule=a.rule,
         max_tree_nodes=a.max_tree_nodes,
         repetition_penalty=a.repetition_penalty,
@@ -278,6 +282,7 @@ def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> None:
     kw = _gen_kwargs(a)
     kw.pop("prediction")  # read here (a missing file is reported before the load), tokenized with the model
     regex, choice = kw.pop("regex"), kw.pop("choice")
+    kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
     constraints = [n for n, on in (("--json / --json-schema", a.json or a.json_schema), ("--regex", regex),
                                    ("--choice", choice)) if on]  # fmt: skip
     if len(constraints) > 1:

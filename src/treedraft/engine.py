@@ -60,6 +60,8 @@ class GenerationConfig:
     # predicted output (OpenAI's "prediction"): token ids the answer is expected to resemble; text drafters search
     # them as well (DraftContext.reference). Speed only: the output is the same with or without them.
     prediction: tuple[int, ...] = ()
+    # more token ids that end the answer as EOS does (vLLM's stop_token_ids; kept with ignore_eos too)
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -87,6 +89,8 @@ class GenerationConfig:
             )
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.prediction):
             raise GenerationError("prediction must be a sequence of token ids (integers >= 0)")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise GenerationError(f"stop_token_ids must be token ids (integers >= 0), got {list(self.stop_token_ids)}")
         if self.grammar is not None and self.penalties.min_tokens > 0:
             raise GenerationError(
                 "min_tokens cannot be combined with a constrained answer (JSON mode, a regex or a choice): the "

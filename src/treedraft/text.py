@@ -194,8 +194,12 @@ class TextGenerator:
 
     def text_stream(self, config: GenerationConfig, budget: int, stats: GenerationStats) -> TextStream:
         """The per-request text state for a request whose token ids come from elsewhere (the batched loop)."""
+        return TextStream(self.tokenizer, self.ending_ids(config), config.stop, budget, stats)
+
+    def ending_ids(self, config: GenerationConfig) -> frozenset[int]:
+        """The token ids that end ``config``'s answer: EOS (unless ignore_eos) and its stop_token_ids."""
         eos = frozenset() if config.ignore_eos else self.eos_token_ids
-        return TextStream(self.tokenizer, eos, config.stop, budget, stats)
+        return eos | frozenset(config.stop_token_ids)
 
 
 class TextStream:

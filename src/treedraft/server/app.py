@@ -354,6 +354,7 @@ class OpenAIServer:
                     top_p=1.0 if req.top_p is None else req.top_p,
                     top_k=req.top_k or 0,
                     min_p=req.min_p or 0.0,
+                    stop_token_ids=req.stop_token_ids or (),
                     seed=req.seed,
                     stop=stop,
                     rule=opts.rule or "speculative",
@@ -373,7 +374,7 @@ class OpenAIServer:
             except ValueError as e:  # e.g. rule 'greedy' with temperature > 0
                 msg = str(e)
                 param = next(
-                    (x for x in ("logit_bias", "min_tokens", "ignore_eos") if x in msg),
+                    (x for x in ("logit_bias", "min_tokens", "ignore_eos", "stop_token_ids") if x in msg),
                     "treedraft.rule" if "rule" in msg else None,
                 )
                 raise APIError(400, msg, param=param) from None
@@ -681,7 +682,7 @@ class OpenAIServer:
         """The logprobs of a chunk's tokens that a response reports: all but an EOS id (not content)."""
         if p.config.logprobs is None or not item.logprobs:
             return []
-        eos = frozenset() if p.config.ignore_eos else self.llm.text.eos_token_ids
+        eos = self.llm.text.ending_ids(p.config)
         return [x for x in item.logprobs if x.token_id not in eos]
 
     def token_text(self, token_id: int) -> str:

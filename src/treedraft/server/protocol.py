@@ -172,6 +172,7 @@ class CommonRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)  # vLLM-style extra; 0 disables
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM-style extra; 0 disables
+    stop_token_ids: list[int] | None = None  # vLLM-style extra: these ids end the answer as EOS does
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     n: int | None = None
