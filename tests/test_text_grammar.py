@@ -164,3 +164,42 @@ def test_real_model_default_drafter_under_a_regex_and_a_choice_equals_plain(smol
         rx = kw.get("regex") or choice_pattern(kw["choice"])
         assert plain.finish_reason == "stop" and re.fullmatch(rx, plain.text), plain.text
         assert llm.generate(q, max_new_tokens=40, **kw).token_ids == plain.token_ids
+
+
+def test_a_cached_automaton_is_not_held_up_by_another_requests_compile(monkeypatch) -> None:
+    """The server's event loop asks for a request's automaton (cached by then) while a tokenizer thread compiles
+    another one: the compile runs outside the cache lock, so the cached one comes back at once (before, the whole
+    build held the lock and stalled the event loop)."""
+    import os
+    import sys
+    import threading
+    import time
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from server_utils import tiny_llm
+
+    from treedraft import text_grammar
+
+    llm = tiny_llm()
+    cached = llm.text_grammar("a+")
+    llm.json_grammar("json_object")
+    real, release, started = text_grammar.TextVocab.grammar, threading.Event(), threading.Event()
+
+    def slow(self, regex):
+        if regex == "b+":
+            started.set()
+            release.wait(30)
+        return real(self, regex)
+
+    monkeypatch.setattr(text_grammar.TextVocab, "grammar", slow)
+    t = threading.Thread(target=llm.text_grammar, args=("b+",), daemon=True)
+    t.start()
+    try:
+        assert started.wait(10)
+        t0 = time.perf_counter()
+        assert llm.text_grammar("a+") is cached and llm.json_grammar("json_object") is not None
+        assert time.perf_counter() - t0 < 2.0, "waited on the other compile"
+    finally:
+        release.set()
+        t.join(30)
+    assert llm.text_grammar("b+").pattern.accepts(llm.text_grammar("b+").pattern.next(0, ord("b")))

@@ -11,7 +11,7 @@ import gc
 import json
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -75,7 +75,11 @@ class LLM:
     text: TextGenerator = field(init=False, repr=False)  # the engine wrapped with detokenization, stop, EOS
     _json: JsonGrammar | None = field(default=None, init=False, repr=False)  # JSON mode's automaton, once built
     _schemas: dict = field(default_factory=dict, init=False, repr=False)  # json_schema automata by schema text
+    # _lock guards the automata caches only (a dict access: the server's event loop takes it in config()); the
+    # vocabulary indexes are built under _build_lock, and automata compile outside both, so a request whose
+    # automaton is cached never waits on another request's build
     _lock: Any = field(default_factory=threading.Lock, init=False, repr=False)
+    _build_lock: Any = field(default_factory=threading.Lock, init=False, repr=False)
     _text_vocab: Any = field(default=None, init=False, repr=False)  # regex / choice answers' vocabulary index
     _regexes: dict = field(default_factory=dict, init=False, repr=False)  # their automata by expression
 
@@ -223,13 +227,26 @@ class LLM:
         vocabulary's byte trie is built at the first call and shared, the automata kept for reuse (the last 32)."""
         from .text_grammar import TextVocab
 
+        if self._text_vocab is None:
+            with self._build_lock:
+                if self._text_vocab is None:
+                    self._text_vocab = TextVocab.from_tokenizer(self.tokenizer, self.model.vocab_size)
+        return self._cached(self._regexes, regex, lambda: self._text_vocab.grammar(regex))
+
+    def _cached(self, cache: dict, key: Any, build: Callable[[], Any]) -> Any:
+        """``cache[key]`` (most recent last, the last 32 kept), built by ``build`` outside the lock when missing (two
+        threads may both build it; one result is kept)."""
         with self._lock:
-            if self._text_vocab is None:
-                self._text_vocab = TextVocab.from_tokenizer(self.tokenizer, self.model.vocab_size)
-            g = self._regexes.pop(regex, None) or self._text_vocab.grammar(regex)
-            self._regexes[regex] = g
-            while len(self._regexes) > 32:
-                self._regexes.pop(next(iter(self._regexes)))
+            g = cache.pop(key, None)
+            if g is not None:
+                cache[key] = g
+                return g
+        g = build()
+        with self._lock:
+            g = cache.pop(key, None) or g
+            cache[key] = g
+            while len(cache) > 32:
+                cache.pop(next(iter(cache)))
         return g
 
     def json_grammar(self, response_format: str | dict | None) -> JsonGrammar | None:
@@ -250,22 +267,20 @@ class LLM:
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if kind == "json_schema" and not isinstance(schema, dict):
             raise GenerationError('response_format json_schema needs {"json_schema": {"schema": {...}}}')
-        with self._lock:  # the server builds these on its tokenizer threads: once, not once per thread
-            if self._json is None:
-                self._json = JsonGrammar.from_tokenizer(self.tokenizer, self.model.vocab_size)
-            if kind == "json_object":
-                return self._json
-            key = json.dumps(schema, sort_keys=True)
-            g = self._schemas.pop(key, None)
-            if g is None:
-                try:
-                    g = self._json.with_schema(schema)
-                except ValueError as e:
-                    raise GenerationError(str(e)) from None
-            self._schemas[key] = g  # most recent last
-            while len(self._schemas) > 32:
-                self._schemas.pop(next(iter(self._schemas)))
-        return g
+        if self._json is None:  # the server builds these on its tokenizer threads: once, not once per thread
+            with self._build_lock:
+                if self._json is None:
+                    self._json = JsonGrammar.from_tokenizer(self.tokenizer, self.model.vocab_size)
+        if kind == "json_object":
+            return self._json
+
+        def build() -> JsonGrammar:
+            try:
+                return self._json.with_schema(schema)
+            except ValueError as e:
+                raise GenerationError(str(e)) from None
+
+        return self._cached(self._schemas, json.dumps(schema, sort_keys=True), build)
 
     def get_drafter(
         self,
