@@ -47,13 +47,14 @@ def test_unknown_model_lists_names(capsys) -> None:
 def test_generate_prints_text_and_speed() -> None:
     r = run(
         "generate",
-        "What is the capital of France? Answer in one word.",
+        "-",  # the prompt from standard input
         "--max-new-tokens",
         "16",
         "--drafter",
         "prompt-lookup",
         "--max-seq-len",
         "1024",
+        stdin="What is the capital of France? Answer in one word.",
     )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
@@ -61,10 +62,15 @@ def test_generate_prints_text_and_speed() -> None:
     assert "tokens (ended)" in r.stderr  # the answer ended (EOS) before the 16-token limit
 
 
-def test_bad_limits_are_reported_cleanly_before_loading(capsys, no_model_load, tmp_path) -> None:
+def test_bad_limits_are_reported_cleanly_before_loading(capsys, no_model_load, tmp_path, monkeypatch) -> None:
     r = run_in_process(capsys, "generate", "hi", "--max-new-tokens", "0")
     assert r.returncode == 2 and "max_new_tokens" in r.stderr and "Traceback" not in r.stderr
     r = run_in_process(capsys, "generate", "", "--drafter", "none")
+    assert r.returncode == 2 and "empty" in r.stderr
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("  \n"))  # "-": the prompt from standard input (empty here)
+    r = run_in_process(capsys, "generate", "-", "--drafter", "none")
     assert r.returncode == 2 and "empty" in r.stderr
     r = run_in_process(capsys, "chat", "--top-p", "0")
     assert r.returncode == 2 and "top_p" in r.stderr

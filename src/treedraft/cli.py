@@ -310,6 +310,8 @@ def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> None:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
+    if a.prompt == "-":  # a long prompt (a file to edit, say) from standard input
+        a.prompt = sys.stdin.read()
     check_gen_args(a, a.prompt)
     t = time.perf_counter()
     llm = load_from_args(a)
@@ -377,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="treedraft", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help='the prompt; "-" reads it from standard input')
     g.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     g.add_argument(
         "--prediction",
