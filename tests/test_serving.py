@@ -670,6 +670,7 @@ def test_guided_choice_and_regex_constrain_the_answer(server: LiveServer) -> Non
         ({"guided_choice": []}, "guided_choice"),
         ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+        ({"guided_choice": ["bb"], "stop_token_ids": [66]}, "stop_token_ids"),
     ):
         assert_error(httpx.post(url, json=body | bad, timeout=TIMEOUT), 400, param)
 

@@ -203,3 +203,20 @@ def test_a_cached_automaton_is_not_held_up_by_another_requests_compile(monkeypat
         release.set()
         t.join(30)
     assert llm.text_grammar("b+").pattern.accepts(llm.text_grammar("b+").pattern.next(0, ord("b")))
+
+
+def test_stop_token_ids_are_refused_next_to_a_constraint() -> None:
+    """A stop id would end a constrained answer before it is complete (the automaton ends only at EOS): refused,
+    as min_tokens is."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from server_utils import tiny_llm
+
+    from treedraft.interfaces import GenerationError
+
+    llm = tiny_llm()
+    for kw in (dict(regex="b+"), dict(choice=["bb"]), dict(response_format="json_object")):
+        with pytest.raises(GenerationError, match="stop_token_ids cannot be combined with a constrained answer"):
+            llm.generate("abc abc", max_new_tokens=4, stop_token_ids=[66], **kw)

@@ -91,6 +91,11 @@ class GenerationConfig:
             raise GenerationError("prediction must be a sequence of token ids (integers >= 0)")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise GenerationError(f"stop_token_ids must be token ids (integers >= 0), got {list(self.stop_token_ids)}")
+        if self.grammar is not None and self.stop_token_ids:
+            raise GenerationError(
+                "stop_token_ids cannot be combined with a constrained answer (JSON mode, a regex or a choice): a stop "
+                "id could end it before it is complete; the complete answer ends with EOS"
+            )
         if self.grammar is not None and self.penalties.min_tokens > 0:
             raise GenerationError(
                 "min_tokens cannot be combined with a constrained answer (JSON mode, a regex or a choice): the "
