@@ -1147,6 +1147,22 @@ class _Node:
         self.ids: list[int] = []
 
 
+def byte_trie(token_bytes: Sequence[bytes | None]) -> _Node:
+    """The vocabulary as a trie over bytes: a node's ``kids`` by next byte, ``ids`` the tokens ending there (tokens
+    whose bytes are None are left out). JSON mode and regex answers walk it with their automata."""
+    root = _Node()
+    for t, b in enumerate(token_bytes):
+        if b is not None:
+            node = root
+            for c in b:
+                nxt = node.kids.get(c)
+                if nxt is None:
+                    nxt = node.kids[c] = _Node()
+                node = nxt
+            node.ids.append(t)
+    return root
+
+
 class _ClassNode:
     """A node of a pattern's class trie: the in-string tokens as sequences of the pattern's character classes
     (``kids`` by class), those ending here (``ids``) and those ending here inside an unfinished character
@@ -1179,16 +1195,7 @@ class JsonGrammar:
         for t, b in enumerate(token_bytes[: self.vocab_size]):
             if b and t not in self.eos:
                 self.bytes[t] = bytes(b)
-        self.root = _Node()
-        for t, b in enumerate(self.bytes):
-            if b is not None:
-                node = self.root
-                for c in b:
-                    nxt = node.kids.get(c)
-                    if nxt is None:
-                        nxt = node.kids[c] = _Node()
-                    node = nxt
-                node.ids.append(t)
+        self.root = byte_trie(self.bytes)
         # tokens with a quote or a backslash: the only ones that can leave a string or start an escape
         self._exits = [t for t, b in enumerate(self.bytes) if b is not None and (b'"' in b or b"\\" in b)]
         self._in_string: dict[int, np.ndarray] = {}  # UTF-8 state -> tokens that stay inside a string

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from .grammar import byte_trie, token_bytes_of
 from .pattern import Pattern
 
 MAX_MASKS = 512  # masks kept per grammar
@@ -109,33 +110,18 @@ def _feed(p: Pattern, d: int, pend: bytes, data: bytes) -> tuple[int, bytes] | N
     return d, pend
 
 
-class _Trie:
-    __slots__ = ("kids", "ids")
-
-    def __init__(self) -> None:
-        self.kids: dict[int, _Trie] = {}
-        self.ids: list[int] = []
-
-
 class TextVocab:
     """A vocabulary's token bytes, EOS ids and byte trie: built once per model, shared by every expression."""
 
     def __init__(self, token_bytes: Sequence[bytes | None], eos_ids: Iterable[int], vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.eos = frozenset(int(t) for t in eos_ids if 0 <= int(t) < vocab_size)
-        self.token_bytes = list(token_bytes)[:vocab_size]
-        self.trie = _Trie()
-        for t, b in enumerate(self.token_bytes):
-            if b and t not in self.eos:
-                node = self.trie
-                for c in b:
-                    node = node.kids.setdefault(c, _Trie())
-                node.ids.append(t)
+        # a token's bytes; None for EOS (handled apart), special and empty tokens, which never spell text
+        self.token_bytes = [b if b and t not in self.eos else None for t, b in enumerate(token_bytes[:vocab_size])]
+        self.trie = byte_trie(self.token_bytes)
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int) -> TextVocab:
-        from .grammar import token_bytes_of
-
         return cls(token_bytes_of(tokenizer), tokenizer.eos_token_ids, vocab_size)
 
     def grammar(self, regex: str) -> TextGrammar:
