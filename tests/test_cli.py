@@ -92,6 +92,8 @@ def test_bad_limits_are_reported_cleanly_before_loading(capsys, no_model_load, t
     assert r.returncode == 2 and "regex 'ok[': missing ']'" in r.stderr
     r = run_in_process(capsys, "generate", "hi", "--json", "--choice", "a")
     assert r.returncode == 2 and "give one of --json / --json-schema, --choice" in r.stderr
+    r = run_in_process(capsys, "generate", "hi", "--regex", "a+", "--stop-token-id", "5")
+    assert r.returncode == 2 and "--stop-token-id cannot be combined with --regex" in r.stderr
     r = run_in_process(capsys, "generate", "hi", "--min-p", "2")
     assert r.returncode == 2 and "min_p must be in [0, 1]" in r.stderr
     r = run_in_process(capsys, "generate", "hi", "--repetition-penalty", "1e-40")

@@ -251,13 +251,13 @@ def _response_format(a: argparse.Namespace) -> str | dict | None:
     return {"type": "json_schema", "json_schema": {"schema": schema}}
 
 
-def _run_stream(llm, prompt, a: argparse.Namespace, raw: bool) -> str:
+def _run_stream(llm, prompt, kw: dict, raw: bool) -> str:
     from .engine import GenerationStats
 
     stats = GenerationStats()
     parts = []
     finish = None
-    for ch in llm.stream(prompt, raw=raw, stats=stats, **_gen_kwargs(a)):
+    for ch in llm.stream(prompt, raw=raw, stats=stats, **kw):
         sys.stdout.write(ch.text)
         sys.stdout.flush()
         parts.append(ch.text)
@@ -273,17 +273,19 @@ def _run_stream(llm, prompt, a: argparse.Namespace, raw: bool) -> str:
     return "".join(parts)
 
 
-def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> None:
-    """Raise ValueError for bad sampling limits (and an empty ``prompt``) before the slow model load."""
+def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> dict:
+    """The generation keyword arguments of the flags (files read once, here); ValueError for bad sampling limits,
+    constraints that exclude each other and an empty ``prompt``, before the slow model load."""
     from .engine import GenerationConfig
     from .penalties import Penalties
     from .sampling import SamplingParams
 
-    kw = _gen_kwargs(a)
-    kw.pop("prediction")  # read here (a missing file is reported before the load), tokenized with the model
+    given = _gen_kwargs(a)
+    kw = dict(given)
+    kw.pop("prediction")  # tokenized with the model
     regex, choice = kw.pop("regex"), kw.pop("choice")
     kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
-    constraints = [n for n, on in (("--json / --json-schema", a.json or a.json_schema), ("--regex", regex),
+    constraints = [n for n, on in (("--json / --json-schema", kw.pop("response_format")), ("--regex", regex),
                                    ("--choice", choice)) if on]  # fmt: skip
     if len(constraints) > 1:
         raise ValueError(f"give one of {', '.join(constraints)}: each constrains the whole answer")
@@ -291,12 +293,9 @@ def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> None:
         from .text_grammar import choice_pattern, full_match
 
         full_match(regex if choice is None else choice_pattern(choice))  # a bad expression: reported before the load
-        if a.min_tokens:
-            raise ValueError("--min-tokens cannot be combined with --regex / --choice (a full match ends the answer)")
-    if kw.pop("response_format") and a.min_tokens:
-        raise ValueError(
-            "--min-tokens cannot be combined with --json / --json-schema (the closed object ends the answer)"
-        )
+    for flag, on in (("--min-tokens", a.min_tokens), ("--stop-token-id", a.stop_token_id)):
+        if constraints and on:  # GenerationConfig refuses these next to a grammar; said here before the load
+            raise ValueError(f"{flag} cannot be combined with {constraints[0]} (the complete answer ends with EOS)")
     sampling = SamplingParams(kw.pop("temperature"), kw.pop("top_k"), kw.pop("top_p"), kw.pop("seed"), kw.pop("min_p"))
     penalties = Penalties(
         repetition=kw.pop("repetition_penalty"),
@@ -307,21 +306,22 @@ def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> None:
     GenerationConfig(sampling=sampling, penalties=penalties, **{**kw, "stop": tuple(kw["stop"])})  # validates
     if prompt is not None and not prompt.strip():
         raise ValueError("the prompt is empty; give some text")
+    return given
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     if a.prompt == "-":  # a long prompt (a file to edit, say) from standard input
         a.prompt = sys.stdin.read()
-    check_gen_args(a, a.prompt)
+    kw = check_gen_args(a, a.prompt)
     t = time.perf_counter()
     llm = load_from_args(a)
     print(f"[loaded {llm.model_name} in {time.perf_counter() - t:.1f}s]", file=sys.stderr)
-    _run_stream(llm, a.prompt, a, a.raw)
+    _run_stream(llm, a.prompt, kw, a.raw)
     return 0
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
-    check_gen_args(a)
+    kw = check_gen_args(a)
     llm = load_from_args(a)
     if not llm.tokenizer.is_chat:
         print(f"error: {llm.model_name} has no chat template; use `treedraft generate --raw`", file=sys.stderr)
@@ -340,7 +340,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": line})
         try:
-            reply = _run_stream(llm, messages, a, raw=False)
+            reply = _run_stream(llm, messages, kw, raw=False)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             messages.pop()
