@@ -668,6 +668,8 @@ def test_guided_choice_and_regex_constrain_the_answer(server: LiveServer) -> Non
         ({"guided_regex": "ok[", "temperature": 0}, "guided_regex"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
         ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": ""}, "guided_regex"),
+        ({"structured_outputs": {"choice": 5}}, "structured_outputs.choice"),
         ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
         ({"guided_choice": ["bb"], "stop_token_ids": [66]}, "stop_token_ids"),

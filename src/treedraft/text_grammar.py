@@ -36,7 +36,7 @@ def escape(text: str) -> str:
 
 def choice_pattern(choices: Sequence[str]) -> str:
     """The expression of "exactly one of ``choices``"."""
-    if isinstance(choices, str) or not choices or not all(isinstance(c, str) and c for c in choices):
+    if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise ValueError("choice must be a non-empty list of non-empty strings")
     return "|".join(escape(c) for c in choices)
 

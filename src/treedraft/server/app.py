@@ -303,8 +303,8 @@ class OpenAIServer:
                 raise APIError(
                     400, f"{constraint} cannot be combined with tools or a JSON response_format", param=constraint
                 )
-            expr = regex if choice is None else choice_pattern(choice)
             try:
+                expr = regex if choice is None else choice_pattern(choice)
                 await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.llm.text_grammar, expr)
             except ValueError as e:
                 raise APIError(400, str(e), param=constraint) from None

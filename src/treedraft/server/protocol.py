@@ -271,11 +271,13 @@ def chat_tools(req: ChatCompletionRequest) -> tuple[list[Tool], str | None]:
 
 # OpenAI request fields that change the answer and that this server does not implement -> what to send instead.
 # Other unknown fields (store, metadata, service_tier, ...) change nothing here and are ignored, as vLLM does.
+_LEGACY_FUNCTIONS = (
+    "the deprecated functions / function_call are not supported; send them as tools "
+    '([{"type": "function", "function": {...}}]) and tool_choice'
+)
 UNSUPPORTED_FIELDS = {
-    "functions": "the deprecated functions / function_call are not supported; send them as tools "
-    '([{"type": "function", "function": {...}}]) and tool_choice',
-    "function_call": "the deprecated functions / function_call are not supported; send them as tools "
-    '([{"type": "function", "function": {...}}]) and tool_choice',
+    "functions": _LEGACY_FUNCTIONS,
+    "function_call": _LEGACY_FUNCTIONS,
     "audio": "audio output is not supported; this server answers in text",
     "web_search_options": "web search is not supported",
 }
@@ -305,7 +307,8 @@ def prediction_text(req: CommonRequest) -> str | None:
 
 def text_constraint(req: CommonRequest) -> tuple[str | None, list[str] | None, str]:
     """(regex, choice, the field that gave it) from guided_regex / guided_choice / structured_outputs; 400 for two
-    at once or a structured_outputs key other than regex / choice."""
+    at once or a structured_outputs key other than regex / choice (their values are checked where the automaton is
+    built: treedraft.text_grammar)."""
     given = []
     if req.guided_regex is not None:
         given.append((req.guided_regex, None, "guided_regex"))
@@ -327,16 +330,7 @@ def text_constraint(req: CommonRequest) -> tuple[str | None, list[str] | None, s
             given.append((None, so["choice"], "structured_outputs.choice"))
     if len(given) > 1:
         raise APIError(400, f"give one of {', '.join(g[2] for g in given)}", param=given[1][2])
-    if not given:
-        return None, None, ""
-    regex, choice, name = given[0]
-    if regex is not None and (not isinstance(regex, str) or not regex):
-        raise APIError(400, f"{name} must be a non-empty string", param=name)
-    if choice is not None and (
-        not isinstance(choice, list) or not choice or not all(isinstance(c, str) and c for c in choice)
-    ):
-        raise APIError(400, f"{name} must be a non-empty list of non-empty strings", param=name)
-    return regex, choice, name
+    return given[0] if given else (None, None, "")
 
 
 def reject_unsupported(req: CommonRequest) -> None:

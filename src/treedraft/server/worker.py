@@ -94,7 +94,7 @@ class Job:
         self.checked_at = time.monotonic()  # when the HTTP handler last asked whether the client is still there
         self.cancelled = threading.Event()
         self._items: deque[Chunk | Done | Failed] = deque()
-        self.output_ids: list[int] = []  # the generated token ids handed out so far (predicted outputs' usage)
+        self.output_ids: list[int] = []  # with a prediction: the generated ids handed out so far (for its usage)
         self._ready = asyncio.Event()
         self.queue: JobQueue | None = None
 
@@ -147,7 +147,7 @@ class Job:
             except asyncio.TimeoutError:
                 return None
         item = self._items.popleft()
-        if isinstance(item, Chunk):
+        if self.config.prediction and isinstance(item, Chunk):
             self.output_ids += item.token_ids
         return item
 
