@@ -7,7 +7,7 @@ the models can depend on this module without depending on each other.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -78,6 +78,14 @@ class TargetModel(Protocol):
     def output_projection_weight(self) -> Tensor | None:
         """(V, H) output projection (lm_head) weight, or None."""
         ...
+
+
+def device_sync(dev: torch.device) -> Callable[[], None]:
+    """What a timing waits on before reading the clock: on CUDA (asynchronous) the work queued on ``dev`` itself (a
+    bare ``torch.cuda.synchronize()`` waits on the current device, not necessarily this one); elsewhere nothing."""
+    if dev.type == "cuda":
+        return lambda: torch.cuda.synchronize(dev)
+    return lambda: None
 
 
 def target_device(model: object) -> torch.device:

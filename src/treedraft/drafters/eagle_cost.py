@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..interfaces import DraftContext, TargetModel, target_device
+from ..interfaces import DraftContext, TargetModel, device_sync, target_device
 
 EAGLE_DRAFT_COST_KIND = "eagle-draft-cost"
 
@@ -27,8 +27,7 @@ def timed_after_forwards(
     ``call(i)`` right after the i-th, as drafting runs in decoding (the forward's weights evict the drafter's
     from the caches); the measurement loop of the drafters' cached draft costs."""
     dev = ids.device
-    # CUDA runs async: without a sync the forward's kernels would be charged to the drafting that waits on them
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    sync = device_sync(dev)  # without it, a CUDA forward's kernels would be charged to the drafting that waits on them
     fwd, draft = [], []
     for i in range(n):
         t0 = time.perf_counter()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..budget import interpolate
-from ..interfaces import target_device
+from ..interfaces import device_sync, target_device
 from ..models.cache import file_key
 from ..models.plan import cached_measurement, measurement_path, store_measurement
 
@@ -134,8 +134,7 @@ def measure_latency(
     run read 7.6 ms for one row and 6.6 ms for eight on a machine where one row takes 2.9 ms.)
     """
     dev = target_device(model)
-    # CUDA runs async: time whole kernels, on the model's own device (a bare synchronize waits on the current one)
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    sync = device_sync(dev)  # CUDA runs async: time whole kernels
     cache = model.new_cache(context + max(sizes) + 1)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.vocab_size, (1, context), generator=g).to(dev)
@@ -244,7 +243,7 @@ def measure_draft_cost(heads: MedusaHeads, reps: int = 10) -> float:
     w = next(heads.parameters())
     h = torch.zeros(heads.config.hidden_size, dtype=w.dtype, device=w.device)
     root = torch.tensor(0, device=w.device) if heads.config.root_conditioned else None
-    sync = (lambda: torch.cuda.synchronize(w.device)) if w.device.type == "cuda" else (lambda: None)
+    sync = device_sync(w.device)
     heads.draft_logits(h, root, heads.config.num_heads)  # warm-up
     sync()
     t = time.perf_counter()
