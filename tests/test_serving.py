@@ -1108,20 +1108,31 @@ def test_choice_seeds_of_neighbouring_requests_do_not_overlap() -> None:
     assert all(0 <= x < 2**64 for x in seeds)
 
 
+# a request that would run long: its client leaves first
+LONG = {
+    "model": "tiny",
+    "messages": CHAT,
+    "max_tokens": 4000,
+    "temperature": 0,
+    "ignore_eos": True,
+    "treedraft": {"drafter": "none"},
+}
+
+
+def _abandoned(server: LiveServer, before: dict, n: int, what: str, timeout: float) -> float:
+    """After a client left a LONG request: wait for its n jobs to leave the worker, check they count as aborted;
+    the tokens they generated."""
+    wait_for(lambda: metric(scrape(server.url), "treedraft:num_requests_running") == 0, what, timeout)
+    after = scrape(server.url)
+    assert metric(after, "treedraft:request_aborted_total") - metric(before, "treedraft:request_aborted_total") == n
+    return metric(after, "treedraft:generation_tokens_total") - metric(before, "treedraft:generation_tokens_total")
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_client_leaving_mid_stream_frees_its_slot(server: LiveServer, n: int) -> None:
     """A stream abandoned after 3 pieces: its job (every choice's, n = 2) leaves the worker, counted as aborted."""
     before = scrape(server.url)
-    body = {
-        "model": "tiny",
-        "messages": CHAT,
-        "max_tokens": 4000,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "treedraft": {"drafter": "none"},
-        "n": n,
-    }
+    body = {**LONG, "stream": True, "n": n}
     with httpx.Client(timeout=TIMEOUT) as c, c.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()  # kept referenced: closing this generator would close the connection
@@ -1132,14 +1143,7 @@ def test_a_client_leaving_mid_stream_frees_its_slot(server: LiveServer, n: int) 
                 break
         assert got == 3
         assert metric(scrape(server.url), "treedraft:num_requests_running") == n
-    wait_for(
-        lambda: metric(scrape(server.url), "treedraft:num_requests_running") == 0,
-        "the abandoned stream to leave the worker",
-        30,
-    )
-    after = scrape(server.url)
-    assert metric(after, "treedraft:request_aborted_total") - metric(before, "treedraft:request_aborted_total") == n
-    gen = metric(after, "treedraft:generation_tokens_total") - metric(before, "treedraft:generation_tokens_total")
+    gen = _abandoned(server, before, n, "the abandoned stream to leave the worker", 30)
     assert 3 <= gen < 4000 * n, gen
     r = httpx.post(
         f"{server.url}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=TIMEOUT
@@ -1158,25 +1162,9 @@ def test_a_client_leaving_a_non_streamed_request_frees_its_slot(llm: LLM, n: int
 
 def _leave_a_non_streamed_request(server: LiveServer, n: int) -> None:
     before = scrape(server.url)
-    body = {
-        "model": "tiny",
-        "messages": CHAT,
-        "max_tokens": 4000,
-        "temperature": 0,
-        "ignore_eos": True,
-        "treedraft": {"drafter": "none"},
-        "n": n,
-    }
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=1.0))
-    wait_for(
-        lambda: metric(scrape(server.url), "treedraft:num_requests_running") == 0,
-        "the abandoned request to leave the worker",
-        10,
-    )
-    after = scrape(server.url)
-    assert metric(after, "treedraft:request_aborted_total") - metric(before, "treedraft:request_aborted_total") == n
-    gen = metric(after, "treedraft:generation_tokens_total") - metric(before, "treedraft:generation_tokens_total")
+        httpx.post(f"{server.url}/v1/chat/completions", json={**LONG, "n": n}, timeout=httpx.Timeout(TIMEOUT, read=1.0))
+    gen = _abandoned(server, before, n, "the abandoned request to leave the worker", 10)
     assert 0 < gen < 4000 * n, gen
 
 
