@@ -36,20 +36,24 @@ def _random_blocks(n: int, k: int, qtype: int) -> np.ndarray:
     """Random raw blocks whose fp16 scale fields hold finite values (random bytes would hold NaN/inf)."""
     per, size = gb._BLOCK[qtype]
     raw = RNG.integers(0, 256, (n, k // per, size), dtype=np.uint8)
-    f16 = {gb.Q4_0: (0,), gb.Q4_1: (0, 2), gb.Q8_0: (0,), gb.Q4_K: (0, 2)}[qtype]
+    f16 = {gb.Q4_0: (0,), gb.Q4_1: (0, 2), gb.Q5_0: (0,), gb.Q8_0: (0,), gb.Q4_K: (0, 2)}[qtype]
     for off in f16:
         vals = (RNG.standard_normal((n, k // per)) * 0.02).astype(np.float16)
         raw[..., off : off + 2] = vals[..., None].view(np.uint8).reshape(n, k // per, 2)
     return raw.reshape(n, -1)
 
 
-@pytest.mark.parametrize("qtype", [gb.Q4_0, gb.Q4_1, gb.Q4_K, gb.Q8_0])
+@pytest.mark.parametrize("qtype", [gb.Q4_0, gb.Q4_1, gb.Q4_K, gb.Q5_0, gb.Q8_0])
 def test_unpacked_blocks_dequantize_bit_exactly_like_gguf(qtype: int) -> None:
     n, k = 8, 512
     raw = _random_blocks(n, k, qtype)
     ref = gguf.quants.dequantize(raw, qtype).reshape(n, k)
     if qtype == gb.Q8_0:
         w = gb.dequantize_q8(*gb.unpack_q8_0(raw, (n, k)))
+    elif qtype == gb.Q5_0:
+        scale, q = gb.unpack_q5_0(raw, (n, k))
+        assert q.dtype == torch.int8 and int(q.min()) >= -16 and int(q.max()) <= 15
+        w = gb.dequantize_q8(scale, q)
     else:
         scale, minv, q = gb.UNPACK_Q4[qtype](raw, (n, k))
         assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape == (n, k // 32)

@@ -428,11 +428,11 @@ def load(
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     path = resolve(model)
-    from .models.loaders import LLAMA_ARCHS, ModelLoadError
+    from .models.loaders import GEMMA_ARCHS, OWN_ARCHS, ModelLoadError
 
     arch = model_architecture(path)
     if runtime == "auto":
-        runtime = "own" if arch in LLAMA_ARCHS else "hf"
+        runtime = "own" if arch in OWN_ARCHS else "hf"
     from .models.quant_load import resolve_weights  # --weights (issue 11): begin
 
     weights = resolve_weights(weights, runtime, dev, dt)  # end
@@ -452,7 +452,7 @@ def load(
         if path.is_file()
         else Tokenizer.from_dir(path)
     )
-    if arch == "gemma3" and tok.hf.bos_token_id is not None:
+    if arch in GEMMA_ARCHS and tok.hf.bos_token_id is not None:
         tok.add_bos = True  # Gemma expects <bos> in front of raw text
     if weights != "fp32":  # --weights (issue 11): swap in quantized linears; begin
         from .models.quant_load import PROBE_TEXT, apply_weights, log_stderr

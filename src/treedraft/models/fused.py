@@ -167,6 +167,8 @@ def _build(model, deps: _Watch) -> _State:
     if not hasattr(ext, "FusedDecoder"):
         return no("the loaded native extension has no FusedDecoder")
     cfg = model.config
+    if not cfg.llama_layers:
+        return no("Gemma-style layers (q/k norms, sandwich norms, GELU, sliding windows) run in the Python path")
     emb = model.embed.weight
     if emb.dtype != torch.float32 or emb.device.type != "cpu":
         return no(f"needs float32 weights on CPU, got {emb.dtype} on {emb.device}")

@@ -12,6 +12,12 @@ header and tensor table come from :mod:`.gguf_meta`:
   qs[128] (each 64-weight chunk: low nibbles = first 32, high nibbles = next 32);
   ``w = (d * sc) * q - dmin * mn``: Q4_1 with group 32, ``scale = d*sc``, ``minv = -(dmin*mn)``.
 - Q8_0 (32 weights, 34 bytes): d fp16, qs int8[32]; ``w = d * q``.
+- Q5_0 (32 weights, 22 bytes): d fp16, qh (4 bytes, little-endian: bit j = element j's fifth bit), qs[16] as
+  Q4_1; ``w = d * (q - 16)``, q - 16 in -16..15: exactly Q8_0's form (Gemma 3's GGUFs use it for most linears).
+
+The packed kernels keep every group's scale (and min) in fp16, as the file does for Q4_0 / Q4_1 / Q5_0 / Q8_0;
+Q4_K's ``d*sc`` and ``dmin*mn`` are exact in float32 but not always in fp16, so its packed weights round them
+(relative 2^-11, far below the 4-bit step; quant_load rounds them before packing).
 
 Q6_K (and every other type) has no exact mapping onto the int4/int8 kernels: callers dequantize it and
 re-quantize with a warning naming the tensor (see :mod:`treedraft.models.quant`).
@@ -24,10 +30,16 @@ import torch
 from torch import Tensor
 
 # ggml type ids (gguf.GGMLQuantizationType) of the formats unpacked here
-F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 0, 1, 2, 3, 8, 12, 14
+F32, F16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 0, 1, 2, 3, 6, 8, 12, 14
 # types that map exactly onto the (scale, minv, 4-bit q) group-32 form
 Q4_FAMILY = (Q4_0, Q4_1, Q4_K)
-_BLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144)}  # (weights, bytes) per block
+_BLOCK = {
+    Q4_0: (32, 18),
+    Q4_1: (32, 20),
+    Q5_0: (32, 22),
+    Q8_0: (32, 34),
+    Q4_K: (256, 144),
+}  # (weights, bytes) per block
 
 
 def _blocks(raw: np.ndarray, shape: tuple[int, int], qtype: int) -> np.ndarray:
@@ -97,6 +109,16 @@ def unpack_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> tuple[Tensor, Tensor
     d = _f16(b[..., 0:2])
     q = np.ascontiguousarray(b[..., 2:34]).view(np.int8).reshape(shape)
     return torch.from_numpy(d), torch.from_numpy(q)
+
+
+def unpack_q5_0(raw: np.ndarray, shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """Q5_0 blocks in Q8_0 form: (scale (N, K/32) f32, q (N, K) int8 in -16..15); w = scale * q, exact."""
+    b = _blocks(raw, shape, Q5_0)  # (N, K/32, 22)
+    d = _f16(b[..., 0:2])
+    qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")  # (N, K/32, 1)
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # (N, K/32, 32): element j's bit 4
+    q = (_nibbles32(b[..., 6:22]) | high).astype(np.int8) - np.int8(16)
+    return torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(q).reshape(shape))
 
 
 UNPACK_Q4 = {Q4_0: unpack_q4_0, Q4_1: unpack_q4_1, Q4_K: unpack_q4_k}

@@ -1,4 +1,9 @@
-"""Compact Llama-family transformer (Llama 2/3, SmolLM2, Qwen2/Mistral-style GQA).
+"""Compact Llama-family transformer (Llama 2/3, SmolLM2, Qwen2/Mistral-style GQA), and Gemma 3's variant of it.
+
+Gemma 3 (Gemma Team 2025, arXiv:2503.19786) is the same decoder with: input embeddings scaled by sqrt(hidden),
+RMSNorm on each head's q and k before RoPE, a second RMSNorm on the attention and FFN outputs ("sandwich"
+norms), a GELU (tanh) gate, and local layers (5 of every 6) that attend to the last ``sliding_window`` positions
+with their own RoPE base. :class:`LlamaConfig`'s fields for these default to Llama's behaviour.
 
 In the style of gpt-fast: a plain ``nn.Module`` whose only state besides weights
 is the :class:`KVCache` the caller hands to :meth:`Transformer.forward`.
@@ -10,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -47,23 +52,57 @@ class LlamaConfig:
     tie_embeddings: bool = True
     qkv_bias: bool = False
     head_dim_override: int | None = None
-    rope_scaling: dict | None = None  # Llama-3 style {"factor", "low_freq_factor", ...}
+    rope_scaling: dict | None = None  # Llama-3 style {"factor", "low_freq_factor", ...}, or {"rope_type": "linear"}
+    # Gemma 3 (see the module docstring); the defaults are Llama's
+    embed_scale: float | None = None  # input embeddings are multiplied by this (Gemma: sqrt(hidden_size))
+    qk_norm: bool = False  # RMSNorm over head_dim on every head's q and k, before RoPE
+    sandwich_norm: bool = False  # RMSNorm on the attention output and on the FFN output before each residual add
+    activation: str = "silu"  # the FFN gate's activation: "silu" or "gelu_tanh"
+    attn_scale: float | None = None  # softmax scale (None: head_dim ** -0.5)
+    sliding_window: int | None = None  # local layers see the keys of the last sliding_window positions only
+    local_layers: tuple[int, ...] = ()  # the local layers (sliding window, rope_theta_local)
+    rope_theta_local: float | None = None  # RoPE base of the local layers (None: rope_theta)
 
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.hidden_size // self.num_heads
 
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether every layer is a plain Llama layer (what the native fused decoder runs)."""
+        plain = self.embed_scale is None and not (self.qk_norm or self.sandwich_norm or self.local_layers)
+        return plain and self.activation == "silu" and self.attn_scale is None
+
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}")
+        bad = [i for i in self.local_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"local_layers {bad} are not layers of a {self.num_layers}-layer model")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 (or None), got {self.sliding_window}")
 
 
-def rope_frequencies(cfg: LlamaConfig, device: torch.device | str = "cpu") -> Tensor:
-    """Inverse frequencies ``(head_dim/2,)``, with optional Llama-3 rope scaling."""
+# the FFN gate's activation by LlamaConfig.activation (gelu_tanh: transformers' "gelu_pytorch_tanh")
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def rope_frequencies(cfg: LlamaConfig, device: torch.device | str = "cpu", local: bool = False) -> Tensor:
+    """Inverse frequencies ``(head_dim/2,)``, with optional Llama-3 or linear rope scaling; ``local``: those of the
+    local (sliding-window) layers, ``rope_theta_local`` without scaling (as Gemma 3's local layers)."""
     hd = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd))
-    rs = cfg.rope_scaling
-    if rs and rs.get("rope_type", rs.get("type")) == "llama3":
+    theta = cfg.rope_theta_local if local and cfg.rope_theta_local is not None else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd))
+    rs = None if local else cfg.rope_scaling
+    if rs and rs.get("rope_type", rs.get("type")) == "linear":
+        inv = inv / float(rs["factor"])
+    elif rs and rs.get("rope_type", rs.get("type")) == "llama3":
         factor = rs["factor"]
         lo, hi = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
         old = rs.get("original_max_position_embeddings", 8192)
@@ -106,10 +145,14 @@ class Attention(watch.WatchedAttrs, nn.Module):
         super().__init__()
         self.layer = layer
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.softmax_scale
+        self.local = layer in cfg.local_layers  # a sliding-window layer (its masks and RoPE come from Transformer)
         q_out, kv_out = self.nh * self.hd, self.nkv * self.hd
         # fused q/k/v projection: one matmul instead of three (rows: q, k, v)
         self.wqkv = Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.qkv_bias)
         self.wo = Linear(q_out, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_eps) if cfg.qk_norm else None
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache | None, start: int
@@ -121,6 +164,8 @@ class Attention(watch.WatchedAttrs, nn.Module):
         q = q.view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, self.nkv, self.hd).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, start, k, v)  # (B, nkv, start+T, hd)
@@ -134,8 +179,10 @@ class Attention(watch.WatchedAttrs, nn.Module):
         qkv = self.wqkv(x)  # (M, (nh + 2 nkv) hd): one pass over the weights for every request's rows
         q_out, kv_out = self.nh * self.hd, self.nkv * self.hd
         q, k, v = qkv.split((q_out, kv_out, kv_out), dim=-1)
-        q = apply_rope(q.view(M, self.nh, self.hd), cos, sin)  # (M, nh, hd), each row on its own
-        k = apply_rope(k.view(M, self.nkv, self.hd), cos, sin)  # (M, nkv, hd)
+        q, k = q.view(M, self.nh, self.hd), k.view(M, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (M, nh | nkv, hd), each row on its own
         v = v.view(M, self.nkv, self.hd)
         kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, nkv, M, hd) views
         out, r0 = [], 0
@@ -149,7 +196,7 @@ class Attention(watch.WatchedAttrs, nn.Module):
                 mask = seg.mask
                 if mask is None and seg.rows > 1:
                     mask = torch.ones(seg.rows, start + seg.rows, dtype=torch.bool, device=x.device).tril(start)
-                out.append(kernels.attend(q[r0:r1], ks[0], vs[0], mask, self.hd**-0.5))  # (rows, nh, hd)
+                out.append(kernels.attend(q[r0:r1], ks[0], vs[0], mask, self.scale))  # (rows, nh, hd)
             else:
                 qs = q[r0:r1].transpose(0, 1)[None]  # (1, nh, rows, hd)
                 out.append(self._attend(qs, ks, vs, seg.mask, start, True)[0].transpose(0, 1))  # (rows, nh, hd)
@@ -169,12 +216,12 @@ class Attention(watch.WatchedAttrs, nn.Module):
             return self._exact(q, k, v, mask)
         if k.dtype != q.dtype:  # a cache stored in another dtype (Transformer.kv_dtype)
             k, v = k.to(q.dtype), v.to(q.dtype)
-        gqa = self.nkv != self.nh
+        gqa, sc = self.nkv != self.nh, self.scale
         if mask is None and T == 1:
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=sc)
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=sc)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=sc)
 
     def _exact(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """Row-invariant attention per batch row: q (B, nh, T, hd), k/v (B, nkv, L, hd) -> (B, nh, T, hd)."""
@@ -188,7 +235,7 @@ class Attention(watch.WatchedAttrs, nn.Module):
         out = []
         for b in range(q.shape[0]):
             m = None if mask is None else mask[b if mask.shape[0] > 1 else 0, 0]  # (T, L)
-            out.append(kernels.attend(q[b].transpose(0, 1), k[b], v[b], m, self.hd**-0.5).transpose(0, 1))
+            out.append(kernels.attend(q[b].transpose(0, 1), k[b], v[b], m, self.scale).transpose(0, 1))
         return torch.stack(out)
 
 
@@ -196,12 +243,13 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
+        self.act = ACTIVATIONS[cfg.activation]
         self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate, up
         self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).split(self.inter, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(self.act(gate) * up)
 
 
 class Block(nn.Module):
@@ -211,15 +259,22 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.ffn = FeedForward(cfg)
+        # Gemma's sandwich norms: on each sublayer's output, before the residual add
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps) if cfg.sandwich_norm else None
+        self.post_ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps) if cfg.sandwich_norm else None
 
     def forward(self, x, cos, sin, mask, cache, start):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, start)
-        return x + self.ffn(self.ffn_norm(x))
+        a = self.attn(self.attn_norm(x), cos, sin, mask, cache, start)
+        x = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
+        f = self.ffn(self.ffn_norm(x))
+        return x + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
 
     def forward_packed(self, x: Tensor, cos: Tensor, sin: Tensor, segments: Sequence[Segment]) -> Tensor:
         """x (M, H) packed rows -> (M, H)."""
-        x = x + self.attn.forward_packed(self.attn_norm(x), cos, sin, segments)
-        return x + self.ffn(self.ffn_norm(x))
+        a = self.attn.forward_packed(self.attn_norm(x), cos, sin, segments)
+        x = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
+        f = self.ffn(self.ffn_norm(x))
+        return x + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
 
 
 class Transformer(nn.Module):
@@ -239,6 +294,8 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        local = rope_frequencies(cfg, local=True) if cfg.local_layers else None
+        self.register_buffer("inv_freq_local", local, persistent=False)  # the local layers' RoPE (Gemma 3)
 
     def _apply(self, fn, recurse: bool = True):
         """``.to(dtype)`` / ``.half()`` / ``.to(device)`` move the weights but keep ``inv_freq`` in float32.
@@ -262,6 +319,8 @@ class Transformer(nn.Module):
         watch.bump()  # _apply replaces buffers without the registration hooks
         if self.inv_freq.dtype != torch.float32:
             self.inv_freq = rope_frequencies(self.config, self.inv_freq.device)
+        if self.inv_freq_local is not None and self.inv_freq_local.dtype != torch.float32:
+            self.inv_freq_local = rope_frequencies(self.config, self.inv_freq_local.device, local=True)
         if off_cpu:  # the row-invariant fp32 plan and attention are native CPU kernels: the stock ops there
             self.exact_attention = False
             self.unpack()
@@ -387,17 +446,46 @@ class Transformer(nn.Module):
             # causal over the new block, full view of the committed prefix
             mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device).tril(start)[None, None]
         cos, sin = self._rope(positions)  # (B, T, hd)
-        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd)
-        x = self.embed(tokens)
+        glob = (cos[:, None], sin[:, None], mask)  # (B, 1, T, hd)
+        loc = glob
+        if self.inv_freq_local is not None:  # Gemma 3's local layers: their own RoPE and the window in the mask
+            lcos, lsin = self._rope(positions, local=True)
+            loc = (lcos[:, None], lsin[:, None], self._window_mask(mask, positions, start))
+        x = self._embed(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache, start)
+            c, s, m = loc if layer.attn.local else glob
+            x = layer(x, c, s, m, cache, start)
         h = self.norm(x)
         hl = h if logits_for is None else h[:, logits_for]
         return self.lm_head(hl).float(), h
 
-    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin ``(*positions.shape, hd)`` in the weights' dtype (angles computed in float32)."""
-        ang = positions[..., None].float() * self.inv_freq.float()  # (..., hd/2)
+    def _embed(self, tokens: Tensor) -> Tensor:
+        """Input embeddings, times ``embed_scale`` (Gemma; rounded to the weights' dtype first, as transformers does)."""
+        x = self.embed(tokens)
+        s = self.config.embed_scale
+        return x if s is None else x * torch.tensor(s, dtype=x.dtype, device=x.device)
+
+    def _window_mask(self, mask: Tensor | None, positions: Tensor, start: int) -> Tensor | None:
+        """``mask`` ((B | 1, 1, T, start + T) bool, or None = causal) narrowed to a local layer's window: a row at
+        position p sees keys at positions > p - sliding_window (transformers' sliding-window rule). Cache slot j
+        < start holds position j (every cache here is filled from slot 0 in order); the new rows' own slots hold
+        ``positions``. Returns ``mask`` itself while every row's window covers position 0."""
+        w = self.config.sliding_window
+        B, T = positions.shape
+        if w is None or int(positions.max()) < w:
+            return mask
+        dev = positions.device
+        kpos = torch.cat([torch.arange(start, device=dev).expand(B, start), positions], dim=1)  # (B, start + T)
+        near = kpos[:, None, :] > positions[:, :, None] - w  # (B, T, start + T)
+        if mask is None:  # causal over the new block, full view of the committed prefix
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=dev).tril(start)[None, None]
+        return mask & near[:, None]
+
+    def _rope(self, positions: Tensor, local: bool = False) -> tuple[Tensor, Tensor]:
+        """cos, sin ``(*positions.shape, hd)`` in the weights' dtype (angles computed in float32); ``local``: with
+        the local layers' frequencies."""
+        inv = self.inv_freq_local if local else self.inv_freq
+        ang = positions[..., None].float() * inv.float()  # (..., hd/2)
         ang = torch.cat((ang, ang), dim=-1)  # (..., hd)
         dtype = self.embed.weight.dtype
         return ang.cos().to(dtype), ang.sin().to(dtype)
@@ -496,10 +584,21 @@ class Transformer(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """The reference path of forward_packed (PyTorch ops; the native linears where installed)."""
         cos, sin = self._rope(positions)  # (M, hd)
-        cos, sin = cos[:, None], sin[:, None]  # (M, 1, hd): broadcast over heads
-        x = self.embed(tokens)  # (M, H)
+        glob = (cos[:, None], sin[:, None], segments)  # (M, 1, hd): broadcast over heads
+        loc = glob
+        if self.inv_freq_local is not None:  # Gemma 3's local layers: their own RoPE, each segment's window
+            lcos, lsin = self._rope(positions, local=True)
+            local_segs, r0 = [], 0
+            for sg in segments:
+                m = None if sg.mask is None else sg.mask[None, None]
+                lm = self._window_mask(m, positions[r0 : r0 + sg.rows][None], sg.start)
+                local_segs.append(sg if lm is m else replace(sg, mask=lm[0, 0]))
+                r0 += sg.rows
+            loc = (lcos[:, None], lsin[:, None], local_segs)
+        x = self._embed(tokens)  # (M, H)
         for layer in self.layers:
-            x = layer.forward_packed(x, cos, sin, segments)
+            c, s, sg = loc if layer.attn.local else glob
+            x = layer.forward_packed(x, c, s, sg)
         h = self.norm(x)
         hl = h if logits_for is None else h[logits_for]
         return self.lm_head(hl).float(), h

@@ -18,17 +18,46 @@ from .gguf_meta import read_gguf_meta
 from .llama import LlamaConfig, Transformer, rope_frequencies
 
 LLAMA_ARCHS = {"llama", "qwen2", "mistral"}
-__all__ = ["LLAMA_ARCHS", "ModelLoadError", "from_state_dict", "gguf_config", "hf_config", "load_gguf", "load_hf_dir"]
+GEMMA_ARCHS = {"gemma3", "gemma3_text"}  # the GGUF architecture and the Hugging Face (text-only) model_type
+OWN_ARCHS = LLAMA_ARCHS | GEMMA_ARCHS  # what the own runtime loads
+__all__ = [
+    "GEMMA_ARCHS",
+    "LLAMA_ARCHS",
+    "OWN_ARCHS",
+    "ModelLoadError",
+    "from_state_dict",
+    "gguf_config",
+    "hf_config",
+    "load_gguf",
+    "load_hf_dir",
+]
+GEMMA3_LOCAL_THETA = 10000.0  # Gemma 3's local layers' RoPE base (transformers' default; not in the GGUF header)
+GEMMA3_PATTERN = 6  # every 6th layer is global, the others local (sliding window)
+
+
+def gemma3_fields(hidden: int, layers: int, head_dim: int, window: int | None, pattern: int, scalar: float) -> dict:
+    """LlamaConfig fields of a Gemma 3 text decoder (``scalar``: query_pre_attn_scalar)."""
+    return dict(
+        head_dim_override=head_dim,
+        embed_scale=hidden**0.5,
+        qk_norm=True,
+        sandwich_norm=True,
+        activation="gelu_tanh",
+        attn_scale=scalar**-0.5,
+        sliding_window=window,
+        local_layers=tuple(i for i in range(layers) if (i + 1) % pattern),
+        rope_theta_local=GEMMA3_LOCAL_THETA,
+    )
 
 
 def gguf_config(path: str | Path, max_seq_len: int | None = None) -> tuple[LlamaConfig, dict]:
     """Read a :class:`LlamaConfig` and tokenizer metadata from a GGUF header (cached: see gguf_meta)."""
     h = read_gguf_meta(path)
     arch = h.architecture
-    if arch not in LLAMA_ARCHS:
+    if arch not in OWN_ARCHS:
         raise ModelLoadError(
             f"{path}: GGUF architecture {arch!r} is not supported by the own runtime "
-            f"(supported: {sorted(LLAMA_ARCHS)}); use runtime='hf' to load it through transformers"
+            f"(supported: {sorted(OWN_ARCHS)}); use runtime='hf' to load it through transformers"
         )
 
     def need(name: str) -> int:
@@ -42,6 +71,18 @@ def gguf_config(path: str | Path, max_seq_len: int | None = None) -> tuple[Llama
     ctx = h.context_length or 2048
     if h.vocab_size is None:
         raise ModelLoadError(f"{path}: the GGUF header has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+    extra: dict = {}
+    if arch in GEMMA_ARCHS:
+        hidden, layers, hd = need("embedding_length"), need("block_count"), need("attention.key_length")
+        window = h.arch_get("attention.sliding_window")
+        # llama.cpp's attention scale for Gemma 3: 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B (62 layers)
+        scalar = hidden / n_heads if layers == 62 else hd
+        extra = gemma3_fields(hidden, layers, hd, None if window is None else int(window), GEMMA3_PATTERN, scalar)
+        kind = h.arch_get("rope.scaling.type")
+        if kind not in (None, "none"):
+            if kind != "linear":
+                raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported for gemma3 (linear is)")
+            extra["rope_scaling"] = {"rope_type": "linear", "factor": float(h.arch_get("rope.scaling.factor"))}
     cfg = LlamaConfig(
         vocab_size=h.vocab_size,
         hidden_size=need("embedding_length"),
@@ -54,6 +95,7 @@ def gguf_config(path: str | Path, max_seq_len: int | None = None) -> tuple[Llama
         rms_eps=float(h.arch_get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
+        **extra,
     )
     tok = h.tokenizer
     meta = {
@@ -96,6 +138,11 @@ def load_gguf(
         "ffn_gate": "gate",
         "ffn_up": "up",
         "ffn_down": "down",
+        # Gemma 3 (llama.cpp's converter already stores its RMSNorm weights as 1 + w)
+        "attn_q_norm": "q_norm",
+        "attn_k_norm": "k_norm",
+        "post_attention_norm": "post_attn_norm",
+        "post_ffw_norm": "post_ffn_norm",
     }
     canon: dict[str, np.ndarray] = {}
     for name, arr in raw.items():
@@ -118,10 +165,12 @@ def hf_config(d: Path, max_seq_len: int | None = None) -> LlamaConfig:
     """Read a :class:`LlamaConfig` from a Hugging Face ``config.json``."""
     c = json.loads((d / "config.json").read_text())
     arch = c.get("model_type")
+    if arch == "gemma3_text":
+        return _gemma3_hf_config(d, c, max_seq_len)
     if arch not in LLAMA_ARCHS:
         raise ModelLoadError(
             f"{d}: model_type {arch!r} not supported by the own runtime "
-            f"(supported: {sorted(LLAMA_ARCHS)}); use runtime='hf'"
+            f"(supported: {sorted(OWN_ARCHS)}); use runtime='hf'"
         )
     ctx = int(c.get("max_position_embeddings", 2048))
     # rope scaling: "rope_scaling" (transformers < 5) or "rope_parameters" (what transformers 5 writes)
@@ -152,6 +201,55 @@ def hf_config(d: Path, max_seq_len: int | None = None) -> LlamaConfig:
     )
 
 
+def _gemma3_hf_config(d: Path, c: dict, max_seq_len: int | None) -> LlamaConfig:
+    """A Gemma 3 text model's ``config.json`` (transformers' Gemma3TextConfig) as a :class:`LlamaConfig`."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if c.get(key) is not None:
+            raise ModelLoadError(f"{d}: {key} is not supported by the own runtime; use runtime='hf'")
+    if c.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{d}: bidirectional attention is not a causal language model; use runtime='hf'")
+    act = c.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{d}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh is)")
+    n = int(c["num_hidden_layers"])
+    types = c.get("layer_types") or [
+        "sliding_attention" if (i + 1) % int(c.get("sliding_window_pattern", GEMMA3_PATTERN)) else "full_attention"
+        for i in range(n)
+    ]
+    # rope: transformers 5 writes {"full_attention": {...}, "sliding_attention": {...}}; older configs rope_theta,
+    # rope_local_base_freq and rope_scaling
+    rp = c.get("rope_parameters") or {}
+    full = rp.get("full_attention") or {"rope_theta": c.get("rope_theta", 1_000_000.0), **(c.get("rope_scaling") or {})}
+    local = rp.get("sliding_attention") or {"rope_theta": c.get("rope_local_base_freq", GEMMA3_LOCAL_THETA)}
+    for name, r in (("full_attention", full), ("sliding_attention", local)):
+        kind = r.get("rope_type", r.get("type", "default"))
+        if kind not in ("default", "linear") or (name == "sliding_attention" and kind != "default"):
+            raise ModelLoadError(f"{d}: rope {kind!r} on the {name} layers is not supported by the own runtime")
+    kind = full.get("rope_type", full.get("type", "default"))
+    hd = int(c.get("head_dim", 256))
+    ctx = int(c.get("max_position_embeddings", 32768))
+    fields = gemma3_fields(
+        int(c["hidden_size"]), n, hd, c.get("sliding_window"), GEMMA3_PATTERN, float(c.get("query_pre_attn_scalar", hd))
+    )
+    fields["local_layers"] = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    fields["rope_theta_local"] = float(local["rope_theta"])
+    return LlamaConfig(
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_layers=n,
+        num_heads=c["num_attention_heads"],
+        num_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+        max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
+        rope_theta=float(full["rope_theta"]),
+        rms_eps=float(c.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+        qkv_bias=bool(c.get("attention_bias", False)),
+        rope_scaling={"rope_type": "linear", "factor": float(full["factor"])} if kind == "linear" else None,
+        **fields,
+    )
+
+
 def load_hf_dir(
     d: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", max_seq_len: int | None = None
 ) -> Transformer:
@@ -177,6 +275,15 @@ def load_hf_dir(
         "mlp.up_proj": "up",
         "mlp.down_proj": "down",
     }
+    gemma = cfg.sandwich_norm
+    if gemma:  # Gemma 3: post_attention_layernorm is the attention output's norm; every RMSNorm scales by 1 + w
+        part |= {
+            "post_attention_layernorm": "post_attn_norm",
+            "pre_feedforward_layernorm": "ffn_norm",
+            "post_feedforward_layernorm": "post_ffn_norm",
+            "self_attn.q_norm": "q_norm",
+            "self_attn.k_norm": "k_norm",
+        }
     top = {
         "model.embed_tokens.weight": "embed.weight",
         "model.norm.weight": "norm.weight",
@@ -193,6 +300,9 @@ def load_hf_dir(
                     continue  # derived buffer, recomputed from config
                 raise ModelLoadError(f"{f}: unknown tensor {name!r}")
             canon[f"{bits[2]}.{part['.'.join(bits[3:-1])]}.{bits[-1]}"] = arr.astype(np.float32)
+    if gemma:  # as transformers' Gemma3RMSNorm: x * (1 + w), with 1 + w in float32
+        for k in [k for k in canon if k.endswith("norm.weight")]:
+            canon[k] = np.float32(1.0) + canon[k]
     if cfg.tie_embeddings:
         canon.pop("lm_head.weight", None)
     return _build(cfg, canon, str(d), dtype, device)
@@ -210,7 +320,8 @@ def from_state_dict(cfg: LlamaConfig, sd: dict[str, Tensor], src: str, dtype: to
         raise ModelLoadError(f"{src}: state dict mismatch, missing={real_missing[:8]} unexpected={unexpected[:8]}")
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    model.inv_freq = rope_frequencies(cfg)  # a non-persistent buffer: not in the state dict
+    model.inv_freq = rope_frequencies(cfg)  # non-persistent buffers: not in the state dict
+    model.inv_freq_local = rope_frequencies(cfg, local=True) if cfg.local_layers else None
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ModelLoadError(f"{src}: no values for {left[:8]}")
@@ -239,6 +350,12 @@ def _build(cfg: LlamaConfig, canon: dict[str, np.ndarray], src: str, dtype: torc
         p = f"layers.{i}."
         sd[p + "attn_norm.weight"] = take(f"{i}.attn_norm.weight", (H,))
         sd[p + "ffn_norm.weight"] = take(f"{i}.ffn_norm.weight", (H,))
+        if cfg.qk_norm:
+            sd[p + "attn.q_norm.weight"] = take(f"{i}.q_norm.weight", (hd,))
+            sd[p + "attn.k_norm.weight"] = take(f"{i}.k_norm.weight", (hd,))
+        if cfg.sandwich_norm:
+            sd[p + "post_attn_norm.weight"] = take(f"{i}.post_attn_norm.weight", (H,))
+            sd[p + "post_ffn_norm.weight"] = take(f"{i}.post_ffn_norm.weight", (H,))
         sd[p + "attn.wqkv.weight"] = torch.cat(
             [take(f"{i}.q.weight", (qo, H)), take(f"{i}.k.weight", (kvo, H)), take(f"{i}.v.weight", (kvo, H))]
         )

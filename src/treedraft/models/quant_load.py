@@ -48,6 +48,7 @@ TYPE_NAMES = {
     gb.F16: "F16",
     gb.Q4_0: "Q4_0",
     gb.Q4_1: "Q4_1",
+    gb.Q5_0: "Q5_0",
     gb.Q8_0: "Q8_0",
     gb.Q4_K: "Q4_K",
     gb.Q6_K: "Q6_K",
@@ -70,9 +71,14 @@ def _tensor_qweight(
 ) -> QWeight:
     """One GGUF tensor as a QWeight in the format ``want`` asks ('q4' or 'q8')."""
     if want == "q4" and qtype in gb.UNPACK_Q4:
-        return QWeight("q4", gb.UNPACK_Q4[qtype](data, shape), f"gguf {_type_name(qtype)}")
+        scale, minv, q = gb.UNPACK_Q4[qtype](data, shape)
+        if qtype == gb.Q4_K:  # the packed form keeps fp16 scales: d*sc, dmin*mn rounded (see gguf_blocks)
+            scale, minv = scale.half().float(), minv.half().float()
+        return QWeight("q4", (scale, minv, q), f"gguf {_type_name(qtype)}")
     if qtype == gb.Q8_0:
         return QWeight("q8", gb.unpack_q8_0(data, shape), "gguf Q8_0")
+    if qtype == gb.Q5_0:  # 5-bit values fit int8 with the same scale: kept exactly, for int4 and int8 alike
+        return QWeight("q8", gb.unpack_q5_0(data, shape), "gguf Q5_0")
     if qtype in gb.UNPACK_Q4:  # int8 from 4-bit blocks: the same float weights as gguf's numpy dequantize, ~10x faster
         return quantize_q8_rtn(gb.dequantize_q4(*gb.UNPACK_Q4[qtype](data, shape)))
     import gguf
