@@ -22,6 +22,7 @@ from treedraft.models import fused
 from treedraft.models.kvcache import Segment
 from treedraft.models.llama import LlamaConfig
 from treedraft.models.loaders import ModelLoadError, load_hf_dir
+from treedraft.models.quant_load import apply_weights
 from treedraft.tree import TokenTree, full_attention_mask, tree_positions
 
 transformers = pytest.importorskip("transformers")
@@ -85,7 +86,7 @@ def test_config_read_from_the_directory(gemma_pair) -> None:
     assert c.rope_scaling == {"rope_type": "linear", "factor": 4.0}
     assert c.attn_scale == pytest.approx(12**-0.5) and c.embed_scale == pytest.approx(32**0.5)
     assert c.qk_norm and c.sandwich_norm and c.activation == "gelu_tanh" and not c.llama_layers
-    assert fused.status(own) is not None and "Python path" in fused.status(own)  # no native decoder for it
+    assert fused.status(own) is not None  # fp32 weights without the row-invariant kernels: the Python path
 
 
 @torch.inference_mode()
@@ -148,11 +149,9 @@ def test_packed_rows_equal_each_request_alone(gemma_pair) -> None:
 def test_greedy_speculative_equals_plain(gemma_pair, weights: str) -> None:
     _, _, d = gemma_pair
     own = load_hf_dir(d, torch.float32, "cpu")
-    if weights == "int8":  # native int8-activation linears + the row-invariant attention kernel
-        from treedraft.models.quant_load import apply_weights
-
+    if weights == "int8":  # native int8-activation linears + the row-invariant attention kernel: the fused decoder
         apply_weights(own, None, "int8")
-        assert own.exact_attention
+        assert own.exact_attention and fused.status(own) is None
     g = torch.Generator().manual_seed(5)
     base = torch.randint(0, VOCAB, (10,), generator=g).tolist()
     prompt = base + base[:6]
@@ -162,6 +161,75 @@ def test_greedy_speculative_equals_plain(gemma_pair, weights: str) -> None:
     assert len(plain.token_ids) == 40
     assert spec.token_ids == plain.token_ids
     assert spec.stats.accepted_tokens > 0, "the drafter never got a token accepted: the tree path went untested"
+
+
+@pytest.fixture(scope="module")
+def native_gemma(gemma_pair):
+    """The tiny Gemma 3 with native int8 linears: decode steps run in the fused decoder (fused.h set_gemma)."""
+    own = load_hf_dir(gemma_pair[2], torch.float32, "cpu")
+    apply_weights(own, None, "int8")
+    return own
+
+
+def _prefill(model, prompt: torch.Tensor, max_len: int = 64):
+    cache = model.new_cache(max_len=max_len)
+    model(prompt[None], torch.arange(len(prompt)), cache, start=0)
+    cache.keep(0, range(len(prompt)))
+    return cache
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@torch.inference_mode()
+def test_fused_decoder_matches_the_python_path_past_the_window(native_gemma, kv_dtype, monkeypatch) -> None:
+    """A 6-node tree step at positions 9.. (window 5) natively and in Python: logits agree to rounding."""
+    own = native_gemma
+    own.kv_dtype = kv_dtype
+    assert fused.status(own) is None
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, VOCAB, (9,), generator=g)
+    tree = TokenTree.from_sequences(3, [[4, 5], [6, 7, 8]])
+    toks, pos, mask = torch.tensor(tree.tokens), tree_positions(tree, 9), full_attention_mask(tree, 9)
+    native = {"n": 0}
+    real = fused.forward_segments
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        native["n"] += out is not None
+        return out
+
+    monkeypatch.setattr(fused, "forward_segments", spy)
+    out = {}
+    for use in (True, False):
+        monkeypatch.setenv(fused.ENV_DISABLE, "0" if use else "1")
+        out[use] = own(toks[None], pos, _prefill(own, prompt), 9, mask)
+    assert native["n"] == 1  # the first step went native, the second did not
+    (lf, hf), (lp, hp) = out[True], out[False]
+    torch.testing.assert_close(hf, hp, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(lf, lp, atol=2e-3, rtol=2e-3)
+
+
+@torch.inference_mode()
+def test_fused_tree_rows_equal_one_token_rows_bitwise_past_the_window(native_gemma) -> None:
+    """Each tree node gets the bits of plain one-token steps along its path (what speculative == plain rests on),
+    with the local layers' windows cutting the prompt differently for every depth."""
+    own = native_gemma
+    own.kv_dtype = torch.float16
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, VOCAB, (12,), generator=g)
+    tree = TokenTree.from_sequences(3, [[4, 5, 9], [6, 7, 8, 10]])
+    lt, ht = own(
+        torch.tensor(tree.tokens)[None],
+        tree_positions(tree, 12),
+        _prefill(own, prompt),
+        12,
+        full_attention_mask(tree, 12),
+    )
+    for leaf in (3, 7):
+        cache = _prefill(own, prompt)
+        for d, node in enumerate(tree.path_to(leaf)):
+            l1, h1 = own(torch.tensor([[tree.tokens[node]]]), torch.tensor([12 + d]), cache, 12 + d)
+            cache.keep(12 + d, [0])
+            assert torch.equal(l1[0, 0], lt[0, node]) and torch.equal(h1[0, 0], ht[0, node]), (leaf, node)
 
 
 def test_unsupported_gemma_settings_are_refused(gemma_pair, tmp_path) -> None:

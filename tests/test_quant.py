@@ -233,20 +233,29 @@ def test_cli_rejects_a_bad_weights_value(capsys) -> None:
 
 
 def test_gguf_type_without_exact_mapping_is_named_in_the_warning(tmp_path) -> None:
-    """A tiny GGUF whose ffn_down is Q6_K-like (here F16 -> no: use Q5_0) warns naming the tensor and type."""
+    """A tiny GGUF whose ffn_down is Q5_1 (no exact 4- or 8-bit form, like Q6_K) warns naming the tensor and type;
+    a Q5_0 one is kept exactly as int8 (its 5-bit values fit int8 with the same scale), without a warning."""
     from treedraft.models.quant_load import gguf_weights
 
     path = tmp_path / "tiny.gguf"
-    _write_tiny_gguf(path, down_type=gguf.GGMLQuantizationType.Q5_0)
+    _write_tiny_gguf(path, down_type=gguf.GGMLQuantizationType.Q5_1)
     with pytest.warns(UserWarning) as rec:
         qw = gguf_weights(path, 1, 2, 2, "int4", tied=True)
     msg = " ".join(str(r.message) for r in rec)
-    assert "Q5_0" in msg or "ggml type 6" in msg
-    assert "blk.0.ffn_down.weight" in msg
+    assert "ggml type 7" in msg and "blk.0.ffn_down.weight" in msg
     assert qw["layers.0.ffn.w2"].fmt == "q8" and qw["layers.0.attn.wqkv"].fmt == "q4"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gguf_weights(path, 1, 2, 2, "int8", tied=True)  # int8 asked: no 4-bit mapping expected, no warning
+    exact = tmp_path / "q5_0.gguf"
+    _write_tiny_gguf(exact, down_type=gguf.GGMLQuantizationType.Q5_0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w2 = gguf_weights(exact, 1, 2, 2, "int4", tied=True)["layers.0.ffn.w2"]
+    t = next(t for t in gguf.GGUFReader(str(exact)).tensors if t.name == "blk.0.ffn_down.weight")
+    ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w2.dequantize().shape)
+    assert w2.fmt == "q8" and w2.source == "gguf Q5_0"
+    np.testing.assert_array_equal(w2.dequantize().numpy(), ref)
 
 
 def _write_tiny_gguf(path, down_type) -> None:

@@ -110,6 +110,39 @@ class FusedDecoder {
     has_fc_ = true;
   }
 
+  // Gemma 3 layers (models/llama.py): embeddings times embed_scale; RMSNorm on each head's q and k before
+  // RoPE; RMSNorm on the attention and on the FFN output before each residual add; a GELU (tanh) gate when
+  // `gelu`; the layers in `local` see only keys at positions > p - window (window 0: all) and take their
+  // RoPE angles from inv_freq_local. norms: per layer [q_norm (hd), k_norm (hd), post_attn (H), post_ffn (H)].
+  // Cache slot j < a segment's start holds position j (every cache is filled from slot 0 in order).
+  void set_gemma(double embed_scale, std::vector<torch::Tensor> norms, torch::Tensor inv_freq_local,
+                 std::vector<int64_t> local, int64_t window, bool gelu) {
+    const int64_t L = num_layers();
+    TORCH_CHECK((int64_t)norms.size() == 4 * L, "FusedDecoder.set_gemma: need 4 norms per layer");
+    TORCH_CHECK(window >= 0, "FusedDecoder.set_gemma: window must be >= 0");
+    for (int64_t l = 0; l < L; ++l) {
+      check_vec(norms[4 * l], "q_norm", hd_);
+      check_vec(norms[4 * l + 1], "k_norm", hd_);
+      check_vec(norms[4 * l + 2], "post_attn_norm", H_);
+      check_vec(norms[4 * l + 3], "post_ffn_norm", H_);
+    }
+    local_.assign(L, 0);
+    for (int64_t l : local) {
+      TORCH_CHECK(l >= 0 && l < L, "FusedDecoder.set_gemma: local layer ", l, " out of range");
+      local_[l] = 1;
+    }
+    if (!local.empty()) {
+      check_f32(inv_freq_local, "inv_freq_local", 1);
+      TORCH_CHECK(inv_freq_local.size(0) == hd_ / 2, "FusedDecoder: inv_freq_local must have head_dim/2 entries");
+    }
+    gnorms_ = std::move(norms);
+    inv_local_ = inv_freq_local;
+    window_ = window;
+    embed_scale_ = (float)embed_scale;
+    gelu_ = gelu;
+    gemma_ = true;
+  }
+
   // Per-phase wall time of the forwards since the last call (ms), when profiling is on:
   // [other (norms, RoPE, cache writes, silu, residuals), qkv, attention, wo, w13, w2, lm_head]
   void set_profile(bool on) { profile_ = g_time_quant = on; }
@@ -208,6 +241,8 @@ class FusedDecoder {
     cs_.resize(M * hd_);  // per row: cos[0..half), sin[0..half)
     const float* emb = embed_.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) std::memcpy(&x_[m * H_], emb + tok[m] * H_, H_ * sizeof(float));
+    if (gemma_)
+      for (int64_t i = 0; i < M * H_; ++i) x_[i] = x_[i] * embed_scale_;
     TORCH_CHECK(has_fc_ == features.has_value(), "FusedDecoder.forward: features must be given exactly when ",
                 "set_eagle_input was called");
     if (has_fc_) {
@@ -232,6 +267,19 @@ class FusedDecoder {
         cs_[m * hd_ + half + i] = (float)std::sin((double)a);
       }
 
+    const bool two_ropes = gemma_ && inv_local_.numel() > 0;
+    if (two_ropes) {  // the local layers' angles
+      cs_local_.resize(M * hd_);
+      const float* il = inv_local_.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = (float)pos[m] * il[i];
+          cs_local_[m * hd_ + i] = (float)std::cos((double)a);
+          cs_local_[m * hd_ + half + i] = (float)std::sin((double)a);
+        }
+    }
+    windowed_ = gemma_ && window_ > 0 && window_lists(S, row0, seg_start, pos);
+
     const Path& path = pick_path("");
     last_ = std::chrono::steady_clock::now();
     const int isa = default_isa();
@@ -242,33 +290,49 @@ class FusedDecoder {
     for (int64_t l = 0; l < L; ++l) {
       const LayerW& w = layers_[l];
       // (the previous layer's w2 residual) -> RMSNorm -> codes of the qkv input
+      const bool loc = gemma_ && local_[l];
+      const float* prev_post = gemma_ && l > 0 ? gnorms_[4 * (l - 1) + 3].data_ptr<float>() : nullptr;
       act_q_.prepare(M, H_);
-      rows(M, H_, [&](int64_t m) { residual_norm_quant(m, l > 0, w.attn_norm.data_ptr<float>(), isa, w.wqkv.kind); });
+      rows(M, H_, [&](int64_t m) {
+        residual_norm_quant(m, l > 0, w.attn_norm.data_ptr<float>(), isa, w.wqkv.kind, prev_post);
+      });
       tick(0);
       linear_q(w.wqkv, M, qkv_.data(), path, af_.data());
       tick(1);
-      rows(M, qkvN, [&](int64_t m) {  // RoPE on the row's q and k heads, its keys/values to the cache
-        const float* c = &cs_[m * hd_];
+      const float* rope_cs = loc && two_ropes ? cs_local_.data() : cs_.data();
+      rows(M, qkvN, [&](int64_t m) {  // (Gemma: q/k head norms,) RoPE on the row's q and k heads, its k/v to the cache
+        const float* c = rope_cs + m * hd_;
+        if (gemma_)
+          for (int64_t hh = 0; hh < nh_ + nkv_; ++hh) {
+            float* hp = &qkv_[m * qkvN + hh * hd_];
+            rmsnorm_n(hp, gnorms_[4 * l + (hh < nh_ ? 0 : 1)].data_ptr<float>(), hp, hd_, isa);
+          }
         for (int64_t hh = 0; hh < nh_ + nkv_; ++hh) rope(&qkv_[m * qkvN + hh * hd_], c, c + half, half);
         const int64_t s = seg_of_[m];
         write_kv(&qkv_[m * qkvN + nh_ * hd_], seg_k[s][l], seg_v[s][l], seg_start[s] + m - row0[s], nkv_, hd_);
       });
       tick(0);
-      attention(l, S, row0, seg_k, seg_v, isa);
+      attention(l, S, row0, seg_k, seg_v, isa, loc && windowed_);
       tick(2);
       act_q_.prepare(M, A);
       if (w.wo.kind != kF32) rows(M, A, [&](int64_t m) { act_q_.quantize_row(&att_[m * A], m); });
       linear_q(w.wo, M, h_.data(), path, att_.data());
       tick(3);
       act_q_.prepare(M, H_);
-      rows(M, H_, [&](int64_t m) { residual_norm_quant(m, true, w.ffn_norm.data_ptr<float>(), isa, w.w13.kind); });
+      const float* attn_post = gemma_ ? gnorms_[4 * l + 2].data_ptr<float>() : nullptr;
+      rows(M, H_, [&](int64_t m) {
+        residual_norm_quant(m, true, w.ffn_norm.data_ptr<float>(), isa, w.w13.kind, attn_post);
+      });
       tick(0);
       linear_q(w.w13, M, ff_.data(), path, af_.data());
       tick(4);
       act_q_.prepare(M, I_);
-      rows(M, I_, [&](int64_t m) {  // silu(gate) * up -> codes of the w2 input
+      rows(M, I_, [&](int64_t m) {  // silu(gate) * up (Gemma: gelu_tanh) -> codes of the w2 input
         float* t = row_scratch(I_);
-        silu_mul(&ff_[m * 2 * I_], &ff_[m * 2 * I_ + I_], t, I_, isa);
+        if (gelu_)
+          gelu_tanh_mul(&ff_[m * 2 * I_], &ff_[m * 2 * I_ + I_], t, I_, isa);
+        else
+          silu_mul(&ff_[m * 2 * I_], &ff_[m * 2 * I_ + I_], t, I_, isa);
         emit(w.w2.kind, t, m, I_);
       });
       tick(0);
@@ -277,9 +341,11 @@ class FusedDecoder {
     }
     auto hidden = torch::empty({M, H_}, torch::kFloat32);
     float* hp = hidden.data_ptr<float>();
-    rows(M, H_, [&](int64_t m) {  // the last w2 residual, then the final norm
+    const float* last_post = gemma_ && L > 0 ? gnorms_[4 * (L - 1) + 3].data_ptr<float>() : nullptr;
+    rows(M, H_, [&](int64_t m) {  // the last w2 residual (Gemma: its output norm first), then the final norm
       float* xr = &x_[m * H_];
-      const float* hr = &h_[m * H_];
+      float* hr = &h_[m * H_];
+      if (last_post != nullptr) rmsnorm_n(hr, last_post, hr, H_, isa);
       if (L > 0)
         for (int64_t i = 0; i < H_; ++i) xr[i] = xr[i] + hr[i];
       if (final_norm_.numel() > 0)
@@ -381,10 +447,12 @@ class FusedDecoder {
 
   // Row m: optionally x += h (the residual of the linear before), then RMSNorm with weight w, handed to the next
   // linear (of kind `kind`) through emit(): quantized into act_q_ (prepared for (M, H)), or as floats into af_.
-  void residual_norm_quant(int64_t m, bool residual, const float* w, int isa, int kind) {
+  // post (Gemma's sandwich norm): the weights of an RMSNorm applied to h's row (in place) before it is added.
+  void residual_norm_quant(int64_t m, bool residual, const float* w, int isa, int kind, const float* post = nullptr) {
     float* xr = &x_[m * H_];
     if (residual) {
-      const float* hr = &h_[m * H_];
+      float* hr = &h_[m * H_];
+      if (post != nullptr) rmsnorm_n(hr, post, hr, H_, isa);
       for (int64_t i = 0; i < H_; ++i) xr[i] = xr[i] + hr[i];
     }
     float* t = row_scratch(H_);
@@ -393,20 +461,55 @@ class FusedDecoder {
   }
 
   void rmsnorm(const float* x, const float* w, float* y, int64_t M, int isa) const {
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xr = x + m * H_;
-      const float ss = dot_isa(isa, xr, xr, (int)H_);
-      const float r = 1.f / std::sqrt(ss / (float)H_ + eps_);
-      float* yr = y + m * H_;
-      for (int64_t i = 0; i < H_; ++i) yr[i] = w[i] * (xr[i] * r);
+    for (int64_t m = 0; m < M; ++m) rmsnorm_n(x + m * H_, w, y + m * H_, H_, isa);
+  }
+  // One n-float row (y may be x: every element is read before it is written).
+  void rmsnorm_n(const float* x, const float* w, float* y, int64_t n, int isa) const {
+    const float ss = dot_isa(isa, x, x, (int)n);
+    const float r = 1.f / std::sqrt(ss / (float)n + eps_);
+    for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
+  }
+
+  // The local layers' allowed slots (Gemma's sliding window): each row's allowed list (causal or its mask's)
+  // without the keys at positions <= p - window. Returns false (nothing built) when every row's window covers
+  // position 0, so the local layers attend like the others.
+  bool window_lists(int64_t S, const std::vector<int64_t>& row0, const std::vector<int64_t>& seg_start,
+                    const int64_t* pos) {
+    const int64_t M = row0[S];
+    bool any = false;
+    for (int64_t m = 0; m < M && !any; ++m) any = pos[m] >= window_;
+    if (!any) return false;
+    widx_.clear();
+    woff_.assign(M + 1, 0);
+    wcnt_.assign(M, 0);
+    wcontig_.assign(M, 0);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t st = seg_start[s];
+      for (int64_t r = row0[s]; r < row0[s + 1]; ++r) {
+        const int64_t lo = pos[r] - window_;  // keys at positions <= lo are out of the window
+        woff_[r] = (int64_t)widx_.size();
+        auto keep = [&](int64_t j) {
+          const int64_t kp = j < st ? j : pos[row0[s] + (j - st)];
+          if (kp > lo) widx_.push_back((int32_t)j);
+        };
+        if (causal_[r])
+          for (int64_t j = 0; j < cnt_[r]; ++j) keep(j);
+        else
+          for (int64_t i = 0; i < cnt_[r]; ++i) keep(idx_[off_[r] + i]);
+        wcnt_[r] = (int64_t)widx_.size() - woff_[r];
+        int64_t c = 0;  // leading ranks that are the slots 0, 1, ... (only when the window still covers slot 0)
+        while (c < wcnt_[r] && widx_[woff_[r] + c] == c) ++c;
+        wcontig_[r] = c;
+      }
     }
+    return true;
   }
 
   // Queries ordered (segment, kv head, row, head of the group); one attn::Group per (segment, kv head),
   // so a kv head's keys/values are read once for all its queries (see attn_sched.h).
   void attention(int64_t l, int64_t S, const std::vector<int64_t>& row0,
                  const std::vector<std::vector<torch::Tensor>>& seg_k,
-                 const std::vector<std::vector<torch::Tensor>>& seg_v, int isa) {
+                 const std::vector<std::vector<torch::Tensor>>& seg_v, int isa, bool windowed = false) {
     const int64_t qkvN = (nh_ + 2 * nkv_) * hd_, group = nh_ / nkv_;
     aq_.clear();
     ag_.clear();
@@ -419,9 +522,14 @@ class FusedDecoder {
       for (int64_t g = 0; g < nkv_; ++g) {
         const int q0 = (int)aq_.size();
         for (int64_t r = row0[s]; r < row0[s + 1]; ++r)
-          for (int64_t h = g * group; h < (g + 1) * group; ++h)
-            aq_.push_back({&qkv_[r * qkvN + h * hd_], causal_[r] ? nullptr : idx_.data() + off_[r], (int)cnt_[r],
-                           (int)contig_[r], &att_[(r * nh_ + h) * hd_]});
+          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            if (windowed)  // explicit lists, also for causal rows
+              aq_.push_back({&qkv_[r * qkvN + h * hd_], widx_.data() + woff_[r], (int)wcnt_[r], (int)wcontig_[r],
+                             &att_[(r * nh_ + h) * hd_]});
+            else
+              aq_.push_back({&qkv_[r * qkvN + h * hd_], causal_[r] ? nullptr : idx_.data() + off_[r],
+                             (int)cnt_[r], (int)contig_[r], &att_[(r * nh_ + h) * hd_]});
+          }
         ag_.push_back({kc + g * cap * hd_ * es, vc + g * cap * hd_ * es, hd_, hd_, q0, (int)aq_.size(), half});
       }
     }
@@ -435,10 +543,17 @@ class FusedDecoder {
   Lin lm_, fc_;
   bool has_lm_ = false, has_fc_ = false;
   torch::Tensor emb_norm_, feat_norm_;
+  // Gemma (set_gemma)
+  bool gemma_ = false, gelu_ = false, windowed_ = false;
+  float embed_scale_ = 1.f;
+  int64_t window_ = 0;
+  std::vector<torch::Tensor> gnorms_;
+  torch::Tensor inv_local_;
+  std::vector<char> local_;
   // scratch, reused across calls (one forward at a time per decoder)
-  std::vector<float> x_, h_, qkv_, att_, ff_, cs_, cat_, af_;
-  std::vector<int32_t> idx_;
-  std::vector<int64_t> off_, cnt_, contig_, seg_of_;
+  std::vector<float> x_, h_, qkv_, att_, ff_, cs_, cs_local_, cat_, af_;
+  std::vector<int32_t> idx_, widx_;
+  std::vector<int64_t> off_, cnt_, contig_, seg_of_, woff_, wcnt_, wcontig_;
   ActBuf act_q_;  // the codes of the next linear's input (block-major, see mm_core.h)
   std::vector<attn::Query> aq_;
   std::vector<attn::Group> ag_;

@@ -108,4 +108,38 @@ inline void silu_mul(const float* g, const float* u, float* out, int64_t n, int 
   for (; i < n; ++i) out[i] = g[i] / (1.f + attn::exp_fixed(0.f - g[i])) * u[i];
 }
 
+// out = gelu_tanh(g) * u over n floats (transformers' "gelu_pytorch_tanh", Gemma's gate), written as
+// 0.5 g (1 + tanh(z)) = g / (1 + exp(-2z)), z = sqrt(2/pi) (g + 0.044715 g^3): silu_mul's form on 2z
+// (attn::exp_fixed; the inner polynomial through fma on every path, so every ISA path gives the same bits).
+inline void gelu_tanh_mul(const float* g, const float* u, float* out, int64_t n, int isa) {
+  const float m2c = -1.5957691216057308f, k = 0.044715f;  // -2 sqrt(2 / pi)
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (isa == attn::kAvx512) {
+    const __m512 one = _mm512_set1_ps(1.f), vm = _mm512_set1_ps(m2c), vk = _mm512_set1_ps(k);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 gv = _mm512_loadu_ps(g + i);
+      const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(vk, _mm512_mul_ps(gv, gv)), gv, gv);
+      const __m512 e = attn::exp_fixed16(_mm512_mul_ps(vm, inner));
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+    }
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (isa == attn::kAvx2) {
+    const __m256 one = _mm256_set1_ps(1.f), vm = _mm256_set1_ps(m2c), vk = _mm256_set1_ps(k);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + i);
+      const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(vk, _mm256_mul_ps(gv, gv)), gv, gv);
+      const __m256 e = attn::exp_fixed8(_mm256_mul_ps(vm, inner));
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const float inner = std::fma(k * (g[i] * g[i]), g[i], g[i]);
+    out[i] = g[i] / (1.f + attn::exp_fixed(m2c * inner)) * u[i];
+  }
+}
+
 }  // namespace td

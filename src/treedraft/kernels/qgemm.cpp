@@ -350,7 +350,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             td::serialized([&] { self.set_eagle_input(emb_norm, feat_norm, fc, fc_bias, fc_kind); });
           },
           "EAGLE draft layer input: forward(features=f) feeds fc([emb_norm(embed(tok)); feat_norm(f)])",
-          py::arg("emb_norm"), py::arg("feat_norm"), py::arg("fc"), py::arg("fc_bias"), py::arg("fc_kind"));
+          py::arg("emb_norm"), py::arg("feat_norm"), py::arg("fc"), py::arg("fc_bias"), py::arg("fc_kind"))
+      .def(
+          "set_gemma",
+          [](td::FusedDecoder& self, double embed_scale, std::vector<torch::Tensor> norms,
+             torch::Tensor inv_freq_local, std::vector<int64_t> local, int64_t window, bool gelu) {
+            td::serialized([&] { self.set_gemma(embed_scale, norms, inv_freq_local, local, window, gelu); });
+          },
+          "Gemma 3 layers: embedding scale, q/k and sandwich norms (4 per layer), local layers' window and RoPE",
+          py::arg("embed_scale"), py::arg("norms"), py::arg("inv_freq_local"), py::arg("local"), py::arg("window"),
+          py::arg("gelu"));
   m.def(
       "set_attn_block_gemm", [](bool on) { td::serialized([&] { td::attn::g_block_gemm = on; }); },
       "AVX-512 attention: shared key chunks as per-block GEMMs (True) or chunk by chunk (same bits; for timing)");

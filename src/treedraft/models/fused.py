@@ -90,6 +90,7 @@ def _deps(model) -> _Watch:
         (model._modules, "embed"),
         (model.embed._parameters, "weight"),
         (model._buffers, "inv_freq"),
+        (model._buffers, "inv_freq_local"),
         (model._modules, "norm"),
         (model.norm._parameters, "weight"),
         (model._modules, "lm_head"),
@@ -106,6 +107,9 @@ def _deps(model) -> _Watch:
         for name in ("attn_norm", "attn", "ffn_norm", "ffn"):
             slots.append((b._modules, name))
         slots += [(b.attn_norm._parameters, "weight"), (b.ffn_norm._parameters, "weight")]
+        if b.post_attn_norm is not None:  # Gemma 3's extra norms
+            for owner, name in ((b.attn, "q_norm"), (b.attn, "k_norm"), (b, "post_attn_norm"), (b, "post_ffn_norm")):
+                slots += [(owner._modules, name), (owner._modules[name]._parameters, "weight")]
         slots.append((b.attn.__dict__, "exact_attention"))
         lin(b.attn, "wqkv"), lin(b.attn, "wo"), lin(b.ffn, "w13"), lin(b.ffn, "w2")
     lin(model, "lm_head")
@@ -167,8 +171,11 @@ def _build(model, deps: _Watch) -> _State:
     if not hasattr(ext, "FusedDecoder"):
         return no("the loaded native extension has no FusedDecoder")
     cfg = model.config
-    if not cfg.llama_layers:
-        return no("Gemma-style layers (q/k norms, sandwich norms, GELU, sliding windows) run in the Python path")
+    gemma = not cfg.llama_layers
+    if gemma and not (cfg.qk_norm and cfg.sandwich_norm and cfg.embed_scale is not None):
+        return no(
+            "layers that are neither Llama's nor Gemma 3's (some of its q/k, sandwich norms, scale) run in Python"
+        )
     emb = model.embed.weight
     if emb.dtype != torch.float32 or emb.device.type != "cpu":
         return no(f"needs float32 weights on CPU, got {emb.dtype} on {emb.device}")
@@ -176,15 +183,16 @@ def _build(model, deps: _Watch) -> _State:
         return no("exact_attention is off")
     tensors: list[Tensor] = []
     kinds: list[int] = []
-    eps = {b.attn_norm.eps for b in model.layers} | {b.ffn_norm.eps for b in model.layers} | {model.norm.eps}
+    norms = [n for b in model.layers for n in (b.attn_norm, b.ffn_norm, *_gemma_norms(b))] + [model.norm]
+    eps = {n.eps for n in norms}
     if len(eps) != 1:
         return no(f"RMSNorm eps differs between layers: {sorted(eps)}")
     for i, b in enumerate(model.layers):
         for m in (b.attn.wqkv, b.attn.wo, b.ffn.w13, b.ffn.w2):
             if not isinstance(m, NativeLinear) and not exact_f32(m):
                 return no(f"layers.{i}: {type(m).__name__} is neither a native linear nor an exact fp32 one")
-        norms = (b.attn_norm.weight, b.ffn_norm.weight)
-        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+        ws = [n.weight for n in (b.attn_norm, b.ffn_norm, *_gemma_norms(b))]
+        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in ws):
             return no(f"layers.{i}: norm weights must be contiguous float32")
         t, k = layer_tensors(b)
         tensors += t
@@ -199,7 +207,7 @@ def _build(model, deps: _Watch) -> _State:
         head_dim=cfg.head_dim,
         inter=cfg.intermediate_size,
         eps=float(eps.pop()),
-        attn_scale=float(cfg.head_dim**-0.5),  # what Attention._exact passes
+        attn_scale=float(cfg.softmax_scale),  # what Attention._exact passes
         embed=emb.detach().contiguous(),
         inv_freq=model.inv_freq.float().contiguous(),
         layers=tensors,
@@ -210,7 +218,24 @@ def _build(model, deps: _Watch) -> _State:
         lm_head_kind=lm_kind,
         vocab=lm.out_features if lm_native else cfg.vocab_size,
     )
+    if gemma:
+        local = model.inv_freq_local
+        dec.set_gemma(
+            embed_scale=float(cfg.embed_scale),
+            norms=[n.weight.detach().float().contiguous() for b in model.layers for n in _gemma_norms(b)],
+            inv_freq_local=_EMPTY_F32 if local is None else local.float().contiguous(),
+            local=list(cfg.local_layers),
+            window=int(cfg.sliding_window or 0),
+            gelu=cfg.activation == "gelu_tanh",
+        )
     return _State(deps, dec, None, lm_native)
+
+
+def _gemma_norms(block) -> list:
+    """A Gemma 3 layer's q, k, post-attention and post-FFN RMSNorms in set_gemma's order ([] for a Llama layer)."""
+    if block.post_attn_norm is None:
+        return []
+    return [block.attn.q_norm, block.attn.k_norm, block.post_attn_norm, block.post_ffn_norm]
 
 
 # model -> its decoder state, outside the module so deepcopy / pickle of a model never meets the C++ object
