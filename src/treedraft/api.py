@@ -402,7 +402,8 @@ def load(
     when heads are shipped for this model or given, else prompt lookup; on fp32 weights where an EAGLE drafter is
     shipped, hybrid-eagle: EAGLE in the heads' place), a drafter name (see ``treedraft.drafters.names()``), or
     None / 'none' for plain decoding.
-    runtime: 'own' (compact Llama module), 'hf' (transformers adapter) or 'auto'.
+    runtime: 'own' (the compact Llama-family module, Gemma 3 included), 'hf' (transformers adapter) or 'auto' (own
+        where it runs the architecture).
     weights: 'fp32', 'int8', 'int4' (the GGUF's own 4-bit blocks) or 'auto' (the fastest measured on this
     machine whose quality check passes; see treedraft.models.quant_load). int4/int8: own runtime, cpu, fp32.
     suffix_store: directory where drafter ``suffix`` keeps earlier outputs across restarts (None: in memory,

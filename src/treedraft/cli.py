@@ -52,7 +52,11 @@ def add_model_args(p: argparse.ArgumentParser, drafting: bool = True, heads: boo
         )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on cpu, bf16 on cuda), fp32, bf16, fp16")
-    p.add_argument("--runtime", default="auto", help="own (compact Llama module), hf (transformers), auto")
+    p.add_argument(
+        "--runtime",
+        default="auto",
+        help="own (compact Llama-family module, Gemma 3 too), hf (transformers), auto (own where it can)",
+    )
     from .models.quant import WEIGHTS
 
     p.add_argument(

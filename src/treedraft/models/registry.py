@@ -38,7 +38,7 @@ def _gemma3() -> Path:
 
 REGISTRY = {
     "smollm2-135m-instruct": (_smollm2, "SmolLM2-135M-Instruct, Q4_1 GGUF (Llama), the default; own runtime"),
-    "gemma-3-270m": (_gemma3, "Gemma 3 270M base, Q4_K_M GGUF; runs through the transformers adapter"),
+    "gemma-3-270m": (_gemma3, "Gemma 3 270M base, Q4_K_M GGUF; own runtime (--runtime hf: through transformers)"),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
