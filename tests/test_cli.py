@@ -305,3 +305,25 @@ def test_os_errors_and_a_closed_pipe_end_without_a_traceback(capsys, monkeypatch
     blocker.write_text("x")
     with pytest.raises(ValueError, match="cannot keep the suffix store in .*a-file"):
         open_suffix_store(blocker)
+
+
+def test_stats_line_says_what_cut_the_answer(capsys) -> None:
+    """finish "length" is both the token limit and the context window (OpenAI's reason for both): the stats line
+    tells them apart by the count."""
+    from types import SimpleNamespace
+
+    from treedraft import cli
+
+    class FakeLLM:
+        engine = SimpleNamespace(drafter=None)
+
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def stream(self, prompt, raw, stats, **kw):
+            stats.new_tokens = self.n
+            yield SimpleNamespace(text="x" * self.n, finish_reason="length")
+
+    for n, said in ((30, "30 tokens (cut at the token limit)"), (7, "7 tokens (cut at the context window")):
+        assert cli._run_stream(FakeLLM(n), "p", {"max_new_tokens": 30}, raw=True) == "x" * n
+        assert said in capsys.readouterr().err

@@ -273,3 +273,19 @@ def test_real_gemma3_own_runtime_speculative_equals_plain_past_the_window() -> N
     assert spec.token_ids == plain.token_ids
     assert spec.stats.accepted_tokens > 0
     assert "the value is" in plain.text
+
+
+def test_auto_runtime_routes_by_where_the_architecture_name_comes_from(tmp_path) -> None:
+    """ "gemma3" is the GGUF architecture of Gemma 3 (own runtime) but the model_type of its multimodal Hugging Face
+    checkpoints (transformers): --runtime auto sends such a directory to transformers, and loading it into the own
+    runtime says which model_types it does take."""
+    from treedraft.models.loaders import own_runtime_loads
+
+    assert own_runtime_loads("gemma3", is_dir=False) and own_runtime_loads("gemma3_text", is_dir=True)
+    assert not own_runtime_loads("gemma3", is_dir=True) and not own_runtime_loads("gemma3_text", is_dir=False)
+    assert own_runtime_loads("llama", is_dir=True) and own_runtime_loads("llama", is_dir=False)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"'gemma3' not supported.*'gemma3_text'.*--runtime hf") as e:
+        load_hf_dir(tmp_path)
+    assert "'gemma3'," not in str(e.value)  # the supported list names gemma3_text only

@@ -429,11 +429,11 @@ def load(
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     path = resolve(model)
-    from .models.loaders import GEMMA_ARCHS, OWN_ARCHS, ModelLoadError
+    from .models.loaders import GEMMA_ARCHS, ModelLoadError, own_runtime_loads
 
     arch = model_architecture(path)
     if runtime == "auto":
-        runtime = "own" if arch in OWN_ARCHS else "hf"
+        runtime = "own" if own_runtime_loads(arch, path.is_dir()) else "hf"
     from .models.quant_load import resolve_weights  # --weights (issue 11): begin
 
     weights = resolve_weights(weights, runtime, dev, dt)  # end

@@ -465,6 +465,12 @@ def measured_latency(model: Any) -> dict[int, float]:
     replaced: list[bool] = []  # the short curve was stale: the long one, measured with it, is measured again too
 
     def measure(context: int = short) -> dict:
+        print(
+            f"treedraft: measuring this machine's forward latency at a {context}-token context for the tree sizing "
+            "(once per machine and model, then cached)...",
+            file=sys.stderr,
+            flush=True,
+        )
         lat = measure_latency(model, context, latency_sizes(STEP_ROWS_MAX), reps=5)
         return {str(k): v for k, v in lat.items()}
 

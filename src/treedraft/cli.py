@@ -73,8 +73,8 @@ def add_model_args(p: argparse.ArgumentParser, drafting: bool = True, heads: boo
             type=int,
             default=4096,
             metavar="N",
-            help="context window in tokens, prompt and answer together (default 4096; at most the model's own: "
-            "8192 for SmolLM2; the KV cache of a request grows with what it uses)",
+            help="context window in tokens, prompt and answer together (default 4096; a larger value is capped at the "
+            "model's own: 8192 for SmolLM2, 32768 for Gemma 3; the KV cache of a request grows with what it uses)",
         )
         add_suffix_args(p)
 
@@ -269,6 +269,9 @@ def _run_stream(llm, prompt, kw: dict, raw: bool) -> str:
     sys.stdout.write("\n")
     name = getattr(llm.engine.drafter, "name", "none") if llm.engine.drafter else "none"
     why = {"stop": " (ended)", "length": " (cut at the token limit)"}.get(finish, "")
+    limit = kw.get("max_new_tokens")
+    if finish == "length" and limit is not None and stats.new_tokens < limit:  # the context window cut it first
+        why = " (cut at the context window: --max-seq-len)"
     print(
         f"[{stats.new_tokens} tokens{why}, {stats.tokens_per_s:.1f} tok/s, drafter {name}, "
         f"mean accepted {stats.mean_accepted_length:.2f}, prefill {stats.t_prefill * 1000:.0f} ms]",

@@ -18,18 +18,28 @@ from .gguf_meta import read_gguf_meta
 from .llama import LlamaConfig, Transformer, rope_frequencies
 
 LLAMA_ARCHS = {"llama", "qwen2", "mistral"}
-GEMMA_ARCHS = {"gemma3", "gemma3_text"}  # the GGUF architecture and the Hugging Face (text-only) model_type
-OWN_ARCHS = LLAMA_ARCHS | GEMMA_ARCHS  # what the own runtime loads
+GEMMA_ARCHS = {"gemma3", "gemma3_text"}  # Gemma 3's GGUF architecture and its Hugging Face text-only model_type
+OWN_GGUF_ARCHS = LLAMA_ARCHS | {"gemma3"}  # GGUF general.architecture values the own runtime loads
+OWN_HF_TYPES = LLAMA_ARCHS | {"gemma3_text"}  # config.json model_type values it loads ("gemma3" there: multimodal)
+
+
+def own_runtime_loads(arch: str, is_dir: bool) -> bool:
+    """Whether the own runtime loads a model of this architecture (a GGUF's, or an HF directory's model_type)."""
+    return arch in (OWN_HF_TYPES if is_dir else OWN_GGUF_ARCHS)
+
+
 __all__ = [
     "GEMMA_ARCHS",
     "LLAMA_ARCHS",
-    "OWN_ARCHS",
+    "OWN_GGUF_ARCHS",
+    "OWN_HF_TYPES",
     "ModelLoadError",
     "from_state_dict",
     "gguf_config",
     "hf_config",
     "load_gguf",
     "load_hf_dir",
+    "own_runtime_loads",
 ]
 GEMMA3_LOCAL_THETA = 10000.0  # Gemma 3's local layers' RoPE base (transformers' default; not in the GGUF header)
 GEMMA3_PATTERN = 6  # every 6th layer is global, the others local (sliding window)
@@ -54,10 +64,10 @@ def gguf_config(path: str | Path, max_seq_len: int | None = None) -> tuple[Llama
     """Read a :class:`LlamaConfig` and tokenizer metadata from a GGUF header (cached: see gguf_meta)."""
     h = read_gguf_meta(path)
     arch = h.architecture
-    if arch not in OWN_ARCHS:
+    if arch not in OWN_GGUF_ARCHS:
         raise ModelLoadError(
             f"{path}: GGUF architecture {arch!r} is not supported by the own runtime "
-            f"(supported: {sorted(OWN_ARCHS)}); use runtime='hf' to load it through transformers"
+            f"(supported: {sorted(OWN_GGUF_ARCHS)}); load it through transformers: --runtime hf (runtime='hf')"
         )
 
     def need(name: str) -> int:
@@ -170,7 +180,7 @@ def hf_config(d: Path, max_seq_len: int | None = None) -> LlamaConfig:
     if arch not in LLAMA_ARCHS:
         raise ModelLoadError(
             f"{d}: model_type {arch!r} not supported by the own runtime "
-            f"(supported: {sorted(OWN_ARCHS)}); use runtime='hf'"
+            f"(supported: {sorted(OWN_HF_TYPES)}); load it through transformers: --runtime hf (runtime='hf')"
         )
     ctx = int(c.get("max_position_embeddings", 2048))
     # rope scaling: "rope_scaling" (transformers < 5) or "rope_parameters" (what transformers 5 writes)
