@@ -229,6 +229,7 @@ def test_a_check_that_met_noise_does_not_replace_the_curve(curve_check, capsys) 
 
     model, state = curve_check
     budget.measured_latency(model)  # SHORT cached
+    assert "measuring this machine's forward latency" in capsys.readouterr().err  # a first measurement says so
     _new_process()
     state["check_curves"] = [dict(STEEP), dict(SHORT)]  # a burst in the first check only: the confirmation agrees
     assert budget.measured_latency(model)[2] == pytest.approx(SHORT[2] / 1e3)

@@ -32,19 +32,22 @@ WINDOW = 5
 ATOL = 2e-4
 
 
-def _tiny_hf(window: int = WINDOW) -> transformers.Gemma3ForCausalLM:
+LOCAL_GLOBAL = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+def _tiny_hf(window: int = WINDOW, layer_types: list[str] = LOCAL_GLOBAL, scalar: int = 12):
     """Local, local, global, local layers; a linearly scaled global RoPE; q/k scale 1/sqrt(12), not 1/sqrt(16)."""
     cfg = transformers.Gemma3TextConfig(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=4,
+        num_hidden_layers=len(layer_types),
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        query_pre_attn_scalar=12,
+        query_pre_attn_scalar=scalar,
         sliding_window=window,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        layer_types=layer_types,
         rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -289,3 +292,154 @@ def test_auto_runtime_routes_by_where_the_architecture_name_comes_from(tmp_path)
     with pytest.raises(ModelLoadError, match=r"'gemma3' not supported.*'gemma3_text'.*--runtime hf") as e:
         load_hf_dir(tmp_path)
     assert "'gemma3'," not in str(e.value)  # the supported list names gemma3_text only
+
+
+def test_batched_greedy_rows_equal_each_prompt_alone_past_the_window(gemma_pair) -> None:
+    """Self-distillation data (training.data.batched_greedy) left-pads a batch: slot j is not position j there,
+    so the local layers' windows take the slots' real positions (kv_positions)."""
+    from treedraft.training.data import batched_greedy
+
+    _, own, _ = gemma_pair
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 9)]
+    batched = list(batched_greedy(own, prompts, 10, frozenset()))
+    for p, (ans, hid) in zip(prompts, batched, strict=True):
+        (solo_ans, solo_hid) = next(batched_greedy(own, [p], 10, frozenset()))
+        assert ans == solo_ans and len(ans) == 10
+        torch.testing.assert_close(hid, solo_hid, atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_fused_packed_segments_and_causal_chunks_past_the_window(native_gemma, monkeypatch) -> None:
+    """Natively: a 12-row causal prompt chunk from slot 0 (past the window: native prefill) packed with another
+    request's 3-row step equals each run alone bitwise (one window flag for the call, explicit lists for rows
+    below the window too), and the causal chunk matches the Python path."""
+    own = native_gemma
+    own.kv_dtype = torch.float16
+    monkeypatch.setenv(fused.ENV_DISABLE, "0")
+    native = {"n": 0}
+    real = fused.forward_segments
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        native["n"] += out is not None
+        return out
+
+    monkeypatch.setattr(fused, "forward_segments", spy)
+    g = torch.Generator().manual_seed(10)
+    a, b = torch.randint(0, VOCAB, (12,), generator=g), torch.randint(0, VOCAB, (10,), generator=g)
+    cb = own.new_cache(64)
+    own.forward_packed(b[:7], torch.arange(7), [Segment(cb, 0, 7)], native_prefill=True)
+    cb.keep(0, range(7))
+    pa, pb = torch.arange(12), torch.arange(7, 10)
+    la, _ = own.forward_packed(a, pa, [Segment(own.new_cache(64), 0, 12)], native_prefill=True)
+    lb, _ = own.forward_packed(b[7:], pb, [Segment(copy.deepcopy(cb), 7, 3)], native_prefill=True)
+    segs = [Segment(own.new_cache(64), 0, 12), Segment(copy.deepcopy(cb), 7, 3)]
+    lp, _ = own.forward_packed(torch.cat([a, b[7:]]), torch.cat([pa, pb]), segs, native_prefill=True)
+    assert native["n"] == 4
+    assert torch.equal(lp[:12], la) and torch.equal(lp[12:], lb)
+    monkeypatch.setenv(fused.ENV_DISABLE, "1")
+    ly, _ = own.forward_packed(a, pa, [Segment(own.new_cache(64), 0, 12)])
+    torch.testing.assert_close(la, ly, atol=2e-3, rtol=2e-3)
+
+
+def test_eagle_init_from_a_gemma_target_is_refused(gemma_pair) -> None:
+    """--init-from-target would copy a Gemma layer (fed by q/k norms, a GELU gate) into EAGLE's Llama draft layer."""
+    from treedraft.drafters.eagle_net import EagleConfig, EagleNet
+    from treedraft.training.eagle_train import init_weights
+
+    _, own, _ = gemma_pair
+    net = EagleNet(EagleConfig.for_target(own, "tiny"), own.embed.weight, own.lm_head.weight)
+    with pytest.raises(ValueError, match="leave the flag out"):
+        init_weights(net, own)
+    init_weights(net, None)  # a random start still works
+
+
+def _write_gemma3_gguf(path, hf, rope_scaling: bool = True, factor: float | None = 4.0) -> None:
+    """The tiny HF Gemma 3 as llama.cpp's converter writes it: arch gemma3, norms stored as 1 + w, no q/k
+    permutation, float32 tensors (ggml's (cols, rows) shapes)."""
+    gguf = pytest.importorskip("gguf")
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_context_length(128)
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_sliding_window(c.sliding_window)
+    w.add_vocab_size(c.vocab_size)
+    if rope_scaling:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        if factor is not None:
+            w.add_rope_scaling_factor(factor)
+    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    }
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", 1.0 + sd["model.norm.weight"])
+    for i in range(c.num_hidden_layers):
+        for hf_name, g_name in names.items():
+            t = sd[f"model.layers.{i}.{hf_name}.weight"]
+            w.add_tensor(f"blk.{i}.{g_name}.weight", 1.0 + t if g_name.endswith("norm") else t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@torch.inference_mode()
+def test_gguf_gemma3_loads_like_transformers(tmp_path) -> None:
+    """A GGUF of arch gemma3 (6-layer local/global pattern, linear global RoPE from the header, 1 + w norms) loads
+    into the own runtime and matches transformers past the window; a header without the scaling factor is refused."""
+    from treedraft.models.loaders import gguf_config, load_gguf
+
+    types = ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]  # llama.cpp's pattern of 6
+    hf = _tiny_hf(layer_types=types, scalar=16)  # the GGUF has no query_pre_attn_scalar: head_dim's
+    _write_gemma3_gguf(tmp_path / "g.gguf", hf)
+    own, _ = load_gguf(tmp_path / "g.gguf")
+    c = own.config
+    assert (c.local_layers, c.sliding_window, c.rope_scaling) == (
+        (0, 1, 2, 3, 4, 6),
+        WINDOW,
+        {"rope_type": "linear", "factor": 4.0},
+    )
+    seq = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(11)).tolist()
+    logits, _ = own.forward(torch.tensor([seq]), torch.arange(20))
+    _close(logits[0], _reference(hf, seq), "GGUF gemma3 vs transformers")
+    _write_gemma3_gguf(tmp_path / "bad.gguf", hf, factor=None)
+    with pytest.raises(ModelLoadError, match="rope scaling.*--runtime hf"):
+        gguf_config(tmp_path / "bad.gguf")
+
+
+def test_legacy_hf_config_layout(gemma_pair, tmp_path) -> None:
+    """Most Hub config.json files predate transformers 5: sliding_window_pattern, rope_theta, rope_local_base_freq
+    and rope_scaling instead of layer_types and rope_parameters."""
+    _, own, d = gemma_pair
+    cfg = json.loads((d / "config.json").read_text())
+    for k in ("layer_types", "rope_parameters"):
+        cfg.pop(k)
+    cfg |= {"sliding_window_pattern": 3, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
+    cfg |= {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    for f in d.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    legacy = load_hf_dir(tmp_path)
+    assert legacy.config == own.config  # pattern 3 of 4 layers: local, local, global, local

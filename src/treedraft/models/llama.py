@@ -414,6 +414,7 @@ class Transformer(nn.Module):
         start: int | None = None,
         mask: Tensor | None = None,
         logits_for: Tensor | slice | None = None,
+        kv_positions: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Run the decoder over new tokens.
 
@@ -424,6 +425,8 @@ class Transformer(nn.Module):
             None = causal over everything before (plain decoding / prefill).
         logits_for: optional index into T choosing which rows get logits
             (prefill only needs the last one: the lm_head is ~20% of the FLOPs).
+        kv_positions: (B, start) positions of the cached slots, for the local layers' sliding window (Gemma 3);
+            None: slot j holds position j (a cache filled from slot 0 in order; a left-padded batch is not).
         Returns logits (B, T', V) in float32 and final-norm hidden states (B, T, H).
         """
         if tokens.dim() == 1:
@@ -436,7 +439,7 @@ class Transformer(nn.Module):
         start = start or 0
         if mask is not None and mask.dim() == 2:
             mask = mask[None, None]
-        if cache is not None and B == 1 and start > 0 and T <= Attention.EXACT_MAX_T:
+        if cache is not None and B == 1 and start > 0 and T <= Attention.EXACT_MAX_T and kv_positions is None:
             from .fused import try_forward  # decode step in one native call; None: not applicable here
 
             out = try_forward(self, tokens, positions, cache, start, mask, logits_for)
@@ -450,7 +453,7 @@ class Transformer(nn.Module):
         loc = glob
         if self.inv_freq_local is not None:  # Gemma 3's local layers: their own RoPE and the window in the mask
             lcos, lsin = self._rope(positions, local=True)
-            loc = (lcos[:, None], lsin[:, None], self._window_mask(mask, positions, start))
+            loc = (lcos[:, None], lsin[:, None], self._window_mask(mask, positions, start, kv_positions))
         x = self._embed(tokens)
         for layer in self.layers:
             c, s, m = loc if layer.attn.local else glob
@@ -465,17 +468,21 @@ class Transformer(nn.Module):
         s = self.config.embed_scale
         return x if s is None else x * torch.tensor(s, dtype=x.dtype, device=x.device)
 
-    def _window_mask(self, mask: Tensor | None, positions: Tensor, start: int) -> Tensor | None:
+    def _window_mask(
+        self, mask: Tensor | None, positions: Tensor, start: int, kv_positions: Tensor | None = None
+    ) -> Tensor | None:
         """``mask`` ((B | 1, 1, T, start + T) bool, or None = causal) narrowed to a local layer's window: a row at
         position p sees keys at positions > p - sliding_window (transformers' sliding-window rule). Cache slot j
-        < start holds position j (every cache here is filled from slot 0 in order); the new rows' own slots hold
-        ``positions``. Returns ``mask`` itself while every row's window covers position 0."""
+        < start holds position ``kv_positions[:, j]`` (default j: every cache here but a left-padded batch's is
+        filled from slot 0 in order); the new rows' own slots hold ``positions``. Returns ``mask`` itself while
+        every row's window covers position 0."""
         w = self.config.sliding_window
         B, T = positions.shape
-        if w is None or int(positions.max()) < w:
+        if w is None or T == 0 or int(positions.max()) < w:
             return mask
         dev = positions.device
-        kpos = torch.cat([torch.arange(start, device=dev).expand(B, start), positions], dim=1)  # (B, start + T)
+        old = torch.arange(start, device=dev).expand(B, start) if kv_positions is None else kv_positions.to(dev)
+        kpos = torch.cat([old.expand(B, start), positions], dim=1)  # (B, start + T)
         near = kpos[:, None, :] > positions[:, :, None] - w  # (B, T, start + T)
         if mask is None:  # causal over the new block, full view of the committed prefix
             mask = torch.ones(T, start + T, dtype=torch.bool, device=dev).tril(start)[None, None]

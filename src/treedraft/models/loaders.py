@@ -23,6 +23,9 @@ OWN_GGUF_ARCHS = LLAMA_ARCHS | {"gemma3"}  # GGUF general.architecture values th
 OWN_HF_TYPES = LLAMA_ARCHS | {"gemma3_text"}  # config.json model_type values it loads ("gemma3" there: multimodal)
 
 
+HF_HINT = "--runtime hf (runtime='hf' in Python)"
+
+
 def own_runtime_loads(arch: str, is_dir: bool) -> bool:
     """Whether the own runtime loads a model of this architecture (a GGUF's, or an HF directory's model_type)."""
     return arch in (OWN_HF_TYPES if is_dir else OWN_GGUF_ARCHS)
@@ -67,7 +70,7 @@ def gguf_config(path: str | Path, max_seq_len: int | None = None) -> tuple[Llama
     if arch not in OWN_GGUF_ARCHS:
         raise ModelLoadError(
             f"{path}: GGUF architecture {arch!r} is not supported by the own runtime "
-            f"(supported: {sorted(OWN_GGUF_ARCHS)}); load it through transformers: --runtime hf (runtime='hf')"
+            f"(supported: {sorted(OWN_GGUF_ARCHS)}); load it through transformers: {HF_HINT}"
         )
 
     def need(name: str) -> int:
@@ -90,9 +93,13 @@ def gguf_config(path: str | Path, max_seq_len: int | None = None) -> tuple[Llama
         extra = gemma3_fields(hidden, layers, hd, None if window is None else int(window), GEMMA3_PATTERN, scalar)
         kind = h.arch_get("rope.scaling.type")
         if kind not in (None, "none"):
-            if kind != "linear":
-                raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported for gemma3 (linear is)")
-            extra["rope_scaling"] = {"rope_type": "linear", "factor": float(h.arch_get("rope.scaling.factor"))}
+            factor = h.arch_get("rope.scaling.factor")
+            if kind != "linear" or factor is None:
+                raise ModelLoadError(
+                    f"{path}: rope scaling {kind!r} (factor {factor}) is not supported for gemma3 by the own runtime "
+                    f"(linear with a factor is); load it through transformers: {HF_HINT}"
+                )
+            extra["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
     cfg = LlamaConfig(
         vocab_size=h.vocab_size,
         hidden_size=need("embedding_length"),
@@ -180,7 +187,7 @@ def hf_config(d: Path, max_seq_len: int | None = None) -> LlamaConfig:
     if arch not in LLAMA_ARCHS:
         raise ModelLoadError(
             f"{d}: model_type {arch!r} not supported by the own runtime "
-            f"(supported: {sorted(OWN_HF_TYPES)}); load it through transformers: --runtime hf (runtime='hf')"
+            f"(supported: {sorted(OWN_HF_TYPES)}); load it through transformers: {HF_HINT}"
         )
     ctx = int(c.get("max_position_embeddings", 2048))
     # rope scaling: "rope_scaling" (transformers < 5) or "rope_parameters" (what transformers 5 writes)
@@ -188,8 +195,7 @@ def hf_config(d: Path, max_seq_len: int | None = None) -> LlamaConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ModelLoadError(
-            f"{d}: rope scaling {rope_type!r} is not supported by the own runtime "
-            "(default and llama3 are); use runtime='hf'"
+            f"{d}: rope scaling {rope_type!r} is not supported by the own runtime (default and llama3 are); {HF_HINT}"
         )
     window = c.get("sliding_window") if (arch == "mistral" or c.get("use_sliding_window")) else None
     if window:  # no sliding-window attention here: within the window it is plain causal attention
@@ -215,12 +221,12 @@ def _gemma3_hf_config(d: Path, c: dict, max_seq_len: int | None) -> LlamaConfig:
     """A Gemma 3 text model's ``config.json`` (transformers' Gemma3TextConfig) as a :class:`LlamaConfig`."""
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if c.get(key) is not None:
-            raise ModelLoadError(f"{d}: {key} is not supported by the own runtime; use runtime='hf'")
+            raise ModelLoadError(f"{d}: {key} is not supported by the own runtime; {HF_HINT}")
     if c.get("use_bidirectional_attention"):
-        raise ModelLoadError(f"{d}: bidirectional attention is not a causal language model; use runtime='hf'")
+        raise ModelLoadError(f"{d}: bidirectional attention is not supported by the own runtime; {HF_HINT}")
     act = c.get("hidden_activation", "gelu_pytorch_tanh")
     if act != "gelu_pytorch_tanh":
-        raise ModelLoadError(f"{d}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh is)")
+        raise ModelLoadError(f"{d}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh is); {HF_HINT}")
     n = int(c["num_hidden_layers"])
     types = c.get("layer_types") or [
         "sliding_attention" if (i + 1) % int(c.get("sliding_window_pattern", GEMMA3_PATTERN)) else "full_attention"
@@ -233,8 +239,9 @@ def _gemma3_hf_config(d: Path, c: dict, max_seq_len: int | None) -> LlamaConfig:
     local = rp.get("sliding_attention") or {"rope_theta": c.get("rope_local_base_freq", GEMMA3_LOCAL_THETA)}
     for name, r in (("full_attention", full), ("sliding_attention", local)):
         kind = r.get("rope_type", r.get("type", "default"))
-        if kind not in ("default", "linear") or (name == "sliding_attention" and kind != "default"):
-            raise ModelLoadError(f"{d}: rope {kind!r} on the {name} layers is not supported by the own runtime")
+        bad = kind not in ("default", "linear") or (name == "sliding_attention" and kind != "default")
+        if bad or "rope_theta" not in r or (kind == "linear" and "factor" not in r):
+            raise ModelLoadError(f"{d}: rope {r} on the {name} layers is not supported by the own runtime; {HF_HINT}")
     kind = full.get("rope_type", full.get("type", "default"))
     hd = int(c.get("head_dim", 256))
     ctx = int(c.get("max_position_embeddings", 32768))

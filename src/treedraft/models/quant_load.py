@@ -71,10 +71,7 @@ def _tensor_qweight(
 ) -> QWeight:
     """One GGUF tensor as a QWeight in the format ``want`` asks ('q4' or 'q8')."""
     if want == "q4" and qtype in gb.UNPACK_Q4:
-        scale, minv, q = gb.UNPACK_Q4[qtype](data, shape)
-        if qtype == gb.Q4_K:  # the packed form keeps fp16 scales: d*sc, dmin*mn rounded (see gguf_blocks)
-            scale, minv = scale.half().float(), minv.half().float()
-        return QWeight("q4", (scale, minv, q), f"gguf {_type_name(qtype)}")
+        return QWeight("q4", gb.UNPACK_Q4[qtype](data, shape), f"gguf {_type_name(qtype)}")
     if qtype == gb.Q8_0:
         return QWeight("q8", gb.unpack_q8_0(data, shape), "gguf Q8_0")
     if qtype == gb.Q5_0:  # 5-bit values fit int8 with the same scale: kept exactly, for int4 and int8 alike
@@ -89,6 +86,16 @@ def _tensor_qweight(
     if want == "q4":  # a quantized type with no exact 4-bit mapping (Q6_K, Q5_*, ...): int8 with a warning
         inexact.setdefault(_type_name(qtype), []).append(name)
     return quantize_q8_rtn(w)
+
+
+def _fp16_scales(qw: QWeight) -> QWeight:
+    """A 4-bit weight with its group scales and mins rounded to fp16, the packed kernels' storage: a no-op for
+    Q4_0 / Q4_1 (fp16 in the file), a rounding of Q4_K's d*sc and dmin*mn (see gguf_blocks). Done after the
+    concatenation, so a fused matmul that goes to int8 (mixed formats) re-quantizes the exact values."""
+    if qw.fmt != "q4":
+        return qw
+    scale, minv, q = qw.parts
+    return QWeight("q4", (scale.half().float(), minv.half().float(), q), qw.source)
 
 
 def _concat(parts: list[QWeight]) -> QWeight:
@@ -139,8 +146,9 @@ def gguf_weights(
     for i in range(num_layers):
         for mod, names in _PARTS.items():
             heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
-            out[f"layers.{i}.{_OWNER[mod]}.{mod}"] = _concat([one(f"blk.{i}.{n}.weight", heads.get(n)) for n in names])
-    out["lm_head"] = one("token_embd.weight" if tied else "output.weight")
+            parts = [one(f"blk.{i}.{n}.weight", heads.get(n)) for n in names]
+            out[f"layers.{i}.{_OWNER[mod]}.{mod}"] = _fp16_scales(_concat(parts))
+    out["lm_head"] = _fp16_scales(one("token_embd.weight" if tied else "output.weight"))
     for tname, names in inexact.items():
         warnings.warn(
             f"{path}: no exact 4-bit mapping for GGUF type {tname}: tensors {', '.join(names)} are "

@@ -56,6 +56,10 @@ def batched_greedy(
     cache.keep(0, range(L))
     valid_all = torch.zeros(B, total, dtype=torch.bool, device=dev)
     valid_all[:, :L] = valid
+    slot_pos = torch.zeros(B, total, dtype=torch.long, device=dev)  # each cached slot's position (left padding)
+    slot_pos[:, :L] = positions
+    # the own runtime's sliding-window layers (Gemma 3) need the slots' positions: slot j is not position j here
+    windowed = bool(getattr(getattr(model, "config", None), "local_layers", ()))
     nxt = logits[:, -1].argmax(-1)  # (B,)
     answers: list[list[int]] = [[] for _ in range(B)]
     hiddens: list[list[Tensor]] = [[hidden[b, -1]] for b in range(B)]
@@ -72,7 +76,9 @@ def batched_greedy(
         start = L + step
         valid_all[:, start] = True
         m = valid_all[:, None, None, : start + 1]  # (B, 1, 1, S)
-        logits, hidden = model(nxt[:, None], pos[:, None], cache, start, m)
+        kw = {"kv_positions": slot_pos[:, :start]} if windowed else {}
+        logits, hidden = model(nxt[:, None], pos[:, None], cache, start, m, **kw)
+        slot_pos[:, start] = pos
         cache.keep(start, [0])
         nxt = logits[:, -1].argmax(-1)
         pos = pos + 1

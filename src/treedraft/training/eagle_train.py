@@ -353,6 +353,12 @@ def init_weights(net: EagleNet, target=None) -> None:
         net.fc.weight[:, H:].copy_(torch.eye(H))
         net.fc.bias.zero_()
         if target is not None:
+            cfg = getattr(target, "config", None)
+            if cfg is not None and not getattr(cfg, "llama_layers", True):
+                raise ValueError(
+                    "--init-from-target copies the target's last layer into the draft layer, a Llama layer; this "
+                    "target's layers are not (Gemma 3: q/k and sandwich norms, a GELU gate): leave the flag out"
+                )
             src = target.layers[-1].state_dict()
             bad = [k for k, v in net.layer.state_dict().items() if k not in src or src[k].shape != v.shape]
             if bad:
