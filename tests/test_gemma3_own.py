@@ -443,3 +443,28 @@ def test_legacy_hf_config_layout(gemma_pair, tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     legacy = load_hf_dir(tmp_path)
     assert legacy.config == own.config  # pattern 3 of 4 layers: local, local, global, local
+
+
+@torch.inference_mode()
+def test_gemma_norms_keep_float32_weights_in_bf16(gemma_pair) -> None:
+    """Cast to bf16, Gemma's RMSNorms keep 1 + w in float32 and multiply before the one cast, as transformers'
+    Gemma3RMSNorm does: bitwise its output; Llama's RMSNorm keeps its own order (weight * norm(x) in x's dtype)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from treedraft.models.llama import RMSNorm
+
+    _, _, d = gemma_pair
+    own = load_hf_dir(d, torch.float32, "cpu")
+    w32 = own.layers[0].post_attn_norm.weight.clone()
+    own = own.to(torch.bfloat16)
+    norms = [m for m in own.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 4 * 6 + 1 and all(n.weight.dtype == torch.float32 for n in norms)
+    assert torch.equal(own.layers[0].post_attn_norm.weight, w32) and own.embed.weight.dtype == torch.bfloat16
+    ref = Gemma3RMSNorm(32, eps=1e-6)
+    ref.weight.copy_(torch.randn(32).bfloat16().float())  # a bf16 model's w: 1 + w is exact in float32
+    mine = RMSNorm(32, 1e-6, fp32_weight=True)
+    mine.weight.copy_(1.0 + ref.weight)
+    x = torch.randn(5, 32).bfloat16()
+    assert torch.equal(mine(x), ref.bfloat16()(x))
+    logits, _ = own.forward(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]), torch.arange(8))
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()

@@ -10,6 +10,7 @@ import atexit
 import gc
 import json
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -434,6 +435,11 @@ def load(
     arch = model_architecture(path)
     if runtime == "auto":
         runtime = "own" if own_runtime_loads(arch, path.is_dir()) else "hf"
+    if arch in GEMMA_ARCHS and dt == torch.float16:  # its activations outgrow fp16's range (65504)
+        warnings.warn(
+            "Gemma 3 overflows in float16 (its residual stream exceeds fp16's range); use --dtype bf16 or fp32",
+            stacklevel=2,
+        )
     from .models.quant_load import resolve_weights  # --weights (issue 11): begin
 
     weights = resolve_weights(weights, runtime, dev, dt)  # end

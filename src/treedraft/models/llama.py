@@ -122,15 +122,32 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """Llama's RMSNorm: ``weight * norm(x)`` with the normalised x cast to x's dtype first. ``fp32_weight`` (Gemma,
+    whose weights are 1 + w): the product is taken in float32 and cast once, and the weight stays float32 when the
+    model is cast (as transformers' Gemma3RMSNorm computes ``norm(x) * (1 + w.float())``; 1 + w in bf16 would be off
+    by up to 2^-9). In float32 both forms give the same bits."""
+
+    def __init__(self, dim: int, eps: float, fp32_weight: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.fp32_weight = fp32_weight
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.fp32_weight:
+            return (xf * self.weight.float()).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+    def _apply(self, fn, recurse: bool = True):
+        if not self.fp32_weight:
+            return super()._apply(fn, recurse)
+        w = self.weight.detach().float()  # before a dtype cast rounds it
+        out = super()._apply(fn, recurse)
+        if self.weight.dtype != torch.float32:
+            self.weight.data = w.to(self.weight.device)
+        return out
 
 
 class Attention(watch.WatchedAttrs, nn.Module):
@@ -151,8 +168,8 @@ class Attention(watch.WatchedAttrs, nn.Module):
         # fused q/k/v projection: one matmul instead of three (rows: q, k, v)
         self.wqkv = Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.qkv_bias)
         self.wo = Linear(q_out, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.hd, cfg.rms_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(self.hd, cfg.rms_eps, cfg.sandwich_norm) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_eps, cfg.sandwich_norm) if cfg.qk_norm else None
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache | None, start: int
@@ -255,13 +272,14 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        g = cfg.sandwich_norm  # Gemma: every RMSNorm's weight is 1 + w, kept in float32 (RMSNorm.fp32_weight)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, g)
         self.attn = Attention(cfg, layer)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, g)
         self.ffn = FeedForward(cfg)
         # Gemma's sandwich norms: on each sublayer's output, before the residual add
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps) if cfg.sandwich_norm else None
-        self.post_ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps) if cfg.sandwich_norm else None
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, True) if g else None
+        self.post_ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, True) if g else None
 
     def forward(self, x, cos, sin, mask, cache, start):
         a = self.attn(self.attn_norm(x), cos, sin, mask, cache, start)
@@ -289,7 +307,7 @@ class Transformer(nn.Module):
         shape = (cfg.vocab_size, cfg.hidden_size)
         self.embed = nn.Embedding(*shape) if init else nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.sandwich_norm)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
