@@ -168,7 +168,7 @@ def test_greedy_speculative_equals_plain(gemma_pair, weights: str) -> None:
 
 @pytest.fixture(scope="module")
 def native_gemma(gemma_pair):
-    """The tiny Gemma 3 with native int8 linears: decode steps run in the fused decoder (fused.h set_gemma)."""
+    """The tiny Gemma 3 with native int8 linears: decode steps run in the fused decoder (fused.h set_variant)."""
     own = load_hf_dir(gemma_pair[2], torch.float32, "cpu")
     apply_weights(own, None, "int8")
     return own

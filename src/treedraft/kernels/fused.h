@@ -110,37 +110,38 @@ class FusedDecoder {
     has_fc_ = true;
   }
 
-  // Gemma 3 layers (models/llama.py): embeddings times embed_scale; RMSNorm on each head's q and k before
-  // RoPE; RMSNorm on the attention and on the FFN output before each residual add; a GELU (tanh) gate when
-  // `gelu`; the layers in `local` see only keys at positions > p - window (window 0: all) and take their
-  // RoPE angles from inv_freq_local. norms: per layer [q_norm (hd), k_norm (hd), post_attn (H), post_ffn (H)].
-  // Cache slot j < a segment's start holds position j (every cache is filled from slot 0 in order).
-  void set_gemma(double embed_scale, std::vector<torch::Tensor> norms, torch::Tensor inv_freq_local,
-                 std::vector<int64_t> local, int64_t window, bool gelu) {
+  // Layer options beyond Llama's (models/llama.py), each independent: embeddings times embed_scale (> 0; Gemma);
+  // qk_norms, per layer [q_norm (hd), k_norm (hd)] or none: RMSNorm on each head's q and k before RoPE (Gemma 3,
+  // Qwen3); post_norms, per layer [post_attn (H), post_ffn (H)] or none: RMSNorm on the attention and FFN outputs
+  // before each residual add (Gemma's sandwich); a GELU (tanh) gate when `gelu`; the layers in `local` see only keys
+  // at positions > p - window (window 0: all) and take their RoPE angles from inv_freq_local (Gemma 3). Cache slot
+  // j < a segment's start holds position j (every cache is filled from slot 0 in order).
+  void set_variant(double embed_scale, std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> post_norms,
+                   torch::Tensor inv_freq_local, std::vector<int64_t> local, int64_t window, bool gelu) {
     const int64_t L = num_layers();
-    TORCH_CHECK((int64_t)norms.size() == 4 * L, "FusedDecoder.set_gemma: need 4 norms per layer");
-    TORCH_CHECK(window >= 0, "FusedDecoder.set_gemma: window must be >= 0");
-    for (int64_t l = 0; l < L; ++l) {
-      check_vec(norms[4 * l], "q_norm", hd_);
-      check_vec(norms[4 * l + 1], "k_norm", hd_);
-      check_vec(norms[4 * l + 2], "post_attn_norm", H_);
-      check_vec(norms[4 * l + 3], "post_ffn_norm", H_);
-    }
+    TORCH_CHECK(qk_norms.empty() || (int64_t)qk_norms.size() == 2 * L,
+                "FusedDecoder.set_variant: need 2 q/k norms per layer, or none");
+    TORCH_CHECK(post_norms.empty() || (int64_t)post_norms.size() == 2 * L,
+                "FusedDecoder.set_variant: need 2 post norms per layer, or none");
+    TORCH_CHECK(window >= 0, "FusedDecoder.set_variant: window must be >= 0");
+    for (size_t i = 0; i < qk_norms.size(); ++i) check_vec(qk_norms[i], i % 2 ? "k_norm" : "q_norm", hd_);
+    for (size_t i = 0; i < post_norms.size(); ++i)
+      check_vec(post_norms[i], i % 2 ? "post_ffn_norm" : "post_attn_norm", H_);
     local_.assign(L, 0);
     for (int64_t l : local) {
-      TORCH_CHECK(l >= 0 && l < L, "FusedDecoder.set_gemma: local layer ", l, " out of range");
+      TORCH_CHECK(l >= 0 && l < L, "FusedDecoder.set_variant: local layer ", l, " out of range");
       local_[l] = 1;
     }
     if (!local.empty()) {
       check_f32(inv_freq_local, "inv_freq_local", 1);
       TORCH_CHECK(inv_freq_local.size(0) == hd_ / 2, "FusedDecoder: inv_freq_local must have head_dim/2 entries");
     }
-    gnorms_ = std::move(norms);
-    inv_local_ = inv_freq_local;
-    window_ = window;
-    embed_scale_ = (float)embed_scale;
+    qk_norms_ = std::move(qk_norms);
+    post_norms_ = std::move(post_norms);
+    inv_local_ = local.empty() ? torch::Tensor() : inv_freq_local;
+    window_ = local.empty() ? 0 : window;
+    embed_scale_ = embed_scale > 0 ? (float)embed_scale : 0.f;
     gelu_ = gelu;
-    gemma_ = true;
   }
 
   // Per-phase wall time of the forwards since the last call (ms), when profiling is on:
@@ -241,7 +242,7 @@ class FusedDecoder {
     cs_.resize(M * hd_);  // per row: cos[0..half), sin[0..half)
     const float* emb = embed_.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) std::memcpy(&x_[m * H_], emb + tok[m] * H_, H_ * sizeof(float));
-    if (gemma_)
+    if (embed_scale_ > 0.f)
       for (int64_t i = 0; i < M * H_; ++i) x_[i] = x_[i] * embed_scale_;
     TORCH_CHECK(has_fc_ == features.has_value(), "FusedDecoder.forward: features must be given exactly when ",
                 "set_eagle_input was called");
@@ -267,7 +268,7 @@ class FusedDecoder {
         cs_[m * hd_ + half + i] = (float)std::sin((double)a);
       }
 
-    const bool two_ropes = gemma_ && inv_local_.numel() > 0;
+    const bool two_ropes = inv_local_.defined() && inv_local_.numel() > 0;
     if (two_ropes) {  // the local layers' angles
       cs_local_.resize(M * hd_);
       const float* il = inv_local_.data_ptr<float>();
@@ -278,7 +279,7 @@ class FusedDecoder {
           cs_local_[m * hd_ + half + i] = (float)std::sin((double)a);
         }
     }
-    windowed_ = gemma_ && window_ > 0 && window_lists(S, row0, seg_start, pos);
+    windowed_ = window_ > 0 && window_lists(S, row0, seg_start, pos);
 
     const Path& path = pick_path("");
     last_ = std::chrono::steady_clock::now();
@@ -290,8 +291,9 @@ class FusedDecoder {
     for (int64_t l = 0; l < L; ++l) {
       const LayerW& w = layers_[l];
       // (the previous layer's w2 residual) -> RMSNorm -> codes of the qkv input
-      const bool loc = gemma_ && local_[l];
-      const float* prev_post = gemma_ && l > 0 ? gnorms_[4 * (l - 1) + 3].data_ptr<float>() : nullptr;
+      const bool loc = !local_.empty() && local_[l];
+      const bool post = !post_norms_.empty();
+      const float* prev_post = post && l > 0 ? post_norms_[2 * (l - 1) + 1].data_ptr<float>() : nullptr;
       act_q_.prepare(M, H_);
       rows(M, H_, [&](int64_t m) {
         residual_norm_quant(m, l > 0, w.attn_norm.data_ptr<float>(), isa, w.wqkv.kind, prev_post);
@@ -302,10 +304,10 @@ class FusedDecoder {
       const float* rope_cs = loc && two_ropes ? cs_local_.data() : cs_.data();
       rows(M, qkvN, [&](int64_t m) {  // (Gemma: q/k head norms,) RoPE on the row's q and k heads, its k/v to the cache
         const float* c = rope_cs + m * hd_;
-        if (gemma_)
+        if (!qk_norms_.empty())
           for (int64_t hh = 0; hh < nh_ + nkv_; ++hh) {
             float* hp = &qkv_[m * qkvN + hh * hd_];
-            rmsnorm_n(hp, gnorms_[4 * l + (hh < nh_ ? 0 : 1)].data_ptr<float>(), hp, hd_, isa);
+            rmsnorm_n(hp, qk_norms_[2 * l + (hh < nh_ ? 0 : 1)].data_ptr<float>(), hp, hd_, isa);
           }
         for (int64_t hh = 0; hh < nh_ + nkv_; ++hh) rope(&qkv_[m * qkvN + hh * hd_], c, c + half, half);
         const int64_t s = seg_of_[m];
@@ -319,7 +321,7 @@ class FusedDecoder {
       linear_q(w.wo, M, h_.data(), path, att_.data());
       tick(3);
       act_q_.prepare(M, H_);
-      const float* attn_post = gemma_ ? gnorms_[4 * l + 2].data_ptr<float>() : nullptr;
+      const float* attn_post = post ? post_norms_[2 * l].data_ptr<float>() : nullptr;
       rows(M, H_, [&](int64_t m) {
         residual_norm_quant(m, true, w.ffn_norm.data_ptr<float>(), isa, w.w13.kind, attn_post);
       });
@@ -341,7 +343,7 @@ class FusedDecoder {
     }
     auto hidden = torch::empty({M, H_}, torch::kFloat32);
     float* hp = hidden.data_ptr<float>();
-    const float* last_post = gemma_ && L > 0 ? gnorms_[4 * (L - 1) + 3].data_ptr<float>() : nullptr;
+    const float* last_post = !post_norms_.empty() && L > 0 ? post_norms_[2 * (L - 1) + 1].data_ptr<float>() : nullptr;
     rows(M, H_, [&](int64_t m) {  // the last w2 residual (Gemma: its output norm first), then the final norm
       float* xr = &x_[m * H_];
       float* hr = &h_[m * H_];
@@ -543,11 +545,11 @@ class FusedDecoder {
   Lin lm_, fc_;
   bool has_lm_ = false, has_fc_ = false;
   torch::Tensor emb_norm_, feat_norm_;
-  // Gemma (set_gemma)
-  bool gemma_ = false, gelu_ = false, windowed_ = false;
-  float embed_scale_ = 1.f;
+  // layer options (set_variant)
+  bool gelu_ = false, windowed_ = false;
+  float embed_scale_ = 0.f;  // 0: none
   int64_t window_ = 0;
-  std::vector<torch::Tensor> gnorms_;
+  std::vector<torch::Tensor> qk_norms_, post_norms_;
   torch::Tensor inv_local_;
   std::vector<char> local_;
   // scratch, reused across calls (one forward at a time per decoder)

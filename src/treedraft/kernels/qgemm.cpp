@@ -352,14 +352,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "EAGLE draft layer input: forward(features=f) feeds fc([emb_norm(embed(tok)); feat_norm(f)])",
           py::arg("emb_norm"), py::arg("feat_norm"), py::arg("fc"), py::arg("fc_bias"), py::arg("fc_kind"))
       .def(
-          "set_gemma",
-          [](td::FusedDecoder& self, double embed_scale, std::vector<torch::Tensor> norms,
-             torch::Tensor inv_freq_local, std::vector<int64_t> local, int64_t window, bool gelu) {
-            td::serialized([&] { self.set_gemma(embed_scale, norms, inv_freq_local, local, window, gelu); });
+          "set_variant",
+          [](td::FusedDecoder& self, double embed_scale, std::vector<torch::Tensor> qk_norms,
+             std::vector<torch::Tensor> post_norms, torch::Tensor inv_freq_local, std::vector<int64_t> local,
+             int64_t window, bool gelu) {
+            td::serialized(
+                [&] { self.set_variant(embed_scale, qk_norms, post_norms, inv_freq_local, local, window, gelu); });
           },
-          "Gemma 3 layers: embedding scale, q/k and sandwich norms (4 per layer), local layers' window and RoPE",
-          py::arg("embed_scale"), py::arg("norms"), py::arg("inv_freq_local"), py::arg("local"), py::arg("window"),
-          py::arg("gelu"));
+          "layer options beyond Llama's: embedding scale, q/k head norms, sandwich norms, GELU gate, local layers' "
+          "window and RoPE (Gemma 3, Qwen3)",
+          py::arg("embed_scale"), py::arg("qk_norms"), py::arg("post_norms"), py::arg("inv_freq_local"),
+          py::arg("local"), py::arg("window"), py::arg("gelu"));
   m.def(
       "set_attn_block_gemm", [](bool on) { td::serialized([&] { td::attn::g_block_gemm = on; }); },
       "AVX-512 attention: shared key chunks as per-block GEMMs (True) or chunk by chunk (same bits; for timing)");

@@ -107,9 +107,10 @@ def _deps(model) -> _Watch:
         for name in ("attn_norm", "attn", "ffn_norm", "ffn"):
             slots.append((b._modules, name))
         slots += [(b.attn_norm._parameters, "weight"), (b.ffn_norm._parameters, "weight")]
-        if b.post_attn_norm is not None:  # Gemma 3's extra norms
-            for owner, name in ((b.attn, "q_norm"), (b.attn, "k_norm"), (b, "post_attn_norm"), (b, "post_ffn_norm")):
-                slots += [(owner._modules, name), (owner._modules[name]._parameters, "weight")]
+        extra = [(b.attn, "q_norm"), (b.attn, "k_norm")] if b.attn.q_norm is not None else []  # Gemma 3, Qwen3
+        extra += [(b, "post_attn_norm"), (b, "post_ffn_norm")] if b.post_attn_norm is not None else []  # Gemma
+        for owner, name in extra:
+            slots += [(owner._modules, name), (owner._modules[name]._parameters, "weight")]
         slots.append((b.attn.__dict__, "exact_attention"))
         lin(b.attn, "wqkv"), lin(b.attn, "wo"), lin(b.ffn, "w13"), lin(b.ffn, "w2")
     lin(model, "lm_head")
@@ -171,11 +172,6 @@ def _build(model, deps: _Watch) -> _State:
     if not hasattr(ext, "FusedDecoder"):
         return no("the loaded native extension has no FusedDecoder")
     cfg = model.config
-    gemma = not cfg.llama_layers
-    if gemma and not (cfg.qk_norm and cfg.sandwich_norm and cfg.embed_scale is not None):
-        return no(
-            "layers that are neither Llama's nor Gemma 3's (some of its q/k, sandwich norms, scale) run in Python"
-        )
     emb = model.embed.weight
     if emb.dtype != torch.float32 or emb.device.type != "cpu":
         return no(f"needs float32 weights on CPU, got {emb.dtype} on {emb.device}")
@@ -183,7 +179,7 @@ def _build(model, deps: _Watch) -> _State:
         return no("exact_attention is off")
     tensors: list[Tensor] = []
     kinds: list[int] = []
-    norms = [n for b in model.layers for n in (b.attn_norm, b.ffn_norm, *_gemma_norms(b))] + [model.norm]
+    norms = [n for b in model.layers for n in (b.attn_norm, b.ffn_norm, *_qk_norms(b), *_post_norms(b))] + [model.norm]
     eps = {n.eps for n in norms}
     if len(eps) != 1:
         return no(f"RMSNorm eps differs between layers: {sorted(eps)}")
@@ -191,7 +187,7 @@ def _build(model, deps: _Watch) -> _State:
         for m in (b.attn.wqkv, b.attn.wo, b.ffn.w13, b.ffn.w2):
             if not isinstance(m, NativeLinear) and not exact_f32(m):
                 return no(f"layers.{i}: {type(m).__name__} is neither a native linear nor an exact fp32 one")
-        ws = [n.weight for n in (b.attn_norm, b.ffn_norm, *_gemma_norms(b))]
+        ws = [n.weight for n in (b.attn_norm, b.ffn_norm, *_qk_norms(b), *_post_norms(b))]
         if any(w.dtype != torch.float32 or not w.is_contiguous() for w in ws):
             return no(f"layers.{i}: norm weights must be contiguous float32")
         t, k = layer_tensors(b)
@@ -218,11 +214,12 @@ def _build(model, deps: _Watch) -> _State:
         lm_head_kind=lm_kind,
         vocab=lm.out_features if lm_native else cfg.vocab_size,
     )
-    if gemma:
+    if not cfg.llama_layers:
         local = model.inv_freq_local
-        dec.set_gemma(
-            embed_scale=float(cfg.embed_scale),
-            norms=[n.weight.detach().float().contiguous() for b in model.layers for n in _gemma_norms(b)],
+        dec.set_variant(
+            embed_scale=float(cfg.embed_scale or 0.0),
+            qk_norms=[n.weight.detach().float().contiguous() for b in model.layers for n in _qk_norms(b)],
+            post_norms=[n.weight.detach().float().contiguous() for b in model.layers for n in _post_norms(b)],
             inv_freq_local=_EMPTY_F32 if local is None else local.float().contiguous(),
             local=list(cfg.local_layers),
             window=int(cfg.sliding_window or 0),
@@ -231,11 +228,14 @@ def _build(model, deps: _Watch) -> _State:
     return _State(deps, dec, None, lm_native)
 
 
-def _gemma_norms(block) -> list:
-    """A Gemma 3 layer's q, k, post-attention and post-FFN RMSNorms in set_gemma's order ([] for a Llama layer)."""
-    if block.post_attn_norm is None:
-        return []
-    return [block.attn.q_norm, block.attn.k_norm, block.post_attn_norm, block.post_ffn_norm]
+def _qk_norms(block) -> list:
+    """A layer's q and k head RMSNorms (Gemma 3, Qwen3), in set_variant's order; [] for a Llama layer."""
+    return [] if block.attn.q_norm is None else [block.attn.q_norm, block.attn.k_norm]
+
+
+def _post_norms(block) -> list:
+    """A layer's post-attention and post-FFN RMSNorms (Gemma's sandwich), in set_variant's order; [] for Llama."""
+    return [] if block.post_attn_norm is None else [block.post_attn_norm, block.post_ffn_norm]
 
 
 # model -> its decoder state, outside the module so deepcopy / pickle of a model never meets the C++ object

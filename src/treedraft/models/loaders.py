@@ -17,7 +17,7 @@ from .errors import ModelLoadError
 from .gguf_meta import read_gguf_meta
 from .llama import LlamaConfig, Transformer, rope_frequencies
 
-LLAMA_ARCHS = {"llama", "qwen2", "mistral"}
+LLAMA_ARCHS = {"llama", "qwen2", "qwen3", "mistral"}  # qwen3: Qwen2's decoder with q/k head norms, no biases
 GEMMA_ARCHS = {"gemma3", "gemma3_text"}  # Gemma 3's GGUF architecture and its Hugging Face text-only model_type
 OWN_GGUF_ARCHS = LLAMA_ARCHS | {"gemma3"}  # GGUF general.architecture values the own runtime loads
 OWN_HF_TYPES = LLAMA_ARCHS | {"gemma3_text"}  # config.json model_type values it loads ("gemma3" there: multimodal)
@@ -100,6 +100,11 @@ def gguf_config(path: str | Path, max_seq_len: int | None = None) -> tuple[Llama
                     f"(linear with a factor is); load it through transformers: {HF_HINT}"
                 )
             extra["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    hd = h.arch_get("attention.key_length")  # Qwen3 and Gemma 3 set head_dim apart from hidden / heads
+    if hd is not None and int(hd) != need("embedding_length") // n_heads:
+        extra.setdefault("head_dim_override", int(hd))
+    if arch == "qwen3":
+        extra["qk_norm"] = True
     cfg = LlamaConfig(
         vocab_size=h.vocab_size,
         hidden_size=need("embedding_length"),
@@ -212,6 +217,7 @@ def hf_config(d: Path, max_seq_len: int | None = None) -> LlamaConfig:
         rms_eps=float(c.get("rms_norm_eps", 1e-5)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
+        qk_norm=arch == "qwen3",
         head_dim_override=c.get("head_dim"),
         rope_scaling=dict(rope) if rope_type == "llama3" else None,
     )
@@ -292,6 +298,8 @@ def load_hf_dir(
         "mlp.up_proj": "up",
         "mlp.down_proj": "down",
     }
+    if cfg.qk_norm:  # Qwen3 (Gemma's entries follow)
+        part |= {"self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
     gemma = cfg.sandwich_norm
     if gemma:  # Gemma 3: post_attention_layernorm is the attention output's norm; every RMSNorm scales by 1 + w
         part |= {

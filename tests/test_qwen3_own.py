@@ -1,0 +1,144 @@
+"""Qwen3 on the own runtime: Qwen2's decoder with an RMSNorm on each head's q and k before RoPE and no biases.
+
+A tiny seeded transformers Qwen3 (head_dim 16, not hidden / heads = 8; random q/k norm weights) loads from its
+Hugging Face directory and from a GGUF written as llama.cpp's converter writes one (arch qwen3, no q/k
+permutation), matches transformers through a tree, and with native int8 weights runs in the fused decoder (q/k
+norms only: FusedDecoder.set_variant), where speculative decoding equals plain decoding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treedraft.drafters import PromptLookupDrafter
+from treedraft.engine import Engine, GenerationConfig
+from treedraft.models import fused
+from treedraft.models.loaders import load_gguf, load_hf_dir
+from treedraft.models.quant_load import apply_weights
+from treedraft.tree import TokenTree, full_attention_mask, tree_positions
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    cfg = transformers.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        initializer_range=0.25,
+    )
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape))
+    d = tmp_path_factory.mktemp("tiny_qwen3")
+    hf.save_pretrained(str(d))
+    return hf, d
+
+
+def _reference(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def _write_qwen3_gguf(path, hf) -> None:
+    gguf = pytest.importorskip("gguf")
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_context_length(128)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    for i in range(c.num_hidden_layers):
+        for hf_name, g_name in names.items():
+            w.add_tensor(f"blk.{i}.{g_name}.weight", sd[f"model.layers.{i}.{hf_name}.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+@torch.inference_mode()
+def test_matches_transformers_through_a_tree(qwen3, source, tmp_path) -> None:
+    hf, d = qwen3
+    if source == "gguf":
+        _write_qwen3_gguf(tmp_path / "q.gguf", hf)
+        own, _ = load_gguf(tmp_path / "q.gguf")
+    else:
+        own = load_hf_dir(d)
+    c = own.config
+    assert c.qk_norm and c.head_dim == 16 and not c.sandwich_norm and not c.qkv_bias and c.embed_scale is None
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (12,), generator=g).tolist()
+    cache = own.new_cache(64)
+    lp, _ = own.forward(torch.tensor([prompt]), torch.arange(12), cache, 0)
+    torch.testing.assert_close(lp[0], _reference(hf, prompt), atol=2e-4, rtol=2e-4)
+    cache.keep(0, range(12))
+    tree = TokenTree.from_sequences(5, [[7, 8, 9], [13, 14]])
+    lt, _ = own.forward(torch.tensor([tree.tokens]), tree_positions(tree, 12), cache, 12, full_attention_mask(tree, 12))
+    for leaf in (3, 5):
+        path = tree.path_to(leaf)
+        ref = _reference(hf, prompt + [tree.tokens[i] for i in path])[12:]
+        torch.testing.assert_close(lt[0, path], ref, atol=2e-4, rtol=2e-4)
+
+
+@torch.inference_mode()
+def test_native_q_k_norms_exact_and_speculative_equals_plain(qwen3, monkeypatch) -> None:
+    hf, d = qwen3
+    own = load_hf_dir(d)
+    apply_weights(own, None, "int8")
+    assert fused.status(own) is None  # q/k norms alone run in the fused decoder
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, VOCAB, (9,), generator=g)
+    tree = TokenTree.from_sequences(3, [[4, 5], [6, 7, 8]])
+    toks, pos, mask = torch.tensor(tree.tokens)[None], tree_positions(tree, 9), full_attention_mask(tree, 9)
+    out = {}
+    for use in (True, False):
+        monkeypatch.setenv(fused.ENV_DISABLE, "0" if use else "1")
+        cache = own.new_cache(64)
+        own(prompt[None], torch.arange(9), cache, 0)
+        cache.keep(0, range(9))
+        out[use] = own(toks, pos, cache, 9, mask)[0]
+    torch.testing.assert_close(out[True], out[False], atol=2e-3, rtol=2e-3)  # native ~ Python path
+    monkeypatch.setenv(fused.ENV_DISABLE, "0")
+    base = torch.randint(0, VOCAB, (10,), generator=g).tolist()
+    cfg = GenerationConfig(max_new_tokens=32, ignore_eos=True)
+    plain = Engine(own).generate(base + base[:6], cfg, drafter=None)
+    spec = Engine(own).generate(base + base[:6], cfg, drafter=PromptLookupDrafter())
+    assert spec.token_ids == plain.token_ids and spec.stats.accepted_tokens > 0
