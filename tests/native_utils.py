@@ -32,3 +32,55 @@ def tiny_native(max_seq_len: int, seed: int = 0) -> Transformer:
     """A tiny seeded model (:func:`tiny_config`) with every linear native q4."""
     torch.manual_seed(seed)
     return make_native(Transformer(tiny_config(max_seq_len)).eval())
+
+
+def count_native(monkeypatch) -> dict[str, int]:
+    """Counts the forwards that ran in the native fused decoder (a spy on fused.forward_segments): ``{"fused": n}``."""
+    from treedraft.models import fused
+
+    n = {"fused": 0}
+    real = fused.forward_segments
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        n["fused"] += out is not None
+        return out
+
+    monkeypatch.setattr(fused, "forward_segments", spy)
+    return n
+
+
+def write_converted_gguf(
+    path, arch: str, hf, names: dict[str, str], norm_offset: float = 0.0, rope_base: float = 1e6, extra=None
+) -> None:
+    """A tiny transformers model as llama.cpp's converter writes it for ``arch`` (no q/k permutation: not "llama"):
+    the common header from its config, float32 tensors, ``names`` mapping each layer's HF tensor to the GGUF one,
+    ``norm_offset`` added to every RMSNorm weight (1.0 for Gemma, which stores 1 + w); ``extra(writer)`` adds keys."""
+    import gguf
+
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_context_length(128)
+    w.add_rope_freq_base(rope_base)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    if extra is not None:
+        extra(w)
+    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", norm_offset + sd["model.norm.weight"])
+    for i in range(c.num_hidden_layers):
+        for hf_name, g_name in names.items():
+            t = sd[f"model.layers.{i}.{hf_name}.weight"]
+            w.add_tensor(f"blk.{i}.{g_name}.weight", norm_offset + t if g_name.endswith("norm") else t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -90,16 +90,9 @@ def _step(model, toks, pos, cache, start, mask=None, use_fused=True, monkeypatch
 @pytest.fixture
 def calls(monkeypatch):
     """Counts native fused forwards (a spy on fused.forward_segments)."""
-    n = {"fused": 0}
-    real = fused.forward_segments
+    from native_utils import count_native
 
-    def spy(*a, **k):
-        out = real(*a, **k)
-        n["fused"] += out is not None
-        return out
-
-    monkeypatch.setattr(fused, "forward_segments", spy)
-    return n
+    return count_native(monkeypatch)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])

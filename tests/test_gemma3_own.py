@@ -15,6 +15,7 @@ import json
 
 import pytest
 import torch
+from native_utils import count_native, write_converted_gguf
 
 from treedraft.drafters import PromptLookupDrafter
 from treedraft.engine import Engine, GenerationConfig
@@ -192,20 +193,12 @@ def test_fused_decoder_matches_the_python_path_past_the_window(native_gemma, kv_
     prompt = torch.randint(0, VOCAB, (9,), generator=g)
     tree = TokenTree.from_sequences(3, [[4, 5], [6, 7, 8]])
     toks, pos, mask = torch.tensor(tree.tokens), tree_positions(tree, 9), full_attention_mask(tree, 9)
-    native = {"n": 0}
-    real = fused.forward_segments
-
-    def spy(*a, **k):
-        out = real(*a, **k)
-        native["n"] += out is not None
-        return out
-
-    monkeypatch.setattr(fused, "forward_segments", spy)
+    native = count_native(monkeypatch)
     out = {}
     for use in (True, False):
         monkeypatch.setenv(fused.ENV_DISABLE, "0" if use else "1")
         out[use] = own(toks[None], pos, _prefill(own, prompt), 9, mask)
-    assert native["n"] == 1  # the first step went native, the second did not
+    assert native["fused"] == 1  # the first step went native, the second did not
     (lf, hf), (lp, hp) = out[True], out[False]
     torch.testing.assert_close(hf, hp, atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(lf, lp, atol=2e-3, rtol=2e-3)
@@ -317,15 +310,7 @@ def test_fused_packed_segments_and_causal_chunks_past_the_window(native_gemma, m
     own = native_gemma
     own.kv_dtype = torch.float16
     monkeypatch.setenv(fused.ENV_DISABLE, "0")
-    native = {"n": 0}
-    real = fused.forward_segments
-
-    def spy(*a, **k):
-        out = real(*a, **k)
-        native["n"] += out is not None
-        return out
-
-    monkeypatch.setattr(fused, "forward_segments", spy)
+    native = count_native(monkeypatch)
     g = torch.Generator().manual_seed(10)
     a, b = torch.randint(0, VOCAB, (12,), generator=g), torch.randint(0, VOCAB, (10,), generator=g)
     cb = own.new_cache(64)
@@ -336,7 +321,7 @@ def test_fused_packed_segments_and_causal_chunks_past_the_window(native_gemma, m
     lb, _ = own.forward_packed(b[7:], pb, [Segment(copy.deepcopy(cb), 7, 3)], native_prefill=True)
     segs = [Segment(own.new_cache(64), 0, 12), Segment(copy.deepcopy(cb), 7, 3)]
     lp, _ = own.forward_packed(torch.cat([a, b[7:]]), torch.cat([pa, pb]), segs, native_prefill=True)
-    assert native["n"] == 4
+    assert native["fused"] == 4
     assert torch.equal(lp[:12], la) and torch.equal(lp[12:], lb)
     monkeypatch.setenv(fused.ENV_DISABLE, "1")
     ly, _ = own.forward_packed(a, pa, [Segment(own.new_cache(64), 0, 12)])
@@ -355,54 +340,35 @@ def test_eagle_init_from_a_gemma_target_is_refused(gemma_pair) -> None:
     init_weights(net, None)  # a random start still works
 
 
-def _write_gemma3_gguf(path, hf, rope_scaling: bool = True, factor: float | None = 4.0) -> None:
-    """The tiny HF Gemma 3 as llama.cpp's converter writes it: arch gemma3, norms stored as 1 + w, no q/k
-    permutation, float32 tensors (ggml's (cols, rows) shapes)."""
+GEMMA_GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def _write_gemma3_gguf(path, hf, factor: float | None = 4.0) -> None:
+    """The tiny HF Gemma 3 as llama.cpp's converter writes it: arch gemma3, norms stored as 1 + w, the sliding
+    window and a linear global RoPE scaling (``factor`` None: the factor key left out) in the header."""
     gguf = pytest.importorskip("gguf")
-    c = hf.config
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_context_length(128)
-    w.add_rope_freq_base(1_000_000.0)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_sliding_window(c.sliding_window)
-    w.add_vocab_size(c.vocab_size)
-    if rope_scaling:
+
+    def extra(w) -> None:
+        w.add_sliding_window(hf.config.sliding_window)
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         if factor is not None:
             w.add_rope_scaling_factor(factor)
-    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
-    names = {
-        "input_layernorm": "attn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "self_attn.q_norm": "attn_q_norm",
-        "self_attn.k_norm": "attn_k_norm",
-        "post_attention_layernorm": "post_attention_norm",
-        "pre_feedforward_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-        "post_feedforward_layernorm": "post_ffw_norm",
-    }
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", 1.0 + sd["model.norm.weight"])
-    for i in range(c.num_hidden_layers):
-        for hf_name, g_name in names.items():
-            t = sd[f"model.layers.{i}.{hf_name}.weight"]
-            w.add_tensor(f"blk.{i}.{g_name}.weight", 1.0 + t if g_name.endswith("norm") else t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+
+    write_converted_gguf(path, "gemma3", hf, GEMMA_GGUF_NAMES, norm_offset=1.0, extra=extra)
 
 
 @torch.inference_mode()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_utils import write_converted_gguf
 
 from treedraft.drafters import PromptLookupDrafter
 from treedraft.engine import Engine, GenerationConfig
@@ -53,44 +54,19 @@ def _reference(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
-def _write_qwen3_gguf(path, hf) -> None:
-    gguf = pytest.importorskip("gguf")
-    c = hf.config
-    w = gguf.GGUFWriter(str(path), "qwen3")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_context_length(128)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
-    names = {
-        "input_layernorm": "attn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "self_attn.q_norm": "attn_q_norm",
-        "self_attn.k_norm": "attn_k_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    for i in range(c.num_hidden_layers):
-        for hf_name, g_name in names.items():
-            w.add_tensor(f"blk.{i}.{g_name}.weight", sd[f"model.layers.{i}.{hf_name}.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+QWEN3_GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
@@ -98,7 +74,9 @@ def _write_qwen3_gguf(path, hf) -> None:
 def test_matches_transformers_through_a_tree(qwen3, source, tmp_path) -> None:
     hf, d = qwen3
     if source == "gguf":
-        _write_qwen3_gguf(tmp_path / "q.gguf", hf)
+        pytest.importorskip("gguf")
+        rope = hf.config.rope_parameters["rope_theta"]
+        write_converted_gguf(tmp_path / "q.gguf", "qwen3", hf, QWEN3_GGUF_NAMES, rope_base=rope)
         own, _ = load_gguf(tmp_path / "q.gguf")
     else:
         own = load_hf_dir(d)
