@@ -59,6 +59,7 @@ def write_converted_gguf(
     import gguf
 
     c = hf.config
+    assert c.tie_word_embeddings, "write_converted_gguf writes no output.weight: tied embeddings only"
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_embedding_length(c.hidden_size)

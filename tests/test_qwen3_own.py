@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from native_utils import write_converted_gguf
+from native_utils import count_native, write_converted_gguf
 
 from treedraft.drafters import PromptLookupDrafter
 from treedraft.engine import Engine, GenerationConfig
@@ -102,6 +102,7 @@ def test_native_q_k_norms_exact_and_speculative_equals_plain(qwen3, monkeypatch)
     own = load_hf_dir(d)
     apply_weights(own, None, "int8")
     assert fused.status(own) is None  # q/k norms alone run in the fused decoder
+    native = count_native(monkeypatch)
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, VOCAB, (9,), generator=g)
     tree = TokenTree.from_sequences(3, [[4, 5], [6, 7, 8]])
@@ -113,6 +114,7 @@ def test_native_q_k_norms_exact_and_speculative_equals_plain(qwen3, monkeypatch)
         own(prompt[None], torch.arange(9), cache, 0)
         cache.keep(0, range(9))
         out[use] = own(toks, pos, cache, 9, mask)[0]
+    assert native["fused"] == 1  # the first tree step went native, the second did not
     torch.testing.assert_close(out[True], out[False], atol=2e-3, rtol=2e-3)  # native ~ Python path
     monkeypatch.setenv(fused.ENV_DISABLE, "0")
     base = torch.randint(0, VOCAB, (10,), generator=g).tolist()
@@ -120,3 +122,47 @@ def test_native_q_k_norms_exact_and_speculative_equals_plain(qwen3, monkeypatch)
     plain = Engine(own).generate(base + base[:6], cfg, drafter=None)
     spec = Engine(own).generate(base + base[:6], cfg, drafter=PromptLookupDrafter())
     assert spec.token_ids == plain.token_ids and spec.stats.accepted_tokens > 0
+    assert native["fused"] > 1 + 32  # the decode steps ran natively
+
+
+@torch.inference_mode()
+def test_gguf_weights_quantized_from_the_file(qwen3, tmp_path) -> None:
+    """--weights int8 on a qwen3 GGUF takes the file's tensors without llama's q/k row permutation."""
+    hf, _ = qwen3
+    pytest.importorskip("gguf")
+    path = tmp_path / "q.gguf"
+    write_converted_gguf(path, "qwen3", hf, QWEN3_GGUF_NAMES, rope_base=hf.config.rope_parameters["rope_theta"])
+    own, _ = load_gguf(path)
+    seq = torch.randint(0, VOCAB, (16,), generator=torch.Generator().manual_seed(3))
+    ref, _ = own(seq[None], torch.arange(16))
+    apply_weights(own, path, "int8")
+    q8, _ = own(seq[None], torch.arange(16))
+    assert (q8.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    assert (q8 - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_gguf_headers_the_runtime_cannot_follow_are_refused(qwen3, tmp_path) -> None:
+    """YaRN scaling (long-context Qwen3 files), partial rotary and key != value lengths: a clear error, never a
+    silently different model; a linear factor is taken."""
+    from treedraft.models.loaders import ModelLoadError, gguf_config
+
+    gguf = pytest.importorskip("gguf")
+    hf, _ = qwen3
+
+    def write(name, extra):
+        write_converted_gguf(tmp_path / name, "qwen3", hf, QWEN3_GGUF_NAMES, extra=extra)
+        return tmp_path / name
+
+    def yarn(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+
+    def linear(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(2.0)
+
+    with pytest.raises(ModelLoadError, match="rope scaling 'yarn'.*--runtime hf"):
+        gguf_config(write("yarn.gguf", yarn))
+    assert gguf_config(write("lin.gguf", linear))[0].rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ModelLoadError, match="partial rotary"):
+        gguf_config(write("rot.gguf", lambda w: w.add_rope_dimension_count(8)))

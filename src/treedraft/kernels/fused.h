@@ -494,8 +494,8 @@ class FusedDecoder {
           const int64_t kp = j < st ? j : pos[row0[s] + (j - st)];
           if (kp > lo) widx_.push_back((int32_t)j);
         };
-        if (causal_[r])
-          for (int64_t j = 0; j < cnt_[r]; ++j) keep(j);
+        if (causal_[r])  // prefix slots hold their own positions: the window starts at slot lo + 1
+          for (int64_t j = std::clamp<int64_t>(lo + 1, 0, st); j < cnt_[r]; ++j) keep(j);
         else
           for (int64_t i = 0; i < cnt_[r]; ++i) keep(idx_[off_[r] + i]);
         wcnt_[r] = (int64_t)widx_.size() - woff_[r];

@@ -107,10 +107,12 @@ def _deps(model) -> _Watch:
         for name in ("attn_norm", "attn", "ffn_norm", "ffn"):
             slots.append((b._modules, name))
         slots += [(b.attn_norm._parameters, "weight"), (b.ffn_norm._parameters, "weight")]
-        extra = [(b.attn, "q_norm"), (b.attn, "k_norm")] if b.attn.q_norm is not None else []  # Gemma 3, Qwen3
-        extra += [(b, "post_attn_norm"), (b, "post_ffn_norm")] if b.post_attn_norm is not None else []  # Gemma
-        for owner, name in extra:
-            slots += [(owner._modules, name), (owner._modules[name]._parameters, "weight")]
+        # Qwen3's / Gemma 3's extra norms: the slots always (a module assigned later forces a rebuild), their weights
+        # where they exist
+        for owner, name in ((b.attn, "q_norm"), (b.attn, "k_norm"), (b, "post_attn_norm"), (b, "post_ffn_norm")):
+            slots.append((owner._modules, name))
+            if owner._modules.get(name) is not None:
+                slots.append((owner._modules[name]._parameters, "weight"))
         slots.append((b.attn.__dict__, "exact_attention"))
         lin(b.attn, "wqkv"), lin(b.attn, "wo"), lin(b.ffn, "w13"), lin(b.ffn, "w2")
     lin(model, "lm_head")

@@ -91,18 +91,29 @@ def gguf_config(path: str | Path, max_seq_len: int | None = None) -> tuple[Llama
         # llama.cpp's attention scale for Gemma 3: 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B (62 layers)
         scalar = hidden / n_heads if layers == 62 else hd
         extra = gemma3_fields(hidden, layers, hd, None if window is None else int(window), GEMMA3_PATTERN, scalar)
-        kind = h.arch_get("rope.scaling.type")
-        if kind not in (None, "none"):
-            factor = h.arch_get("rope.scaling.factor")
-            if kind != "linear" or factor is None:
-                raise ModelLoadError(
-                    f"{path}: rope scaling {kind!r} (factor {factor}) is not supported for gemma3 by the own runtime "
-                    f"(linear with a factor is); load it through transformers: {HF_HINT}"
-                )
-            extra["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
-    hd = h.arch_get("attention.key_length")  # Qwen3 and Gemma 3 set head_dim apart from hidden / heads
-    if hd is not None and int(hd) != need("embedding_length") // n_heads:
-        extra.setdefault("head_dim_override", int(hd))
+    kind = h.arch_get("rope.scaling.type")  # e.g. YaRN in long-context Qwen3 files: refused, never dropped
+    if kind not in (None, "none"):
+        factor = h.arch_get("rope.scaling.factor")
+        if kind != "linear" or factor is None:
+            raise ModelLoadError(
+                f"{path}: rope scaling {kind!r} (factor {factor}) is not supported by the own runtime (linear with a "
+                f"factor is); load it through transformers: {HF_HINT}"
+            )
+        extra["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    kl, vl = h.arch_get("attention.key_length"), h.arch_get("attention.value_length")
+    if kl is not None and vl is not None and int(kl) != int(vl):
+        raise ModelLoadError(
+            f"{path}: key length {kl} != value length {vl}: not supported by the own runtime; {HF_HINT}"
+        )
+    if kl is not None and int(kl) != need("embedding_length") // n_heads:  # Qwen3, Gemma 3, Mistral-Nemo
+        extra.setdefault("head_dim_override", int(kl))
+    head_dim = extra.get("head_dim_override") or need("embedding_length") // n_heads
+    rot = h.arch_get("rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise ModelLoadError(
+            f"{path}: RoPE on {rot} of {head_dim} head dimensions (partial rotary) is not supported by the own runtime; "
+            f"{HF_HINT}"
+        )
     if arch == "qwen3":
         extra["qk_norm"] = True
     cfg = LlamaConfig(
@@ -160,7 +171,7 @@ def load_gguf(
         "ffn_gate": "gate",
         "ffn_up": "up",
         "ffn_down": "down",
-        # Gemma 3 (llama.cpp's converter already stores its RMSNorm weights as 1 + w)
+        # Qwen3 and Gemma 3 (llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w already)
         "attn_q_norm": "q_norm",
         "attn_k_norm": "k_norm",
         "post_attention_norm": "post_attn_norm",
@@ -202,6 +213,10 @@ def hf_config(d: Path, max_seq_len: int | None = None) -> LlamaConfig:
         raise ModelLoadError(
             f"{d}: rope scaling {rope_type!r} is not supported by the own runtime (default and llama3 are); {HF_HINT}"
         )
+    if arch == "qwen3" and c.get("attention_bias"):
+        raise ModelLoadError(
+            f"{d}: Qwen3 with attention biases (o_proj's too) is not supported by the own runtime; {HF_HINT}"
+        )
     window = c.get("sliding_window") if (arch == "mistral" or c.get("use_sliding_window")) else None
     if window:  # no sliding-window attention here: within the window it is plain causal attention
         ctx = min(ctx, int(window))
@@ -214,11 +229,11 @@ def hf_config(d: Path, max_seq_len: int | None = None) -> LlamaConfig:
         num_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
         max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
         rope_theta=float(c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-        rms_eps=float(c.get("rms_norm_eps", 1e-5)),
+        rms_eps=float(c.get("rms_norm_eps", 1e-6 if arch == "qwen3" else 1e-5)),  # transformers' defaults
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
         qk_norm=arch == "qwen3",
-        head_dim_override=c.get("head_dim"),
+        head_dim_override=c.get("head_dim", 128 if arch == "qwen3" else None),
         rope_scaling=dict(rope) if rope_type == "llama3" else None,
     )
 

@@ -357,7 +357,8 @@ def init_weights(net: EagleNet, target=None) -> None:
             if cfg is not None and not getattr(cfg, "llama_layers", True):
                 raise ValueError(
                     "--init-from-target copies the target's last layer into the draft layer, a Llama layer; this "
-                    "target's layers are not (Gemma 3: q/k and sandwich norms, a GELU gate): leave the flag out"
+                    "target's layers are not (Qwen3's q/k norms; Gemma 3's, its sandwich norms, a GELU gate): leave the "
+                    "flag out"
                 )
             src = target.layers[-1].state_dict()
             bad = [k for k, v in net.layer.state_dict().items() if k not in src or src[k].shape != v.shape]
