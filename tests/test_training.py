@@ -524,3 +524,16 @@ def test_train_heads_no_generate_generates_nothing(tmp_path, capsys, monkeypatch
     else:
         assert extra["eval_data"] is None and "rank_accuracy" not in extra
         assert "--no-generate without --eval-data: no evaluation" in err
+
+
+def test_no_fitting_prompt_says_which_flags_to_change() -> None:
+    from types import SimpleNamespace
+
+    from treedraft.training.data import encode_fitting
+
+    llm = SimpleNamespace(encode_prompt=lambda p: list(range(len(p))))
+    assert encode_fitting(llm, ["abc", "x" * 50, "de"], 10) == [(0, [0, 1, 2]), (2, [0, 1])]
+    with pytest.raises(
+        ValueError, match="none of the 2 prompts fits in max_prompt_tokens=10: raise --max-prompt-tokens"
+    ):
+        encode_fitting(llm, ["x" * 50, "y" * 11], 10)

@@ -248,7 +248,10 @@ def encode_fitting(llm, prompts: Sequence[str], max_prompt_tokens: int) -> list[
         if 0 < len(ids) <= max_prompt_tokens:
             encoded.append((i, ids))
     if not encoded:
-        raise ValueError(f"none of the {len(prompts)} prompts fits in max_prompt_tokens={max_prompt_tokens}")
+        raise ValueError(
+            f"none of the {len(prompts)} prompts fits in max_prompt_tokens={max_prompt_tokens}: raise "
+            "--max-prompt-tokens, or take more prompts (--num-prompts) or other ones (--prompts)"
+        )
     return encoded
 
 
