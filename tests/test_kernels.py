@@ -508,3 +508,18 @@ def test_q4_pair_choice_follows_the_measurement(monkeypatch) -> None:
     assert quant.choose_q4_pair(mods, FakeNatives(False)) is None
     assert quant.choose_q4_pair([], FakeNatives(True)) is None  # no q4 linear on the native kernel
     assert quant.choose_q4_pair(mods, None) is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not Path("/proc/cpuinfo").is_file() or " avx2 " not in Path("/proc/cpuinfo").read_text(), reason="needs AVX2"
+)
+def test_an_avx2_only_build_compiles_and_loads(tmp_path) -> None:
+    """Machines differ from session to session (an AVX2-only Zen 3 among them): the kernels must also build for
+    x86-64-v3 on an AVX-512 host. A switch defined only under the AVX-512 guard (g_widen_keys) broke that build for
+    8 sessions unseen, leaving an AVX2-only machine without native kernels; the extended test_kernel_targets.py
+    compares that build's bits, this one only builds it (about a minute, in a cache of its own)."""
+    env = dict(os.environ, TREEDRAFT_KERNEL_MARCH="x86-64-v3", TREEDRAFT_CACHE=str(tmp_path))
+    code = "from treedraft import kernels as k; print(k.available(), k.paths(), k.unavailable_reason())"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert r.returncode == 0 and r.stdout.startswith("True ['avx2', 'scalar']"), (r.stdout + r.stderr)[-3000:]

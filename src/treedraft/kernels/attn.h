@@ -259,6 +259,10 @@ inline void chunk_full(int nq, const float* const* q, const T* k, int64_t ks, co
   for (int i = 0; i < nq; ++i) chunk_ref<I>(q[i], k, ks, v, vs, idx, c0, kChunk, hd, scale, *m[i], *l[i], acc[i]);
 }
 
+// AVX-512 attention (attn_gemm.h): widen an fp16 block's keys once per chunk before the score pass from
+// kWidenMinQ queries on; defined here, outside that header's AVX-512 guard, so every build has the switch
+// (set_attn_widen_keys; an AVX2-only build failed to compile on it).
+inline bool g_widen_keys = true;
 }  // namespace attn
 }  // namespace td
 #include "attn_gemm.h"  // block_gemm: the shared chunks of a block for many queries as small GEMMs

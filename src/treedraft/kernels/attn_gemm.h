@@ -80,7 +80,8 @@ inline void gemm_scores_rows(int nq, const float* const* q, const T* k, int64_t 
 // (benchmarks/attn_scores_ab.cpp, cache-resident); in a forward, where the keys come from memory, the step
 // 0.99-1.02x at 8 rows (24 queries) and 1.01-1.06x at 16 (48), interleaved (attn_ab.py --compare widen).
 constexpr int kWidenMinQ = 36;
-inline bool g_widen_keys = true;  // off: pass 1 widens per query pair at every count (same bits; for timing A/Bs)
+// g_widen_keys (attn.h, defined for every build: the Python switch exists on AVX2-only builds too) off: pass 1
+// widens per query pair at every count (same bits; for timing A/Bs)
 
 // Pass 1 with each 16-key chunk of an fp16 block widened to float32 once (then gemm_scores_rows on it).
 template <int NV>
