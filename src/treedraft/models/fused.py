@@ -181,16 +181,14 @@ def _build(model, deps: _Watch) -> _State:
         return no("exact_attention is off")
     tensors: list[Tensor] = []
     kinds: list[int] = []
-    norms = [n for b in model.layers for n in (b.attn_norm, b.ffn_norm, *_qk_norms(b), *_post_norms(b))] + [model.norm]
-    eps = {n.eps for n in norms}
+    eps = {n.eps for b in model.layers for n in _layer_norms(b)} | {model.norm.eps}
     if len(eps) != 1:
         return no(f"RMSNorm eps differs between layers: {sorted(eps)}")
     for i, b in enumerate(model.layers):
         for m in (b.attn.wqkv, b.attn.wo, b.ffn.w13, b.ffn.w2):
             if not isinstance(m, NativeLinear) and not exact_f32(m):
                 return no(f"layers.{i}: {type(m).__name__} is neither a native linear nor an exact fp32 one")
-        ws = [n.weight for n in (b.attn_norm, b.ffn_norm, *_qk_norms(b), *_post_norms(b))]
-        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in ws):
+        if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in _layer_norms(b)):
             return no(f"layers.{i}: norm weights must be contiguous float32")
         t, k = layer_tensors(b)
         tensors += t
@@ -228,6 +226,11 @@ def _build(model, deps: _Watch) -> _State:
             gelu=cfg.activation == "gelu_tanh",
         )
     return _State(deps, dec, None, lm_native)
+
+
+def _layer_norms(block) -> list:
+    """Every RMSNorm of a layer: its input and pre-FFN norms, then the q/k and sandwich ones where it has them."""
+    return [block.attn_norm, block.ffn_norm, *_qk_norms(block), *_post_norms(block)]
 
 
 def _qk_norms(block) -> list:

@@ -282,17 +282,18 @@ class Block(nn.Module):
         self.post_ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, True) if g else None
 
     def forward(self, x, cos, sin, mask, cache, start):
-        a = self.attn(self.attn_norm(x), cos, sin, mask, cache, start)
-        x = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
-        f = self.ffn(self.ffn_norm(x))
-        return x + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
+        x = _residual(x, self.attn(self.attn_norm(x), cos, sin, mask, cache, start), self.post_attn_norm)
+        return _residual(x, self.ffn(self.ffn_norm(x)), self.post_ffn_norm)
 
     def forward_packed(self, x: Tensor, cos: Tensor, sin: Tensor, segments: Sequence[Segment]) -> Tensor:
         """x (M, H) packed rows -> (M, H)."""
-        a = self.attn.forward_packed(self.attn_norm(x), cos, sin, segments)
-        x = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
-        f = self.ffn(self.ffn_norm(x))
-        return x + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
+        x = _residual(x, self.attn.forward_packed(self.attn_norm(x), cos, sin, segments), self.post_attn_norm)
+        return _residual(x, self.ffn(self.ffn_norm(x)), self.post_ffn_norm)
+
+
+def _residual(x: Tensor, y: Tensor, post: RMSNorm | None) -> Tensor:
+    """x + y, y first through its sublayer's output norm where the layer has one (Gemma's sandwich norms)."""
+    return x + (y if post is None else post(y))
 
 
 class Transformer(nn.Module):
@@ -499,7 +500,7 @@ class Transformer(nn.Module):
         if w is None or T == 0 or int(positions.max()) < w:
             return mask
         dev = positions.device
-        old = torch.arange(start, device=dev).expand(B, start) if kv_positions is None else kv_positions.to(dev)
+        old = torch.arange(start, device=dev) if kv_positions is None else kv_positions.to(dev)
         kpos = torch.cat([old.expand(B, start), positions], dim=1)  # (B, start + T)
         near = kpos[:, None, :] > positions[:, :, None] - w  # (B, T, start + T)
         if mask is None:  # causal over the new block, full view of the committed prefix

@@ -48,8 +48,16 @@ GEMMA3_LOCAL_THETA = 10000.0  # Gemma 3's local layers' RoPE base (transformers'
 GEMMA3_PATTERN = 6  # every 6th layer is global, the others local (sliding window)
 
 
-def gemma3_fields(hidden: int, layers: int, head_dim: int, window: int | None, pattern: int, scalar: float) -> dict:
-    """LlamaConfig fields of a Gemma 3 text decoder (``scalar``: query_pre_attn_scalar)."""
+def gemma3_local_layers(layers: int, pattern: int = GEMMA3_PATTERN) -> tuple[int, ...]:
+    """The local (sliding-window) layers: all but every ``pattern``-th."""
+    return tuple(i for i in range(layers) if (i + 1) % pattern)
+
+
+def gemma3_fields(
+    hidden: int, head_dim: int, window: int | None, local: tuple[int, ...], scalar: float, theta_local: float
+) -> dict:
+    """LlamaConfig fields of a Gemma 3 text decoder (``scalar``: query_pre_attn_scalar; ``local``: its local layers,
+    ``theta_local`` their RoPE base)."""
     return dict(
         head_dim_override=head_dim,
         embed_scale=hidden**0.5,
@@ -58,8 +66,8 @@ def gemma3_fields(hidden: int, layers: int, head_dim: int, window: int | None, p
         activation="gelu_tanh",
         attn_scale=scalar**-0.5,
         sliding_window=window,
-        local_layers=tuple(i for i in range(layers) if (i + 1) % pattern),
-        rope_theta_local=GEMMA3_LOCAL_THETA,
+        local_layers=local,
+        rope_theta_local=theta_local,
     )
 
 
@@ -90,7 +98,8 @@ def gguf_config(path: str | Path, max_seq_len: int | None = None) -> tuple[Llama
         window = h.arch_get("attention.sliding_window")
         # llama.cpp's attention scale for Gemma 3: 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B (62 layers)
         scalar = hidden / n_heads if layers == 62 else hd
-        extra = gemma3_fields(hidden, layers, hd, None if window is None else int(window), GEMMA3_PATTERN, scalar)
+        window = None if window is None else int(window)
+        extra = gemma3_fields(hidden, hd, window, gemma3_local_layers(layers), scalar, GEMMA3_LOCAL_THETA)
     kind = h.arch_get("rope.scaling.type")  # e.g. YaRN in long-context Qwen3 files: refused, never dropped
     if kind not in (None, "none"):
         factor = h.arch_get("rope.scaling.factor")
@@ -249,10 +258,11 @@ def _gemma3_hf_config(d: Path, c: dict, max_seq_len: int | None) -> LlamaConfig:
     if act != "gelu_pytorch_tanh":
         raise ModelLoadError(f"{d}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh is); {HF_HINT}")
     n = int(c["num_hidden_layers"])
-    types = c.get("layer_types") or [
-        "sliding_attention" if (i + 1) % int(c.get("sliding_window_pattern", GEMMA3_PATTERN)) else "full_attention"
-        for i in range(n)
-    ]
+    types = c.get("layer_types")
+    if types:
+        local_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    else:
+        local_layers = gemma3_local_layers(n, int(c.get("sliding_window_pattern", GEMMA3_PATTERN)))
     # rope: transformers 5 writes {"full_attention": {...}, "sliding_attention": {...}}; older configs rope_theta,
     # rope_local_base_freq and rope_scaling
     rp = c.get("rope_parameters") or {}
@@ -266,11 +276,10 @@ def _gemma3_hf_config(d: Path, c: dict, max_seq_len: int | None) -> LlamaConfig:
     kind = full.get("rope_type", full.get("type", "default"))
     hd = int(c.get("head_dim", 256))
     ctx = int(c.get("max_position_embeddings", 32768))
+    scalar = float(c.get("query_pre_attn_scalar", hd))
     fields = gemma3_fields(
-        int(c["hidden_size"]), n, hd, c.get("sliding_window"), GEMMA3_PATTERN, float(c.get("query_pre_attn_scalar", hd))
+        int(c["hidden_size"]), hd, c.get("sliding_window"), local_layers, scalar, float(local["rope_theta"])
     )
-    fields["local_layers"] = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    fields["rope_theta_local"] = float(local["rope_theta"])
     return LlamaConfig(
         vocab_size=c["vocab_size"],
         hidden_size=c["hidden_size"],
@@ -313,7 +322,7 @@ def load_hf_dir(
         "mlp.up_proj": "up",
         "mlp.down_proj": "down",
     }
-    if cfg.qk_norm:  # Qwen3 (Gemma's entries follow)
+    if cfg.qk_norm:  # Qwen3, Gemma 3
         part |= {"self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
     gemma = cfg.sandwich_norm
     if gemma:  # Gemma 3: post_attention_layernorm is the attention output's norm; every RMSNorm scales by 1 + w
@@ -321,8 +330,6 @@ def load_hf_dir(
             "post_attention_layernorm": "post_attn_norm",
             "pre_feedforward_layernorm": "ffn_norm",
             "post_feedforward_layernorm": "post_ffn_norm",
-            "self_attn.q_norm": "q_norm",
-            "self_attn.k_norm": "k_norm",
         }
     top = {
         "model.embed_tokens.weight": "embed.weight",
