@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 from native_utils import count_native, write_converted_gguf
+from tree_walk import walk_trees
 
 from treedraft.drafters import PromptLookupDrafter
 from treedraft.engine import Engine, GenerationConfig
@@ -108,20 +109,7 @@ def test_matches_transformers_through_trees_past_the_window(gemma_pair) -> None:
     logits, _ = own.forward(torch.tensor([seq[:8]]), torch.arange(8), cache, 0)
     _close(logits[0], ref[:8], "prefill")
     cache.keep(0, range(8))
-    n = 8
-    while n < len(seq):
-        # a tree whose second branch is the true continuation; the first branch is a decoy
-        true = seq[n : n + 4]
-        decoy = [(t + 1) % VOCAB for t in true[1:]]
-        tree = TokenTree.from_sequences(true[0], [decoy, true[1:]])
-        start = cache.length
-        lt, _ = own.forward(
-            torch.tensor([tree.tokens]), tree_positions(tree, start), cache, start, full_attention_mask(tree, start)
-        )
-        path = tree.path_to(len(tree) - 1)
-        _close(lt[0, path], ref[n : n + len(path)], f"tree at {n} vs transformers")
-        cache.keep(start, path)
-        n += len(path)
+    walk_trees(own, cache, seq, ref, VOCAB, _close)
     nxt = int(ref[-1].argmax())
     step, _ = own.forward(torch.tensor([[nxt]]), torch.tensor([len(seq)]), cache)
     _close(step[0, -1], _reference(hf, seq + [nxt])[-1], "one-token step past the window")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tree_walk import walk_trees
 
 from treedraft.drafters import PromptLookupDrafter
 from treedraft.engine import Engine, GenerationConfig
@@ -163,21 +164,7 @@ def test_sliding_window_layers_follow_positions(attn: str) -> None:
     assert logits.shape == (1, 1, VOCAB)
     _close(logits[0, -1], ref[7], "prefill (last row only)")
     cache.keep(0, range(8))
-    n = 8
-    while n < len(seq):
-        # a tree whose second branch is the true continuation; the first branch is a decoy
-        true = seq[n : n + 4]
-        decoy = [(t + 1) % VOCAB for t in true[1:]]
-        tree = TokenTree.from_sequences(true[0], [decoy, true[1:]])
-        start = cache.length
-        lt, _ = target.forward(
-            torch.tensor([tree.tokens]), tree_positions(tree, start), cache, start, full_attention_mask(tree, start)
-        )
-        path = tree.path_to(len(tree) - 1)
-        _close(lt[0, path], ref[n : n + len(path)], f"tree at {n} vs transformers")
-        cache.keep(start, path)
-        n += len(path)
-    assert cache.length == len(seq)
+    walk_trees(target, cache, seq, ref, VOCAB, _close)
 
 
 def test_greedy_speculative_equals_plain_greedy(llama_pair) -> None:
