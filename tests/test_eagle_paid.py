@@ -12,7 +12,7 @@ from test_eagle import cfg, random_net, tiny
 from test_hybrid_paid import CURVE, Valued
 
 from treedraft.budget import LatencyCurve
-from treedraft.drafters import eagle as eagle_mod
+from treedraft.drafters import eagle_tree
 from treedraft.drafters.eagle import EagleDrafter
 from treedraft.drafters.eagle_cost import EAGLE_DRAFT_COST_KIND, eagle_draft_costs_on_curve
 from treedraft.drafters.eagle_tree import RankAcceptance, accepted_nodes, prior_values
@@ -78,7 +78,7 @@ def test_node_values_and_draft_cost_per_node_count() -> None:
     assert d.draft_cost_for(3) == pytest.approx(0.004)  # depths 2 and 3 reachable by 3 nodes
     assert d.draft_cost_for(20) == pytest.approx(0.005)  # at most depth 4
     vals = d.node_values(8)
-    assert len(vals) == d._ranks.size and all(a >= b for a, b in zip(vals, vals[1:]))
+    assert len(vals) == d.cal.ranks.size and all(a >= b for a, b in zip(vals, vals[1:]))
     # a verified tree whose best node was accepted raises rank 0's value
     toks = [1, 2, 3, 4, 5, 6]
     _, hid = model.forward(torch.tensor([toks[:-1]]), torch.arange(5))
@@ -88,7 +88,7 @@ def test_node_values_and_draft_cost_per_node_count() -> None:
     _, hid2 = model.forward(torch.tensor([nxt[:-1]]), torch.arange(len(nxt) - 1))
     d.propose(DraftContext(nxt, hid2[0, -1], 4, 4, 5, hid2[0, -2:]))
     assert d.node_values(8)[0] > before
-    assert d._ranks.hits[0] == pytest.approx(1.0) and d._ranks.seen[2] == pytest.approx(1.0)
+    assert d.cal.ranks.hits[0] == pytest.approx(1.0) and d.cal.ranks.seen[2] == pytest.approx(1.0)
 
 
 def _counting(run, seen: list[int]):
@@ -110,7 +110,7 @@ def test_pruned_search_keeps_the_same_tree_with_fewer_draft_forwards(budget: int
     for prune in (True, False):
         d = EagleDrafter(net, max_len=128)
         if not prune:
-            monkeypatch.setattr(eagle_mod, "_prune_cut", lambda score, budget: None)
+            monkeypatch.setattr(eagle_tree, "prune_cut", lambda score, budget: None)
         seen: list[int] = []
         d._run = _counting(d._run, seen)  # type: ignore[method-assign]
         for n in (5, 7):
@@ -185,7 +185,7 @@ def test_eagle_draft_cost_is_measured_once_per_machine_and_cached(tmp_path: Path
     monkeypatch.setattr(EagleDrafter, "propose", counting)
     first, depth = eagle_draft_costs_on_curve(model, d, 0.01, reps=3)
     assert calls["n"] == 1 + 2 * 4 and first > 0.0 and depth >= 0.0  # the prompt's commit + 4 pairs of timed steps
-    assert d.cache.length == 0 and d._ranks.seen.sum() == 0  # measured on a twin: the drafter learned nothing
+    assert d.cache.length == 0 and d.cal.ranks.seen.sum() == 0  # measured on a twin: the drafter learned nothing
     again = eagle_draft_costs_on_curve(model, d, 0.02, reps=3)
     assert calls["n"] == 9  # read from the cache, not measured again
     assert again == pytest.approx((2 * first, 2 * depth))  # the cached ratios, scaled by this one-row time

@@ -17,19 +17,16 @@ point masses (verify.accept_speculative).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from ..interfaces import DraftContext, TargetModel, request_twin
-from ..kernels import topk_rows
 from ..tree import TokenTree
 from .eagle_native import fast_drafting
 from .eagle_net import EAGLE_JSON, EAGLE_WEIGHTS, EagleConfig, EagleMismatchError, EagleNet, shipped_eagle_for
-from .eagle_tree import RankAcceptance, accepted_nodes, choose_size, prior_values, worth_expanding
+from .eagle_tree import RankAcceptance, TreeCalibration, grow_tree, prior_values
 
 __all__ = [
     "EAGLE_JSON",
@@ -41,15 +38,6 @@ __all__ = [
     "fast_drafting",
     "shipped_eagle_for",
 ]
-
-
-def _prune_cut(score: list[float], budget: int) -> float | None:
-    """The ``budget``-th best cumulative log-prob of the drafted nodes (``score[0]`` = root, excluded), None while
-    at most ``budget`` are drafted. A child scores at most its parent and loses ties to it (deeper), so a
-    frontier node scoring at or below this cut cannot place a child among the ``budget`` kept nodes."""
-    if len(score) - 1 <= budget:
-        return None
-    return sorted(score[1:], reverse=True)[budget - 1]
 
 
 class EagleDrafter:
@@ -97,23 +85,19 @@ class EagleDrafter:
         self.max_len = max_len
         self.draft_weights = "q8"  # the format of the native draft layer's linears (for_target; cached costs key)
         self.last_expected = 1.0  # 1 + the summed draft values of the last tree (EAGLE-2's E[accepted + bonus])
-        self._acc = self._exp = 0.0  # decayed sums: accepted draft tokens, expected (uncalibrated) values
-        self._skip = self._backoff = 0  # steps left to skip drafting; the current back-off length
         self.draft_costs: tuple[float, float] = (0.0, 0.0)  # seconds: (commit + depth 1, each further depth)
-        self._ranks = RankAcceptance(self.nodes or self.depth * self.topk, prior_values(c, self.nodes or 16))
+        # what verified trees taught (calibration, back-off) and the per-rank acceptance the hybrid prices nodes by
+        self.cal = TreeCalibration(
+            RankAcceptance(self.nodes or self.depth * self.topk, prior_values(c, self.nodes or 16))
+        )
         self.cache = net.new_cache(max_len + self.depth * self.topk + 1)
         self.reset()
-
-    CAL_DECAY = 0.95  # per tree: the calibration follows roughly the last 20 trees
-    CAL_PRIOR = 2.0  # pseudo-counts of a calibrated draft (factor 1) before any tree was verified
-    MAX_SKIP = 8  # steps drafting is skipped after a tree that did not pay (doubling back-off)
 
     def reset(self) -> None:
         """Forget the committed pairs (a new sequence starts)."""
         # features of skipped steps not yet in the cache: (f_at .., at, x_at) (the token guards against another sequence)
         self._pending: tuple[Tensor, int, int] | None = None
-        # (expected draft value, root position, root token, kept tree) of the last tree, until its outcome is seen
-        self._drafted: tuple[float, int, int, TokenTree] | None = None
+        self.cal.reset()  # the last tree's outcome will not be seen
         self.cache.length = 0
         self.base = 0  # pair index held in cache slot 0
         self.tokens: list[int] = []  # tokens x_0 .. x_r of the committed pairs (pair j uses x_{j+1})
@@ -121,7 +105,7 @@ class EagleDrafter:
     def for_request(self) -> EagleDrafter:
         """A twin for one request: the same net, native step and per-rank acceptance, its own draft KV cache (from
         this calibration)."""
-        return request_twin(self, cache=self.net.new_cache(self.cache.max_len), _skip=0, _backoff=0)
+        return request_twin(self, cache=self.net.new_cache(self.cache.max_len), cal=self.cal.fork())
 
     @property
     def committed(self) -> int:
@@ -177,31 +161,18 @@ class EagleDrafter:
         self.tokens = list(ctx.tokens[: r + 1])
         return logits, out[-1]
 
-    def _calibrate(self, ctx: DraftContext) -> None:
-        """Add the last tree's outcome (tokens committed since, less the bonus) against its expected value."""
-        if self._drafted is None:
-            return
-        value, at, root, tree = self._drafted
-        self._drafted = None
-        r = len(ctx.tokens) - 1
-        if r > at and ctx.tokens[at] == root:  # the same sequence, one step later
-            hit = accepted_nodes(tree, ctx.tokens[at + 1 : r])  # this tree's nodes on the committed path
-            self._acc = self.CAL_DECAY * self._acc + len(hit)  # (in a hybrid, another member's may be longer)
-            self._exp = self.CAL_DECAY * self._exp + value
-            self._ranks.add(len(tree) - 1, hit)
-
     @property
     def calibration(self) -> float:
-        """Accepted draft tokens per unit of expected draft value over recent trees (EAGLE-2's values are
-        probabilities of the draft, not of the target: an overconfident draft gets a factor < 1)."""
-        return (self._acc + self.CAL_PRIOR) / (self._exp + self.CAL_PRIOR)
+        """Accepted draft tokens per unit of expected draft value over recent trees (:class:`TreeCalibration`)."""
+        return self.cal.factor
 
     def node_values(self, max_depth: int) -> list[float] | None:
         """Expected acceptance of the tree's nodes in rank order (best cumulative draft log-prob first), as
         measured on this drafter's recent verified trees (prior: the held-out per-depth top-1 as a chain);
         what the hybrid drafter prices this member's first k nodes by. ``max_depth`` caps how many ranks."""
-        n = self._ranks.size if max_depth >= self.depth else min(self._ranks.size, max_depth * self.topk)
-        return self._ranks.values()[:n].tolist()
+        ranks = self.cal.ranks
+        n = ranks.size if max_depth >= self.depth else min(ranks.size, max_depth * self.topk)
+        return ranks.values()[:n].tolist()
 
     def draft_cost_for(self, nodes: int) -> float:
         """Seconds a propose of ``nodes`` draft nodes costs (what the hybrid drafter weighs): the commit with
@@ -219,7 +190,7 @@ class EagleDrafter:
     def idle(self, ctx: DraftContext) -> None:
         """This step drafts nothing (a hybrid did not ask): learn the last tree's outcome and hold the
         committed features until the next propose feeds them in one draft forward."""
-        self._calibrate(ctx)
+        self.cal.learn(ctx.tokens)
         feats, first = self._new_feats(ctx)
         self._pending = (feats, first, ctx.tokens[first])
         self.last_expected = 1.0
@@ -229,74 +200,42 @@ class EagleDrafter:
         """An EAGLE-2 tree of at most ``ctx.max_nodes`` nodes (root included) and ``ctx.max_depth`` depth."""
         budget = ctx.max_nodes - 1 if not self.nodes else min(self.nodes, ctx.max_nodes - 1)
         depth = min(self.depth, ctx.max_depth, max(1, budget))  # a tree of N nodes is at most N deep
-        if self._skip > 0 and budget >= 1 and depth >= 1:  # back-off: hold the features for the next commit
-            self._skip -= 1
+        if self.cal.skip_step(budget >= 1 and depth >= 1):  # back-off: hold the features for the next commit
             self.idle(ctx)
             return TokenTree((ctx.root,), (-1,))
-        self._calibrate(ctx)
+        self.cal.learn(ctx.tokens)
         logits, f_root = self._commit(ctx)
         if budget < 1 or depth < 1:
             self.last_expected = 1.0
             return TokenTree((ctx.root,), (-1,))
-        k, r, dev = self.topk, len(ctx.tokens) - 1, f_root.device
-        curve = None if self.curve is None else self.curve.at(len(ctx.tokens))  # this context's row costs
-        # candidate nodes (root = 0): token, parent, cumulative log-prob, depth; slot = draft cache slot if expanded
-        tok, par, score, dep = [ctx.root], [-1], [0.0], [0]
-        slot_of: dict[int, int] = {}
-        anc: dict[int, list[int]] = {0: []}  # draft cache slots of a node's expanded proper ancestors
-        feat_of: dict[int, Tensor] = {0: f_root}
-        base = self.cache.length
-        frontier = self._children([0], logits, k, tok, par, score, dep)
-        forwards = 1  # draft forwards this step (the commit gave depth 1)
-        for d in range(1, depth):
-            expand = sorted(frontier, key=lambda i: -score[i])[:k]
-            cut = _prune_cut(score, budget)
-            if cut is not None:
-                expand = [i for i in expand if score[i] > cut]
-                if not expand:  # no frontier node can place a child in the kept tree: deeper drafts are wasted
-                    break
-            # an estimated (not timed) draft cost keeps the tree a function of the inputs
-            cal = self.calibration
-            if curve is not None and not worth_expanding(
-                [min(1.0, cal * math.exp(x)) for x in score[1:]], min(1.0, cal * math.exp(score[expand[0]])),
-                curve, self._drafting_seconds(forwards), self._drafting_seconds(forwards + 1) - self._drafting_seconds(forwards),
-            ):  # fmt: skip
-                break
-            start = base + len(slot_of)
-            # each expanded node attends to the committed pairs, its expanded ancestors and itself
-            mask = np.zeros((len(expand), start + len(expand)), dtype=bool)
-            mask[:, :base] = True
-            for row, i in enumerate(expand):
-                p = par[i]
-                anc[i] = anc[p] + [slot_of[p]] if p > 0 else []
-                mask[row, anc[i]] = True
-                mask[row, start + row] = True
-            feats = torch.stack([feat_of[par[i]] for i in expand])  # (e, H)
-            toks = torch.tensor([tok[i] for i in expand], device=dev)
-            pos = torch.full((len(expand),), r + d - 1, dtype=torch.long, device=dev)
-            logits, out = self._run(feats, toks, pos, start, torch.from_numpy(mask).to(dev), last_only=False)
-            forwards += 1
-            for row, i in enumerate(expand):
-                slot_of[i], feat_of[i] = start + row, out[row]
-            frontier = self._children(expand, logits, k, tok, par, score, dep)
+        r, base = len(ctx.tokens) - 1, self.cache.length
+        feat_of: dict[int, Tensor] = {0: f_root}  # a node's predicted feature, once expanded (the root's: f_r)
+
+        def expand(nodes: list[int], toks: list[int], parents: list[int], depths: list[int], start: int, mask: Tensor):
+            # each expanded node feeds its parent's predicted feature with its own token, at pair position r + d - 1
+            feats = torch.stack([feat_of[p] for p in parents])  # (e, H)
+            dev = f_root.device
+            pos = torch.tensor([r + d - 1 for d in depths], dtype=torch.long, device=dev)
+            logits, out = self._run(feats, torch.tensor(toks, device=dev), pos, start, mask.to(dev), last_only=False)
+            for row, i in enumerate(nodes):
+                feat_of[i] = out[row]
+            return logits
+
+        tree, self.last_expected, probs = grow_tree(
+            ctx.root,
+            logits,
+            expand,
+            base=base,
+            budget=budget,
+            depth=depth,
+            topk=self.topk,
+            curve=None if self.curve is None else self.curve.at(len(ctx.tokens)),  # this context's row costs
+            cal=self.cal,
+            drafting_seconds=self._drafting_seconds,  # an estimate (not timed): the tree is a function of the inputs
+            vocab=self._vm_np,
+        )
         self.cache.length = base  # drafts never stay in the cache
-        # rerank: the best nodes by cumulative log-prob; ties keep parents (shallower, earlier) first
-        keep = sorted(range(1, len(tok)), key=lambda i: (-score[i], dep[i], i))[:budget]
-        vals = [math.exp(score[i]) for i in keep]
-        if curve is not None:  # a tree that does not beat a plain step (no drafting) backs drafting off
-            cal = self.calibration
-            n, paid = choose_size([min(1.0, cal * v) for v in vals], curve, self._drafting_seconds(forwards))
-            keep = keep[:n]
-            self._skip = self._backoff = 0 if paid else min(self.MAX_SKIP, max(1, 2 * self._backoff))
-        self.last_expected = 1.0 + math.fsum(vals[: len(keep)])  # the draft's own (uncalibrated) E[tokens]
-        new = {0: 0}
-        tokens, parents = [ctx.root], [-1]
-        for i in keep:
-            new[i] = len(tokens)
-            tokens.append(tok[i])
-            parents.append(new[par[i]])
-        tree = TokenTree(tuple(tokens), tuple(parents))
-        self._drafted = (self.last_expected - 1.0, r, ctx.root, tree)
+        self.cal.drafted(self.last_expected - 1.0, r, ctx.root, tree, probs)
         return tree
 
     def _logits(self, f: Tensor) -> Tensor:
@@ -304,22 +243,6 @@ class EagleDrafter:
         if self.project is not None:
             return self.project(f.to(self.net.lm_weight.dtype)).float()
         return self.net.logits(f)
-
-    def _children(self, nodes: list[int], logits: Tensor, k: int, tok, par, score, dep) -> list[int]:
-        """Add the top-k children of each of ``nodes`` (draft logits (len(nodes), V') float32 rows, scored by their
-        log-softmax); return their indices. Ties between equal logits: the lower column first."""
-        vals, top = topk_rows(logits, min(k, logits.shape[-1]), log_softmax=True)
-        ids = top if self._vm_np is None else self._vm_np[top]
-        out = []
-        for i, vs, ts in zip(nodes, vals.tolist(), ids.tolist()):
-            s, d = score[i], dep[i] + 1
-            for val, t in zip(vs, ts):
-                out.append(len(tok))
-                tok.append(t)
-                par.append(i)
-                score.append(s + val)
-                dep.append(d)
-        return out
 
     @staticmethod
     def for_target(

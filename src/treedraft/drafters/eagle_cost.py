@@ -66,7 +66,7 @@ def eagle_draft_costs_on_curve(
         toks = torch.randint(0, target.vocab_size, (n,), generator=g).tolist()
         cache = target.new_cache(context + 2)  # type: ignore[attr-defined]
         d = eagle.for_request()  # its own draft cache; the shared per-rank acceptance is not touched below
-        d.curve, d._ranks = None, d._ranks.copy()  # every depth runs; measuring teaches the real drafter nothing
+        d.curve, d.cal.ranks = None, d.cal.ranks.copy()  # every depth runs; measuring teaches the real drafter nothing
         with torch.inference_mode():
             ids = torch.tensor([toks[:context]], device=dev)
             _, hid = target.forward(ids, torch.arange(context, device=dev), cache, 0)

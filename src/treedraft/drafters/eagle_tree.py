@@ -18,10 +18,13 @@ Drafting deeper is worth one more draft forward only while some frontier node co
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+import copy
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..budget import LatencyCurve as _LatencyCurve
 
@@ -139,3 +142,246 @@ class RankAcceptance:
         w = self.PRIOR_TREES
         v = (self.hits + w * self.prior) / (self.seen + w)
         return np.minimum.accumulate(v)
+
+
+class TreeCalibration:
+    """What a dynamic-tree drafter learns from its verified trees (EAGLE-2's values are the draft's own
+    probabilities, not the target's: an overconfident draft gets a factor < 1), and its drafting back-off.
+
+    ``learn`` adds the last tree's outcome (tokens committed since, the bonus excluded) against its expected value;
+    :attr:`factor` is accepted draft tokens per unit of expected value over recent trees. A tree that did not beat a
+    plain step (:func:`choose_size`) skips drafting for a doubling number of steps (``paid``)."""
+
+    DECAY = 0.95  # per tree: the calibration follows roughly the last 20 trees
+    PRIOR = 2.0  # pseudo-counts of a calibrated draft (factor 1) before any tree was verified
+    MAX_SKIP = 8  # steps drafting is skipped after a tree that did not pay (doubling back-off)
+
+    def __init__(self, ranks: RankAcceptance | None = None) -> None:
+        self.ranks = ranks  # per-rank acceptance (the hybrid prices EAGLE's first k nodes by it); None: not kept
+        self.acc = self.exp = 0.0  # decayed sums: accepted draft tokens, expected (uncalibrated) values
+        self.skip = self.backoff = 0  # steps left to skip drafting; the current back-off length
+        self.reset()
+
+    def reset(self) -> None:
+        """A new sequence: the last tree's outcome will never be seen."""
+        # (value, root position, root token, tree, each kept node's conditional draft probability)
+        self.last: tuple[float, int, int, Any, Sequence[float]] | None = None
+
+    def fork(self) -> TreeCalibration:
+        """One request's copy: this calibration's counts from here on apart, no back-off, the same ``ranks``."""
+        out = copy.copy(self)
+        out.skip = out.backoff = 0
+        out.reset()
+        return out
+
+    @property
+    def factor(self) -> float:
+        """Accepted draft tokens per unit of expected draft value over recent trees."""
+        return (self.acc + self.PRIOR) / (self.exp + self.PRIOR)
+
+    def drafted(self, value: float, at: int, root: int, tree: Any, probs: Sequence[float] = ()) -> None:
+        """Remember a proposed tree (its summed draft values, the root's position and token, its nodes' conditional
+        draft probabilities in tree order) until its outcome."""
+        self.last = (value, at, root, tree, probs)
+
+    def child_key(self, parent_key: float, logp: float) -> float:
+        """A child's ranking key from its parent's and its conditional draft log-probability: here the cumulative
+        draft log-probability (EAGLE-2's)."""
+        return parent_key + logp
+
+    def value(self, key: float) -> float:
+        """A node's expected acceptance from its key: the draft's path probability times :attr:`factor`, at most 1."""
+        return min(1.0, self.factor * math.exp(key))
+
+    def raw(self, key: float) -> float:
+        """What :meth:`learn` compares the accepted tokens against: the draft's own path probability."""
+        return math.exp(key)
+
+    def learn(self, tokens: Sequence[int]) -> None:
+        """Add the last tree's outcome, read from the sequence one step later (``tokens``: root last)."""
+        if self.last is None:
+            return
+        value, at, root, tree, probs = self.last
+        self.last = None
+        r = len(tokens) - 1
+        if r > at and tokens[at] == root:  # the same sequence, one step later
+            hit = accepted_nodes(tree, tokens[at + 1 : r])  # this tree's nodes on the committed path
+            self.acc = self.DECAY * self.acc + len(hit)  # (in a hybrid, another member's may be longer)
+            self.exp = self.DECAY * self.exp + value
+            if self.ranks is not None:
+                self.ranks.add(len(tree) - 1, hit)
+            self.tested(tree, hit, probs)
+
+    def tested(self, tree: Any, hit: list[int], probs: Sequence[float]) -> None:
+        """A verified tree's nodes (ranks ``hit`` accepted; ``probs`` their conditional draft probabilities): what a
+        subclass learns per node. Nothing here."""
+
+    def skip_step(self, can_draft: bool) -> bool:
+        """Whether this step skips drafting (back-off), counting it."""
+        if self.skip > 0 and can_draft:
+            self.skip -= 1
+            return True
+        return False
+
+    def paid(self, paid: bool) -> None:
+        """The last tree beat a plain step (back-off cleared) or did not (drafting skipped, doubling)."""
+        self.skip = self.backoff = 0 if paid else min(self.MAX_SKIP, max(1, 2 * self.backoff))
+
+
+class ProbCalibration(TreeCalibration):
+    """A :class:`TreeCalibration` that learns P(a node is accepted | its parent was, its conditional draft
+    probability p) in bins of p, from every verified node whose parent was accepted; a node's value is the product
+    of those along its path, and nodes are ranked by it.
+
+    For a draft that agrees with the target far more often than its own probabilities say (a quantized copy of the
+    target: its top token is the target's ~98% of the time at p ~0.6), EAGLE-2's path probability undervalues deep
+    nodes geometrically and one scalar factor cannot mend that (it would overvalue the siblings); per-bin rates do.
+    Before any verified node a bin's rate is its own p (a calibrated draft), worth :attr:`BIN_PRIOR` nodes. A
+    :meth:`fork` shares the bins (every request's trees teach the drafter, as EAGLE's shared per-rank acceptance)."""
+
+    BINS = 10
+    BIN_PRIOR = 2.0
+    BIN_DECAY = 0.995  # per verified tree: the rates follow the last few hundred trees
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hits, self.seen = np.zeros(self.BINS), np.zeros(self.BINS)
+
+    def _bin(self, p: float) -> int:
+        return min(int(p * self.BINS), self.BINS - 1)
+
+    def rate(self, p: float) -> float:
+        """P(accepted | parent accepted) for a node of conditional draft probability ``p``."""
+        b = self._bin(p)
+        return (self.hits[b] + self.BIN_PRIOR * p) / (self.seen[b] + self.BIN_PRIOR)
+
+    def child_key(self, parent_key: float, logp: float) -> float:
+        return parent_key + math.log(max(self.rate(math.exp(logp)), 1e-12))
+
+    def value(self, key: float) -> float:
+        return math.exp(key)
+
+    def raw(self, key: float) -> float:
+        return math.exp(key)
+
+    def tested(self, tree: Any, hit: list[int], probs: Sequence[float]) -> None:
+        if len(probs) != len(tree) - 1:
+            return
+        on_path = {0} | {j + 1 for j in hit}  # node indices (root 0) the step committed
+        self.hits *= self.BIN_DECAY
+        self.seen *= self.BIN_DECAY
+        for i in range(1, len(tree)):
+            if tree.parents[i] in on_path:  # verified: its parent was accepted
+                b = self._bin(probs[i - 1])
+                self.seen[b] += 1.0
+                self.hits[b] += float(i in on_path)
+
+
+def prune_cut(score: list[float], budget: int) -> float | None:
+    """The ``budget``-th best cumulative log-prob of the drafted nodes (``score[0]`` = root, excluded), None while
+    at most ``budget`` are drafted. A child scores at most its parent and loses ties to it (deeper), so a
+    frontier node scoring at or below this cut cannot place a child among the ``budget`` kept nodes."""
+    if len(score) - 1 <= budget:
+        return None
+    return sorted(score[1:], reverse=True)[budget - 1]
+
+
+# expand(nodes, tokens, parents, depths, start, mask) -> (len(nodes), V') float32 draft logits of those nodes' children
+Expand = Callable[[list[int], list[int], list[int], list[int], int, torch.Tensor], torch.Tensor]
+
+
+def grow_tree(
+    root: int,
+    first_logits: torch.Tensor,
+    expand: Expand,
+    *,
+    base: int,
+    budget: int,
+    depth: int,
+    topk: int,
+    curve: LatencyCurve | None,
+    cal: TreeCalibration,
+    drafting_seconds: Callable[[int], float],
+    vocab: np.ndarray | None = None,
+) -> tuple[Any, float, list[float]]:
+    """An EAGLE-2 dynamic tree (Li et al. 2024, section 4) -> (TokenTree, 1 + its summed draft values (``cal.raw``),
+    each kept node's conditional draft probability in tree order, for ``cal.drafted``).
+
+    Depth 1 = the top-k children of the root (``first_logits`` (1, V') float32); at every later depth the k frontier
+    nodes with the highest cumulative draft log-probability are expanded in one ``expand`` call (``start``: the draft
+    cache slot of its first row, ``base`` + nodes expanded so far; ``mask`` (e, start + e) bool: the committed slots,
+    the node's expanded ancestors and itself), each into its top-k children; then every drafted node is reranked by
+    cumulative log-probability and the best ``budget`` kept (a child never outranks its parent: a trie). With a
+    ``curve`` (the target's verify seconds per row count at this context) a depth is drafted only while a frontier
+    node can pay for it (:func:`worth_expanding`, at ``drafting_seconds(forwards)``, the commit being forward 1) and
+    the tree keeps its best N for tokens per second (:func:`choose_size`), telling ``cal`` whether it paid.
+    ``vocab``: the token id of each logits column (None: the column is the id). Ties between equal logits: the lower
+    column first; between equal scores the shallower, earlier node."""
+    from ..kernels import topk_rows
+    from ..tree import TokenTree
+
+    # candidate nodes (root = 0): token, parent, ranking key (cal.child_key: the cumulative log-prob for EAGLE-2),
+    # depth, conditional draft log-prob; slot = draft cache slot if expanded
+    tok, par, score, dep, cond = [root], [-1], [0.0], [0], [0.0]
+    slot_of: dict[int, int] = {}
+    anc: dict[int, list[int]] = {0: []}  # draft cache slots of a node's expanded proper ancestors
+
+    def children(nodes: list[int], logits: torch.Tensor) -> list[int]:
+        vals, top = topk_rows(logits, min(topk, logits.shape[-1]), log_softmax=True)
+        ids = top if vocab is None else vocab[top]
+        out = []
+        for i, vs, ts in zip(nodes, vals.tolist(), ids.tolist()):
+            s, d = score[i], dep[i] + 1
+            for val, t in zip(vs, ts):
+                out.append(len(tok))
+                tok.append(t)
+                par.append(i)
+                score.append(cal.child_key(s, val))
+                dep.append(d)
+                cond.append(val)
+        return out
+
+    frontier = children([0], first_logits)
+    forwards = 1  # draft forwards this step (the commit gave depth 1)
+    for _ in range(1, depth):
+        expand_ = sorted(frontier, key=lambda i: -score[i])[:topk]
+        cut = prune_cut(score, budget)
+        if cut is not None:
+            expand_ = [i for i in expand_ if score[i] > cut]
+            if not expand_:  # no frontier node can place a child in the kept tree: deeper drafts are wasted
+                break
+        if curve is not None and not worth_expanding(
+            [cal.value(x) for x in score[1:]], cal.value(score[expand_[0]]),
+            curve, drafting_seconds(forwards), drafting_seconds(forwards + 1) - drafting_seconds(forwards),
+        ):  # fmt: skip
+            break
+        start = base + len(slot_of)
+        # each expanded node attends to the committed slots, its expanded ancestors and itself
+        mask = torch.zeros((len(expand_), start + len(expand_)), dtype=torch.bool)
+        mask[:, :base] = True
+        for row, i in enumerate(expand_):
+            p = par[i]
+            anc[i] = anc[p] + [slot_of[p]] if p > 0 else []
+            mask[row, anc[i]] = True
+            mask[row, start + row] = True
+        logits = expand(
+            expand_, [tok[i] for i in expand_], [par[i] for i in expand_], [dep[i] for i in expand_], start, mask
+        )
+        forwards += 1
+        for row, i in enumerate(expand_):
+            slot_of[i] = start + row
+        frontier = children(expand_, logits)
+    # rerank: the best nodes by cumulative log-prob; ties keep parents (shallower, earlier) first
+    keep = sorted(range(1, len(tok)), key=lambda i: (-score[i], dep[i], i))[:budget]
+    if curve is not None:  # a tree that does not beat a plain step (no drafting) backs drafting off
+        n, paid = choose_size([cal.value(score[i]) for i in keep], curve, drafting_seconds(forwards))
+        keep = keep[:n]
+        cal.paid(paid)
+    new = {0: 0}
+    tokens, parents = [root], [-1]
+    for i in keep:
+        new[i] = len(tokens)
+        tokens.append(tok[i])
+        parents.append(new[par[i]])
+    probs = [math.exp(cond[i]) for i in keep]  # in tree order: node j + 1 is keep[j]
+    return TokenTree(tuple(tokens), tuple(parents)), 1.0 + math.fsum(cal.raw(score[i]) for i in keep), probs
