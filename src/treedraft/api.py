@@ -72,6 +72,8 @@ class LLM:
     device: str
     heads: str | None = DEFAULT  # the heads argument of load(): used by drafters chosen by name later on
     suffix_store: Any = None  # the SuffixStore of drafter "suffix" (None: each built one keeps its own, in memory)
+    draft_model: str | None = None  # drafter "draft-model": its model (None: the target's own file)
+    draft_weights: str = "auto"  # ... and the weights it drafts with
     drafters: DrafterCache = field(init=False, repr=False)  # drafters built by name, reused
     text: TextGenerator = field(init=False, repr=False)  # the engine wrapped with detokenization, stop, EOS
     _json: JsonGrammar | None = field(default=None, init=False, repr=False)  # JSON mode's automaton, once built
@@ -88,7 +90,13 @@ class LLM:
         self.drafters = DrafterCache(
             self.engine.model,
             self.tokenizer,
-            DrafterOptions(self.model_name, self.heads, suffix_store=self.suffix_store),
+            DrafterOptions(
+                self.model_name,
+                self.heads,
+                suffix_store=self.suffix_store,
+                draft_model=self.draft_model,
+                draft_weights=self.draft_weights,
+            ),
         )
         self.text = TextGenerator(self.engine, self.tokenizer)
 
@@ -396,6 +404,8 @@ def load(
     suffix_max_tokens: int = 1_000_000,
     suffix_share: bool = False,
     kv_dtype: str = "auto",
+    draft_model: str | None = None,
+    draft_weights: str = "auto",
 ) -> LLM:
     """Load a target model by registry name, GGUF path or HF directory.
 
@@ -414,6 +424,9 @@ def load(
     kv_dtype: KV cache storage of the own runtime: 'float32', 'float16' (half the cache bytes per decode step;
     keys/values rounded to fp16, rows stay bitwise row-invariant; Transformer.kv_dtype) or 'auto' (float16
     with int4/int8 weights, else the weights' dtype; see :func:`kv_dtype_for`).
+    draft_model: the model drafter 'draft-model' drafts with (registry name, .gguf or HF directory sharing the
+    target's tokenizer; None: the target's own file, packed in ``draft_weights``); giving one makes 'draft-model' the
+    default drafter. draft_weights: its weights, as ``weights`` ('auto': int4 on the CPU, else the dtype's).
     """
     from .drafters.suffix import open_suffix_store
 
@@ -424,9 +437,41 @@ def load(
     ):
         raise ValueError(f"max_seq_len must be an integer >= 2 (or None: the model's own context), got {max_seq_len!r}")
 
+    if draft_model is not None and drafter == DEFAULT:
+        drafter = "draft-model"  # a draft model given is the one to draft with
     if isinstance(drafter, str):
         canonical(drafter)  # an unknown drafter name fails here, before the slow model load
     store = open_suffix_store(suffix_store, suffix_max_tokens, suffix_share)  # before the slow model load
+    net, tok, path, dev = load_model(model, device, dtype, runtime, max_seq_len, weights, kv_dtype)
+    llm = LLM(
+        Engine(net),
+        tok,
+        model if not Path(model).exists() else str(path),
+        dev,
+        heads,
+        store,
+        draft_model,
+        draft_weights,
+    )
+    atexit.register(_close_at_exit, weakref.ref(llm))  # flush + close the store (a weakref: llm may die first)
+    if drafter is not None:
+        llm.engine.drafter = llm.drafters.get(drafter)
+    return llm
+
+
+def load_model(
+    model: str = DEFAULT_MODEL,
+    device: str = "auto",
+    dtype: str = "auto",
+    runtime: str = "auto",
+    max_seq_len: int | None = 4096,
+    weights: str = "auto",
+    kv_dtype: str = "auto",
+) -> tuple[Any, Tokenizer, Path, str]:
+    """A model and its tokenizer, without a drafter or an engine: (net, tokenizer, resolved path, device). What
+    :func:`load` builds on, and what the ``draft-model`` drafter loads its draft model with; arguments as there."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     path = resolve(model)
@@ -467,8 +512,4 @@ def load(
         net.weights_info = apply_weights(net, path, weights, tok.encode(PROBE_TEXT), log=log_stderr)  # end
     if runtime == "own":  # after the weights are chosen: 'auto' follows them
         net.kv_dtype = kv_dtype_for(kv_dtype, runtime, getattr(net, "weights_info", None))
-    llm = LLM(Engine(net), tok, model if not Path(model).exists() else str(path), dev, heads, store)
-    atexit.register(_close_at_exit, weakref.ref(llm))  # flush + close the store (a weakref: llm may die first)
-    if drafter is not None:
-        llm.engine.drafter = llm.drafters.get(drafter)
-    return llm
+    return net, tok, path, dev

@@ -77,6 +77,31 @@ def add_model_args(p: argparse.ArgumentParser, drafting: bool = True, heads: boo
             "model's own: 8192 for SmolLM2, 32768 for Gemma 3; the KV cache of a request grows with what it uses)",
         )
         add_suffix_args(p)
+        add_draft_model_args(p)
+
+
+def add_draft_model_args(p: argparse.ArgumentParser) -> None:
+    """--draft-model / --draft-weights (drafter ``draft-model``), shared with bench."""
+    from .models.quant import WEIGHTS
+
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="MODEL",
+        help="drafter draft-model: a smaller model sharing the target's tokenizer (registry name, .gguf or HF "
+        "directory); giving one makes draft-model the drafter (default: the target's own file, in --draft-weights)",
+    )
+    p.add_argument(
+        "--draft-weights",
+        default="auto",
+        choices=WEIGHTS,
+        help="drafter draft-model: the draft model's weights (auto: int4 on the CPU, the --dtype elsewhere)",
+    )
+
+
+def draft_kwargs(a: argparse.Namespace) -> dict:
+    """load() keyword arguments from the --draft-* flags."""
+    return dict(draft_model=a.draft_model, draft_weights=a.draft_weights)
 
 
 def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -197,7 +222,13 @@ def load_from_args(a: argparse.Namespace):
     apply_threads(getattr(a, "threads", None))
 
     llm = load(
-        a.model, drafter=a.drafter, heads=a.heads, max_seq_len=a.max_seq_len, **model_kwargs(a), **suffix_kwargs(a)
+        a.model,
+        drafter=a.drafter,
+        heads=a.heads,
+        max_seq_len=a.max_seq_len,
+        **model_kwargs(a),
+        **suffix_kwargs(a),
+        **draft_kwargs(a),
     )
     freeze_gc()
     return llm

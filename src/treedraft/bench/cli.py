@@ -169,7 +169,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     fresh = fresh_drafter_state(a)
     t = time.perf_counter()
-    from ..cli import suffix_kwargs
+    from ..cli import draft_kwargs, suffix_kwargs
 
     llm = load(
         a.model,
@@ -180,6 +180,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         weights=a.weights,
         kv_dtype=a.kv_dtype,
         **suffix_kwargs(a),
+        **draft_kwargs(a),
     )
     cfg = llm.config(
         max_new_tokens=a.max_new_tokens,
@@ -303,6 +304,8 @@ def _command_line(a: argparse.Namespace, dataset: Path | None) -> str:
         ("pld_tokens", 10),
         ("heads", "default"),
         ("kv_dtype", "auto"),
+        ("draft_model", None),
+        ("draft_weights", "auto"),
         ("baselines", "hf,plain"),
     ):
         v = getattr(a, opt)
@@ -377,9 +380,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=WEIGHTS,
         help="target linear weights on cpu (see `treedraft generate --help`)",
     )
-    from ..cli import add_kv_dtype_arg, add_suffix_args
+    from ..cli import add_draft_model_args, add_kv_dtype_arg, add_suffix_args
 
     add_kv_dtype_arg(b)
+    add_draft_model_args(b)  # method "draft-model"
     add_suffix_args(b)  # method "suffix" learns from every run, the warm-up (first prompt) included: see README
     b.add_argument("--raw", action="store_true", help="no chat template")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")

@@ -30,6 +30,10 @@ class DrafterOptions:
     # fresh in-memory store per built drafter (DrafterCache builds one per name, so one per LLM)
     suffix_store: Any = None
     tenant: str = ""  # whose earlier outputs ``suffix`` drafts from (the server binds one per request)
+    # ``draft-model``: the draft model (registry name, .gguf or HF directory; None = the target's own file) and the
+    # weights it drafts with ("auto": int4 on the CPU, the target's dtype elsewhere)
+    draft_model: str | None = None
+    draft_weights: str = "auto"
 
 
 DrafterFactory = Callable[[TargetModel, Any, DrafterOptions], "Drafter | None"]
@@ -363,6 +367,12 @@ def _eagle_lookup(target: TargetModel, tokenizer: Any, options: DrafterOptions) 
     return HybridDrafter([_eagle(target, tokenizer, options), _prompt_lookup(target, tokenizer, options)])
 
 
+def _draft_model(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
+    from .draft_model import load_draft_model
+
+    return load_draft_model(target, tokenizer, options.draft_model, options.draft_weights, options.model_name)
+
+
 def _suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
     from .suffix import make_suffix_drafter
 
@@ -384,6 +394,12 @@ register(
     "hybrid-eagle",
     _hybrid_eagle,
     "EAGLE tree + suffix chains, EAGLE drafting only the nodes that pay (hybrid-suffix with EAGLE for the heads)",
+)
+register(
+    "draft-model",
+    _draft_model,
+    "a smaller draft model of the same tokenizer (--draft-model; default: the target's own file in int4), "
+    "drafting EAGLE-2 dynamic trees",
 )
 register(
     "suffix",

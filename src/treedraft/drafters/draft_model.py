@@ -1,0 +1,266 @@
+"""A smaller draft model as the drafter (Leviathan et al. 2023, arXiv:2211.17192; Chen et al. 2023,
+arXiv:2302.01318), drafting EAGLE-2 dynamic trees (Li et al. 2024, arXiv:2406.16858) instead of one chain.
+
+The draft model is any causal LM this package loads (own runtime or transformers) that shares the target's
+tokenizer: a small sibling of the target, or the target's own GGUF packed in int4 beside a float target, whose
+one-row step streams a fraction of the bytes (quantized self-speculation: the output stays the float model's).
+
+Each step the draft model first catches up on the tokens committed since its last step (one forward over them,
+causal, in its own KV cache, which keeps the committed tokens only), whose last row scores the root's children.
+Then :func:`.eagle_tree.grow_tree` expands the best frontier nodes depth by depth, each depth one batched draft
+forward of the expanded nodes under a tree mask (a node sees the committed tokens, its expanded ancestors and
+itself), and keeps the nodes that maximise expected tokens per second on this machine's verify curve. The drafted
+rows never stay in the draft cache. Children are the draft's top-k (deterministic), so the lossless rule verifies
+them as point masses (verify.accept_speculative): sampled output keeps the target's distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..interfaces import DraftContext, TargetModel, request_twin, target_device
+from ..tree import TokenTree
+from .eagle_tree import LatencyCurve, ProbCalibration, grow_tree
+
+
+class DraftModelError(ValueError):
+    """The draft model cannot draft for this target (another vocabulary); the message says what to change."""
+
+
+class DraftModelDrafter:
+    """EAGLE-2 dynamic trees from a draft language model with its own KV cache, kept across steps."""
+
+    name = "draft-model"
+
+    def __init__(
+        self,
+        model: TargetModel,
+        target_vocab: int,
+        max_len: int = 4096,
+        depth: int = 12,
+        topk: int = 1,
+        latency: dict[int, float] | None = None,
+        draft_latency: dict[int, float] | None = None,
+    ) -> None:
+        """model: the draft model (a :class:`~treedraft.interfaces.TargetModel`: ``new_cache`` and ``forward`` with
+        a tree mask); target_vocab: the target's vocabulary size (the draft's may be smaller, never larger);
+        latency: the target's forward seconds per row count (the verify curve the tree is sized on; None keeps the
+        whole node budget); draft_latency: the draft model's (what a draft forward of n rows costs; default a
+        tenth of the target's one-row step per forward). depth / topk: the deepest draft and the children per
+        expanded node; the defaults draft one chain of up to 12 tokens, which measured fastest for a target drafted
+        by its own int4 file (SmolLM2 fp32, 5 MT-Bench first turns x 128: 1.89-2.11x plain against 1.71x for
+        depth 12 / topk 2 and 1.56x for depth 8 / topk 4; its top token is the target's ~98% of the time). A
+        draft that agrees less may pay for siblings: pass topk > 1."""
+        if depth < 1 or topk < 1:
+            raise ValueError(f"depth and topk must be >= 1, got {depth}, {topk}")
+        if model.vocab_size > target_vocab:
+            raise DraftModelError(
+                f"the draft model's vocabulary ({model.vocab_size} tokens) is larger than the target's "
+                f"({target_vocab}): a draft model must share the target's tokenizer; pick a smaller model of the "
+                "target's family"
+            )
+        self.model = model
+        self.depth, self.topk = depth, topk
+        self.max_len = max_len
+        self.curve = None if latency is None else LatencyCurve(latency)
+        self.draft_curve = None if draft_latency is None else LatencyCurve(draft_latency)
+        self.cal = ProbCalibration()  # acceptance per conditional draft probability, learned from verified nodes
+        self.last_expected = 1.0
+        self.room = max_len + depth * topk + 1  # slots a cache may need: the context and one step's drafted rows
+        self.cache = self._new_cache()
+        self.reset()
+
+    INITIAL_SLOTS = 512  # a cache starts this long and doubles as the context grows (each request has its own)
+
+    def _new_cache(self, need: int = 0):
+        """An empty draft cache of at least ``need`` slots: doubling from :data:`INITIAL_SLOTS`, at most ``room``."""
+        n = self.INITIAL_SLOTS
+        while n < need:
+            n *= 2
+        return self.model.new_cache(min(n, self.room))
+
+    def _ensure_room(self, need: int) -> None:
+        """Grow the draft cache to hold ``need`` slots, keeping what it holds (or, for a cache of another kind than
+        the own runtime's, starting over: the next commit recomputes the context)."""
+        old = self.cache
+        if need <= getattr(old, "max_len", self.room):
+            return
+        self.cache = self._new_cache(need)
+        if hasattr(old, "kv") and hasattr(self.cache, "kv"):  # (2 layers, B, n_kv, slots, head_dim)
+            self.cache.kv[:, :, :, : old.max_len] = old.kv  # the drafted slots past length too (_keep_drafted)
+            self.cache.length = old.length
+        else:
+            self.tokens, self.drafted_slots = [], {}
+
+    def reset(self) -> None:
+        """Forget the committed tokens (a new sequence starts)."""
+        self.cache.length = 0
+        self.tokens: list[int] = []  # the tokens in draft cache slots [0, cache.length)
+        # the last tree's expanded nodes: their tokens after the root -> draft cache slot (past cache.length, where
+        # they stay until the next forward): the accepted ones are kept instead of run again
+        self.drafted_slots: dict[tuple[int, ...], int] = {}
+        self.cal.reset()
+
+    def for_request(self) -> DraftModelDrafter:
+        """A twin for one request: the same draft model, its own KV cache and calibration."""
+        return request_twin(self, cache=self._new_cache(), cal=self.cal.fork())
+
+    def _seconds(self, rows: int, context: int) -> float:
+        """Estimated seconds of one draft forward of ``rows`` rows at ``context`` cached tokens (an estimate, not a
+        timing, so the tree is a function of the inputs)."""
+        if self.draft_curve is not None:
+            return float(self.draft_curve.at(context)(rows))
+        return 0.0 if self.curve is None else float(self.curve(1)) / 10
+
+    @torch.inference_mode()
+    def _commit(self, tokens: list[int]) -> tuple[Tensor, float]:
+        """Bring the draft cache to ``tokens`` (root last): keep the longest prefix it already holds, run the rest
+        (at least the root) causally; return the root row's logits (1, V) float32 and the estimated seconds it costs a
+        drafting step."""
+        r = len(tokens) - 1
+        if r + 1 > self.max_len:
+            raise ValueError(f"draft-model drafter: context {r + 1} exceeds its cache of {self.max_len} tokens")
+        self._ensure_room(r + 2 + self.depth * self.topk)
+        n, held = 0, min(len(self.tokens), self.cache.length, r)  # the root always runs: its row scores depth 1
+        while n < held and self.tokens[n] == tokens[n]:
+            n += 1
+        n += self._keep_drafted(tokens, n)
+        dev = target_device(self.model)
+        new = torch.tensor(tokens[n : r + 1], dtype=torch.long, device=dev)
+        chunk = 64 if n > 0 else len(new)  # decode-sized blocks on a warm cache (the native path), else whole
+        logits = None
+        for a in range(0, len(new), chunk):
+            block = new[a : a + chunk]
+            pos = torch.arange(n + a, n + a + len(block), device=dev)
+            logits, _ = self.model.forward(block[None], pos, self.cache, n + a, None, slice(-1, None))
+        self.cache.length = r + 1
+        self.tokens = list(tokens)
+        # what drafting costs per step: a step's accepted tokens and the root (a prompt, or the tokens of steps that
+        # skipped drafting, are owed whether this step drafts or not: not this tree's cost)
+        return logits[0].float(), self._seconds(min(len(new), self.depth + 1), n)
+
+    def _keep_drafted(self, tokens: list[int], n: int) -> int:
+        """Move the accepted drafted tokens' keys and values (the last tree's expanded nodes on the committed path,
+        the new root excluded) to the slots after the ``n`` held ones; returns how many. They were computed under
+        the tree mask over their own path, which is the causal prefix they now sit on."""
+        slots, self.drafted_slots = self.drafted_slots, {}
+        if not slots or n != self.cache.length:  # another sequence, or a step drafted nothing since
+            return 0
+        keep: list[int] = []
+        for j in range(n, len(tokens) - 1):
+            s = slots.get(tuple(tokens[n : j + 1]))
+            if s is None:
+                break
+            keep.append(s - n)
+        if keep:
+            self.cache.keep(n, keep)
+        return len(keep)
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        """A dynamic tree of at most ``ctx.max_nodes`` nodes (root included) and ``ctx.max_depth`` depth."""
+        budget = ctx.max_nodes - 1
+        depth = min(self.depth, ctx.max_depth, max(1, budget))
+        self.cal.learn(ctx.tokens)
+        if self.cal.skip_step(budget >= 1):  # back-off after a tree that did not pay
+            self.last_expected, self.drafted_slots = 1.0, {}
+            return TokenTree((ctx.root,), (-1,))
+        logits, first_seconds = self._commit(list(ctx.tokens))
+        if budget < 1:
+            self.last_expected = 1.0
+            return TokenTree((ctx.root,), (-1,))
+        base, r = self.cache.length, len(ctx.tokens) - 1
+        dev = target_device(self.model)
+        path_of: dict[int, tuple[int, ...]] = {0: ()}  # an expanded node's tokens after the root
+
+        def expand(nodes: list[int], toks: list[int], parents: list[int], depths: list[int], start: int, mask: Tensor):
+            pos = torch.tensor([r + d for d in depths], dtype=torch.long, device=dev)
+            out, _ = self.model.forward(torch.tensor([toks], device=dev), pos, self.cache, start, mask.to(dev))
+            for row, (i, p, t) in enumerate(zip(nodes, parents, toks)):
+                path_of[i] = path_of[p] + (t,)
+                self.drafted_slots[path_of[i]] = start + row
+            return out[0].float()
+
+        tree, expected, probs = grow_tree(
+            ctx.root,
+            logits,
+            expand,
+            base=base,
+            budget=budget,
+            depth=depth,
+            topk=self.topk,
+            curve=None if self.curve is None else self.curve.at(len(ctx.tokens)),
+            cal=self.cal,
+            # the commit, then one draft forward of (at most) topk rows per further depth
+            drafting_seconds=lambda forwards: first_seconds + (forwards - 1) * self._seconds(self.topk, base),
+        )
+        self.cache.length = base  # drafts never stay in the cache
+        self.last_expected = expected
+        self.cal.drafted(expected - 1.0, r, ctx.root, tree, probs)
+        return tree
+
+
+def draft_weights_for(model_path, device: torch.device, weights: str) -> tuple[str, str]:
+    """(weights, dtype) a draft model loads with: ``weights`` as given, or for "auto" the GGUF's int4 blocks on the
+    CPU where the own runtime runs its architecture (a draft's quality only moves its acceptance, never the output)
+    and dense weights elsewhere; fp32 on the CPU, bf16 on an accelerator."""
+    from ..models.gguf_meta import model_architecture
+    from ..models.loaders import own_runtime_loads
+
+    dtype = "fp32" if device.type == "cpu" else "bf16"
+    if weights != "auto":
+        return weights, dtype
+    own = own_runtime_loads(model_architecture(model_path), model_path.is_dir())
+    return ("int4" if device.type == "cpu" and own and model_path.is_file() else "fp32"), dtype
+
+
+def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
+    """Raise :class:`DraftModelError` unless the draft's tokenizer maps every id it has to the target's token."""
+    a, b = getattr(target_tok, "hf", None), getattr(draft_tok, "hf", None)
+    if a is None or b is None:
+        return
+    n = min(len(a), len(b))
+    ids = list(range(n))
+    ta, tb = a.convert_ids_to_tokens(ids), b.convert_ids_to_tokens(ids)
+    diff = [i for i in ids if ta[i] != tb[i]]
+    if diff:
+        i = diff[0]
+        raise DraftModelError(
+            f"draft model {draft_name!r} has another tokenizer than the target ({len(diff)} of {n} token ids differ, "
+            f"e.g. id {i}: {tb[i]!r} against {ta[i]!r}); a draft model must share the target's tokenizer"
+        )
+
+
+def load_draft_model(
+    target: TargetModel, tokenizer, model: str | None, weights: str = "auto", target_model: str = ""
+) -> DraftModelDrafter:
+    """A :class:`DraftModelDrafter` for ``target`` (loaded from ``target_model``) over ``model`` (registry name, .gguf
+    or HF directory; None: ``target_model`` itself) loaded beside it on its device, its trees sized by this
+    machine's measured latency curves of both models."""
+    from ..api import load_model
+    from ..budget import measured_latency
+    from ..models.registry import resolve
+
+    if not callable(getattr(target, "new_cache", None)):
+        raise DraftModelError(
+            "the draft-model drafter needs a target with a KV cache (the own runtime or transformers)"
+        )
+    model = model or target_model
+    if not model:
+        raise DraftModelError("no draft model given: pass --draft-model (load(draft_model=...))")
+    dev = target_device(target)
+    path = resolve(model)
+    w, dtype = draft_weights_for(path, dev, weights)
+    tw = (getattr(target, "weights_info", None) or {}).get("resolved", "fp32")
+    if target_model and resolve(target_model) == path and tw == w:
+        raise DraftModelError(
+            f"the draft model is the target itself with the same weights ({w}): drafting cannot be faster than "
+            "decoding then; give a smaller --draft-model, or --draft-weights int4 beside a float target"
+        )
+    max_len = getattr(target, "max_seq_len", 4096) or 4096
+    net, tok, _, _ = load_model(model, device=str(dev), dtype=dtype, max_seq_len=max_len, weights=w)
+    check_same_tokenizer(tokenizer, tok, model)
+    return DraftModelDrafter(
+        net, target.vocab_size, max_len=max_len, latency=measured_latency(target), draft_latency=measured_latency(net)
+    )

@@ -1,0 +1,260 @@
+"""Drafter ``draft-model``: a smaller model of the same tokenizer drafts EAGLE-2 trees. Exactness (greedy = plain,
+the sampled distribution), its own KV cache against a fresh recompute (growth included), the errors a user can
+cause, and the real model: fp32 target drafted by its own GGUF in int4."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from conftest import load_real_fp32_fixed_plan
+from spec_stats import assert_fits, fits, goodness_of_fit, one_thread, reference_rule  # noqa: F401
+from test_engine import Exact
+
+from treedraft.drafters import draft_model as dm
+from treedraft.drafters.draft_model import DraftModelDrafter, DraftModelError, check_same_tokenizer, load_draft_model
+from treedraft.engine import Engine, GenerationConfig
+from treedraft.interfaces import DraftContext
+from treedraft.models.tiny import tiny_llama
+from treedraft.sampling import SamplingParams, target_probs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny(seed: int, vocab: int = 32, scale: float = 2.0):
+    return tiny_llama(seed=seed, vocab_size=vocab, hidden=32, max_seq_len=256, scale=scale)
+
+
+def near_copy(model, noise: float, seed: int = 1):
+    """The target's weights plus seeded noise: a draft that agrees with it often, not always."""
+    draft = tiny_llama(seed=0, vocab_size=model.vocab_size, hidden=32, max_seq_len=256)
+    draft.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.abs().mean())
+    return draft
+
+
+def cfg(n: int, sampling: SamplingParams = SamplingParams(), **kw) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=n, sampling=sampling, ignore_eos=True, **kw)
+
+
+class CacheCheck:
+    """Wraps a DraftModelDrafter; after every propose its cache must hold exactly the committed tokens' keys and
+    values, as a fresh causal pass of the draft model over them computes them (drafted rows never stay)."""
+
+    name = "draft-check"
+
+    def __init__(self, d: DraftModelDrafter) -> None:
+        self.d, self.checked, self.grown = d, 0, set()
+
+    def propose(self, ctx: DraftContext):
+        tree = self.d.propose(ctx)
+        n = len(ctx.tokens)
+        assert self.d.cache.length == n and self.d.tokens == list(ctx.tokens)
+        fresh = self.d.model.new_cache(n)
+        self.d.model.forward(torch.tensor([ctx.tokens]), torch.arange(n), fresh, 0)
+        torch.testing.assert_close(self.d.cache.kv[:, :, :, :n], fresh.kv[:, :, :, :n], atol=1e-5, rtol=1e-5)
+        self.grown.add(self.d.cache.max_len)
+        self.checked += 1
+        return tree
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_spec_equals_plain_and_the_draft_cache_is_a_fresh_recompute(seed: int, monkeypatch) -> None:
+    """Greedy output = plain; the draft cache equals a fresh recompute after accepted and rejected steps, also
+    across its growth (started at 16 slots here, so a 100-token answer doubles it three times)."""
+    monkeypatch.setattr(DraftModelDrafter, "INITIAL_SLOTS", 16)
+    model = tiny(seed)
+    engine = Engine(model)
+    prompt = [5, 3, 8, 1, 9, 2]
+    ref = engine.generate(prompt, cfg(100), None).token_ids
+    d = DraftModelDrafter(near_copy(model, 0.15, seed), model.vocab_size, max_len=256, depth=4, topk=2)
+    check = CacheCheck(d)
+    r = engine.generate(prompt, cfg(100, max_tree_nodes=8), check)
+    assert r.token_ids == ref
+    accepted = [s.accepted for s in r.stats.steps]
+    assert sum(accepted) > 20 and any(a < s.tree_depth for a, s in zip(accepted, r.stats.steps))  # both kinds
+    # (the engine skips drafting where drafts have not paid lately: not every step proposes)
+    assert check.checked > 10 and max(check.grown) >= 128 and min(check.grown) == 16
+
+
+def test_a_request_twin_keeps_its_own_cache_and_the_drafts_respect_the_budget() -> None:
+    """for_request gives a twin with its own (empty) cache over the same draft model; trees stay within the node
+    budget and depth and are tries rooted at the root."""
+    model = tiny(3)
+    d = DraftModelDrafter(near_copy(model, 0.1), model.vocab_size, max_len=256, depth=5, topk=3)
+    d.propose(DraftContext([1, 2, 3, 4], None, 8, 5))
+    twin = d.for_request()
+    assert twin.model is d.model and twin.cache is not d.cache and twin.cache.length == 0 and d.cache.length == 4
+    for budget, depth in ((2, 5), (5, 2), (12, 5)):
+        t = twin.propose(DraftContext([1, 2, 3, 4, 5][: 3 + budget % 3], None, budget, depth))
+        assert len(t) <= budget and t.tokens[0] == [1, 2, 3, 4, 5][: 3 + budget % 3][-1]
+        assert max(t.depths()) <= depth
+        kids = [(p, tok) for tok, p in zip(t.tokens[1:], t.parents[1:])]
+        assert len(kids) == len(set(kids)) and all(p < i + 1 for i, (p, _) in enumerate(kids))
+
+
+def sequence_counts(trials: int, n: int = 3) -> tuple[Counter, dict]:
+    """Sequences of ``n`` tokens sampled with a draft model, and the exact plain distribution. The draft is close to
+    the target, so its sibling children are the target's likely tokens: a rule that mishandles a rejected sibling
+    then moves a lot of probability (chi-square 275 against 13.5 for the exact rule, threshold 71)."""
+    V = 12
+    model = tiny(4, vocab=V, scale=1.0)
+    engine = Engine(model)
+    prompt = [1, 5, 2]
+    expected = Exact(model, SamplingParams(temperature=1.0)).sequences(prompt, n)
+    d = DraftModelDrafter(near_copy(model, 0.1, 5), V, max_len=64, depth=2, topk=3)
+    counts: Counter = Counter()
+    accepted = 0
+    for i in range(trials):
+        r = engine.generate(prompt, cfg(n, SamplingParams(1.0, seed=900 + i), max_tree_nodes=8), d)
+        counts[tuple(r.token_ids)] += 1
+        accepted += r.stats.accepted_tokens
+    assert accepted > trials / 2  # drafts were accepted (and rejected), so the rule mattered
+    return counts, expected
+
+
+def test_sampling_with_a_draft_model_matches_plain_distribution() -> None:
+    counts, expected = sequence_counts(1200)
+    assert_fits(counts, expected, "speculative sampling with a draft model")
+
+
+def test_sampling_check_catches_a_broken_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same check fails when a rejected deterministic draft is not removed from p (no renormalisation)."""
+    import treedraft.scheduler as scheduler_mod
+
+    wrong = reference_rule(renorm=False)
+    monkeypatch.setattr(
+        scheduler_mod,
+        "accept",
+        lambda rule, tree, logits, params, gen, position=None: wrong(tree, target_probs(logits, params), gen),
+    )
+    counts, expected = sequence_counts(1200)
+    assert not fits(counts, expected), goodness_of_fit(counts, expected)
+
+
+class FakeTok:
+    """A tokenizer stand-in: ``hf`` maps ids to token strings."""
+
+    def __init__(self, tokens: list[str]) -> None:
+        self.hf = self
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.tokens[i] for i in ids]
+
+
+def test_a_draft_model_of_another_vocabulary_or_tokenizer_is_refused() -> None:
+    model = tiny(0, vocab=32)
+    with pytest.raises(DraftModelError, match=r"vocabulary \(40 tokens\) is larger than the target's \(32\)"):
+        DraftModelDrafter(tiny(0, vocab=40), 32)
+    DraftModelDrafter(tiny(0, vocab=24), 32)  # a smaller vocabulary (a padded target's) drafts ids the target has
+    words = [f"t{i}" for i in range(32)]
+    check_same_tokenizer(FakeTok(words), FakeTok(words[:30]), "small")  # the same tokens where both have them
+    other = words[:7] + ["x"] + words[8:]
+    with pytest.raises(
+        DraftModelError, match=r"another tokenizer than the target \(1 of 32 token ids differ, e.g. id 7"
+    ):
+        check_same_tokenizer(FakeTok(words), FakeTok(other), "other")
+    # the target's own file in its own weights cannot draft faster than it decodes: said before any load
+    model.weights_info = {"resolved": "int4"}
+    with pytest.raises(DraftModelError, match="the target itself with the same weights"):
+        load_draft_model(model, None, None, "int4", "smollm2-135m-instruct")
+    with pytest.raises(DraftModelError, match="no draft model given"):
+        load_draft_model(model, None, None, "auto", "")
+
+
+def test_draft_weights_auto_is_int4_on_the_cpu_for_a_gguf() -> None:
+    from pathlib import Path
+
+    from treedraft.models.registry import resolve
+
+    assert dm.draft_weights_for(resolve("smollm2-135m-instruct"), torch.device("cpu"), "auto") == ("int4", "fp32")
+    assert dm.draft_weights_for(resolve("smollm2-135m-instruct"), torch.device("cpu"), "int8") == ("int8", "fp32")
+    assert dm.draft_weights_for(Path("/nonexistent.gguf"), torch.device("cuda"), "fp32") == ("fp32", "bf16")
+
+
+def test_fp32_target_drafted_by_its_own_int4_file_equals_plain_real_model() -> None:
+    """The real model in fp32, drafted by its own GGUF packed in int4 (load(draft_model=...) makes draft-model the
+    drafter): every output equals fp32 plain decoding, with this machine's tree sizing (which here, on the test's
+    fixed fp32 kernel plan, prices a 2-row verify at ~2x a 1-row one and so drafts rarely) and with the whole
+    budget, where the int4 chains must be accepted (SmolLM2 int4's top token is fp32's ~98% of the time)."""
+    llm = load_real_fp32_fixed_plan(draft_model="smollm2-135m-instruct", draft_weights="int4")
+    sized = llm.engine.drafter
+    assert sized.name == "draft-model" and sized.model is not llm.model
+    assert (sized.model.weights_info or {}).get("resolved") == "int4"
+    full = DraftModelDrafter(sized.model, llm.model.vocab_size, max_len=llm.model.max_seq_len, latency=None)
+    for q in ("Write a short poem about the sea.", "Explain what a hash table is."):
+        plain = llm.generate(q, drafter=None, max_new_tokens=64)
+        assert llm.generate(q, max_new_tokens=64).token_ids == plain.token_ids
+        spec = llm.generate(q, drafter=full, max_new_tokens=64, max_tree_nodes=9)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.mean_accepted_length > 4.0
+
+
+def test_cli_flags_reach_load_and_a_draft_model_picks_the_drafter(monkeypatch) -> None:
+    """--draft-model / --draft-weights on generate, serve and bench become load()'s draft_model / draft_weights;
+    in load() a draft model given with the default drafter makes draft-model the drafter (an explicit drafter
+    stays), and an unknown drafter name still fails before any load."""
+    import treedraft
+    import treedraft.api as api
+    from treedraft.cli import build_parser, draft_kwargs, load_from_args
+
+    ap = build_parser()
+    a = ap.parse_args(["generate", "hi", "--draft-model", "small.gguf", "--draft-weights", "int8"])
+    assert draft_kwargs(a) == {"draft_model": "small.gguf", "draft_weights": "int8"}
+    for argv in (["serve"], ["bench", "--methods", "draft-model"]):
+        assert draft_kwargs(ap.parse_args([*argv, "--draft-model", "m"]))["draft_model"] == "m"
+    seen: dict = {}
+    monkeypatch.setattr(treedraft, "load", lambda *args, **kw: seen.update(kw) or object())
+    monkeypatch.setattr(api, "freeze_gc", lambda: 0)
+    load_from_args(a)
+    assert seen["draft_model"] == "small.gguf" and seen["draft_weights"] == "int8" and seen["drafter"] == "default"
+
+    picked: list = []
+
+    def fake_load_model(*args, **kw):
+        raise RuntimeError("stop after the drafter name was checked")
+
+    monkeypatch.setattr(api, "load_model", fake_load_model)
+    monkeypatch.setattr(api, "canonical", lambda name: picked.append(name) or name)
+    for drafter, want in (("default", "draft-model"), ("suffix", "suffix")):
+        with pytest.raises(RuntimeError, match="stop after"):
+            api.load(drafter=drafter, draft_model="small.gguf")
+        assert picked[-1] == want
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="unknown drafter 'nope'"):
+        api.load(drafter="nope", draft_model="small.gguf")
+
+
+def test_prob_calibration_learns_acceptance_per_draft_probability_and_forks_share_it() -> None:
+    """Verified nodes teach P(accepted | parent accepted) per bin of the draft's conditional probability: a chain
+    whose p = 0.55 nodes are always accepted and whose p = 0.15 node never is ends with rates near 1 and near 0
+    (EAGLE-2's path probability would value the second node at 0.3); request forks learn into the same bins."""
+    import math
+
+    from treedraft.drafters.eagle_tree import ProbCalibration
+    from treedraft.tree import TokenTree
+
+    cal = ProbCalibration()
+    assert cal.rate(0.55) == pytest.approx(0.55) and cal.rate(0.15) == pytest.approx(0.15)  # the prior: p itself
+    # root 7 -> 1 -> 2 -> 3, and 7 -> 4 -> 5: node 5 (p 0.55) is never verified (its parent 4 is rejected)
+    tree = TokenTree((7, 1, 2, 3, 4, 5), (-1, 0, 1, 2, 0, 4))
+    context = list(range(10))
+    for k in range(60):
+        who = cal if k % 2 else cal.fork()  # every other tree through a request's fork
+        who.drafted(1.25, 10, 7, tree, [0.55, 0.55, 0.15, 0.15, 0.55])
+        who.learn(context + [7, 1, 2, 9])  # 1 and 2 accepted, 3 and 4 rejected (the target chose 9)
+    assert cal.rate(0.55) > 0.95 and cal.rate(0.15) < 0.05
+    assert cal.seen[5] > 90  # 2 verified p = 0.55 nodes per tree, 60 trees decayed by 0.995: ~104 (30 trees: ~56)
+    two = cal.child_key(cal.child_key(0.0, math.log(0.55)), math.log(0.55))
+    assert cal.value(two) > 0.9 > 0.05 > cal.value(cal.child_key(0.0, math.log(0.15)))
+    cal.drafted(1.0, 10, 7, tree, [0.55, 0.55, 0.15])
+    cal.learn([5, 5, 5])  # another sequence: nothing learned
+    assert cal.rate(0.55) > 0.95
