@@ -209,6 +209,8 @@ def test_cli_loads_freeze_the_models_objects_out_of_the_gc(monkeypatch) -> None:
         weights=None,
         kv_dtype=None,
         max_seq_len=4096,
+        draft_model=None,
+        draft_weights="auto",
     )
     monkeypatch.setattr("treedraft.cli.suffix_kwargs", lambda a: {})
     try:

@@ -26,9 +26,9 @@ def tiny(seed: int, vocab: int = 32, scale: float = 2.0):
     return tiny_llama(seed=seed, vocab_size=vocab, hidden=32, max_seq_len=256, scale=scale)
 
 
-def near_copy(model, noise: float, seed: int = 1):
+def near_copy(model, noise: float, seed: int = 1, max_seq_len: int = 256):
     """The target's weights plus seeded noise: a draft that agrees with it often, not always."""
-    draft = tiny_llama(seed=0, vocab_size=model.vocab_size, hidden=32, max_seq_len=256)
+    draft = tiny_llama(seed=0, vocab_size=model.vocab_size, hidden=32, max_seq_len=max_seq_len)
     draft.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -48,17 +48,20 @@ class CacheCheck:
     name = "draft-check"
 
     def __init__(self, d: DraftModelDrafter) -> None:
-        self.d, self.checked, self.grown = d, 0, set()
+        self.d, self.checked, self.grown, self.skipped = d, 0, set(), 0
 
     def propose(self, ctx: DraftContext):
         tree = self.d.propose(ctx)
-        n = len(ctx.tokens)
-        assert self.d.cache.length == n and self.d.tokens == list(ctx.tokens)
+        n, held = len(ctx.tokens), self.d.cache.length
+        # a step that drafted holds the whole context; one that skipped drafting (back-off) catches up later
+        assert held == n if len(tree) > 1 else held <= n
+        assert self.d.tokens[:held] == list(ctx.tokens[:held])
         fresh = self.d.model.new_cache(n)
         self.d.model.forward(torch.tensor([ctx.tokens]), torch.arange(n), fresh, 0)
-        torch.testing.assert_close(self.d.cache.kv[:, :, :, :n], fresh.kv[:, :, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(self.d.cache.kv[:, :, :, :held], fresh.kv[:, :, :, :held], atol=1e-5, rtol=1e-5)
         self.grown.add(self.d.cache.max_len)
         self.checked += 1
+        self.skipped += len(tree) == 1
         return tree
 
 
@@ -71,14 +74,99 @@ def test_greedy_spec_equals_plain_and_the_draft_cache_is_a_fresh_recompute(seed:
     engine = Engine(model)
     prompt = [5, 3, 8, 1, 9, 2]
     ref = engine.generate(prompt, cfg(100), None).token_ids
-    d = DraftModelDrafter(near_copy(model, 0.15, seed), model.vocab_size, max_len=256, depth=4, topk=2)
+    draft = near_copy(model, 0.15, seed)
+    d = DraftModelDrafter(draft, model.vocab_size, max_len=256, depth=4, topk=2)
+    commit_rows = count_commit_rows(d)
     check = CacheCheck(d)
     r = engine.generate(prompt, cfg(100, max_tree_nodes=8), check)
     assert r.token_ids == ref
     accepted = [s.accepted for s in r.stats.steps]
     assert sum(accepted) > 20 and any(a < s.tree_depth for a, s in zip(accepted, r.stats.steps))  # both kinds
+    # accepted drafted rows are kept, not run again: the commits ran the prompt, each step's root and the accepted
+    # leaves no draft forward had expanded, far fewer rows than the prompt plus every committed token
+    assert sum(commit_rows) < len(prompt) + len(r.token_ids) - 15
     # (the engine skips drafting where drafts have not paid lately: not every step proposes)
     assert check.checked > 10 and max(check.grown) >= 128 and min(check.grown) == 16
+
+
+def count_commit_rows(d: DraftModelDrafter) -> list[int]:
+    """Record the rows of each causal (mask-less: a commit's) forward of ``d``'s draft model into ``d``'s cache."""
+    rows: list[int] = []
+    forward = d.model.forward
+
+    def counted(tokens, positions, cache=None, start=None, mask=None, logits_for=None):
+        if mask is None and cache is d.cache:
+            rows.append(tokens.shape[-1])
+        return forward(tokens, positions, cache, start, mask, logits_for)
+
+    d.model.forward = counted
+    return rows
+
+
+@pytest.mark.parametrize("noise,draft_cost", [(0.03, 0.05), (1.5, 0.6)])
+def test_trees_sized_on_latency_curves_stay_exact_and_back_off(noise: float, draft_cost: float) -> None:
+    """With both latency curves the tree is sized for tokens per second: a good cheap draft drafts chains, a poor
+    dear one backs off (steps drafting nothing); either way output = plain and the cache holds what it should."""
+    model = tiny(5)
+    engine = Engine(model)
+    prompt = [4, 2, 7, 7, 1]
+    ref = engine.generate(prompt, cfg(80), None).token_ids
+    target = {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4, 16: 2.0, 32: 3.2, 64: 6.0}
+    dl = {k: draft_cost * v for k, v in target.items()}
+    d = DraftModelDrafter(near_copy(model, noise, 3), model.vocab_size, max_len=256, latency=target, draft_latency=dl)
+    check = CacheCheck(d)
+    r = engine.generate(prompt, cfg(80, max_tree_nodes=16), check)
+    assert r.token_ids == ref and check.checked > 5
+    if noise < 1:
+        assert r.stats.mean_accepted_length > 2.0
+    else:
+        assert check.skipped > 0  # back-off: trees that did not pay were followed by steps that drafted nothing
+
+
+def test_a_transformers_draft_model_drafts_up_to_its_own_window(tmp_path, monkeypatch) -> None:
+    """A draft model behind the transformers adapter (HFCache: no .kv, another keep) drafts for an own-runtime
+    target of the same weights; its cache restarts when it grows, and near the end of the draft's 256-token window
+    the trees shrink instead of overflowing it (the target's window is 256 too, the drafter told 300)."""
+    transformers = pytest.importorskip("transformers")
+    from treedraft.models.hf_adapter import HFTarget
+    from treedraft.models.loaders import load_hf_dir
+
+    cfg_hf = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.25,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg_hf).eval()
+    hf.save_pretrained(str(tmp_path))
+    own = load_hf_dir(tmp_path, torch.float32, "cpu")  # the same weights: the draft agrees with the target
+    monkeypatch.setattr(DraftModelDrafter, "INITIAL_SLOTS", 16)
+    d = DraftModelDrafter(HFTarget.from_model(hf), 32, max_len=300, depth=6)
+    assert d.room == 256
+    engine = Engine(own)
+    prompt = [3, 9, 4, 1, 8]
+    ref = engine.generate(prompt, cfg(250), None).token_ids
+    r = engine.generate(prompt, cfg(250, max_tree_nodes=8), d)
+    assert r.token_ids == ref and len(ref) == 250
+    assert r.stats.mean_accepted_length > 3.0  # the same weights: the drafts are the target's greedy tokens
+
+
+def test_a_draft_model_with_a_shorter_window_drafts_less_then_nothing_past_it() -> None:
+    """A draft model whose window (64) is shorter than the target's: trees get shallower near its end and stop past
+    it, never writing past its cache; the output stays plain's."""
+    model = tiny(2)
+    engine = Engine(model)
+    prompt = [7, 1, 4, 4, 9]
+    ref = engine.generate(prompt, cfg(120), None).token_ids
+    d = DraftModelDrafter(near_copy(model, 0.03, 4, max_seq_len=64), model.vocab_size, max_len=256, depth=6)
+    assert d.room == 64
+    r = engine.generate(prompt, cfg(120, max_tree_nodes=8), d)
+    assert r.token_ids == ref
+    drafted = [
+        len(prompt) + sum(s.accepted + 1 for s in r.stats.steps[:i])
+        for i, s in enumerate(r.stats.steps)
+        if s.tree_size > 1
+    ]
+    assert drafted and max(drafted) < 64  # no tree once the context passed the draft's window
 
 
 def test_a_request_twin_keeps_its_own_cache_and_the_drafts_respect_the_budget() -> None:
@@ -94,7 +182,7 @@ def test_a_request_twin_keeps_its_own_cache_and_the_drafts_respect_the_budget() 
         assert len(t) <= budget and t.tokens[0] == [1, 2, 3, 4, 5][: 3 + budget % 3][-1]
         assert max(t.depths()) <= depth
         kids = [(p, tok) for tok, p in zip(t.tokens[1:], t.parents[1:])]
-        assert len(kids) == len(set(kids)) and all(p < i + 1 for i, (p, _) in enumerate(kids))
+        assert len(kids) == len(set(kids))  # a trie: no two children of a node share a token
 
 
 def sequence_counts(trials: int, n: int = 3) -> tuple[Counter, dict]:
@@ -175,9 +263,13 @@ def test_draft_weights_auto_is_int4_on_the_cpu_for_a_gguf() -> None:
 
     from treedraft.models.registry import resolve
 
-    assert dm.draft_weights_for(resolve("smollm2-135m-instruct"), torch.device("cpu"), "auto") == ("int4", "fp32")
-    assert dm.draft_weights_for(resolve("smollm2-135m-instruct"), torch.device("cpu"), "int8") == ("int8", "fp32")
-    assert dm.draft_weights_for(Path("/nonexistent.gguf"), torch.device("cuda"), "fp32") == ("fp32", "bf16")
+    gguf, cpu, cuda = resolve("smollm2-135m-instruct"), torch.device("cpu"), torch.device("cuda")
+    assert dm.draft_weights_for(gguf, cpu, "auto", torch.float32) == ("int4", "fp32")
+    assert dm.draft_weights_for(gguf, cpu, "int8", torch.bfloat16) == ("int8", "fp32")
+    assert dm.draft_weights_for(gguf, cpu, "fp32", torch.bfloat16) == ("fp32", "bf16")  # dense: the target's dtype
+    assert dm.draft_weights_for(Path("/nonexistent.gguf"), cuda, "fp32", torch.float16) == ("fp32", "fp16")
+    with pytest.raises(DraftModelError, match="--draft-weights int4 runs on the CPU only"):
+        dm.draft_weights_for(gguf, cuda, "int4", torch.bfloat16)
 
 
 def test_fp32_target_drafted_by_its_own_int4_file_equals_plain_real_model() -> None:

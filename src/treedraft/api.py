@@ -426,7 +426,8 @@ def load(
     with int4/int8 weights, else the weights' dtype; see :func:`kv_dtype_for`).
     draft_model: the model drafter 'draft-model' drafts with (registry name, .gguf or HF directory sharing the
     target's tokenizer; None: the target's own file, packed in ``draft_weights``); giving one makes 'draft-model' the
-    default drafter. draft_weights: its weights, as ``weights`` ('auto': int4 on the CPU, else the dtype's).
+    default drafter. draft_weights: its weights, as ``weights`` ('auto': int4 on the CPU for a GGUF the own runtime
+    runs, else dense in the target's dtype).
     """
     from .drafters.suffix import open_suffix_store
 
@@ -483,7 +484,7 @@ def load_model(
     if arch in GEMMA_ARCHS and dt == torch.float16:  # its activations outgrow fp16's range (65504)
         warnings.warn(
             "Gemma 3 overflows in float16 (its residual stream exceeds fp16's range); use --dtype bf16 or fp32",
-            stacklevel=2,
+            stacklevel=3,  # the caller of load()
         )
     from .models.quant_load import resolve_weights  # --weights (issue 11): begin
 

@@ -95,7 +95,8 @@ def add_draft_model_args(p: argparse.ArgumentParser) -> None:
         "--draft-weights",
         default="auto",
         choices=WEIGHTS,
-        help="drafter draft-model: the draft model's weights (auto: int4 on the CPU, the --dtype elsewhere)",
+        help="drafter draft-model: the draft model's weights (auto: int4 on the CPU for a GGUF the own runtime "
+        "runs, else dense in the target's dtype)",
     )
 
 

@@ -67,11 +67,14 @@ class DraftModelDrafter:
         self.draft_curve = None if draft_latency is None else LatencyCurve(draft_latency)
         self.cal = ProbCalibration()  # acceptance per conditional draft probability, learned from verified nodes
         self.last_expected = 1.0
-        self.room = max_len + depth * topk + 1  # slots a cache may need: the context and one step's drafted rows
+        # slots a cache may take: the context and one step's drafted rows, within the draft model's own window (past
+        # it the step drafts less, or nothing: see propose)
+        self.room = min(max_len + depth * topk + 1, getattr(model, "max_seq_len", None) or 1 << 30)
         self.cache = self._new_cache()
         self.reset()
 
     INITIAL_SLOTS = 512  # a cache starts this long and doubles as the context grows (each request has its own)
+    PREFILL_ROWS = 512
 
     def _new_cache(self, need: int = 0):
         """An empty draft cache of at least ``need`` slots: doubling from :data:`INITIAL_SLOTS`, at most ``room``."""
@@ -100,6 +103,7 @@ class DraftModelDrafter:
         # the last tree's expanded nodes: their tokens after the root -> draft cache slot (past cache.length, where
         # they stay until the next forward): the accepted ones are kept instead of run again
         self.drafted_slots: dict[tuple[int, ...], int] = {}
+        self.bad_token: tuple[int, int] | None = None  # (position, id) of a token the draft model cannot embed
         self.cal.reset()
 
     def for_request(self) -> DraftModelDrafter:
@@ -114,21 +118,33 @@ class DraftModelDrafter:
         return 0.0 if self.curve is None else float(self.curve(1)) / 10
 
     @torch.inference_mode()
-    def _commit(self, tokens: list[int]) -> tuple[Tensor, float]:
+    def _blocked(self, tokens: list[int]) -> bool:
+        """Whether this sequence holds a token id the draft model has no embedding for (a special token of a larger
+        target vocabulary, found by an earlier commit): it drafts nothing for the rest of the sequence."""
+        at = self.bad_token
+        return at is not None and len(tokens) > at[0] and tokens[at[0]] == at[1]
+
+    def _commit(self, tokens: list[int]) -> tuple[Tensor, float] | None:
         """Bring the draft cache to ``tokens`` (root last): keep the longest prefix it already holds, run the rest
         (at least the root) causally; return the root row's logits (1, V) float32 and the estimated seconds it costs a
-        drafting step."""
+        drafting step, or None where a new token is outside the draft model's vocabulary (:meth:`_blocked`)."""
         r = len(tokens) - 1
         if r + 1 > self.max_len:
             raise ValueError(f"draft-model drafter: context {r + 1} exceeds its cache of {self.max_len} tokens")
-        self._ensure_room(r + 2 + self.depth * self.topk)
+        self._ensure_room(min(self.room, r + 2 + self.depth * self.topk))
         n, held = 0, min(len(self.tokens), self.cache.length, r)  # the root always runs: its row scores depth 1
         while n < held and self.tokens[n] == tokens[n]:
             n += 1
         n += self._keep_drafted(tokens, n)
+        bad = next((i for i in range(n, r + 1) if tokens[i] >= self.model.vocab_size), None)
+        if bad is not None:
+            self.bad_token = (bad, tokens[bad])
+            return None
         dev = target_device(self.model)
         new = torch.tensor(tokens[n : r + 1], dtype=torch.long, device=dev)
-        chunk = 64 if n > 0 else len(new)  # decode-sized blocks on a warm cache (the native path), else whole
+        # decode-sized blocks on a warm cache (the native path); a prompt in blocks of PREFILL_ROWS (its masks,
+        # (rows, context) per layer kind, stay small on long prompts)
+        chunk = 64 if n > 0 else self.PREFILL_ROWS
         logits = None
         for a in range(0, len(new), chunk):
             block = new[a : a + chunk]
@@ -161,16 +177,24 @@ class DraftModelDrafter:
     def propose(self, ctx: DraftContext) -> TokenTree:
         """A dynamic tree of at most ``ctx.max_nodes`` nodes (root included) and ``ctx.max_depth`` depth."""
         budget = ctx.max_nodes - 1
-        depth = min(self.depth, ctx.max_depth, max(1, budget))
+        r = len(ctx.tokens) - 1
+        # depth d needs (d - 1) x topk draft cache slots past the context: near the end of the draft model's window
+        # the tree is shallower, and past it there is none
+        depth = min(self.depth, ctx.max_depth, max(1, budget), 1 + (self.room - r - 1) // self.topk)
         self.cal.learn(ctx.tokens)
-        if self.cal.skip_step(budget >= 1):  # back-off after a tree that did not pay
+        stub = TokenTree((ctx.root,), (-1,))
+        if self.cal.skip_step(budget >= 1 and depth >= 1):  # back-off after a tree that did not pay
             self.last_expected, self.drafted_slots = 1.0, {}
-            return TokenTree((ctx.root,), (-1,))
-        logits, first_seconds = self._commit(list(ctx.tokens))
-        if budget < 1:
-            self.last_expected = 1.0
-            return TokenTree((ctx.root,), (-1,))
-        base, r = self.cache.length, len(ctx.tokens) - 1
+            return stub
+        self.last_expected = 1.0
+        if budget < 1 or depth < 1 or self._blocked(ctx.tokens):
+            self.drafted_slots = {}
+            return stub
+        commit = self._commit(list(ctx.tokens))
+        if commit is None:
+            return stub
+        logits, first_seconds = commit
+        base = self.cache.length
         dev = target_device(self.model)
         path_of: dict[int, tuple[int, ...]] = {0: ()}  # an expanded node's tokens after the root
 
@@ -201,18 +225,28 @@ class DraftModelDrafter:
         return tree
 
 
-def draft_weights_for(model_path, device: torch.device, weights: str) -> tuple[str, str]:
-    """(weights, dtype) a draft model loads with: ``weights`` as given, or for "auto" the GGUF's int4 blocks on the
-    CPU where the own runtime runs its architecture (a draft's quality only moves its acceptance, never the output)
-    and dense weights elsewhere; fp32 on the CPU, bf16 on an accelerator."""
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def draft_weights_for(model_path, device: torch.device, weights: str, dtype: torch.dtype) -> tuple[str, str]:
+    """(weights, dtype name) a draft model loads with: ``weights`` as given, or for "auto" the GGUF's int4 blocks on
+    the CPU where the own runtime runs its architecture (a draft's quality only moves its acceptance, never the
+    output) and dense weights elsewhere. Dense weights take the target's ``dtype``; int4 / int8 run in fp32 on the
+    CPU only (a DraftModelError says so for another device)."""
     from ..models.gguf_meta import model_architecture
     from ..models.loaders import own_runtime_loads
 
-    dtype = "fp32" if device.type == "cpu" else "bf16"
-    if weights != "auto":
-        return weights, dtype
-    own = own_runtime_loads(model_architecture(model_path), model_path.is_dir())
-    return ("int4" if device.type == "cpu" and own and model_path.is_file() else "fp32"), dtype
+    if weights == "auto":
+        own = own_runtime_loads(model_architecture(model_path), model_path.is_dir())
+        weights = "int4" if device.type == "cpu" and own and model_path.is_file() else "fp32"
+    if weights in ("int4", "int8"):
+        if device.type != "cpu":
+            raise DraftModelError(
+                f"--draft-weights {weights} runs on the CPU only, and the target is on {device}: give a smaller "
+                "--draft-model in dense weights (--draft-weights fp32 or auto)"
+            )
+        return weights, "fp32"
+    return weights, DTYPE_NAMES.get(dtype, "fp32")
 
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
@@ -251,16 +285,25 @@ def load_draft_model(
         raise DraftModelError("no draft model given: pass --draft-model (load(draft_model=...))")
     dev = target_device(target)
     path = resolve(model)
-    w, dtype = draft_weights_for(path, dev, weights)
+    params = target.parameters() if callable(getattr(target, "parameters", None)) else iter(())
+    first = next(iter(params), None)
+    w, dtype = draft_weights_for(path, dev, weights, first.dtype if first is not None else torch.float32)
     tw = (getattr(target, "weights_info", None) or {}).get("resolved", "fp32")
-    if target_model and resolve(target_model) == path and tw == w:
+    if target_model and resolve(target_model).resolve() == path.resolve() and tw == w:
+        hint = "or --draft-weights int4 beside a float target" if dev.type == "cpu" else f"(on {dev} it must be one)"
         raise DraftModelError(
             f"the draft model is the target itself with the same weights ({w}): drafting cannot be faster than "
-            "decoding then; give a smaller --draft-model, or --draft-weights int4 beside a float target"
+            f"decoding then; give a smaller --draft-model {hint}"
         )
     max_len = getattr(target, "max_seq_len", 4096) or 4096
     net, tok, _, _ = load_model(model, device=str(dev), dtype=dtype, max_seq_len=max_len, weights=w)
     check_same_tokenizer(tokenizer, tok, model)
+    n_tok = len(tokenizer.hf) if getattr(tokenizer, "hf", None) is not None else 0
+    if n_tok > net.vocab_size:
+        raise DraftModelError(
+            f"the target's tokenizer has {n_tok} tokens and draft model {model!r} embeds only {net.vocab_size}: "
+            "its ids past that would have no row; pick a draft model with the target's whole vocabulary"
+        )
     return DraftModelDrafter(
         net, target.vocab_size, max_len=max_len, latency=measured_latency(target), draft_latency=measured_latency(net)
     )

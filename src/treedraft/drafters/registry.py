@@ -373,6 +373,22 @@ def _draft_model(target: TargetModel, tokenizer: Any, options: DrafterOptions) -
     return load_draft_model(target, tokenizer, options.draft_model, options.draft_weights, options.model_name)
 
 
+def _hybrid_draft(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
+    from .hybrid import HybridDrafter
+    from .suffix import make_suffix_drafter
+
+    # the draft model's tree + suffix chains: a confident suffix chain (>= 2 expected tokens: copied text, earlier
+    # outputs) leads alone and the draft model is not run that step; otherwise both trees are verified as one
+    sizing = suffix_sizing(target)
+    suffix = make_suffix_drafter(options.suffix_store, options.tenant, min_match=1, **sizing)
+    return HybridDrafter(
+        [_draft_model(target, tokenizer, options), suffix],
+        name="hybrid-draft",
+        lead_extra=0,
+        latency=sizing.get("latency"),
+    )
+
+
 def _suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
     from .suffix import make_suffix_drafter
 
@@ -400,6 +416,11 @@ register(
     _draft_model,
     "a smaller draft model of the same tokenizer (--draft-model; default: the target's own file in int4), "
     "drafting EAGLE-2 dynamic trees",
+)
+register(
+    "hybrid-draft",
+    _hybrid_draft,
+    "draft-model tree + suffix chains; a confident suffix chain drafts alone (the draft model idles that step)",
 )
 register(
     "suffix",
