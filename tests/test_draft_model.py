@@ -273,12 +273,13 @@ def test_draft_weights_auto_is_int4_on_the_cpu_for_a_gguf() -> None:
 
 
 def test_fp32_target_drafted_by_its_own_int4_file_equals_plain_real_model() -> None:
-    """The real model in fp32, drafted by its own GGUF packed in int4 (load(draft_model=...) makes draft-model the
-    drafter): every output equals fp32 plain decoding, with this machine's tree sizing (which here, on the test's
+    """The real model in fp32, drafted by its own GGUF packed in int4 (load(draft_model=...) makes hybrid-draft the
+    drafter): every output equals fp32 plain decoding (the default drafter's too), with this machine's tree sizing (which here, on the test's
     fixed fp32 kernel plan, prices a 2-row verify at ~2x a 1-row one and so drafts rarely) and with the whole
     budget, where the int4 chains must be accepted (SmolLM2 int4's top token is fp32's ~98% of the time)."""
     llm = load_real_fp32_fixed_plan(draft_model="smollm2-135m-instruct", draft_weights="int4")
-    sized = llm.engine.drafter
+    assert llm.engine.drafter.name == "hybrid-draft"  # a draft model given: with suffix chains by default
+    sized = llm.drafters.get("draft-model")
     assert sized.name == "draft-model" and sized.model is not llm.model
     assert (sized.model.weights_info or {}).get("resolved") == "int4"
     full = DraftModelDrafter(sized.model, llm.model.vocab_size, max_len=llm.model.max_seq_len, latency=None)
@@ -316,7 +317,7 @@ def test_cli_flags_reach_load_and_a_draft_model_picks_the_drafter(monkeypatch) -
 
     monkeypatch.setattr(api, "load_model", fake_load_model)
     monkeypatch.setattr(api, "canonical", lambda name: picked.append(name) or name)
-    for drafter, want in (("default", "draft-model"), ("suffix", "suffix")):
+    for drafter, want in (("default", "hybrid-draft"), ("suffix", "suffix")):
         with pytest.raises(RuntimeError, match="stop after"):
             api.load(drafter=drafter, draft_model="small.gguf")
         assert picked[-1] == want

@@ -53,21 +53,27 @@ def test_the_bundled_model_defaults_to_hybrid_with_suffix() -> None:
     assert registry.default_name(DrafterOptions("smollm2-135m-instruct")) == "hybrid-suffix"
 
 
-def test_the_bundled_model_on_float_weights_defaults_to_hybrid_eagle() -> None:
-    """On fp32 weights (the own runtime, CPU, no quantized linear) the shipped EAGLE drafter takes the heads'
-    place (1.30-1.35x against 1.26x plain on 20 MT-Bench first turns, fp32, Zen 4); quantized weights keep the heads."""
+def test_models_on_float_weights_default_to_a_draft_model_and_then_hybrid_eagle(monkeypatch) -> None:
+    """On fp32 weights (the own runtime, CPU, no quantized linear) a GGUF the own runtime runs drafts with its own
+    int4 copy and suffix chains (hybrid-draft: 2.41x against hybrid-eagle's 1.65x on SmolLM2, 2.39x against
+    prompt lookup's 1.80x on Gemma 3, Zen 4); without one (an HF directory, or no such file), the shipped EAGLE
+    drafter takes the heads' place; quantized weights keep the heads; a given draft model is taken anywhere."""
     from test_batch import native_tiny
 
     from treedraft.models.quant import native_kernels
 
     if native_kernels() is None:
-        pytest.skip("native extension unavailable: EAGLE would draft in PyTorch on a float target")
+        pytest.skip("native extension unavailable: int4 / EAGLE would not draft natively beside a float target")
     opts = DrafterOptions("smollm2-135m-instruct")
-    assert registry.default_name(opts, tiny_llama()) == "hybrid-eagle"
+    assert registry.default_name(opts, tiny_llama()) == "hybrid-draft"
+    assert registry.default_name(DrafterOptions("gemma-3-270m"), tiny_llama()) == "hybrid-draft"
     assert registry.default_name(opts, native_tiny()) == "hybrid-suffix"  # q4 linears
     assert registry.default_name(opts, CallableTarget(lambda ids: None, vocab_size=8)) == "hybrid-suffix"
     assert registry.default_name(DrafterOptions("other-model"), tiny_llama()) == "prompt-lookup"
+    assert registry.default_name(DrafterOptions("other-model", draft_model="d.gguf"), tiny_llama()) == "hybrid-draft"
     assert registry.default_name(opts) == "hybrid-suffix"  # no target to look at
+    monkeypatch.setattr(registry, "self_draftable", lambda options, target: False)  # e.g. an HF directory
+    assert registry.default_name(opts, tiny_llama()) == "hybrid-eagle"
 
 
 def test_heads_of_ones_own_are_never_replaced_by_the_shipped_eagle(tmp_path: Path) -> None:
@@ -81,8 +87,8 @@ def test_heads_of_ones_own_are_never_replaced_by_the_shipped_eagle(tmp_path: Pat
     assert registry.default_name(own, m) == "hybrid-suffix"
     with pytest.raises(FileNotFoundError, match="holds no eagle.json, so it is no EAGLE drafter"):
         registry.build("eagle", m, None, own)
-    if native_kernels() is not None:  # where the shipped EAGLE drafter would be the default on float weights
-        assert registry.default_name(DrafterOptions("smollm2-135m-instruct"), m) == "hybrid-eagle"
+    if native_kernels() is not None:  # where a draft model would be the default on float weights
+        assert registry.default_name(DrafterOptions("smollm2-135m-instruct"), m) == "hybrid-draft"
 
 
 def test_aliases_none_and_unknown_names() -> None:

@@ -425,8 +425,8 @@ def load(
     keys/values rounded to fp16, rows stay bitwise row-invariant; Transformer.kv_dtype) or 'auto' (float16
     with int4/int8 weights, else the weights' dtype; see :func:`kv_dtype_for`).
     draft_model: the model drafter 'draft-model' drafts with (registry name, .gguf or HF directory sharing the
-    target's tokenizer; None: the target's own file, packed in ``draft_weights``); giving one makes 'draft-model' the
-    default drafter. draft_weights: its weights, as ``weights`` ('auto': int4 on the CPU for a GGUF the own runtime
+    target's tokenizer; None: the target's own file, packed in ``draft_weights``); giving one makes 'hybrid-draft' (the
+    draft model with suffix chains) the default drafter. draft_weights: its weights, as ``weights`` ('auto': int4 on the CPU for a GGUF the own runtime
     runs, else dense in the target's dtype).
     """
     from .drafters.suffix import open_suffix_store
@@ -439,7 +439,7 @@ def load(
         raise ValueError(f"max_seq_len must be an integer >= 2 (or None: the model's own context), got {max_seq_len!r}")
 
     if draft_model is not None and drafter == DEFAULT:
-        drafter = "draft-model"  # a draft model given is the one to draft with
+        drafter = "hybrid-draft"  # a draft model given is the one to draft with (with suffix chains: registry)
     if isinstance(drafter, str):
         canonical(drafter)  # an unknown drafter name fails here, before the slow model load
     store = open_suffix_store(suffix_store, suffix_max_tokens, suffix_share)  # before the slow model load

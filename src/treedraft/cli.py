@@ -89,7 +89,8 @@ def add_draft_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="MODEL",
         help="drafter draft-model: a smaller model sharing the target's tokenizer (registry name, .gguf or HF "
-        "directory); giving one makes draft-model the drafter (default: the target's own file, in --draft-weights)",
+        "directory); giving one makes hybrid-draft the default drafter (without one: the target's own file, in "
+        "--draft-weights; the default on fp32 weights)",
     )
     p.add_argument(
         "--draft-weights",

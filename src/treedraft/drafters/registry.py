@@ -77,8 +77,8 @@ def describe() -> str:
     """One line per choice, for --help texts."""
     return "; ".join(
         [
-            f"{DEFAULT}: hybrid-suffix when Medusa heads exist for the model (hybrid-eagle on fp32 weights where "
-            "an EAGLE drafter is shipped), else prompt-lookup"
+            f"{DEFAULT}: hybrid-suffix when Medusa heads exist for the model, else prompt-lookup; on fp32 weights "
+            "hybrid-draft (the model's own GGUF in int4 as the draft model)"
         ]
         + [f"{e.name}: {e.help}" for e in _REGISTRY.values()]
         + [f"{a} = {n}" for a, n in ALIASES.items()]
@@ -105,7 +105,8 @@ def heads_dir(options: DrafterOptions) -> Path | None:
 def default_name(options: DrafterOptions, target: TargetModel | None = None) -> str:
     """What "default" means: hybrid-suffix (Medusa heads + suffix) when heads exist, else
     prompt-lookup; on float weights (``target`` the own runtime on the CPU with unquantized linears, e.g.
-    ``--weights fp32``) where an EAGLE drafter is shipped, hybrid-eagle (EAGLE in the heads' place).
+    ``--weights fp32``) hybrid-draft (a draft model + suffix: :func:`self_draftable`), unless ``--heads`` names
+    heads of one's own; there without a draft model, where an EAGLE drafter is shipped, hybrid-eagle.
 
     Measured on the 80 MT-Bench first turns, 256 new tokens (benchmarks/results/bench-mtbench80):
     hybrid 1.45x plain decoding against 1.18x for Medusa alone, with the same outputs. The suffix
@@ -115,11 +116,35 @@ def default_name(options: DrafterOptions, target: TargetModel | None = None) -> 
     weights, hybrid-eagle 1.35x and 1.30x plain against hybrid-suffix 1.26x in two runs (session17.md); with
     int4 weights EAGLE stays behind (1.17x against 1.39x, bench-s16-zen4-80x256).
     """
+    if options.heads in (None, DEFAULT) and target is not None and self_draftable(options, target):
+        return "hybrid-draft"
     if heads_dir(options) is None:
         return "prompt-lookup"
     if target is not None and float_cpu_target(target) and eagle_dir(options) is not None:
         return "hybrid-eagle"
     return "hybrid-suffix"
+
+
+def self_draftable(options: DrafterOptions, target: Any) -> bool:
+    """Whether the default drafts a float target with a draft model (``hybrid-draft``): the one given
+    (``draft_model``), else the target's own GGUF packed in int4 beside it, where the own runtime runs its
+    architecture. A one-row fp32 step streams ~5x an int4 one's bytes and the int4 copy's top token is fp32's ~98%
+    of the time, so its chains are long and cheap: 2.41x fp32 plain for SmolLM2 (20 MT-Bench first turns x 256,
+    against hybrid-eagle's 1.65x) and 2.39x for Gemma 3 (10 x 128, against prompt lookup's 1.80x), Zen 4,
+    bench-s31-fp32-hybrid-draft-20x256 / bench-s31-gemma-fp32-draft-10x128."""
+    if not float_cpu_target(target):
+        return False
+    if options.draft_model is not None:
+        return True
+    from ..models.gguf_meta import model_architecture
+    from ..models.loaders import own_runtime_loads
+    from ..models.registry import resolve
+
+    try:
+        path = resolve(options.model_name) if options.model_name else None
+        return path is not None and path.is_file() and own_runtime_loads(model_architecture(path), False)
+    except (OSError, ValueError):  # not a file this package can read: no draft of its own
+        return False
 
 
 def float_cpu_target(target: Any) -> bool:
