@@ -106,3 +106,37 @@ def reference_rule(renorm: bool = True, update_q: bool = True, swap: bool = Fals
                 return Acceptance(tuple(path), int(torch.multinomial(p, 1, generator=gen)))
 
     return rule
+
+
+def sampled_sequences(engine, prompt: list[int], n: int, trials: int, drafter, seed: int = 500) -> Counter:
+    """Sequences of ``n`` tokens sampled at temperature 1 (seeds ``seed``, ``seed + 1``, ...) with ``drafter``, a tree
+    budget of 8; asserts drafts were accepted (and so rejected too) in more than half the trials' worth of tokens,
+    so the acceptance rule mattered."""
+    from treedraft.engine import GenerationConfig
+    from treedraft.sampling import SamplingParams
+
+    counts: Counter = Counter()
+    accepted = 0
+    for i in range(trials):
+        cfg = GenerationConfig(
+            max_new_tokens=n, sampling=SamplingParams(1.0, seed=seed + i), ignore_eos=True, max_tree_nodes=8
+        )
+        r = engine.generate(prompt, cfg, drafter)
+        counts[tuple(r.token_ids)] += 1
+        accepted += r.stats.accepted_tokens
+    assert accepted > trials / 2  # drafts were accepted (and rejected), so the rule mattered
+    return counts
+
+
+def break_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the engine accept with :func:`reference_rule` (``renorm=False``): a rejected deterministic draft is not
+    removed from p, which a distribution test must catch."""
+    import treedraft.scheduler as scheduler_mod
+    from treedraft.sampling import target_probs
+
+    wrong = reference_rule(renorm=False)
+    monkeypatch.setattr(
+        scheduler_mod,
+        "accept",
+        lambda rule, tree, logits, params, gen, position=None: wrong(tree, target_probs(logits, params), gen),
+    )

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 from conftest import load_real_fp32_fixed_plan
-from spec_stats import assert_fits, fits, goodness_of_fit, one_thread, reference_rule  # noqa: F401
+from spec_stats import assert_fits, break_the_rule, fits, goodness_of_fit, one_thread, sampled_sequences  # noqa: F401
 from test_engine import Exact
 
 from treedraft.drafters import draft_model as dm
@@ -17,7 +17,7 @@ from treedraft.drafters.draft_model import DraftModelDrafter, DraftModelError, c
 from treedraft.engine import Engine, GenerationConfig
 from treedraft.interfaces import DraftContext
 from treedraft.models.tiny import tiny_llama
-from treedraft.sampling import SamplingParams, target_probs
+from treedraft.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -195,14 +195,7 @@ def sequence_counts(trials: int, n: int = 3) -> tuple[Counter, dict]:
     prompt = [1, 5, 2]
     expected = Exact(model, SamplingParams(temperature=1.0)).sequences(prompt, n)
     d = DraftModelDrafter(near_copy(model, 0.1, 5), V, max_len=64, depth=2, topk=3)
-    counts: Counter = Counter()
-    accepted = 0
-    for i in range(trials):
-        r = engine.generate(prompt, cfg(n, SamplingParams(1.0, seed=900 + i), max_tree_nodes=8), d)
-        counts[tuple(r.token_ids)] += 1
-        accepted += r.stats.accepted_tokens
-    assert accepted > trials / 2  # drafts were accepted (and rejected), so the rule mattered
-    return counts, expected
+    return sampled_sequences(engine, prompt, n, trials, d, seed=900), expected
 
 
 def test_sampling_with_a_draft_model_matches_plain_distribution() -> None:
@@ -212,14 +205,7 @@ def test_sampling_with_a_draft_model_matches_plain_distribution() -> None:
 
 def test_sampling_check_catches_a_broken_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same check fails when a rejected deterministic draft is not removed from p (no renormalisation)."""
-    import treedraft.scheduler as scheduler_mod
-
-    wrong = reference_rule(renorm=False)
-    monkeypatch.setattr(
-        scheduler_mod,
-        "accept",
-        lambda rule, tree, logits, params, gen, position=None: wrong(tree, target_probs(logits, params), gen),
-    )
+    break_the_rule(monkeypatch)
     counts, expected = sequence_counts(1200)
     assert not fits(counts, expected), goodness_of_fit(counts, expected)
 

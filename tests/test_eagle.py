@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import load_real
 from safetensors.torch import save_file
-from spec_stats import assert_fits, fits, goodness_of_fit, one_thread, reference_rule  # noqa: F401
+from spec_stats import assert_fits, break_the_rule, fits, goodness_of_fit, one_thread, sampled_sequences  # noqa: F401
 from test_engine import Exact
 
 from treedraft.drafters.eagle import EagleConfig, EagleDrafter, EagleMismatchError, EagleNet
@@ -18,7 +18,7 @@ from treedraft.drafters.hybrid import HybridDrafter
 from treedraft.engine import Engine, GenerationConfig
 from treedraft.interfaces import DraftContext
 from treedraft.models.tiny import tiny_llama
-from treedraft.sampling import SamplingParams, target_probs
+from treedraft.sampling import SamplingParams
 from treedraft.training.data import batched_greedy
 from treedraft.training.eagle_train import EagleTrainConfig, batch_loss, collate, load_eagle_shards, train_eagle
 
@@ -185,14 +185,7 @@ def eagle_sequence_counts(trials: int, n: int = 3) -> tuple[Counter, dict]:
     params = SamplingParams(temperature=1.0)
     expected = Exact(model, params).sequences(prompt, n)
     d = EagleDrafter(trained_tiny_net(model, 9), max_len=128, depth=2, topk=3)
-    counts: Counter = Counter()
-    accepted = 0
-    for i in range(trials):
-        r = engine.generate(prompt, cfg(n, SamplingParams(1.0, seed=500 + i), max_tree_nodes=8), d)
-        counts[tuple(r.token_ids)] += 1
-        accepted += r.stats.accepted_tokens
-    assert accepted > trials / 2  # drafts were accepted (and rejected), so the rule mattered
-    return counts, expected
+    return sampled_sequences(engine, prompt, n, trials, d, seed=500), expected
 
 
 def test_sampling_with_eagle_matches_plain_distribution() -> None:
@@ -202,14 +195,7 @@ def test_sampling_with_eagle_matches_plain_distribution() -> None:
 
 def test_sampling_check_catches_a_broken_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same check fails when a rejected deterministic draft is not removed from p (no renormalisation)."""
-    import treedraft.scheduler as scheduler_mod
-
-    wrong = reference_rule(renorm=False)
-    monkeypatch.setattr(
-        scheduler_mod,
-        "accept",
-        lambda rule, tree, logits, params, gen, position=None: wrong(tree, target_probs(logits, params), gen),
-    )
+    break_the_rule(monkeypatch)
     counts, expected = eagle_sequence_counts(1200)
     assert not fits(counts, expected), goodness_of_fit(counts, expected)
 

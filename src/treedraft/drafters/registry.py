@@ -370,20 +370,21 @@ def priced_eagle(
     return e
 
 
-def _hybrid_eagle(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
+def _with_suffix(member: Drafter, name: str, target: TargetModel, options: DrafterOptions) -> Drafter:
+    """``member`` + suffix chains in one tree, sized by this machine's verify cost: a confident suffix chain (>= 2
+    expected tokens: copied text, earlier outputs) leads alone and the member is not run that step (lead_extra=0)."""
     from .hybrid import HybridDrafter
     from .suffix import make_suffix_drafter
 
-    # hybrid-suffix with the EAGLE drafter in the Medusa heads' place, paid the same way: asked for its first
-    # k nodes only when their measured per-rank acceptance pays for their rows and its draft forwards
     sizing = suffix_sizing(target)
     suffix = make_suffix_drafter(options.suffix_store, options.tenant, min_match=1, **sizing)
-    return HybridDrafter(
-        [_eagle(target, tokenizer, options), suffix],
-        name="hybrid-eagle",
-        lead_extra=0,
-        latency=sizing.get("latency"),
-    )
+    return HybridDrafter([member, suffix], name=name, lead_extra=0, latency=sizing.get("latency"))
+
+
+def _hybrid_eagle(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
+    # hybrid-suffix with the EAGLE drafter in the Medusa heads' place, paid the same way: asked for its first
+    # k nodes only when their measured per-rank acceptance pays for their rows and its draft forwards
+    return _with_suffix(_eagle(target, tokenizer, options), "hybrid-eagle", target, options)
 
 
 def _eagle_lookup(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
@@ -399,19 +400,8 @@ def _draft_model(target: TargetModel, tokenizer: Any, options: DrafterOptions) -
 
 
 def _hybrid_draft(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
-    from .hybrid import HybridDrafter
-    from .suffix import make_suffix_drafter
-
-    # the draft model's tree + suffix chains: a confident suffix chain (>= 2 expected tokens: copied text, earlier
-    # outputs) leads alone and the draft model is not run that step; otherwise both trees are verified as one
-    sizing = suffix_sizing(target)
-    suffix = make_suffix_drafter(options.suffix_store, options.tenant, min_match=1, **sizing)
-    return HybridDrafter(
-        [_draft_model(target, tokenizer, options), suffix],
-        name="hybrid-draft",
-        lead_extra=0,
-        latency=sizing.get("latency"),
-    )
+    # the draft model's own sized tree where no suffix chain leads
+    return _with_suffix(_draft_model(target, tokenizer, options), "hybrid-draft", target, options)
 
 
 def _suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
