@@ -332,6 +332,9 @@ def test_prob_calibration_learns_acceptance_per_draft_probability_and_forks_shar
         who.learn(context + [7, 1, 2, 9])  # 1 and 2 accepted, 3 and 4 rejected (the target chose 9)
     assert cal.rate(0.55) > 0.95 and cal.rate(0.15) < 0.05
     assert cal.seen[5] > 90  # 2 verified p = 0.55 nodes per tree, 60 trees decayed by 0.995: ~104 (30 trees: ~56)
+    d = DraftModelDrafter(tiny(0), 32)
+    d.cal = cal
+    assert d.for_request().cal.seen is cal.seen and d.fresh().cal.seen.sum() == 0  # fresh: nothing learned
     two = cal.child_key(cal.child_key(0.0, math.log(0.55)), math.log(0.55))
     assert cal.value(two) > 0.9 > 0.05 > cal.value(cal.child_key(0.0, math.log(0.15)))
     cal.drafted(1.0, 10, 7, tree, [0.55, 0.55, 0.15])

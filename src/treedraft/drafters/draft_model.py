@@ -106,6 +106,10 @@ class DraftModelDrafter:
         self.bad_token: tuple[int, int] | None = None  # (position, id) of a token the draft model cannot embed
         self.cal.reset()
 
+    def fresh(self) -> DraftModelDrafter:
+        """A copy that has learned nothing yet (new calibration bins; ``treedraft bench``'s fresh drafter state)."""
+        return request_twin(self, cache=self._new_cache(), cal=ProbCalibration())
+
     def for_request(self) -> DraftModelDrafter:
         """A twin for one request: the same draft model, its own KV cache and calibration."""
         return request_twin(self, cache=self._new_cache(), cal=self.cal.fork())
