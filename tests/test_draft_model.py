@@ -238,7 +238,9 @@ def test_a_draft_model_of_another_vocabulary_or_tokenizer_is_refused() -> None:
         check_same_tokenizer(FakeTok(words), FakeTok(other), "other")
     # the target's own file in its own weights cannot draft faster than it decodes: said before any load
     model.weights_info = {"resolved": "int4"}
-    with pytest.raises(DraftModelError, match="the target itself with the same weights"):
+    with pytest.raises(
+        DraftModelError, match=r"the target itself in the target's own weights \(int4\).*--weights fp32"
+    ):
         load_draft_model(model, None, None, "int4", "smollm2-135m-instruct")
     with pytest.raises(DraftModelError, match="no draft model given"):
         load_draft_model(model, None, None, "auto", "")
@@ -305,11 +307,29 @@ def test_cli_flags_reach_load_and_a_draft_model_picks_the_drafter(monkeypatch) -
     monkeypatch.setattr(api, "canonical", lambda name: picked.append(name) or name)
     for drafter, want in (("default", "hybrid-draft"), ("suffix", "suffix")):
         with pytest.raises(RuntimeError, match="stop after"):
-            api.load(drafter=drafter, draft_model="small.gguf")
+            api.load(drafter=drafter, draft_model="smollm2-135m-instruct")
         assert picked[-1] == want
     monkeypatch.undo()
+    monkeypatch.setattr(api, "load_model", fake_load_model)
     with pytest.raises(ValueError, match="unknown drafter 'nope'"):
-        api.load(drafter="nope", draft_model="small.gguf")
+        api.load(drafter="nope")
+    # the draft options are checked before any load, naming themselves
+    with pytest.raises(ValueError, match=r"draft_weights \(--draft-weights\) must be one of auto, fp32, int8, int4"):
+        api.load(draft_weights="int3")
+    with pytest.raises(ValueError, match=r"draft model \(--draft-model\): .*'/nonexistent.gguf'"):
+        api.load(weights="fp32", draft_model="/nonexistent.gguf")
+    # options the loaded drafter does not read warn (plain decoding, drafter None, does not)
+    with pytest.warns(UserWarning, match="this load drafts with 'medusa', which ignores them"):
+        api.warn_unread_draft_args("m", "auto", type("D", (), {"name": "medusa"})())
+    with pytest.warns(UserWarning, match="'hybrid-suffix', which ignores them"):
+        api.warn_unread_draft_args(None, "int8", type("D", (), {"name": "hybrid-suffix"})())
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        api.warn_unread_draft_args("m", "int8", None)
+        api.warn_unread_draft_args("m", "int8", type("D", (), {"name": "hybrid-draft"})())
+        api.warn_unread_draft_args(None, "auto", type("D", (), {"name": "medusa"})())
 
 
 def test_prob_calibration_learns_acceptance_per_draft_probability_and_forks_share_it() -> None:

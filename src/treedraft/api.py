@@ -410,9 +410,10 @@ def load(
     """Load a target model by registry name, GGUF path or HF directory.
 
     drafter: 'default' (hybrid-suffix: Medusa heads + prompt lookup + suffix branches from earlier outputs,
-    when heads are shipped for this model or given, else prompt lookup; on fp32 weights where an EAGLE drafter is
-    shipped, hybrid-eagle: EAGLE in the heads' place), a drafter name (see ``treedraft.drafters.names()``), or
-    None / 'none' for plain decoding.
+    when heads are shipped for this model or given, else prompt lookup; on fp32 weights of the own runtime on the
+    CPU, and whenever ``draft_model`` is given, hybrid-draft: a draft model + suffix branches, the draft being the
+    model's own GGUF in int4 unless ``draft_model`` names another; see ``drafters.registry.default_name``), a drafter
+    name (see ``treedraft.drafters.names()``), or None / 'none' for plain decoding.
     runtime: 'own' (the compact Llama-family module, Gemma 3 included), 'hf' (transformers adapter) or 'auto' (own
         where it runs the architecture).
     weights: 'fp32', 'int8', 'int4' (the GGUF's own 4-bit blocks) or 'auto' (the fastest measured on this
@@ -438,6 +439,7 @@ def load(
     ):
         raise ValueError(f"max_seq_len must be an integer >= 2 (or None: the model's own context), got {max_seq_len!r}")
 
+    check_draft_args(draft_model, draft_weights, drafter)  # before the slow model load, as the drafter's name
     if draft_model is not None and drafter == DEFAULT:
         drafter = "hybrid-draft"  # a draft model given is the one to draft with (with suffix chains: registry)
     if isinstance(drafter, str):
@@ -457,7 +459,53 @@ def load(
     atexit.register(_close_at_exit, weakref.ref(llm))  # flush + close the store (a weakref: llm may die first)
     if drafter is not None:
         llm.engine.drafter = llm.drafters.get(drafter)
+        warn_unread_draft_args(draft_model, draft_weights, llm.engine.drafter)
     return llm
+
+
+DRAFT_MODEL_DRAFTERS = ("draft-model", "hybrid-draft")
+
+
+def check_draft_args(draft_model: str | None, draft_weights: str, drafter: Any) -> None:
+    """draft_model / draft_weights of :func:`load`, checked before any load: a draft model that does not resolve or
+    unknown weights are a ValueError naming the argument; options no drafter of this load will read warn (the
+    server's requests may still pick draft-model by name)."""
+    from .models.quant import WEIGHTS
+
+    if draft_weights not in WEIGHTS:
+        raise ValueError(f"draft_weights (--draft-weights) must be one of {', '.join(WEIGHTS)}, got {draft_weights!r}")
+    if draft_model is not None:
+        try:
+            resolve(draft_model)
+        except ValueError as e:
+            raise ValueError(f"draft model (--draft-model): {e}") from None
+
+
+def warn_unread_draft_args(draft_model: str | None, draft_weights: str, drafter: Any) -> None:
+    """Warn when draft_model / draft_weights were given and the loaded drafter does not read them (the server's
+    requests may still pick draft-model by name; a load for plain decoding, drafter None, is left alone)."""
+    name = getattr(drafter, "name", None)
+    if drafter is None or (draft_model is None and draft_weights == "auto") or name in DRAFT_MODEL_DRAFTERS:
+        return
+    warnings.warn(
+        f"--draft-model / --draft-weights are read by the drafters {' and '.join(DRAFT_MODEL_DRAFTERS)} only; this "
+        f"load drafts with {name!r}, which ignores them (give --drafter draft-model or hybrid-draft)",
+        stacklevel=3,
+    )
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer of a resolved model path (a GGUF's, cached as files, or an HF directory's)."""
+    from .models.loaders import GEMMA_ARCHS
+
+    tok = (
+        Tokenizer.from_gguf(path, cache_dir() / "tokenizers" / file_key(path))
+        if path.is_file()
+        else Tokenizer.from_dir(path)
+    )
+    if model_architecture(path) in GEMMA_ARCHS and tok.hf.bos_token_id is not None:
+        tok.add_bos = True  # Gemma expects <bos> in front of raw text
+    return tok
 
 
 def load_model(
@@ -500,13 +548,7 @@ def load_model(
         net = HFTarget.load(path, dt, dev, max_seq_len)
     else:
         raise ModelLoadError(f"unknown runtime {runtime!r}; use auto, own or hf")
-    tok = (
-        Tokenizer.from_gguf(path, cache_dir() / "tokenizers" / file_key(path))
-        if path.is_file()
-        else Tokenizer.from_dir(path)
-    )
-    if arch in GEMMA_ARCHS and tok.hf.bos_token_id is not None:
-        tok.add_bos = True  # Gemma expects <bos> in front of raw text
+    tok = load_tokenizer(path)
     if weights != "fp32":  # --weights (issue 11): swap in quantized linears; begin
         from .models.quant_load import PROBE_TEXT, apply_weights, log_stderr
 

@@ -88,16 +88,16 @@ def add_draft_model_args(p: argparse.ArgumentParser) -> None:
         "--draft-model",
         default=None,
         metavar="MODEL",
-        help="drafter draft-model: a smaller model sharing the target's tokenizer (registry name, .gguf or HF "
-        "directory); giving one makes hybrid-draft the default drafter (without one: the target's own file, in "
-        "--draft-weights; the default on fp32 weights)",
+        help="drafters draft-model / hybrid-draft: a smaller model sharing the target's tokenizer (registry name, "
+        ".gguf or HF directory). Without it they draft with the target's own file in --draft-weights (int4 by "
+        "default). Giving one makes hybrid-draft the default drafter; with --weights fp32 it is the default anyway",
     )
     p.add_argument(
         "--draft-weights",
         default="auto",
         choices=WEIGHTS,
-        help="drafter draft-model: the draft model's weights (auto: int4 on the CPU for a GGUF the own runtime "
-        "runs, else dense in the target's dtype)",
+        help="drafters draft-model / hybrid-draft: the draft model's weights (auto: int4 on the CPU for a GGUF the "
+        "own runtime runs, else dense in the target's dtype)",
     )
 
 
@@ -463,6 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    # a warning is one line on stderr, as errors are (not Python's file:line and source line)
+    warnings.formatwarning = lambda message, category, *args, **kw: f"warning: {message}\n"
     a = build_parser().parse_args(argv)
     try:
         return int(a.func(a) or 0)

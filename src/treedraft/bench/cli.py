@@ -225,7 +225,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         "dtype": str(dtype).removeprefix("torch."),
         # the own runtime's linear weights as resolved (--weights auto measures them) and its KV cache storage;
         # a baseline on other weights (hf: transformers in fp32) need not give plain's tokens
-        "weights": (getattr(llm.model, "weights_info", None) or {}).get("resolved", "-"),
+        "weights": (getattr(llm.model, "weights_info", None) or {}).get("resolved", a.weights),
+        "draft_model": f"{a.draft_model or 'the target itself'} ({a.draft_weights} weights)",
         "kv_dtype": str(getattr(llm.model, "kv_dtype", None) or dtype).removeprefix("torch."),
         "torch_threads": torch.get_num_threads(),
         **machine_info(),

@@ -179,6 +179,7 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
             "device",
             "dtype",
             "weights",
+            "draft_model",
             "kv_dtype",
             "torch_threads",
             "cpu",

@@ -16,6 +16,9 @@ them as point masses (verify.accept_speculative): sampled output keeps the targe
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -247,7 +250,7 @@ def draft_weights_for(model_path, device: torch.device, weights: str, dtype: tor
         if device.type != "cpu":
             raise DraftModelError(
                 f"--draft-weights {weights} runs on the CPU only, and the target is on {device}: give a smaller "
-                "--draft-model in dense weights (--draft-weights fp32 or auto)"
+                "--draft-model, in dense weights (--draft-weights fp32 or auto)"
             )
         return weights, "fp32"
     return weights, DTYPE_NAMES.get(dtype, "fp32")
@@ -276,7 +279,7 @@ def load_draft_model(
     """A :class:`DraftModelDrafter` for ``target`` (loaded from ``target_model``) over ``model`` (registry name, .gguf
     or HF directory; None: ``target_model`` itself) loaded beside it on its device, its trees sized by this
     machine's measured latency curves of both models."""
-    from ..api import load_model
+    from ..api import load_model, load_tokenizer
     from ..budget import measured_latency
     from ..models.registry import resolve
 
@@ -284,30 +287,51 @@ def load_draft_model(
         raise DraftModelError(
             "the draft-model drafter needs a target with a KV cache (the own runtime or transformers)"
         )
+    own_file = model is None  # the target's own file: the default on float weights
     model = model or target_model
     if not model:
         raise DraftModelError("no draft model given: pass --draft-model (load(draft_model=...))")
     dev = target_device(target)
-    path = resolve(model)
+    try:
+        path = resolve(model)
+    except ValueError as e:
+        raise DraftModelError(f"draft model (--draft-model): {e}") from None
     params = target.parameters() if callable(getattr(target, "parameters", None)) else iter(())
     first = next(iter(params), None)
     w, dtype = draft_weights_for(path, dev, weights, first.dtype if first is not None else torch.float32)
     tw = (getattr(target, "weights_info", None) or {}).get("resolved", "fp32")
     if target_model and resolve(target_model).resolve() == path.resolve() and tw == w:
-        hint = "or --draft-weights int4 beside a float target" if dev.type == "cpu" else f"(on {dev} it must be one)"
-        raise DraftModelError(
-            f"the draft model is the target itself with the same weights ({w}): drafting cannot be faster than "
-            f"decoding then; give a smaller --draft-model {hint}"
+        hint = (
+            "load the target with --weights fp32 (or int8) to draft with its int4 copy, or give a smaller --draft-model"
+            if dev.type == "cpu"
+            else f"give a smaller --draft-model (int4 / int8 drafts run on the CPU only, the target is on {dev})"
         )
+        raise DraftModelError(
+            f"the draft model would be the target itself in the target's own weights ({w}), which cannot draft "
+            f"faster than it decodes: {hint}"
+        )
+    check_same_tokenizer(tokenizer, load_tokenizer(path), model)  # before the weights: a wrong model fails fast
     max_len = getattr(target, "max_seq_len", 4096) or 4096
-    net, tok, _, _ = load_model(model, device=str(dev), dtype=dtype, max_seq_len=max_len, weights=w)
-    check_same_tokenizer(tokenizer, tok, model)
+    if own_file:
+        print(
+            f"treedraft: drafting with this model's own {w} copy as the draft model (--drafter to choose another)",
+            file=sys.stderr,
+            flush=True,
+        )
+    with warnings.catch_warnings():  # the draft's rounding only moves its acceptance, never the output
+        warnings.filterwarnings("ignore", message=".*no exact 4-bit mapping")
+        net, tok, _, _ = load_model(model, device=str(dev), dtype=dtype, max_seq_len=max_len, weights=w)
     n_tok = len(tokenizer.hf) if getattr(tokenizer, "hf", None) is not None else 0
     if n_tok > net.vocab_size:
         raise DraftModelError(
             f"the target's tokenizer has {n_tok} tokens and draft model {model!r} embeds only {net.vocab_size}: "
             "its ids past that would have no row; pick a draft model with the target's whole vocabulary"
         )
-    return DraftModelDrafter(
-        net, target.vocab_size, max_len=max_len, latency=measured_latency(target), draft_latency=measured_latency(net)
-    )
+    lat, dlat = measured_latency(target), measured_latency(net)
+    if dlat[1] >= 0.6 * lat[1]:
+        warnings.warn(
+            f"draft model {model!r} ({w}) takes {dlat[1] / lat[1]:.0%} of the target's one-token step on this "
+            "machine: drafting will rarely pay (the trees back off); give a smaller --draft-model",
+            stacklevel=2,
+        )
+    return DraftModelDrafter(net, target.vocab_size, max_len=max_len, latency=lat, draft_latency=dlat)

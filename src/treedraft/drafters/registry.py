@@ -77,8 +77,9 @@ def describe() -> str:
     """One line per choice, for --help texts."""
     return "; ".join(
         [
-            f"{DEFAULT}: hybrid-suffix when Medusa heads exist for the model, else prompt-lookup; on fp32 weights "
-            "hybrid-draft (the model's own GGUF in int4 as the draft model)"
+            f"{DEFAULT}: hybrid-suffix when Medusa heads exist for the model, else prompt-lookup; with --weights "
+            "fp32 on the own runtime, or with --draft-model, hybrid-draft (without --draft-model: the model's own "
+            "GGUF in int4 as the draft model)"
         ]
         + [f"{e.name}: {e.help}" for e in _REGISTRY.values()]
         + [f"{a} = {n}" for a, n in ALIASES.items()]
@@ -430,7 +431,7 @@ register(
     "draft-model",
     _draft_model,
     "a smaller draft model of the same tokenizer (--draft-model; default: the target's own file in int4), "
-    "drafting EAGLE-2 dynamic trees",
+    "drafting dynamic trees (one chain up to 12 deep by default)",
 )
 register(
     "hybrid-draft",

@@ -76,9 +76,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     t = time.perf_counter()
     llm = load_from_args(a)
     log.warning(
-        "loaded %s in %.1fs; serving on http://%s:%d (%s)",
+        "loaded %s in %.1fs, default drafter %s; serving on http://%s:%d (%s)",
         llm.model_name,
         time.perf_counter() - t,
+        getattr(llm.engine.drafter, "name", "none"),
         a.host,
         a.port,
         f"{len(set(settings.api_keys))} API key(s)" if settings.api_keys else "no API key required",
