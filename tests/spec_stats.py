@@ -108,10 +108,10 @@ def reference_rule(renorm: bool = True, update_q: bool = True, swap: bool = Fals
     return rule
 
 
-def sampled_sequences(engine, prompt: list[int], n: int, trials: int, drafter, seed: int = 500) -> Counter:
-    """Sequences of ``n`` tokens sampled at temperature 1 (seeds ``seed``, ``seed + 1``, ...) with ``drafter``, a tree
-    budget of 8; asserts drafts were accepted (and so rejected too) in more than half the trials' worth of tokens,
-    so the acceptance rule mattered."""
+def sampled_sequences(engine, prompt: list[int], n: int, trials: int, drafter, seed: int | None = 500) -> Counter:
+    """Sequences of ``n`` tokens sampled at temperature 1 (seeds ``seed``, ``seed + 1``, ...; None: unseeded) with
+    ``drafter``, a tree budget of 8; asserts drafts were accepted (and so rejected too) in more than half the trials'
+    worth of tokens, so the acceptance rule mattered."""
     from treedraft.engine import GenerationConfig
     from treedraft.sampling import SamplingParams
 
@@ -119,7 +119,10 @@ def sampled_sequences(engine, prompt: list[int], n: int, trials: int, drafter, s
     accepted = 0
     for i in range(trials):
         cfg = GenerationConfig(
-            max_new_tokens=n, sampling=SamplingParams(1.0, seed=seed + i), ignore_eos=True, max_tree_nodes=8
+            max_new_tokens=n,
+            sampling=SamplingParams(1.0, seed=None if seed is None else seed + i),
+            ignore_eos=True,
+            max_tree_nodes=8,
         )
         r = engine.generate(prompt, cfg, drafter)
         counts[tuple(r.token_ids)] += 1
@@ -138,5 +141,7 @@ def break_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         scheduler_mod,
         "accept",
-        lambda rule, tree, logits, params, gen, position=None: wrong(tree, target_probs(logits, params), gen),
+        lambda rule, tree, logits, params, gen, position=None, seed=None: wrong(
+            tree, target_probs(logits, params), gen
+        ),
     )

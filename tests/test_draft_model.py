@@ -185,22 +185,68 @@ def test_a_request_twin_keeps_its_own_cache_and_the_drafts_respect_the_budget() 
         assert len(kids) == len(set(kids))  # a trie: no two children of a node share a token
 
 
-def sequence_counts(trials: int, n: int = 3) -> tuple[Counter, dict]:
+def sequence_counts(trials: int, n: int = 3, coupled: bool = False, seeded: bool = True) -> tuple[Counter, dict]:
     """Sequences of ``n`` tokens sampled with a draft model, and the exact plain distribution. The draft is close to
     the target, so its sibling children are the target's likely tokens: a rule that mishandles a rejected sibling
-    then moves a lot of probability (chi-square 275 against 13.5 for the exact rule, threshold 71)."""
+    then moves a lot of probability (chi-square 275 against 13.5 for the exact rule, threshold 71). ``coupled``
+    False: the top-k trees (siblings), as for a greedy request; True: the draft's own coupled draws (one child)."""
     V = 12
     model = tiny(4, vocab=V, scale=1.0)
     engine = Engine(model)
     prompt = [1, 5, 2]
     expected = Exact(model, SamplingParams(temperature=1.0)).sequences(prompt, n)
     d = DraftModelDrafter(near_copy(model, 0.1, 5), V, max_len=64, depth=2, topk=3)
-    return sampled_sequences(engine, prompt, n, trials, d, seed=900), expected
+    with pytest.MonkeyPatch.context() as mp:
+        if not coupled:
+            mp.setattr(DraftModelDrafter, "_coupled_pick", staticmethod(lambda ctx: None))
+        return sampled_sequences(engine, prompt, n, trials, d, seed=900 if seeded else None), expected
 
 
 def test_sampling_with_a_draft_model_matches_plain_distribution() -> None:
     counts, expected = sequence_counts(1200)
     assert_fits(counts, expected, "speculative sampling with a draft model")
+
+
+def test_unseeded_sampling_with_coupled_drafts_matches_plain_distribution() -> None:
+    """Unseeded requests draw one coupling key each (the draft model drafts its own coupled draws with it): the
+    sequences are still distributed as plain sampling's."""
+    counts, expected = sequence_counts(1200, coupled=True, seeded=False)
+    assert_fits(counts, expected, "unseeded coupled sampling with a draft model")
+
+
+def test_the_unseeded_check_catches_a_key_shared_by_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same check fails when every unseeded request gets the same coupling key (all draw the same text)."""
+    import treedraft.scheduler as scheduler_mod
+
+    monkeypatch.setattr(scheduler_mod, "coupling_seed", lambda params, gen: 12345)
+    counts, expected = sequence_counts(300, coupled=True, seeded=False)
+    assert not fits(counts, expected), goodness_of_fit(counts, expected)
+
+
+def test_coupled_drafts_are_the_targets_own_draws_and_accepted_more() -> None:
+    """For a seeded sampled request the draft model drafts its own coupled draw per position: the output is seeded
+    plain's, and a draft equal to the target has every drafted token accepted (its draws are the target's), where
+    its argmax chain is accepted only as often as the argmax is drawn (T = 1)."""
+    model = tiny(6, scale=1.0)
+    engine = Engine(model)
+    prompt = [2, 9, 4, 4, 1]
+    draft = near_copy(model, 0.0, 7)
+    accepted, drafted = {}, 0
+    for coupled in (True, False):
+        total = 0
+        for seed in range(6):
+            s = SamplingParams(1.0, seed=seed)
+            ref = engine.generate(prompt, cfg(40, s), None).token_ids
+            d = DraftModelDrafter(draft, model.vocab_size, max_len=256, depth=6)
+            with pytest.MonkeyPatch.context() as mp:
+                if not coupled:
+                    mp.setattr(DraftModelDrafter, "_coupled_pick", staticmethod(lambda ctx: None))
+                r = engine.generate(prompt, cfg(40, s, max_tree_nodes=8), d)
+            assert r.token_ids == ref
+            total += r.stats.accepted_tokens
+            drafted += coupled * sum(st.tree_size - 1 for st in r.stats.steps)
+        accepted[coupled] = total
+    assert accepted[True] == drafted and accepted[True] > 1.3 * accepted[False], (accepted, drafted)
 
 
 def test_sampling_check_catches_a_broken_rule(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -348,7 +348,7 @@ def test_sequence_check_catches_the_iid_rule(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(
         engine_mod,
         "accept",
-        lambda rule, tree, logits, params, gen, pos: wrong(tree, target_probs(logits, params), gen),
+        lambda rule, tree, logits, params, gen, pos, seed=None: wrong(tree, target_probs(logits, params), gen),
     )
     counts, expected, _, _ = sequence_counts("sampled3-top_k3-3tokens")
     assert not fits(counts, expected), goodness_of_fit(counts, expected)

@@ -84,7 +84,9 @@ def test_engine_distribution_test_catches_a_misplaced_key(monkeypatch: pytest.Mo
     model = tiny_llama(seed=11, vocab_size=V_SMALL, max_seq_len=32, scale=0.15)
     params = SamplingParams(temperature=1.0, top_p=0.95)
     real = scheduler.sample_token
-    monkeypatch.setattr(scheduler, "sample_token", lambda r, lg, p, g, pos: real(r, lg, p, g, len(PROMPT)))
+    monkeypatch.setattr(
+        scheduler, "sample_token", lambda r, lg, p, g, pos, seed=None: real(r, lg, p, g, len(PROMPT), seed)
+    )
     counts = seeded_pairs(Engine(model), None, N_SEEDS // 2, params)
     assert not fits(counts, exact_two_tokens(model, params)), goodness_of_fit(counts, exact_two_tokens(model, params))
 

@@ -126,6 +126,13 @@ class DraftContext:
     # Predicted output (OpenAI's ``prediction``): token ids the caller expects the answer to be close to, e.g. the
     # file an edit rewrites. Text drafters (prompt lookup, suffix) search it as well; () when none was given.
     reference: Sequence[int] = ()
+    # A sampled request's sampling parameters (treedraft.sampling.SamplingParams; None: greedy or not told) and,
+    # where its tokens are coupled draws (verify.accept_coupled), their key: the token at position t will be
+    # sampling.coupled_sample(target row, sampling, coupling, t). A drafter that draws its own children the same way
+    # from a distribution close to the target's proposes the target's own draws (the drafts stay mere guesses:
+    # the output does not depend on them). None when not coupled.
+    sampling: Any = None
+    coupling: int | None = None
 
     @property
     def root(self) -> int:

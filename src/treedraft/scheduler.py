@@ -37,7 +37,7 @@ from .logprobs import Committed, token_logprobs
 from .penalties import PenaltyState, penalize_
 from .prefix_cache import PrefixCache
 from .tree import TokenTree, TreeError, full_attention_mask
-from .verify import accept, sample_token, uses_coupling
+from .verify import accept, coupling_seed, sample_token, uses_coupling
 
 if TYPE_CHECKING:
     from .engine import Engine, GenerationConfig, GenerationStats
@@ -86,6 +86,10 @@ class Request:
     pause: int = 0  # steps left to decode plainly (drafting stopped paying; BACKOFF_*)
     backoff: int = BACKOFF_START  # the next pause's length
     gstate: tuple | None = None  # JSON mode (config.grammar): the automaton's state after the committed tokens
+    # the key of its coupled draws (verify.accept_coupled): the seed, or for an unseeded sampled request one drawn
+    # once from its generator (each position's uniform is still fresh, so its draws are exact samples), so that a
+    # drafter told it (DraftContext.coupling) can draft the target's own draws; None for greedy requests
+    coupling: int | None = None
 
     @property
     def done(self) -> bool:
@@ -237,6 +241,8 @@ class Scheduler:
         stats.prompt_tokens = len(prompt)
         d = request_drafter(eng.drafter if drafter == "default" else drafter)
         req = Request(prompt, cfg, d, stats, cache, cfg.sampling.generator(), max_new, tag, tokens=list(prompt))
+        if not cfg.sampling.greedy:
+            req.coupling = coupling_seed(cfg.sampling, req.gen)
         req.scope = scope
         if cfg.penalties.active:
             req.penalty = PenaltyState(cfg.penalties, prompt)
@@ -297,6 +303,7 @@ class Scheduler:
         paused = req.pause > 0
         req.pause -= paused
         if req.drafter is not None and budget > 1 and max_depth > 0 and not paused:
+            s = req.config.sampling
             ctx = DraftContext(
                 req.tokens,
                 req.last_hidden,
@@ -307,6 +314,8 @@ class Scheduler:
                 *step,
                 req.penalty,
                 req.config.prediction,
+                s,
+                req.coupling if uses_coupling(req.config.rule, s) else None,
             )
             name = getattr(req.drafter, "name", type(req.drafter).__name__)
             try:
@@ -481,7 +490,7 @@ class Scheduler:
         cfg = req.config
         undo = self._constrain(req, logits[None], [()], None if req.gstate is None else [req.gstate])
         try:
-            root = sample_token(cfg.rule, logits, cfg.sampling, req.gen, len(req.tokens))
+            root = sample_token(cfg.rule, logits, cfg.sampling, req.gen, len(req.tokens), req.coupling)
         finally:
             undo()  # the model's own row again: the prefix cache may hold it; logprobs report it
         if req.penalty is not None:
@@ -519,9 +528,12 @@ class Scheduler:
         undo = self._constrain(req, logits, paths, p.states)
         try:
             if n == 1:
-                acc_nodes, bonus = (0,), sample_token(cfg.rule, logits[0], cfg.sampling, req.gen, len(req.tokens))
+                acc_nodes, bonus = (
+                    (0,),
+                    sample_token(cfg.rule, logits[0], cfg.sampling, req.gen, len(req.tokens), req.coupling),
+                )
             else:
-                a = accept(cfg.rule, tree, logits, cfg.sampling, req.gen, len(req.tokens))
+                a = accept(cfg.rule, tree, logits, cfg.sampling, req.gen, len(req.tokens), req.coupling)
                 acc_nodes, bonus = a.nodes, a.bonus
         finally:
             undo()

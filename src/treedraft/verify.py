@@ -200,15 +200,18 @@ def coupling_seed(params: SamplingParams, gen: torch.Generator) -> int:
     return int(torch.randint(0, 2**63 - 1, (), generator=gen))
 
 
-def sample_token(rule: str, logits: Tensor, params: SamplingParams, gen: torch.Generator, position: int) -> int:
+def sample_token(
+    rule: str, logits: Tensor, params: SamplingParams, gen: torch.Generator, position: int, seed: int | None = None
+) -> int:
     """A plain step's token (a tree with the root only): argmax, coupled draw or a draw from ``gen``. logits: (V,).
 
-    ``position``: the token's index in prompt + output (the key of a seeded draw).
+    ``position``: the token's index in prompt + output (the key of a seeded draw). ``seed``: the request's coupling
+    seed (``Request.coupling``), else one from :func:`coupling_seed`.
     """
     if params.greedy:
         return greedy_token(logits)
     if uses_coupling(rule, params):
-        return coupled_sample(logits, params, coupling_seed(params, gen), position)
+        return coupled_sample(logits, params, coupling_seed(params, gen) if seed is None else seed, position)
     return draw(logits, params, uniform(gen))
 
 
@@ -219,11 +222,13 @@ def accept(
     params: SamplingParams,
     gen: torch.Generator,
     position: int | None = None,
+    seed: int | None = None,
 ) -> Acceptance:
     """Dispatch by rule name. 'greedy' needs temperature 0; 'speculative' is lossless sampling.
 
     ``position``: index in prompt + output of the token the root's row predicts (``len(tokens)`` with the
-    root last); needed by the coupled form of 'speculative' (:func:`uses_coupling`).
+    root last); needed by the coupled form of 'speculative' (:func:`uses_coupling`). ``seed``: the key of its
+    coupled draws (the request's ``coupling``), else one from :func:`coupling_seed`.
     """
     if params.greedy or rule == "greedy":
         if rule == "greedy" and not params.greedy:
@@ -233,7 +238,8 @@ def accept(
         if uses_coupling(rule, params, tree):
             if position is None:
                 raise ValueError("the coupled speculative rule needs the root's position (accept(..., position=))")
-            return accept_coupled(tree, logits, params, coupling_seed(params, gen), position)
+            key = coupling_seed(params, gen) if seed is None else seed
+            return accept_coupled(tree, logits, params, key, position)
         return accept_speculative(tree, target_probs(logits, params), gen)
     if rule == "typical":
         return accept_typical(tree, logits, params, gen)

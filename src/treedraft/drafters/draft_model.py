@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 import warnings
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -69,6 +70,7 @@ class DraftModelDrafter:
         self.curve = None if latency is None else LatencyCurve(latency)
         self.draft_curve = None if draft_latency is None else LatencyCurve(draft_latency)
         self.cal = ProbCalibration()  # acceptance per conditional draft probability, learned from verified nodes
+        self.cal_sampled = ProbCalibration()  # the same for coupled draws (sampled requests): other rates
         self.last_expected = 1.0
         # slots a cache may take: the context and one step's drafted rows, within the draft model's own window (past
         # it the step drafts less, or nothing: see propose)
@@ -108,14 +110,15 @@ class DraftModelDrafter:
         self.drafted_slots: dict[tuple[int, ...], int] = {}
         self.bad_token: tuple[int, int] | None = None  # (position, id) of a token the draft model cannot embed
         self.cal.reset()
+        self.cal_sampled.reset()
 
     def fresh(self) -> DraftModelDrafter:
         """A copy that has learned nothing yet (new calibration bins; ``treedraft bench``'s fresh drafter state)."""
-        return request_twin(self, cache=self._new_cache(), cal=ProbCalibration())
+        return request_twin(self, cache=self._new_cache(), cal=ProbCalibration(), cal_sampled=ProbCalibration())
 
     def for_request(self) -> DraftModelDrafter:
         """A twin for one request: the same draft model, its own KV cache and calibration."""
-        return request_twin(self, cache=self._new_cache(), cal=self.cal.fork())
+        return request_twin(self, cache=self._new_cache(), cal=self.cal.fork(), cal_sampled=self.cal_sampled.fork())
 
     def _seconds(self, rows: int, context: int) -> float:
         """Estimated seconds of one draft forward of ``rows`` rows at ``context`` cached tokens (an estimate, not a
@@ -188,9 +191,11 @@ class DraftModelDrafter:
         # depth d needs (d - 1) x topk draft cache slots past the context: near the end of the draft model's window
         # the tree is shallower, and past it there is none
         depth = min(self.depth, ctx.max_depth, max(1, budget), 1 + (self.room - r - 1) // self.topk)
-        self.cal.learn(ctx.tokens)
+        pick = self._coupled_pick(ctx)
+        cal = self.cal if pick is None else self.cal_sampled
+        cal.learn(ctx.tokens)
         stub = TokenTree((ctx.root,), (-1,))
-        if self.cal.skip_step(budget >= 1 and depth >= 1):  # back-off after a tree that did not pay
+        if cal.skip_step(budget >= 1 and depth >= 1):  # back-off after a tree that did not pay
             self.last_expected, self.drafted_slots = 1.0, {}
             return stub
         self.last_expected = 1.0
@@ -222,14 +227,40 @@ class DraftModelDrafter:
             depth=depth,
             topk=self.topk,
             curve=None if self.curve is None else self.curve.at(len(ctx.tokens)),
-            cal=self.cal,
+            cal=cal,
             # the commit, then one draft forward of (at most) topk rows per further depth
             drafting_seconds=lambda forwards: first_seconds + (forwards - 1) * self._seconds(self.topk, base),
+            pick=pick,
         )
         self.cache.length = base  # drafts never stay in the cache
         self.last_expected = expected
-        self.cal.drafted(expected - 1.0, r, ctx.root, tree, probs)
+        cal.drafted(expected - 1.0, r, ctx.root, tree, probs)
         return tree
+
+    @staticmethod
+    def _coupled_pick(ctx: DraftContext):
+        """For a sampled request whose tokens are coupled draws (``ctx.coupling``), the child of each expanded node:
+        the draft model's own coupled draw for that position (the target's token there is
+        ``coupled_sample(target row, sampling, coupling, position)``; where the two distributions are close, so are
+        their inverse CDFs at the same uniform, and the draft is the target's own sample). One child per node, valued
+        by its tempered draft probability (what the sampled bins calibrate). None: greedy, or not coupled."""
+        from ..sampling import coupled_sample
+
+        s, seed = ctx.sampling, ctx.coupling
+        if seed is None or s is None or s.greedy:
+            return None
+        first = len(ctx.tokens)  # the position the root's row predicts; a node at depth d predicts first + d
+
+        def pick(logits: Tensor, depths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+            ids = np.empty((len(depths), 1), dtype=np.int64)
+            vals = np.empty((len(depths), 1), dtype=np.float64)
+            for j, d in enumerate(depths):
+                x = coupled_sample(logits[j], s, seed, first + d)
+                ids[j, 0] = x
+                vals[j, 0] = float(torch.log_softmax(logits[j].float() / s.temperature, -1)[x])
+            return vals, ids
+
+        return pick
 
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

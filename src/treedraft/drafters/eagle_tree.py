@@ -303,6 +303,7 @@ def grow_tree(
     cal: TreeCalibration,
     drafting_seconds: Callable[[int], float],
     vocab: np.ndarray | None = None,
+    pick: Callable[[torch.Tensor, list[int]], tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> tuple[Any, float, list[float]]:
     """An EAGLE-2 dynamic tree (Li et al. 2024, section 4) -> (TokenTree, 1 + its summed draft values (``cal.raw``),
     each kept node's conditional draft probability in tree order, for ``cal.drafted``).
@@ -316,7 +317,8 @@ def grow_tree(
     node can pay for it (:func:`worth_expanding`, at ``drafting_seconds(forwards)``, the commit being forward 1) and
     the tree keeps its best N for tokens per second (:func:`choose_size`), telling ``cal`` whether it paid.
     ``vocab``: the token id of each logits column (None: the column is the id). Ties between equal logits: the lower
-    column first; between equal scores the shallower, earlier node."""
+    column first; between equal scores the shallower, earlier node. ``pick(logits, depths)``: the children of nodes
+    at those depths instead of the top-k, as (log-probabilities (rows, k), columns (rows, k)) arrays."""
     from ..kernels import topk_rows
     from ..tree import TokenTree
 
@@ -327,7 +329,10 @@ def grow_tree(
     anc: dict[int, list[int]] = {0: []}  # draft cache slots of a node's expanded proper ancestors
 
     def children(nodes: list[int], logits: torch.Tensor) -> list[int]:
-        vals, top = topk_rows(logits, min(topk, logits.shape[-1]), log_softmax=True)
+        if pick is not None:
+            vals, top = pick(logits, [dep[i] for i in nodes])
+        else:
+            vals, top = topk_rows(logits, min(topk, logits.shape[-1]), log_softmax=True)
         ids = top if vocab is None else vocab[top]
         out = []
         for i, vs, ts in zip(nodes, vals.tolist(), ids.tolist()):
