@@ -10,8 +10,11 @@ causal, in its own KV cache, which keeps the committed tokens only), whose last 
 Then :func:`.eagle_tree.grow_tree` expands the best frontier nodes depth by depth, each depth one batched draft
 forward of the expanded nodes under a tree mask (a node sees the committed tokens, its expanded ancestors and
 itself), and keeps the nodes that maximise expected tokens per second on this machine's verify curve. The drafted
-rows never stay in the draft cache. Children are the draft's top-k (deterministic), so the lossless rule verifies
-them as point masses (verify.accept_speculative): sampled output keeps the target's distribution.
+rows never stay in the draft cache (the accepted ones are moved into place at the next step). Children are the
+draft's top-k (deterministic); for a sampled request whose tokens are coupled draws (verify.accept_coupled), each
+node's one child is the draft's own coupled draw at that position, the target's token wherever the two
+distributions are close. Either way the drafts are guesses the target verifies: greedy output is plain's, sampled
+output keeps the target's distribution.
 """
 
 from __future__ import annotations
@@ -127,13 +130,13 @@ class DraftModelDrafter:
             return float(self.draft_curve.at(context)(rows))
         return 0.0 if self.curve is None else float(self.curve(1)) / 10
 
-    @torch.inference_mode()
     def _blocked(self, tokens: list[int]) -> bool:
         """Whether this sequence holds a token id the draft model has no embedding for (a special token of a larger
         target vocabulary, found by an earlier commit): it drafts nothing for the rest of the sequence."""
         at = self.bad_token
         return at is not None and len(tokens) > at[0] and tokens[at[0]] == at[1]
 
+    @torch.inference_mode()
     def _commit(self, tokens: list[int]) -> tuple[Tensor, float] | None:
         """Bring the draft cache to ``tokens`` (root last): keep the longest prefix it already holds, run the rest
         (at least the root) causally; return the root row's logits (1, V) float32 and the estimated seconds it costs a
@@ -149,6 +152,7 @@ class DraftModelDrafter:
         bad = next((i for i in range(n, r + 1) if tokens[i] >= self.model.vocab_size), None)
         if bad is not None:
             self.bad_token = (bad, tokens[bad])
+            self.cache.length, self.tokens = n, list(tokens[:n])  # what the cache holds
             return None
         dev = target_device(self.model)
         new = torch.tensor(tokens[n : r + 1], dtype=torch.long, device=dev)
