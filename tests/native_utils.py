@@ -50,6 +50,28 @@ def count_native(monkeypatch) -> dict[str, int]:
     return n
 
 
+# llama.cpp's converter's tensor names for a Llama-style layer with q/k head norms (Qwen3; write_converted_gguf)
+QK_NORM_GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+# Gemma 3's sandwich norms: the post-attention norm has its own name, the FFN's input norm is ffn_norm
+GEMMA3_GGUF_NAMES = QK_NORM_GGUF_NAMES | {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
 def write_converted_gguf(
     path, arch: str, hf, names: dict[str, str], norm_offset: float = 0.0, rope_base: float = 1e6, extra=None
 ) -> None:

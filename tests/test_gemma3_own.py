@@ -15,8 +15,8 @@ import json
 
 import pytest
 import torch
-from native_utils import count_native, write_converted_gguf
-from tree_walk import walk_trees
+from native_utils import GEMMA3_GGUF_NAMES, count_native, write_converted_gguf
+from tree_walk import assert_logits_close, hf_logits, walk_trees
 
 from treedraft.drafters import PromptLookupDrafter
 from treedraft.engine import Engine, GenerationConfig
@@ -31,7 +31,6 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 96
 WINDOW = 5
-ATOL = 2e-4
 
 
 LOCAL_GLOBAL = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -74,16 +73,6 @@ def gemma_pair(tmp_path_factory):
     return hf, load_hf_dir(d, torch.float32, "cpu"), d
 
 
-def _reference(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
-def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    err = (a - b).abs().max().item()
-    assert err < ATOL, f"{what}: max abs diff {err:.2e}"
-
-
 def test_config_read_from_the_directory(gemma_pair) -> None:
     _, own, _ = gemma_pair
     c = own.config
@@ -99,20 +88,20 @@ def test_matches_transformers_through_trees_past_the_window(gemma_pair) -> None:
     hf, own, _ = gemma_pair
     g = torch.Generator().manual_seed(4)
     seq = torch.randint(0, VOCAB, (26,), generator=g).tolist()
-    ref = _reference(hf, seq)
-    wide = _reference(_tiny_hf(window=64), seq)
+    ref = hf_logits(hf, seq)
+    wide = hf_logits(_tiny_hf(window=64), seq)
     assert (ref[WINDOW + 1 :] - wide[WINDOW + 1 :]).abs().max() > 1e-3, "the window should matter in this test"
 
     full, _ = own.forward(torch.tensor([seq]), torch.arange(len(seq)))
-    _close(full[0], ref, "whole-sequence forward")
+    assert_logits_close(full[0], ref, "whole-sequence forward")
     cache = own.new_cache(64)
     logits, _ = own.forward(torch.tensor([seq[:8]]), torch.arange(8), cache, 0)
-    _close(logits[0], ref[:8], "prefill")
+    assert_logits_close(logits[0], ref[:8], "prefill")
     cache.keep(0, range(8))
-    walk_trees(own, cache, seq, ref, VOCAB, _close)
+    walk_trees(own, cache, seq, ref, VOCAB)
     nxt = int(ref[-1].argmax())
     step, _ = own.forward(torch.tensor([[nxt]]), torch.tensor([len(seq)]), cache)
-    _close(step[0, -1], _reference(hf, seq + [nxt])[-1], "one-token step past the window")
+    assert_logits_close(step[0, -1], hf_logits(hf, seq + [nxt])[-1], "one-token step past the window")
 
 
 @torch.inference_mode()
@@ -132,9 +121,9 @@ def test_packed_rows_equal_each_request_alone(gemma_pair) -> None:
     segs = [Segment(c, len(s) - 2, 2) for c, s in zip(caches, (a, b))]
     pos = torch.cat([torch.arange(len(s) - 2, len(s)) for s in (a, b)])
     packed, _ = own._packed_python(torch.cat([a[-2:], b[-2:]]), pos, segs, None)
-    _close(packed[:2], solo[0], "short request packed")
-    _close(packed[2:], solo[1], "long request packed (past the window)")
-    _close(packed[2:], _reference(hf, b.tolist())[-2:], "long request packed vs transformers")
+    assert_logits_close(packed[:2], solo[0], "short request packed")
+    assert_logits_close(packed[2:], solo[1], "long request packed (past the window)")
+    assert_logits_close(packed[2:], hf_logits(hf, b.tolist())[-2:], "long request packed vs transformers")
 
 
 @pytest.mark.parametrize("weights", ["fp32", "int8"])
@@ -328,23 +317,6 @@ def test_eagle_init_from_a_gemma_target_is_refused(gemma_pair) -> None:
     init_weights(net, None)  # a random start still works
 
 
-GEMMA_GGUF_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "post_attention_norm",
-    "pre_feedforward_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "post_feedforward_layernorm": "post_ffw_norm",
-}
-
-
 def _write_gemma3_gguf(path, hf, factor: float | None = 4.0) -> None:
     """The tiny HF Gemma 3 as llama.cpp's converter writes it: arch gemma3, norms stored as 1 + w, the sliding
     window and a linear global RoPE scaling (``factor`` None: the factor key left out) in the header."""
@@ -356,7 +328,7 @@ def _write_gemma3_gguf(path, hf, factor: float | None = 4.0) -> None:
         if factor is not None:
             w.add_rope_scaling_factor(factor)
 
-    write_converted_gguf(path, "gemma3", hf, GEMMA_GGUF_NAMES, norm_offset=1.0, extra=extra)
+    write_converted_gguf(path, "gemma3", hf, GEMMA3_GGUF_NAMES, norm_offset=1.0, extra=extra)
 
 
 @torch.inference_mode()
@@ -377,7 +349,7 @@ def test_gguf_gemma3_loads_like_transformers(tmp_path) -> None:
     )
     seq = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(11)).tolist()
     logits, _ = own.forward(torch.tensor([seq]), torch.arange(20))
-    _close(logits[0], _reference(hf, seq), "GGUF gemma3 vs transformers")
+    assert_logits_close(logits[0], hf_logits(hf, seq), "GGUF gemma3 vs transformers")
     _write_gemma3_gguf(tmp_path / "bad.gguf", hf, factor=None)
     with pytest.raises(ModelLoadError, match="rope scaling.*--runtime hf"):
         gguf_config(tmp_path / "bad.gguf")

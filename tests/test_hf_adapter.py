@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tree_walk import walk_trees
+from tree_walk import assert_logits_close, hf_logits, walk_trees
 
 from treedraft.drafters import PromptLookupDrafter
 from treedraft.engine import Engine, GenerationConfig
@@ -22,7 +22,6 @@ from treedraft.tree import TokenTree, full_attention_mask, tree_positions
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 96
-ATOL = 2e-4
 
 
 def _tiny_llama() -> transformers.LlamaForCausalLM:
@@ -74,17 +73,6 @@ def llama_pair(tmp_path_factory):
     return HFTarget.from_model(hf), own
 
 
-def _reference(hf, ids: list[int]) -> torch.Tensor:
-    """transformers' own no-cache forward (its own causal / sliding masks): logits (T, V)."""
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
-def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    err = (a - b).abs().max().item()
-    assert err < ATOL, f"{what}: max abs diff {err:.2e}"
-
-
 def test_attributes(llama_pair) -> None:
     target, own = llama_pair
     assert (target.vocab_size, target.hidden_size, target.max_seq_len) == (VOCAB, 32, 256)
@@ -106,9 +94,9 @@ def test_logits_match_own_runtime_through_tree_and_compaction(llama_pair) -> Non
     lh, hh = target.forward(torch.tensor([prompt]), torch.arange(20), hc, 0)
     lo, ho = own.forward(torch.tensor([prompt]), torch.arange(20), oc, 0)
     assert lh.dtype == torch.float32 and lh.shape == (1, 20, VOCAB) and hh.shape == (1, 20, 32)
-    _close(lh, lo, "prefill logits")
-    _close(hh, ho, "prefill hidden")
-    _close(lh[0], _reference(target.hf, prompt), "prefill vs transformers")
+    assert_logits_close(lh, lo, "prefill logits")
+    assert_logits_close(hh, ho, "prefill hidden")
+    assert_logits_close(lh[0], hf_logits(target.hf, prompt), "prefill vs transformers")
     hc.keep(0, range(20))
     oc.keep(0, range(20))
     assert hc.length == 20
@@ -120,12 +108,12 @@ def test_logits_match_own_runtime_through_tree_and_compaction(llama_pair) -> Non
     assert not torch.equal(mask[:, start:], torch.ones(len(tree), len(tree), dtype=torch.bool).tril())
     lh, hh = target.forward(torch.tensor([tree.tokens]), pos, hc, start, mask)
     lo, ho = own.forward(torch.tensor([tree.tokens]), pos, oc, start, mask)
-    _close(lh, lo, "tree logits")
-    _close(hh, ho, "tree hidden")
+    assert_logits_close(lh, lo, "tree logits")
+    assert_logits_close(hh, ho, "tree hidden")
     for leaf in (3, 4, 7):  # every root-to-leaf path equals a plain forward of that sequence
         path = tree.path_to(leaf)
         seq = prompt + [tree.tokens[i] for i in path]
-        _close(lh[0, path], _reference(target.hf, seq)[start:], f"tree path to node {leaf} vs transformers")
+        assert_logits_close(lh[0, path], hf_logits(target.hf, seq)[start:], f"tree path to node {leaf} vs transformers")
 
     # accept the last branch (non-contiguous slots 0, 5, 6, 7), compact, then step incrementally
     accepted = tree.path_to(7)
@@ -140,8 +128,8 @@ def test_logits_match_own_runtime_through_tree_and_compaction(llama_pair) -> Non
         lh, _ = target.forward(torch.tensor([[nxt]]), p, hc)
         lo, _ = own.forward(torch.tensor([[nxt]]), p, oc)
         seq.append(nxt)
-        _close(lh, lo, f"incremental step {step}")
-        _close(lh[0, -1], _reference(target.hf, seq)[-1], f"incremental step {step} vs transformers")
+        assert_logits_close(lh, lo, f"incremental step {step}")
+        assert_logits_close(lh[0, -1], hf_logits(target.hf, seq)[-1], f"incremental step {step} vs transformers")
         hc.keep(len(seq) - 1, [0])
         oc.keep(len(seq) - 1, [0])
 
@@ -155,16 +143,16 @@ def test_sliding_window_layers_follow_positions(attn: str) -> None:
     assert target.sliding_window == window and target.hf.config._attn_implementation == attn
     g = torch.Generator().manual_seed(4)
     seq = torch.randint(0, VOCAB, (26,), generator=g).tolist()
-    ref = _reference(target.hf, seq)  # transformers builds its own sliding-window masks here
-    wide = _reference(HFTarget.from_model(_tiny_gemma3(window=64)).hf, seq)
+    ref = hf_logits(target.hf, seq)  # transformers builds its own sliding-window masks here
+    wide = hf_logits(HFTarget.from_model(_tiny_gemma3(window=64)).hf, seq)
     assert (ref[window + 1 :] - wide[window + 1 :]).abs().max() > 1e-3, "window should matter in this test"
 
     cache = target.new_cache(64)
     logits, _ = target.forward(torch.tensor([seq[:8]]), torch.arange(8), cache, 0, logits_for=slice(-1, None))
     assert logits.shape == (1, 1, VOCAB)
-    _close(logits[0, -1], ref[7], "prefill (last row only)")
+    assert_logits_close(logits[0, -1], ref[7], "prefill (last row only)")
     cache.keep(0, range(8))
-    walk_trees(target, cache, seq, ref, VOCAB, _close)
+    walk_trees(target, cache, seq, ref, VOCAB)
 
 
 def test_greedy_speculative_equals_plain_greedy(llama_pair) -> None:

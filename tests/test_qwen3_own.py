@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from native_utils import count_native, write_converted_gguf
+from native_utils import QK_NORM_GGUF_NAMES, count_native, write_converted_gguf
+from tree_walk import hf_logits
 
 from treedraft.drafters import PromptLookupDrafter
 from treedraft.engine import Engine, GenerationConfig
@@ -49,26 +50,6 @@ def qwen3(tmp_path_factory):
     return hf, d
 
 
-def _reference(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
-QWEN3_GGUF_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 @torch.inference_mode()
 def test_matches_transformers_through_a_tree(qwen3, source, tmp_path) -> None:
@@ -76,7 +57,7 @@ def test_matches_transformers_through_a_tree(qwen3, source, tmp_path) -> None:
     if source == "gguf":
         pytest.importorskip("gguf")
         rope = hf.config.rope_parameters["rope_theta"]
-        write_converted_gguf(tmp_path / "q.gguf", "qwen3", hf, QWEN3_GGUF_NAMES, rope_base=rope)
+        write_converted_gguf(tmp_path / "q.gguf", "qwen3", hf, QK_NORM_GGUF_NAMES, rope_base=rope)
         own, _ = load_gguf(tmp_path / "q.gguf")
     else:
         own = load_hf_dir(d)
@@ -86,13 +67,13 @@ def test_matches_transformers_through_a_tree(qwen3, source, tmp_path) -> None:
     prompt = torch.randint(0, VOCAB, (12,), generator=g).tolist()
     cache = own.new_cache(64)
     lp, _ = own.forward(torch.tensor([prompt]), torch.arange(12), cache, 0)
-    torch.testing.assert_close(lp[0], _reference(hf, prompt), atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(lp[0], hf_logits(hf, prompt), atol=2e-4, rtol=2e-4)
     cache.keep(0, range(12))
     tree = TokenTree.from_sequences(5, [[7, 8, 9], [13, 14]])
     lt, _ = own.forward(torch.tensor([tree.tokens]), tree_positions(tree, 12), cache, 12, full_attention_mask(tree, 12))
     for leaf in (3, 5):
         path = tree.path_to(leaf)
-        ref = _reference(hf, prompt + [tree.tokens[i] for i in path])[12:]
+        ref = hf_logits(hf, prompt + [tree.tokens[i] for i in path])[12:]
         torch.testing.assert_close(lt[0, path], ref, atol=2e-4, rtol=2e-4)
 
 
@@ -131,7 +112,7 @@ def test_gguf_weights_quantized_from_the_file(qwen3, tmp_path) -> None:
     hf, _ = qwen3
     pytest.importorskip("gguf")
     path = tmp_path / "q.gguf"
-    write_converted_gguf(path, "qwen3", hf, QWEN3_GGUF_NAMES, rope_base=hf.config.rope_parameters["rope_theta"])
+    write_converted_gguf(path, "qwen3", hf, QK_NORM_GGUF_NAMES, rope_base=hf.config.rope_parameters["rope_theta"])
     own, _ = load_gguf(path)
     seq = torch.randint(0, VOCAB, (16,), generator=torch.Generator().manual_seed(3))
     ref, _ = own(seq[None], torch.arange(16))
@@ -150,7 +131,7 @@ def test_gguf_headers_the_runtime_cannot_follow_are_refused(qwen3, tmp_path) -> 
     hf, _ = qwen3
 
     def write(name, extra):
-        write_converted_gguf(tmp_path / name, "qwen3", hf, QWEN3_GGUF_NAMES, extra=extra)
+        write_converted_gguf(tmp_path / name, "qwen3", hf, QK_NORM_GGUF_NAMES, extra=extra)
         return tmp_path / name
 
     def yarn(w):
