@@ -426,9 +426,9 @@ def load(
     keys/values rounded to fp16, rows stay bitwise row-invariant; Transformer.kv_dtype) or 'auto' (float16
     with int4/int8 weights, else the weights' dtype; see :func:`kv_dtype_for`).
     draft_model: the model drafter 'draft-model' drafts with (registry name, .gguf or HF directory sharing the
-    target's tokenizer; None: the target's own file, packed in ``draft_weights``); giving one makes 'hybrid-draft' (the
-    draft model with suffix chains) the default drafter. draft_weights: its weights, as ``weights`` ('auto': int4 on the CPU for a GGUF the own runtime
-    runs, else dense in the target's dtype).
+    target's tokenizer; None: the target's own file, packed in ``draft_weights``); giving one makes 'hybrid-draft'
+    (the draft model with suffix chains) the default drafter. draft_weights: its weights, as ``weights`` ('auto':
+    int4 on the CPU for a GGUF the own runtime runs, else dense in the target's dtype).
     """
     from .drafters.suffix import open_suffix_store
 
@@ -468,8 +468,7 @@ DRAFT_MODEL_DRAFTERS = ("draft-model", "hybrid-draft")
 
 def check_draft_args(draft_model: str | None, draft_weights: str, drafter: Any) -> None:
     """draft_model / draft_weights of :func:`load`, checked before any load: a draft model that does not resolve or
-    unknown weights are a ValueError naming the argument; options no drafter of this load will read warn (the
-    server's requests may still pick draft-model by name)."""
+    unknown weights are a ValueError naming the argument (:func:`warn_unread_draft_args` looks at them after)."""
     from .models.quant import WEIGHTS
 
     if draft_weights not in WEIGHTS:
@@ -494,8 +493,9 @@ def warn_unread_draft_args(draft_model: str | None, draft_weights: str, drafter:
     )
 
 
-def load_tokenizer(path: Path) -> Tokenizer:
-    """The tokenizer of a resolved model path (a GGUF's, cached as files, or an HF directory's)."""
+def load_tokenizer(path: Path, arch: str | None = None) -> Tokenizer:
+    """The tokenizer of a resolved model path (a GGUF's, cached as files, or an HF directory's); ``arch``: its
+    architecture when the caller has read it already."""
     from .models.loaders import GEMMA_ARCHS
 
     tok = (
@@ -503,7 +503,7 @@ def load_tokenizer(path: Path) -> Tokenizer:
         if path.is_file()
         else Tokenizer.from_dir(path)
     )
-    if model_architecture(path) in GEMMA_ARCHS and tok.hf.bos_token_id is not None:
+    if (arch or model_architecture(path)) in GEMMA_ARCHS and tok.hf.bos_token_id is not None:
         tok.add_bos = True  # Gemma expects <bos> in front of raw text
     return tok
 
@@ -516,9 +516,11 @@ def load_model(
     max_seq_len: int | None = 4096,
     weights: str = "auto",
     kv_dtype: str = "auto",
+    tokenizer: Tokenizer | None = None,
 ) -> tuple[Any, Tokenizer, Path, str]:
     """A model and its tokenizer, without a drafter or an engine: (net, tokenizer, resolved path, device). What
-    :func:`load` builds on, and what the ``draft-model`` drafter loads its draft model with; arguments as there."""
+    :func:`load` builds on, and what the ``draft-model`` drafter loads its draft model with; arguments as there.
+    ``tokenizer``: the model's, when the caller has loaded it already (:func:`load_tokenizer`)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
     dev = pick_device(device)
@@ -548,7 +550,7 @@ def load_model(
         net = HFTarget.load(path, dt, dev, max_seq_len)
     else:
         raise ModelLoadError(f"unknown runtime {runtime!r}; use auto, own or hf")
-    tok = load_tokenizer(path)
+    tok = tokenizer or load_tokenizer(path, arch)
     if weights != "fp32":  # --weights (issue 11): swap in quantized linears; begin
         from .models.quant_load import PROBE_TEXT, apply_weights, log_stderr
 

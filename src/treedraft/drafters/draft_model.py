@@ -267,9 +267,6 @@ class DraftModelDrafter:
         return pick
 
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
 def draft_weights_for(model_path, device: torch.device, weights: str, dtype: torch.dtype) -> tuple[str, str]:
     """(weights, dtype name) a draft model loads with: ``weights`` as given, or for "auto" the GGUF's int4 blocks on
     the CPU where the own runtime runs its architecture (a draft's quality only moves its acceptance, never the
@@ -288,7 +285,9 @@ def draft_weights_for(model_path, device: torch.device, weights: str, dtype: tor
                 "--draft-model, in dense weights (--draft-weights fp32 or auto)"
             )
         return weights, "fp32"
-    return weights, DTYPE_NAMES.get(dtype, "fp32")
+    from ..api import DTYPES
+
+    return weights, next((name for name, dt in DTYPES.items() if dt == dtype), "fp32")  # load()'s own name for it
 
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
@@ -345,7 +344,8 @@ def load_draft_model(
             f"the draft model would be the target itself in the target's own weights ({w}), which cannot draft "
             f"faster than it decodes: {hint}"
         )
-    check_same_tokenizer(tokenizer, load_tokenizer(path), model)  # before the weights: a wrong model fails fast
+    tok = load_tokenizer(path)
+    check_same_tokenizer(tokenizer, tok, model)  # before the weights: a wrong model fails fast
     max_len = getattr(target, "max_seq_len", 4096) or 4096
     if own_file:
         print(
@@ -355,7 +355,7 @@ def load_draft_model(
         )
     with warnings.catch_warnings():  # the draft's rounding only moves its acceptance, never the output
         warnings.filterwarnings("ignore", message=".*no exact 4-bit mapping")
-        net, tok, _, _ = load_model(model, device=str(dev), dtype=dtype, max_seq_len=max_len, weights=w)
+        net, _, _, _ = load_model(model, device=str(dev), dtype=dtype, max_seq_len=max_len, weights=w, tokenizer=tok)
     n_tok = len(tokenizer.hf) if getattr(tokenizer, "hf", None) is not None else 0
     if n_tok > net.vocab_size:
         raise DraftModelError(

@@ -261,9 +261,6 @@ class ProbCalibration(TreeCalibration):
     def value(self, key: float) -> float:
         return math.exp(key)
 
-    def raw(self, key: float) -> float:
-        return math.exp(key)
-
     def tested(self, tree: Any, hit: list[int], probs: Sequence[float]) -> None:
         if len(probs) != len(tree) - 1:
             return
