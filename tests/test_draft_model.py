@@ -10,8 +10,10 @@ import pytest
 import torch
 from conftest import load_real_fp32_fixed_plan
 from spec_stats import assert_fits, break_the_rule, fits, goodness_of_fit, one_thread, sampled_sequences  # noqa: F401
+from test_batch import _batched
 from test_engine import Exact
 
+from treedraft import kernels
 from treedraft.drafters import draft_model as dm
 from treedraft.drafters.draft_model import DraftModelDrafter, DraftModelError, check_same_tokenizer, load_draft_model
 from treedraft.engine import Engine, GenerationConfig
@@ -316,6 +318,7 @@ def test_fp32_target_drafted_by_its_own_int4_file_equals_plain_real_model() -> N
     sized = llm.drafters.get("draft-model")
     assert sized.name == "draft-model" and sized.model is not llm.model
     assert (sized.model.weights_info or {}).get("resolved") == "int4"
+    assert sized.share_kv  # the target's own file: it drafts on the target's keys and values (fp32 here)
     full = DraftModelDrafter(sized.model, llm.model.vocab_size, max_len=llm.model.max_seq_len, latency=None)
     for q in ("Write a short poem about the sea.", "Explain what a hash table is."):
         plain = llm.generate(q, drafter=None, max_new_tokens=64)
@@ -406,3 +409,82 @@ def test_prob_calibration_learns_acceptance_per_draft_probability_and_forks_shar
     cal.drafted(1.0, 10, 7, tree, [0.55, 0.55, 0.15])
     cal.learn([5, 5, 5])  # another sequence: nothing learned
     assert cal.rate(0.55) > 0.95
+
+
+class SharedCheck:
+    """Wraps a ``share_kv`` DraftModelDrafter: every propose must leave the target's cache as it found it below the
+    root (its committed keys and values, bit for bit) and its length unchanged, and keep no cache of its own.
+    ``twin``: a drafter of the same draft model on its own cache, asked alongside: the trees must be equal."""
+
+    name = "shared-check"
+
+    def __init__(self, d: DraftModelDrafter, twin: DraftModelDrafter | None = None) -> None:
+        self.d, self.twin, self.shared, self.same_trees = d, twin, 0, 0
+
+    def propose(self, ctx: DraftContext):
+        c = ctx.cache
+        n = c.length
+        assert n == len(ctx.tokens) - 1  # what the scheduler offers: every token before the root
+        held = c.kv[:, :, :, :n].clone()
+        tree = self.d.propose(ctx)
+        assert c.length == n and torch.equal(c.kv[:, :, :, :n], held)
+        assert self.d.cache is None  # it drafted on the target's cache, not on one of its own
+        self.shared += self.d._target_cache(ctx) is c
+        if self.twin is not None:
+            other = self.twin.propose(ctx)
+            assert (other.tokens, other.parents) == (tree.tokens, tree.parents)
+            self.same_trees += 1
+        return tree
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_draft_of_the_targets_own_model_drafts_on_the_targets_cache(seed: int) -> None:
+    """share_kv (the target's own file in other weights): the draft attends to the target's keys and values and keeps
+    no cache; output = plain, the target's committed slots are never written, and with the target's own weights as
+    the draft the trees equal those drafted on a cache of its own (the same keys and values, computed twice)."""
+    model = tiny(seed)
+    engine = Engine(model)
+    prompt = [5, 3, 8, 1, 9, 2]
+    ref = engine.generate(prompt, cfg(80), None).token_ids
+    d = DraftModelDrafter(near_copy(model, 0.15, seed), model.vocab_size, max_len=256, depth=4, topk=2, share_kv=True)
+    check = SharedCheck(d)
+    r = engine.generate(prompt, cfg(80, max_tree_nodes=8), check)
+    assert r.token_ids == ref and check.shared > 10
+    assert sum(s.accepted for s in r.stats.steps) > 15
+    same = near_copy(model, 0.0)
+    kw = dict(max_len=256, depth=4, topk=2)
+    check = SharedCheck(
+        DraftModelDrafter(same, model.vocab_size, share_kv=True, **kw), DraftModelDrafter(same, model.vocab_size, **kw)
+    )
+    r = engine.generate(prompt, cfg(80, max_tree_nodes=8), check)
+    assert r.token_ids == ref and check.same_trees > 10
+
+
+def test_a_shared_draft_falls_back_to_its_own_cache_where_the_targets_does_not_fit() -> None:
+    """A target cache of another dtype (fp16 keys and values against the draft's fp32) or none at all (a caller's own
+    DraftContext) is not drafted on: the drafter keeps its own cache then, and output stays plain's."""
+    model = tiny(2)
+    model.kv_dtype = torch.float16
+    engine = Engine(model)
+    prompt = [4, 4, 1, 7]
+    ref = engine.generate(prompt, cfg(40), None).token_ids
+    d = DraftModelDrafter(near_copy(model, 0.1), model.vocab_size, max_len=256, depth=3, share_kv=True)
+    assert d.cache is None
+    check = CacheCheck(d)  # (a wrapper: the engine drafts with d itself, not a request twin of it)
+    r = engine.generate(prompt, cfg(40, max_tree_nodes=6), check)
+    assert r.token_ids == ref and check.checked > 5 and d.cache is not None
+    twin = d.for_request()
+    assert twin.cache is None and twin.propose(DraftContext([1, 2, 3], None, 4, 3)).tokens[0] == 3
+    assert twin.cache is not None and twin.cache.length == 3
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+def test_shared_drafts_in_a_batch_equal_plain() -> None:
+    """Several requests in one scheduler, each drafted on its own target cache (a request twin per request)."""
+    model = tiny(6)
+    engine = Engine(model)
+    reqs = [([3, 1, 4, 1, 5][: 2 + i], cfg(20 + 7 * i)) for i in range(4)]
+    ref = {i: engine.generate(p, c, None).token_ids for i, (p, c) in enumerate(reqs)}
+    d = DraftModelDrafter(near_copy(model, 0.1, 4), model.vocab_size, max_len=256, depth=4, share_kv=True)
+    out = _batched(engine, reqs, d, step_rows=None, prefill_chunk=None)
+    assert out == ref

@@ -316,6 +316,7 @@ class Scheduler:
                 req.config.prediction,
                 s,
                 req.coupling if uses_coupling(req.config.rule, s) else None,
+                req.cache,
             )
             name = getattr(req.drafter, "name", type(req.drafter).__name__)
             try:

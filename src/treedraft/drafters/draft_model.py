@@ -7,6 +7,11 @@ one-row step streams a fraction of the bytes (quantized self-speculation: the ou
 
 Each step the draft model first catches up on the tokens committed since its last step (one forward over them,
 causal, in its own KV cache, which keeps the committed tokens only), whose last row scores the root's children.
+Where the draft is the target's own file in other weights (``share_kv``: the int4 copy drafting for a float target)
+it keeps no cache at all: it attends to the target's own keys and values of the committed tokens (the request's
+cache, :attr:`DraftContext.cache`) and runs only the root's row and its draft rows, in the slots the verify forward
+overwrites next. That skips the draft's prompt prefill and every catch-up (on MT-Bench second turns, whose prompts
+hold the first answer, they were half of the drafting time), and the draft sees the exact context.
 Then :func:`.eagle_tree.grow_tree` expands the best frontier nodes depth by depth, each depth one batched draft
 forward of the expanded nodes under a tree mask (a node sees the committed tokens, its expanded ancestors and
 itself), and keeps the nodes that maximise expected tokens per second on this machine's verify curve. The drafted
@@ -35,6 +40,13 @@ class DraftModelError(ValueError):
     """The draft model cannot draft for this target (another vocabulary); the message says what to change."""
 
 
+def kv_layout(cache) -> tuple | None:
+    """((2 x layers, batch, kv heads), head_dim, dtype) of an own-runtime KV cache (None: another kind of cache): two
+    models whose caches agree on it can read each other's keys and values."""
+    kv = getattr(cache, "kv", None)
+    return None if kv is None else (tuple(kv.shape[:3]), kv.shape[4], kv.dtype)
+
+
 class DraftModelDrafter:
     """EAGLE-2 dynamic trees from a draft language model with its own KV cache, kept across steps."""
 
@@ -49,6 +61,7 @@ class DraftModelDrafter:
         topk: int = 1,
         latency: dict[int, float] | None = None,
         draft_latency: dict[int, float] | None = None,
+        share_kv: bool = False,
     ) -> None:
         """model: the draft model (a :class:`~treedraft.interfaces.TargetModel`: ``new_cache`` and ``forward`` with
         a tree mask); target_vocab: the target's vocabulary size (the draft's may be smaller, never larger);
@@ -58,7 +71,9 @@ class DraftModelDrafter:
         expanded node; the defaults draft one chain of up to 12 tokens, which measured fastest for a target drafted
         by its own int4 file (SmolLM2 fp32, 5 MT-Bench first turns x 128: 1.89-2.11x plain against 1.71x for
         depth 12 / topk 2 and 1.56x for depth 8 / topk 4; its top token is the target's ~98% of the time). A
-        draft that agrees less may pay for siblings: pass topk > 1."""
+        draft that agrees less may pay for siblings: pass topk > 1. share_kv: the draft is the target's own model in
+        other weights (same architecture and file): it drafts on the target's KV cache where a step offers one
+        (:meth:`_target_cache`), else on its own."""
         if depth < 1 or topk < 1:
             raise ValueError(f"depth and topk must be >= 1, got {depth}, {topk}")
         if model.vocab_size > target_vocab:
@@ -78,7 +93,9 @@ class DraftModelDrafter:
         # slots a cache may take: the context and one step's drafted rows, within the draft model's own window (past
         # it the step drafts less, or nothing: see propose)
         self.room = min(max_len + depth * topk + 1, getattr(model, "max_seq_len", None) or 1 << 30)
-        self.cache = self._new_cache()
+        self.share_kv = share_kv
+        self.kv_layout = kv_layout(model.new_cache(1)) if share_kv else None  # what a shared cache must match
+        self.cache = None if share_kv else self._new_cache()  # own cache: allocated at first use when sharing
         self.reset()
 
     INITIAL_SLOTS = 512  # a cache starts this long and doubles as the context grows (each request has its own)
@@ -95,6 +112,9 @@ class DraftModelDrafter:
         """Grow the draft cache to hold ``need`` slots, keeping what it holds (or, for a cache of another kind than
         the own runtime's, starting over: the next commit recomputes the context)."""
         old = self.cache
+        if old is None:
+            self.cache = self._new_cache(need)
+            return
         if need <= getattr(old, "max_len", self.room):
             return
         self.cache = self._new_cache(need)
@@ -106,7 +126,8 @@ class DraftModelDrafter:
 
     def reset(self) -> None:
         """Forget the committed tokens (a new sequence starts)."""
-        self.cache.length = 0
+        if self.cache is not None:
+            self.cache.length = 0
         self.tokens: list[int] = []  # the tokens in draft cache slots [0, cache.length)
         # the last tree's expanded nodes: their tokens after the root -> draft cache slot (past cache.length, where
         # they stay until the next forward): the accepted ones are kept instead of run again
@@ -117,11 +138,13 @@ class DraftModelDrafter:
 
     def fresh(self) -> DraftModelDrafter:
         """A copy that has learned nothing yet (new calibration bins; ``treedraft bench``'s fresh drafter state)."""
-        return request_twin(self, cache=self._new_cache(), cal=ProbCalibration(), cal_sampled=ProbCalibration())
+        cache = None if self.share_kv else self._new_cache()
+        return request_twin(self, cache=cache, cal=ProbCalibration(), cal_sampled=ProbCalibration())
 
     def for_request(self) -> DraftModelDrafter:
         """A twin for one request: the same draft model, its own KV cache and calibration."""
-        return request_twin(self, cache=self._new_cache(), cal=self.cal.fork(), cal_sampled=self.cal_sampled.fork())
+        cache = None if self.share_kv else self._new_cache()
+        return request_twin(self, cache=cache, cal=self.cal.fork(), cal_sampled=self.cal_sampled.fork())
 
     def _seconds(self, rows: int, context: int) -> float:
         """Estimated seconds of one draft forward of ``rows`` rows at ``context`` cached tokens (an estimate, not a
@@ -175,7 +198,9 @@ class DraftModelDrafter:
         the new root excluded) to the slots after the ``n`` held ones; returns how many. They were computed under
         the tree mask over their own path, which is the causal prefix they now sit on."""
         slots, self.drafted_slots = self.drafted_slots, {}
-        if not slots or n != self.cache.length:  # another sequence, or a step drafted nothing since
+        if (
+            not slots or self.cache is None or n != self.cache.length
+        ):  # another sequence, or a step drafted nothing since
             return 0
         keep: list[int] = []
         for j in range(n, len(tokens) - 1):
@@ -192,9 +217,11 @@ class DraftModelDrafter:
         """A dynamic tree of at most ``ctx.max_nodes`` nodes (root included) and ``ctx.max_depth`` depth."""
         budget = ctx.max_nodes - 1
         r = len(ctx.tokens) - 1
+        shared = self._target_cache(ctx)
+        room = self.room if shared is None else shared.max_len
         # depth d needs (d - 1) x topk draft cache slots past the context: near the end of the draft model's window
-        # the tree is shallower, and past it there is none
-        depth = min(self.depth, ctx.max_depth, max(1, budget), 1 + (self.room - r - 1) // self.topk)
+        # (or of the target's cache it drafts on) the tree is shallower, and past it there is none
+        depth = min(self.depth, ctx.max_depth, max(1, budget), 1 + (room - r - 1) // self.topk)
         pick = self._coupled_pick(ctx)
         cal = self.cal if pick is None else self.cal_sampled
         cal.learn(ctx.tokens)
@@ -206,20 +233,30 @@ class DraftModelDrafter:
         if budget < 1 or depth < 1 or self._blocked(ctx.tokens):
             self.drafted_slots = {}
             return stub
-        commit = self._commit(list(ctx.tokens))
-        if commit is None:
-            return stub
-        logits, first_seconds = commit
-        base = self.cache.length
         dev = target_device(self.model)
+        if shared is not None:  # the committed tokens are in the target's cache: run the root's row only
+            if ctx.root >= self.model.vocab_size:
+                return stub
+            cache = shared
+            root = torch.tensor([[ctx.root]], dtype=torch.long, device=dev)
+            logits = self.model.forward(root, torch.tensor([r], device=dev), cache, r, None, slice(-1, None))[0][0]
+            logits, first_seconds = logits.float(), self._seconds(1, r)
+        else:
+            commit = self._commit(list(ctx.tokens))
+            if commit is None:
+                return stub
+            logits, first_seconds = commit
+            cache = self.cache
+        base = r + 1  # the first drafted row's slot (own cache: its length after the commit)
         path_of: dict[int, tuple[int, ...]] = {0: ()}  # an expanded node's tokens after the root
 
         def expand(nodes: list[int], toks: list[int], parents: list[int], depths: list[int], start: int, mask: Tensor):
             pos = torch.tensor([r + d for d in depths], dtype=torch.long, device=dev)
-            out, _ = self.model.forward(torch.tensor([toks], device=dev), pos, self.cache, start, mask.to(dev))
-            for row, (i, p, t) in enumerate(zip(nodes, parents, toks)):
-                path_of[i] = path_of[p] + (t,)
-                self.drafted_slots[path_of[i]] = start + row
+            out, _ = self.model.forward(torch.tensor([toks], device=dev), pos, cache, start, mask.to(dev))
+            if shared is None:  # own cache: the accepted rows are kept at the next commit
+                for row, (i, p, t) in enumerate(zip(nodes, parents, toks)):
+                    path_of[i] = path_of[p] + (t,)
+                    self.drafted_slots[path_of[i]] = start + row
             return out[0].float()
 
         tree, expected, probs = grow_tree(
@@ -236,10 +273,21 @@ class DraftModelDrafter:
             drafting_seconds=lambda forwards: first_seconds + (forwards - 1) * self._seconds(self.topk, base),
             pick=pick,
         )
-        self.cache.length = base  # drafts never stay in the cache
+        if shared is None:
+            self.cache.length = base  # drafts never stay in the cache
         self.last_expected = expected
         cal.drafted(expected - 1.0, r, ctx.root, tree, probs)
         return tree
+
+    def _target_cache(self, ctx: DraftContext):
+        """The target's KV cache this step may draft on (:attr:`DraftContext.cache`), or None: ``share_kv`` is off,
+        no cache was offered, or it is not one this draft model's forward can use as its own (another kind, layer
+        count, head layout or dtype), or it does not hold exactly the tokens before the root."""
+        c = ctx.cache
+        if not self.share_kv or c is None or getattr(c, "length", None) != len(ctx.tokens) - 1:
+            return None
+        layout = kv_layout(c)
+        return c if layout is not None and layout == self.kv_layout else None
 
     @staticmethod
     def _coupled_pick(ctx: DraftContext):
@@ -334,7 +382,8 @@ def load_draft_model(
     first = next(iter(params), None)
     w, dtype = draft_weights_for(path, dev, weights, first.dtype if first is not None else torch.float32)
     tw = (getattr(target, "weights_info", None) or {}).get("resolved", "fp32")
-    if target_model and resolve(target_model).resolve() == path.resolve() and tw == w:
+    same_file = bool(target_model) and resolve(target_model).resolve() == path.resolve()
+    if same_file and tw == w:
         hint = (
             "load the target with --weights fp32 (or int8) to draft with its int4 copy, or give a smaller --draft-model"
             if dev.type == "cpu"
@@ -362,6 +411,12 @@ def load_draft_model(
             f"the target's tokenizer has {n_tok} tokens and draft model {model!r} embeds only {net.vocab_size}: "
             "its ids past that would have no row; pick a draft model with the target's whole vocabulary"
         )
+    # the target's own file in other weights: it drafts on the target's keys and values (no cache of its own), stored
+    # in the target cache's dtype (the int4 runtime's own default is fp16)
+    target_kv = kv_layout(target.new_cache(1)) if same_file else None
+    if target_kv is not None and kv_layout(net.new_cache(1)) is not None:
+        net.kv_dtype = target_kv[2]
+    share = target_kv is not None and kv_layout(net.new_cache(1)) == target_kv
     lat, dlat = measured_latency(target), measured_latency(net)
     if dlat[1] >= 0.6 * lat[1]:
         warnings.warn(
@@ -369,4 +424,4 @@ def load_draft_model(
             "machine: drafting will rarely pay (the trees back off); give a smaller --draft-model",
             stacklevel=2,
         )
-    return DraftModelDrafter(net, target.vocab_size, max_len=max_len, latency=lat, draft_latency=dlat)
+    return DraftModelDrafter(net, target.vocab_size, max_len=max_len, latency=lat, draft_latency=dlat, share_kv=share)
