@@ -133,11 +133,10 @@ class DraftContext:
     # the output does not depend on them). None when not coupled.
     sampling: Any = None
     coupling: int | None = None
-    # The request's own target KV cache (None: not offered): slots [0, len(tokens) - 1) hold the target's keys and
-    # values of every token before the root, and ``cache.length`` is len(tokens) - 1. A drafter that runs the target's
-    # own architecture and file in other weights (the int4 copy drafting for a float target) may attend to them
-    # instead of keeping a cache of its own, and write its draft rows at slots >= len(tokens) - 1 (the verify
-    # forward writes the tree there next). It must never write below, nor change ``length``.
+    # The request's own target KV cache, to read only (None: not offered): slots [0, len(tokens) - 1) hold the
+    # target's keys and values of every token before the root, and ``cache.length`` is len(tokens) - 1. A drafter that
+    # runs the target's own architecture and file in other weights (the int4 copy drafting for a float target) copies
+    # them instead of computing its own.
     cache: Any = None
 
     @property
