@@ -4,7 +4,6 @@ cause, and the real model: fp32 target drafted by its own GGUF in int4."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 
 import pytest
@@ -491,9 +490,7 @@ def test_shared_drafts_in_a_batch_equal_plain(monkeypatch) -> None:
     """Several requests in one scheduler, each copying from its own target cache (a request twin per request)."""
     caches: set[int] = set()
     mirror = DraftModelDrafter._mirror
-    monkeypatch.setattr(
-        DraftModelDrafter, "_mirror", lambda self, t, c, g=(): caches.add(id(c)) or mirror(self, t, c, g)
-    )
+    monkeypatch.setattr(DraftModelDrafter, "_mirror", lambda self, t, c: caches.add(id(c)) or mirror(self, t, c))
     model = tiny(6)
     engine = Engine(model)
     reqs = [([3, 1, 4, 1, 5][: 2 + i], cfg(20 + 7 * i)) for i in range(4)]
@@ -501,73 +498,3 @@ def test_shared_drafts_in_a_batch_equal_plain(monkeypatch) -> None:
     d = DraftModelDrafter(near_copy(model, 0.1, 4), model.vocab_size, max_len=256, depth=4, share_kv=True)
     out = _batched(engine, reqs, d, step_rows=None, prefill_chunk=None)
     assert out == ref and len(caches) == len(reqs)
-
-
-def committed(model, tokens: list[int]):
-    """A target cache holding ``tokens`` but the last (the root), as the scheduler offers it."""
-    cache = model.new_cache(64)
-    model.forward(torch.tensor([tokens[:-1]]), torch.arange(len(tokens) - 1), cache, 0)
-    cache.length = len(tokens) - 1
-    return cache
-
-
-def test_a_guess_scored_in_the_first_forward_saves_draft_forwards_and_changes_no_tree() -> None:
-    """ctx.guess (a cheaper drafter's likeliest continuation) runs after the root in the first forward: a chain that
-    follows it needs no forward for those depths; a wrong guess costs rows but no depth; the tree is the same."""
-    model = tiny(7)
-    tokens = [3, 9, 4, 1, 7]
-    ctx = DraftContext(tokens, None, 7, 6, cache=committed(model, tokens))
-    d = DraftModelDrafter(near_copy(model, 0.1, 7), model.vocab_size, max_len=64, depth=6, share_kv=True)
-    calls: list[int] = []
-    forward = d.model.forward
-    d.model.forward = lambda t, *a, **k: calls.append(t.shape[-1]) or forward(t, *a, **k)
-    own = d.for_request().propose(ctx)
-    chain = list(own.tokens[1:])
-    assert len(chain) == 6 and calls == [1] * 6  # the root's row, then one forward per further depth
-    wrong = (chain[4] + 1) % model.vocab_size
-    for guess, rows in (
-        (chain[:4] + [wrong], [6, 1]),  # four right: depths 1-4 drafted with the root, depth 5 run, 6 from its row
-        (chain, [7]),  # all right: one forward
-        ([wrong] * 3, [4] + [1] * 5),  # wrong at once: its rows for nothing
-    ):
-        calls.clear()
-        tree = d.for_request().propose(dataclasses.replace(ctx, guess=tuple((t, 0.9) for t in guess)))
-        assert (tree.tokens, tree.parents) == (own.tokens, own.parents) and calls == rows
-    calls.clear()  # a guess past the draft's vocabulary is cut there
-    d.for_request().propose(dataclasses.replace(ctx, guess=((chain[0], 0.9), (model.vocab_size, 0.9))))
-    assert calls[0] == 2
-
-
-def test_the_hybrid_passes_its_scored_members_likeliest_path_to_the_draft_model(monkeypatch) -> None:
-    """In hybrid-draft the suffix member's likeliest path (here an oracle's: the next tokens of plain's answer,
-    valued too low to lead) reaches the draft model as its guess; output stays plain's."""
-    from treedraft.drafters.hybrid import HybridDrafter, likeliest_path
-    from treedraft.tree import TokenTree
-
-    tree = TokenTree((0, 5, 6, 7, 8), (-1, 0, 0, 1, 3))
-    assert likeliest_path(tree, [0.3, 0.4, 0.2, 0.1]) == ((6, 0.4),)
-    assert likeliest_path(tree, [0.5, 0.4, 0.3, 0.2]) == ((5, 0.5), (7, 0.3), (8, 0.2))
-    model = tiny(8)
-    engine = Engine(model)
-    prompt = [2, 7, 1, 8]
-    ref = engine.generate(prompt, cfg(60), None).token_ids
-
-    class Oracle:
-        name = "oracle"
-
-        def propose_valued(self, ctx):
-            n = len(ctx.tokens) - len(prompt)
-            nxt = ref[n : n + 4]
-            t = TokenTree((ctx.root, *nxt), tuple(range(-1, len(nxt))))
-            return t, [0.3] * len(nxt)  # (1.2 expected tokens: the draft model still drafts)
-
-    guesses: list[int] = []
-    mirror = DraftModelDrafter._mirror
-    monkeypatch.setattr(
-        DraftModelDrafter, "_mirror", lambda self, t, c, g=(): guesses.append(len(g)) or mirror(self, t, c, g)
-    )
-    d = DraftModelDrafter(near_copy(model, 0.3, 8), model.vocab_size, max_len=256, depth=4, share_kv=True)
-    lat = {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4, 16: 2.0}
-    h = HybridDrafter([d, Oracle()], lead_extra=0, latency=lat)
-    r = engine.generate(prompt, cfg(60, max_tree_nodes=8), h)
-    assert r.token_ids == ref and sum(g > 0 for g in guesses) > 5

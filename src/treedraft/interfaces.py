@@ -138,10 +138,6 @@ class DraftContext:
     # runs the target's own architecture and file in other weights (the int4 copy drafting for a float target) copies
     # them instead of computing its own.
     cache: Any = None
-    # A cheaper drafter's most likely continuation after the root this step, as (token, P(accepted up to it)) pairs
-    # (the hybrid drafter's scored members, e.g. the suffix drafter's chain): a drafter that runs a model may score
-    # it in the same forward as the root's row and skip the draft forwards of the tokens it agrees with. () = none.
-    guess: Sequence[tuple[int, float]] = ()
 
     @property
     def root(self) -> int:

@@ -196,33 +196,18 @@ class DraftModelDrafter:
         # skipped drafting, are owed whether this step drafts or not: not this tree's cost)
         return logits[0].float(), self._seconds(min(len(new), self.depth + 1), n)
 
-    MAX_GUESS = 8  # guess rows a first forward takes at most
-
-    def _guess_rows(self, ctx: DraftContext, r: int) -> list[int]:
-        """The prefix of ``ctx.guess`` worth scoring in the root's forward: a row is taken while its chance of being
-        reached (its value) times a draft forward's cost exceeds what the row adds to that forward."""
-        out: list[int] = []
-        one = self._seconds(self.topk, r)
-        for j, (t, v) in enumerate(ctx.guess[: min(self.MAX_GUESS, self.room - r - 1)], start=1):
-            if t >= self.model.vocab_size or v * one < self._seconds(1 + j, r) - self._seconds(j, r):
-                break
-            out.append(int(t))
-        return out
-
     @torch.inference_mode()
-    def _mirror(self, tokens: list[int], target, guess: list[int] = ()) -> tuple[Tensor, float] | None:
+    def _mirror(self, tokens: list[int], target) -> tuple[Tensor, float] | None:
         """:meth:`_commit` for a draft that is the target's own model (``share_kv``): the committed tokens' keys and
         values are the target's (``target``: its cache, holding every token before the root), copied into the draft
         cache where it does not hold them yet (the slots after the longest prefix it mirrored before), converted to
-        its dtype; only the root's row runs, with ``guess`` (tokens after the root) causally after it in the slots a
-        chain drafts into. Returns the rows' logits (1 + len(guess), V) float32 and the forward's estimated seconds
-        (None: the root is outside the draft's vocabulary)."""
+        its dtype; only the root's row runs. Same return value."""
         r = len(tokens) - 1
         if r + 1 > self.max_len:
             raise ValueError(f"draft-model drafter: context {r + 1} exceeds its cache of {self.max_len} tokens")
         if tokens[r] >= self.model.vocab_size:  # (the target's own vocabulary: only a draft cut short has fewer ids)
             return None
-        self._ensure_room(min(self.room, r + 2 + max(len(guess), self.depth * self.topk)))
+        self._ensure_room(min(self.room, r + 2 + self.depth * self.topk))
         n, held = 0, min(len(self.tokens), self.mirrored, r)
         while n < held and self.tokens[n] == tokens[n]:
             n += 1
@@ -230,11 +215,10 @@ class DraftModelDrafter:
             self.cache.kv[:, :, :, n:r] = target.kv[:, :, :, n:r]
         self.mirrored, self.drafted_slots = r, {}
         dev = target_device(self.model)
-        rows = torch.tensor([[tokens[r], *guess]], dtype=torch.long, device=dev)
-        pos = torch.arange(r, r + rows.shape[1], device=dev)
-        logits, _ = self.model.forward(rows, pos, self.cache, r, None, None if guess else slice(-1, None))
+        root = torch.tensor([[tokens[r]]], dtype=torch.long, device=dev)
+        logits, _ = self.model.forward(root, torch.tensor([r], device=dev), self.cache, r, None, slice(-1, None))
         self.cache.length, self.tokens = r + 1, list(tokens)
-        return logits[0].float(), self._seconds(rows.shape[1], r)
+        return logits[0].float(), self._seconds(1, r)
 
     def _keep_drafted(self, tokens: list[int], n: int) -> int:
         """Move the accepted drafted tokens' keys and values (the last tree's expanded nodes on the committed path,
@@ -275,29 +259,15 @@ class DraftModelDrafter:
             self.drafted_slots = {}
             return stub
         shared = self._target_cache(ctx)
-        guess = self._guess_rows(ctx, r) if shared is not None else []
-        commit = self._commit(list(ctx.tokens)) if shared is None else self._mirror(list(ctx.tokens), shared, guess)
+        commit = self._commit(list(ctx.tokens)) if shared is None else self._mirror(list(ctx.tokens), shared)
         if commit is None:
             return stub
         logits, first_seconds = commit
-        # with a guess, rows 1.. score the guess's prefixes: a chain that follows it needs no forward for them
-        logits, pre = logits[:1], logits[1:]
-        free = 0  # leading guess tokens the draft's own top choice agrees with: depths a chain drafts for free
-        if guess and self.topk == 1:
-            top = torch.cat([logits, pre]).argmax(-1).tolist()
-            while free < len(guess) and top[free] == guess[free]:
-                free += 1
         base = self.cache.length
         dev = target_device(self.model)
         path_of: dict[int, tuple[int, ...]] = {0: ()}  # an expanded node's tokens after the root
 
         def expand(nodes: list[int], toks: list[int], parents: list[int], depths: list[int], start: int, mask: Tensor):
-            d = depths[0]
-            if len(nodes) == 1 and d <= len(guess) and start == base + d - 1:
-                path = path_of[parents[0]] + (toks[0],)
-                if list(path) == guess[:d]:  # the guess's row d, already run in its slot
-                    path_of[nodes[0]] = path
-                    return pre[d - 1 : d].float()
             pos = torch.tensor([r + d for d in depths], dtype=torch.long, device=dev)
             out, _ = self.model.forward(torch.tensor([toks], device=dev), pos, self.cache, start, mask.to(dev))
             for row, (i, p, t) in enumerate(zip(nodes, parents, toks)):
@@ -315,10 +285,8 @@ class DraftModelDrafter:
             topk=self.topk,
             curve=None if self.curve is None else self.curve.at(len(ctx.tokens)),
             cal=cal,
-            # the commit, then one draft forward of (at most) topk rows per further depth, but for the guess's
-            drafting_seconds=lambda forwards: (
-                first_seconds + max(0, forwards - 1 - free) * self._seconds(self.topk, base)
-            ),
+            # the commit, then one draft forward of (at most) topk rows per further depth
+            drafting_seconds=lambda forwards: first_seconds + (forwards - 1) * self._seconds(self.topk, base),
             pick=pick,
         )
         self.cache.length = base  # drafts never stay in the cache

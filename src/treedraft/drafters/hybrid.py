@@ -105,21 +105,6 @@ def paid_nodes(
     return best
 
 
-def likeliest_path(tree: TokenTree, values: Sequence[float]) -> tuple[tuple[int, float], ...]:
-    """From the root, the child of highest value at every node (``values[i]``: node i + 1's), as (token, value)
-    pairs: a scored tree's likeliest continuation (:attr:`DraftContext.guess`)."""
-    best: dict[int, int] = {}  # node -> its best child
-    for i in range(1, len(tree)):
-        p = tree.parents[i]
-        if p not in best or values[i - 1] > values[best[p] - 1]:
-            best[p] = i
-    out, node = [], 0
-    while node in best:
-        node = best[node]
-        out.append((int(tree.tokens[node]), float(values[node - 1])))
-    return tuple(out)
-
-
 def _idle(drafter: Drafter, ctx: DraftContext, stub: TokenTree) -> TokenTree:
     """``stub`` for a member not run this step, after telling it (``idle(ctx)``) when it keeps state per step
     (EAGLE's draft KV cache must still take in the committed tokens' features)."""
@@ -153,7 +138,6 @@ class HybridDrafter:
         trees: list[TokenTree | None] = [None] * len(self.drafters)
         lead: list[tuple[float, int]] = []  # (-score, member index) of the members that lead this step
         gain, rows, first = 1.0, 1, 0.0  # the scored trees' expected tokens, rows, P(a depth-1 node accepted)
-        guess: tuple[float, tuple[tuple[int, float], ...]] = (0.0, ())  # the best valued tree's score, likeliest path
         for i, d in enumerate(self.drafters):  # scored members first: a leader may make the others unneeded
             valued = getattr(d, "propose_valued", None) if self._curve is not None else None
             scored = getattr(d, "propose_scored", None)
@@ -161,8 +145,6 @@ class HybridDrafter:
                 tree, values = valued(ctx)
                 trees[i], score = tree, float(sum(values))
                 first += sum(v for v, p in zip(values, tree.parents[1:]) if p == 0)
-                if score > guess[0]:
-                    guess = (score, likeliest_path(tree, values))
             elif callable(scored):
                 trees[i], score = scored(ctx)
                 first += score
@@ -192,8 +174,8 @@ class HybridDrafter:
                 curve = self._curve.at(len(ctx.tokens))
                 k = paid_nodes(values, gain + ctx.step_tokens, rows + ctx.step_rows, miss, cost, curve, ctx.step_fixed)
                 trees[i] = _idle(d, ctx, stub) if k == 0 else d.propose(dataclasses.replace(ctx, max_nodes=k + 1))
-            else:  # (a model drafter may check the scored members' likeliest path in its first forward)
-                trees[i] = d.propose(dataclasses.replace(ctx, guess=guess[1]) if guess[1] else ctx)
+            else:
+                trees[i] = d.propose(ctx)
         return self._merge([t for t in trees if t is not None], lead, ctx)
 
     def _merge(self, trees: list[TokenTree], lead: list[tuple[float, int]], ctx: DraftContext) -> TokenTree:
