@@ -4,6 +4,7 @@ cause, and the real model: fp32 target drafted by its own GGUF in int4."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -487,10 +488,20 @@ def test_a_shared_draft_computes_its_own_keys_and_values_where_the_targets_do_no
 
 @pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
 def test_shared_drafts_in_a_batch_equal_plain(monkeypatch) -> None:
-    """Several requests in one scheduler, each copying from its own target cache (a request twin per request)."""
-    caches: set[int] = set()
+    """Several requests in one scheduler, each copying from its own target cache (a request twin per request): after
+    every copy the twin's cache holds that request's keys and values (outputs alone could not tell a mix-up)."""
+    caches: list = []
     mirror = DraftModelDrafter._mirror
-    monkeypatch.setattr(DraftModelDrafter, "_mirror", lambda self, t, c: caches.add(id(c)) or mirror(self, t, c))
+
+    def checked(self, tokens, cache):
+        out = mirror(self, tokens, cache)
+        r = len(tokens) - 1
+        assert torch.equal(self.cache.kv[:, :, :, :r], cache.kv[:, :, :, :r].to(self.cache.kv.dtype))
+        if all(c is not cache for c in caches):
+            caches.append(cache)
+        return out
+
+    monkeypatch.setattr(DraftModelDrafter, "_mirror", checked)
     model = tiny(6)
     engine = Engine(model)
     reqs = [([3, 1, 4, 1, 5][: 2 + i], cfg(20 + 7 * i)) for i in range(4)]
@@ -498,3 +509,38 @@ def test_shared_drafts_in_a_batch_equal_plain(monkeypatch) -> None:
     d = DraftModelDrafter(near_copy(model, 0.1, 4), model.vocab_size, max_len=256, depth=4, share_kv=True)
     out = _batched(engine, reqs, d, step_rows=None, prefill_chunk=None)
     assert out == ref and len(caches) == len(reqs)
+
+
+def test_a_shared_draft_switching_between_copying_and_computing_stays_consistent() -> None:
+    """Steps offered no target cache (every third here) compute the keys and values the draft lacks; the next copy
+    starts after the prefix it still holds from the target: after every step its cache holds, for the tokens before
+    the root, the target's own keys and values or, past the last copy, its own recompute. Output = plain."""
+    model = tiny(9)
+    engine = Engine(model)
+    prompt = [6, 2, 6, 3]
+    ref = engine.generate(prompt, cfg(60), None).token_ids
+    draft = near_copy(model, 0.1, 9)
+    d = DraftModelDrafter(draft, model.vocab_size, max_len=256, depth=4, share_kv=True)
+    steps = {"copied": 0, "computed": 0}
+
+    class Alternate:
+        name = "alternate"
+
+        def propose(self, ctx: DraftContext):
+            target, r = ctx.cache, len(ctx.tokens) - 1
+            own = sum(steps.values()) % 3 == 2
+            tree = d.propose(dataclasses.replace(ctx, cache=None) if own else ctx)
+            if d.cache is None or d.cache.length < r:
+                return tree  # (a step the calibration skipped: nothing run)
+            steps["computed" if own else "copied"] += 1
+            m = d.mirrored
+            assert m <= r
+            torch.testing.assert_close(d.cache.kv[:, :, :, :m], target.kv[:, :, :, :m].to(d.cache.kv.dtype))
+            fresh = draft.new_cache(r + 1)
+            draft.forward(torch.tensor([ctx.tokens]), torch.arange(r + 1), fresh, 0)
+            # past the copied slots the draft's own keys and values (computed over the copied prefix: compare loosely)
+            torch.testing.assert_close(d.cache.kv[:, :, :, m:r], fresh.kv[:, :, :, m:r], atol=0.2, rtol=0.2)
+            return tree
+
+    r = engine.generate(prompt, cfg(60, max_tree_nodes=6), Alternate())
+    assert r.token_ids == ref and steps["copied"] > 5 and steps["computed"] > 3

@@ -133,10 +133,10 @@ class DraftContext:
     # the output does not depend on them). None when not coupled.
     sampling: Any = None
     coupling: int | None = None
-    # The request's own target KV cache, to read only (None: not offered): slots [0, len(tokens) - 1) hold the
-    # target's keys and values of every token before the root, and ``cache.length`` is len(tokens) - 1. A drafter that
-    # runs the target's own architecture and file in other weights (the int4 copy drafting for a float target) copies
-    # them instead of computing its own.
+    # The request's own target KV cache, to read only (None: not offered). Where ``cache.length`` is len(tokens) - 1
+    # (a consumer checks), slots [0, len(tokens) - 1) hold the target's keys and values of every token before the
+    # root. A drafter that runs the target's own architecture and file in other weights (the int4 copy drafting for a
+    # float target) copies them instead of computing its own.
     cache: Any = None
 
     @property

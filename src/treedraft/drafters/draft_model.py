@@ -225,9 +225,7 @@ class DraftModelDrafter:
         the new root excluded) to the slots after the ``n`` held ones; returns how many. They were computed under
         the tree mask over their own path, which is the causal prefix they now sit on."""
         slots, self.drafted_slots = self.drafted_slots, {}
-        if (
-            not slots or self.cache is None or n != self.cache.length
-        ):  # another sequence, or a step drafted nothing since
+        if not slots or n != self.cache.length:  # another sequence, or a step drafted nothing since
             return 0
         keep: list[int] = []
         for j in range(n, len(tokens) - 1):
@@ -427,8 +425,8 @@ def load_draft_model(
             "its ids past that would have no row; pick a draft model with the target's whole vocabulary"
         )
     # the target's own file in other weights: it copies the target's keys and values instead of computing its own
-    share = same_file and kv_layout(net.new_cache(1)) is not None
-    share = share and kv_layout(net.new_cache(1)) == kv_layout(target.new_cache(1))
+    layout = kv_layout(net.new_cache(1)) if same_file else None
+    share = layout is not None and layout == kv_layout(target.new_cache(1))
     lat, dlat = measured_latency(target), measured_latency(net)
     if dlat[1] >= 0.6 * lat[1]:
         warnings.warn(
