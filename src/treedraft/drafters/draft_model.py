@@ -12,7 +12,7 @@ it computes none of that: it copies the target's own keys and values of the newl
 cache, :attr:`DraftContext.cache`) into its cache, in its own cache dtype, and runs only the root's row. That skips
 the draft's prompt prefill and every catch-up (on MT-Bench second turns, whose prompts hold the first answer, they
 were half of the drafting time), and the draft sees the exact context. (Attending to the target's fp32 cache in place
-was slower: at a 700-token context the int4 draft's one-row step took 5.0 ms on it against ~4.1 on its fp16 copy.)
+was slower: at a 700-token context the int4 draft's one-row step took 4.4 ms on it against 3.75 on its fp16 copy.)
 Then :func:`.eagle_tree.grow_tree` expands the best frontier nodes depth by depth, each depth one batched draft
 forward of the expanded nodes under a tree mask (a node sees the committed tokens, its expanded ancestors and
 itself), and keeps the nodes that maximise expected tokens per second on this machine's verify curve. The drafted
@@ -96,7 +96,7 @@ class DraftModelDrafter:
         self.room = min(max_len + depth * topk + 1, getattr(model, "max_seq_len", None) or 1 << 30)
         self.share_kv = share_kv
         self.kv_layout = kv_layout(model.new_cache(1)) if share_kv else None  # what a target cache must match
-        self.cache = None if share_kv else self._new_cache()  # own cache: allocated at first use when sharing
+        self.cache = self._new_cache()
         self.reset()
 
     INITIAL_SLOTS = 512  # a cache starts this long and doubles as the context grows (each request has its own)
@@ -113,9 +113,6 @@ class DraftModelDrafter:
         """Grow the draft cache to hold ``need`` slots, keeping what it holds (or, for a cache of another kind than
         the own runtime's, starting over: the next commit recomputes the context)."""
         old = self.cache
-        if old is None:
-            self.cache = self._new_cache(need)
-            return
         if need <= getattr(old, "max_len", self.room):
             return
         self.cache = self._new_cache(need)
@@ -127,8 +124,7 @@ class DraftModelDrafter:
 
     def reset(self) -> None:
         """Forget the committed tokens (a new sequence starts)."""
-        if self.cache is not None:
-            self.cache.length = 0
+        self.cache.length = 0
         self.tokens: list[int] = []  # the tokens in draft cache slots [0, cache.length)
         self.mirrored = 0  # slots [0, mirrored) hold the target's own keys and values (share_kv), not the draft's
         # the last tree's expanded nodes: their tokens after the root -> draft cache slot (past cache.length, where
@@ -140,13 +136,11 @@ class DraftModelDrafter:
 
     def fresh(self) -> DraftModelDrafter:
         """A copy that has learned nothing yet (new calibration bins; ``treedraft bench``'s fresh drafter state)."""
-        cache = None if self.share_kv else self._new_cache()
-        return request_twin(self, cache=cache, cal=ProbCalibration(), cal_sampled=ProbCalibration())
+        return request_twin(self, cache=self._new_cache(), cal=ProbCalibration(), cal_sampled=ProbCalibration())
 
     def for_request(self) -> DraftModelDrafter:
         """A twin for one request: the same draft model, its own KV cache and calibration."""
-        cache = None if self.share_kv else self._new_cache()
-        return request_twin(self, cache=cache, cal=self.cal.fork(), cal_sampled=self.cal_sampled.fork())
+        return request_twin(self, cache=self._new_cache(), cal=self.cal.fork(), cal_sampled=self.cal_sampled.fork())
 
     def _seconds(self, rows: int, context: int) -> float:
         """Estimated seconds of one draft forward of ``rows`` rows at ``context`` cached tokens (an estimate, not a
@@ -161,18 +155,30 @@ class DraftModelDrafter:
         at = self.bad_token
         return at is not None and len(tokens) > at[0] and tokens[at[0]] == at[1]
 
+    def _room_for(self, tokens: list[int]) -> int:
+        """The root's position in ``tokens``, after growing the draft cache for it and a step's drafted rows (a
+        context past the drafter's ``max_len`` is an error)."""
+        r = len(tokens) - 1
+        if r + 1 > self.max_len:
+            raise ValueError(f"draft-model drafter: context {r + 1} exceeds its cache of {self.max_len} tokens")
+        self._ensure_room(min(self.room, r + 2 + self.depth * self.topk))
+        return r
+
+    def _held(self, tokens: list[int], valid: int) -> int:
+        """How many of ``tokens`` (the root excluded) the draft cache already holds: the longest common prefix with
+        :attr:`tokens` within its first ``valid`` slots."""
+        n, held = 0, min(len(self.tokens), valid, len(tokens) - 1)
+        while n < held and self.tokens[n] == tokens[n]:
+            n += 1
+        return n
+
     @torch.inference_mode()
     def _commit(self, tokens: list[int]) -> tuple[Tensor, float] | None:
         """Bring the draft cache to ``tokens`` (root last): keep the longest prefix it already holds, run the rest
         (at least the root) causally; return the root row's logits (1, V) float32 and the estimated seconds it costs a
         drafting step, or None where a new token is outside the draft model's vocabulary (:meth:`_blocked`)."""
-        r = len(tokens) - 1
-        if r + 1 > self.max_len:
-            raise ValueError(f"draft-model drafter: context {r + 1} exceeds its cache of {self.max_len} tokens")
-        self._ensure_room(min(self.room, r + 2 + self.depth * self.topk))
-        n, held = 0, min(len(self.tokens), self.cache.length, r)  # the root always runs: its row scores depth 1
-        while n < held and self.tokens[n] == tokens[n]:
-            n += 1
+        r = self._room_for(tokens)
+        n = self._held(tokens, self.cache.length)  # the root always runs: its row scores depth 1
         self.mirrored = min(self.mirrored, n)  # (slots a commit rewrites hold the draft's own keys and values)
         n += self._keep_drafted(tokens, n)
         bad = next((i for i in range(n, r + 1) if tokens[i] >= self.model.vocab_size), None)
@@ -202,15 +208,10 @@ class DraftModelDrafter:
         values are the target's (``target``: its cache, holding every token before the root), copied into the draft
         cache where it does not hold them yet (the slots after the longest prefix it mirrored before), converted to
         its dtype; only the root's row runs. Same return value."""
-        r = len(tokens) - 1
-        if r + 1 > self.max_len:
-            raise ValueError(f"draft-model drafter: context {r + 1} exceeds its cache of {self.max_len} tokens")
+        r = self._room_for(tokens)
         if tokens[r] >= self.model.vocab_size:  # (the target's own vocabulary: only a draft cut short has fewer ids)
             return None
-        self._ensure_room(min(self.room, r + 2 + self.depth * self.topk))
-        n, held = 0, min(len(self.tokens), self.mirrored, r)
-        while n < held and self.tokens[n] == tokens[n]:
-            n += 1
+        n = self._held(tokens, self.mirrored)
         if n < r:
             self.cache.kv[:, :, :, n:r] = target.kv[:, :, :, n:r]
         self.mirrored, self.drafted_slots = r, {}
