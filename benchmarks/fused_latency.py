@@ -119,7 +119,9 @@ def main() -> None:
             wbytes = sum(
                 mod.weight.numel() * mod.weight.element_size()
                 for name, mod in m.named_modules()
-                if isinstance(getattr(mod, "weight", None), torch.Tensor) and mod.weight.dim() == 2 and "embed" not in name
+                if isinstance(getattr(mod, "weight", None), torch.Tensor)
+                and mod.weight.dim() == 2
+                and "embed" not in name
             )
         bw = tk.read_bandwidth(256, 5)
         floor = wbytes / bw / 1e6
