@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <new>
 #include <tuple>
 #include <vector>
 
@@ -552,8 +553,25 @@ class FusedDecoder {
   std::vector<torch::Tensor> qk_norms_, post_norms_;
   torch::Tensor inv_local_;
   std::vector<char> local_;
-  // scratch, reused across calls (one forward at a time per decoder)
-  std::vector<float> x_, h_, qkv_, att_, ff_, cs_, cs_local_, cat_, af_;
+  // scratch, reused across calls (one forward at a time per decoder), on 64-byte lines: the fp32 linears read their
+  // input rows (af_, att_) with 64-byte loads, which malloc's 16-byte alignment may split across two cache lines
+  // (kernels/f32mm.h alone with its input 16 bytes off a line: 8 / 16 rows 18 -> 22 / 31 -> 40 ms, Zen 4). The
+  // model's step measured the same both ways in session 33 (its buffers may have landed on lines by chance); this
+  // makes it so.
+  template <class T>
+  struct Lines {  // std::allocator on 64-byte boundaries
+    using value_type = T;
+    Lines() = default;
+    template <class U>
+    Lines(const Lines<U>&) {}
+    T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+    void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+    template <class U>
+    bool operator==(const Lines<U>&) const { return true; }
+    template <class U>
+    bool operator!=(const Lines<U>&) const { return false; }
+  };
+  std::vector<float, Lines<float>> x_, h_, qkv_, att_, ff_, cs_, cs_local_, cat_, af_;
   std::vector<int32_t> idx_, widx_;
   std::vector<int64_t> off_, cnt_, contig_, seg_of_, woff_, wcnt_, wcontig_;
   ActBuf act_q_;  // the codes of the next linear's input (block-major, see mm_core.h)
