@@ -21,6 +21,7 @@ import torch
 import treedraft
 import treedraft.kernels as tk
 from treedraft.models import fused
+from treedraft.models.quant import weight_bytes
 
 
 def tree_mask(n: int, start: int) -> torch.Tensor:
@@ -115,14 +116,8 @@ def main() -> None:
         wbytes = sum(
             mod.packed.nbytes for mod in m.modules() if isinstance(getattr(mod, "packed", None), tk.PackedWeight)
         )
-        if wbytes == 0:  # float weights: the linears' own tensors (the embedding is read one row at a time)
-            wbytes = sum(
-                mod.weight.numel() * mod.weight.element_size()
-                for name, mod in m.named_modules()
-                if isinstance(getattr(mod, "weight", None), torch.Tensor)
-                and mod.weight.dim() == 2
-                and "embed" not in name
-            )
+        if wbytes == 0:  # float weights: the linears' own tensors
+            wbytes = weight_bytes(m)
         bw = tk.read_bandwidth(256, 5)
         floor = wbytes / bw / 1e6
         f1 = statistics.median(times[(1, True)]) * 1e3

@@ -40,9 +40,9 @@ inline void tile_avx512(const float* const* x, const float* w, int64_t K, float*
     for (int n = 0; n < NB; ++n) wv[n] = _mm512_loadu_ps(w + n * K + 16 * i);
     // the tile after next's NB rows are the NB * K floats from 2 * NB * K on: fetch them in address order, NB
     // cache lines per step, into L2 (T1), so they arrive while this tile and the next compute (a row is only K / 16
-    // steps long). Into L1 (T0) and one tile ahead, as before, a 16-row fp32 forward's linears took 40 ms against
-    // 31 and a 1-row one's 17 against 11 (Zen 4, 2 threads, weights streamed from memory): L1 prefetches hold its
-    // few miss buffers, and the loads wait on them
+    // steps long). Into L1 (T0) and one tile ahead, as before, an 8 / 16-row fp32 forward's linears took 26 / 40 ms
+    // against 18 / 31 (Zen 4, 2 threads, weights streamed from memory; 1 row the same within noise): L1 prefetches
+    // hold its few miss buffers, and the loads wait on them
     for (int n = 0; n < NB; ++n) _mm_prefetch((const char*)(w + 2 * NB * K + (i * NB + n) * 16), _MM_HINT_T1);
     for (int m = 0; m < MR; ++m) {
       const __m512 xv = _mm512_loadu_ps(x[m] + 16 * i);
