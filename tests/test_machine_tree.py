@@ -213,7 +213,12 @@ def test_measurement_keys_follow_the_native_kernel_sources(setup, monkeypatch) -
     from treedraft.kernels import _build
 
     m, heads_dir, _ = setup
-    assert calibrate._target_facts(m)["kernels"] is None  # pure PyTorch linears: no native build in the key
+    monkeypatch.setattr(calibrate, "_fused_decode", lambda target: False)
+    assert calibrate._target_facts(m)["kernels"] is None  # pure PyTorch linears, unfused: no native build in the key
+    monkeypatch.setattr(_build, "build_key", lambda: "kernels-v0")
+    monkeypatch.setattr(calibrate, "_fused_decode", lambda target: True)  # fp32 Linears inside the fused step (f32mm)
+    assert calibrate._target_facts(m)["kernels"] == "kernels-v0"
+    monkeypatch.setattr(calibrate, "_fused_decode", lambda target: False)
 
     class NativeLinear(torch.nn.Linear):  # stands in for a linear running the native kernels
         pass

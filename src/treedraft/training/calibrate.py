@@ -186,6 +186,7 @@ def _target_facts(target: object) -> dict[str, Any]:
     modules = target.modules() if callable(getattr(target, "modules", None)) else ()
     # the linear kernels (fp32 plan, int4/int8 pack, native) change the latency curve as much as the size does
     linears = sorted({type(m).__name__ for m in modules if "Linear" in type(m).__name__})
+    fused = _fused_decode(target)
     return {
         "target": type(target).__name__,
         "params": sum(p.numel() for p in params),
@@ -196,15 +197,16 @@ def _target_facts(target: object) -> dict[str, Any]:
         "device": str(target_device(target)),
         "hidden": getattr(target, "hidden_size", None),
         "vocab": getattr(target, "vocab_size", None),
-        "fused": _fused_decode(target),  # one native call per decode step: a much cheaper 1-token step
+        "fused": fused,  # one native call per decode step: a much cheaper 1-token step
         # the native kernels' sources and flags: a kernel change re-measures instead of reusing a stale curve
-        "kernels": _kernel_key(linears),
+        "kernels": _kernel_key(linears, fused),
     }
 
 
-def _kernel_key(linears: list[str]) -> str | None:
-    """The native build's key when any linear runs native kernels (None for pure-PyTorch targets)."""
-    if not any("Native" in n for n in linears):
+def _kernel_key(linears: list[str], fused: bool = False) -> str | None:
+    """The native build's key when any linear runs native kernels or the decode step is fused (an fp32 target's
+    torch Linears run kernels/f32mm.h inside the fused step); None for pure-PyTorch targets."""
+    if not fused and not any("Native" in n for n in linears):
         return None
     from ..kernels._build import build_key
 
