@@ -129,10 +129,12 @@ inline void block(const float* x, int64_t M, int64_t K, const float* w, int64_t 
 #if defined(__AVX2__) && defined(__FMA__)
   if (isa >= attn::kAvx2 && K % 16 == 0) {
     while (m < M) {
-      // groups of 3 rows (a rest of 4 as 2 + 2, of 1 or 2 as itself): fewer groups re-reading the weights than
-      // pairs (the AVX2 build on the Zen 4: 3 / 6 / 8 / 12 / 16 rows 12 / 15 / 13 / 9 / 7 % faster than pairs)
+      // groups of 3 rows, then the rest: the first group streams the weights from memory and its FMAs hide under
+      // that, so it should be the biggest; the others re-read them from L2 at ~the same cost per row. The AVX2 build
+      // on the Zen 4, the model's linears against pairs: 3 / 5 / 6 / 8 / 12 rows 12-16 % faster (4 as 2 + 2 instead
+      // of 3 + 1: 4 / 7 / 10 / 13 / 16 rows 11-18 % slower than this)
       const float* xr[3];
-      const int64_t mr = M - m >= 3 ? (M - m == 4 ? 2 : 3) : M - m;
+      const int64_t mr = std::min<int64_t>(3, M - m);
       for (int r = 0; r < mr; ++r) xr[r] = x + (m + r) * K;
       float* yr = y + m * N;
       if (mr == 3) rows_avx2<3, 2>(xr, w, K, yr, N, n0, n1);
