@@ -131,8 +131,8 @@ inline void block(const float* x, int64_t M, int64_t K, const float* w, int64_t 
     while (m < M) {
       // groups of 3 rows, then the rest: the first group streams the weights from memory and its FMAs hide under
       // that, so it should be the biggest; the others re-read them from L2 at ~the same cost per row. The AVX2 build
-      // on the Zen 4, the model's linears against pairs: 3 / 5 / 6 / 8 / 12 rows 12-16 % faster (4 as 2 + 2 instead
-      // of 3 + 1: 4 / 7 / 10 / 13 / 16 rows 11-18 % slower than this)
+      // on the Zen 4, the model's linears against the pairs of before: 15-24 % faster at 3-16 rows, 1-2 rows the same
+      // (a rest of 4 as 2 + 2 instead of 3 + 1 was 11-18 % slower at 4 / 7 / 10 / 13 / 16 rows)
       const float* xr[3];
       const int64_t mr = std::min<int64_t>(3, M - m);
       for (int r = 0; r < mr; ++r) xr[r] = x + (m + r) * K;
