@@ -111,7 +111,8 @@ inline void block(const float* x, int64_t M, int64_t K, const float* w, int64_t 
       const float* xr[6];
       // groups of 6 rows, then the rest as one group: every group reads the block's weights again (from L2 after
       // the first), so 5 rows as 4 + 1 or 9 as 6 + 2 + 1 cost a group more than 5 / 6 + 3 (the model's linears,
-      // Zen 4, 2 threads: 3 and 5 rows 9-13 % faster, 9 / 11 / 15 / 17 rows 4-7 %; even counts unchanged)
+      // Zen 4, 2 threads, benchmarks/f32mm_rows.cpp: 3 and 5 rows 9-24 % faster, 9 / 11 / 15 / 17 rows 4-7 %; even
+      // counts unchanged)
       const int64_t mr = std::min<int64_t>(6, M - m);
       for (int r = 0; r < mr; ++r) xr[r] = x + (m + r) * K;
       float* yr = y + m * N;
