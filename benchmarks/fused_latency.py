@@ -113,11 +113,7 @@ def main() -> None:
         print(f"fused: 16-row / 1-row = {r:.2f}x")
     if 1 in ks and tk.available() and hasattr(tk, "read_bandwidth"):  # (absent in older builds)
         # issue 11's 1-token target: within 1.5x of packed weight bytes / the machine's read bandwidth
-        wbytes = sum(
-            mod.packed.nbytes for mod in m.modules() if isinstance(getattr(mod, "packed", None), tk.PackedWeight)
-        )
-        if wbytes == 0:  # float weights: the linears' own tensors
-            wbytes = weight_bytes(m)
+        wbytes = weight_bytes(m)  # packed blocks as streamed (fp16 scales); float weights: their own tensors
         bw = tk.read_bandwidth(256, 5)
         floor = wbytes / bw / 1e6
         f1 = statistics.median(times[(1, True)]) * 1e3

@@ -467,3 +467,17 @@ def test_rtn_scales_are_the_fp16_values_the_packed_formats_store() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # any pack warning fails the test
             build_linear(qw, "native", None, kernels)
+
+
+def test_weight_bytes_counts_what_the_native_kernels_stream() -> None:
+    """A native q4 linear streams 20 bytes per 32 weights (16 of nibbles, fp16 scale and min), padded to 16-row
+    tiles; its quantized parts carry float32 scales, which weight_bytes used to count (24 bytes per block)."""
+    from native_utils import tiny_native
+
+    from treedraft.models.quant import weight_bytes
+
+    model = tiny_native(32)
+    lin = [m for m in model.modules() if isinstance(m, NativeLinear)]
+    assert lin and all(m.packed.kind_name == "Q4_1" for m in lin)
+    expect = sum(-(-m.out_features // 16) * 16 * (m.in_features // 32) * 20 for m in lin)
+    assert weight_bytes(model) == expect == sum(m.packed.nbytes for m in lin)
