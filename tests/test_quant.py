@@ -481,3 +481,39 @@ def test_weight_bytes_counts_what_the_native_kernels_stream() -> None:
     assert lin and all(m.packed.kind_name == "Q4_1" for m in lin)
     expect = sum(-(-m.out_features // 16) * 16 * (m.in_features // 32) * 20 for m in lin)
     assert weight_bytes(model) == expect == sum(m.packed.nbytes for m in lin)
+
+
+def test_auto_times_int4_with_its_measured_q4_tiles(tmp_path, monkeypatch) -> None:
+    """'auto' measures the Q4_1 paired-tiles choice on its int4 trial and times int4 under it (it timed int4 with the
+    kernel's default paired tiles, 25% slower at 8-16 rows on a Zen 4, and picked the slower int8 there); the choice
+    is stored, applied when int4 is chosen, and not measured again by a later explicit int4 load."""
+    import treedraft.kernels as tk
+    from treedraft.models import quant_load
+
+    if not tk.available() or not tk.q4_pair_supported():
+        pytest.skip("needs the native kernels with the paired Q4_1 tiles")
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path))
+    monkeypatch.delenv("TREEDRAFT_RETUNE", raising=False)
+    state = {"pair": True}
+    timed: list[tuple[str, bool]] = []
+    measured: list[int] = []
+    monkeypatch.setattr(tk, "set_q4_pair", lambda on: state.__setitem__("pair", on))
+    monkeypatch.setattr(quant_load, "choose_q4_pair", lambda mods, *a, **k: measured.append(len(mods)) or False)
+    real = quant_load.time_modules
+
+    def spy(mods, rows, *a, **k):
+        q4 = any(isinstance(m, NativeLinear) and m.packed.kind == tk.Q4_1 for m in mods)
+        q8 = any(isinstance(m, NativeLinear) and m.packed.kind == tk.Q8_0 for m in mods)
+        timed.append(("int4" if q4 else "int8" if q8 else "fp32", state["pair"]))
+        return real(mods, rows, *a, **k)
+
+    monkeypatch.setattr(quant_load, "time_modules", spy)
+    info = quant_load.apply_weights(_tiny(), None, "auto", probe_ids=list(range(1, 20)))
+    assert measured and measured[0] > 0  # on the int4 trial's own Q4_1 linears
+    assert {p for w, p in timed if w == "int4"} == {False}  # int4 timed with the measured (single) tiles
+    assert {p for w, p in timed if w == "int8"} == {True}  # and the default restored before int8
+    assert info["q4_pair"] == (False if info["resolved"] == "int4" else None)
+    assert state["pair"] is (False if info["resolved"] == "int4" else True)
+    assert not any(k.startswith("q4_pair@") for k in info)
+    again = quant_load.apply_weights(_tiny(), None, "int4")
+    assert again["q4_pair"] is False and len(measured) == 1  # reused from the auto measurement

@@ -231,8 +231,9 @@ def apply_weights(
             atomic_write_text(f, json.dumps(cached))  # concurrent loads (pytest -n) never read half a file
             for w, kernels in cached["kernels_by_format"].items():  # what --weights int4/int8 would measure
                 if not tune_file(w).is_file():
-                    atomic_write_text(tune_file(w), json.dumps({"kernels": kernels}))
-        info.update(cached)
+                    pair = {k: v for k, v in cached.items() if k.startswith("q4_pair@")} if w == "int4" else {}
+                    atomic_write_text(tune_file(w), json.dumps({"kernels": kernels, **pair}))
+        info.update((k, v) for k, v in cached.items() if not k.startswith("q4_pair@"))
         weights = cached["chosen"]
         if weights == "fp32":
             _pack_fp32(model, path)
@@ -245,17 +246,16 @@ def apply_weights(
             atomic_write_text(f, json.dumps(cached))
         info["kernels"] = cached["kernels"]
     swap_linears(model, qw, info["kernels"], natives)
-    # single or paired Q4_1 tiles: measured once per machine and kernel build (on the linears just swapped in), kept
-    # with the rest
-    pair_key = "q4_pair@" + (_kernel_build_key() if natives is not None else "")
+    # single or paired Q4_1 tiles: measured once per machine and kernel build (on the linears just swapped in, or by
+    # 'auto' on its int4 trial), kept with the rest
+    pair_key, q4 = _pair_key(natives), _q4_linears(model, natives)
     if pair_key not in cached:
-        q4 = [] if natives is None else [m for m in model.modules() if isinstance(m, NativeLinear)]
-        q4 = [m for m in q4 if m.packed.kind == natives.Q4_1]
         cached[pair_key] = choose_q4_pair(q4, natives, log)
         atomic_write_text(f, json.dumps(cached))
-    if cached[pair_key] is not None and natives is not None:
-        natives.set_q4_pair(cached[pair_key])
-    info["q4_pair"] = cached[pair_key]
+    pair = cached[pair_key] if q4 else None  # (an int8 model has no Q4_1 tiles: auto's int4 choice does not apply)
+    if pair is not None:
+        natives.set_q4_pair(pair)
+    info["q4_pair"] = pair
     info["resolved"] = weights
     info["sources"] = sorted({q.source for q in qw.values()})
     return info
@@ -265,6 +265,18 @@ def _kernel_build_key() -> str:
     from ..kernels._build import build_key  # imported here: only where the native kernels load
 
     return build_key()[:16]
+
+
+def _pair_key(natives) -> str:
+    """The tune-file key of the Q4_1 paired-tiles choice (per kernel build)."""
+    return "q4_pair@" + (_kernel_build_key() if natives is not None else "")
+
+
+def _q4_linears(model: torch.nn.Module, natives) -> list[NativeLinear]:
+    """``model``'s native Q4_1 linears (none without the native kernels)."""
+    if natives is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, NativeLinear) and m.packed.kind == natives.Q4_1]
 
 
 def _pack_fp32(model: torch.nn.Module, path: Path | None) -> None:
@@ -299,13 +311,22 @@ def _measure_auto(model, qweights, natives, probe_ids, min_agreement, log, keep:
     if ids is not None:
         with torch.inference_mode():
             ref = model.forward(ids[None], torch.arange(len(ids)))[0][0].argmax(-1)
-    plans = {}
+    plans, pair = {}, None
     for w in ("int4", "int8"):
         qw = qweights(w)
         plans[w] = choose_kernels(qw, natives, log)
         trial = _trial_model(model, qw, plans[w], natives)
         mods = [m for n, m in trial.named_modules() if n in qw]
-        times[w] = sum(time_modules(mods, r) for r in (1, 16))
+        if w == "int4":  # timed with the Q4_1 tiles it would run with: on the session-35 Zen 4 the default paired
+            # tiles took 25% longer at 8-16 rows than single ones, and 'auto' had picked the slower int8 on it
+            pair = choose_q4_pair(_q4_linears(trial, natives), natives, log)
+        try:
+            if pair is not None and w == "int4":
+                natives.set_q4_pair(pair)
+            times[w] = sum(time_modules(mods, r) for r in (1, 16))
+        finally:
+            if pair is not None and w == "int4":
+                natives.set_q4_pair(True)  # the kernel's default until a load applies its choice
         agree[w] = _top1_agreement(trial, ids, ref) if ref is not None else 1.0
         del trial
         if keep is not None:
@@ -323,6 +344,7 @@ def _measure_auto(model, qweights, natives, probe_ids, min_agreement, log, keep:
         "top1_agreement": agree,
         "linear_ms_rows_1_16": {w: t * 1e3 for w, t in times.items()},
         "kernels_by_format": plans,  # choose_kernels of each quantized format (reused by --weights int4/int8)
+        _pair_key(natives): pair,  # the Q4_1 tiles int4 was timed with (applied if int4 is chosen)
     }
 
 
