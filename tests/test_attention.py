@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -270,3 +272,123 @@ def test_tiny_native_model_tree_step_equals_plain_steps(exact: bool) -> None:
         same += torch.equal(tree, plain)
     # SDPA (exact=False) is expected to differ somewhere; the native attention never
     assert same == 5 if exact else same < 5
+
+
+# ---- bf16 scores (kernels.attend(bf16_scores=True), Transformer.bf16_scores) ----------------------------------------
+
+bf16_only = pytest.mark.skipif(
+    not kernels.available() or not kernels.bf16_scores_supported(), reason="needs a native build with AVX512-BF16"
+)
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).float()
+
+
+def _dotb_reference(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q (hd,), k (L, hd) -> (L,) scores as the documented bf16 dot, in float32 numpy-free torch ops: lane l of 16
+    adds q k at 32i + 2l + 1 then at 32i + 2l (each product exact, each sum rounded), then the lane tree."""
+    qb, kb = _bf16(q), _bf16(k)
+    lane = torch.zeros(k.shape[0], 16)
+    for i in range(q.shape[0] // 32):
+        for off in (1, 0):
+            idx = 32 * i + 2 * torch.arange(16) + off
+            lane = lane + kb[:, idx] * qb[idx]  # float32: the exact product (8 x 8 bits) rounded once in the sum
+    for w in (8, 4, 2, 1):
+        lane = lane[:, :w] + lane[:, w : 2 * w]
+    return lane[:, 0]
+
+
+@bf16_only
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [1, 2, 5, 16, 40])
+def test_bf16_scores_same_bits_on_every_path_and_row_count(kv_dtype: torch.dtype, T: int) -> None:
+    """bf16 scores: the AVX-512 instruction path (chunk and block-GEMM kernels), the AVX2 path and the scalar
+    emulation give the same bits, and each tree row equals the one-row step over its own keys, as in float32."""
+    g = torch.Generator().manual_seed(T)
+    nh, nkv, hd, prefix = 9, 3, 64, 300
+    L = prefix + T
+    q = torch.randn(T, nh, hd, generator=g) * 2
+    k = (torch.randn(nkv, L, hd, generator=g) * 2).to(kv_dtype)
+    v = torch.randn(nkv, L, hd, generator=g).to(kv_dtype)
+    allowed = _tree_allowed(_random_tree(T, g), prefix)
+    outs = [kernels.attend(q, k, v, allowed, hd**-0.5, path=p, bf16_scores=True) for p in kernels.paths()]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    for t in range(T):
+        slots = allowed[t].nonzero()[:, 0]
+        one = kernels.attend(q[t : t + 1], k[:, slots].contiguous(), v[:, slots].contiguous(), None, hd**-0.5,
+                             bf16_scores=True)  # fmt: skip
+        assert torch.equal(one[0], outs[0][t]), t
+    fp32 = kernels.attend(q, k, v, allowed, hd**-0.5)
+    assert not torch.equal(fp32, outs[0])  # another arithmetic: close, not the same
+    torch.testing.assert_close(outs[0], fp32, atol=0.1, rtol=0.05)
+
+
+@bf16_only
+def test_bf16_scores_are_the_documented_dot() -> None:
+    """Two keys per query: the weight of key 0 is sigmoid(s0 - s1), so its logit gives the score difference, which must
+    be the documented bf16 dot's (q, k rounded to bf16, lane order), not the float32 dot's."""
+    g = torch.Generator().manual_seed(5)
+    hd, moved = 64, 0
+    for _ in range(50):
+        q = torch.randn(1, 1, hd, generator=g) * 0.3
+        k = torch.randn(1, 2, hd, generator=g)
+        v = torch.zeros(1, 2, hd)
+        v[0, 0, 0] = 1.0  # out[0] = the weight of key 0
+        w = float(kernels.attend(q, k, v, None, 1.0, bf16_scores=True)[0, 0, 0])
+        if w * (1 - w) < 0.01:  # a saturated weight says too little about the logit
+            continue
+        got = math.log(w / (1 - w))
+        s = _dotb_reference(q[0, 0], k[0])
+        s32 = (q[0, 0].double() * k[0].double()).sum(-1)
+        assert abs(got - float(s[0] - s[1])) < 2e-5
+        moved += abs(float(s[0] - s[1]) - float(s32[0] - s32[1])) > 2e-4
+    assert moved > 10  # the bf16 rounding is visible at this scale, so the check above tells the two dots apart
+
+
+def test_bf16_scores_fall_back_to_float32_where_hd_is_not_a_multiple_of_32() -> None:
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (
+        torch.randn(3, 4, 40, generator=g),
+        torch.randn(2, 50, 40, generator=g),
+        torch.randn(2, 50, 40, generator=g),
+    )
+    if not kernels.bf16_scores_supported():
+        pytest.skip("needs a native build with AVX512-BF16 for the default path")
+    assert torch.equal(kernels.attend(q, k, v, None, 0.2, bf16_scores=True), kernels.attend(q, k, v, None, 0.2))
+
+
+@bf16_only
+def test_tiny_native_model_with_bf16_scores_tree_step_equals_plain_steps() -> None:
+    """The model switch reaches the fused decoder: a chain verified as one step equals six 1-token steps bitwise,
+    and differs from the float32-score model's hidden states."""
+    from native_utils import make_native
+
+    from treedraft.models.llama import LlamaConfig, Transformer
+
+    torch.manual_seed(0)  # head_dim 32 (bf16 scores need hd % 32 == 0; the shared tiny model has 16)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                      max_seq_len=64)  # fmt: skip
+    model = make_native(Transformer(cfg).eval())
+    g = torch.Generator().manual_seed(4)
+    prompt, chain = torch.randint(0, 64, (40,), generator=g), torch.randint(0, 64, (6,), generator=g)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():
+            c1 = model.new_cache(max_len=64)
+            model(prompt[None], torch.arange(40), c1, start=0)
+            plain = torch.stack(
+                [model(chain[i : i + 1][None], torch.tensor([40 + i]), c1, start=40 + i)[1][0, 0] for i in range(6)]
+            )
+            c2 = model.new_cache(max_len=64)
+            model(prompt[None], torch.arange(40), c2, start=0)
+            return plain, model(chain[None], torch.arange(40, 46), c2, start=40)[1][0]
+
+    f_plain, f_tree = run()
+    model.bf16_scores = True
+    b_plain, b_tree = run()
+    assert torch.equal(b_tree, b_plain) and torch.equal(f_tree, f_plain)
+    assert not torch.equal(b_plain, f_plain)
+    model.bf16_scores = False
+    again, _ = run()
+    assert torch.equal(again, f_plain)  # switched back: float32 scores again (the decoder was rebuilt)

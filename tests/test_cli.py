@@ -208,6 +208,7 @@ def test_cli_loads_freeze_the_models_objects_out_of_the_gc(monkeypatch) -> None:
         runtime=None,
         weights=None,
         kv_dtype=None,
+        attn_scores="auto",
         max_seq_len=4096,
         draft_model=None,
         draft_weights="auto",

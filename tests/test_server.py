@@ -148,7 +148,8 @@ def test_logprobs_bytes_and_offsets_follow_characters_split_over_tokens(
     r = client.chat.completions.create(model=llm.model_name, messages=msgs, max_tokens=16, temperature=0, logprobs=True)
     content = r.choices[0].logprobs.content
     assert any(c.token == "\ufffd" for c in content), "the prompt no longer makes split characters"
-    assert b"".join(bytes(c.bytes) for c in content).decode("utf-8") == r.choices[0].message.content
+    # (an answer cut by max_tokens inside a character ends in U+FFFD, as its bytes decode)
+    assert b"".join(bytes(c.bytes) for c in content).decode("utf-8", errors="replace") == r.choices[0].message.content
     prompt = "日本語のテキスト 🙂 and more"
     c = client.completions.create(
         model=llm.model_name, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=0

@@ -376,6 +376,54 @@ def kv_dtype_for(kv_dtype: str, runtime: str, weights_info: dict | None) -> torc
     return torch.float16 if runtime == "own" and resolved in ("int4", "int8") else None
 
 
+ATTN_SCORES = ("auto", "float32", "bf16")  # decode attention's q.k arithmetic (own runtime); auto: attn_scores_for
+
+
+def check_attn_scores(attn_scores: str) -> None:
+    """A clear error for a bad ``attn_scores`` value, before any slow load."""
+    if attn_scores not in ATTN_SCORES:
+        raise ValueError(f"attn_scores must be one of {list(ATTN_SCORES)}, got {attn_scores!r}")
+
+
+def attn_scores_for(attn_scores: str, runtime: str, net: Any, path: Path | None, log=None) -> bool:
+    """Whether the own runtime's decode attention computes q.k in bf16 (Transformer.bf16_scores).
+
+    bf16 scores round q and k to bfloat16 and sum them with vdpbf16ps (exactly emulated off the AVX-512 path), so
+    tree rows stay bitwise equal to the one-row step: greedy speculative output still equals plain decoding. The
+    score pass of a multi-row step runs ~2x faster (benchmarks/attn_bf16_micro.cpp); teacher-forced top-1
+    agreement with the fp32 model was unchanged against int4's own rounding (0.9723 vs 0.9727 on 2,890 MT-Bench
+    positions, benchmarks/attn_precision.py). 'auto': bf16 for int4/int8 weights where the kernels have it
+    (AVX512-BF16) and a tree step measured faster with it on this machine (cached); fp32 weights keep float32 scores,
+    the exact reference. 'bf16' without the instructions: a ValueError saying so.
+    """
+    check_attn_scores(attn_scores)
+    if attn_scores == "float32":
+        return False
+    from . import kernels
+
+    if runtime != "own" or not hasattr(net, "bf16_scores") or not getattr(net, "exact_attention", False):
+        if attn_scores == "bf16":
+            raise ValueError(
+                "attn_scores='bf16' needs the own runtime's native attention (int4/int8 weights on the CPU)"
+            )
+        return False
+    if not kernels.bf16_scores_supported():
+        if attn_scores == "bf16":
+            raise ValueError(
+                "attn_scores='bf16' needs a CPU with AVX512-BF16 (vdpbf16ps) for the native kernels; this one has "
+                "none: use attn_scores='float32' or 'auto'"
+            )
+        return False
+    if attn_scores == "bf16":
+        return True
+    resolved = (getattr(net, "weights_info", None) or {}).get("resolved")
+    if resolved not in ("int4", "int8") or net.config.head_dim % 32:
+        return False
+    from .models.quant_load import choose_bf16_scores
+
+    return choose_bf16_scores(net, path, log)
+
+
 def freeze_gc() -> int:
     """Exempt every object alive now (model modules, tokenizer tables, drafters: ~335k objects for the default
     model) from Python's cyclic garbage collector (``gc.freeze``); returns how many are frozen.
@@ -406,6 +454,7 @@ def load(
     kv_dtype: str = "auto",
     draft_model: str | None = None,
     draft_weights: str = "auto",
+    attn_scores: str = "auto",
 ) -> LLM:
     """Load a target model by registry name, GGUF path or HF directory.
 
@@ -425,6 +474,9 @@ def load(
     kv_dtype: KV cache storage of the own runtime: 'float32', 'float16' (half the cache bytes per decode step;
     keys/values rounded to fp16, rows stay bitwise row-invariant; Transformer.kv_dtype) or 'auto' (float16
     with int4/int8 weights, else the weights' dtype; see :func:`kv_dtype_for`).
+    attn_scores: the own runtime's decode attention arithmetic: 'float32', 'bf16' (q.k from bf16-rounded q and k, the
+    score pass ~2x faster, rows still bitwise row-invariant; needs AVX512-BF16) or 'auto' (bf16 with int4/int8 weights
+    where measured faster here; see :func:`attn_scores_for`).
     draft_model: the model drafter 'draft-model' drafts with (registry name, .gguf or HF directory sharing the
     target's tokenizer; None: the target's own file, packed in ``draft_weights``); giving one makes 'hybrid-draft'
     (the draft model with suffix chains) the default drafter. draft_weights: its weights, as ``weights`` ('auto':
@@ -434,6 +486,7 @@ def load(
 
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
+    check_attn_scores(attn_scores)
     if max_seq_len is not None and (
         isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2
     ):
@@ -445,7 +498,9 @@ def load(
     if isinstance(drafter, str):
         canonical(drafter)  # an unknown drafter name fails here, before the slow model load
     store = open_suffix_store(suffix_store, suffix_max_tokens, suffix_share)  # before the slow model load
-    net, tok, path, dev = load_model(model, device, dtype, runtime, max_seq_len, weights, kv_dtype)
+    net, tok, path, dev = load_model(
+        model, device, dtype, runtime, max_seq_len, weights, kv_dtype, attn_scores=attn_scores
+    )
     llm = LLM(
         Engine(net),
         tok,
@@ -517,12 +572,14 @@ def load_model(
     weights: str = "auto",
     kv_dtype: str = "auto",
     tokenizer: Tokenizer | None = None,
+    attn_scores: str = "auto",
 ) -> tuple[Any, Tokenizer, Path, str]:
     """A model and its tokenizer, without a drafter or an engine: (net, tokenizer, resolved path, device). What
     :func:`load` builds on, and what the ``draft-model`` drafter loads its draft model with; arguments as there.
     ``tokenizer``: the model's, when the caller has loaded it already (:func:`load_tokenizer`)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
+    check_attn_scores(attn_scores)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     path = resolve(model)
@@ -557,4 +614,9 @@ def load_model(
         net.weights_info = apply_weights(net, path, weights, tok.encode(PROBE_TEXT), log=log_stderr)  # end
     if runtime == "own":  # after the weights are chosen: 'auto' follows them
         net.kv_dtype = kv_dtype_for(kv_dtype, runtime, getattr(net, "weights_info", None))
+        from .models.quant_load import log_stderr
+
+        net.bf16_scores = attn_scores_for(attn_scores, runtime, net, path, log_stderr)
+    elif attn_scores == "bf16":
+        attn_scores_for(attn_scores, runtime, net, path)  # raises: the hf runtime has no such attention
     return net, tok, path, dev

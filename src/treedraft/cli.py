@@ -107,8 +107,8 @@ def draft_kwargs(a: argparse.Namespace) -> dict:
 
 
 def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
-    """--kv-dtype (own runtime), shared with bench."""
-    from .api import KV_DTYPES
+    """--kv-dtype and --attn-scores (own runtime), shared with bench."""
+    from .api import ATTN_SCORES, KV_DTYPES
 
     p.add_argument(
         "--kv-dtype",
@@ -116,6 +116,14 @@ def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
         choices=sorted(KV_DTYPES),
         help="KV cache storage of the own runtime: auto (float16 with int4/int8 weights, else the weights' "
         "dtype), float32, float16",
+    )
+    p.add_argument(
+        "--attn-scores",
+        default="auto",
+        choices=ATTN_SCORES,
+        help="decode attention's q.k in the own runtime: float32, bf16 (q and k rounded to bfloat16, summed with "
+        "vdpbf16ps: rows stay exact across tree sizes; needs AVX512-BF16), auto (bf16 with int4/int8 weights where "
+        "measured faster on this machine)",
     )
 
 
@@ -143,8 +151,15 @@ def add_suffix_args(p: argparse.ArgumentParser) -> None:
 
 
 def model_kwargs(a: argparse.Namespace) -> dict:
-    """load() keyword arguments from add_model_args' device / dtype / runtime / weights / KV-cache flags."""
-    return dict(device=a.device, dtype=a.dtype, runtime=a.runtime, weights=a.weights, kv_dtype=a.kv_dtype)
+    """load() keyword arguments from add_model_args' device / dtype / runtime / weights / KV-cache / attention flags."""
+    return dict(
+        device=a.device,
+        dtype=a.dtype,
+        runtime=a.runtime,
+        weights=a.weights,
+        kv_dtype=a.kv_dtype,
+        attn_scores=a.attn_scores,
+    )
 
 
 def suffix_kwargs(a: argparse.Namespace) -> dict:

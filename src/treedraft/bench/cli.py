@@ -179,6 +179,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         runtime=a.runtime,
         weights=a.weights,
         kv_dtype=a.kv_dtype,
+        attn_scores=a.attn_scores,
         **suffix_kwargs(a),
         **draft_kwargs(a),
     )
@@ -228,6 +229,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         "weights": (getattr(llm.model, "weights_info", None) or {}).get("resolved", a.weights),
         "draft_model": f"{a.draft_model or 'the target itself'} ({a.draft_weights} weights)",
         "kv_dtype": str(getattr(llm.model, "kv_dtype", None) or dtype).removeprefix("torch."),
+        "attn_scores": "bf16" if getattr(llm.model, "bf16_scores", False) else "float32",
         "torch_threads": torch.get_num_threads(),
         **machine_info(),
         "kernels": _kernels_line(),
@@ -305,6 +307,7 @@ def _command_line(a: argparse.Namespace, dataset: Path | None) -> str:
         ("pld_tokens", 10),
         ("heads", "default"),
         ("kv_dtype", "auto"),
+        ("attn_scores", "auto"),
         ("draft_model", None),
         ("draft_weights", "auto"),
         ("baselines", "hf,plain"),

@@ -391,7 +391,14 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float, *, path: str = ""
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scale: float,
+    *,
+    path: str = "",
+    bf16_scores: bool = False,
 ) -> torch.Tensor:
     """Row-invariant attention: q (T, nh, hd), k/v (nkv, L, hd), allowed bool (T, L) or None -> (T, nh, hd).
 
@@ -402,6 +409,10 @@ def attend(
     only on a key's rank in that list, so a row's result equals the one-row call over the same keys
     stored contiguously (bitwise). GQA: head h uses kv head h // (nh // nkv). Needs the extension
     (check ``available()``); path forces 'avx512'/'avx2'/'scalar' (all give the same bits).
+
+    bf16_scores: each score q.k from q and k rounded to bfloat16, summed as vdpbf16ps does (the scalar and AVX2 paths
+    emulate it bit for bit), where hd % 32 == 0 (else float32 scores); the AVX-512 path needs
+    :func:`bf16_scores_supported`. Still the same bits for a row whatever the other rows; not the float32 scores.
     """
     _on_cpu("attend", q, k, v)
     ext = _ext()
@@ -413,4 +424,11 @@ def attend(
         )
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     empty = torch.empty(0, dtype=torch.bool)
-    return ext.attend(q, k, v, empty if allowed is None else allowed.to(torch.bool), float(scale), path)
+    allowed = empty if allowed is None else allowed.to(torch.bool)
+    return ext.attend(q, k, v, allowed, float(scale), path, bool(bf16_scores))
+
+
+def bf16_scores_supported() -> bool:
+    """Whether the native attention's default (AVX-512) path has bf16 scores: a build with AVX512-BF16."""
+    ext = _ext()
+    return bool(ext is not None and getattr(ext, "bf16_scores_supported", lambda: False)())

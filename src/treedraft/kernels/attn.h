@@ -22,6 +22,9 @@
 //   fold:      from (m, l, acc) = (-inf, 0, 0), per block b in order: m' = max(m, m_b);
 //              a = exp(m - m'); c = exp(m_b - m'); l = fma(l_b, c, l*a); acc = fma(acc_b, c, acc*a)
 //   output:    acc[d] / l      (a row with no allowed key gives zeros; one block: its own acc / l)
+// bf16 scores (a per-call mode, g_bf16_scores; hd % 32 == 0): dot is replaced by dotb below (q and k rounded to
+// bf16, vdpbf16ps' pair order); the AVX-512 path runs the instruction, the scalar and AVX2 paths emulate it, so the
+// paths still give identical bits, and so do a row's one-row and tree steps. Everything else above is unchanged.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -39,6 +42,13 @@ namespace td {
 namespace attn {
 
 constexpr int kChunk = 16;  // allowed keys per online-softmax step
+
+// bf16 scores (a per-call mode, set by Runner::run for its pool's work; serialized like every kernel call): each
+// score is dotb below instead of dot. Only where hd % 32 == 0; the AVX-512 path needs an AVX512-BF16 build
+// (bf16_scores_supported), the scalar path (and AVX2, which takes it) emulates the instruction bit for bit.
+inline bool g_bf16_scores = false;
+inline bool bf16_on(int hd) { return g_bf16_scores && hd % 32 == 0; }
+inline bool bf16_scores_supported();  // below: an AVX512-BF16 build whose instruction matches dotb_ref
 
 enum Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
@@ -162,6 +172,98 @@ inline float dot(const float* q, const T* k, int hd) {
   return lane[0];
 }
 
+// x rounded to bfloat16 (nearest even), as a float; zeros and subnormals -> signed zero and infinities kept, as
+// vcvtne2ps2bf16 does (its inputs' subnormals read as zero); a NaN stays a NaN.
+inline float round_bf16(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  const uint32_t e = b & 0x7f800000u;
+  if (e == 0) b &= 0x80000000u;
+  else if (e == 0x7f800000u) b = (b & 0x7fffffu) ? ((b | 0x400000u) & 0xffff0000u) : b;
+  else b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+
+// A result vdpbf16ps would flush: subnormal -> signed zero.
+inline float ftz(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.f, x) : x; }
+
+// The bf16 score dot (hd % 32 == 0): q and k rounded to bf16; lane l (of 16) sums, for each 32-element group i,
+// q[32i+2l+1] k[32i+2l+1] then q[32i+2l] k[32i+2l] into its accumulator (vdpbf16ps: the products are exact, each
+// addition rounds; this order matched the instruction on all 3.2 M lanes tried on a Zen 4), then the lanes are
+// added as dot's tree. Scalar form: every path's reference (attn_avx512.h runs it with the instruction).
+template <class T>
+inline float dotb_ref(const float* q, const T* k, int hd) {
+  float lane[16];
+  for (int l = 0; l < 16; ++l) lane[l] = 0.f;
+  for (int i = 0; i < hd / 32; ++i)
+    for (int l = 0; l < 16; ++l) {
+      const int o = 32 * i + 2 * l;
+      float a = ftz(std::fma(round_bf16(q[o + 1]), round_bf16(to_f32(k[o + 1])), lane[l]));
+      lane[l] = ftz(std::fma(round_bf16(q[o]), round_bf16(to_f32(k[o])), a));
+    }
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lane[l] = lane[l] + lane[l + w];
+  return lane[0];
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// 32 floats at p (as 2 x 16) -> 32 bf16 in element order (round to nearest even)
+inline __m512bh bf16x32(const float* p) {
+  return _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
+}
+inline __m512bh bf16x32(const half_t* p) { return _mm512_cvtne2ps_pbh(load16(p + 16), load16(p)); }
+#endif
+
+// Whether the AVX-512 path has bf16 scores: an AVX512-BF16 build on a CPU whose vdpbf16ps gives dotb_ref's bits,
+// checked once on 4,096 lanes of random operands (3 to 30 binades apart) against the scalar emulation. The order was
+// found on a Zen 4; a CPU that sums the pairs otherwise keeps float32 scores rather than two kinds of bits.
+inline bool bf16_scores_supported() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  static const bool ok = [] {
+    uint64_t x = 0x9E3779B97F4A7C15ull;
+    auto rnd = [&x](int spread) {  // a float with a random sign, mantissa and exponent in [-spread, spread)
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      const uint32_t r = (uint32_t)(x >> 32);
+      const int e = 127 + (int)(r % (2u * spread)) - spread;
+      const uint32_t b = (r & 0x80000000u) | ((uint32_t)e << 23) | ((r >> 5) & 0x7fffffu);
+      float f;
+      std::memcpy(&f, &b, 4);
+      return f;
+    };
+    for (int it = 0; it < 256; ++it) {
+      alignas(64) float q[32], k[32], acc[16], out[16];
+      const int spread = 3 + it % 28;
+      for (int i = 0; i < 32; ++i) q[i] = round_bf16(rnd(spread)), k[i] = round_bf16(rnd(spread));
+      for (int l = 0; l < 16; ++l) acc[l] = rnd(spread);
+      _mm512_store_ps(out, _mm512_dpbf16_ps(_mm512_load_ps(acc), _mm512_cvtne2ps_pbh(_mm512_load_ps(q + 16), _mm512_load_ps(q)),
+                                            _mm512_cvtne2ps_pbh(_mm512_load_ps(k + 16), _mm512_load_ps(k))));
+      for (int l = 0; l < 16; ++l) {
+        const float a = ftz(std::fma(q[2 * l + 1], k[2 * l + 1], acc[l]));
+        const float want = ftz(std::fma(q[2 * l], k[2 * l], a));
+        if (std::memcmp(&want, &out[l], 4) != 0) return false;
+      }
+    }
+    return true;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+template <int I, class T>
+inline float dotb(const float* q, const T* k, int hd) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (I == kAvx512) {
+    __m512 a = _mm512_setzero_ps();
+    for (int i = 0; i < hd / 32; ++i) a = _mm512_dpbf16_ps(a, bf16x32(q + 32 * i), bf16x32(k + 32 * i));
+    return tree8(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  }
+#endif
+  return dotb_ref(q, k, hd);
+}
+
 // acc[d] = acc[d] * a (elementwise, identical on every path)
 template <int I>
 inline void scale_acc(float* acc, float a, int hd) {
@@ -212,7 +314,7 @@ inline void chunk_ref(const float* q, const T* k, int64_t ks, const T* v, int64_
   float mc = m;
   for (int j = 0; j < cn; ++j) {
     const int64_t slot = idx ? idx[c0 + j] : c0 + j;
-    s[j] = dot<I>(q, k + slot * ks, hd) * scale;
+    s[j] = (bf16_on(hd) ? dotb<I>(q, k + slot * ks, hd) : dot<I>(q, k + slot * ks, hd)) * scale;
     mc = s[j] > mc ? s[j] : mc;
   }
   for (int j = cn; j < kChunk; ++j) s[j] = mc;  // padding lanes (unused)
@@ -248,8 +350,8 @@ inline void chunk_full(int nq, const float* const* q, const T* k, int64_t ks, co
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (I == kAvx2) {
-    if (chunk16_fast_avx2(nq, q, k, ks, v, vs, idx, c0, hd, scale, m, l, acc, ahead)) return;
+  if constexpr (I == kAvx2) {  // (bf16 scores: per query through chunk_ref's emulated dotb)
+    if (!bf16_on(hd) && chunk16_fast_avx2(nq, q, k, ks, v, vs, idx, c0, hd, scale, m, l, acc, ahead)) return;
   }
 #endif
   if (ahead.k) {  // no key loop to spread it over

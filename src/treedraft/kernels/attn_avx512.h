@@ -96,6 +96,37 @@ inline void scores16_q(const float* const* q, const T* const* kp, float scale, _
   }
 }
 
+#if defined(__AVX512BF16__)
+// scores16_q in bf16 scores (NV even): per (query, key) dotb's vdpbf16ps chain over the NV / 2 groups of 32, each key
+// converted to bf16 once for all Q queries, then reduce16 (its per-accumulator tree is dotb's).
+template <int NV, int Q, class T>
+inline void scores16_q_bf16(const float* const* q, const T* const* kp, float scale, __m512* s) {
+  static_assert(NV % 2 == 0, "bf16 scores need hd % 32 == 0");
+  __m512bh qb[Q][NV / 2];
+  for (int u = 0; u < Q; ++u)
+    for (int i = 0; i < NV / 2; ++i) qb[u][i] = bf16x32(q[u] + 32 * i);
+  __m512 c[4][Q];
+  for (int h = 0; h < 4; ++h) {  // keys 4 at a time, as scores16_q: reduce4 per group, then d and e per query
+    __m512 a[Q][4];
+    for (int u = 0; u < Q; ++u)
+      for (int j = 0; j < 4; ++j) a[u][j] = _mm512_setzero_ps();
+    for (int i = 0; i < NV / 2; ++i)
+      for (int j = 0; j < 4; ++j) {
+        const __m512bh kb = bf16x32(kp[4 * h + j] + 32 * i);
+        for (int u = 0; u < Q; ++u) a[u][j] = _mm512_dpbf16_ps(a[u][j], qb[u][i], kb);
+      }
+    reduce4<Q>(a, c[h]);
+  }
+  const __m512i perm = reduce16_perm();
+  for (int u = 0; u < Q; ++u) {
+    const __m512 d0 = _mm512_add_ps(_mm512_shuffle_ps(c[0][u], c[1][u], 0x44), _mm512_shuffle_ps(c[0][u], c[1][u], 0xEE));
+    const __m512 d1 = _mm512_add_ps(_mm512_shuffle_ps(c[2][u], c[3][u], 0x44), _mm512_shuffle_ps(c[2][u], c[3][u], 0xEE));
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x88), _mm512_shuffle_ps(d0, d1, 0xDD));
+    s[u] = _mm512_mul_ps(_mm512_permutexvar_ps(perm, e), _mm512_set1_ps(scale));
+  }
+}
+#endif
+
 // chunk_ref for a full chunk of 16 keys (key j at kp[j], value at vp[j]) and Q queries at once
 // (Q = 1..4: independent queries hide the latency of each one's sequential l / acc chains and share
 // the key and value loads), hd = 16 * NV, AVX-512: per query the same operations on the same values
@@ -106,7 +137,16 @@ inline void chunk16_avx512(const float* const* q, const T* const* kp, const T* c
   alignas(64) float p[Q][16];
   __m512 av[Q][NV], s[Q];
   float mc[Q];
+#if defined(__AVX512BF16__)
+  if constexpr (NV % 2 == 0) {
+    if (g_bf16_scores) scores16_q_bf16<NV, Q>(q, kp, scale, s);
+    else scores16_q<NV, Q>(q, kp, scale, s);
+  } else {
+    scores16_q<NV, Q>(q, kp, scale, s);
+  }
+#else
   scores16_q<NV, Q>(q, kp, scale, s);
+#endif
   for (int u = 0; u < Q; ++u) {
     const float smax = _mm512_reduce_max_ps(s[u]);
     mc[u] = smax > *m[u] ? smax : *m[u];  // max is exact; a +-0 tie cannot change exp_fixed's value

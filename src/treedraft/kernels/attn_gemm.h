@@ -97,9 +97,58 @@ inline void gemm_scores_widened(int nq, const float* const* q, const half_t* k, 
   }
 }
 
+#if defined(__AVX512BF16__)
+// Pass 1 in bf16 scores (NV even): the queries converted to bf16 once, each 16-key chunk's keys once; then 2 queries x
+// 8 keys per inner loop (an odd last query: 1 x 16), per (query, key) dotb's vdpbf16ps chain, reduce16's tree.
+template <int NV, class T>
+inline void gemm_scores_bf16(int nq, const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs, int nk,
+                             float scale, float* s) {
+  static_assert(NV % 2 == 0, "bf16 scores need hd % 32 == 0");
+  constexpr int G = NV / 2;
+  __m512bh qb[kGemmMaxQ][G];
+  for (int u = 0; u < nq; ++u)
+    for (int i = 0; i < G; ++i) qb[u][i] = bf16x32(q[u] + 32 * i);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int j0 = 0; j0 < nk; j0 += 16) {
+    if (j0 + 32 <= nk) prefetch_rows(k + (j0 + 16) * ks, ks, 16, 16 * NV);
+    if (v != nullptr) prefetch_rows<_MM_HINT_T1>(v + j0 * vs, vs, 16, 16 * NV);  // for pass 3
+    __m512bh kb[16][G];
+    for (int j = 0; j < 16; ++j)
+      for (int i = 0; i < G; ++i) kb[j][i] = bf16x32(k + (j0 + j) * ks + 32 * i);
+    int u = 0;
+    for (; u + 2 <= nq; u += 2)
+      for (int h = 0; h < 16; h += 8) {
+        __m512 a[16];
+        for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
+        for (int i = 0; i < G; ++i)
+          for (int j = 0; j < 8; ++j) {
+            a[j] = _mm512_dpbf16_ps(a[j], qb[u][i], kb[h + j][i]);
+            a[8 + j] = _mm512_dpbf16_ps(a[8 + j], qb[u + 1][i], kb[h + j][i]);
+          }
+        const __m512 r = _mm512_mul_ps(reduce16(a), sc);
+        _mm256_storeu_ps(s + u * kGemmMaxKeys + j0 + h, _mm512_castps512_ps256(r));
+        _mm256_storeu_ps(s + (u + 1) * kGemmMaxKeys + j0 + h,
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
+      }
+    for (; u < nq; ++u) {
+      __m512 a[16];
+      for (int j = 0; j < 16; ++j) {
+        a[j] = _mm512_setzero_ps();
+        for (int i = 0; i < G; ++i) a[j] = _mm512_dpbf16_ps(a[j], qb[u][i], kb[j][i]);
+      }
+      _mm512_storeu_ps(s + u * kGemmMaxKeys + j0, _mm512_mul_ps(reduce16(a), sc));
+    }
+  }
+}
+#endif
+
 template <int NV, class T>
 inline void gemm_scores(int nq, const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs, int nk,
                         float scale, float* s) {
+#if defined(__AVX512BF16__)
+  if constexpr (NV % 2 == 0)
+    if (g_bf16_scores) return gemm_scores_bf16<NV>(nq, q, k, ks, v, vs, nk, scale, s);
+#endif
   if constexpr (std::is_same_v<T, half_t>)
     if (g_widen_keys && nq >= kWidenMinQ) return gemm_scores_widened<NV>(nq, q, k, ks, v, vs, nk, scale, s);
   gemm_scores_rows<NV>(nq, q, k, ks, v, vs, nk, scale, s, true);

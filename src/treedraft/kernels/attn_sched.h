@@ -47,8 +47,15 @@ struct Group {
 class Runner {
  public:
   // Every query's out; groups may hold any number of queries (split here for the pool).
+  // bf16: scores in bf16 (attn.h dotb) where hd % 32 == 0; requires bf16_scores_supported() on the AVX-512 path
   void run(int isa, const std::vector<Group>& groups, const std::vector<Query>& qs, int hd, float scale,
-           Pool& pool) {
+           Pool& pool, bool bf16 = false) {
+    if (bf16 && isa == kAvx512 && !bf16_scores_supported())
+      throw std::runtime_error("attention: bf16 scores need a build with AVX512-BF16 on the AVX-512 path");
+    struct Mode {  // the mode for this call's pool work, back to fp32 scores however it ends
+      explicit Mode(bool on) { g_bf16_scores = on; }
+      ~Mode() { g_bf16_scores = false; }
+    } mode(bf16);
     // state offsets per query (in floats)
     const int ss = state_size(hd);
     off_.resize(qs.size() + 1);

@@ -148,6 +148,12 @@ class FusedDecoder {
   // Per-phase wall time of the forwards since the last call (ms), when profiling is on:
   // [other (norms, RoPE, cache writes, silu, residuals), qkv, attention, wo, w13, w2, lm_head]
   void set_profile(bool on) { profile_ = g_time_quant = on; }
+  // attention scores in bf16 (attn.h dotb) where head_dim % 32 == 0; needs attn::bf16_scores_supported() on AVX-512
+  void set_bf16_scores(bool on) {
+    TORCH_CHECK(!on || attn::bf16_scores_supported() || default_isa() != attn::kAvx512,
+                "FusedDecoder: bf16 scores need a kernel build with AVX512-BF16");
+    bf16_scores_ = on;
+  }
   // Of the linear phases above: ms spent quantizing their activations since the last call (profiling only).
   double take_quant_timing() {
     const double ms = g_quant_ns * 1e-6;
@@ -536,7 +542,7 @@ class FusedDecoder {
         ag_.push_back({kc + g * cap * hd_ * es, vc + g * cap * hd_ * es, hd_, hd_, q0, (int)aq_.size(), half});
       }
     }
-    runner_.run(isa, ag_, aq_, (int)hd_, scale_, pool());
+    runner_.run(isa, ag_, aq_, (int)hd_, scale_, pool(), bf16_scores_);
   }
 
   int64_t H_, nh_, nkv_, hd_, I_;
@@ -579,6 +585,7 @@ class FusedDecoder {
   std::vector<attn::Group> ag_;
   attn::Runner runner_;
   bool profile_ = false;
+  bool bf16_scores_ = false;
   std::array<int64_t, 7> prof_{};
   std::chrono::steady_clock::time_point last_;
   std::vector<char> causal_;

@@ -142,7 +142,7 @@ void set_spin_us(int64_t us) {
 // Row-invariant decode attention (see attn.h): q (T, nh, hd) float32, k/v (nkv, L, hd) float32 or float16 with unit
 // last stride, allowed bool (T, L) or empty for "all L keys" -> (T, nh, hd).
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor allowed,
-                     double scale, const std::string& path_name) {
+                     double scale, const std::string& path_name, bool bf16_scores) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q must be (T, nh, hd), k and v (nkv, L, hd)");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == v.scalar_type() &&
                   (k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kHalf),
@@ -222,7 +222,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
     gs.push_back({kp + g * k.stride(0) * es, vp + g * v.stride(0) * es, k.stride(1), v.stride(1), q0, (int)qs.size(),
                   half});
   }
-  runner.run(isa, gs, qs, (int)hd, (float)scale, pool());
+  runner.run(isa, gs, qs, (int)hd, (float)scale, pool(), bf16_scores);
   return out;
 }
 
@@ -248,11 +248,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "attend",
       [](torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor allowed, double scale,
-         const std::string& path) {
-        return td::serialized([&] { return td::attend(q, k, v, allowed, scale, path); });
+         const std::string& path, bool bf16_scores) {
+        return td::serialized([&] { return td::attend(q, k, v, allowed, scale, path, bf16_scores); });
       },
-      "row-invariant decode attention (GIL released)", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("allowed"),
-      py::arg("scale"), py::arg("path") = "");
+      "row-invariant decode attention (GIL released); bf16_scores: q.k in bf16 (see bf16_scores_supported)",
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("allowed"), py::arg("scale"), py::arg("path") = "",
+      py::arg("bf16_scores") = false);
+  m.def(
+      "bf16_scores_supported", [] { return td::attn::bf16_scores_supported(); },
+      "Whether this build's AVX-512 attention has the bf16 score kernels (AVX512-BF16)");
   m.def(
       "quantize", [](torch::Tensor x) { return td::serialized([&] { return td::quantize_act(x); }); },
       "activation quantization of x (M, K): codes (K/32, M, 32) int8, d and s (K/32, M)", py::arg("x"));
@@ -321,6 +325,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "set_profile", [](td::FusedDecoder& self, bool on) { td::serialized([&] { self.set_profile(on); }); },
           "time the phases of each forward")
+      .def(
+          "set_bf16_scores",
+          [](td::FusedDecoder& self, bool on) { td::serialized([&] { self.set_bf16_scores(on); }); },
+          "attention scores in bf16 (exact across row counts, not equal to float32 scores)")
       .def(
           "take_timings", [](td::FusedDecoder& self) { return td::serialized([&] { return self.take_timings(); }); },
           "ms per phase since the last call: other, qkv, attention, wo, w13, w2, lm_head")

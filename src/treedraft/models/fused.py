@@ -114,6 +114,7 @@ def _deps(model) -> _Watch:
             if owner._modules.get(name) is not None:
                 slots.append((owner._modules[name]._parameters, "weight"))
         slots.append((b.attn.__dict__, "exact_attention"))
+        slots.append((b.attn.__dict__, "bf16_scores"))
         lin(b.attn, "wqkv"), lin(b.attn, "wo"), lin(b.ffn, "w13"), lin(b.ffn, "w2")
     lin(model, "lm_head")
     dicts, keys = [d for d, _ in slots], [k for _, k in slots]
@@ -225,6 +226,8 @@ def _build(model, deps: _Watch) -> _State:
             window=int(cfg.sliding_window or 0),
             gelu=cfg.activation == "gelu_tanh",
         )
+    if model.bf16_scores:
+        dec.set_bf16_scores(True)
     return _State(deps, dec, None, lm_native)
 
 

@@ -366,6 +366,61 @@ def _trial_model(model: torch.nn.Module, qw: dict[str, QWeight], kernels: dict[s
     return trial
 
 
+BF16_PROBE = (512, 8)  # choose_bf16_scores: cached tokens, tree rows
+
+
+def choose_bf16_scores(net, path: Path | None, log=None, reps: int = 5) -> bool:
+    """Whether ``net``'s decode attention should compute its scores in bf16 on this machine: an 8-row tree step on a
+    512-token cache through the fused decoder, both ways alternating, min of ``reps``, one kernel thread in its own
+    CPU time (as choose_q4_pair: the other core's load on a shared machine would swamp a wall-clock A/B). The faster
+    wins; the answer is cached per machine, model file and kernel build (TREEDRAFT_RETUNE=1 measures again).
+    False where the fused decoder does not run ``net``."""
+    import time
+
+    from .. import kernels as natives
+    from . import fused
+    from .cache import atomic_write_text
+    from .registry import cache_dir
+
+    key = "bf16_scores@" + _kernel_build_key()
+    f = cache_dir() / "tune" / f"attn-{_machine_key(path, 'bf16-scores')}.json"
+    cached = json.loads(f.read_text()) if f.is_file() and not os.environ.get("TREEDRAFT_RETUNE") else {}
+    if key in cached:
+        return bool(cached[key])
+    dec = fused.decoder_for(net)
+    if dec is None:
+        return False
+    ctx, rows = BF16_PROBE
+    ctx = min(ctx, net.config.max_seq_len - rows - 1)
+    g = torch.Generator().manual_seed(0)
+    cache = net.new_cache(ctx + rows)
+    best = {False: float("inf"), True: float("inf")}
+    threads = natives.get_num_threads()
+    with torch.inference_mode():
+        net.forward(torch.randint(0, net.vocab_size, (1, ctx), generator=g), torch.arange(ctx), cache, 0)
+        toks = torch.randint(0, net.vocab_size, (1, rows), generator=g)
+        pos = torch.arange(ctx, ctx + rows)
+        mask = torch.ones(rows, ctx + rows, dtype=torch.bool).tril(ctx)
+        natives.set_num_threads(1)
+        try:
+            for _ in range(reps):
+                for on in (False, True):
+                    dec.set_bf16_scores(on)
+                    t = time.thread_time()
+                    net.forward(toks, pos, cache, ctx, mask)
+                    best[on] = min(best[on], time.thread_time() - t)
+        finally:
+            dec.set_bf16_scores(bool(getattr(net, "bf16_scores", False)))
+            natives.set_num_threads(threads)
+    choice = best[True] < best[False]
+    if log:
+        log(f"attention scores, {rows}-row step at {ctx} tokens: float32 {best[False] * 1e3:.1f} ms, "
+            f"bf16 {best[True] * 1e3:.1f} ms -> {'bf16' if choice else 'float32'}")  # fmt: skip
+    cached[key] = choice
+    atomic_write_text(f, json.dumps(cached))
+    return choice
+
+
 def log_stderr(msg: str) -> None:
     """Progress lines of the kernel choice."""
     print(f"[weights] {msg}", file=sys.stderr)

@@ -194,6 +194,8 @@ def _target_facts(target: object) -> dict[str, Any]:
         "dtype": str(params[0].dtype) if params else "?",
         # the KV cache's bytes are part of every step (an fp16 cache reads half): a curve per cache dtype
         "kv_dtype": str(getattr(target, "kv_dtype", None)),
+        # bf16 attention scores make multi-row steps cheaper: their own curves (float32 keys stay as they were)
+        **({"bf16_scores": True} if getattr(target, "bf16_scores", False) else {}),
         "device": str(target_device(target)),
         "hidden": getattr(target, "hidden_size", None),
         "vocab": getattr(target, "vocab_size", None),
