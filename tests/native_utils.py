@@ -34,6 +34,31 @@ def tiny_native(max_seq_len: int, seed: int = 0) -> Transformer:
     return make_native(Transformer(tiny_config(max_seq_len)).eval())
 
 
+def tiny_native_hd32(max_seq_len: int, seed: int = 0) -> Transformer:
+    """A tiny seeded native q4 model with head_dim 32 (hidden 128, 4 heads over 2 kv heads): bf16 attention scores
+    need hd % 32 == 0, which :func:`tiny_native`'s 16 is not."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                      max_seq_len=max_seq_len)  # fmt: skip
+    return make_native(Transformer(cfg).eval())
+
+
+def chain_steps(model: Transformer, prompt: torch.Tensor, chain: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final-norm hidden states of ``chain`` after ``prompt``: decoded one token a step, and verified as one tree step
+    (a causal chain); (plain (n, H), tree (n, H)). Each on a fresh cache after the same prefill."""
+    p, n = len(prompt), len(chain)
+    with torch.inference_mode():
+        c1 = model.new_cache(max_len=p + n)
+        model(prompt[None], torch.arange(p), c1, start=0)
+        plain = torch.stack(
+            [model(chain[i : i + 1][None], torch.tensor([p + i]), c1, start=p + i)[1][0, 0] for i in range(n)]
+        )
+        c2 = model.new_cache(max_len=p + n)
+        model(prompt[None], torch.arange(p), c2, start=0)
+        tree = model(chain[None], torch.arange(p, p + n), c2, start=p)[1][0]
+    return plain, tree
+
+
 def count_native(monkeypatch) -> dict[str, int]:
     """Counts the forwards that ran in the native fused decoder (a spy on fused.forward_segments): ``{"fused": n}``."""
     from treedraft.models import fused

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from native_utils import chain_steps, tiny_native_hd32
 
 from treedraft import kernels
 
@@ -259,15 +260,7 @@ def test_tiny_native_model_tree_step_equals_plain_steps(exact: bool) -> None:
     same = 0
     for _ in range(5):
         prompt, chain = torch.randint(0, 64, (21,), generator=g), torch.randint(0, 64, (6,), generator=g)
-        with torch.inference_mode():
-            c1 = model.new_cache(max_len=64)
-            model(prompt[None], torch.arange(21), c1, start=0)
-            plain = torch.stack(
-                [model(chain[i : i + 1][None], torch.tensor([21 + i]), c1, start=21 + i)[1][0, 0] for i in range(6)]
-            )
-            c2 = model.new_cache(max_len=64)
-            model(prompt[None], torch.arange(21), c2, start=0)
-            tree = model(chain[None], torch.arange(21, 27), c2, start=21)[1][0]
+        plain, tree = chain_steps(model, prompt, chain)
         torch.testing.assert_close(tree, plain, atol=1e-4, rtol=1e-4)
         same += torch.equal(tree, plain)
     # SDPA (exact=False) is expected to differ somewhere; the native attention never
@@ -362,27 +355,12 @@ def test_bf16_scores_fall_back_to_float32_where_hd_is_not_a_multiple_of_32() -> 
 def test_tiny_native_model_with_bf16_scores_tree_step_equals_plain_steps() -> None:
     """The model switch reaches the fused decoder: a chain verified as one step equals six 1-token steps bitwise,
     and differs from the float32-score model's hidden states."""
-    from native_utils import make_native
-
-    from treedraft.models.llama import LlamaConfig, Transformer
-
-    torch.manual_seed(0)  # head_dim 32 (bf16 scores need hd % 32 == 0; the shared tiny model has 16)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
-                      max_seq_len=64)  # fmt: skip
-    model = make_native(Transformer(cfg).eval())
+    model = tiny_native_hd32(64)
     g = torch.Generator().manual_seed(4)
     prompt, chain = torch.randint(0, 64, (40,), generator=g), torch.randint(0, 64, (6,), generator=g)
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.inference_mode():
-            c1 = model.new_cache(max_len=64)
-            model(prompt[None], torch.arange(40), c1, start=0)
-            plain = torch.stack(
-                [model(chain[i : i + 1][None], torch.tensor([40 + i]), c1, start=40 + i)[1][0, 0] for i in range(6)]
-            )
-            c2 = model.new_cache(max_len=64)
-            model(prompt[None], torch.arange(40), c2, start=0)
-            return plain, model(chain[None], torch.arange(40, 46), c2, start=40)[1][0]
+        return chain_steps(model, prompt, chain)
 
     f_plain, f_tree = run()
     model.bf16_scores = True

@@ -15,14 +15,9 @@ needs_bf16 = pytest.mark.skipif(
 
 def _tiny_hd32():
     """A tiny seeded model on native q4 linears with head_dim 32 (bf16 scores need hd % 32 == 0)."""
-    from native_utils import make_native
+    from native_utils import tiny_native_hd32
 
-    from treedraft.models.llama import LlamaConfig, Transformer
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
-                      max_seq_len=640)  # fmt: skip
-    return make_native(Transformer(cfg).eval())
+    return tiny_native_hd32(640)
 
 
 def test_a_bad_attn_scores_value_is_refused_before_loading() -> None:
