@@ -2,7 +2,10 @@
 (x86-64-v3: what a Zen 3 EPYC or an AVX2-only Intel CPU compiles for itself) measured and checked on an AVX-512
 machine. Every code path claims the same bits, so the AVX2 build's logits must equal the native build's bitwise
 (a prefill, a 4-row tree and 1-, 2- and 3-row steps over it, the real model, int4), and speculative decoding must
-stay equal to plain decoding on it. Extended: each child process builds its kernels once (about two minutes)."""
+stay equal to plain decoding on it. Extended: each child process builds its kernels once (about two minutes).
+Both load with float32 attention scores: bf16 scores (the default 'auto' picks them on AVX512-BF16 CPUs) run the
+vdpbf16ps instruction, which an AVX2 build does not have (the AVX2 and scalar paths' emulation of it is checked
+bitwise within one build, tests/test_attention.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from treedraft import kernels
 from treedraft.engine import GenerationConfig, GenerationStats
 from treedraft.tree import TokenTree, full_attention_mask, tree_positions
 out_dir = sys.argv[1]
-llm = treedraft.load(drafter=None, weights="int4")
+llm = treedraft.load(drafter=None, weights="int4", attn_scores="float32")
 m = llm.model
 ids = torch.tensor(llm.encode_prompt("Write a short poem about the sea, then explain its meter."))
 n = int(ids.shape[0])
