@@ -391,8 +391,8 @@ def attn_scores_for(attn_scores: str, runtime: str, net: Any, path: Path | None,
     bf16 scores round q and k to bfloat16 and sum them with vdpbf16ps (exactly emulated off the AVX-512 path), so
     tree rows stay bitwise equal to the one-row step: greedy speculative output still equals plain decoding. The
     score pass of a multi-row step runs ~2x faster (benchmarks/attn_bf16_micro.cpp); teacher-forced top-1
-    agreement with the fp32 model was unchanged against int4's own rounding (0.9723 vs 0.9727 on 2,890 MT-Bench
-    positions, benchmarks/attn_precision.py). 'auto': bf16 for int4/int8 weights where the kernels have it
+    agreement with the fp32 model was unchanged against int4's own rounding (0.9737 with bf16 q and k, 0.9727 with
+    the fp16 cache alone, on 2,890 MT-Bench positions, benchmarks/attn_precision.py). 'auto': bf16 for int4/int8 weights where the kernels have it
     (AVX512-BF16) and a tree step measured faster with it on this machine (cached); fp32 weights keep float32 scores,
     the exact reference. 'bf16' without the instructions: a ValueError saying so.
     """
