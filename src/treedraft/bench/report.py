@@ -181,6 +181,7 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
             "weights",
             "draft_model",
             "kv_dtype",
+            "attn_scores",
             "torch_threads",
             "cpu",
             "cpu_flags",
