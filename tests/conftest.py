@@ -88,6 +88,29 @@ def load_real(**kw):
         return treedraft.load(**kw)
 
 
+SPEC_PROMPTS = (
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip and explain each one.",
+    "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+)
+
+
+def assert_spec_equals_plain(llm, prompts=SPEC_PROMPTS, max_new_tokens: int = 64) -> list[float]:
+    """Greedy output with ``llm``'s drafter equals plain greedy output on each prompt (``max_new_tokens``, EOS
+    ignored); returns each drafted run's mean accepted length."""
+    from treedraft.engine import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
+    accepted = []
+    for prompt in prompts:
+        ids = llm.encode_prompt(prompt)
+        plain = llm.engine.generate(ids, cfg, None)
+        spec = llm.engine.generate(ids, cfg, llm.engine.drafter)
+        assert spec.token_ids == plain.token_ids, prompt
+        accepted.append(spec.stats.mean_accepted_length)
+    return accepted
+
+
 def fixed_matmul_plan() -> dict[int, str]:
     """An fp32 kernel plan chosen without timing that runs every kernel of the packed path: one row by the
     duplicated-row GEMM (wxt), the longest bucket padded (xwt@64), the other buckets cycling through their

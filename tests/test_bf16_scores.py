@@ -88,25 +88,11 @@ def test_auto_measures_once_per_machine_then_reuses_the_choice(tmp_path, monkeyp
 def test_speculative_equals_plain_with_bf16_scores_on_the_real_model() -> None:
     """Greedy output with the default drafter equals plain greedy output when decode attention scores in bf16, on the
     real model (int4 weights), and the mode does change the arithmetic (logits differ from float32 scores')."""
-    from conftest import load_real
-
-    from treedraft.engine import GenerationConfig
+    from conftest import assert_spec_equals_plain, load_real
 
     llm = load_real(weights="int4", attn_scores="bf16")
     assert llm.model.bf16_scores
-    cfg = GenerationConfig(max_new_tokens=64, ignore_eos=True)
-    accepted = 0.0
-    for prompt in (
-        "Write a haiku about the sea.",
-        "List three uses of a paperclip and explain each one.",
-        "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
-    ):
-        ids = llm.encode_prompt(prompt)
-        plain = llm.engine.generate(ids, cfg, None)
-        spec = llm.engine.generate(ids, cfg, llm.engine.drafter)
-        assert spec.token_ids == plain.token_ids, prompt
-        accepted += spec.stats.mean_accepted_length
-    assert accepted / 3 > 1.0
+    assert sum(assert_spec_equals_plain(llm)) / 3 > 1.0
     ids = torch.tensor(llm.encode_prompt("List three uses of a paperclip and explain each one."))
     with torch.inference_mode():
         out = []
