@@ -5,7 +5,7 @@ On a ``--context``-token cache of random tokens: a causal chain of k rows (1, 2,
 
     python benchmarks/attn_scores_forward.py [--context 800] [--reps 30]
 
-Session 35 (Zen 4, 2 threads): at 800 tokens 1-2 rows within +-2%, 4 rows 0.98x, 8 rows 0.93-0.95x, 16 rows
+Session 35 (Zen 4, 2 threads): at 800 tokens 1-2 rows 0.99-1.02x, 4 rows 0.98x, 8 rows 0.93-0.95x, 16 rows
 0.94-0.95x (attention 6.48 -> 5.53 ms); at 2,048 tokens 8 rows 0.91x, 16 rows 0.90x.
 """
 
