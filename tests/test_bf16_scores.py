@@ -84,6 +84,21 @@ def test_auto_measures_once_per_machine_then_reuses_the_choice(tmp_path, monkeyp
 
 
 @needs_bf16
+def test_auto_keeps_float32_scores_where_the_context_cannot_hold_the_probe(tmp_path, monkeypatch) -> None:
+    """A model loaded with a context shorter than the 8-row probe (max_seq_len 8) is not measured: float32 scores,
+    and nothing cached (it used to fail the load, asking for a cache of negative length)."""
+    from native_utils import tiny_native_hd32
+
+    from treedraft import api
+
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path))
+    net = tiny_native_hd32(8)
+    net.weights_info = {"resolved": "int4"}
+    assert api.attn_scores_for("auto", "own", net, None) is False
+    assert not list((tmp_path / "tune").glob("attn-*.json"))
+
+
+@needs_bf16
 @pytest.mark.slow
 def test_speculative_equals_plain_with_bf16_scores_on_the_real_model() -> None:
     """Greedy output with the default drafter equals plain greedy output when decode attention scores in bf16, on the

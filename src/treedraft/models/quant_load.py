@@ -374,7 +374,8 @@ def choose_bf16_scores(net, path: Path | None, log=None, reps: int = 5) -> bool:
     512-token cache through the fused decoder, both ways alternating, min of ``reps``, one kernel thread in its own
     CPU time (as choose_q4_pair: the other core's load on a shared machine would swamp a wall-clock A/B). The faster
     wins; the answer is cached per machine, model file and kernel build (TREEDRAFT_RETUNE=1 measures again).
-    False where the fused decoder does not run ``net``."""
+    False where the fused decoder does not run ``net``, or its context cannot hold the probe (not cached: a load
+    with a longer context measures)."""
     import time
 
     from .. import kernels as natives
@@ -387,11 +388,11 @@ def choose_bf16_scores(net, path: Path | None, log=None, reps: int = 5) -> bool:
     cached = json.loads(f.read_text()) if f.is_file() and not os.environ.get("TREEDRAFT_RETUNE") else {}
     if key in cached:
         return bool(cached[key])
-    dec = fused.decoder_for(net)
-    if dec is None:
-        return False
     ctx, rows = BF16_PROBE
     ctx = min(ctx, net.config.max_seq_len - rows - 1)
+    dec = fused.decoder_for(net)
+    if dec is None or ctx < rows:
+        return False
     g = torch.Generator().manual_seed(0)
     cache = net.new_cache(ctx + rows)
     best = {False: float("inf"), True: float("inf")}
