@@ -169,20 +169,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     fresh = fresh_drafter_state(a)
     t = time.perf_counter()
-    from ..cli import draft_kwargs, suffix_kwargs
+    from ..cli import draft_kwargs, model_kwargs, suffix_kwargs
 
-    llm = load(
-        a.model,
-        drafter=None,
-        device=a.device,
-        dtype=a.dtype,
-        runtime=a.runtime,
-        weights=a.weights,
-        kv_dtype=a.kv_dtype,
-        attn_scores=a.attn_scores,
-        **suffix_kwargs(a),
-        **draft_kwargs(a),
-    )
+    llm = load(a.model, drafter=None, **model_kwargs(a), **suffix_kwargs(a), **draft_kwargs(a))
     cfg = llm.config(
         max_new_tokens=a.max_new_tokens,
         temperature=a.temperature,
