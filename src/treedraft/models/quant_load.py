@@ -8,12 +8,14 @@ caches the per-machine choice next to the fp32 kernel plan.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -279,6 +281,20 @@ def _q4_linears(model: torch.nn.Module, natives) -> list[NativeLinear]:
     return [m for m in model.modules() if isinstance(m, NativeLinear) and m.packed.kind == natives.Q4_1]
 
 
+@contextlib.contextmanager
+def _q4_tiles(natives, pair: bool | None) -> Iterator[None]:
+    """The Q4_1 paired-tiles setting ``pair`` for the block (None: left as it is), then the kernel's default (paired)
+    until a load applies its choice."""
+    if pair is None:
+        yield
+        return
+    natives.set_q4_pair(pair)
+    try:
+        yield
+    finally:
+        natives.set_q4_pair(True)
+
+
 def _pack_fp32(model: torch.nn.Module, path: Path | None) -> None:
     """The fp32 decode path with its measured per-row-count kernel plan (when ``model`` has one)."""
     from .plan import pack_tuned
@@ -320,13 +336,8 @@ def _measure_auto(model, qweights, natives, probe_ids, min_agreement, log, keep:
         if w == "int4":  # timed with the Q4_1 tiles it would run with: on the session-35 Zen 4 the default paired
             # tiles took 25% longer at 8-16 rows than single ones, and 'auto' had picked the slower int8 on it
             pair = choose_q4_pair(_q4_linears(trial, natives), natives, log)
-        try:
-            if pair is not None and w == "int4":
-                natives.set_q4_pair(pair)
+        with _q4_tiles(natives, pair if w == "int4" else None):
             times[w] = sum(time_modules(mods, r) for r in (1, 16))
-        finally:
-            if pair is not None and w == "int4":
-                natives.set_q4_pair(True)  # the kernel's default until a load applies its choice
         agree[w] = _top1_agreement(trial, ids, ref) if ref is not None else 1.0
         del trial
         if keep is not None:
