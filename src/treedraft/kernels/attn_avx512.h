@@ -70,6 +70,19 @@ inline void reduce4(const __m512 (*a)[4], __m512* out) {
   }
 }
 
+// reduce16's (l += l+2) and (l += l+1) steps, then its permute and the scale, for Q queries whose c-level partial
+// sums (reduce4's output) are c[h][u] for keys 4h..4h+3: s[u] = the 16 scores of query u.
+template <int Q>
+inline void reduce16_tail(const __m512 (*c)[Q], float scale, __m512* s) {
+  const __m512i perm = reduce16_perm();
+  for (int u = 0; u < Q; ++u) {
+    const __m512 d0 = _mm512_add_ps(_mm512_shuffle_ps(c[0][u], c[1][u], 0x44), _mm512_shuffle_ps(c[0][u], c[1][u], 0xEE));
+    const __m512 d1 = _mm512_add_ps(_mm512_shuffle_ps(c[2][u], c[3][u], 0x44), _mm512_shuffle_ps(c[2][u], c[3][u], 0xEE));
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x88), _mm512_shuffle_ps(d0, d1, 0xDD));
+    s[u] = _mm512_mul_ps(_mm512_permutexvar_ps(perm, e), _mm512_set1_ps(scale));
+  }
+}
+
 // scores16 for Q queries at once: s[u] = the 16 scores dot(q[u], k_j) * scale. Keys go 4 at a time,
 // each key vector loaded (and, for fp16, converted) once for all Q queries; per (query, key) the same
 // fma chain as scores16 and per query the same reduce16 additions (its c level per 4 keys, then d, e).
@@ -87,13 +100,7 @@ inline void scores16_q(const float* const* q, const T* const* kp, float scale, _
       }
     reduce4<Q>(a, c[h]);
   }
-  const __m512i perm = reduce16_perm();
-  for (int u = 0; u < Q; ++u) {  // reduce16's (l += l+2) and (l += l+1) steps, then its permute
-    const __m512 d0 = _mm512_add_ps(_mm512_shuffle_ps(c[0][u], c[1][u], 0x44), _mm512_shuffle_ps(c[0][u], c[1][u], 0xEE));
-    const __m512 d1 = _mm512_add_ps(_mm512_shuffle_ps(c[2][u], c[3][u], 0x44), _mm512_shuffle_ps(c[2][u], c[3][u], 0xEE));
-    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x88), _mm512_shuffle_ps(d0, d1, 0xDD));
-    s[u] = _mm512_mul_ps(_mm512_permutexvar_ps(perm, e), _mm512_set1_ps(scale));
-  }
+  reduce16_tail<Q>(c, scale, s);
 }
 
 #if defined(__AVX512BF16__)
@@ -117,13 +124,7 @@ inline void scores16_q_bf16(const float* const* q, const T* const* kp, float sca
       }
     reduce4<Q>(a, c[h]);
   }
-  const __m512i perm = reduce16_perm();
-  for (int u = 0; u < Q; ++u) {
-    const __m512 d0 = _mm512_add_ps(_mm512_shuffle_ps(c[0][u], c[1][u], 0x44), _mm512_shuffle_ps(c[0][u], c[1][u], 0xEE));
-    const __m512 d1 = _mm512_add_ps(_mm512_shuffle_ps(c[2][u], c[3][u], 0x44), _mm512_shuffle_ps(c[2][u], c[3][u], 0xEE));
-    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x88), _mm512_shuffle_ps(d0, d1, 0xDD));
-    s[u] = _mm512_mul_ps(_mm512_permutexvar_ps(perm, e), _mm512_set1_ps(scale));
-  }
+  reduce16_tail<Q>(c, scale, s);
 }
 #endif
 
