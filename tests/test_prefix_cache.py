@@ -167,3 +167,30 @@ def test_whole_prompt_hit_draws_its_first_token_without_a_forward() -> None:
     assert again.prefilled == len(prompt) and again.cache.length == len(prompt)
     events = sched.step()
     assert events == [(again, first.output())] and sched.last_step.rows == 0 and again.done
+
+
+@pytest.mark.skipif(not kernels.bf16_scores_supported(), reason="needs a native build with AVX512-BF16")
+def test_entries_are_kept_apart_by_the_models_attention_score_mode() -> None:
+    """A prefill computed with float32 scores is never reused once the model is switched to bf16 scores (and back)."""
+    from native_utils import tiny_native_hd32
+
+    model = tiny_native_hd32(96)
+    engine = Engine(model)
+    sched = Scheduler(engine, 8, 16, native_prefill=True, prefix_cache_bytes=16 << 20)
+    prompt, cfg = list(range(1, 41)), GenerationConfig(max_new_tokens=12, ignore_eos=True)
+
+    def run() -> list[int]:
+        req = sched.add(prompt, cfg, None)
+        while not req.done:
+            sched.step()
+        sched.remove(req)
+        return req.output()
+
+    fp32 = run()
+    model.bf16_scores = True
+    bf16 = run()
+    assert sched.prefix_cache.hits == 0  # the float32 entry was not reused
+    assert bf16 == run_alone(engine, prompt, cfg, step_rows=8, prefill_chunk=16, native_prefill=True)
+    assert run() == bf16 and sched.prefix_cache.hits == 1  # the bf16 entry is reused by the next bf16 request
+    model.bf16_scores = False
+    assert run() == fp32 and sched.prefix_cache.hits == 2

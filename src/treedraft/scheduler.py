@@ -258,10 +258,16 @@ class Scheduler:
         self.active.append(req)
         return req
 
+    def _prefix_scope(self, req: Request) -> str:
+        """The prefix cache's scope of ``req``: its tenant, and the model's attention-score arithmetic (a prefill
+        computed with float32 scores is not what a bf16-score model would compute, so a model switched with
+        ``model.bf16_scores = ...`` never reuses the other mode's entries)."""
+        return req.scope + ("\x00bf16-scores" if getattr(self.engine.model, "bf16_scores", False) else "")
+
     def _reuse_prefix(self, req: Request) -> None:
         """Start ``req`` from the prefix cache's longest reusable prefix of its prompt (or record its prefill)."""
         req.prompt_hidden = []
-        hit = self.prefix_cache.lookup(req.prompt, req.drafter is not None, req.scope)
+        hit = self.prefix_cache.lookup(req.prompt, req.drafter is not None, self._prefix_scope(req))
         if hit is None:
             return
         e, n = hit.entry, hit.n
@@ -519,7 +525,8 @@ class Scheduler:
                 return []
             if req.prompt_hidden is not None:
                 hs = None if any(h is None for h in req.prompt_hidden) else torch.cat(req.prompt_hidden)
-                self.prefix_cache.store(req.prompt, req.cache.kv[:, :, :, : len(req.prompt)], hs, logits[-1], req.scope)
+                kv = req.cache.kv[:, :, :, : len(req.prompt)]
+                self.prefix_cache.store(req.prompt, kv, hs, logits[-1], self._prefix_scope(req))
                 req.prompt_hidden = None
             return self._first(req, logits[-1], None if hidden is None else hidden[-1])
         tree, n = p.tree, len(p.tree)
