@@ -220,3 +220,25 @@ def test_hybrid_eagle_greedy_equals_plain_real_model(smollm_int4) -> None:
                 assert sum(s.accepted for s in spec.stats.steps) > 0
             else:
                 assert spec.stats.mean_accepted_length > 1.1
+
+
+def test_fresh_forgets_what_the_verified_trees_taught_and_leaves_the_original_alone() -> None:
+    """fresh() (bench --fresh-drafter-state) restarts the per-rank acceptance and the calibration, also inside a
+    hybrid; for_request() twins keep sharing the learned ranks."""
+    from treedraft.drafters.hybrid import fresh_copy
+
+    model, d = _drafter()
+    prior = d.node_values(8)
+    for _ in range(40):  # rank 0 always accepted, ranks 1-2 never
+        d.cal.ranks.add(3, [0])
+    d.cal.acc, d.cal.exp = 30.0, 60.0
+    learned = d.node_values(8)
+    assert learned != pytest.approx(prior) and d.cal.factor < 0.6
+    twin = d.for_request()
+    assert twin.cal.ranks is d.cal.ranks  # requests share what was learned
+    new = d.fresh()
+    assert new.node_values(8) == pytest.approx(prior) and new.cal.factor == pytest.approx(1.0)
+    assert new.cache is not d.cache and new.net is d.net and new.native is d.native
+    assert d.node_values(8) == pytest.approx(learned) and d.cal.factor < 0.6  # the original keeps its state
+    hyb = fresh_copy(HybridDrafter([d], name="h"))
+    assert hyb.drafters[0] is not d and hyb.drafters[0].node_values(8) == pytest.approx(prior)

@@ -102,6 +102,14 @@ class EagleDrafter:
         self.base = 0  # pair index held in cache slot 0
         self.tokens: list[int] = []  # tokens x_0 .. x_r of the committed pairs (pair j uses x_{j+1})
 
+    def fresh(self) -> EagleDrafter:
+        """A copy that has learned nothing yet: its per-rank acceptance back at the prior and a new calibration, its own
+        draft KV cache; the same net, native step and measured costs (``treedraft bench --fresh-drafter-state``, which
+        also reaches EAGLE inside a hybrid through :func:`.hybrid.fresh_copy`)."""
+        r = self.cal.ranks
+        cal = TreeCalibration(None if r is None else RankAcceptance(r.size, r.prior))
+        return request_twin(self, cache=self.net.new_cache(self.cache.max_len), cal=cal)
+
     def for_request(self) -> EagleDrafter:
         """A twin for one request: the same net, native step and per-rank acceptance, its own draft KV cache (from
         this calibration)."""
