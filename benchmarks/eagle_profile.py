@@ -106,7 +106,7 @@ def main() -> None:
         st.decoder = TimedDecoder(st.decoder if not isinstance(st.decoder, TimedDecoder) else st.decoder.dec, tm)
         saved = {}
         if eag is not None:
-            for name in ("_commit", "propose", "_children"):
+            for name in ("_commit", "propose"):
                 saved[name] = getattr(eag, name)
                 setattr(eag, name, tm.wrap(name, saved[name]))
             if eag.native is not None:
