@@ -136,6 +136,10 @@ def test_measured_latency_adds_a_long_context_curve_where_the_cache_holds_one(
     assert scheduler.measured_latency(big) == lat and len(calls) == 2  # both cached
     small = tiny_llama(seed=0, vocab_size=32, hidden=32, max_seq_len=256)  # too small for a second context
     assert not isinstance(scheduler.measured_latency(small), ContextLatency)
+    # ... and too small for 256 tokens: its shorter context is measured and cached apart, never read as the
+    # 256-token curve of the same model with a larger cache (a --max-seq-len 120 run had overwritten that)
+    assert calls == [256, 1024, 191] and scheduler.measured_latency(small)[4] == pytest.approx(0.04 + 1e-5 * 191 * 4)
+    assert scheduler.measured_latency(big) == lat and len(calls) == 3
 
 
 @pytest.fixture()

@@ -340,6 +340,7 @@ def step_rows_from_latency(latency: dict[int, float], factor: float = STEP_ROWS_
     return max(n for n, t in latency.items() if t <= factor * latency[1])
 
 
+SHORT_CONTEXT = 256  # the context the latency curve is measured at (less where the model's cache is smaller)
 LONG_CONTEXT = 1024  # the second context the latency curve is measured at (ContextLatency)
 
 # A cached curve is checked once per process against a few forwards timed now (CHECK_SIZES, the fastest of
@@ -441,8 +442,8 @@ def curve_disagreement(cached: Mapping[int, float], now: Mapping[int, float]) ->
 
 
 def measured_latency(model: Any) -> dict[int, float]:
-    """This machine's forward latency curve for ``model``: seconds per row count at a 256-token context
-    (measured once per machine and model, cached; what :func:`measured_step_rows` and the drafters' sizing use).
+    """This machine's forward latency curve for ``model``: seconds per row count at a 256-token context (less
+    where ``max_seq_len`` cannot hold that, cached apart) (measured once per machine and model, cached; what :func:`measured_step_rows` and the drafters' sizing use).
 
     Where the model's cache holds well more (``max_seq_len``), the curve is also measured at
     :data:`LONG_CONTEXT` tokens and the result is a :class:`ContextLatency`: the drafters size each step's
@@ -457,10 +458,12 @@ def measured_latency(model: Any) -> dict[int, float]:
     from .training.calibrate import LATENCY_METHOD, _target_facts, latency_sizes, measure_latency
 
     room = getattr(model, "max_seq_len", 512)
-    short = max(1, min(256, room - STEP_ROWS_MAX - 1))
+    short = max(1, min(SHORT_CONTEXT, room - STEP_ROWS_MAX - 1))
     long = min(LONG_CONTEXT, room - STEP_ROWS_MAX - 1)
     dev = target_device(model)
     key = {**_target_facts(model), "latency": LATENCY_METHOD}
+    if short != SHORT_CONTEXT:  # a small cache's shorter context: its own curve, never the one every other run reads
+        key["context"] = short
     f = str(measurement_path(STEP_ROWS_KIND, key, dev)[0])
     replaced: list[bool] = []  # the short curve was stale: the long one, measured with it, is measured again too
 
