@@ -208,6 +208,8 @@ def test_hybrid_eagle_greedy_equals_plain_real_model(smollm_int4) -> None:
     h = llm.drafters.get("hybrid-eagle")
     assert isinstance(h, HybridDrafter) and isinstance(h.drafters[0], EagleDrafter)
     assert h.drafters[0].draft_costs[0] > 0.0  # priced by this machine's cached measurement
+    # each reports the name it was asked by (the CLI's stats line, the server's treedraft.drafter field)
+    assert (h.name, llm.drafters.get("eagle-lookup").name) == ("hybrid-eagle", "eagle-lookup")
     for q in ("Write a short poem about the sea.", "Explain what a hash table is."):
         plain = llm.generate(q, drafter=None, max_new_tokens=64)
         for turn in ("first", "repeat"):

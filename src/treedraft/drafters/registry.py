@@ -391,7 +391,9 @@ def _hybrid_eagle(target: TargetModel, tokenizer: Any, options: DrafterOptions) 
 def _eagle_lookup(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
     from .hybrid import HybridDrafter
 
-    return HybridDrafter([_eagle(target, tokenizer, options), _prompt_lookup(target, tokenizer, options)])
+    return HybridDrafter(
+        [_eagle(target, tokenizer, options), _prompt_lookup(target, tokenizer, options)], name="eagle-lookup"
+    )
 
 
 def _draft_model(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Drafter:
