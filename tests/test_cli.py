@@ -330,3 +330,43 @@ def test_stats_line_says_what_cut_the_answer(capsys) -> None:
     for n, said in ((30, "30 tokens (cut at the token limit)"), (7, "7 tokens (cut at the context window")):
         assert cli._run_stream(FakeLLM(n), "p", {"max_new_tokens": 30}, raw=True) == "x" * n
         assert said in capsys.readouterr().err
+
+
+def test_chat_history_drops_its_oldest_exchanges_to_fit_the_window() -> None:
+    from treedraft.cli import fit_history
+
+    def words(m: list[dict]) -> int:
+        return sum(len(x["content"].split()) for x in m)
+
+    sys_, turns = {"role": "system", "content": "be brief"}, []
+    for i in range(3):
+        turns += [
+            {"role": "user", "content": f"question {i} " * 5},
+            {"role": "assistant", "content": f"answer {i} " * 5},
+        ]
+    msgs = [sys_, *turns, {"role": "user", "content": "and now?"}]  # 2 + 60 + 2 words
+    assert fit_history(msgs, 1, words, 64) == 0 and len(msgs) == 8  # fits: nothing dropped
+    assert fit_history(msgs, 1, words, 50) == 2  # the oldest exchange goes, the system prompt stays
+    assert msgs[0] is sys_ and msgs[1]["content"].startswith("question 1") and words(msgs) == 44
+    assert fit_history(msgs, 1, words, 3) == 4 and msgs == [sys_, {"role": "user", "content": "and now?"}]
+    assert fit_history(msgs, 1, words, 1) == 0  # the last message is never dropped (the engine reports it)
+    lone = [{"role": "assistant", "content": "x " * 9}, {"role": "user", "content": "y"}]
+    assert fit_history(lone, 0, words, 5) == 1 and lone == [{"role": "user", "content": "y"}]
+
+
+def test_generate_reads_the_prompt_from_stdin_without_its_final_newline(capsys, monkeypatch) -> None:
+    """`echo q | treedraft generate -` asks what `treedraft generate q` asks (the newline echo adds is not part of it)."""
+    import io
+
+    from treedraft import cli
+
+    seen = []
+
+    def stop(a):  # the prompt as it reaches the load; then a user error ends the command
+        seen.append(a.prompt)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Say hi\n\n"))
+    monkeypatch.setattr(cli, "load_from_args", stop)
+    r = run_in_process(capsys, "generate", "-")
+    assert r.returncode == 2 and "stop here" in r.stderr and seen == ["Say hi"]

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 # module -> name of its `register(subparsers)` function; loaded only if the module imports
@@ -365,14 +366,29 @@ def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> dict:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    if a.prompt == "-":  # a long prompt (a file to edit, say) from standard input
-        a.prompt = sys.stdin.read()
+    if a.prompt == "-":  # a long prompt (a file to edit, say) from standard input, without the final newline(s)
+        a.prompt = sys.stdin.read().rstrip("\n")  # (`echo q | treedraft generate -` asks what `generate q` asks)
     kw = check_gen_args(a, a.prompt)
     t = time.perf_counter()
     llm = load_from_args(a)
     print(f"[loaded {llm.model_name} in {time.perf_counter() - t:.1f}s]", file=sys.stderr)
     _run_stream(llm, a.prompt, kw, a.raw)
     return 0
+
+
+def fit_history(messages: list[dict], head: int, count: Callable[[list[dict]], int], limit: int) -> int:
+    """Drop the oldest exchanges of a chat (a user message and the reply after it, behind the first ``head``
+    messages: the system prompt) until ``count(messages)`` (the prompt's tokens) is at most ``limit``, never the last
+    message; returns how many messages went. The caller reports what is still too long."""
+    dropped = 0
+    while len(messages) - head > 1 and count(messages) > limit:
+        n = 2 if len(messages) - head > 2 else 1  # an exchange; (a lone earlier message: itself)
+        del messages[head : head + n]
+        dropped += n
+    return dropped
+
+
+CHAT_HELP = "treedraft chat: empty line or Ctrl-D to quit, /reset to clear the conversation, /help for this line"
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
@@ -382,7 +398,11 @@ def cmd_chat(a: argparse.Namespace) -> int:
         print(f"error: {llm.model_name} has no chat template; use `treedraft generate --raw`", file=sys.stderr)
         return 2
     messages: list[dict] = [{"role": "system", "content": a.system}] if a.system else []
-    print("treedraft chat: empty line or Ctrl-D to quit, /reset to clear the conversation", file=sys.stderr)
+    head = len(messages)
+    window = llm.model.max_seq_len
+    # the prompt leaves the answer its --max-new-tokens where the window allows (at least one token)
+    limit = max(window - 1 - (kw.get("max_new_tokens") or 0), min(window - 1, window // 2))
+    print(CHAT_HELP, file=sys.stderr)
     while True:
         try:
             line = input("> ")
@@ -390,10 +410,20 @@ def cmd_chat(a: argparse.Namespace) -> int:
             break
         if not line.strip():
             break
-        if line.strip() == "/reset":
-            messages = messages[:1] if a.system else []
+        if line.strip() in ("/reset", "/help"):
+            if line.strip() == "/reset":
+                messages = messages[:head]
+            else:
+                print(CHAT_HELP, file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
+        dropped = fit_history(messages, head, lambda m: len(llm.encode_prompt(m)), limit)
+        if dropped:
+            print(
+                f"[the conversation outgrew the context window ({window} tokens, --max-seq-len): "
+                f"dropped its {dropped} oldest messages]",
+                file=sys.stderr,
+            )
         try:
             reply = _run_stream(llm, messages, kw, raw=False)
         except ValueError as e:
