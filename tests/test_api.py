@@ -102,3 +102,45 @@ def test_stop_token_ids_end_the_answer_like_eos() -> None:
     assert kept.token_ids == [b] and kept.finish_reason == "stop"  # ignore_eos leaves stop_token_ids on
     with pytest.raises(treedraft.GenerationError, match="outside this model's vocabulary"):
         llm.generate("abc", stop_token_ids=[96])
+
+
+def test_chat_messages_are_read_as_the_server_reads_them() -> None:
+    """The API takes what the OpenAI-compatible server takes: developer is a system message, content may be text
+    parts, an assistant turn that called tools has null content, tool results become turns; anything else is a
+    GenerationError saying what to change (an unknown role used to reach the template as it was)."""
+    import os
+    import sys
+
+    from treedraft.interfaces import GenerationError
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from server_utils import CharTokenizer, tiny_llm
+
+    llm, tok = tiny_llm(), CharTokenizer()
+    enc = llm.encode_prompt
+    assert enc([{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]) == enc(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    )
+    parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+    assert enc([{"role": "user", "content": parts}]) == enc([{"role": "user", "content": "hi"}])
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    turns = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    text = tok.decode(enc(turns))
+    assert '<assistant>{"weather": {"city": "Oslo"}}' in text and "<user>Result of weather (call c1): sunny" in text
+    for bad, says in [
+        ([{"role": "wizard", "content": "hi"}], "role must be one of system, developer, user, assistant, tool"),
+        ([{"role": "user", "content": None}], "content is required"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "only text parts"),
+        (["hi"], "each message is a dict"),
+        ([{"role": "user", "content": "x", "tool_calls": [call]}], "tool_calls belong to an assistant message"),
+    ]:
+        with pytest.raises(GenerationError, match=says):
+            enc(bad)
+        with pytest.raises(GenerationError, match=says):  # the tools path reads them the same way
+            llm.generate(bad, tools=[{"type": "function", "function": {"name": "f"}}], max_new_tokens=2)
+    with pytest.raises(GenerationError, match=r"stream\(\) takes no tools: use generate"):
+        llm.stream("hi", tools=[{"type": "function", "function": {"name": "f"}}])

@@ -118,8 +118,14 @@ class LLM:
 
     def encode_prompt(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
         """Chat messages or a user string -> ids (chat template unless raw or no template)."""
-        if isinstance(prompt, list):
-            return self.tokenizer.apply_chat_template(prompt)
+        if isinstance(prompt, list):  # read as the server reads a request's messages (roles, parts, tool turns)
+            from .tools import chat_dicts, render_messages
+
+            try:
+                msgs = render_messages(chat_dicts(prompt), (), None)
+            except ValueError as e:
+                raise GenerationError(str(e)) from None
+            return self.tokenizer.apply_chat_template(msgs)
         if not isinstance(prompt, str):
             raise GenerationError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
         if not prompt.strip():
@@ -316,16 +322,24 @@ class LLM:
         """Generate a whole answer. kw: see :meth:`config`. ``tools`` / ``tool_choice``: OpenAI's function tools
         (:mod:`treedraft.tools`); a call comes back in ``tool_calls`` (``finish_reason`` "tool_calls", ``text``
         empty), a plain answer (tool_choice "auto") in ``text``."""
-        from .tools import ToolRequestError, answer_format, answer_message, parse_tools, render_messages, tool_mode
+        from .tools import (
+            ToolRequestError,
+            answer_format,
+            answer_message,
+            chat_dicts,
+            parse_tools,
+            render_messages,
+            tool_mode,
+        )
 
         try:
             parsed = parse_tools(tools) if tools is not None else []
             mode = tool_mode(tool_choice, parsed)
+            msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else chat_dicts(prompt)
         except ValueError as e:
             raise GenerationError(str(e)) from None
         if mode is None:
             return self.text.generate(self.encode_prompt(prompt, raw), self.config(**kw), self.get_drafter(drafter))
-        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         try:
             fmt = answer_format(parsed, mode, kw.pop("stop", ()), kw.pop("response_format", None))
             cfg = self.config(**kw, response_format=fmt)
@@ -345,9 +359,17 @@ class LLM:
         raw: bool = False,
         drafter: Drafter | str | None = DEFAULT,
         stats: GenerationStats | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
         **kw,
     ) -> Iterator[Chunk]:
-        """Yield chunks of text as they are produced."""
+        """Yield chunks of text as they are produced. (Tools: :meth:`generate`, which returns the parsed call; the
+        server streams tool calls.)"""
+        if tools is not None or tool_choice is not None:
+            raise GenerationError(
+                "stream() takes no tools: use generate(..., tools=...), which returns the parsed tool calls "
+                "(or the OpenAI-compatible server, which streams them)"
+            )
         return self.text.stream(self.encode_prompt(prompt, raw), self.config(**kw), self.get_drafter(drafter), stats)
 
 

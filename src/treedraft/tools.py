@@ -156,6 +156,52 @@ def system_text(tools: Sequence[Tool], mode: str) -> str:
     return "\n".join(lines)
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def chat_dicts(messages: Sequence[Any]) -> list[dict]:
+    """OpenAI chat messages as :func:`render_messages` reads them, read as the server reads a request's: a role of
+    :data:`CHAT_ROLES` (developer is a system message), content a string or a list of ``{"type": "text", "text"}``
+    parts (joined), null only in an assistant message with ``tool_calls`` (each ``{"function": {"name",
+    "arguments"}}``); ValueError naming the message and what to change otherwise."""
+    out = []
+    for i, m in enumerate(messages):
+        where = f"message {i}"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: each message is a dict with 'role' and 'content', got {type(m).__name__}")
+        role, content, calls = m.get("role"), m.get("content"), m.get("tool_calls")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"{where}: role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        if calls is not None:
+            ok = role == "assistant" and isinstance(calls, list)
+            ok = ok and all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                for c in calls
+            )  # fmt: skip
+            if not ok:
+                raise ValueError(
+                    f"{where}: tool_calls belong to an assistant message, as a list of "
+                    '{"function": {"name": ..., "arguments": ...}}'
+                )
+        if isinstance(content, list):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
+                raise ValueError(f'{where}: content parts must be {{"type": "text", "text": "..."}} (only text parts)')
+            content = "".join(p["text"] for p in content)
+        elif content is None and not calls:
+            raise ValueError(f"{where}: content is required (null only in an assistant message with tool_calls)")
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+        d: dict = {"role": "system" if role == "developer" else role, "content": content or ""}
+        if calls:
+            d["tool_calls"] = calls
+        if m.get("tool_call_id") is not None:
+            d["tool_call_id"] = m["tool_call_id"]
+        out.append(d)
+    return out
+
+
 def render_messages(messages: list[dict], tools: Sequence[Tool], mode: str | None) -> list[dict]:
     """Chat messages for a template that knows no tools: the tools' description joined to the system message (or
     a new one first), an assistant's earlier tool calls as the JSON it would have written, and tool results as user
