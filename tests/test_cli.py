@@ -370,3 +370,17 @@ def test_generate_reads_the_prompt_from_stdin_without_its_final_newline(capsys, 
     monkeypatch.setattr(cli, "load_from_args", stop)
     r = run_in_process(capsys, "generate", "-")
     assert r.returncode == 2 and "stop here" in r.stderr and seen == ["Say hi"]
+
+
+def test_sampling_flags_at_temperature_zero_are_named_not_silently_ignored(capsys, monkeypatch) -> None:
+    from treedraft import cli
+
+    def stop(a):
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(cli, "load_from_args", stop)
+    r = run_in_process(capsys, "generate", "hi", "--top-k", "5", "--seed", "3", "--rule", "typical")
+    assert r.returncode == 2 and "note: --top-k, --seed, --rule typical only shape sampling" in r.stderr
+    for quiet in (["--temperature", "0.7", "--top-k", "5", "--seed", "3"], []):
+        r = run_in_process(capsys, "generate", "hi", *quiet)
+        assert r.returncode == 2 and "note:" not in r.stderr

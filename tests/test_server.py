@@ -105,8 +105,11 @@ def test_job_queue_is_bounded_fifo_with_removal() -> None:
 
 
 def test_models_and_health(server: LiveServer, client: openai.OpenAI, llm: treedraft.LLM) -> None:
-    ids = [m.id for m in client.models.list().data]
-    assert ids == [llm.model_name]
+    import time
+
+    models = client.models.list().data
+    assert [m.id for m in models] == [llm.model_name]
+    assert 0 < time.time() - models[0].created < 3600  # when the server loaded its model (was 0)
     r = httpx.get(f"{server.url}/health", timeout=10)
     assert r.status_code == 200 and r.json()["status"] == "ok"
 

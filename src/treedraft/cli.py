@@ -360,6 +360,15 @@ def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> dict:
         min_tokens=kw.pop("min_tokens"),
     )
     GenerationConfig(sampling=sampling, penalties=penalties, **{**kw, "stop": tuple(kw["stop"])})  # validates
+    if sampling.greedy:  # flags that only shape sampling: said, not silently ignored
+        idle = [f for f, on in (("--top-k", a.top_k), ("--top-p", a.top_p != 1.0), ("--min-p", a.min_p),
+                                ("--seed", a.seed is not None), ("--rule typical", a.rule == "typical")) if on]  # fmt: skip
+        if idle:
+            print(
+                f"note: {', '.join(idle)} only shape sampling; at temperature 0 (the default) decoding is greedy: "
+                "give --temperature > 0 to sample",
+                file=sys.stderr,
+            )
     if prompt is not None and not prompt.strip():
         raise ValueError("the prompt is empty; give some text")
     return given

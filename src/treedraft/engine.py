@@ -76,7 +76,8 @@ class GenerationConfig:
             raise GenerationError(f"max_tree_nodes must be >= 1, got {self.max_tree_nodes}")
         if self.penalties.min_tokens > self.max_new_tokens:
             raise GenerationError(
-                f"min_tokens ({self.penalties.min_tokens}) is more than max_new_tokens ({self.max_new_tokens})"
+                f"min_tokens ({self.penalties.min_tokens}) is more than the answer's token limit "
+                f"({self.max_new_tokens}: max_new_tokens, the server's max_tokens)"
             )
         try:
             check_top(self.logprobs)

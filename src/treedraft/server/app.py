@@ -146,6 +146,7 @@ class OpenAIServer:
         self.metrics = Metrics(self.names[0])
         self.worker = Worker(llm, settings, self.metrics)
         self.context = llm.model.max_seq_len
+        self.created = int(time.time())  # /v1/models' "created": when this server loaded its model
         self.tokens_limit = min(settings.max_tokens_limit or self.context - 1, self.context - 1)
         self.tok_pool = ThreadPoolExecutor(1, "treedraft-tokenize")  # keeps tokenizing off the event loop
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
@@ -426,7 +427,7 @@ class OpenAIServer:
             s = self.settings
             raise APIError(
                 429,
-                f"the server is busy: {s.max_queue} requests are already waiting; retry after {s.retry_after_s}s",
+                f"the server is busy: its queue is full ({s.max_queue} waiting); retry after {s.retry_after_s}s",
                 "rate_limit_error",
                 code="queue_full",
                 headers={"Retry-After": str(s.retry_after_s)},
@@ -744,7 +745,7 @@ class OpenAIServer:
                 {
                     "id": n,
                     "object": "model",
-                    "created": 0,
+                    "created": self.created,
                     "owned_by": "treedraft",
                     "root": self.llm.model_name,
                     "max_model_len": self.context,
