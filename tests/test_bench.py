@@ -660,6 +660,22 @@ def test_fresh_drafter_state_gives_every_run_an_empty_suffix_index(engine: TextG
         assert spy.seen[0] == 0 and spy.seen[1] > 0 and shared.store.num_tokens > spy.seen[1]
 
 
+def test_fresh_copy_keeps_a_persistent_suffix_store(tmp_path) -> None:
+    """bench --suffix-store DIR: every method's fresh copy drafts from (and records into) the store on disk; it used
+    to get an empty in-memory index, so the flag did nothing."""
+    from treedraft.drafters.hybrid import fresh_copy
+    from treedraft.drafters.suffix import SuffixDrafter
+    from treedraft.drafters.suffix_store import SuffixStore
+
+    disk = SuffixDrafter(SuffixStore(tmp_path / "store"), tenant="t")
+    disk.store.add([1, 2, 3, 4])
+    new = fresh_copy(disk)
+    assert new is not disk and new.store is disk.store and new.store.num_tokens == 4
+    mem = SuffixDrafter(SuffixStore(max_tokens=99))
+    mem.store.add([1, 2, 3, 4])
+    assert fresh_copy(mem).store.num_tokens == 0 and fresh_copy(mem).store.max_tokens == 99
+
+
 def test_fresh_copy_of_a_hybrid_restarts_only_its_learning_members() -> None:
     from treedraft.drafters.hybrid import HybridDrafter, fresh_copy
     from treedraft.drafters.suffix import SuffixDrafter

@@ -122,6 +122,8 @@ class SuffixDrafter:
         For measurements that must not depend on what earlier runs indexed (``treedraft bench
         --fresh-drafter-state``); a persistent store is left untouched.
         """
+        if self.store is not None and self.store.path is not None:  # the user's --suffix-store: kept, as said
+            return dataclasses.replace(self)
         store = None if self.store is None else SuffixStore(max_tokens=self.store.max_tokens, share=self.store.share)
         return dataclasses.replace(self, store=store)
 
