@@ -181,6 +181,7 @@ def test_serve_cli_batching_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytes
     assert (s.max_batch, s.step_rows, s.prefill_chunk) == (8, None, 256)
     assert main(["serve", "--max-batch", "0"]) == 2
     assert "max_batch must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--port", "99999"]) == 2 and "--port must be in 0..65535" in capsys.readouterr().err
 
 
 def test_repeated_prompts_reuse_the_prefix_cache_and_keep_their_solo_text() -> None:

@@ -38,6 +38,8 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
         raise ValueError(f"--protect-health-metrics needs at least one key: give --api-key or set ${ENV_KEYS}")
     if a.threads is not None and a.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {a.threads}")
+    if not 0 <= a.port <= 65535:  # said before the model load (bind() raised OverflowError after it)
+        raise ValueError(f"--port must be in 0..65535, got {a.port}")
     return settings
 
 
@@ -76,7 +78,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     t = time.perf_counter()
     llm = load_from_args(a)
     log.warning(
-        "loaded %s in %.1fs, default drafter %s; serving on http://%s:%d (%s)",
+        "loaded %s in %.1fs, default drafter %s; starting the server on http://%s:%d (%s)",
         llm.model_name,
         time.perf_counter() - t,
         getattr(llm.engine.drafter, "name", "none"),
