@@ -1283,6 +1283,9 @@ def test_loadtest_end_to_end_on_the_tiny_server(key_server: LiveServer, tmp_path
     assert main([*argv, "--api-key", "wrong", "--model", "tiny", "--concurrency", "2"]) == 1
     lv = json.loads((out / "loadtest.json").read_text())["levels"][0]
     assert (lv["completed"], lv["errors"], lv["error_kinds"]) == (0, 4, {"http 401": 4})
+    # a request the server refuses: its message, at the warm-up, instead of levels of errors
+    assert main([*argv, "--api-key", KEYS[0], "--drafter", "bogus", "--warmup", "1"]) == 2
+    assert "the warm-up request was refused (http 400): unknown drafter 'bogus'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("repeat", [False, True])
@@ -1466,7 +1469,10 @@ def test_loadtest_raw_client_parses_chunked_and_plain_event_streams() -> None:
         r = asyncio.run(one(b"200 OK", stream, chunked))
         assert r.ok and r.error is None and r.completion_tokens == 2 and len(r.gaps) == 1 and r.ttft is not None
     bad = asyncio.run(one(b"429 Too Many Requests", b'{"error": {}}', False))
-    assert not bad.ok and bad.error == "http 429"
+    assert not bad.ok and bad.error == "http 429" and bad.detail == '{"error": {}}'
+    refused = b'{"error": {"message": "unknown drafter \'bogus\'", "type": "invalid_request_error"}}'
+    bad = asyncio.run(one(b"400 Bad Request", refused, False))  # what the server said reaches the user
+    assert (bad.error, bad.detail) == ("http 400", "unknown drafter 'bogus'")
     cut = asyncio.run(one(b"200 OK", stream[:40], True, cut=1))
     assert not cut.ok and cut.error == "stream ended without [DONE]"
 

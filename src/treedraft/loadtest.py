@@ -108,6 +108,7 @@ class RequestResult:
 
     ok: bool
     error: str | None = None  # kind: "http 429", "stream error", "timeout", "connection", ...
+    detail: str | None = None  # an HTTP error's message from the server (its error.message, else the body's start)
     ttft: float | None = None
     e2e: float = 0.0
     completion_tokens: int = 0
@@ -179,9 +180,19 @@ def summarize(
 class _HTTPStatus(Exception):
     """The server answered with a status other than 200."""
 
-    def __init__(self, status: int) -> None:
+    def __init__(self, status: int, body: bytes = b"") -> None:
         super().__init__(status)
-        self.status = status
+        self.status, self.detail = status, error_detail(body)
+
+
+def error_detail(body: bytes | str) -> str | None:
+    """What an error response says: OpenAI's ``error.message`` when the body is that JSON, else its first 200
+    characters (None when empty)."""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text.strip()[:200] or None
 
 
 class RawStreamClient:
@@ -230,7 +241,11 @@ class RawStreamClient:
                 if name.strip().lower() == b"transfer-encoding" and b"chunked" in value.lower():
                     chunked = True
             if status != 200:
-                raise _HTTPStatus(status)
+                try:  # the error's JSON (what to change), for the caller's message
+                    body = await asyncio.wait_for(reader.read(4096), timeout=5.0)
+                except (asyncio.TimeoutError, TimeoutError, OSError):
+                    body = b""
+                raise _HTTPStatus(status, body)
             buf = b""
             while True:
                 if chunked:
@@ -316,7 +331,7 @@ async def _stream_raw(client: RawStreamClient, path: str, body: dict, headers: d
             if on_data(data):
                 return
     except _HTTPStatus as e:
-        res.error = f"http {e.status}"
+        res.error, res.detail = f"http {e.status}", e.detail
         return
     res.error = res.error or "stream ended without [DONE]"
 
@@ -324,8 +339,7 @@ async def _stream_raw(client: RawStreamClient, path: str, body: dict, headers: d
 async def _stream_httpx(client: Any, url: str, body: dict, headers: dict, on_data: Any, res: Any) -> None:
     async with client.stream("POST", url, json=body, headers=headers) as r:
         if r.status_code != 200:
-            await r.aread()
-            res.error = f"http {r.status_code}"
+            res.error, res.detail = f"http {r.status_code}", error_detail(await r.aread())
             return
         async for line in r.aiter_lines():
             if line.startswith("data: ") and on_data(line[6:]):
@@ -454,15 +468,17 @@ async def run_loadtest(cfg: LoadTestConfig, log: Any = None) -> dict:
             if r.status_code != 200:
                 raise LoadTestError(
                     f"GET {cfg.url}/v1/models answered {r.status_code}: {r.text[:200]}"
-                    + (" (give --api-key)" if r.status_code == 401 else "")
+                    + (" (give the server's key: --api-key or $TREEDRAFT_API_KEY)" if r.status_code == 401 else "")
                 )
             model = r.json()["data"][0]["id"]
         # the streams: the lean client for http://, httpx for https://
         streamer = RawStreamClient(cfg.url, cfg.request_timeout) if cfg.url.startswith("http://") else client
         for i in range(cfg.warmup):
             w = await stream_one(streamer, f"{cfg.url}/v1/chat/completions", _body(cfg, model, i), headers)
+            if not w.ok and w.detail and (w.error or "").startswith("http 4") and w.error != "http 429":  # refused
+                raise LoadTestError(f"the warm-up request was refused ({w.error}): {w.detail}")  # every one would be
             if not w.ok:
-                say(f"warning: warm-up request failed ({w.error})")
+                say(f"warning: warm-up request failed ({w.error}{': ' + w.detail if w.detail else ''})")
         levels = []
         wrap = prompt_wrap_warning(cfg)
         if wrap:
