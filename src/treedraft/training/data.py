@@ -250,7 +250,8 @@ def encode_fitting(llm, prompts: Sequence[str], max_prompt_tokens: int) -> list[
     if not encoded:
         raise ValueError(
             f"none of the {len(prompts)} prompts fits in max_prompt_tokens={max_prompt_tokens}: raise "
-            "--max-prompt-tokens, or take more prompts (--num-prompts) or other ones (--prompts)"
+            "--max-prompt-tokens, or take more prompts (--num-prompts: the file's first N, in its order, before this "
+            "filter; ShareGPT's file lists its longest prompts first) or other ones (--prompts)"
         )
     return encoded
 

@@ -198,7 +198,7 @@ def batch_loss(
         lp = torch.log_softmax(net.logits(out), -1)
         ce = (-(target_p * lp).sum(-1) * valid).sum() / n
         total = total + reg + ce_weight * ce
-        stats[f"reg{k + 1}"], stats[f"ce{k + 1}"] = float(reg), float(ce)
+        stats[f"reg{k + 1}"], stats[f"ce{k + 1}"] = float(reg.detach()), float(ce.detach())
     return total / len(outs), stats
 
 
@@ -330,13 +330,15 @@ def train_eagle(
             opt.step()
             step += 1
             bar.update(1)
+            loss = loss.detach()  # (a float of it with its graph warned)
             bar.set_postfix(loss=f"{float(loss):.3f}", ce1=f"{stats['ce1']:.2f}")
             if step % tcfg.ckpt_every == 0:
                 save()
         net.eval()
         acc = evaluate(net, data, held, tcfg.eval_unroll, tcfg.tokens_per_batch) if held else []
         report["epochs"].append({"epoch": epoch + 1, "loss": float(loss), **stats, "heldout_top1": acc})
-        bar.write(f"epoch {epoch + 1}: loss {float(loss):.4f}, held-out top-1 per depth {[round(a, 3) for a in acc]}")
+        held_out = f"held-out top-1 per depth {[round(a, 3) for a in acc]}" if held else "nothing held out (--heldout)"
+        bar.write(f"epoch {epoch + 1}: loss {float(loss):.4f}, {held_out}")
         save()
     bar.close()
     report["train_seconds_this_run"] = round(time.perf_counter() - t0, 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -285,6 +286,8 @@ def train_heads(
             ) from e
         opt.load_state_dict(st["opt"])
         step = st["step"]
+        if progress:
+            print(f"train-heads: resuming from {ckpt} at step {step} of {total}", file=sys.stderr, flush=True)
     # remap targets into the draft vocabulary (-100 if outside it: that head cannot propose it anyway)
     if vocab_map is not None:
         inv = torch.full((mcfg.vocab_size,), -100, dtype=torch.long)
