@@ -254,7 +254,8 @@ def test_torn_tail_is_reported_and_dropped(tmp_path: Path) -> None:
     again, w = _two_records_then(tmp_path, lambda b: b + torn)
     ends = len(encode_record(1, "a", [1, 2, 3])) * 2
     assert [list(r.tokens) for r in again.records()] == [[1, 2, 3], [4, 5, 6]]
-    assert len(w) == 1 and "log.bin" in str(w[0].message) and f"byte offset {ends}" in str(w[0].message)
+    assert len(w) == 2 and "log.bin" in str(w[0].message) and f"byte offset {ends}" in str(w[0].message)
+    assert "kept at" in str(w[1].message) and (tmp_path / "log.bin.damaged").read_bytes().endswith(torn)
     again.add([7], "a")
     again.close()
     with warnings.catch_warnings():
@@ -270,7 +271,7 @@ def test_corrupt_record_is_skipped_and_later_acknowledged_ones_kept(tmp_path: Pa
 
     again, w = _two_records_then(tmp_path, flip)
     assert [list(r.tokens) for r in again.records()] == [[4, 5, 6]]
-    assert len(w) == 1 and "byte offset 0" in str(w[0].message)
+    assert len(w) == 2 and "byte offset 0" in str(w[0].message)
 
 
 def test_truncated_and_garbage_files_never_crash(tmp_path: Path) -> None:
@@ -278,11 +279,14 @@ def test_truncated_and_garbage_files_never_crash(tmp_path: Path) -> None:
     st_.add([1, 2, 3], "a")
     st_.close()
     snap = tmp_path / "snapshot.bin"
-    snap.write_bytes(snap.read_bytes()[:-2])
+    cut = snap.read_bytes()[:-2]
+    snap.write_bytes(cut)
     (tmp_path / "log.bin").write_bytes(os.urandom(64))
     with pytest.warns(UserWarning, match="snapshot.bin"):
         again = SuffixStore(tmp_path)
     assert again.records() == []
+    # the clean rewrite does not destroy what could not be read: the damaged bytes are kept beside it
+    assert (tmp_path / "snapshot.bin.damaged").read_bytes() == cut and (tmp_path / "log.bin.damaged").is_file()
 
 
 # ---- bound and tenancy ------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ snapshot's header names the last sequence number it holds, so log records at or 
 crash between writing a snapshot and emptying the log) are skipped. A torn or corrupt record is
 reported with ``warnings.warn`` (file and byte offset) and skipped; reading resumes at the next valid
 frame, so records fsynced after a damaged one are kept. A load that found damage writes a fresh
-snapshot at once, so the damage is reported once.
+snapshot at once, so the damage is reported once; the damaged file is first copied to ``<name>.damaged`` beside it
+(the last damage's), so what could not be read is not destroyed by that rewrite.
 
 Tenancy: every record carries a tenant id, and :meth:`SuffixStore.index_for` gives each tenant an index
 of its own records only, unless the store was opened with ``share=True``. Drafting never changes what
@@ -28,6 +29,7 @@ tenants, at most ``max_tokens`` each (~12 bytes per token in the index, 4 in the
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import threading
 import warnings
@@ -286,6 +288,7 @@ class SuffixStore:
         snap, log = self.path / "snapshot.bin", self.path / "log.bin"
         recs: list[Record] = []
         damaged, last_snap = False, 0
+        bad_files: list[Path] = []  # copied aside before the clean rewrite: what could not be read is not destroyed
         if snap.is_file():
             data = snap.read_bytes()
             if len(data) >= _SNAP_HEAD.size and data[:8] == _SNAP_MAGIC:
@@ -298,10 +301,21 @@ class SuffixStore:
                 )
                 recs, damaged = decode_records(data, str(snap), 0)
                 damaged = True
+            if damaged:
+                bad_files.append(snap)
         if log.is_file():
             more, bad = decode_records(log.read_bytes(), str(log))
             damaged |= bad
             recs.extend(r for r in more if r.seq > last_snap)
+            if bad:
+                bad_files.append(log)
+        for f in bad_files:
+            keep = f.with_name(f.name + ".damaged")
+            try:
+                shutil.copyfile(f, keep)
+                warnings.warn(f"suffix store {f}: the damaged file as it was is kept at {keep}", stacklevel=2)
+            except OSError as e:
+                warnings.warn(f"suffix store {f}: could not keep a copy of the damaged file ({e})", stacklevel=2)
         seen: set[int] = set()
         for r in sorted(recs, key=lambda r: r.seq):
             if r.seq not in seen:
