@@ -782,3 +782,16 @@ def test_bench_names_the_llama_cpp_build(monkeypatch) -> None:
     assert llama_cpp_build() == "9.9.9: SSE3 AVX AVX2 OPENMP"
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import raises ImportError
     assert llama_cpp_build() is None
+
+
+def test_report_says_when_a_baseline_runs_other_weights() -> None:
+    """hf (transformers, dequantized fp32) next to int4 treedraft: the report says its tokens may differ and its
+    ratios compare different weights; a run without such a baseline says nothing of it."""
+    from treedraft.bench import report
+    from treedraft.bench.harness import BenchResult
+
+    cfg = {"weights": "int4", "dtype": "float32"}
+    md = report.markdown_report(BenchResult([], ["plain", "hf"], config=cfg), {report.ALL_CATEGORIES: {}}, [])
+    assert "`hf`: other weights or arithmetic" in md and "treedraft runs `int4` weights" in md
+    md = report.markdown_report(BenchResult([], ["plain", "suffix"], config=cfg), {report.ALL_CATEGORIES: {}}, [])
+    assert "other weights or arithmetic" not in md

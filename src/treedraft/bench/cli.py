@@ -216,7 +216,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
         # the own runtime's linear weights as resolved (--weights auto measures them) and its KV cache storage;
         # a baseline on other weights (hf: transformers in fp32) need not give plain's tokens
         "weights": (getattr(llm.model, "weights_info", None) or {}).get("resolved", a.weights),
-        "draft_model": f"{a.draft_model or 'the target itself'} ({a.draft_weights} weights)",
+        # (only where a method drafts with it: the line said "the target itself" under every run)
+        **(
+            {"draft_model": f"{a.draft_model or 'the target itself'} ({a.draft_weights} weights)"}
+            if any(
+                getattr(getattr(m, "drafter", None), "name", None) in ("draft-model", "hybrid-draft")
+                for m in methods.values()
+            )
+            else {}
+        ),  # fmt: skip
         "kv_dtype": str(getattr(llm.model, "kv_dtype", None) or dtype).removeprefix("torch."),
         "attn_scores": "bf16" if getattr(llm.model, "bf16_scores", False) else "float32",
         "torch_threads": torch.get_num_threads(),

@@ -200,6 +200,16 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
         "EOS where the other has that EOS).",
         "",
     ]
+    others = [m for m in result.methods if m in ("hf", "hf-pld", "llama.cpp", "llama.cpp-pld")]
+    if others:  # a baseline on other weights or arithmetic: its tokens may differ, its speed is not like for like
+        lines += [
+            f"{', '.join(f'`{m}`' for m in others)}: other weights or arithmetic than treedraft's methods "
+            f"(transformers runs the file dequantized to {cfg.get('dtype', 'float32') if cfg else 'float32'}, "
+            "llama.cpp its own quantized kernels; treedraft runs "
+            f"`{cfg.get('weights', '?') if cfg else '?'}` weights), so their outputs may differ from "
+            f"`{result.reference}`'s without a bug, and their speed ratios compare different weights.",
+            "",
+        ]
     base = result.baselines
     head = (
         ["method", "tok/s"]
