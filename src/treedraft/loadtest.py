@@ -559,7 +559,11 @@ def register(subparsers: Any) -> None:
         help="jsonl prompt file (prompt/turns/conversations/messages; default: MT-Bench when "
         "../shared/data has it, else built-in prompts)",
     )
-    p.add_argument("--out", default=None, help="output folder (default: a new one under ~/.cache/treedraft/loadtest)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default: a new one under the cache: $TREEDRAFT_CACHE/loadtest, else ~/.cache/treedraft/loadtest)",
+    )
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None, help="request i gets seed + i")
