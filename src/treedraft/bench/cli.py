@@ -161,6 +161,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     bad = [b for b in baselines if b not in known_methods()]
     if bad:
         raise BenchError(f"unknown --baselines {', '.join(bad)}; choose from {', '.join(known_methods())}")
+    idle = [b for b in baselines if b not in methods_wanted]
+    if idle and a.baselines != ",".join(DEFAULT_BASELINES):  # asked for, but nothing to compare with: said
+        print(
+            f"[bench] --baselines {', '.join(idle)}: not among --methods, so no speedup column against it",
+            file=sys.stderr,
+        )
     out = Path(a.out) if a.out else default_out_dir()
     try:  # checked now: a path that cannot take the report would otherwise fail after the whole run
         out.mkdir(parents=True, exist_ok=True)

@@ -481,4 +481,6 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         )
         f = store_machine_tree(llm.model, d, llm.model_name, rec, heads.draft_path)
         print(f"wrote this machine's tree to {f}", file=sys.stderr)
+    else:
+        print("nothing stored (--write stores this tree where the drafters look for it)", file=sys.stderr)
     return 0
