@@ -3,6 +3,7 @@ persistence errors and a training smoke test (tiny seeded models); the shipped d
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 
@@ -278,8 +279,9 @@ def test_training_lowers_the_loss_and_resumes(tmp_path: Path) -> None:
     assert rep2["epochs"] == rep["epochs"]
     torch.testing.assert_close(again.fc.weight, net.fc.weight)
     # other settings on the same checkpoint are refused
-    with pytest.raises(ValueError, match="other settings"):
-        train_eagle(tmp_path / "data", model, cfg_, EagleTrainConfig(epochs=4), tmp_path / "ck", progress=False)
+    with pytest.raises(ValueError, match="other settings") as e:
+        train_eagle(tmp_path / "data", model, cfg_, dataclasses.replace(tc, epochs=4), tmp_path / "ck", progress=False)
+    assert "(epochs 3 -> 4)" in str(e.value)  # the setting that changed, named
 
 
 def test_extra_training_data_leaves_out_the_held_out_prompts(tmp_path: Path, monkeypatch) -> None:

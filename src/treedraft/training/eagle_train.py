@@ -235,6 +235,17 @@ def frequency_vocab(tokens: Tensor, vocab_size: int) -> Tensor:
     return torch.sort(-counts + torch.arange(vocab_size) * 1e-9, stable=True).indices
 
 
+def key_diffs(old: object, new: object, at: str = "") -> list[str]:
+    """What differs between a checkpoint's run key and this run's: ``name was -> now`` per leaf (nested dicts walked;
+    a training setting's name is its --flag's without the dashes)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            out += key_diffs(old.get(k), new.get(k), k if not at or at in ("cfg", "tcfg") else f"{at}.{k}")
+        return out
+    return [] if old == new else [f"{at or 'key'} {old!r} -> {new!r}"]
+
+
 def train_eagle(
     data_dir: str | Path,
     target,
@@ -303,7 +314,11 @@ def train_eagle(
     if ck.is_file():
         st = torch.load(ck, weights_only=False, map_location="cpu")  # a GPU run resumes anywhere; moved on load
         if st["key"] != key:
-            raise ValueError(f"{ck} was written for other settings or data; delete {ckpt_dir} to start over")
+            changed = "; ".join(key_diffs(st["key"], key)) or "?"
+            raise ValueError(
+                f"{ck} was written for other settings or data ({changed}); run with those again to resume, or delete "
+                f"{ckpt_dir} to start over"
+            )
         net.load_state_dict(st["net"])
         opt.load_state_dict(st["opt"])
         step, report = st["step"], st["report"]
