@@ -144,3 +144,35 @@ def test_chat_messages_are_read_as_the_server_reads_them() -> None:
             llm.generate(bad, tools=[{"type": "function", "function": {"name": "f"}}], max_new_tokens=2)
     with pytest.raises(GenerationError, match=r"stream\(\) takes no tools: use generate"):
         llm.stream("hi", tools=[{"type": "function", "function": {"name": "f"}}])
+
+
+def test_two_threads_generating_on_one_llm_get_their_own_answers() -> None:
+    """generate() from two threads at once: the second waits for the first's stream (they share the engine's one KV
+    cache); each gets exactly its solo answer. Stepping both at once returned one request's tokens to the other."""
+    import os
+    import sys
+    import threading
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from server_utils import tiny_llm
+
+    llm = tiny_llm()
+    prompts = ["abc abc abc", "xyz xy xyz", "hello hello", "q r s q r s"]
+    solo = {p: llm.generate(p, max_new_tokens=24).token_ids for p in prompts}
+    for round_ in range(6):
+        got: dict[str, object] = {}
+        go = threading.Barrier(len(prompts))
+
+        def run(p: str, go: threading.Barrier = go, got: dict = got) -> None:
+            go.wait()
+            try:
+                got[p] = llm.generate(p, max_new_tokens=24).token_ids
+            except Exception as e:  # recorded for the assert
+                got[p] = e
+
+        threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert got == solo, round_

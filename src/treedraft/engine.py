@@ -9,6 +9,7 @@ CLI, the API and the server.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -191,13 +192,37 @@ class DecodeResult:
 
 
 class Engine:
-    """Runs the decode loop for one target model, optionally with a default drafter."""
+    """Runs the decode loop for one target model, optionally with a default drafter.
+
+    One stream at a time on its one KV cache: a stream started from another thread waits until this thread's open
+    streams have finished (or were closed); two interleaved streams of one thread fail the older one clearly. For
+    many requests at once, the batched :class:`~treedraft.scheduler.Scheduler` (what ``treedraft serve`` runs).
+    """
 
     def __init__(self, model: TargetModel, drafter: Drafter | None = None) -> None:
         self.model = model
         self.drafter = drafter
         self._cache = None
         self._cache_owner: object | None = None  # token of the stream that currently holds self._cache
+        # streams of one thread at a time: another thread's decode waits until this thread's streams are done (they
+        # share the one KV cache; two threads stepping at once returned one request's tokens to the other)
+        self._turn = threading.Condition()
+        self._holder: int | None = None  # the thread whose streams are open
+        self._open = 0  # its open streams
+
+    def _enter(self) -> None:
+        me = threading.get_ident()
+        with self._turn:
+            while self._holder is not None and self._holder != me:
+                self._turn.wait()
+            self._holder, self._open = me, self._open + 1
+
+    def _leave(self) -> None:
+        with self._turn:
+            self._open -= 1
+            if self._open == 0:
+                self._holder = None
+                self._turn.notify_all()
 
     @property
     def device(self) -> torch.device:
@@ -278,8 +303,13 @@ class Engine:
         self.check_prompt(prompt_ids)
         native = getattr(self.model, "native_prefill_rows", None)
         rows = native() if callable(native) else None
-        sched = Scheduler(self, prefill_chunk=rows, native_prefill=rows is not None)
-        req = sched.add(prompt_ids, config, drafter, stats, cache=self._cache_for(owner))
+        self._enter()  # another thread's streams finish first (one KV cache)
+        try:
+            sched = Scheduler(self, prefill_chunk=rows, native_prefill=rows is not None)
+            req = sched.add(prompt_ids, config, drafter, stats, cache=self._cache_for(owner))
+        except BaseException:
+            self._leave()
+            raise
         try:
             while not req.done:
                 self._check_owner(owner)
@@ -289,7 +319,10 @@ class Engine:
                     yield new
         finally:  # exhausted, or closed by a consumer that stopped early (EOS, stop string, client gone)
             # stats.cut() has already capped new_tokens at what was delivered: only those are recorded
-            sched.remove(req)
+            try:
+                sched.remove(req)
+            finally:
+                self._leave()
 
     @staticmethod
     def _finish(drafter: Drafter | None, prompt: list[int], output: list[int]) -> None:
