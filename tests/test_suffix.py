@@ -289,6 +289,26 @@ def test_truncated_and_garbage_files_never_crash(tmp_path: Path) -> None:
     assert (tmp_path / "snapshot.bin.damaged").read_bytes() == cut and (tmp_path / "log.bin.damaged").is_file()
 
 
+def test_one_store_at_a_time_per_directory_and_add_after_close_reopens(tmp_path: Path) -> None:
+    """A second store on an open directory is refused with a message (two writers handed out the same sequence
+    numbers: one's records were lost); after close() the other opens it and sees everything; a closed store's add
+    opens the directory again (it failed with an AttributeError and lost the record)."""
+    a = SuffixStore(tmp_path)
+    a.add([1, 2, 3], "t")
+    with pytest.raises(ValueError, match="is open in another store"):
+        SuffixStore(tmp_path)
+    a.close()
+    b = SuffixStore(tmp_path)
+    assert [list(r.tokens) for r in b.records()] == [[1, 2, 3]]
+    b.add([4, 5], "t")
+    with pytest.raises(ValueError, match="is open in another store"):
+        a.add([9], "t")  # the closed store cannot take the directory back while b has it
+    b.close()
+    assert a.add([6, 7], "t") > 0  # reopened: b's record read first, then this one appended after it
+    a.close()
+    assert [list(r.tokens) for r in SuffixStore(tmp_path).records()] == [[1, 2, 3], [4, 5], [6, 7]]
+
+
 # ---- bound and tenancy ------------------------------------------------------------------------------------
 def test_eviction_keeps_the_bound_and_drops_the_oldest(tmp_path: Path) -> None:
     st_ = SuffixStore(tmp_path, max_tokens=100)

@@ -39,6 +39,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+try:  # POSIX: the directory's lock (elsewhere one store per directory is the user's to keep)
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None  # type: ignore[assignment]
+
 import numpy as np
 
 from .suffix_index import SuffixIndex
@@ -161,8 +166,9 @@ class SuffixStore:
         self._indices: dict[str, SuffixIndex] = {}
         self._lock = threading.Lock()
         self._log = None
+        self._dir_lock = None  # the directory's lock file, held while this store has it open
         if self.path is not None:
-            self._load()
+            self._open()
 
     # ---- public ------------------------------------------------------------
     @property
@@ -205,6 +211,8 @@ class SuffixStore:
         toks = toks.astype(np.int32)
         toks.flags.writeable = False
         with self._lock:
+            if self.path is not None and self._log is None:  # closed: open the directory again
+                self._open()
             self._seq += 1
             rec = Record(self._seq, tenant, toks)
             if self.path is not None:
@@ -230,11 +238,41 @@ class SuffixStore:
             self._snapshot()
 
     def close(self) -> None:
-        """Close the log file (records are already durable)."""
+        """Close the log file (records are already durable) and let go of the directory; a later :meth:`add` opens
+        it again (reading what other stores wrote there meanwhile)."""
         with self._lock:
             if self._log is not None:
                 self._log.close()
                 self._log = None
+            if self._dir_lock is not None:
+                self._dir_lock.close()  # (closing the file releases its lock)
+                self._dir_lock = None
+
+    # ---- the directory ----------------------------------------------------
+    def _open(self) -> None:
+        """Take the directory (one store at a time: two writers handed out the same sequence numbers and one's
+        records were lost) and load it."""
+        assert self.path is not None
+        self.path.mkdir(parents=True, exist_ok=True)
+        f = open(self.path / "lock", "a+")  # held open while the store is: its lock
+        if fcntl is not None:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.close()
+                raise ValueError(
+                    f"suffix store {self.path} is open in another store (a server, an earlier treedraft.load in this "
+                    "process or another one); close that one first (llm.close()), or give another directory"
+                ) from None
+        self._dir_lock = f
+        self._records.clear()
+        self._tokens, self._tenant_tokens, self._seq, self._indices = 0, {}, 0, {}
+        try:
+            self._load()
+        except BaseException:
+            self._dir_lock = None
+            f.close()
+            raise
 
     # ---- internals --------------------------------------------------------
     def _append(self, rec: Record) -> None:
