@@ -197,6 +197,7 @@ def test_token_cache() -> None:
     "bad, err, match",
     [
         (lambda toks: {V: 1.0}, ValueError, "outside the vocabulary"),
+        (lambda toks: {3.0: 1.0}, ValueError, "token ids must be integers"),
         (lambda toks: {0: -1.0, 1: 1.0}, ValueError, "probability"),
         (lambda toks: {}, ValueError, "no probability mass"),
         (lambda toks: [0.5, 0.5], TypeError, "expected a dict"),
@@ -227,5 +228,12 @@ def test_drafter_shapes() -> None:
     assert len(tiny) == 3
     with pytest.raises(ValueError, match="outside the vocabulary"):
         CallableDrafter(lambda p: {V + 1: 1.0}, V, name="bad-draft").propose(ctx)
+    # NumPy integer keys (what an argsort hands back) are token ids like ints, for the drafter and the target
+    import numpy as np
+
+    as_np = CallableDrafter(lambda p: {np.int64(k): v for k, v in bigram(DRAFT)(p).items()}, V, branching=(3, 2, 1))
+    assert as_np.propose(ctx).tokens == CallableDrafter(bigram(DRAFT), V, branching=(3, 2, 1)).propose(ctx).tokens
+    target = CallableTarget(lambda toks: {np.int32(k): v for k, v in bigram(DRAFT)(toks).items()}, V)
+    assert torch.equal(target.log_probs([1, 2, 3]), CallableTarget(bigram(DRAFT), V).log_probs([1, 2, 3]))
     with pytest.raises(ValueError, match="mode"):
         CallableDrafter(bigram(DRAFT), V, mode="beam")

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..interfaces import DraftContext
+from ..models.callable_target import token_id
 from ..tree import TokenTree
 
 DraftFn = Callable[[list[int]], Mapping[int, float]]
@@ -71,11 +72,7 @@ class CallableDrafter:
             )
         q = torch.zeros(self.vocab_size, dtype=torch.float64)
         for t, p in dist.items():
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(
-                    f"draft callable of drafter {self.name!r} returned token {t!r} outside the "
-                    f"vocabulary [0, {self.vocab_size})"
-                )
+            t = token_id(t, f"draft callable of drafter {self.name!r}", self.vocab_size)
             if not float(p) >= 0.0:
                 raise ValueError(f"draft callable of drafter {self.name!r} returned probability {p!r} for {t}")
             q[t] += float(p)

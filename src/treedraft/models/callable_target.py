@@ -28,6 +28,18 @@ from torch import Tensor
 TargetFn = Callable[[list[int]], Mapping[int, float]]
 
 
+def token_id(t: object, who: str, vocab_size: int) -> int:
+    """A callable's token key as an int: Python and NumPy integers (not bools, floats or tensors), in the
+    vocabulary; ValueError naming ``who`` and what is wrong otherwise."""
+    import numbers
+
+    if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+        raise ValueError(f"{who} returned token {t!r} ({type(t).__name__}): token ids must be integers")
+    if not 0 <= int(t) < vocab_size:
+        raise ValueError(f"{who} returned token {int(t)} outside the vocabulary [0, {vocab_size})")
+    return int(t)
+
+
 class TokenCache:
     """Token ids per slot (the callable target's stand-in for a KV cache)."""
 
@@ -125,10 +137,7 @@ class CallableTarget:
             raise TypeError(f"target {self.name!r} returned {type(dist).__name__}; expected a dict {{token: prob}}")
         out = torch.zeros(self.vocab_size, dtype=torch.float64)
         for t, p in dist.items():
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(
-                    f"target {self.name!r} returned token {t!r} outside the vocabulary [0, {self.vocab_size})"
-                )
+            t = token_id(t, f"target {self.name!r}", self.vocab_size)
             p = float(p)
             if not (p >= 0.0 and math.isfinite(p)):
                 raise ValueError(f"target {self.name!r} returned probability {p!r} for token {t}")
