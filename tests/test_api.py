@@ -176,3 +176,29 @@ def test_two_threads_generating_on_one_llm_get_their_own_answers() -> None:
         for t in threads:
             t.join(60)
         assert got == solo, round_
+
+
+def test_load_argument_checks_before_the_load_and_a_readable_stats_repr(monkeypatch) -> None:
+    """Bad threads / drafter / suffix_* values are refused with a message before the model is read; threads= sets
+    the forwards' thread count; a GenerationStats prints as a summary, not its hundreds of steps."""
+    from treedraft import api
+    from treedraft.engine import GenerationStats, StepStats
+
+    monkeypatch.setattr(api, "load_model", lambda *a, **k: pytest.fail("the model was read before the bad argument"))
+    for kw, says in [
+        ({"threads": 0}, "threads must be an integer >= 1"),
+        ({"drafter": 123}, "drafter must be a drafter name"),
+        ({"suffix_max_tokens": "x"}, "suffix_max_tokens must be an integer"),
+        ({"suffix_store": 123}, "suffix_store must be a directory path"),
+        ({"suffix_share": "yes"}, "suffix_share must be True or False"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            treedraft.load(**kw)
+    seen = []
+    monkeypatch.setattr("treedraft.cli.apply_threads", seen.append)
+    monkeypatch.setattr(api, "load_model", lambda *a, **k: (_ for _ in ()).throw(ValueError("stop")))
+    with pytest.raises(ValueError, match="stop"):
+        treedraft.load(threads=3)
+    assert seen == [3]
+    st = GenerationStats(prompt_tokens=5, new_tokens=300, steps=[StepStats(3, 2, 1, 0.0, 0.0, 0.0)] * 150)
+    assert len(repr(st)) < 250 and "steps=150" in repr(st) and "mean_accepted_length=2.00" in repr(st)

@@ -122,10 +122,11 @@ class LLM:
             from .tools import chat_dicts, render_messages
 
             try:
-                msgs = render_messages(chat_dicts(prompt), (), None)
-            except ValueError as e:
+                return self.tokenizer.apply_chat_template(render_messages(chat_dicts(prompt), (), None))
+            except GenerationError:
+                raise
+            except ValueError as e:  # (a model without a chat template says so here too)
                 raise GenerationError(str(e)) from None
-            return self.tokenizer.apply_chat_template(msgs)
         if not isinstance(prompt, str):
             raise GenerationError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
         if not prompt.strip():
@@ -477,6 +478,7 @@ def load(
     draft_model: str | None = None,
     draft_weights: str = "auto",
     attn_scores: str = "auto",
+    threads: int | None = None,
 ) -> LLM:
     """Load a target model by registry name, GGUF path or HF directory.
 
@@ -485,6 +487,10 @@ def load(
     CPU, and whenever ``draft_model`` is given, hybrid-draft: a draft model + suffix branches, the draft being the
     model's own GGUF in int4 unless ``draft_model`` names another; see ``drafters.registry.default_name``), a drafter
     name (see ``treedraft.drafters.names()``), or None / 'none' for plain decoding.
+    heads: the Medusa heads / EAGLE drafter directory drafters that need one read ('default' or None: the ones
+    shipped for this model; a directory ``treedraft train-heads`` / ``train-eagle`` wrote).
+    max_seq_len: the context window (capped at the model's own, with a warning; None: the model's own).
+    threads: CPU threads for the forwards (torch and the native kernels; the CLI's --threads); None: as they are.
     runtime: 'own' (the compact Llama-family module, Gemma 3 included), 'hf' (transformers adapter) or 'auto' (own
         where it runs the architecture).
     weights: 'fp32', 'int8', 'int4' (the GGUF's own 4-bit blocks) or 'auto' (the fastest measured on this
@@ -514,15 +520,26 @@ def load(
     ):
         raise ValueError(f"max_seq_len must be an integer >= 2 (or None: the model's own context), got {max_seq_len!r}")
 
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be an integer >= 1 (or None), got {threads!r}")
+    if drafter is not None and not isinstance(drafter, str) and not callable(getattr(drafter, "propose", None)):
+        raise ValueError(f"drafter must be a drafter name, a drafter object or None, got {drafter!r}")
     check_draft_args(draft_model, draft_weights, drafter)  # before the slow model load, as the drafter's name
     if draft_model is not None and drafter == DEFAULT:
         drafter = "hybrid-draft"  # a draft model given is the one to draft with (with suffix chains: registry)
     if isinstance(drafter, str):
         canonical(drafter)  # an unknown drafter name fails here, before the slow model load
     store = open_suffix_store(suffix_store, suffix_max_tokens, suffix_share)  # before the slow model load
+    if threads is not None:
+        from .cli import apply_threads
+
+        apply_threads(threads)
     net, tok, path, dev = load_model(
         model, device, dtype, runtime, max_seq_len, weights, kv_dtype, attn_scores=attn_scores
     )
+    own = getattr(net, "max_seq_len", None)
+    if max_seq_len is not None and own is not None and own < max_seq_len and max_seq_len != 4096:
+        warnings.warn(f"max_seq_len {max_seq_len} is more than {model}'s own context: using {own}", stacklevel=2)
     llm = LLM(
         Engine(net),
         tok,

@@ -161,6 +161,13 @@ class GenerationStats:
         """P(accepted depth >= d | tree reached depth d), d = 1..max depth."""
         return acceptance_per_depth((s.tree_depth, s.accepted) for s in self.steps)
 
+    def __repr__(self) -> str:  # a summary: the per-step list (``steps``) is hundreds of entries
+        return (
+            f"GenerationStats(prompt_tokens={self.prompt_tokens}, new_tokens={self.new_tokens}, "
+            f"steps={len(self.steps)}, mean_accepted_length={self.mean_accepted_length:.2f}, "
+            f"tokens_per_s={self.tokens_per_s:.1f}, t_prefill={self.t_prefill:.3f}, t_decode={self.t_decode:.3f})"
+        )
+
     @property
     def tokens_per_s(self) -> float:
         """New tokens per second of decoding (prefill excluded)."""

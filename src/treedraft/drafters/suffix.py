@@ -311,7 +311,13 @@ def open_suffix_store(
     path: str | os.PathLike | None = None, max_tokens: int = 1_000_000, share: bool = False
 ) -> SuffixStore:
     """The store behind ``--suffix-store DIR --suffix-max-tokens N --suffix-share`` (None = in memory); a ValueError
-    naming the directory when it cannot be one (a file there, no permission)."""
+    naming the directory when it cannot be one (a file there, no permission), or what is wrong with the arguments."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"suffix_store must be a directory path (or None: in memory), got {path!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise ValueError(f"suffix_max_tokens must be an integer >= 1, got {max_tokens!r}")
+    if not isinstance(share, bool):
+        raise ValueError(f"suffix_share must be True or False, got {share!r}")
     try:
         return SuffixStore(path, max_tokens=max_tokens, share=share)
     except OSError as e:
