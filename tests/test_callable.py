@@ -237,3 +237,21 @@ def test_drafter_shapes() -> None:
     assert torch.equal(target.log_probs([1, 2, 3]), CallableTarget(bigram(DRAFT), V).log_probs([1, 2, 3]))
     with pytest.raises(ValueError, match="mode"):
         CallableDrafter(bigram(DRAFT), V, mode="beam")
+
+
+def test_the_readme_example_runs_and_a_tokenizer_less_llm_says_what_to_do(capsys) -> None:
+    """README's callable-mode example (executed from the README itself) prints the target's own greedy tokens;
+    an LLM around a callable target, which has no tokenizer, says to pass token ids instead of failing on None."""
+    import re
+    from pathlib import Path
+
+    from treedraft.api import LLM
+    from treedraft.interfaces import GenerationError
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "CallableTarget(" in b)
+    exec(compile(block, "README.md", "exec"), {})
+    assert capsys.readouterr().out.startswith("[7, 8, 9, 10, 11, 12, 13, 14] ")
+    llm = LLM(Engine(CallableTarget(bigram(TARGET), V)), None, "remote", "cpu", heads=None)  # type: ignore[arg-type]
+    with pytest.raises(GenerationError, match="no tokenizer"):
+        llm.generate("hi")

@@ -118,6 +118,10 @@ class LLM:
 
     def encode_prompt(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
         """Chat messages or a user string -> ids (chat template unless raw or no template)."""
+        if self.tokenizer is None:
+            raise GenerationError(
+                "this LLM has no tokenizer (e.g. a callable target): pass token ids to llm.engine.generate(ids, ...)"
+            )
         if isinstance(prompt, list):  # read as the server reads a request's messages (roles, parts, tool turns)
             from .tools import chat_dicts, render_messages
 
