@@ -202,3 +202,53 @@ def test_load_argument_checks_before_the_load_and_a_readable_stats_repr(monkeypa
     assert seen == [3]
     st = GenerationStats(prompt_tokens=5, new_tokens=300, steps=[StepStats(3, 2, 1, 0.0, 0.0, 0.0)] * 150)
     assert len(repr(st)) < 250 and "steps=150" in repr(st) and "mean_accepted_length=2.00" in repr(st)
+
+
+def test_a_stream_left_open_makes_another_thread_give_up_with_a_message(monkeypatch) -> None:
+    """A stream started and left open (not finished, not closed) holds the LLM's turn: another thread's call waits,
+    and gives up with a RuntimeError once the open stream has gone Engine.IDLE_WAIT_S without a step (it waited
+    forever); once the stream is closed, the other thread runs."""
+    import os
+    import sys
+    import threading
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from server_utils import tiny_llm
+
+    from treedraft.engine import Engine
+
+    monkeypatch.setattr(Engine, "IDLE_WAIT_S", 0.5)
+    llm = tiny_llm()
+    open_stream = llm.stream("abc abc", max_new_tokens=20)
+    next(open_stream)
+    out: list = []
+
+    def other() -> None:
+        try:
+            out.append(llm.generate("xyz xyz", max_new_tokens=4).token_ids)
+        except RuntimeError as e:
+            out.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(30)
+    assert not t.is_alive() and isinstance(out[0], RuntimeError) and "without a step" in str(out[0])
+    open_stream.close()
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(30)
+    assert out[1] == llm.generate("xyz xyz", max_new_tokens=4).token_ids
+
+
+@pytest.mark.parametrize("bad", [None, 42, {"role": "user", "content": "hi"}])
+def test_a_prompt_of_another_type_is_a_generation_error(bad) -> None:
+    import os
+    import sys
+
+    from treedraft.interfaces import GenerationError
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from server_utils import tiny_llm
+
+    with pytest.raises(GenerationError, match="prompt must be a string or a list of chat messages"):
+        tiny_llm().generate(bad)

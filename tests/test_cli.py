@@ -384,3 +384,34 @@ def test_sampling_flags_at_temperature_zero_are_named_not_silently_ignored(capsy
     for quiet in (["--temperature", "0.7", "--top-k", "5", "--seed", "3"], []):
         r = run_in_process(capsys, "generate", "hi", *quiet)
         assert r.returncode == 2 and "note:" not in r.stderr
+
+
+def test_chat_refuses_a_message_too_long_alone_and_keeps_the_conversation(capsys, monkeypatch) -> None:
+    """A message that cannot fit the window even alone is refused with its size, and the earlier turns stay (they
+    were all dropped to make room for it, then the message failed too)."""
+    import io
+    from types import SimpleNamespace
+
+    from treedraft import cli
+    from treedraft.text import Chunk
+
+    prompts: list[list[dict]] = []
+
+    class FakeLLM:
+        tokenizer = SimpleNamespace(is_chat=True)
+        model = SimpleNamespace(max_seq_len=40)
+        engine = SimpleNamespace(drafter=None)
+
+        def encode_prompt(self, messages):
+            return [0] * sum(len(m["content"].split()) + 1 for m in messages)
+
+        def stream(self, messages, **kw):
+            prompts.append([m["content"] for m in messages])
+            yield Chunk(text="ok", token_ids=[1], finish_reason="stop")
+
+    monkeypatch.setattr(cli, "load_from_args", lambda a: FakeLLM())
+    words = " ".join(["w"] * 60)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"first\n{words}\nsecond\n\n"))
+    r = run_in_process(capsys, "chat", "--max-new-tokens", "4")
+    assert r.returncode == 0 and "this message alone takes 61 of the window's 40 tokens" in r.stderr
+    assert prompts == [["first"], ["first", "ok", "second"]]  # the long one never ran; the first turn was kept

@@ -430,3 +430,37 @@ def test_real_model_default_includes_suffix_and_greedy_equals_plain(smollm_int4)
             out = [t for c in smollm.stream(prompt, drafter=d, stats=stats, max_new_tokens=40) for t in c.token_ids]
             assert out == plain
         assert warm.mean_accepted_length > cold.mean_accepted_length + 1.0, (cold.mean_accepted_length, warm)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
+def test_a_forked_child_does_not_keep_the_directory_after_the_parent_closes(tmp_path: Path) -> None:
+    st_ = SuffixStore(tmp_path)
+    st_.add([1, 2], "t")
+    r, w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child (its fork handlers have run): alive until the parent says
+        os.close(w)
+        os.write(ready_w, b"r")
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    os.read(ready_r, 1)
+    try:
+        st_.close()
+        again = SuffixStore(tmp_path)  # the child is alive: its copies of the lock file let go at fork
+        assert [list(x.tokens) for x in again.records()] == [[1, 2]]
+        again.close()
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
+
+
+def test_a_failed_load_lets_go_of_the_suffix_store(tmp_path: Path) -> None:
+    import treedraft
+
+    with pytest.raises(ValueError) as e:  # an unknown model: the store was opened before the model was looked up
+        treedraft.load("no-such-model-xyz", suffix_store=str(tmp_path / "s"), drafter=None)
+    assert e.value is not None  # (the traceback, which holds load's frame, is still alive here)
+    SuffixStore(tmp_path / "s").close()  # the directory is free

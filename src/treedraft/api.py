@@ -337,6 +337,8 @@ class LLM:
             tool_mode,
         )
 
+        if not isinstance(prompt, (str, list)):
+            raise GenerationError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
         try:
             parsed = parse_tools(tools) if tools is not None else []
             mode = tool_mode(tool_choice, parsed)
@@ -534,30 +536,34 @@ def load(
     if isinstance(drafter, str):
         canonical(drafter)  # an unknown drafter name fails here, before the slow model load
     store = open_suffix_store(suffix_store, suffix_max_tokens, suffix_share)  # before the slow model load
-    if threads is not None:
-        from .cli import apply_threads
+    try:  # a load that fails lets go of the store's directory (a retry would find it held, with nothing to close)
+        if threads is not None:
+            from .cli import apply_threads
 
-        apply_threads(threads)
-    net, tok, path, dev = load_model(
-        model, device, dtype, runtime, max_seq_len, weights, kv_dtype, attn_scores=attn_scores
-    )
-    own = getattr(net, "max_seq_len", None)
-    if max_seq_len is not None and own is not None and own < max_seq_len and max_seq_len != 4096:
-        warnings.warn(f"max_seq_len {max_seq_len} is more than {model}'s own context: using {own}", stacklevel=2)
-    llm = LLM(
-        Engine(net),
-        tok,
-        model if not Path(model).exists() else str(path),
-        dev,
-        heads,
-        store,
-        draft_model,
-        draft_weights,
-    )
+            apply_threads(threads)
+        net, tok, path, dev = load_model(
+            model, device, dtype, runtime, max_seq_len, weights, kv_dtype, attn_scores=attn_scores
+        )
+        own = getattr(net, "max_seq_len", None)
+        if max_seq_len is not None and own is not None and own < max_seq_len and max_seq_len != 4096:
+            warnings.warn(f"max_seq_len {max_seq_len} is more than {model}'s own context: using {own}", stacklevel=2)
+        llm = LLM(
+            Engine(net),
+            tok,
+            model if not Path(model).exists() else str(path),
+            dev,
+            heads,
+            store,
+            draft_model,
+            draft_weights,
+        )
+        if drafter is not None:
+            llm.engine.drafter = llm.drafters.get(drafter)
+            warn_unread_draft_args(draft_model, draft_weights, llm.engine.drafter)
+    except BaseException:
+        store.close()
+        raise
     atexit.register(_close_at_exit, weakref.ref(llm))  # flush + close the store (a weakref: llm may die first)
-    if drafter is not None:
-        llm.engine.drafter = llm.drafters.get(drafter)
-        warn_unread_draft_args(draft_model, draft_weights, llm.engine.drafter)
     return llm
 
 

@@ -426,6 +426,16 @@ def cmd_chat(a: argparse.Namespace) -> int:
                 print(CHAT_HELP, file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
+        try:  # a message too long on its own: said, and the conversation kept (not dropped to make room for it)
+            alone = len(llm.encode_prompt([*messages[:head], messages[-1]]))
+        except ValueError as e:
+            alone, why = window, str(e)
+        else:
+            why = f"this message alone takes {alone} of the window's {window} tokens (--max-seq-len); shorten it"
+        if alone >= window:
+            print(f"error: {why}", file=sys.stderr)
+            messages.pop()
+            continue
         dropped = fit_history(messages, head, lambda m: len(llm.encode_prompt(m)), limit)
         if dropped:
             print(

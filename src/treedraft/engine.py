@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -202,9 +203,13 @@ class Engine:
     """Runs the decode loop for one target model, optionally with a default drafter.
 
     One stream at a time on its one KV cache: a stream started from another thread waits until this thread's open
-    streams have finished (or were closed); two interleaved streams of one thread fail the older one clearly. For
-    many requests at once, the batched :class:`~treedraft.scheduler.Scheduler` (what ``treedraft serve`` runs).
+    streams have finished (or were closed), and gives up with a RuntimeError when they have not stepped for
+    :attr:`IDLE_WAIT_S` (a stream left open, never finished); two interleaved streams of one thread fail the older one
+    clearly. For many requests at once, the batched :class:`~treedraft.scheduler.Scheduler` (what ``treedraft serve``
+    runs).
     """
+
+    IDLE_WAIT_S = 30.0  # how long another thread's open streams may go without a step before a waiter gives up
 
     def __init__(self, model: TargetModel, drafter: Drafter | None = None) -> None:
         self.model = model
@@ -216,13 +221,22 @@ class Engine:
         self._turn = threading.Condition()
         self._holder: int | None = None  # the thread whose streams are open
         self._open = 0  # its open streams
+        self._stepped = 0.0  # time.monotonic() of their last step
 
     def _enter(self) -> None:
         me = threading.get_ident()
         with self._turn:
             while self._holder is not None and self._holder != me:
-                self._turn.wait()
+                idle = time.monotonic() - self._stepped
+                if idle > self.IDLE_WAIT_S:
+                    raise RuntimeError(
+                        f"another thread's stream on this LLM has been open for {idle:.0f} s without a step; finish or "
+                        "close it (stream.close()) first: an LLM decodes one answer at a time (for many at once, "
+                        "treedraft serve batches them)"
+                    )
+                self._turn.wait(min(1.0, self.IDLE_WAIT_S))
             self._holder, self._open = me, self._open + 1
+            self._stepped = time.monotonic()
 
     def _leave(self) -> None:
         with self._turn:
@@ -320,6 +334,7 @@ class Engine:
         try:
             while not req.done:
                 self._check_owner(owner)
+                self._stepped = time.monotonic()
                 for r, new in sched.step():
                     if r.error is not None:
                         raise r.error

@@ -33,20 +33,40 @@ import shutil
 import struct
 import threading
 import warnings
+import weakref
 import zlib
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from .suffix_index import SuffixIndex
+
 try:  # POSIX: the directory's lock (elsewhere one store per directory is the user's to keep)
     import fcntl
 except ImportError:  # pragma: no cover
     fcntl = None  # type: ignore[assignment]
 
-import numpy as np
+_OPEN_STORES: weakref.WeakSet = weakref.WeakSet()  # stores holding their directory (a forked child lets go)
 
-from .suffix_index import SuffixIndex
+
+def _after_fork_in_child() -> None:
+    """A forked child shares its parent's lock files: it closes its copies (the parent keeps the directory), so the
+    parent's close() lets other processes in; the child's stores open the directory anew if they add."""
+    for st in list(_OPEN_STORES):
+        for f in (st._log, st._dir_lock):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        st._log = st._dir_lock = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 MAGIC = b"SXR1"
 _HEAD = struct.Struct("<4sIIQ")  # magic, payload length, crc32, seq
@@ -265,8 +285,9 @@ class SuffixStore:
                     "process or another one); close that one first (llm.close()), or give another directory"
                 ) from None
         self._dir_lock = f
+        _OPEN_STORES.add(self)
         self._records.clear()
-        self._tokens, self._tenant_tokens, self._seq, self._indices = 0, {}, 0, {}
+        self._tokens, self._tenant_tokens, self._seq, self._indices, self._since_snapshot = 0, {}, 0, {}, 0
         try:
             self._load()
         except BaseException:
