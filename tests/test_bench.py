@@ -794,4 +794,8 @@ def test_report_says_when_a_baseline_runs_other_weights() -> None:
     md = report.markdown_report(BenchResult([], ["plain", "hf"], config=cfg), {report.ALL_CATEGORIES: {}}, [])
     assert "`hf`: other weights or arithmetic" in md and "treedraft runs `int4` weights" in md
     md = report.markdown_report(BenchResult([], ["plain", "suffix"], config=cfg), {report.ALL_CATEGORIES: {}}, [])
-    assert "other weights or arithmetic" not in md
+    assert "other weights or arithmetic" not in md and "warmed-store" not in md
+    # a shared store on disk: said, since later runs draft from earlier runs' answers
+    stored = {**cfg, "suffix_store": "/tmp/s"}
+    md = report.markdown_report(BenchResult([], ["plain", "suffix"], config=stored), {report.ALL_CATEGORIES: {}}, [])
+    assert "--suffix-store `/tmp/s`" in md and "a warmed-store measurement" in md

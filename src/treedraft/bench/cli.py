@@ -240,6 +240,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         "max_tree_nodes": a.max_tree_nodes,
         "hf_prompt_lookup_num_tokens": a.pld_tokens,
         "fresh_drafter_state": fresh,
+        "suffix_store": a.suffix_store,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -210,6 +210,13 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
             f"`{result.reference}`'s without a bug, and their speed ratios compare different weights.",
             "",
         ]
+    if cfg and cfg.get("suffix_store"):  # one store on disk for every method: runs learn from the runs before them
+        lines += [
+            f"--suffix-store `{cfg['suffix_store']}`: every suffix-drafting method reads and records one store on "
+            "disk, so a run drafts from the outputs of the runs before it (other methods' answers to the same prompt "
+            "included): a warmed-store measurement, not a cold one.",
+            "",
+        ]
     base = result.baselines
     head = (
         ["method", "tok/s"]
