@@ -42,6 +42,15 @@ DTYPES = {
 }
 
 
+DEFAULT_MAX_SEQ_LEN = 4096  # load()'s context window when not given (the CLI's --max-seq-len default too)
+
+
+def _prompt_type(prompt: object) -> None:
+    """GenerationError unless ``prompt`` is a string or a list of chat messages."""
+    if not isinstance(prompt, (str, list)):
+        raise GenerationError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+
+
 def pick_device(device: str = "auto") -> str:
     """'auto' -> cuda when present, else cpu."""
     if device == "auto":
@@ -131,8 +140,7 @@ class LLM:
                 raise
             except ValueError as e:  # (a model without a chat template says so here too)
                 raise GenerationError(str(e)) from None
-        if not isinstance(prompt, str):
-            raise GenerationError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+        _prompt_type(prompt)
         if not prompt.strip():
             raise GenerationError("the prompt is empty; give some text")
         if raw or not self.tokenizer.is_chat:
@@ -337,12 +345,13 @@ class LLM:
             tool_mode,
         )
 
-        if not isinstance(prompt, (str, list)):
-            raise GenerationError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+        _prompt_type(prompt)
         try:
             parsed = parse_tools(tools) if tools is not None else []
             mode = tool_mode(tool_choice, parsed)
-            msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else chat_dicts(prompt)
+            msgs = None  # without tools, encode_prompt reads the messages
+            if mode is not None:
+                msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else chat_dicts(prompt)
         except ValueError as e:
             raise GenerationError(str(e)) from None
         if mode is None:
@@ -475,7 +484,7 @@ def load(
     device: str = "auto",
     dtype: str = "auto",
     runtime: str = "auto",
-    max_seq_len: int | None = 4096,
+    max_seq_len: int | None = DEFAULT_MAX_SEQ_LEN,
     weights: str = "auto",
     suffix_store: str | None = None,
     suffix_max_tokens: int = 1_000_000,
@@ -545,7 +554,7 @@ def load(
             model, device, dtype, runtime, max_seq_len, weights, kv_dtype, attn_scores=attn_scores
         )
         own = getattr(net, "max_seq_len", None)
-        if max_seq_len is not None and own is not None and own < max_seq_len and max_seq_len != 4096:
+        if max_seq_len is not None and own is not None and own < max_seq_len and max_seq_len != DEFAULT_MAX_SEQ_LEN:
             warnings.warn(f"max_seq_len {max_seq_len} is more than {model}'s own context: using {own}", stacklevel=2)
         llm = LLM(
             Engine(net),
@@ -617,7 +626,7 @@ def load_model(
     device: str = "auto",
     dtype: str = "auto",
     runtime: str = "auto",
-    max_seq_len: int | None = 4096,
+    max_seq_len: int | None = DEFAULT_MAX_SEQ_LEN,
     weights: str = "auto",
     kv_dtype: str = "auto",
     tokenizer: Tokenizer | None = None,

@@ -442,8 +442,9 @@ def curve_disagreement(cached: Mapping[int, float], now: Mapping[int, float]) ->
 
 
 def measured_latency(model: Any) -> dict[int, float]:
-    """This machine's forward latency curve for ``model``: seconds per row count at a 256-token context (less
-    where ``max_seq_len`` cannot hold that, cached apart) (measured once per machine and model, cached; what :func:`measured_step_rows` and the drafters' sizing use).
+    """This machine's forward latency curve for ``model``: seconds per row count at a :data:`SHORT_CONTEXT`-token
+    context, or a shorter one where ``max_seq_len`` cannot hold that (cached apart), measured once per machine and
+    model and cached; what :func:`measured_step_rows` and the drafters' sizing use.
 
     Where the model's cache holds well more (``max_seq_len``), the curve is also measured at
     :data:`LONG_CONTEXT` tokens and the result is a :class:`ContextLatency`: the drafters size each step's

@@ -37,6 +37,7 @@ def add_model_args(p: argparse.ArgumentParser, drafting: bool = True, heads: boo
     """Options shared by every command that loads a model; ``drafting``: --drafter, --max-seq-len and the suffix
     store's options, ``heads``: --heads (commands that train drafters or only generate data take neither: nothing
     would read them)."""
+    from .api import DEFAULT_MAX_SEQ_LEN
     from .models.registry import DEFAULT_MODEL
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry name, .gguf file or HF directory")
@@ -72,9 +73,10 @@ def add_model_args(p: argparse.ArgumentParser, drafting: bool = True, heads: boo
         p.add_argument(
             "--max-seq-len",
             type=int,
-            default=4096,
+            default=DEFAULT_MAX_SEQ_LEN,
             metavar="N",
-            help="context window in tokens, prompt and answer together (default 4096; a larger value is capped at the "
+            help=f"context window in tokens, prompt and answer together (default {DEFAULT_MAX_SEQ_LEN}; a larger value "
+            "is capped at the "
             "model's own: 8192 for SmolLM2, 32768 for Gemma 3; the KV cache of a request grows with what it uses)",
         )
         add_suffix_args(p)
@@ -419,11 +421,11 @@ def cmd_chat(a: argparse.Namespace) -> int:
             break
         if not line.strip():
             break
-        if line.strip() in ("/reset", "/help"):
-            if line.strip() == "/reset":
-                messages = messages[:head]
-            else:
-                print(CHAT_HELP, file=sys.stderr)
+        if line.strip() == "/reset":
+            messages = messages[:head]
+            continue
+        if line.strip() == "/help":
+            print(CHAT_HELP, file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
         try:  # a message too long on its own: said, and the conversation kept (not dropped to make room for it)

@@ -204,13 +204,13 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
     if others:  # a baseline on other weights or arithmetic: its tokens may differ, its speed is not like for like
         lines += [
             f"{', '.join(f'`{m}`' for m in others)}: other weights or arithmetic than treedraft's methods "
-            f"(transformers runs the file dequantized to {cfg.get('dtype', 'float32') if cfg else 'float32'}, "
+            f"(transformers runs the file dequantized to {cfg.get('dtype', 'float32')}, "
             "llama.cpp its own quantized kernels; treedraft runs "
-            f"`{cfg.get('weights', '?') if cfg else '?'}` weights), so their outputs may differ from "
+            f"`{cfg.get('weights', '?')}` weights), so their outputs may differ from "
             f"`{result.reference}`'s without a bug, and their speed ratios compare different weights.",
             "",
         ]
-    if cfg and cfg.get("suffix_store"):  # one store on disk for every method: runs learn from the runs before them
+    if cfg.get("suffix_store"):  # one store on disk for every method: runs learn from the runs before them
         lines += [
             f"--suffix-store `{cfg['suffix_store']}`: every suffix-drafting method reads and records one store on "
             "disk, so a run drafts from the outputs of the runs before it (other methods' answers to the same prompt "

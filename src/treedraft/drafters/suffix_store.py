@@ -342,8 +342,7 @@ class SuffixStore:
         self._since_snapshot = 0
 
     def _load(self) -> None:
-        assert self.path is not None
-        self.path.mkdir(parents=True, exist_ok=True)
+        assert self.path is not None  # (the directory exists: _open made it)
         snap, log = self.path / "snapshot.bin", self.path / "log.bin"
         recs: list[Record] = []
         damaged, last_snap = False, 0
