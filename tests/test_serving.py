@@ -885,6 +885,22 @@ def test_tool_calls(server: LiveServer, llm: LLM) -> None:
         assert not parts  # nothing of the JSON leaks as text
         assert finish == "tool_calls" and streamed["index"] == 0
         assert streamed["function"] == call["function"] and streamed["id"].startswith("call_")
+        # cut by max_tokens: the call so far (finish "length"), or before its name nothing, never the JSON as text
+        name = call["function"]["name"]
+        for m in (2, len(want.token_ids) - 2):
+            cut = httpx.post(url, json=body | {"tool_choice": choice, "max_tokens": m}, timeout=TIMEOUT).json()
+            cut = cut["choices"][0]
+            part = llm.text.generate(ids, llm.config(m, response_format=fmt)).text
+            assert cut["finish_reason"] == "length" and len(part) < len(want.text), part
+            parts, calls, finish = _streamed_choice(url, body | {"tool_choice": choice, "max_tokens": m})
+            assert finish == "length" and not parts
+            if f'"{name}"' in part and ":" in part or mode != "required":  # the name is known
+                args = part[part.index(":") + 1 :].lstrip() if ":" in part else ""
+                assert cut["message"]["content"] is None and not part.endswith("}")
+                assert cut["message"]["tool_calls"][0]["function"] == {"name": name, "arguments": args}
+                assert calls[0]["function"] == {"name": name, "arguments": args}
+            else:
+                assert cut["message"] == {"role": "assistant", "content": ""} and not calls
     # tool_choice auto: a call, or (with "r" and '"' favoured: the key "response", then r's up to max_tokens) a text
     # answer, cut by the budget
     for extra in ({}, {"logit_bias": {str(ord("r") - 32): 100, str(ord('"') - 32): 50}, "max_tokens": 60}):

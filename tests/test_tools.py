@@ -132,10 +132,19 @@ def test_answer_message() -> None:
     )
     whole, finish = answer_message('{"add": {"a": 1, "b": 2}}', "length", "auto")  # the budget ended at the "}"
     assert finish == "tool_calls" and whole["tool_calls"][0]["function"]["name"] == "add"
-    assert answer_message('{"add": {"a": 1', "length", "auto") == (
-        {"role": "assistant", "content": '{"add": {"a": 1'},
-        "length",
-    )
+    # cut by the budget (finish "length"): the call so far, never the JSON wrapper as text (as OpenAI cuts a call)
+    for mode in ("auto", "required", "fn:add"):
+        cut, finish = answer_message('{"add": {"a": 1', "length", mode)
+        assert finish == "length" and cut["content"] is None, mode
+        assert cut["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1'}
+    esc, _ = answer_message('{ "a\\"b" :', "length", "required")  # an escaped name, the colon just written
+    assert esc["tool_calls"][0]["function"] == {"name": 'a"b', "arguments": ""}
+    for before in ('{\n  "get_wea', '{"add"', "{", "", '{"response": ', '{"resp'):  # no tool named yet
+        assert answer_message(before, "length", "auto") == ({"role": "assistant", "content": ""}, "length"), before
+        if "response" not in before:  # (in "required" mode a tool may be named "response")
+            assert answer_message(before, "length", "required")[0] == {"role": "assistant", "content": ""}, before
+    named, _ = answer_message('{"ad', "length", "fn:add")  # a named call's tool is known from the start
+    assert named["tool_calls"][0]["function"] == {"name": "add", "arguments": ""} and named["content"] is None
 
 
 @pytest.mark.slow
@@ -167,7 +176,7 @@ def test_real_model_calls_a_tool(smollm_int4) -> None:
 def test_response_text_streams_the_decoded_string_whatever_the_chunks() -> None:
     """ResponseText on an "auto" answer cut into random chunks (escapes, \\u escapes, surrogate pairs, whitespace):
     the pieces it returns join to the response's value; a tool call's answer returns nothing; an answer cut by the
-    budget gives the text so far."""
+    budget gives the value's text so far (nothing before the value starts)."""
     import random
 
     from treedraft.tools import ResponseText
@@ -188,11 +197,10 @@ def test_response_text_streams_the_decoded_string_whatever_the_chunks() -> None:
         started.feed(text[:cut])
         if started.mode == "response":  # the value's characters so far
             assert finish == "length" and value.startswith(msg["content"])
-        else:  # cut before the value: the raw text
-            assert msg["content"] == text[:cut]
+        else:  # cut before the value: nothing of the wrapper
+            assert msg == {"role": "assistant", "content": ""}, text[:cut]
     call = ResponseText()
     assert call.feed('{"get_weather": {"city": "') == "" and call.mode == "call"
-    assert answer_message('{"add": {"a": 1', "length", "auto")[0]["content"] == '{"add": {"a": 1'
 
 
 def test_answer_format_refuses_what_cannot_go_with_tools() -> None:

@@ -247,6 +247,7 @@ def _arguments(call: dict) -> Any:
 
 _RESPONSE_START = re.compile(r'\s*\{\s*"' + RESPONSE_KEY + r'"\s*:\s*"')
 _FIRST_KEY = re.compile(r'\s*\{\s*"([^"]*)"')
+_CALL_KEY = re.compile(r'\s*\{\s*"((?:[^"\\]|\\.)*)"\s*:\s*')  # a call's closed key (its tool's name) and colon
 _HIGH_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}$")
 
 
@@ -303,23 +304,40 @@ def _complete(text: str) -> bool:
     return isinstance(obj, dict) and len(obj) == 1
 
 
+def _call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _cut_answer(text: str, mode: str) -> dict:
+    """The assistant message of an answer the token budget cut (as OpenAI returns one, finish reason "length"): a
+    ``"response"`` 's text so far; a call whose tool name is known, with its arguments' JSON text so far (incomplete);
+    before either is known, empty content. The answer's JSON wrapper is never the content."""
+    part = ResponseText()
+    said = part.feed(text)
+    if mode == "auto" and part.mode == "response":
+        return {"role": "assistant", "content": said}
+    key = _CALL_KEY.match(text)
+    name = mode.removeprefix(NAMED) if mode.startswith(NAMED) else None
+    if key is not None and not (mode == "auto" and key.group(1) == RESPONSE_KEY):  # (a response before its quote)
+        # the grammar closes a key only on a declared tool's name
+        return {"role": "assistant", "content": None, "tool_calls": [_call(json.loads(f'"{key.group(1)}"'),
+                                                                            text[key.end() :])]}  # fmt: skip
+    if name is not None:  # a named call: the tool is known before its key is written
+        return {"role": "assistant", "content": None, "tool_calls": [_call(name, "")]}
+    return {"role": "assistant", "content": ""}
+
+
 def answer_message(text: str, finish_reason: str, mode: str) -> tuple[dict, str]:
     """The assistant message and finish reason for a constrained answer: a tool call (``tool_calls``, finish
-    reason "tool_calls") or, for ``"response"``, its text. An answer cut by the token budget (finish reason
-    "length") is the response's text so far, or a call's raw JSON text (the call is incomplete)."""
+    reason "tool_calls") or, for ``"response"``, its text. An answer cut by the token budget keeps finish reason
+    "length" and is what was written so far (:func:`_cut_answer`: a call's arguments are then incomplete JSON)."""
     if finish_reason != "stop" and _complete(text):
         finish_reason = "stop"  # the budget ended right at the closing brace: the answer is whole
     if finish_reason != "stop":
-        part = ResponseText() if mode == "auto" else None
-        said = part.feed(text) if part is not None else ""
-        return {"role": "assistant", "content": said if part and part.mode == "response" else text}, finish_reason
+        return _cut_answer(text, mode), finish_reason
     obj = json.loads(text)
     ((key, value),) = obj.items()  # the grammar allows exactly one key
     if mode == "auto" and key == RESPONSE_KEY:
         return {"role": "assistant", "content": value}, "stop"
-    call = {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": key, "arguments": json.dumps(value, ensure_ascii=False)},
-    }
+    call = _call(key, json.dumps(value, ensure_ascii=False))
     return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
