@@ -1504,3 +1504,36 @@ def test_loadtest_without_a_server_says_so(capsys: pytest.CaptureFixture) -> Non
     assert main(["loadtest", "--url", url, "--requests", "1", "--concurrency", "1", "--max-seconds", "30"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: no server answers at " + url) and "treedraft serve" in err, err
+
+
+def test_a_large_prompt_being_tokenized_does_not_hold_up_small_requests(server: LiveServer) -> None:
+    """A request of megabytes of text takes seconds to tokenize; other requests' tokenizing runs beside it, not after
+    it (a review saw a 4-token request wait 13 s behind three 8 MB prompts). Here the large request's tokenizing
+    is held until the small one has been answered."""
+    import threading
+
+    srv = server.app.state.treedraft
+    release, entered = threading.Event(), threading.Event()
+    encode = srv.encode
+
+    def slow_encode(req, *a):
+        if sum(len(m.text()) for m in req.messages) > 5000:
+            entered.set()
+            assert release.wait(60), "never released"
+        return encode(req, *a)
+
+    srv.encode, srv.LARGE_INPUT_CHARS = slow_encode, 5000
+    url = f"{server.url}/v1/chat/completions"
+    big = {"model": "tiny", "messages": [{"role": "user", "content": "ab " * 3000}], "max_tokens": 2}
+    out: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: out.append(httpx.post(url, json=big, timeout=TIMEOUT)))
+    try:
+        t.start()
+        assert entered.wait(30)
+        small = httpx.post(url, json={"model": "tiny", "messages": CHAT, "max_tokens": 2}, timeout=10.0)
+        assert small.status_code == 200 and not out  # answered while the large one is still tokenizing
+    finally:
+        release.set()
+        t.join(60)
+        del srv.encode, srv.LARGE_INPUT_CHARS
+    assert out and out[0].status_code < 500, out

@@ -149,6 +149,9 @@ class OpenAIServer:
         self.created = int(time.time())  # /v1/models' "created": when this server loaded its model
         self.tokens_limit = min(settings.max_tokens_limit or self.context - 1, self.context - 1)
         self.tok_pool = ThreadPoolExecutor(1, "treedraft-tokenize")  # keeps tokenizing off the event loop
+        # requests of more than LARGE_INPUT_CHARS characters tokenize on their own thread: a few megabytes of text take
+        # seconds, and everyone else's requests would queue behind them
+        self.large_pool = ThreadPoolExecutor(1, "treedraft-tokenize-large")
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
         tok = llm.tokenizer
         added = getattr(getattr(tok, "hf", None), "added_tokens_decoder", None) or {}
@@ -176,6 +179,7 @@ class OpenAIServer:
         """Stop the worker and the tokenizer thread (app shutdown)."""
         self.worker.stop()
         self.tok_pool.shutdown(wait=False, cancel_futures=True)
+        self.large_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- validation
 
@@ -246,6 +250,18 @@ class OpenAIServer:
             return key_tenant
         return f"user-{req.user}" if req.user else None
 
+    LARGE_INPUT_CHARS = 1 << 18
+
+    def pool_for(self, req: CommonRequest) -> ThreadPoolExecutor:
+        """The thread a request's tokenizing runs on: its own for requests of more than :data:`LARGE_INPUT_CHARS`
+        characters of text (messages, prompts, tools, predicted output), the shared one otherwise."""
+        if isinstance(req, ChatCompletionRequest):
+            n = sum(len(m.text()) for m in req.messages or ()) + (len(str(req.tools)) if req.tools else 0)
+        else:
+            n = sum(len(p) for p in prompt_list(req.prompt) if isinstance(p, str))
+        n += len(prediction_text(req) or "")
+        return self.large_pool if n > self.LARGE_INPUT_CHARS else self.tok_pool
+
     async def prepare(self, req: CommonRequest, tenant: str | None = None) -> list[_Prepared]:
         """Validate everything that can be checked before queueing; tokenize off the event loop. One
         :class:`_Prepared` per prompt (completions may send several; chat has one)."""
@@ -282,13 +298,12 @@ class OpenAIServer:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not x for x in stop):
             raise APIError(400, f"stop strings must be non-empty, got {stop!r}", param="stop")
-        prompts = await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.encode, req, tools, mode)
+        pool = self.pool_for(req)
+        prompts = await asyncio.get_running_loop().run_in_executor(pool, self.encode, req, tools, mode)
         predicted = prediction_text(req)
         prediction = ()
         if predicted:  # tokenized off the event loop, once for every prompt and choice
-            prediction = await asyncio.get_running_loop().run_in_executor(
-                self.tok_pool, self.llm.prediction_ids, predicted
-            )
+            prediction = await asyncio.get_running_loop().run_in_executor(pool, self.llm.prediction_ids, predicted)
         fmt = req.response_format
         if mode is not None:  # the answer: one JSON object naming a tool (treedraft.tools)
             own = None if fmt is None or fmt.get("type") == "text" else fmt
