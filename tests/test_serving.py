@@ -11,6 +11,7 @@ import dataclasses
 import json
 import re
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -1537,3 +1538,51 @@ def test_a_large_prompt_being_tokenized_does_not_hold_up_small_requests(server: 
         t.join(60)
         del srv.encode, srv.LARGE_INPUT_CHARS
     assert out and out[0].status_code < 500, out
+
+
+def test_a_shutdown_answers_unfinished_requests_with_a_503(llm: LLM) -> None:
+    """When a shutdown's grace period runs out, requests still decoding get a 503 ``server_shutting_down`` error
+    (JSON, or an error event closing the stream) instead of a cut connection or uvicorn's plain-text 500, and the
+    worker fails the next ones too; the serve command's uvicorn server calls the drain as its shutdown begins."""
+    import threading
+
+    import uvicorn
+
+    from treedraft.server.cli import draining_server
+
+    with LiveServer(create_app(llm, ServerSettings(poll_interval_s=0.05))) as s:
+        srv = s.app.state.treedraft
+        step = srv.worker._step
+        srv.worker._step = lambda: (time.sleep(0.02), step())[1]  # slow steps: the requests are still running
+        url = f"{s.url}/v1/chat/completions"
+        body = {"model": "tiny", "messages": CHAT, "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+        out: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: out.append(httpx.post(url, json=body, timeout=TIMEOUT)))
+        t.start()
+        events = []
+        with httpx.stream("POST", url, json=body | {"stream": True}, timeout=TIMEOUT) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 3:
+                        srv.drain(0.0)
+        t.join(60)
+        assert_error(out[0], 503)
+        assert out[0].json()["error"]["code"] == "server_shutting_down"
+        assert "error" in events[-1] and events[-1]["error"]["code"] == "server_shutting_down", events[-1]
+        assert len(events) < 100  # cut well before max_tokens
+        assert_error(httpx.post(url, json=body | {"max_tokens": 2}, timeout=TIMEOUT), 503)  # still shutting down
+
+    called = []
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = draining_server(uvicorn.Config(lambda *a: None, log_level="warning"), lambda: called.append(1))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started and not called
+    server.should_exit = True
+    th.join(30)
+    assert called == [1]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
@@ -174,6 +175,20 @@ class OpenAIServer:
     def start(self) -> None:
         """Start the worker (app startup)."""
         self.worker.start()
+
+    def drain(self, grace_s: float) -> threading.Timer:
+        """A shutdown has begun (no new connections): requests still running or queued after ``grace_s`` seconds are
+        answered with a 503 error (a JSON error, or an error event in a stream) instead of a cut connection."""
+        err = APIError(
+            503,
+            "the server is shutting down and this request did not finish in time; send it again (to another replica)",
+            type_="server_error",
+            code="server_shutting_down",
+        )
+        timer = threading.Timer(max(0.0, grace_s), self.worker.fail_all, (err,))
+        timer.daemon = True
+        timer.start()
+        return timer
 
     def stop(self) -> None:
         """Stop the worker and the tokenizer thread (app shutdown)."""

@@ -38,6 +38,8 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
         raise ValueError(f"--protect-health-metrics needs at least one key: give --api-key or set ${ENV_KEYS}")
     if a.threads is not None and a.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {a.threads}")
+    if not a.shutdown_timeout >= DRAIN_MARGIN_S:
+        raise ValueError(f"--shutdown-timeout must be at least {DRAIN_MARGIN_S:g} s, got {a.shutdown_timeout}")
     if not 0 <= a.port <= 65535:  # said before the model load (bind() raised OverflowError after it)
         raise ValueError(f"--port must be in 0..65535, got {a.port}")
     return settings
@@ -86,8 +88,28 @@ def cmd_serve(a: argparse.Namespace) -> int:
         a.port,
         f"{len(set(settings.api_keys))} API key(s)" if settings.api_keys else "no API key required",
     )
-    uvicorn.run(create_app(llm, settings), host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5)
+    app = create_app(llm, settings)
+    cfg = uvicorn.Config(
+        app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=a.shutdown_timeout
+    )
+    draining_server(cfg, lambda: app.state.treedraft.drain(a.shutdown_timeout - DRAIN_MARGIN_S)).run()
     return 0
+
+
+DRAIN_MARGIN_S = 1.0  # requests still going this long before the grace period ends get their 503 (time to send it)
+
+
+def draining_server(config: Any, drain: Any) -> Any:
+    """A uvicorn server that calls ``drain()`` when its shutdown begins (SIGTERM, Ctrl-C), before it waits for the
+    running requests: the app then answers what is left near the end of the grace period with an error."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            drain()
+            await super().shutdown(sockets=sockets)
+
+    return DrainingServer(config)
 
 
 def register(subparsers: Any) -> None:
@@ -177,6 +199,13 @@ def register(subparsers: Any) -> None:
         help="torch CPU threads of the model (default: torch's, i.e. all cores; with --ray: per replica, default 1)",
     )
     p.add_argument("--log-level", default="info", help="uvicorn log level")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a shutdown (SIGTERM, Ctrl-C) lets running requests finish; those still running 1 s before the "
+        "end are answered with a 503 error (server_shutting_down) (default 30)",
+    )
     r = p.add_argument_group(f"scale-out on Ray Serve (optional: {RAY_INSTALL})")
     r.add_argument(
         "--ray",

@@ -240,6 +240,7 @@ class Worker:
         self.sched: Scheduler | None = None  # built on the worker thread (step_rows may be measured)
         # the last step's items, handed to the event loop during the next step's forward (see _step)
         self._pending: list[tuple[Job, Chunk | Done | Failed]] = []
+        self.failing: APIError | None = None  # set by fail_all: every job in the batch or still to come gets it
         self._thread = threading.Thread(target=self._loop, name="treedraft-worker", daemon=True)
 
     def start(self) -> None:
@@ -254,6 +255,11 @@ class Worker:
         self.queue.close()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def fail_all(self, error: APIError) -> None:
+        """Answer every running job and every job still to be admitted with ``error`` from the next step on (a
+        shutdown whose grace period ends: their clients get an error, not a cut connection)."""
+        self.failing = error
 
     def alive(self) -> bool:
         """Whether the worker thread is running."""
@@ -337,6 +343,11 @@ class Worker:
                 return
             for job in [j for j in self.running if j.cancelled.is_set()]:
                 self._leave(job, "aborted")  # its slot is free for the next step
+            if self.failing is not None:
+                self._flush()  # what the last step made goes out first
+                for job in list(self.running):
+                    job.deliver(Failed(self.failing))
+                    self._leave(job, "aborted")
             if not self.running:
                 continue
             try:
