@@ -550,6 +550,44 @@ def test_queue_full_429_and_disconnects_free_the_worker(llm: treedraft.LLM, serv
         assert httpx.post(url, json=short_body, timeout=REQUEST_TIMEOUT).status_code == 200
 
 
+def test_every_choice_of_a_dropped_request_is_counted_once(llm: treedraft.LLM) -> None:
+    """An n=3 request whose client leaves while choice 0 runs and choices 1-2 wait in the queue (--max-batch 1): 3
+    jobs queued, 3 aborted (the queued two were dropped uncounted: request_aborted rose by 1), streamed or not."""
+    settings = ServerSettings(max_queue=8, max_batch=1, poll_interval_s=0.05)
+    with LiveServer(create_app(llm, settings)) as s:
+        url = f"{s.url}/v1/chat/completions"
+        body = {"model": llm.model_name, "messages": CHAT, "max_tokens": 4000, "temperature": 0, "n": 3,
+                "ignore_eos": True, "treedraft": {"drafter": "none"}}  # fmt: skip
+
+        def settled() -> bool:
+            m = _metrics(s.url)
+            return _metric(m, "treedraft:num_requests_running") == 0 == _metric(m, "treedraft:num_requests_waiting")
+
+        for stream in (True, False):
+            before = _metrics(s.url)
+            if stream:
+                with (
+                    httpx.Client(timeout=REQUEST_TIMEOUT) as c,
+                    c.stream("POST", url, json=body | {"stream": True}) as r,
+                ):
+                    lines = r.iter_lines()
+                    while '"content": "' not in next(lines).replace('"content": ""', ""):
+                        pass  # choice 0 is decoding
+                    assert _metric(_metrics(s.url), "treedraft:num_requests_waiting") == 2
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(url, json=body, timeout=httpx.Timeout(10, read=1.5))
+            _wait_for(settled, "the dropped request's jobs to leave", 20)
+            after = _metrics(s.url)
+
+            def delta(name: str, after: dict = after, before: dict = before) -> float:
+                return _metric(after, name) - _metric(before, name)
+
+            assert delta("treedraft:num_requests_total") == 3, stream
+            assert delta("treedraft:request_aborted_total") == 3, stream
+            assert delta("treedraft:generation_tokens_total") < 4000, stream
+
+
 # ----------------------------------------------------------------------------- concurrency
 
 

@@ -465,6 +465,12 @@ class OpenAIServer:
         self.metrics.requests.inc()
         return job
 
+    def cancel(self, job: Job) -> None:
+        """Stop a job. One still waiting in the queue is counted as aborted here: it never reaches the worker, which
+        counts the others (a request's every choice is a job: an n=3 request dropped while queued is 3 aborted)."""
+        if job.cancel():
+            self.metrics.aborted.inc()
+
     async def next_or_disconnect(self, job: Job, request: Request) -> Chunk | Done | Failed | None:
         """The worker's next item; None (and the job cancelled) once the client has gone.
 
@@ -479,8 +485,7 @@ class OpenAIServer:
                 return item
             job.checked_at = now
             if await request.is_disconnected():
-                if job.cancel():  # it never reached the worker, which counts the others
-                    self.metrics.aborted.inc()
+                self.cancel(job)
                 return None
             if item is not None:
                 return item
@@ -498,7 +503,7 @@ class OpenAIServer:
         finally:
             if not isinstance(first, (Chunk, Done)):  # an error, a failed job or a client gone: free every job
                 for _, j in jobs:
-                    j.cancel()
+                    self.cancel(j)
         if first is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         if isinstance(first, Failed):
@@ -506,7 +511,9 @@ class OpenAIServer:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         if jobs[0][0].stream:
-            return _JobStreamingResponse(self.stream_events(jobs, first, rid, created, chat), [j for _, j in jobs])
+            return _JobStreamingResponse(
+                self.stream_events(jobs, first, rid, created, chat), [j for _, j in jobs], self.cancel
+            )
         return await self.collect(request, jobs, first, rid, created, chat)
 
     # -- responses
@@ -534,7 +541,7 @@ class OpenAIServer:
                 done = done or end
         finally:
             for _, job in jobs:
-                job.cancel()  # a no-op once done; frees the worker on any other exit
+                self.cancel(job)  # a no-op once done; frees the worker on any other exit
         p = jobs[0][0]
         return JSONResponse(
             {
@@ -637,7 +644,7 @@ class OpenAIServer:
             for t in tasks:
                 t.cancel()
             for _, job in jobs:
-                job.cancel()
+                self.cancel(job)
 
     async def choice_events(
         self, job: Job, item: Chunk | Done | Failed | None, p: _Prepared, index: int, chat: bool

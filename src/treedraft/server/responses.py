@@ -4,7 +4,7 @@ streaming response that cancels its job however the response ends."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi.responses import StreamingResponse
 
@@ -69,15 +69,16 @@ def _sse(obj: dict | str) -> bytes:
 class _JobStreamingResponse(StreamingResponse):
     """A streaming response that cancels its jobs however the response ends (done, error, disconnect)."""
 
-    def __init__(self, content: AsyncIterator[bytes], jobs: list[Job]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], jobs: list[Job], cancel: Callable[[Job], object]) -> None:
+        """cancel: how a job is stopped (the app's, which counts a job dropped from the queue as aborted)."""
         super().__init__(
             content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
-        self.jobs = jobs
+        self.jobs, self.cancel = jobs, cancel
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             for job in self.jobs:
-                job.cancel()
+                self.cancel(job)
