@@ -444,6 +444,10 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
     ("completions", {"prompt": "hello there my good friend", "max_tokens": 4095}, 400, "max_tokens"),
+    # NaN / Infinity (Python's json writes them): "not a finite number", not "less than or equal to 2"
+    ("chat", {"messages": _HI, "temperature": float("nan")}, 400, "temperature"),
+    ("chat", {"messages": _HI, "top_p": float("inf")}, 400, "top_p"),
+    ("completions", {"prompt": "hi", "logit_bias": {"1": float("nan")}}, 400, "logit_bias.1"),
 ]
 
 
@@ -460,6 +464,8 @@ def test_bad_requests_get_openai_errors(
     r = httpx.post(url, content=content, headers={"Content-Type": "application/json"}, timeout=60)
     err = assert_error(r, status, param)
     assert err["type"] == "invalid_request_error"
+    if (b"NaN" in content or b"Infinity" in content) and param in ("temperature", "top_p", "logit_bias.1"):
+        assert "finite number" in err["message"], err
 
 
 def test_an_oversize_chunked_body_is_a_413_and_a_body_at_the_limit_is_read(server: LiveServer) -> None:

@@ -94,7 +94,7 @@ class APIError(Exception):
 
 # ----------------------------------------------------------------------------- request schemas
 
-_STRICT = ConfigDict(strict=True, extra="ignore")
+_STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class FunctionCall(BaseModel):
@@ -164,7 +164,8 @@ class TreedraftOptions(BaseModel):
 
 class CommonRequest(BaseModel):
     # unknown fields are kept (model_extra) so that reject_unsupported can name OpenAI's unsupported ones
-    model_config = ConfigDict(strict=True, extra="allow")
+    # allow_inf_nan False: a NaN temperature is "not a finite number", not "should be less than or equal to 2"
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
     model: str | None = None
     max_tokens: int | None = None
     # explicit JSON null means "default" for every optional field, as with OpenAI's API
