@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -252,3 +253,32 @@ def test_a_prompt_of_another_type_is_a_generation_error(bad) -> None:
 
     with pytest.raises(GenerationError, match="prompt must be a string or a list of chat messages"):
         tiny_llm().generate(bad)
+
+
+def test_load_arguments_the_drafter_does_not_read_are_warned_about(tmp_path) -> None:
+    """heads / suffix store settings given to a load whose drafter reads none of them warn, naming the drafters that
+    do (they were accepted silently); a drafter that reads them, or plain decoding, says nothing; --kv-dtype on the
+    hf runtime is refused before the load (it changed nothing there)."""
+    import warnings
+
+    from treedraft.api import warn_unread_args
+    from treedraft.drafters.registry import HEADS_DRAFTERS, SUFFIX_DRAFTERS
+
+    heads = str(Path(treedraft.__file__).parent / "heads" / "smollm2-135m-instruct")
+    with pytest.warns(UserWarning) as got:
+        llm = treedraft.load(drafter="prompt-lookup", heads=heads, suffix_share=True, suffix_store=str(tmp_path / "s"))
+    llm.close()
+    said = [str(w.message) for w in got]
+    for flag in ("--heads", "--suffix-share", "--suffix-store"):
+        assert any(m.startswith(flag) and "'prompt-lookup', which ignores it" in m for m in said), (flag, said)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in HEADS_DRAFTERS:
+            warn_unread_args(["--heads / heads="], type("D", (), {"name": name})())
+        for name in SUFFIX_DRAFTERS:
+            warn_unread_args(["--suffix-store / suffix_store="], type("D", (), {"name": name})())
+        warn_unread_args(["--heads / heads=", "--suffix-share / suffix_share="], None)
+    with pytest.warns(UserWarning, match="'suffix', which ignores it"):
+        warn_unread_args(["--heads / heads="], type("D", (), {"name": "suffix"})())
+    with pytest.raises(ValueError, match="hf runtime keeps transformers' cache"):
+        treedraft.load(runtime="hf", kv_dtype="float16", drafter=None)

@@ -309,6 +309,18 @@ def test_one_store_at_a_time_per_directory_and_add_after_close_reopens(tmp_path:
     assert [list(r.tokens) for r in SuffixStore(tmp_path).records()] == [[1, 2, 3], [4, 5], [6, 7]]
 
 
+def test_a_store_under_a_missing_directory_is_refused_and_a_new_one_is_announced(tmp_path: Path, capsys) -> None:
+    """A path whose parent does not exist (a typo) is refused instead of quietly starting an empty store there; a new
+    store in an existing directory says so once; reopening it says nothing."""
+    with pytest.raises(ValueError, match="parent directory .*nope.* does not exist"):
+        SuffixStore(tmp_path / "nope" / "store")
+    assert not (tmp_path / "nope").exists()
+    SuffixStore(tmp_path / "store").close()
+    assert "starting a new suffix store" in capsys.readouterr().err
+    SuffixStore(tmp_path / "store").close()
+    assert "starting a new suffix store" not in capsys.readouterr().err
+
+
 # ---- bound and tenancy ------------------------------------------------------------------------------------
 def test_eviction_keeps_the_bound_and_drops_the_oldest(tmp_path: Path) -> None:
     st_ = SuffixStore(tmp_path, max_tokens=100)

@@ -569,6 +569,11 @@ def load(
         if drafter is not None:
             llm.engine.drafter = llm.drafters.get(drafter)
             warn_unread_draft_args(draft_model, draft_weights, llm.engine.drafter)
+            unread = [flag for flag, given in (("--heads / heads=", heads not in (None, DEFAULT)),
+                                               ("--suffix-store / suffix_store=", suffix_store is not None),
+                                               ("--suffix-max-tokens / suffix_max_tokens=", suffix_max_tokens != 1_000_000),
+                                               ("--suffix-share / suffix_share=", suffix_share)) if given]  # fmt: skip
+            warn_unread_args(unread, llm.engine.drafter)
     except BaseException:
         store.close()
         raise
@@ -604,6 +609,22 @@ def warn_unread_draft_args(draft_model: str | None, draft_weights: str, drafter:
         f"load drafts with {name!r}, which ignores them (give --drafter draft-model or hybrid-draft)",
         stacklevel=3,
     )
+
+
+def warn_unread_args(flags: list[str], drafter: Any) -> None:
+    """Warn for each of ``flags`` (heads, suffix store settings) the loaded drafter does not read (a load for plain
+    decoding, drafter None, is left alone: a server's requests may still name a drafter that reads them)."""
+    from .drafters.registry import HEADS_DRAFTERS, SUFFIX_DRAFTERS
+
+    name = getattr(drafter, "name", None)
+    for flag in flags if drafter is not None else ():
+        readers = HEADS_DRAFTERS if flag.startswith("--heads") else SUFFIX_DRAFTERS
+        if name not in readers:
+            warnings.warn(
+                f"{flag} is read by the drafters {', '.join(readers)} only; this load drafts with {name!r}, which "
+                "ignores it (a server's requests may still name one of those)",
+                stacklevel=3,
+            )
 
 
 def load_tokenizer(path: Path, arch: str | None = None) -> Tokenizer:
@@ -654,6 +675,11 @@ def load_model(
     from .models.quant_load import resolve_weights  # --weights (issue 11): begin
 
     weights = resolve_weights(weights, runtime, dev, dt)  # end
+    if runtime == "hf" and kv_dtype != "auto":
+        raise ValueError(
+            f"kv_dtype {kv_dtype!r} (--kv-dtype) sets the own runtime's KV cache; the hf runtime keeps transformers' "
+            "cache in the model's dtype: drop it, or use runtime 'own' (--runtime own)"
+        )
     if runtime == "own":
         net, _meta = load_own(path, dt, dev, max_seq_len)
         net.kv_dtype = KV_DTYPES[kv_dtype]

@@ -17,6 +17,10 @@ from ..interfaces import Drafter, TargetModel
 
 DEFAULT = "default"
 NONE = "none"  # plain decoding: the factory returns None
+# the drafters that read a heads directory (--heads: Medusa heads, an EAGLE drafter) and those that read the suffix
+# store (--suffix-store / --suffix-max-tokens / --suffix-share): a load whose drafter reads neither says so
+HEADS_DRAFTERS = ("medusa", "hybrid", "hybrid-suffix", "eagle", "eagle-lookup", "hybrid-eagle")
+SUFFIX_DRAFTERS = ("suffix", "hybrid-suffix", "hybrid-eagle", "hybrid-draft")
 ALIASES: dict[str, str] = {"plain": NONE}  # alias -> registered name
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import sys
 import threading
 import warnings
 import weakref
@@ -273,7 +274,14 @@ class SuffixStore:
         """Take the directory (one store at a time: two writers handed out the same sequence numbers and one's
         records were lost) and load it."""
         assert self.path is not None
-        self.path.mkdir(parents=True, exist_ok=True)
+        if not self.path.is_dir():
+            if not self.path.parent.is_dir():  # a mistyped path would quietly start a new, empty store
+                raise ValueError(
+                    f"suffix store {self.path}: its parent directory {self.path.parent} does not exist; create it "
+                    "first, or check the path"
+                )
+            self.path.mkdir(exist_ok=True)
+            print(f"treedraft: starting a new suffix store in {self.path}", file=sys.stderr, flush=True)
         f = open(self.path / "lock", "a+")  # held open while the store is: its lock
         if fcntl is not None:
             try:
