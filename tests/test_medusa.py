@@ -507,3 +507,16 @@ def test_top_k_rows_ranks_like_a_stable_sort() -> None:
     x[0, 4] = 1.0
     got = top_k_rows(x, 3)[0]
     assert got[0] == 4 and len(set(got)) == 3
+
+
+def test_a_heads_path_that_is_missing_or_a_file_says_so(tmp_path) -> None:
+    """--heads pointing nowhere or at a file: the error says which (both read 'no medusa.json' before)."""
+    from treedraft.drafters.medusa import MedusaHeads
+
+    with pytest.raises(FileNotFoundError, match="heads directory .*nowhere does not exist"):
+        MedusaHeads.load(tmp_path / "nowhere", None)
+    (tmp_path / "f.md").write_text("x")
+    with pytest.raises(FileNotFoundError, match="heads directory .*f.md is a file"):
+        MedusaHeads.load(tmp_path / "f.md", None)
+    with pytest.raises(FileNotFoundError, match="no medusa.json"):
+        MedusaHeads.load(tmp_path, None)

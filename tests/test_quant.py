@@ -507,3 +507,19 @@ def test_auto_times_int4_with_its_measured_q4_tiles(tmp_path, monkeypatch) -> No
     assert not any(k.startswith("q4_pair@") for k in info)
     again = quant_load.apply_weights(_tiny(), None, "int4")
     assert again["q4_pair"] is False and len(measured) == 1  # reused from the auto measurement
+
+
+def test_int_weights_elsewhere_name_the_setting_to_change() -> None:
+    """int4 / int8 off the own runtime on the CPU in float32: the error names the one setting in the way (it told an hf
+    runtime user to pass --device cpu --dtype fp32, which changed nothing)."""
+    from treedraft.models.quant_load import resolve_weights
+
+    for args, fix in (
+        (("hf", "cpu", torch.float32), "--runtime own"),
+        (("own", "cuda", torch.float32), "--device cpu"),
+        (("own", "cpu", torch.bfloat16), "--dtype fp32"),
+    ):
+        with pytest.raises(ValueError, match=f"use --weights fp32 or auto, or {fix}"):
+            resolve_weights("int4", *args)
+        assert resolve_weights("auto", *args) == "fp32"
+    assert resolve_weights("int8", "own", "cpu", torch.float32) == "int8"

@@ -398,11 +398,12 @@ def load_draft_model(
     tw = (getattr(target, "weights_info", None) or {}).get("resolved", "fp32")
     same_file = bool(target_model) and resolve(target_model).resolve() == path.resolve()
     if same_file and tw == w:
-        hint = (
-            "load the target with --weights fp32 (or int8) to draft with its int4 copy, or give a smaller --draft-model"
-            if dev.type == "cpu"
-            else f"give a smaller --draft-model (int4 / int8 drafts run on the CPU only, the target is on {dev})"
-        )
+        if dev.type != "cpu":
+            hint = f"give a smaller --draft-model (int4 / int8 drafts run on the CPU only, the target is on {dev})"
+        elif w in ("int4", "int8"):
+            hint = "load the target with --weights fp32 (or int8) to draft with its int4 copy, or give a smaller --draft-model"
+        else:  # a float target asked to draft with float weights
+            hint = "give --draft-weights int4 or int8 (auto: int4), or a smaller --draft-model"
         raise DraftModelError(
             f"the draft model would be the target itself in the target's own weights ({w}), which cannot draft "
             f"faster than it decodes: {hint}"

@@ -290,6 +290,9 @@ class MedusaHeads(nn.Module):
         from safetensors.torch import load_file
 
         d = Path(d)
+        if not d.is_dir():
+            what = "is a file" if d.exists() else "does not exist"
+            raise FileNotFoundError(f"heads directory {d} {what}; give the directory `treedraft train-heads` wrote")
         if not (d / "medusa.json").is_file():
             raise FileNotFoundError(f"{d}: no medusa.json; expected a directory written by `treedraft train-heads`")
         try:

@@ -451,9 +451,16 @@ def resolve_weights(weights: str, runtime: str, device: str, dtype: torch.dtype)
     if where is None:
         return weights
     if weights in ("int4", "int8"):
+        fix = (
+            "--runtime own (or auto)"
+            if runtime != "own"
+            else "--device cpu"
+            if not str(device).startswith("cpu")
+            else "--dtype fp32 (or auto)"
+        )
         raise ValueError(
             f"weights {weights!r} run on the own runtime on cpu in float32, not with {where}; "
-            "use --weights fp32 or auto, or --device cpu --dtype fp32"
+            f"use --weights fp32 or auto, or {fix}"
         )
     return "fp32"
 
