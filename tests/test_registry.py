@@ -185,3 +185,34 @@ def test_publish_dir_replaces_a_leftover_and_keeps_a_concurrent_publication(tmp_
     assert (out / "tokenizer.json").read_text() == "first" and not tmp.exists()
     (tmp_path / "lone").mkdir()  # a temporary without the marker publishes nothing usable
     assert not publish_dir(tmp_path / "lone", tmp_path / "empty", "tokenizer.json")
+
+
+def test_the_files_a_drafter_needs_are_checked_before_the_model_loads(tmp_path, monkeypatch) -> None:
+    """A drafter whose heads are not shipped for the model, or a --heads path that is missing, a file, or holds
+    the other kind of drafter, fails in load() before the model load (it took 11-73 s of load and first-use
+    measurements before saying so); the shipped SmolLM2 files pass."""
+    import treedraft
+    import treedraft.api as api
+    from treedraft.drafters.registry import DrafterOptions, check_files
+
+    for name in ("medusa", "hybrid", "hybrid-suffix", "eagle", "eagle-lookup", "hybrid-eagle", "suffix", "none"):
+        check_files(name, DrafterOptions("smollm2-135m-instruct"))
+        if name not in ("suffix", "none"):
+            with pytest.raises(FileNotFoundError, match="(are|is) shipped for 'gemma-3-270m'"):
+                check_files(name, DrafterOptions("gemma-3-270m"))
+    check_files("prompt-lookup", DrafterOptions("gemma-3-270m"))
+    (tmp_path / "file").write_text("x")
+    for heads, match in ((tmp_path / "none", "does not exist"), (tmp_path / "file", "is a file")):
+        with pytest.raises(FileNotFoundError, match=match):
+            check_files("prompt-lookup", DrafterOptions("smollm2-135m-instruct", str(heads)))
+    with pytest.raises(FileNotFoundError, match="no medusa.json"):
+        check_files("medusa", DrafterOptions("smollm2-135m-instruct", str(tmp_path)))
+    with pytest.raises(FileNotFoundError, match="holds no eagle.json"):
+        check_files("eagle", DrafterOptions("smollm2-135m-instruct", str(tmp_path)))
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(api, "load_model", no_load)
+    with pytest.raises(FileNotFoundError, match="no Medusa heads are shipped for 'gemma-3-270m'"):
+        treedraft.load("gemma-3-270m", drafter="hybrid-suffix")

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .drafters.registry import DEFAULT, DrafterCache, DrafterOptions, canonical
+from .drafters.registry import DEFAULT, DrafterCache, DrafterOptions, canonical, check_files
 from .engine import Engine, GenerationConfig, GenerationStats
 from .grammar import JsonGrammar
 from .interfaces import Drafter, GenerationError
@@ -542,8 +542,11 @@ def load(
     check_draft_args(draft_model, draft_weights, drafter)  # before the slow model load, as the drafter's name
     if draft_model is not None and drafter == DEFAULT:
         drafter = "hybrid-draft"  # a draft model given is the one to draft with (with suffix chains: registry)
-    if isinstance(drafter, str):
-        canonical(drafter)  # an unknown drafter name fails here, before the slow model load
+    if isinstance(drafter, str):  # an unknown drafter name, or heads it needs and lacks, fail before the slow load
+        name = canonical(drafter)
+        check_files(
+            name, DrafterOptions(model_name=model if not Path(model).exists() else str(resolve(model)), heads=heads)
+        )
     store = open_suffix_store(suffix_store, suffix_max_tokens, suffix_share)  # before the slow model load
     try:  # a load that fails lets go of the store's directory (a retry would find it held, with nothing to close)
         if threads is not None:

@@ -218,10 +218,7 @@ def _medusa(target: TargetModel, tokenizer: Any, options: DrafterOptions, latenc
 
     d = heads_dir(options)
     if d is None:
-        raise FileNotFoundError(
-            f"no Medusa heads are shipped for {options.model_name!r}; "
-            "train some with `treedraft train-heads` and pass --heads DIR"
-        )
+        raise FileNotFoundError(_no_medusa(options))
     # with the curve (the paid hybrids): the projection's copy that drafts faster here (drafters/draft_format.py)
     return MedusaDrafter.for_target(target, d, options.model_name, latency=latency)
 
@@ -320,6 +317,50 @@ def _hybrid_suffix(target: TargetModel, tokenizer: Any, options: DrafterOptions)
     return HybridDrafter([medusa, suffix], name="hybrid-suffix", lead_extra=0, latency=latency)
 
 
+MEDUSA_DRAFTERS = ("medusa", "hybrid", "hybrid-suffix")  # drafters with Medusa heads
+EAGLE_DRAFTERS = ("eagle", "eagle-lookup", "hybrid-eagle")  # drafters with an EAGLE drafter
+
+
+def _no_medusa(options: DrafterOptions) -> str:
+    return (
+        f"no Medusa heads are shipped for {options.model_name!r}; "
+        "train some with `treedraft train-heads` and pass --heads DIR"
+    )
+
+
+def _no_eagle(options: DrafterOptions) -> str:
+    from .eagle import EAGLE_JSON
+
+    if options.heads not in (None, DEFAULT):
+        return (
+            f"--heads {options.heads} holds no {EAGLE_JSON}, so it is no EAGLE drafter (Medusa heads?); pass the "
+            "directory `treedraft train-eagle` wrote, or leave --heads out for the shipped EAGLE drafter"
+        )
+    return (
+        f"no EAGLE drafter is shipped for {options.model_name!r}; "
+        f"train one with `treedraft train-eagle` and pass --heads DIR (the directory holding {EAGLE_JSON})"
+    )
+
+
+def check_files(name: str, options: DrafterOptions) -> None:
+    """What drafter ``name`` reads from disk (the heads directory; shipped Medusa heads or EAGLE drafter), checked
+    before the slow model load and first-use measurements: a FileNotFoundError saying what is missing (the same the
+    drafter's build would raise, tens of seconds later)."""
+    if options.heads not in (None, DEFAULT) and not Path(options.heads).is_dir():
+        what = "is a file" if Path(options.heads).exists() else "does not exist"
+        raise FileNotFoundError(
+            f"--heads {options.heads} {what}; give the directory `treedraft train-heads` or `train-eagle` wrote"
+        )
+    if name in MEDUSA_DRAFTERS:
+        d = heads_dir(options)
+        if d is None:
+            raise FileNotFoundError(_no_medusa(options))
+        if not (d / "medusa.json").is_file():
+            raise FileNotFoundError(f"{d}: no medusa.json; expected a directory written by `treedraft train-heads`")
+    if name in EAGLE_DRAFTERS and eagle_dir(options) is None:
+        raise FileNotFoundError(_no_eagle(options))
+
+
 def eagle_dir(options: DrafterOptions) -> Path | None:
     """The EAGLE drafter directory: ``--heads DIR`` when it holds an eagle.json; with no ``--heads``, the shipped
     one; else None. A ``--heads DIR`` without one (Medusa heads of the user's) is never replaced by the shipped
@@ -332,19 +373,11 @@ def eagle_dir(options: DrafterOptions) -> Path | None:
 
 
 def _eagle(target: TargetModel, tokenizer: Any, options: DrafterOptions) -> Any:
-    from .eagle import EAGLE_JSON, EagleDrafter
+    from .eagle import EagleDrafter
 
     d = eagle_dir(options)
-    if d is None and options.heads not in (None, DEFAULT):
-        raise FileNotFoundError(
-            f"--heads {options.heads} holds no {EAGLE_JSON}, so it is no EAGLE drafter (Medusa heads?); pass the "
-            "directory `treedraft train-eagle` wrote, or leave --heads out for the shipped EAGLE drafter"
-        )
     if d is None:
-        raise FileNotFoundError(
-            f"no EAGLE drafter is shipped for {options.model_name!r}; "
-            "train one with `treedraft train-eagle` and pass --heads DIR (the directory holding eagle.json)"
-        )
+        raise FileNotFoundError(_no_eagle(options))
     name = options.model_name or None
     eagle = EagleDrafter.for_target(target, d, name)
     if eagle.curve is not None:  # sized by this machine's curve: its own drafting priced the same way
