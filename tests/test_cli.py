@@ -415,3 +415,36 @@ def test_chat_refuses_a_message_too_long_alone_and_keeps_the_conversation(capsys
     r = run_in_process(capsys, "chat", "--max-new-tokens", "4")
     assert r.returncode == 0 and "this message alone takes 61 of the window's 40 tokens" in r.stderr
     assert prompts == [["first"], ["first", "ok", "second"]]  # the long one never ran; the first turn was kept
+
+
+def test_notes_after_load_say_what_the_model_or_drafter_makes_of_the_flags(capsys) -> None:
+    """A model without a chat template takes the prompt raw (generate did so silently while chat refused); --prediction
+    with a drafter that does not search it, and --max-tree-nodes with plain decoding, change nothing: each is said."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from treedraft.cli import notes_after_load
+
+    def llm(chat: bool, drafter: str | None):
+        return SimpleNamespace(
+            model_name="m",
+            tokenizer=SimpleNamespace(is_chat=chat),
+            engine=SimpleNamespace(drafter=None if drafter is None else SimpleNamespace(name=drafter)),
+        )
+
+    def notes(a: Namespace, model) -> str:
+        notes_after_load(a, model)
+        return capsys.readouterr().err
+
+    quiet = Namespace(raw=False, prediction=None, max_tree_nodes=64)
+    assert notes(quiet, llm(True, "hybrid-suffix")) == ""
+    assert "has no chat template: the prompt is used as raw text" in notes(quiet, llm(False, "prompt-lookup"))
+    assert notes(Namespace(raw=True, prediction=None, max_tree_nodes=64), llm(False, "prompt-lookup")) == ""
+    pred = Namespace(raw=False, prediction="old.py", max_tree_nodes=64)
+    for name in ("medusa", "eagle", "draft-model", None):
+        assert "--prediction is searched by the drafters" in notes(pred, llm(True, name)), name
+    for name in ("prompt-lookup", "hybrid-suffix", "hybrid-draft", "suffix"):
+        assert notes(pred, llm(True, name)) == "", name
+    nodes = Namespace(raw=False, prediction=None, max_tree_nodes=16)
+    assert "--max-tree-nodes sizes draft trees" in notes(nodes, llm(True, None))
+    assert notes(nodes, llm(True, "medusa")) == ""

@@ -383,8 +383,30 @@ def cmd_generate(a: argparse.Namespace) -> int:
     t = time.perf_counter()
     llm = load_from_args(a)
     print(f"[loaded {llm.model_name} in {time.perf_counter() - t:.1f}s]", file=sys.stderr)
+    notes_after_load(a, llm)
     _run_stream(llm, a.prompt, kw, a.raw)
     return 0
+
+
+def notes_after_load(a: argparse.Namespace, llm: Any) -> None:
+    """What the loaded model or drafter makes of the flags, said rather than silently changed or ignored: a model
+    without a chat template takes the prompt as raw text; --prediction is searched only by the drafters with prompt
+    lookup or suffix branches; plain decoding drafts no tree for --max-tree-nodes to size."""
+    from .drafters.registry import PREDICTION_DRAFTERS
+
+    name = getattr(llm.engine.drafter, "name", "none") if llm.engine.drafter is not None else "none"
+    notes = []
+    if not getattr(a, "raw", True) and llm.tokenizer is not None and not llm.tokenizer.is_chat:
+        notes.append(f"{llm.model_name} has no chat template: the prompt is used as raw text (as with --raw)")
+    if getattr(a, "prediction", None) and name not in PREDICTION_DRAFTERS:
+        notes.append(
+            f"--prediction is searched by the drafters {', '.join(PREDICTION_DRAFTERS)}; drafter {name!r} does not "
+            "read it (the answer is the same, only not sped up by it)"
+        )
+    if name == "none" and a.max_tree_nodes != 64:
+        notes.append("--max-tree-nodes sizes draft trees; plain decoding (drafter none) drafts none")
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
 
 
 def fit_history(messages: list[dict], head: int, count: Callable[[list[dict]], int], limit: int) -> int:
@@ -405,6 +427,7 @@ CHAT_HELP = "treedraft chat: empty line or Ctrl-D to quit, /reset to clear the c
 def cmd_chat(a: argparse.Namespace) -> int:
     kw = check_gen_args(a)
     llm = load_from_args(a)
+    notes_after_load(a, llm)
     if not llm.tokenizer.is_chat:
         print(f"error: {llm.model_name} has no chat template; use `treedraft generate --raw`", file=sys.stderr)
         return 2

@@ -21,6 +21,8 @@ NONE = "none"  # plain decoding: the factory returns None
 # store (--suffix-store / --suffix-max-tokens / --suffix-share): a load whose drafter reads neither says so
 HEADS_DRAFTERS = ("medusa", "hybrid", "hybrid-suffix", "eagle", "eagle-lookup", "hybrid-eagle")
 SUFFIX_DRAFTERS = ("suffix", "hybrid-suffix", "hybrid-eagle", "hybrid-draft")
+# the drafters that search a predicted output (OpenAI's prediction, --prediction): prompt lookup or suffix members
+PREDICTION_DRAFTERS = ("prompt-lookup", "hybrid", "eagle-lookup", *SUFFIX_DRAFTERS)
 ALIASES: dict[str, str] = {"plain": NONE}  # alias -> registered name
 
 
