@@ -136,19 +136,21 @@ def add_suffix_args(p: argparse.ArgumentParser) -> None:
         "--suffix-store",
         default=None,
         metavar="DIR",
-        help="drafter suffix: keep earlier outputs in DIR across restarts (default: in memory)",
+        help="drafters with suffix branches (suffix, hybrid-suffix: the default, hybrid-eagle, hybrid-draft): keep "
+        "earlier outputs in DIR across restarts (default: in memory)",
     )
     p.add_argument(
         "--suffix-max-tokens",
         type=int,
         default=1_000_000,
         metavar="N",
-        help="drafter suffix: tokens kept at most per tenant, that tenant's oldest requests evicted first",
+        help="drafters with suffix branches: tokens kept at most per tenant, that tenant's oldest requests evicted "
+        "first (default 1000000)",
     )
     p.add_argument(
         "--suffix-share",
         action="store_true",
-        help="drafter suffix: every tenant drafts from every tenant's outputs (default: its own only; "
+        help="drafters with suffix branches: every tenant drafts from every tenant's outputs (default: its own only; "
         "outputs stay exact, but speed would reveal what others generated)",
     )
 

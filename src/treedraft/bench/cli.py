@@ -125,6 +125,22 @@ def fresh_drafter_state(a: argparse.Namespace) -> bool:
     return fresh
 
 
+def quiet_transformers_bars() -> None:
+    """No progress bars from transformers' loads: its own (hf logging) and the GGUF conversion's plain tqdm."""
+    import functools
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # (no gguf support installed: no such bar)
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None and not isinstance(bar, functools.partial):
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     """`treedraft bench`: load, build methods, run interleaved, write the report."""
     import torch
@@ -134,6 +150,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from ..models.registry import resolve
 
     methods_wanted = parse_methods(a.methods)
+    if a.no_progress:  # the hf baseline's load draws transformers' own bars ("Loading weights", GGUF conversion)
+        quiet_transformers_bars()
     if a.threads is not None:
         if a.threads < 1:
             raise BenchError(f"--threads must be >= 1, got {a.threads}")
@@ -376,7 +394,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     b.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs per method")
     b.add_argument("--model", default=DEFAULT_MODEL, help="registry name, .gguf file or HF directory")
-    b.add_argument("--heads", default="default", help="Medusa heads directory (default: the shipped ones)")
+    b.add_argument(
+        "--heads", default="default", help="Medusa heads and/or EAGLE drafter directory (default: the shipped ones)"
+    )
     b.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     b.add_argument("--dtype", default="fp32", help="fp32 (default, as the HF baseline), bf16, fp16, auto")
     b.add_argument("--runtime", default="auto", help="own, hf or auto (treedraft's target runtime)")

@@ -175,7 +175,7 @@ class SuffixStore:
         fsync: bool = True,
     ) -> None:
         if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens} (--suffix-max-tokens)")
+            raise ValueError(f"suffix_max_tokens (--suffix-max-tokens) must be >= 1, got {max_tokens}")
         self.path = Path(path) if path is not None else None
         self.max_tokens, self.share, self.fsync = max_tokens, share, fsync
         self.snapshot_every = snapshot_every

@@ -166,7 +166,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=64,
         help="tree size budget, root included (like --max-tree-nodes): at most N-1 draft nodes",
     )
-    c.add_argument("--context", type=int, default=512)
+    c.add_argument(
+        "--context", type=int, default=512, help="KV cache length the forward latency is measured at (default 512)"
+    )
     c.add_argument("--check-prompts", type=int, default=4, help="MT-Bench prompts to measure the chosen tree on")
     c.add_argument(
         "--check-file",
