@@ -163,7 +163,6 @@ def test_64_concurrent_streams_equal_their_solo_outputs() -> None:
 
 def test_serve_cli_batching_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """--max-batch / --step-rows / --prefill-chunk reach the settings; bad values are refused with a message."""
-    import uvicorn
 
     import treedraft.cli
     import treedraft.server.cli as serve_cli
@@ -172,7 +171,7 @@ def test_serve_cli_batching_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytes
     got: dict = {}
     monkeypatch.setattr(treedraft.cli, "load_from_args", lambda a: native_tiny_llm())
     monkeypatch.setattr(serve_cli, "create_app", lambda llm, settings: got.setdefault("settings", settings))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    monkeypatch.setattr(serve_cli, "run_server", lambda *a: None)
     assert main(["serve", "--max-batch", "3", "--step-rows", "12", "--prefill-chunk", "0"]) == 0
     s = got.pop("settings")
     assert (s.max_batch, s.step_rows, s.prefill_chunk) == (3, 12, None)
@@ -214,7 +213,6 @@ def test_repeated_prompts_reuse_the_prefix_cache_and_keep_their_solo_text() -> N
 
 def test_serve_cli_prefix_cache_flag(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """--prefix-cache-mb reaches the settings and the scheduler's byte limit (0 = off); a negative one is refused."""
-    import uvicorn
 
     import treedraft.cli
     import treedraft.server.cli as serve_cli
@@ -225,7 +223,7 @@ def test_serve_cli_prefix_cache_flag(monkeypatch: pytest.MonkeyPatch, capsys: py
     got: dict = {}
     monkeypatch.setattr(treedraft.cli, "load_from_args", lambda a: native_tiny_llm())
     monkeypatch.setattr(serve_cli, "create_app", lambda llm, settings: got.setdefault("settings", settings))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    monkeypatch.setattr(serve_cli, "run_server", lambda *a: None)
     for args, mb in (([], 256), (["--prefix-cache-mb", "0"], 0), (["--prefix-cache-mb", "3"], 3)):
         assert main(["serve", "--step-rows", "8", *args]) == 0
         s = got.pop("settings")

@@ -194,7 +194,6 @@ def test_every_key_is_compared(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_serve_cli_takes_keys_from_flags_and_env(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    import uvicorn
 
     import treedraft.cli
     import treedraft.server.cli as serve_cli
@@ -202,19 +201,24 @@ def test_serve_cli_takes_keys_from_flags_and_env(
     got = {}
     monkeypatch.setattr(treedraft.cli, "load_from_args", lambda a: tiny_llm())
     monkeypatch.setattr(serve_cli, "create_app", lambda llm, settings: got.setdefault("settings", settings))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.setdefault("run", kw))
+    monkeypatch.setattr(serve_cli, "run_server", lambda *a: got.setdefault("run", a))
     monkeypatch.setenv("TREEDRAFT_API_KEYS", "env-key-1, env-key-2,")
     assert main(["serve", "--api-key", "flag-key", "--protect-health-metrics"]) == 0
     s = got["settings"]
     assert s.api_keys == ("flag-key", "env-key-1", "env-key-2") and s.protect_health_metrics
     assert "flag-key" not in repr(s), "keys must not show up in logs of the settings"
-    assert got["run"]["host"] == "127.0.0.1"
+    assert got["run"][1:] == ("127.0.0.1", 8000, "info", 30.0)  # app, host, port, log level, --shutdown-timeout
     monkeypatch.delenv("TREEDRAFT_API_KEYS")
     got.clear()
     assert main(["serve", "--protect-health-metrics"]) == 2
     assert "--api-key" in capsys.readouterr().err and not got
     assert main(["serve", "--api-key", " padded "]) == 2
     assert "whitespace" in capsys.readouterr().err
+    got.clear()
+    assert main(["serve", "--shutdown-timeout", "5"]) == 0 and got["run"][4] == 5.0
+    got.clear()
+    assert main(["serve", "--shutdown-timeout", "0.5"]) == 2 and not got
+    assert "--shutdown-timeout must be at least 1 s" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- metrics

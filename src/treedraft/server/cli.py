@@ -64,8 +64,6 @@ def _import_ray_serve() -> Any:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     """`treedraft serve`: load the model and run uvicorn until interrupted (with --ray: N replicas on Ray Serve)."""
-    import uvicorn
-
     from ..cli import load_from_args
 
     settings = settings_from_args(a)
@@ -88,12 +86,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
         a.port,
         f"{len(set(settings.api_keys))} API key(s)" if settings.api_keys else "no API key required",
     )
-    app = create_app(llm, settings)
-    cfg = uvicorn.Config(
-        app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=a.shutdown_timeout
-    )
-    draining_server(cfg, lambda: app.state.treedraft.drain(a.shutdown_timeout - DRAIN_MARGIN_S)).run()
+    run_server(create_app(llm, settings), a.host, a.port, a.log_level, a.shutdown_timeout)
     return 0
+
+
+def run_server(app: Any, host: str, port: int, log_level: str, shutdown_s: float) -> None:
+    """Serve ``app`` with uvicorn until a shutdown, which lets running requests finish for ``shutdown_s`` seconds
+    (those still running 1 s before its end get a 503: :func:`draining_server`)."""
+    import uvicorn
+
+    cfg = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_s)
+    draining_server(cfg, lambda: app.state.treedraft.drain(shutdown_s - DRAIN_MARGIN_S)).run()
 
 
 DRAIN_MARGIN_S = 1.0  # requests still going this long before the grace period ends get their 503 (time to send it)
