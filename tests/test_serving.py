@@ -218,7 +218,8 @@ def test_serve_cli_takes_keys_from_flags_and_env(
     assert main(["serve", "--shutdown-timeout", "5"]) == 0 and got["run"][4] == 5.0
     got.clear()
     assert main(["serve", "--shutdown-timeout", "0.5"]) == 2 and not got
-    assert "--shutdown-timeout must be at least 1 s" in capsys.readouterr().err
+    assert "--shutdown-timeout must be 1 to 86400 s" in capsys.readouterr().err
+    assert main(["serve", "--shutdown-timeout", "inf"]) == 2 and not got  # a timer of inf seconds overflowed
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -1550,49 +1551,88 @@ def test_a_large_prompt_being_tokenized_does_not_hold_up_small_requests(server: 
     assert out and out[0].status_code < 500, out
 
 
-def test_a_shutdown_answers_unfinished_requests_with_a_503(llm: LLM) -> None:
-    """When a shutdown's grace period runs out, requests still decoding get a 503 ``server_shutting_down`` error
-    (JSON, or an error event closing the stream) instead of a cut connection or uvicorn's plain-text 500, and the
-    worker fails the next ones too; the serve command's uvicorn server calls the drain as its shutdown begins."""
+def test_a_shutdown_answers_unfinished_requests_with_a_503(llm: LLM, monkeypatch) -> None:
+    """When a shutdown's grace period runs out, requests still decoding or waiting get a 503 ``server_shutting_down``
+    error (JSON, or an error event closing the stream) instead of a cut connection or uvicorn's plain-text 500, at
+    once even while the worker is inside a long step, and later ones too; they count as failures, not aborts. The
+    serve command's uvicorn server calls the drain as its shutdown begins, before the app's own shutdown."""
     import threading
+    from types import SimpleNamespace
 
     import uvicorn
 
-    from treedraft.server.cli import draining_server
+    import treedraft.server.cli as serve_cli
+    from treedraft.server.cli import draining_server, run_server
 
-    with LiveServer(create_app(llm, ServerSettings(poll_interval_s=0.05))) as s:
+    with LiveServer(create_app(llm, ServerSettings(poll_interval_s=0.05, max_batch=2))) as s:
         srv = s.app.state.treedraft
-        step = srv.worker._step
-        srv.worker._step = lambda: (time.sleep(0.02), step())[1]  # slow steps: the requests are still running
+        step, gate = srv.worker._step, threading.Event()
+        gate.set()
+        srv.worker._step = lambda: (gate.wait(60), time.sleep(0.02), step())[2]  # slow steps; a closed gate: a long one
         url = f"{s.url}/v1/chat/completions"
         body = {"model": "tiny", "messages": CHAT, "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+        before = scrape(s.url)
         out: list[httpx.Response] = []
-        t = threading.Thread(target=lambda: out.append(httpx.post(url, json=body, timeout=TIMEOUT)))
-        t.start()
+        posts = [threading.Thread(target=lambda: out.append(httpx.post(url, json=body, timeout=TIMEOUT)))]
+        posts.append(threading.Thread(target=lambda: out.append(httpx.post(url, json=body, timeout=TIMEOUT))))
+        posts[0].start()
         events = []
         with httpx.stream("POST", url, json=body | {"stream": True}, timeout=TIMEOUT) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     events.append(json.loads(line[6:]))
-                    if len(events) == 3:
+                    if len(events) == 3:  # two running (the batch), one waiting; then the worker's step hangs
+                        posts[1].start()
+                        wait_for(lambda: len(srv.worker.queue) == 1, "the third request to wait", 30)
+                        gate.clear()
                         srv.drain(0.0)
-        t.join(60)
-        assert_error(out[0], 503)
-        assert out[0].json()["error"]["code"] == "server_shutting_down"
+        for t in posts:
+            t.join(30)
+        assert len(out) == 2 and not gate.is_set()  # all answered while the worker was still inside its step
+        gate.set()
+        for r in out:
+            assert_error(r, 503)
+            assert r.json()["error"]["code"] == "server_shutting_down"
         assert "error" in events[-1] and events[-1]["error"]["code"] == "server_shutting_down", events[-1]
         assert len(events) < 100  # cut well before max_tokens
         assert_error(httpx.post(url, json=body | {"max_tokens": 2}, timeout=TIMEOUT), 503)  # still shutting down
+        wait_for(lambda: not srv.worker.running, "the worker to drop the failed jobs", 30)
+        after = scrape(s.url)
+        aborted = metric(after, "treedraft:request_aborted_total") - metric(before, "treedraft:request_aborted_total")
+        failed = metric(after, "treedraft:request_errors_total", status="503")
+        assert aborted == 0 and failed == 4 - metric(before, "treedraft:request_errors_total", status="503")
 
-    called = []
+    order: list[str] = []
+
+    async def app(scope, receive, send) -> None:  # lifespan only: records when the app's shutdown comes
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                order.append("app shutdown")
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = draining_server(uvicorn.Config(lambda *a: None, log_level="warning"), lambda: called.append(1))
+    server = draining_server(uvicorn.Config(app, log_level="warning", lifespan="on"), lambda: order.append("drain"))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started and not called
+    wait_for(lambda: server.started, "uvicorn to start", 30)
+    assert not order
     server.should_exit = True
     th.join(30)
-    assert called == [1]
+    assert order == ["drain", "app shutdown"]
+    # run_server: uvicorn's grace period is --shutdown-timeout, the app drains 1 s before it ends
+    made: dict = {}
+    fake_server = SimpleNamespace(run=lambda: None)
+    monkeypatch.setattr(
+        serve_cli, "draining_server", lambda cfg, drain: made.update(cfg=cfg, drain=drain) or fake_server
+    )
+    drains: list[float] = []
+    fake = SimpleNamespace(state=SimpleNamespace(treedraft=SimpleNamespace(drain=drains.append)))
+    run_server(fake, "127.0.0.1", 0, "warning", 7.0)
+    assert made["cfg"].timeout_graceful_shutdown == 7.0 and made["cfg"].host == "127.0.0.1"
+    made["drain"]()
+    assert drains == [6.0]

@@ -153,6 +153,7 @@ class OpenAIServer:
         # requests of more than LARGE_INPUT_CHARS characters tokenize on their own thread: a few megabytes of text take
         # seconds, and everyone else's requests would queue behind them
         self.large_pool = ThreadPoolExecutor(1, "treedraft-tokenize-large")
+        self._drain_timer: threading.Timer | None = None  # a shutdown's grace period (drain)
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
         tok = llm.tokenizer
         added = getattr(getattr(tok, "hf", None), "added_tokens_decoder", None) or {}
@@ -188,10 +189,13 @@ class OpenAIServer:
         timer = threading.Timer(max(0.0, grace_s), self.worker.fail_all, (err,))
         timer.daemon = True
         timer.start()
+        self._drain_timer = timer
         return timer
 
     def stop(self) -> None:
         """Stop the worker and the tokenizer thread (app shutdown)."""
+        if self._drain_timer is not None:  # the shutdown ended before its grace period did
+            self._drain_timer.cancel()
         self.worker.stop()
         self.tok_pool.shutdown(wait=False, cancel_futures=True)
         self.large_pool.shutdown(wait=False, cancel_futures=True)

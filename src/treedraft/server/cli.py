@@ -38,8 +38,12 @@ def settings_from_args(a: argparse.Namespace) -> ServerSettings:
         raise ValueError(f"--protect-health-metrics needs at least one key: give --api-key or set ${ENV_KEYS}")
     if a.threads is not None and a.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {a.threads}")
-    if not a.shutdown_timeout >= DRAIN_MARGIN_S:
-        raise ValueError(f"--shutdown-timeout must be at least {DRAIN_MARGIN_S:g} s, got {a.shutdown_timeout}")
+    if not DRAIN_MARGIN_S <= a.shutdown_timeout <= MAX_SHUTDOWN_S:
+        raise ValueError(
+            f"--shutdown-timeout must be {DRAIN_MARGIN_S:g} to {MAX_SHUTDOWN_S:g} s, got {a.shutdown_timeout}"
+        )
+    if a.ray and a.shutdown_timeout != DEFAULT_SHUTDOWN_S:
+        raise ValueError("--shutdown-timeout is the single-process server's; Ray Serve shuts its replicas down itself")
     if not 0 <= a.port <= 65535:  # said before the model load (bind() raised OverflowError after it)
         raise ValueError(f"--port must be in 0..65535, got {a.port}")
     return settings
@@ -100,6 +104,8 @@ def run_server(app: Any, host: str, port: int, log_level: str, shutdown_s: float
 
 
 DRAIN_MARGIN_S = 1.0  # requests still going this long before the grace period ends get their 503 (time to send it)
+DEFAULT_SHUTDOWN_S = 30.0
+MAX_SHUTDOWN_S = 86400.0  # a day (a timer of inf seconds overflows)
 
 
 def draining_server(config: Any, drain: Any) -> Any:
@@ -205,8 +211,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=30.0,
-        help="seconds a shutdown (SIGTERM, Ctrl-C) lets running requests finish; those still running 1 s before the "
+        default=DEFAULT_SHUTDOWN_S,
+        help="seconds a shutdown (SIGTERM, Ctrl-C) lets running requests finish (not with --ray); those still running 1 s before the "
         "end are answered with a 503 error (server_shutting_down) (default 30)",
     )
     r = p.add_argument_group(f"scale-out on Ray Serve (optional: {RAY_INSTALL})")

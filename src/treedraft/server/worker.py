@@ -257,9 +257,15 @@ class Worker:
             self._thread.join(timeout)
 
     def fail_all(self, error: APIError) -> None:
-        """Answer every running job and every job still to be admitted with ``error`` from the next step on (a
-        shutdown whose grace period ends: their clients get an error, not a cut connection)."""
+        """Answer every running and waiting job with ``error`` now, and every job that comes later (a shutdown whose
+        grace period ends: their clients get an error, not a cut connection). Called from another thread: the
+        answers go out at once, not after the step the worker may be in (seconds, for a long prefill); the worker
+        then drops the running jobs at its next loop and fails new ones before admitting them."""
         self.failing = error
+        for job in list(self.running):  # (a snapshot taken under the GIL; the worker may change the dict meanwhile)
+            job.deliver(Failed(error))
+        while (job := self.queue.get_nowait()) is not None:
+            self._refuse(job, error)
 
     def alive(self) -> bool:
         """Whether the worker thread is running."""
@@ -341,13 +347,12 @@ class Worker:
                 for job in list(self.running):
                     self._leave(job, "aborted")
                 return
+            if self.failing is not None:  # their answers went out from fail_all (or _refuse, for later ones)
+                self._flush()  # (the last step's items: a job that finished in it is answered as it finished)
+                for job in list(self.running):
+                    self._leave(job, "error")
             for job in [j for j in self.running if j.cancelled.is_set()]:
                 self._leave(job, "aborted")  # its slot is free for the next step
-            if self.failing is not None:
-                self._flush()  # what the last step made goes out first
-                for job in list(self.running):
-                    job.deliver(Failed(self.failing))
-                    self._leave(job, "aborted")
             if not self.running:
                 continue
             try:
@@ -360,6 +365,9 @@ class Worker:
         now = time.perf_counter()
         if job.cancelled.is_set():  # its client left just as the job was dequeued
             self.metrics.record(GenerationStats(), job.t_arrival, None, None, now, 0, "aborted")
+            return
+        if self.failing is not None:  # shutting down: answered before any of its work (a prefill, a drafter's build)
+            self._refuse(job, self.failing)
             return
         stats = GenerationStats()
         try:
@@ -377,6 +385,11 @@ class Worker:
             return
         text = self.llm.text.text_stream(job.config, req.max_new, stats)
         self.running[job] = _Live(req, text, stats, now)
+
+    def _refuse(self, job: Job, error: APIError) -> None:
+        """Answer a job that never ran with ``error`` (counted as a failure)."""
+        job.deliver(Failed(error))
+        self.metrics.record(GenerationStats(), job.t_arrival, None, None, time.perf_counter(), 0, "error")
 
     def _flush(self) -> None:
         """Hand the last step's items to the event loop (one wake-up per loop)."""
