@@ -139,7 +139,9 @@ def test_answer_message() -> None:
         assert cut["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1'}
     esc, _ = answer_message('{ "a\\"b" :', "length", "required")  # an escaped name, the colon just written
     assert esc["tool_calls"][0]["function"] == {"name": 'a"b', "arguments": ""}
-    for before in ('{\n  "get_wea', '{"add"', "{", "", '{"response": ', '{"resp'):  # no tool named yet
+    spaced, _ = answer_message('{"add"   \n ', "length", "required")  # the name settled, its colon not yet written
+    assert spaced["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}
+    for before in ('{\n  "get_wea', "{", "", '{"response": ', '{"response"', '{"resp'):  # no tool named yet
         assert answer_message(before, "length", "auto") == ({"role": "assistant", "content": ""}, "length"), before
         if "response" not in before:  # (in "required" mode a tool may be named "response")
             assert answer_message(before, "length", "required")[0] == {"role": "assistant", "content": ""}, before

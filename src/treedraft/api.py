@@ -334,7 +334,8 @@ class LLM:
     ) -> GenerationResult:
         """Generate a whole answer. kw: see :meth:`config`. ``tools`` / ``tool_choice``: OpenAI's function tools
         (:mod:`treedraft.tools`); a call comes back in ``tool_calls`` (``finish_reason`` "tool_calls", ``text``
-        empty), a plain answer (tool_choice "auto") in ``text``."""
+        empty), a plain answer (tool_choice "auto") in ``text``; an answer cut by ``max_new_tokens`` keeps
+        ``finish_reason`` "length" (a call's arguments then incomplete JSON: :func:`treedraft.tools.answer_message`)."""
         from .tools import (
             ToolRequestError,
             answer_format,

@@ -247,7 +247,8 @@ def _arguments(call: dict) -> Any:
 
 _RESPONSE_START = re.compile(r'\s*\{\s*"' + RESPONSE_KEY + r'"\s*:\s*"')
 _FIRST_KEY = re.compile(r'\s*\{\s*"([^"]*)"')
-_CALL_KEY = re.compile(r'\s*\{\s*"((?:[^"\\]|\\.)*)"\s*:\s*')  # a call's closed key (its tool's name) and colon
+# a call's closed key (its tool's name: settled once its quote closes) and the colon after it, if written yet
+_CALL_KEY = re.compile(r'\s*\{\s*"((?:[^"\\]|\\.)*)"\s*(?::\s*)?')
 _HIGH_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}$")
 
 
