@@ -1518,6 +1518,29 @@ def test_loadtest_without_a_server_says_so(capsys: pytest.CaptureFixture) -> Non
     assert err.startswith("error: no server answers at " + url) and "treedraft serve" in err, err
 
 
+def test_what_counts_as_a_large_request() -> None:
+    """Every part of a request that is tokenized or compiled counts toward its size: message text, an assistant's
+    earlier tool-call arguments, completion prompts, the predicted output, tools and the response format."""
+    from treedraft.server.app import OpenAIServer as Server
+    from treedraft.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    srv = Server.__new__(Server)  # pool_for reads the two pools only
+    srv.tok_pool, srv.large_pool = "small", "large"
+    big = "x" * (Server.LARGE_INPUT_CHARS + 1)
+    call = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": big}}]}
+    user = {"role": "user", "content": "hi"}
+    for fields, want in (
+        ({"messages": [user]}, "small"),
+        ({"messages": [{"role": "user", "content": big}]}, "large"),
+        ({"messages": [user, call, {"role": "tool", "content": "1"}]}, "large"),
+        ({"messages": [user], "prediction": {"type": "content", "content": big}}, "large"),
+        ({"messages": [user], "response_format": {"type": "json_object", "x": big}}, "large"),
+    ):
+        assert srv.pool_for(ChatCompletionRequest.model_validate(fields)) == want, fields
+    assert srv.pool_for(CompletionRequest.model_validate({"prompt": ["a", big]})) == "large"
+    assert srv.pool_for(CompletionRequest.model_validate({"prompt": [1, 2, 3]})) == "small"
+
+
 def test_a_large_prompt_being_tokenized_does_not_hold_up_small_requests(server: LiveServer) -> None:
     """A request of megabytes of text takes seconds to tokenize; other requests' tokenizing runs beside it, not after
     it (a review saw a 4-token request wait 13 s behind three 8 MB prompts). Here the large request's tokenizing

@@ -272,13 +272,16 @@ class OpenAIServer:
     LARGE_INPUT_CHARS = 1 << 18
 
     def pool_for(self, req: CommonRequest) -> ThreadPoolExecutor:
-        """The thread a request's tokenizing runs on: its own for requests of more than :data:`LARGE_INPUT_CHARS`
-        characters of text (messages, prompts, tools, predicted output), the shared one otherwise."""
+        """The thread a request's tokenizing (and its grammar's build) runs on: its own for requests of more than
+        :data:`LARGE_INPUT_CHARS` characters (messages with their earlier tool calls, prompts, tools, predicted
+        output, response format), the shared one otherwise."""
         if isinstance(req, ChatCompletionRequest):
-            n = sum(len(m.text()) for m in req.messages or ()) + (len(str(req.tools)) if req.tools else 0)
+            n = len(str(req.tools)) if req.tools else 0
+            for m in req.messages or ():  # what render_messages writes of each: its text and earlier calls
+                n += len(m.text()) + sum(len(c.function.name) + len(c.function.arguments) for c in m.tool_calls or ())
         else:
             n = sum(len(p) for p in prompt_list(req.prompt) if isinstance(p, str))
-        n += len(prediction_text(req) or "")
+        n += len(prediction_text(req) or "") + (len(str(req.response_format)) if req.response_format else 0)
         return self.large_pool if n > self.LARGE_INPUT_CHARS else self.tok_pool
 
     async def prepare(self, req: CommonRequest, tenant: str | None = None) -> list[_Prepared]:
@@ -340,12 +343,12 @@ class OpenAIServer:
                 )
             try:
                 expr = regex if choice is None else choice_pattern(choice)
-                await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.llm.text_grammar, expr)
+                await asyncio.get_running_loop().run_in_executor(pool, self.llm.text_grammar, expr)
             except ValueError as e:
                 raise APIError(400, str(e), param=constraint) from None
         if fmt is not None:  # JSON mode's automaton: built once (~1.4 s) off the event loop
             try:
-                await asyncio.get_running_loop().run_in_executor(self.tok_pool, self.llm.json_grammar, fmt)
+                await asyncio.get_running_loop().run_in_executor(pool, self.llm.json_grammar, fmt)
             except ValueError as e:  # a schema it does not support, say
                 raise APIError(400, str(e), param="response_format" if mode is None else "tools") from None
         if len(prompts) * (req.n or 1) > self.settings.max_queue:
