@@ -445,6 +445,6 @@ def test_notes_after_load_say_what_the_model_or_drafter_makes_of_the_flags(capsy
         assert "--prediction is searched by the drafters" in notes(pred, llm(True, name)), name
     for name in ("prompt-lookup", "hybrid-suffix", "hybrid-draft", "suffix"):
         assert notes(pred, llm(True, name)) == "", name
-    nodes = Namespace(raw=False, prediction=None, max_tree_nodes=16)
-    assert "--max-tree-nodes sizes draft trees" in notes(nodes, llm(True, None))
-    assert notes(nodes, llm(True, "medusa")) == ""
+    nodes = Namespace(raw=False, prediction=None, max_tree_nodes=16, heads="h", suffix_share=True)
+    assert "--max-tree-nodes, --heads, --suffix-share: plain decoding (drafter none)" in notes(nodes, llm(True, None))
+    assert notes(nodes, llm(True, "medusa")) == ""  # (load() warns about those a loaded drafter does not read)

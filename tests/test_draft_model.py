@@ -291,6 +291,9 @@ def test_a_draft_model_of_another_vocabulary_or_tokenizer_is_refused() -> None:
         DraftModelError, match=r"the target itself in the target's own weights \(int4\).*--weights fp32"
     ):
         load_draft_model(model, None, None, "int4", "smollm2-135m-instruct")
+    model.weights_info = {"resolved": "int8"}  # an int8 target drafting with int8: the int4 copy, not --weights int8
+    with pytest.raises(DraftModelError, match=r"own weights \(int8\).*give --draft-weights int4"):
+        load_draft_model(model, None, None, "int8", "smollm2-135m-instruct")
     model.weights_info = {"resolved": "fp32"}  # a float target asked to draft with its float self: not --weights fp32
     with pytest.raises(DraftModelError, match=r"own weights \(fp32\).*give --draft-weights int4 or int8"):
         load_draft_model(model, None, None, "fp32", "smollm2-135m-instruct")

@@ -523,3 +523,7 @@ def test_int_weights_elsewhere_name_the_setting_to_change() -> None:
             resolve_weights("int4", *args)
         assert resolve_weights("auto", *args) == "fp32"
     assert resolve_weights("int8", "own", "cpu", torch.float32) == "int8"
+    with pytest.raises(ValueError, match="device 'cuda' and dtype bfloat16; .* or --device cpu --dtype fp32"):
+        resolve_weights("int8", "own", "cuda", torch.bfloat16)  # every setting in the way, at once
+    with pytest.raises(ValueError, match="does not run this model's architecture; use --weights fp32 or auto$"):
+        resolve_weights("int4", "hf", "cpu", torch.float32, own_loads=False)  # auto chose hf: only the weights can go

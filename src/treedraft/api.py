@@ -669,8 +669,9 @@ def load_model(
     from .models.loaders import GEMMA_ARCHS, ModelLoadError, own_runtime_loads
 
     arch = model_architecture(path)
+    own_loads = own_runtime_loads(arch, path.is_dir())
     if runtime == "auto":
-        runtime = "own" if own_runtime_loads(arch, path.is_dir()) else "hf"
+        runtime = "own" if own_loads else "hf"
     if arch in GEMMA_ARCHS and dt == torch.float16:  # its activations outgrow fp16's range (65504)
         warnings.warn(
             "Gemma 3 overflows in float16 (its residual stream exceeds fp16's range); use --dtype bf16 or fp32",
@@ -678,11 +679,12 @@ def load_model(
         )
     from .models.quant_load import resolve_weights  # --weights (issue 11): begin
 
-    weights = resolve_weights(weights, runtime, dev, dt)  # end
+    weights = resolve_weights(weights, runtime, dev, dt, own_loads)  # end
     if runtime == "hf" and kv_dtype != "auto":
         raise ValueError(
             f"kv_dtype {kv_dtype!r} (--kv-dtype) sets the own runtime's KV cache; the hf runtime keeps transformers' "
-            "cache in the model's dtype: drop it, or use runtime 'own' (--runtime own)"
+            "cache in the model's dtype: drop it"
+            + (", or use runtime 'own' (--runtime own)" if own_loads else " (the own runtime does not run this model)")
         )
     if runtime == "own":
         net, _meta = load_own(path, dt, dev, max_seq_len)

@@ -136,7 +136,8 @@ def add_suffix_args(p: argparse.ArgumentParser) -> None:
         "--suffix-store",
         default=None,
         metavar="DIR",
-        help="drafters with suffix branches (suffix, hybrid-suffix: the default, hybrid-eagle, hybrid-draft): keep "
+        help="drafters with suffix branches (suffix, hybrid-suffix, hybrid-eagle, hybrid-draft; the default is one "
+        "where heads are shipped or on fp32 weights): keep "
         "earlier outputs in DIR across restarts (default: in memory)",
     )
     p.add_argument(
@@ -393,7 +394,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def notes_after_load(a: argparse.Namespace, llm: Any) -> None:
     """What the loaded model or drafter makes of the flags, said rather than silently changed or ignored: a model
     without a chat template takes the prompt as raw text; --prediction is searched only by the drafters with prompt
-    lookup or suffix branches; plain decoding drafts no tree for --max-tree-nodes to size."""
+    lookup or suffix branches; plain decoding reads no drafting flag (--max-tree-nodes, --heads, the suffix store's).
+    """
     from .drafters.registry import PREDICTION_DRAFTERS
 
     name = getattr(llm.engine.drafter, "name", "none") if llm.engine.drafter is not None else "none"
@@ -405,8 +407,14 @@ def notes_after_load(a: argparse.Namespace, llm: Any) -> None:
             f"--prediction is searched by the drafters {', '.join(PREDICTION_DRAFTERS)}; drafter {name!r} does not "
             "read it (the answer is the same, only not sped up by it)"
         )
-    if name == "none" and a.max_tree_nodes != 64:
-        notes.append("--max-tree-nodes sizes draft trees; plain decoding (drafter none) drafts none")
+    if name == "none":  # (load() warns only where a drafter was loaded: a server's requests may name one)
+        given = [flag for flag, on in (("--max-tree-nodes", getattr(a, "max_tree_nodes", 64) != 64),
+                                       ("--heads", getattr(a, "heads", None) not in (None, "default")),
+                                       ("--suffix-store", getattr(a, "suffix_store", None) is not None),
+                                       ("--suffix-max-tokens", getattr(a, "suffix_max_tokens", 1_000_000) != 1_000_000),
+                                       ("--suffix-share", getattr(a, "suffix_share", False))) if on]  # fmt: skip
+        if given:
+            notes.append(f"{', '.join(given)}: plain decoding (drafter none) drafts nothing, so reads none of them")
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
 

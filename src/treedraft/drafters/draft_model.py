@@ -400,10 +400,14 @@ def load_draft_model(
     if same_file and tw == w:
         if dev.type != "cpu":
             hint = f"give a smaller --draft-model (int4 / int8 drafts run on the CPU only, the target is on {dev})"
-        elif w in ("int4", "int8"):
+        elif w == "int4":
             hint = "load the target with --weights fp32 (or int8) to draft with its int4 copy, or give a smaller --draft-model"
+        elif w == "int8":
+            hint = "give --draft-weights int4, or load the target with --weights fp32, or give a smaller --draft-model"
         else:  # a float target asked to draft with float weights
-            hint = "give --draft-weights int4 or int8 (auto: int4), or a smaller --draft-model"
+            hint = (
+                "give --draft-weights int4 or int8 (where the own runtime runs the model), or a smaller --draft-model"
+            )
         raise DraftModelError(
             f"the draft model would be the target itself in the target's own weights ({w}), which cannot draft "
             f"faster than it decodes: {hint}"

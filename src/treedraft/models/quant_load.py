@@ -438,29 +438,29 @@ def log_stderr(msg: str) -> None:
     print(f"[weights] {msg}", file=sys.stderr)
 
 
-def resolve_weights(weights: str, runtime: str, device: str, dtype: torch.dtype) -> str:
-    """Validate ``weights`` for a load: int4/int8 need the own runtime on CPU in float32; auto falls back to fp32."""
+def resolve_weights(weights: str, runtime: str, device: str, dtype: torch.dtype, own_loads: bool = True) -> str:
+    """Validate ``weights`` for a load: int4/int8 need the own runtime on CPU in float32 (the error names every
+    setting in the way; ``own_loads`` False: the own runtime does not run this model, so nothing but the weights can
+    change); auto falls back to fp32."""
     check_weights(weights)
-    where = None
+    problems = []  # (what is in the way, the flag that changes it)
     if runtime != "own":
-        where = f"runtime {runtime!r}"
-    elif not str(device).startswith("cpu"):
-        where = f"device {device!r}"
-    elif dtype != torch.float32:
-        where = f"dtype {str(dtype).removeprefix('torch.')}"
-    if where is None:
+        problems.append((f"runtime {runtime!r}", "--runtime own (or auto)"))
+    if not str(device).startswith("cpu"):
+        problems.append((f"device {device!r}", "--device cpu"))
+    if dtype != torch.float32:
+        problems.append((f"dtype {str(dtype).removeprefix('torch.')}", "--dtype fp32 (or auto)"))
+    if not problems:
         return weights
     if weights in ("int4", "int8"):
-        fix = (
-            "--runtime own (or auto)"
-            if runtime != "own"
-            else "--device cpu"
-            if not str(device).startswith("cpu")
-            else "--dtype fp32 (or auto)"
-        )
+        if not own_loads:
+            raise ValueError(
+                f"weights {weights!r} run on the own runtime, which does not run this model's architecture; "
+                "use --weights fp32 or auto"
+            )
         raise ValueError(
-            f"weights {weights!r} run on the own runtime on cpu in float32, not with {where}; "
-            f"use --weights fp32 or auto, or {fix}"
+            f"weights {weights!r} run on the own runtime on cpu in float32, not with "
+            f"{' and '.join(w for w, _ in problems)}; use --weights fp32 or auto, or {' '.join(f for _, f in problems)}"
         )
     return "fp32"
 
