@@ -411,7 +411,7 @@ def test_method_names_and_unavailable_methods_are_skipped_with_reason(engine: Te
 
 
 def test_bench_cli_end_to_end_on_the_tiny_model(
-    engine: TextGenerator, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    engine: TextGenerator, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     """`treedraft bench` through the real parser and cmd_bench (model loading stubbed with the tiny engine):
     the report matches the run, and the recorded command reproduces the same arguments."""
@@ -486,6 +486,17 @@ def test_bench_cli_end_to_end_on_the_tiny_model(
         "suffix_share",
     )
     assert {k: getattr(b, k) for k in keys} == {k: getattr(a, k) for k in keys}
+    # what changes nothing is said: a method named twice, more prompts than the file has, sampling flags when greedy
+    capsys.readouterr()
+    more = ["--methods", "plain,none", "--num-prompts", "5", "--top-p", "0.5", "--seed", "3", "--out", str(out / "b")]
+    a = build_parser().parse_args([*argv, *more])
+    assert a.func(a) == 0
+    err = capsys.readouterr().err
+    assert "--methods names plain more than once" in err and "--num-prompts 5, but there are 2 prompts" in err
+    assert "--top-p, --seed only shape sampling" in err
+    with pytest.raises(BenchError, match="--pld-tokens must be >= 1"):
+        bad = build_parser().parse_args([*argv, "--pld-tokens", "0"])
+        bad.func(bad)
 
 
 def test_record_mean_accepted_length() -> None:

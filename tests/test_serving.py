@@ -1516,6 +1516,18 @@ def test_loadtest_without_a_server_says_so(capsys: pytest.CaptureFixture) -> Non
     assert main(["loadtest", "--url", url, "--requests", "1", "--concurrency", "1", "--max-seconds", "30"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: no server answers at " + url) and "treedraft serve" in err, err
+    base = ["loadtest", "--url", url, "--requests", "1", "--concurrency", "1"]
+    assert main([*base, "--warmup", "-1"]) == 2  # (it started the first level at the last prompt)
+    assert "--warmup must be >= 0" in capsys.readouterr().err
+
+
+def test_loadtest_out_as_a_file_is_refused_before_the_run(capsys: pytest.CaptureFixture, tmp_path) -> None:
+    """--out naming a file failed after the whole load test, its results lost; now before any request."""
+    f = tmp_path / "afile"
+    f.write_text("x")
+    assert main(["loadtest", "--url", "http://127.0.0.1:9", "--requests", "1", "--out", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "is a file" in err and "no server answers" not in err
 
 
 def test_what_counts_as_a_large_request() -> None:

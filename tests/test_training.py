@@ -401,6 +401,36 @@ def test_train_heads_validates_arguments(tmp_path, capsys, args, match) -> None:
     assert rc == 2 and match in err
 
 
+def test_data_of_another_model_or_prompt_count_and_a_file_as_out_are_said(tmp_path, capsys) -> None:
+    """A data directory made by another model is refused (train-heads checked --train-data only, train-eagle and
+    calibrate's --eval-data nothing); --out as a file is refused before any work; --num-prompts beyond the file is
+    said (the smaller run was silent)."""
+    import json
+
+    from treedraft.prompts import first_prompts
+    from treedraft.training.cli import check_data_model, check_out_dir
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "meta.json").write_text(json.dumps({"model": "gemma-3-270m"}))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "meta.json").write_text(json.dumps({"model": "m"}))
+    (tmp_path / "old").mkdir()  # no meta.json: written before it was recorded
+    check_data_model("m", [tmp_path / "mine", tmp_path / "old"])
+    with pytest.raises(ValueError, match="holds 'gemma-3-270m''s answers, not 'm''s"):
+        check_data_model("m", [tmp_path / "mine", tmp_path / "other"])
+    (tmp_path / "f").write_text("x")
+    check_out_dir(str(tmp_path / "new" / "dir"))
+    for bad in (tmp_path / "f", tmp_path / "f" / "sub"):
+        with pytest.raises(ValueError, match="is a file"):
+            check_out_dir(str(bad))
+    assert first_prompts([1, 2], 1, "p.jsonl") == [1] and capsys.readouterr().err == ""
+    assert first_prompts([1, 2], 5, "p.jsonl") == [1, 2]
+    assert "--num-prompts 5, but p.jsonl has 2 prompts" in capsys.readouterr().err
+    p = _jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
+    rc, err = _main(["train-heads", "--out", str(tmp_path / "f"), "--prompts", str(p)], capsys)
+    assert rc == 2 and "--out" in err and "is a file" in err
+
+
 def test_train_heads_missing_prompt_file(tmp_path, capsys) -> None:
     rc, err = _main(["train-heads", "--out", str(tmp_path / "o"), "--prompts", str(tmp_path / "none.jsonl")], capsys)
     assert rc == 2 and "no such file" in err
@@ -418,6 +448,9 @@ def test_calibrate_validates_arguments(tmp_path, capsys, monkeypatch) -> None:
     assert rc == 2 and "--check-file FILE, or --check-prompts 0" in err
     rc, err = _main(["calibrate", "--check-prompts", "0", "--eval-data", str(tmp_path / "nope")], capsys)
     assert rc == 2 and "--eval-data" in err and "train-heads" in err
+    (tmp_path / "empty.jsonl").write_text("")
+    rc, err = _main(["calibrate", "--check-file", str(tmp_path / "empty.jsonl")], capsys)  # before the measurement
+    assert rc == 2 and "has no prompts" in err
 
 
 def test_eagle_format_shards_give_their_answer_rows_and_directories_stay_apart(tmp_path) -> None:

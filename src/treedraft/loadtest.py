@@ -380,6 +380,8 @@ class LoadTestConfig:
             raise LoadTestError("no prompts to send; give --prompts with at least one prompt")
         if self.request_timeout <= 0 or self.max_seconds <= 0:
             raise LoadTestError("--request-timeout and --max-seconds must be positive")
+        if self.warmup < 0:
+            raise LoadTestError(f"--warmup must be >= 0 (untimed requests before the first level), got {self.warmup}")
 
 
 def _body(cfg: LoadTestConfig, model: str, i: int) -> dict:
@@ -516,6 +518,9 @@ def default_out_dir() -> Path:
 
 def cmd_loadtest(a: argparse.Namespace) -> int:
     """`treedraft loadtest`: run the levels, print a summary, write the report files."""
+    out = Path(a.out) if a.out else default_out_dir()
+    if out.exists() and not out.is_dir():  # said before the run, not after it (its results would be lost)
+        raise LoadTestError(f"--out {out} is a file; give a directory (it is created if missing)")
     cfg = LoadTestConfig(
         url=a.url,
         concurrency=parse_concurrency(a.concurrency),
@@ -534,7 +539,7 @@ def cmd_loadtest(a: argparse.Namespace) -> int:
         repeat_prompts=a.repeat_prompts,
     )
     result = asyncio.run(run_loadtest(cfg))
-    paths = write_outputs(result, Path(a.out) if a.out else default_out_dir())
+    paths = write_outputs(result, out)
     print(report_markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
     return 1 if any(lv["errors"] for lv in result["levels"]) else 0

@@ -109,3 +109,15 @@ def find_shared_data(name: str) -> Path | None:
         if p.is_file():
             return p
     return None
+
+
+def first_prompts(items: list, n: int | None, path: str | Path) -> list:
+    """The first ``n`` of ``items`` (None: all), saying so on stderr when the file has fewer than ``n`` (the run uses
+    them all; a silently smaller run was mistaken for the one asked)."""
+    import sys
+
+    if n is not None and n > len(items):
+        print(
+            f"warning: --num-prompts {n}, but {path} has {len(items)} prompts: using all {len(items)}", file=sys.stderr
+        )
+    return list(items[:n])

@@ -48,6 +48,9 @@ def parse_methods(spec: str) -> list[str]:
     bad = [n for n in names if n not in known]
     if bad:
         raise BenchError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(known)} or 'all'")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # ('none' is 'plain')
+        print(f"[bench] --methods names {', '.join(twice)} more than once: each runs once", file=sys.stderr)
     return list(dict.fromkeys(names))
 
 
@@ -170,9 +173,22 @@ def cmd_bench(a: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             prompts = [BenchPrompt(f"builtin-{i}", c, t) for i, (c, t) in enumerate(BUILTIN_PROMPTS)]
+    if a.num_prompts is not None and a.num_prompts > len(prompts):
+        print(
+            f"[bench] --num-prompts {a.num_prompts}, but there are {len(prompts)} prompts: using all", file=sys.stderr
+        )
     prompts = select_prompts(prompts, a.num_prompts)
     if a.max_new_tokens <= 0:
         raise BenchError(f"--max-new-tokens must be positive, got {a.max_new_tokens}")
+    if a.pld_tokens < 1:
+        raise BenchError(
+            f"--pld-tokens must be >= 1 (tokens hf-pld / llama.cpp-pld copy per match), got {a.pld_tokens}"
+        )
+    idle = [f for f, on in (("--top-p", a.top_p != 1.0), ("--top-k", a.top_k != 0), ("--seed", a.seed != 0)) if on]
+    if a.temperature == 0 and idle:  # said, not silently ignored (as generate says it)
+        print(
+            f"[bench] note: {', '.join(idle)} only shape sampling; at temperature 0 decoding is greedy", file=sys.stderr
+        )
     if a.warmup < 0:
         raise BenchError(f"--warmup must be >= 0, got {a.warmup}")
     baselines = [b.strip() for b in a.baselines.split(",") if b.strip()]

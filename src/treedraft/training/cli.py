@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from ..prompts import FORMATS, MT_BENCH_FILE, SHARED_DATA, SHAREGPT_FILE, find_shared_data
+from ..prompts import FORMATS, MT_BENCH_FILE, SHARED_DATA, SHAREGPT_FILE, find_shared_data, first_prompts
 
 
 def _default_prompts() -> str | None:
@@ -55,6 +55,26 @@ _SHAPE_DEFAULTS = {
     "draft_vocab": 16384,
     "root_conditioned": True,
 }
+
+
+def check_data_model(model_name: str, dirs: list) -> None:
+    """Each data directory holds ``model_name``'s answers (its meta.json's "model"; a directory without one is
+    taken as it is): another model's answers would train or measure the wrong thing without a word."""
+    from .data import read_meta
+
+    for d in dirs:
+        made_by = read_meta(d).get("model", model_name)
+        _check(made_by == model_name, f"{d} holds {made_by!r}'s answers, not {model_name!r}'s; use this model's data")
+
+
+def check_out_dir(out: str | None) -> None:
+    """--out, checked before any generation or training: a directory, or a path that can become one."""
+    if out is None:
+        return
+    p = Path(out)
+    _check(not p.exists() or p.is_dir(), f"--out {out} is a file; give a directory (it is created if missing)")
+    parent = next((q for q in p.absolute().parents if q.exists()), None)
+    _check(parent is None or parent.is_dir(), f"--out {out}: {parent} is a file, so no directory can be made there")
 
 
 def check_extra_train_data(dirs: list[str]) -> None:
@@ -210,6 +230,7 @@ def validate_train_args(a: argparse.Namespace) -> None:
     )
     _check(a.lr > 0, f"--lr must be > 0, got {a.lr}")
     check_extra_train_data(a.extra_train_data)
+    check_out_dir(a.out)
     if a.init_from is not None:
         given = ["--" + k.replace("_", "-") for k, v in _SHAPE_DEFAULTS.items() if getattr(a, k) != v]
         _check(not given, f"{', '.join(given)}: the heads' shape comes from --init-from {a.init_from}; drop it")
@@ -237,7 +258,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     llm = load(a.model, drafter=None, **model_kwargs(a))
     vocab = llm.model.vocab_size
     _check(a.draft_vocab <= vocab, f"--draft-vocab must be <= the model's vocabulary ({vocab}), got {a.draft_vocab}")
-    prompts = read_prompts(a.prompts)[: a.num_prompts]
+    prompts = first_prompts(read_prompts(a.prompts), a.num_prompts, a.prompts)
     data = Path(a.data_dir)
     train_dir = (
         Path(a.train_data)
@@ -286,12 +307,9 @@ def cmd_train(a: argparse.Namespace) -> int:
             prompt_file=a.eval_prompts,
         )
     lm = llm.model.output_projection_weight()
-    for d in [train_dir, *a.extra_train_data]:  # data made by another model, or sampled answers
+    check_data_model(llm.model_name, [train_dir, *a.extra_train_data, *([eval_dir] if eval_dir else [])])
+    for d in [train_dir, *a.extra_train_data]:  # sampled answers
         meta = read_meta(d)
-        _check(
-            meta.get("model", llm.model_name) == llm.model_name,
-            f"{d} holds {meta.get('model')!r}'s answers, not {llm.model_name!r}'s; train on this model's data",
-        )
         if meta.get("temperature", 0) > 0:
             print(
                 f"warning: {d} holds sampled answers (temperature {meta['temperature']}): the heads learn to "
@@ -368,6 +386,9 @@ def validate_calibrate_args(a: argparse.Namespace) -> None:
             "not found: pass --check-file FILE, or --check-prompts 0 to skip the check",
         )
         _check(Path(a.check_file).is_file(), f"--check-file {a.check_file}: no such file (or pass --check-prompts 0)")
+        from .data import read_prompts
+
+        read_prompts(a.check_file)  # an empty or unreadable file is said before the latency measurement
     if a.eval_data is not None:
         _check(
             Path(a.eval_data).is_dir(),
@@ -403,7 +424,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     max_len = getattr(llm.model, "max_seq_len", None)
     _check(
         max_len is None or a.context + a.max_nodes <= max_len,
-        f"--context {a.context} + --max-nodes {a.max_nodes} exceeds the model's {max_len} positions",
+        f"--context {a.context} + --max-nodes {a.max_nodes} exceeds the {max_len}-position cache calibrate loads "
+        "the model with (the default --max-seq-len); lower --context",
     )
     eval_data = (
         Path(a.eval_data)
@@ -420,6 +442,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         "train-heads` first or pass --eval-data DIR",
     )
     if eval_data.is_dir():
+        check_data_model(llm.model_name, [eval_data])
         tok, hid, seq = load_shards(eval_data)
         acc = rank_accuracy(heads, hid.float(), head_targets(tok, seq, heads.config.num_heads), roots=tok)
     else:

@@ -199,8 +199,8 @@ def check_meta(out_dir: str | Path, meta: dict) -> dict:
         raise DataCacheMismatchError(
             f"data directory {out_dir} was generated with other settings: "
             + "; ".join(diffs)
-            + f". Delete {out_dir} to regenerate it, point at another directory (--data-dir / --train-data / "
-            "--eval-data), or change the option in [brackets] back."
+            + f". Delete {out_dir} to regenerate it, point at another data directory, or change the option in "
+            "[brackets] back."
         )
     return old
 

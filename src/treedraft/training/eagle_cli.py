@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from ..prompts import FORMATS, SHARED_DATA, SHAREGPT_FILE
+from ..prompts import FORMATS, SHARED_DATA, SHAREGPT_FILE, first_prompts
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -75,7 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def validate(a: argparse.Namespace) -> None:
     """Argument checks that need no model (ValueError naming the option)."""
-    from .cli import _check, check_at_least, check_extra_train_data
+    from .cli import _check, check_at_least, check_extra_train_data, check_out_dir
     from .data import has_shards
 
     _check(a.prompts is not None or a.no_generate, "no prompt file found; pass --prompts FILE")
@@ -104,7 +104,13 @@ def validate(a: argparse.Namespace) -> None:
     _check(a.lr > 0 and a.ce_weight >= 0, "--lr must be > 0 and --ce-weight >= 0")
     _check(0 <= a.heldout < 0.5, f"--heldout must be in [0, 0.5), got {a.heldout}")
     _check(a.gen_temperature >= 0, f"--gen-temperature must be >= 0, got {a.gen_temperature}")
+    _check(a.gen_seed == 0 or a.gen_temperature > 0, "--gen-seed seeds sampled answers: give --gen-temperature > 0 too")
+    _check(
+        not (a.init_from and a.init_from_target),
+        "--init-from and --init-from-target both set the starting weights; give one",
+    )
     check_extra_train_data(a.extra_train_data)
+    check_out_dir(a.out)
     _check(
         not a.no_generate or (a.train_data and has_shards(a.train_data)),
         "--no-generate needs --train-data DIR holding shard_*.safetensors",
@@ -118,8 +124,8 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
     from .. import load
     from ..cli import model_kwargs
     from ..drafters.eagle import EagleConfig
-    from .cli import _check, cache_name
-    from .data import read_prompts
+    from .cli import _check, cache_name, check_data_model
+    from .data import read_meta, read_prompts
     from .eagle_data import generate_eagle_dataset
     from .eagle_train import EagleTrainConfig, train_eagle, write_report
 
@@ -132,8 +138,10 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
     if a.no_generate:
         data = Path(a.train_data)
     else:
-        prompts = read_prompts(a.prompts)[: a.num_prompts]
-        name = cache_name(llm.model_name, a.prompts, a.num_prompts, a.max_new_tokens, a.max_prompt_tokens)
+        every = read_prompts(a.prompts)
+        prompts = first_prompts(every, a.num_prompts, a.prompts)
+        n = a.num_prompts if a.num_prompts is not None and a.num_prompts < len(every) else None  # (all: None)
+        name = cache_name(llm.model_name, a.prompts, n, a.max_new_tokens, a.max_prompt_tokens)
         sampled = f"-t{a.gen_temperature:g}-s{a.gen_seed}" if a.gen_temperature > 0 else ""
         data = Path(a.train_data) if a.train_data else Path("data-cache") / f"{name}-eagle{sampled}"
         # features from the serving loop and weights: bitwise what the drafter reads at inference
@@ -154,6 +162,15 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
     if a.gen_only:
         print(f"data in {data} ({t_data:.0f} s)")
         return 0
+    check_data_model(llm.model_name, [data, *a.extra_train_data])
+    base = read_meta(data).get("prompt_file")
+    for d in a.extra_train_data:  # held-out prompts are matched by their index in the prompt file
+        theirs = read_meta(d).get("prompt_file")
+        _check(
+            base is None or theirs is None or Path(theirs).name == Path(base).name,
+            f"--extra-train-data {d} answers the prompts of {theirs}, --train-data {data} those of {base}: extra data "
+            "must answer the same prompt file (its answers to the held-out prompts are left out by their index)",
+        )
     cfg = EagleConfig.for_target(
         llm.model, llm.model_name, draft_vocab=a.draft_vocab, depth=a.depth, topk=a.topk, nodes=a.nodes
     )

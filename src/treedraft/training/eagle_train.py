@@ -380,7 +380,10 @@ def init_weights(net: EagleNet, target=None) -> None:
             src = target.layers[-1].state_dict()
             bad = [k for k, v in net.layer.state_dict().items() if k not in src or src[k].shape != v.shape]
             if bad:
-                raise ValueError(f"cannot initialise from the target's last layer (no float weights for {bad[:3]})")
+                raise ValueError(
+                    f"cannot initialise from the target's last layer (no float weights for {bad[:3]}): load the "
+                    "target with --weights fp32 for --init-from-target"
+                )
             net.layer.load_state_dict({k: src[k].float() for k in net.layer.state_dict()})
 
 
