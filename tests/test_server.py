@@ -631,3 +631,86 @@ def test_parallel_streams_equal_serial(server: LiveServer, llm: treedraft.LLM) -
         assert text == alone[i % 8], (i, text, alone[i % 8])
     m = _metrics(server.url)
     assert _metric(m, "treedraft:num_requests_running") == 0 and _metric(m, "treedraft:num_requests_waiting") == 0
+
+
+def test_a_drain_during_a_step_or_an_admission_answers_each_job_once() -> None:
+    """Worker.fail_all runs on a timer's thread while the worker is busy. A job that finishes in the step it fires
+    in keeps the 503 it was given (no Done after it; counted as a failure, not a success); a job being admitted when
+    it fires (its drafter being built) is answered too (it was dropped unanswered: in neither the batch nor the
+    queue)."""
+    from types import SimpleNamespace
+
+    from treedraft.engine import GenerationConfig
+    from treedraft.server.metrics import Metrics
+    from treedraft.server.protocol import APIError
+    from treedraft.server.worker import Done, Failed, Job, Worker
+    from treedraft.text import Chunk
+
+    class Loop:  # items delivered at once, on the worker's thread
+        def call_soon_threadsafe(self, fn, *a):
+            fn(*a)
+
+    class Sched:
+        before_forward = None
+
+        def __init__(self, in_step, release) -> None:
+            self.in_step, self.release, self.reqs = in_step, release, []
+
+        def add(self, ids, cfg, drafter, stats, tag=None, scope=""):
+            self.reqs.append(SimpleNamespace(max_new=4, error=None, tag=tag))
+            return self.reqs[-1]
+
+        def step(self):
+            self.in_step.set()
+            assert self.release.wait(10)
+            return [(r, [5]) for r in self.reqs]
+
+        def remove(self, req) -> None:
+            self.reqs.remove(req)
+
+    class Text:  # every job ends with its first token
+        done = False
+
+        def feed(self, new):
+            self.done = True
+            return [Chunk("x", list(new), "stop", None)]
+
+    err = APIError(503, "shutting down", code="server_shutting_down")
+    for where in ("step", "admission"):
+        in_step, release, building = threading.Event(), threading.Event(), threading.Event()
+
+        def drafter(name, heads=None, building=building, release=release):
+            building.set()
+            assert release.wait(10)  # the drafter's first build, slow
+
+        llm = SimpleNamespace(
+            get_drafter=drafter if where == "admission" else (lambda name, heads=None: None),
+            text=SimpleNamespace(text_stream=lambda c, m, s: Text()),
+        )
+        outcomes: list[str] = []
+        metrics = Metrics("tiny")
+
+        def record(*a, outcomes=outcomes, real=metrics.record, **k):
+            outcomes.append(a[6])
+            return real(*a, **k)
+
+        metrics.record = record  # type: ignore[method-assign]
+        w = Worker(llm, ServerSettings(), metrics)  # type: ignore[arg-type]
+        w._scheduler = lambda in_step=in_step, release=release: Sched(in_step, release)  # type: ignore[method-assign]
+        job = Job([1, 2, 3], GenerationConfig(), "none", Loop())  # type: ignore[arg-type]
+        w.start()
+        try:
+            w.queue.put_nowait(job)
+            assert (in_step if where == "step" else building).wait(10)
+            w.fail_all(err)
+            release.set()
+            deadline = time.monotonic() + 10
+            while (w.running or not outcomes) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)  # anything delivered late would be here by now
+            finals = [type(i).__name__ for i in job._items if isinstance(i, (Done, Failed))]
+            assert finals == ["Failed"], (where, list(job._items))
+            assert outcomes == ["error"], (where, outcomes)
+        finally:
+            release.set()
+            w.stop()

@@ -454,6 +454,8 @@ class OpenAIServer:
         queued before this one, which scores an echoed prompt once for all its choices."""
         if not self.worker.alive():
             raise APIError(503, "the model worker is not running; restart the server", "server_error")
+        if self.worker.failing is not None:  # a shutdown's grace period has ended: answered now, not after a step
+            raise self.worker.failing
         job = Job(p.prompt_ids, p.config, p.drafter, asyncio.get_running_loop(), tenant=p.tenant)
         if p.echo is not None and p.config.logprobs is not None:
             if scored_by is None:
@@ -469,6 +471,8 @@ class OpenAIServer:
                 code="queue_full",
                 headers={"Retry-After": str(s.retry_after_s)},
             )
+        if self.worker.failing is not None and job.cancel():  # the drain began between the check and the queue
+            raise self.worker.failing
         self.metrics.requests.inc()
         return job
 

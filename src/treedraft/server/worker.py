@@ -93,6 +93,9 @@ class Job:
         self.t_arrival = time.perf_counter()
         self.checked_at = time.monotonic()  # when the HTTP handler last asked whether the client is still there
         self.cancelled = threading.Event()
+        # the job's last item (Done or Failed) is given once: by the worker, or by a shutdown's drain on its thread
+        self._final_lock = threading.Lock()
+        self.final_claimed = False
         self._items: deque[Chunk | Done | Failed] = deque()
         self.output_ids: list[int] = []  # with a prediction: the generated ids handed out so far (for its usage)
         self._ready = asyncio.Event()
@@ -101,6 +104,15 @@ class Job:
     def prompt_scores(self) -> list[TokenLogprob]:
         """The echoed prompt's logprobs: this job's, or those of the choice that scored the prompt for it."""
         return (self.scored_by or self).prompt_logprobs or []
+
+    def claim_final(self) -> bool:
+        """True for the first caller only: whoever gives this job its last item (the worker's Done or Failed, or
+        :meth:`Worker.fail_all` from another thread); the others leave it answered."""
+        with self._final_lock:
+            if self.final_claimed:
+                return False
+            self.final_claimed = True
+            return True
 
     def cancel(self) -> bool:
         """Stop this job: True if it was still waiting (now dropped); else the worker stops at its next chunk."""
@@ -263,7 +275,8 @@ class Worker:
         then drops the running jobs at its next loop and fails new ones before admitting them."""
         self.failing = error
         for job in list(self.running):  # (a snapshot taken under the GIL; the worker may change the dict meanwhile)
-            job.deliver(Failed(error))
+            if job.claim_final():
+                job.deliver(Failed(error))
         while (job := self.queue.get_nowait()) is not None:
             self._refuse(job, error)
 
@@ -347,12 +360,14 @@ class Worker:
                 for job in list(self.running):
                     self._leave(job, "aborted")
                 return
-            if self.failing is not None:  # their answers went out from fail_all (or _refuse, for later ones)
-                self._flush()  # (the last step's items: a job that finished in it is answered as it finished)
+            for job in [j for j in self.running if j.cancelled.is_set()]:  # its slot is free for the next step
+                self._leave(job, "error" if job.final_claimed else "aborted")  # (answered 503 by a drain, then left)
+            if self.failing is not None:  # most were answered by fail_all; one it missed (being admitted) is here
+                self._flush()
                 for job in list(self.running):
+                    if job.claim_final():
+                        job.deliver(Failed(self.failing))
                     self._leave(job, "error")
-            for job in [j for j in self.running if j.cancelled.is_set()]:
-                self._leave(job, "aborted")  # its slot is free for the next step
             if not self.running:
                 continue
             try:
@@ -374,13 +389,15 @@ class Worker:
             if job.score_top is not None:  # one forward over the prompt, on this thread (it owns the model)
                 job.prompt_logprobs = prompt_logprobs(self.llm.model, job.prompt_ids, job.score_top)
             if job.score_only:
-                job.deliver(Done("length", stats))
+                if job.claim_final():
+                    job.deliver(Done("length", stats))
                 self.metrics.record(stats, job.t_arrival, now, None, time.perf_counter(), 0, "length")
                 return
             drafter = self._for_tenant(self._drafter(job.drafter), job.tenant)
             req = self.sched.add(job.prompt_ids, job.config, drafter, stats, tag=job, scope=job.tenant or "")
         except Exception as e:
-            job.deliver(Failed(self._api_error(job, e)))
+            if job.claim_final():
+                job.deliver(Failed(self._api_error(job, e)))
             self.metrics.record(stats, job.t_arrival, now, None, time.perf_counter(), 0, "error")
             return
         text = self.llm.text.text_stream(job.config, req.max_new, stats)
@@ -388,7 +405,8 @@ class Worker:
 
     def _refuse(self, job: Job, error: APIError) -> None:
         """Answer a job that never ran with ``error`` (counted as a failure)."""
-        job.deliver(Failed(error))
+        if job.claim_final():
+            job.deliver(Failed(error))
         self.metrics.record(GenerationStats(), job.t_arrival, None, None, time.perf_counter(), 0, "error")
 
     def _flush(self) -> None:
@@ -412,7 +430,8 @@ class Worker:
             log.exception("generation step failed for %d requests", len(self.running))
             self._flush()
             for job in list(self.running):
-                job.deliver(Failed(self._api_error(job, e)))
+                if job.claim_final():
+                    job.deliver(Failed(self._api_error(job, e)))
                 self._leave(job, "error")
             return
         self._flush()  # a step without a forward (nothing planned) keeps the items in order
@@ -440,7 +459,8 @@ class Worker:
             if live is None:
                 continue
             if req.error is not None:
-                out.append((job, Failed(self._api_error(job, req.error))))
+                if job.claim_final():
+                    out.append((job, Failed(self._api_error(job, req.error))))
                 self._leave(job, "error")
                 continue
             chunks = live.text.feed(new)
@@ -462,6 +482,9 @@ class Worker:
                 out.append((job, Chunk(text, ids, chunks[-1].finish_reason, lps)))
             if live.text.done:
                 finish = chunks[-1].finish_reason or "length"
+                if not job.claim_final():  # a shutdown's drain answered it with a 503 during this step
+                    self._leave(job, "error")
+                    continue
                 self._leave(job, finish)  # first: the drafter (suffix store) records it before the client hears Done
                 out.append((job, Done(finish, live.stats)))
 
