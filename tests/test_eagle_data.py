@@ -162,7 +162,6 @@ def test_sampled_answers_are_seeded_and_kept_apart_from_greedy_data(tmp_path: Pa
         (["--out", "o", "--gen-concurrency", "0"], "--gen-concurrency"),
         (["--out", "o", "--gen-temperature", "-1"], "--gen-temperature must be >= 0"),
         (["--out", "o", "--extra-train-data", "nowhere"], "--extra-train-data nowhere: no shard"),
-        (["--out", "o", "--gen-seed", "3"], "--gen-seed seeds sampled answers"),  # (ignored at temperature 0)
         (["--out", "o", "--init-from", "d", "--init-from-target"], "give one"),
         (["--out", "p.jsonl"], "is a file"),  # said before the data step and an epoch, not after them
     ],

@@ -1525,9 +1525,13 @@ def test_loadtest_out_as_a_file_is_refused_before_the_run(capsys: pytest.Capture
     """--out naming a file failed after the whole load test, its results lost; now before any request."""
     f = tmp_path / "afile"
     f.write_text("x")
-    assert main(["loadtest", "--url", "http://127.0.0.1:9", "--requests", "1", "--out", str(f)]) == 2
-    err = capsys.readouterr().err
-    assert "--out" in err and "is a file" in err and "no server answers" not in err
+    for out in (f, f / "sub"):  # a file, or a file on the way
+        assert main(["loadtest", "--url", "http://127.0.0.1:9", "--requests", "1", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "--out" in err and "cannot make that directory" in err and "no server answers" not in err
+    fresh = tmp_path / "new"  # a run that fails (no server) leaves no empty folder behind
+    assert main(["loadtest", "--url", "http://127.0.0.1:9", "--requests", "1", "--out", str(fresh)]) == 2
+    assert "no server answers" in capsys.readouterr().err and not fresh.exists()
 
 
 def test_what_counts_as_a_large_request() -> None:

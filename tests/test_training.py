@@ -410,14 +410,21 @@ def test_data_of_another_model_or_prompt_count_and_a_file_as_out_are_said(tmp_pa
     from treedraft.prompts import first_prompts
     from treedraft.training.cli import check_data_model, check_out_dir
 
-    (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "meta.json").write_text(json.dumps({"model": "gemma-3-270m"}))
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "meta.json").write_text(json.dumps({"model": "m"}))
-    (tmp_path / "old").mkdir()  # no meta.json: written before it was recorded
-    check_data_model("m", [tmp_path / "mine", tmp_path / "old"])
-    with pytest.raises(ValueError, match="holds 'gemma-3-270m''s answers, not 'm''s"):
-        check_data_model("m", [tmp_path / "mine", tmp_path / "other"])
+    for name, meta in (
+        ("other", {"model": "gemma-3-270m", "model_file": "g.gguf:9"}),
+        ("mine", {"model": "/a/m.gguf", "model_file": "m.gguf:5"}),  # the same file, its path spelled another way
+        ("named", {"model": "m"}),  # written before the file was recorded
+        ("old", None),  # no meta.json at all
+    ):
+        (tmp_path / name).mkdir()
+        if meta is not None:
+            (tmp_path / name / "meta.json").write_text(json.dumps(meta))
+    me = {"model": "m", "model_file": "m.gguf:5"}
+    check_data_model(me, [tmp_path / "mine", tmp_path / "named", tmp_path / "old"])
+    with pytest.raises(ValueError, match="answers of model 'gemma-3-270m' .*, not of 'm'"):
+        check_data_model(me, [tmp_path / "mine", tmp_path / "other"])
+    with pytest.raises(ValueError, match="answers of model 'm'"):
+        check_data_model({"model": "other"}, [tmp_path / "named"])  # names alone decide where no file is recorded
     (tmp_path / "f").write_text("x")
     check_out_dir(str(tmp_path / "new" / "dir"))
     for bad in (tmp_path / "f", tmp_path / "f" / "sub"):

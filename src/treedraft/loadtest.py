@@ -519,8 +519,20 @@ def default_out_dir() -> Path:
 def cmd_loadtest(a: argparse.Namespace) -> int:
     """`treedraft loadtest`: run the levels, print a summary, write the report files."""
     out = Path(a.out) if a.out else default_out_dir()
-    if out.exists() and not out.is_dir():  # said before the run, not after it (its results would be lost)
-        raise LoadTestError(f"--out {out} is a file; give a directory (it is created if missing)")
+    made = not out.exists()
+    try:  # made before the run, not after it (a file in the way lost the results; it also claims a default folder)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LoadTestError(f"--out {out}: cannot make that directory ({e}); give another") from None
+    try:
+        return _run_and_write(a, out)
+    except BaseException:
+        if made and out.is_dir() and not any(out.iterdir()):  # a run that wrote nothing leaves nothing behind
+            out.rmdir()
+        raise
+
+
+def _run_and_write(a: argparse.Namespace, out: Path) -> int:
     cfg = LoadTestConfig(
         url=a.url,
         concurrency=parse_concurrency(a.concurrency),

@@ -57,14 +57,20 @@ _SHAPE_DEFAULTS = {
 }
 
 
-def check_data_model(model_name: str, dirs: list) -> None:
-    """Each data directory holds ``model_name``'s answers (its meta.json's "model"; a directory without one is
-    taken as it is): another model's answers would train or measure the wrong thing without a word."""
+def check_data_model(ident: dict, dirs: list) -> None:
+    """Each data directory holds the answers of the model ``ident`` names (:func:`.data.model_identity`): its weights'
+    file where both record one (a name spelled another way is the same model), else its name; a directory that
+    records neither is taken as it is. Another model's answers would train or measure the wrong thing silently."""
     from .data import read_meta
 
     for d in dirs:
-        made_by = read_meta(d).get("model", model_name)
-        _check(made_by == model_name, f"{d} holds {made_by!r}'s answers, not {model_name!r}'s; use this model's data")
+        meta = read_meta(d)
+        key = "model_file" if "model_file" in meta and "model_file" in ident else "model"
+        if key in meta and meta[key] != ident.get(key):
+            raise ValueError(
+                f"{d} holds the answers of model {meta.get('model')!r} ({meta[key]}), not of {ident.get('model')!r} "
+                f"({ident.get(key)}); use this model's data"
+            )
 
 
 def check_out_dir(out: str | None) -> None:
@@ -249,7 +255,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     from .. import load
     from ..cli import model_kwargs
     from ..drafters.medusa import MedusaConfig
-    from .data import generate_dataset, has_shards, load_shards, read_meta, read_prompts
+    from .data import generate_dataset, has_shards, load_shards, model_identity, read_meta, read_prompts
     from .train import TrainConfig, evaluate, head_targets, rank_accuracy, train_heads
 
     validate_train_args(a)
@@ -307,7 +313,7 @@ def cmd_train(a: argparse.Namespace) -> int:
             prompt_file=a.eval_prompts,
         )
     lm = llm.model.output_projection_weight()
-    check_data_model(llm.model_name, [train_dir, *a.extra_train_data, *([eval_dir] if eval_dir else [])])
+    check_data_model(model_identity(llm), [train_dir, *a.extra_train_data, *([eval_dir] if eval_dir else [])])
     for d in [train_dir, *a.extra_train_data]:  # sampled answers
         meta = read_meta(d)
         if meta.get("temperature", 0) > 0:
@@ -416,7 +422,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         store_machine_tree,
         tree_record,
     )
-    from .data import load_shards, read_prompts
+    from .data import load_shards, model_identity, read_prompts
     from .train import head_targets, rank_accuracy
 
     validate_calibrate_args(a)
@@ -442,7 +448,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         "train-heads` first or pass --eval-data DIR",
     )
     if eval_data.is_dir():
-        check_data_model(llm.model_name, [eval_data])
+        check_data_model(model_identity(llm), [eval_data])
         tok, hid, seq = load_shards(eval_data)
         acc = rank_accuracy(heads, hid.float(), head_targets(tok, seq, heads.config.num_heads), roots=tok)
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -104,7 +105,8 @@ def validate(a: argparse.Namespace) -> None:
     _check(a.lr > 0 and a.ce_weight >= 0, "--lr must be > 0 and --ce-weight >= 0")
     _check(0 <= a.heldout < 0.5, f"--heldout must be in [0, 0.5), got {a.heldout}")
     _check(a.gen_temperature >= 0, f"--gen-temperature must be >= 0, got {a.gen_temperature}")
-    _check(a.gen_seed == 0 or a.gen_temperature > 0, "--gen-seed seeds sampled answers: give --gen-temperature > 0 too")
+    if a.gen_seed != 0 and a.gen_temperature == 0 and not a.no_generate:  # said, as generate says an idle --seed
+        print("note: --gen-seed seeds sampled answers; at --gen-temperature 0 they are greedy", file=sys.stderr)
     _check(
         not (a.init_from and a.init_from_target),
         "--init-from and --init-from-target both set the starting weights; give one",
@@ -125,7 +127,7 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
     from ..cli import model_kwargs
     from ..drafters.eagle import EagleConfig
     from .cli import _check, cache_name, check_data_model
-    from .data import read_meta, read_prompts
+    from .data import model_identity, read_meta, read_prompts
     from .eagle_data import generate_eagle_dataset
     from .eagle_train import EagleTrainConfig, train_eagle, write_report
 
@@ -135,12 +137,23 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = load(a.model, drafter=None, **model_kwargs(a))
     _check(a.draft_vocab <= llm.model.vocab_size, f"--draft-vocab must be <= {llm.model.vocab_size}")
+    # the data directories given are checked before any generation (hours, for all the prompts)
+    given = [*([a.train_data] if a.train_data and Path(a.train_data).is_dir() else []), *a.extra_train_data]
+    check_data_model(model_identity(llm), given)
+    base = read_meta(a.train_data).get("prompt_file") if a.no_generate else str(Path(a.prompts).resolve())
+    for d in a.extra_train_data:  # held-out prompts are matched by their index in the prompt file
+        theirs = read_meta(d).get("prompt_file")
+        _check(
+            base is None or theirs is None or Path(theirs).resolve() == Path(base).resolve(),
+            f"--extra-train-data {d} answers the prompts of {theirs}, the training data those of {base}: extra data "
+            "must answer the same prompt file (its answers to the held-out prompts are left out by their index)",
+        )
     if a.no_generate:
         data = Path(a.train_data)
     else:
         every = read_prompts(a.prompts)
         prompts = first_prompts(every, a.num_prompts, a.prompts)
-        n = a.num_prompts if a.num_prompts is not None and a.num_prompts < len(every) else None  # (all: None)
+        n = None if a.num_prompts is None else min(a.num_prompts, len(every))  # (more than the file: as many as it has)
         name = cache_name(llm.model_name, a.prompts, n, a.max_new_tokens, a.max_prompt_tokens)
         sampled = f"-t{a.gen_temperature:g}-s{a.gen_seed}" if a.gen_temperature > 0 else ""
         data = Path(a.train_data) if a.train_data else Path("data-cache") / f"{name}-eagle{sampled}"
@@ -162,15 +175,6 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
     if a.gen_only:
         print(f"data in {data} ({t_data:.0f} s)")
         return 0
-    check_data_model(llm.model_name, [data, *a.extra_train_data])
-    base = read_meta(data).get("prompt_file")
-    for d in a.extra_train_data:  # held-out prompts are matched by their index in the prompt file
-        theirs = read_meta(d).get("prompt_file")
-        _check(
-            base is None or theirs is None or Path(theirs).name == Path(base).name,
-            f"--extra-train-data {d} answers the prompts of {theirs}, --train-data {data} those of {base}: extra data "
-            "must answer the same prompt file (its answers to the held-out prompts are left out by their index)",
-        )
     cfg = EagleConfig.for_target(
         llm.model, llm.model_name, draft_vocab=a.draft_vocab, depth=a.depth, topk=a.topk, nodes=a.nodes
     )
