@@ -42,8 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="DIR",
-        help="more shard directories over the same prompts (e.g. sampled answers), for training only; their "
-        "answers to --train-data's held-out prompts are left out (repeatable)",
+        help="more shard directories, for training only: sampled answers to the same prompts (their answers to "
+        "--train-data's held-out prompts, matched by index, are left out) or answers to other prompts (repeatable)",
     )
     t.add_argument(
         "--train-data",
@@ -127,7 +127,7 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
     from ..cli import model_kwargs
     from ..drafters.eagle import EagleConfig
     from .cli import _check, cache_name, check_data_model
-    from .data import model_identity, read_meta, read_prompts
+    from .data import model_identity, read_prompts
     from .eagle_data import generate_eagle_dataset
     from .eagle_train import EagleTrainConfig, train_eagle, write_report
 
@@ -140,14 +140,7 @@ def cmd_train_eagle(a: argparse.Namespace) -> int:
     # the data directories given are checked before any generation (hours, for all the prompts)
     given = [*([a.train_data] if a.train_data and Path(a.train_data).is_dir() else []), *a.extra_train_data]
     check_data_model(model_identity(llm), given)
-    base = read_meta(a.train_data).get("prompt_file") if a.no_generate else str(Path(a.prompts).resolve())
-    for d in a.extra_train_data:  # held-out prompts are matched by their index in the prompt file
-        theirs = read_meta(d).get("prompt_file")
-        _check(
-            base is None or theirs is None or Path(theirs).resolve() == Path(base).resolve(),
-            f"--extra-train-data {d} answers the prompts of {theirs}, the training data those of {base}: extra data "
-            "must answer the same prompt file (its answers to the held-out prompts are left out by their index)",
-        )
+    # (extra data over other prompt files is fine: the shipped recipe adds template and self-written requests)
     if a.no_generate:
         data = Path(a.train_data)
     else:
