@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .drafters.registry import DEFAULT, DrafterCache, DrafterOptions, canonical, check_files
+from .drafters.suffix_store import DEFAULT_MAX_TOKENS
 from .engine import Engine, GenerationConfig, GenerationStats
 from .grammar import JsonGrammar
 from .interfaces import Drafter, GenerationError
@@ -488,7 +489,7 @@ def load(
     max_seq_len: int | None = DEFAULT_MAX_SEQ_LEN,
     weights: str = "auto",
     suffix_store: str | None = None,
-    suffix_max_tokens: int = 1_000_000,
+    suffix_max_tokens: int = DEFAULT_MAX_TOKENS,
     suffix_share: bool = False,
     kv_dtype: str = "auto",
     draft_model: str | None = None,
@@ -575,7 +576,7 @@ def load(
             warn_unread_draft_args(draft_model, draft_weights, llm.engine.drafter)
             unread = [flag for flag, given in (("--heads / heads=", heads not in (None, DEFAULT)),
                                                ("--suffix-store / suffix_store=", suffix_store is not None),
-                                               ("--suffix-max-tokens / suffix_max_tokens=", suffix_max_tokens != 1_000_000),
+                                               ("--suffix-max-tokens / suffix_max_tokens=", suffix_max_tokens != DEFAULT_MAX_TOKENS),
                                                ("--suffix-share / suffix_share=", suffix_share)) if given]  # fmt: skip
             warn_unread_args(unread, llm.engine.drafter)
     except BaseException:

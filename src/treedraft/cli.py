@@ -132,6 +132,8 @@ def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
 
 def add_suffix_args(p: argparse.ArgumentParser) -> None:
     """--suffix-store / --suffix-max-tokens / --suffix-share (drafter ``suffix``), shared with bench and serve."""
+    from .drafters.suffix_store import DEFAULT_MAX_TOKENS
+
     p.add_argument(
         "--suffix-store",
         default=None,
@@ -143,10 +145,10 @@ def add_suffix_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--suffix-max-tokens",
         type=int,
-        default=1_000_000,
+        default=DEFAULT_MAX_TOKENS,
         metavar="N",
         help="drafters with suffix branches: tokens kept at most per tenant, that tenant's oldest requests evicted "
-        "first (default 1000000)",
+        f"first (default {DEFAULT_MAX_TOKENS})",
     )
     p.add_argument(
         "--suffix-share",
@@ -369,14 +371,18 @@ def check_gen_args(a: argparse.Namespace, prompt: str | None = None) -> dict:
         idle = [f for f, on in (("--top-k", a.top_k), ("--top-p", a.top_p != 1.0), ("--min-p", a.min_p),
                                 ("--seed", a.seed is not None), ("--rule typical", a.rule == "typical")) if on]  # fmt: skip
         if idle:
-            print(
-                f"note: {', '.join(idle)} only shape sampling; at temperature 0 (the default) decoding is greedy: "
-                "give --temperature > 0 to sample",
-                file=sys.stderr,
-            )
+            print(idle_sampling_note(idle), file=sys.stderr)
     if prompt is not None and not prompt.strip():
         raise ValueError("the prompt is empty; give some text")
     return given
+
+
+def idle_sampling_note(flags: list[str]) -> str:
+    """The note for sampling flags given to a greedy run (generate, chat, bench): said, not silently ignored."""
+    return (
+        f"note: {', '.join(flags)} only shape sampling; at temperature 0 (the default) decoding is greedy: "
+        "give --temperature > 0 to sample"
+    )
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -397,6 +403,7 @@ def notes_after_load(a: argparse.Namespace, llm: Any) -> None:
     lookup or suffix branches; plain decoding reads no drafting flag (--max-tree-nodes, --heads, the suffix store's).
     """
     from .drafters.registry import PREDICTION_DRAFTERS
+    from .drafters.suffix_store import DEFAULT_MAX_TOKENS
 
     name = getattr(llm.engine.drafter, "name", "none") if llm.engine.drafter is not None else "none"
     notes = []
@@ -411,7 +418,7 @@ def notes_after_load(a: argparse.Namespace, llm: Any) -> None:
         given = [flag for flag, on in (("--max-tree-nodes", getattr(a, "max_tree_nodes", 64) != 64),
                                        ("--heads", getattr(a, "heads", None) not in (None, "default")),
                                        ("--suffix-store", getattr(a, "suffix_store", None) is not None),
-                                       ("--suffix-max-tokens", getattr(a, "suffix_max_tokens", 1_000_000) != 1_000_000),
+                                       ("--suffix-max-tokens", getattr(a, "suffix_max_tokens", DEFAULT_MAX_TOKENS) != DEFAULT_MAX_TOKENS),
                                        ("--suffix-share", getattr(a, "suffix_share", False))) if on]  # fmt: skip
         if given:
             notes.append(f"{', '.join(given)}: plain decoding (drafter none) drafts nothing, so reads none of them")

@@ -246,9 +246,8 @@ def _arguments(call: dict) -> Any:
 
 
 _RESPONSE_START = re.compile(r'\s*\{\s*"' + RESPONSE_KEY + r'"\s*:\s*"')
-_FIRST_KEY = re.compile(r'\s*\{\s*"([^"]*)"')
-# a call's closed key (its tool's name: settled once its quote closes) and the colon after it, if written yet
-_CALL_KEY = re.compile(r'\s*\{\s*"((?:[^"\\]|\\.)*)"\s*(?::\s*)?')
+# the answer's first key, once its quote closes (a tool's name, or "response"), and the colon after it if written yet
+_FIRST_KEY = re.compile(r'\s*\{\s*"((?:[^"\\]|\\.)*)"\s*(?::\s*)?')
 _HIGH_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}$")
 
 
@@ -321,7 +320,7 @@ def _cut_answer(text: str, mode: str) -> dict:
     said = part.feed(text)
     if mode == "auto" and part.mode == "response":
         return {"role": "assistant", "content": said}
-    key = _CALL_KEY.match(text)
+    key = _FIRST_KEY.match(text)
     name = mode.removeprefix(NAMED) if mode.startswith(NAMED) else None
     if key is not None and not (mode == "auto" and key.group(1) == RESPONSE_KEY):  # (a response before its quote)
         # the grammar closes a key only on a declared tool's name

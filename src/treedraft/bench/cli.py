@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..drafters.hybrid import fresh_copy
+from ..drafters.suffix_store import DEFAULT_MAX_TOKENS
 from . import harness
 from .baselines import HFMethod, llama_cpp_build, llama_cpp_method, load_hf_baseline
 from .harness import (
@@ -185,10 +186,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
             f"--pld-tokens must be >= 1 (tokens hf-pld / llama.cpp-pld copy per match), got {a.pld_tokens}"
         )
     idle = [f for f, on in (("--top-p", a.top_p != 1.0), ("--top-k", a.top_k != 0), ("--seed", a.seed != 0)) if on]
-    if a.temperature == 0 and idle:  # said, not silently ignored (as generate says it)
-        print(
-            f"[bench] note: {', '.join(idle)} only shape sampling; at temperature 0 decoding is greedy", file=sys.stderr
-        )
+    if a.temperature == 0 and idle:
+        from ..cli import idle_sampling_note
+
+        print(f"[bench] {idle_sampling_note(idle)}", file=sys.stderr)
     if a.warmup < 0:
         raise BenchError(f"--warmup must be >= 0, got {a.warmup}")
     baselines = [b.strip() for b in a.baselines.split(",") if b.strip()]
@@ -355,7 +356,7 @@ def _command_line(a: argparse.Namespace, dataset: Path | None) -> str:
             parts += ["--" + opt.replace("_", "-"), str(v)]
     if a.suffix_store is not None:
         parts += ["--suffix-store", a.suffix_store]
-    if a.suffix_max_tokens != 1_000_000:
+    if a.suffix_max_tokens != DEFAULT_MAX_TOKENS:
         parts += ["--suffix-max-tokens", str(a.suffix_max_tokens)]
     if a.suffix_share:
         parts.append("--suffix-share")

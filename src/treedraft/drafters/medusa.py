@@ -290,11 +290,7 @@ class MedusaHeads(nn.Module):
         from safetensors.torch import load_file
 
         d = Path(d)
-        if not d.is_dir():
-            what = "is a file" if d.exists() else "does not exist"
-            raise FileNotFoundError(f"heads directory {d} {what}; give the directory `treedraft train-heads` wrote")
-        if not (d / "medusa.json").is_file():
-            raise FileNotFoundError(f"{d}: no medusa.json; expected a directory written by `treedraft train-heads`")
+        check_heads_dir(d)
         try:
             raw = json.loads((d / "medusa.json").read_text())
         except json.JSONDecodeError as e:
@@ -367,6 +363,16 @@ def top_k_rows(scores: Tensor, k: int) -> list[list[int]]:
     if scores.device.type != "cpu" or k > 16:
         return scores.topk(k, dim=-1).indices.tolist()
     return topk_rows(scores.detach().float(), k)[1].tolist()
+
+
+def check_heads_dir(d: Path) -> None:
+    """FileNotFoundError unless ``d`` is a directory ``treedraft train-heads`` wrote (one holding medusa.json), saying
+    what it is instead (what :meth:`MedusaHeads.load` reads, checked before a model load too)."""
+    if not d.is_dir():
+        what = "is a file" if d.exists() else "does not exist"
+        raise FileNotFoundError(f"heads directory {d} {what}; give the directory `treedraft train-heads` wrote")
+    if not (d / "medusa.json").is_file():
+        raise FileNotFoundError(f"{d}: no medusa.json; expected a directory written by `treedraft train-heads`")
 
 
 def shipped_heads_for(model_name: str) -> Path | None:

@@ -354,11 +354,12 @@ def check_files(name: str, options: DrafterOptions) -> None:
             f"--heads {options.heads} {what}; give the directory `treedraft train-heads` or `train-eagle` wrote"
         )
     if name in MEDUSA_DRAFTERS:
+        from .medusa import check_heads_dir
+
         d = heads_dir(options)
         if d is None:
             raise FileNotFoundError(_no_medusa(options))
-        if not (d / "medusa.json").is_file():
-            raise FileNotFoundError(f"{d}: no medusa.json; expected a directory written by `treedraft train-heads`")
+        check_heads_dir(d)
     if name in EAGLE_DRAFTERS and eagle_dir(options) is None:
         raise FileNotFoundError(_no_eagle(options))
 

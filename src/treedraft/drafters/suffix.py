@@ -60,7 +60,7 @@ from .suffix_sizing import (
     node_depths,
     periodic_extend,
 )
-from .suffix_store import SuffixStore
+from .suffix_store import DEFAULT_MAX_TOKENS, SuffixStore
 
 
 @dataclass
@@ -308,7 +308,7 @@ def tenant_id(api_key: str | None = None, user: str | None = None) -> str:
 
 
 def open_suffix_store(
-    path: str | os.PathLike | None = None, max_tokens: int = 1_000_000, share: bool = False
+    path: str | os.PathLike | None = None, max_tokens: int = DEFAULT_MAX_TOKENS, share: bool = False
 ) -> SuffixStore:
     """The store behind ``--suffix-store DIR --suffix-max-tokens N --suffix-share`` (None = in memory); a ValueError
     naming the directory when it cannot be one (a file there, no permission), or what is wrong with the arguments."""

@@ -163,13 +163,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+DEFAULT_MAX_TOKENS = 1_000_000  # tokens a tenant keeps at most (--suffix-max-tokens, suffix_max_tokens=)
+
+
 class SuffixStore:
     """Finished requests of every tenant, on disk (optional) and as one suffix index per tenant."""
 
     def __init__(
         self,
         path: str | os.PathLike | None = None,
-        max_tokens: int = 1_000_000,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
         share: bool = False,
         snapshot_every: int = 256,
         fsync: bool = True,

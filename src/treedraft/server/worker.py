@@ -365,9 +365,7 @@ class Worker:
             if self.failing is not None:  # most were answered by fail_all; one it missed (being admitted) is here
                 self._flush()
                 for job in list(self.running):
-                    if job.claim_final():
-                        job.deliver(Failed(self.failing))
-                    self._leave(job, "error")
+                    self._fail(job, self.failing)
             if not self.running:
                 continue
             try:
@@ -403,6 +401,12 @@ class Worker:
         text = self.llm.text.text_stream(job.config, req.max_new, stats)
         self.running[job] = _Live(req, text, stats, now)
 
+    def _fail(self, job: Job, error: APIError) -> None:
+        """Answer a running job with ``error`` (unless it was answered already) and take it out of the batch."""
+        if job.claim_final():
+            job.deliver(Failed(error))
+        self._leave(job, "error")
+
     def _refuse(self, job: Job, error: APIError) -> None:
         """Answer a job that never ran with ``error`` (counted as a failure)."""
         if job.claim_final():
@@ -430,9 +434,7 @@ class Worker:
             log.exception("generation step failed for %d requests", len(self.running))
             self._flush()
             for job in list(self.running):
-                if job.claim_final():
-                    job.deliver(Failed(self._api_error(job, e)))
-                self._leave(job, "error")
+                self._fail(job, self._api_error(job, e))
             return
         self._flush()  # a step without a forward (nothing planned) keeps the items in order
         self.metrics.observe_steps(len(self.running))
