@@ -87,6 +87,32 @@ def test_drafter_tree_follows_choices_and_head_ranks() -> None:
     assert calls == [1, 1, 2, 2]
 
 
+def test_coupled_requests_perturb_the_first_heads_ranks_only() -> None:
+    """A sampled, coupled request: the first head's children are its top-k of log q + the target's Gumbel noise at
+    the root's next position (eagle_tree.coupled_pick), the later heads keep their top-k (their q is a marginal)."""
+    from treedraft.sampling import SamplingParams, gumbel_key, gumbel_topk
+
+    m = tiny_llama()
+    heads = MedusaHeads(_cfg(m, num_heads=2), m.lm_head.weight)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    d = MedusaDrafter(heads, ((0,), (1,), (0, 0), (0, 1)))
+    s = SamplingParams(temperature=1.0)
+    moved = 0
+    for t in range(20):
+        h = torch.randn(m.hidden_size)
+        ctx = DraftContext([1, 2, 7], h, max_nodes=64, max_depth=8, sampling=s, coupling=t)
+        tree = d.propose(ctx)
+        logits = heads(h)
+        first = gumbel_topk(logits[0], s, gumbel_key(t, 3), 2)[0].tolist()
+        assert list(tree.tokens[1:3]) == first
+        assert list(tree.tokens[3:5]) == logits[1].topk(2).indices.tolist()
+        moved += first != logits[0].topk(2).indices.tolist()
+    assert moved > 0  # the noise did reorder some rows
+    greedy = d.propose(DraftContext([1, 2, 7], h, max_nodes=64, max_depth=8))
+    assert list(greedy.tokens[1:3]) == logits[0].topk(2).indices.tolist()
+
+
 def _head_q8(heads: MedusaHeads, k: int, kernels):
     """Head k's own int8 copies, packed alone: (root projection or None, residual block weight, its bias)."""
     from treedraft.drafters.medusa_native import pack_q8

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -135,19 +136,23 @@ def uniform(gen: torch.Generator) -> float:
 
 # ---- coupled sampling: a token is a deterministic function of (seed, position, p) ----------------------
 #
-# A seeded request draws the token at absolute position t (its index in prompt + output) by inverse
-# transform sampling, x_t = F_t^-1(u_t), where F_t is the CDF of the target's distribution p_t (after
-# temperature/top-k/top-p, in token-id order) and u_t ~ U[0, 1) comes from a counter-based generator keyed
-# ONLY by (seed, t). So x_t ~ p_t exactly, and since u_t is independent of u_<t (which fixed the prefix and
-# with it p_t), the sequence is distributed exactly as the model's. The output is a function of
-# (seed, prompt, model) alone: whatever the drafter proposed and whoever shared the batch, each step
-# commits the same tokens (see verify.accept_coupled). This is the common-random-numbers coupling of
-# speculative sampling (Leviathan et al. 2023, arXiv:2211.17192; SpecTr, Sun et al. 2023,
-# arXiv:2310.15141, couple drafts and target through shared randomness the same way), with the Gumbel-max
-# coupling x_t = argmax_x log p_t(x) + G_t(x) replaced by the inverse CDF: both are exact samples from a
-# noise keyed by (seed, t), but Gumbel-max needs V random numbers and 2V logarithms per token where this
-# needs one uniform and one cumsum (SmolLM2, V=49152: a 64-node step emitting 2 tokens took 44-53 ms with
-# Gumbel-max, 1.5-9 ms with the inverse CDF, one loaded core: benchmarks/coupled_acceptance.py).
+# A seeded request draws the token at absolute position t (its index in prompt + output) by the Gumbel-max
+# trick, x_t = argmax_x log p_t(x) + G_t(x) over the tokens p_t keeps (after temperature/top-k/top-p), where
+# G_t(x) ~ Gumbel(0, 1) is hashed from (seed, t, x) ONLY by a counter-based generator. So x_t ~ p_t exactly,
+# and since G_t is independent of G_<t (which fixed the prefix and with it p_t), the sequence is distributed
+# exactly as the model's. The output is a function of (seed, prompt, model) alone: whatever the drafter
+# proposed and whoever shared the batch, each step commits the same tokens (see verify.accept_coupled). This is
+# the common-random-numbers coupling of speculative sampling (Leviathan et al. 2023, arXiv:2211.17192; SpecTr,
+# Sun et al. 2023, arXiv:2310.15141, couple drafts and target through shared randomness the same way).
+#
+# Why Gumbel-max and not the inverse CDF (u_t one uniform, x_t = F_t^-1(u_t) in token-id order, used until
+# session 38): a drafter that knows the noise can propose the top-k of ITS OWN log q + G_t, and where q is near p
+# the two argmaxes agree whatever the vocabulary order; under the inverse CDF every difference between the two
+# CDFs before a token shifts its interval, so the draft's own draw agreed less often than its plain top-1 (EAGLE
+# depth 1 at T = 1, 10 MT-Bench first turns: own draw 0.22, top-1 0.27, top-4 0.47; Gumbel, perturbed top-1 0.34,
+# top-4 0.57; benchmarks/results/session38.md). The V logarithms per row that made Gumbel-max slow here before
+# (44-53 ms a step, benchmarks/results/coupled_acceptance.md) are skipped for every token that cannot win: token
+# x can beat a score s only if v_x < p_x / exp(s)-ish (kernels/sample.h), one hash and one compare per token.
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment (odd; 2^64 / golden ratio)
@@ -202,8 +207,59 @@ def draw(logits: Tensor, p: SamplingParams, u: float) -> int:
     return inverse_cdf(target_probs(logits[None], p)[0], u)
 
 
+def gumbel_key(seed: int, position: int) -> int:
+    """The 64-bit key of position ``position``'s Gumbel noise in a request seeded with ``seed`` (the counter state
+    :func:`position_uniform` takes its bits from), so a token's noise depends on (seed, position, token) alone."""
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}")
+    return _mix64((_mix64(int(seed) & _M64) + (position + 1) * _GOLDEN) & _M64)
+
+
+_TOKEN_STEP = 0xD1B54A32D192ED03  # kernels/sample.h kGumbelTokenStep: token j's counter is key + (j + 1) * step
+
+
+def gumbel_noise(key: int, tokens: np.ndarray) -> np.ndarray:
+    """G (float64) for token ids ``tokens`` under ``key``: -log(-log1p(-v)), v in (0, 1] the token's 53 hash bits
+    (kernels/sample.h gumbel_v, in numpy's wrapping uint64 arithmetic)."""
+    z = (np.uint64(key) + (tokens.astype(np.uint64) + np.uint64(1)) * np.uint64(_TOKEN_STEP)).astype(np.uint64)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    v = ((z >> np.uint64(11)) + np.uint64(1)).astype(np.float64) * 2.0**-53
+    with np.errstate(divide="ignore"):
+        return -np.log(-np.log1p(-v))
+
+
+def gumbel_topk(
+    logits: Tensor, p: SamplingParams, key: int, k: int = 1, cols: Tensor | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The k tokens of p's support of a (V,) logits row with the largest (z - max z) + G, z = logits / T and G the
+    Gumbel noise of each column's token id (``cols``, default the column) under ``key``, best first (equal scores:
+    the lower column first), as (columns int64, scores float64); fewer when fewer tokens are kept. The first is
+    an exact draw from p. One native call when the kernel is loaded (kernels/sample.h), else numpy: the two
+    differ at most in the last bits of a logarithm."""
+    from . import kernels
+
+    if p.greedy:
+        raise ValueError("gumbel_topk needs a sampled (temperature > 0) SamplingParams")
+    row = logits.detach().to("cpu", torch.float32).reshape(-1).contiguous()
+    out = kernels.gumbel_topk(row, p.temperature, p.top_k, p.top_p, p.min_p, key, min(k, row.numel()), cols)
+    if out is not None:
+        return out[0].numpy(), out[1].numpy()
+    keep = target_probs(row[None], p)[0] > 0  # the support, as the native pass keeps it (up to rounding)
+    if not bool(keep.any()):
+        raise ValueError("cannot sample from a distribution with no mass")
+    z = row / p.temperature
+    d = (z - z.max()).numpy().astype(np.float64)
+    ids = np.arange(row.numel()) if cols is None else cols.numpy()
+    score = np.where(keep.numpy(), d + gumbel_noise(key, ids), -np.inf)
+    n = min(k, int(keep.sum()))
+    order = np.lexsort((np.arange(score.size), -score))[:n]  # descending score, then the lower column
+    return order.astype(np.int64), score[order]
+
+
 def coupled_sample(logits: Tensor, p: SamplingParams, seed: int, position: int) -> int:
-    """Token ``position`` of a coupled draw: F^-1(position_uniform(seed, position)) under ``p``. logits: (V,)."""
+    """Token ``position`` of a coupled draw: the Gumbel-max draw from p keyed by (seed, position). logits: (V,)."""
     if p.greedy:
         return int(logits.argmax())
-    return draw(logits, p, position_uniform(seed, position))
+    return int(gumbel_topk(logits, p, gumbel_key(seed, position), 1)[0][0])

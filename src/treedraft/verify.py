@@ -159,7 +159,7 @@ def accept_coupled(tree: TokenTree, logits: Tensor, params: SamplingParams, seed
     to the child holding it, or emit it as the bonus token and stop. Every emitted token is therefore the
     one plain seeded decoding would emit, whatever the tree: the output is a function of (seed, prompt),
     and is distributed exactly as the target's (Leviathan et al. 2023 for the lossless argument; only
-    the path walked is drawn, one uniform and one CDF per emitted token). The drafts' q (``child_q``) is
+    the path walked is drawn, one Gumbel-max pass per emitted token). The drafts' q (``child_q``) is
     not used: for deterministic drafts a node's children are taken with probability p(children), as under
     recursive rejection sampling; for sampled drafts that is less than rejection sampling would accept.
     logits: (N, V).

@@ -17,9 +17,9 @@ Then :func:`.eagle_tree.grow_tree` expands the best frontier nodes depth by dept
 forward of the expanded nodes under a tree mask (a node sees the committed tokens, its expanded ancestors and
 itself), and keeps the nodes that maximise expected tokens per second on this machine's verify curve. The drafted
 rows never stay in the draft cache (the accepted ones are moved into place at the next step). Children are the
-draft's top-k (deterministic); for a sampled request whose tokens are coupled draws (verify.accept_coupled), each
-node's one child is the draft's own coupled draw at that position, the target's token wherever the two
-distributions are close. Either way the drafts are guesses the target verifies: greedy output is plain's, sampled
+draft's top-k (deterministic); for a sampled request whose tokens are coupled draws (verify.accept_coupled), they
+are the draft's top-k of its own log-probabilities plus the target's Gumbel noise at that position
+(eagle_tree.coupled_pick): the first is the target's token wherever the two distributions are close. Either way the drafts are guesses the target verifies: greedy output is plain's, sampled
 output keeps the target's distribution.
 """
 
@@ -28,13 +28,12 @@ from __future__ import annotations
 import sys
 import warnings
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from ..interfaces import DraftContext, TargetModel, request_twin, target_device
 from ..tree import TokenTree
-from .eagle_tree import LatencyCurve, ProbCalibration, grow_tree
+from .eagle_tree import COUPLED_SCALE_CLOSE, LatencyCurve, ProbCalibration, coupled_pick, grow_tree
 
 
 class DraftModelError(ValueError):
@@ -303,30 +302,12 @@ class DraftModelDrafter:
         layout = kv_layout(c)
         return c if layout is not None and layout == self.kv_layout else None
 
-    @staticmethod
-    def _coupled_pick(ctx: DraftContext):
-        """For a sampled request whose tokens are coupled draws (``ctx.coupling``), the child of each expanded node:
-        the draft model's own coupled draw for that position (the target's token there is
-        ``coupled_sample(target row, sampling, coupling, position)``; where the two distributions are close, so are
-        their inverse CDFs at the same uniform, and the draft is the target's own sample). One child per node, valued
-        by its tempered draft probability (what the sampled bins calibrate). None: greedy, or not coupled."""
-        from ..sampling import coupled_sample
-
-        s, seed = ctx.sampling, ctx.coupling
-        if seed is None or s is None or s.greedy:
-            return None
-        first = len(ctx.tokens)  # the position the root's row predicts; a node at depth d predicts first + d
-
-        def pick(logits: Tensor, depths: list[int]) -> tuple[np.ndarray, np.ndarray]:
-            ids = np.empty((len(depths), 1), dtype=np.int64)
-            vals = np.empty((len(depths), 1), dtype=np.float64)
-            for j, d in enumerate(depths):
-                x = coupled_sample(logits[j], s, seed, first + d)
-                ids[j, 0] = x
-                vals[j, 0] = float(torch.log_softmax(logits[j].float() / s.temperature, -1)[x])
-            return vals, ids
-
-        return pick
+    def _coupled_pick(self, ctx: DraftContext):
+        """For a sampled request whose tokens are coupled draws (``ctx.coupling``), the children of each expanded
+        node: the draft model's top-k of its own log-probabilities plus the target's Gumbel noise at that position
+        (:func:`.eagle_tree.coupled_pick`); the first is the target's own token wherever the two distributions are
+        close. None: greedy, or not coupled."""
+        return coupled_pick(ctx, self.topk, scale=COUPLED_SCALE_CLOSE)
 
 
 def draft_weights_for(model_path, device: torch.device, weights: str, dtype: torch.dtype) -> tuple[str, str]:

@@ -26,7 +26,7 @@ from ..interfaces import DraftContext, TargetModel, request_twin
 from ..tree import TokenTree
 from .eagle_native import fast_drafting
 from .eagle_net import EAGLE_JSON, EAGLE_WEIGHTS, EagleConfig, EagleMismatchError, EagleNet, shipped_eagle_for
-from .eagle_tree import RankAcceptance, TreeCalibration, grow_tree, prior_values
+from .eagle_tree import RankAcceptance, TreeCalibration, coupled_pick, grow_tree, prior_values
 
 __all__ = [
     "EAGLE_JSON",
@@ -241,6 +241,7 @@ class EagleDrafter:
             cal=self.cal,
             drafting_seconds=self._drafting_seconds,  # an estimate (not timed): the tree is a function of the inputs
             vocab=self._vm_np,
+            pick=coupled_pick(ctx, self.topk, self._vm_np),  # sampled and coupled: the target's noise picks
         )
         self.cache.length = base  # drafts never stay in the cache
         self.cal.drafted(self.last_expected - 1.0, r, ctx.root, tree, probs)

@@ -387,3 +387,53 @@ def grow_tree(
         parents.append(new[par[i]])
     probs = [math.exp(cond[i]) for i in keep]  # in tree order: node j + 1 is keep[j]
     return TokenTree(tuple(tokens), tuple(parents)), 1.0 + math.fsum(cal.raw(score[i]) for i in keep), probs
+
+
+# coupled_pick's scale of the draft's error in log p at temperature 1 (divided by the temperature: the error in the
+# logits is tempered with them), calibrated in session 38 (benchmarks/results/session38.md): an EAGLE-class drafter
+# (q's top-1 is the target's greedy token ~0.55 of the time) and the target's own int4 copy (~0.98)
+COUPLED_SCALE = 1.25
+COUPLED_SCALE_CLOSE = 0.08
+COUPLED_POOL = 16  # coupled_pick's candidates per row its values are normalised over
+
+
+def coupled_pick(
+    ctx: Any, k: int, vocab: np.ndarray | None = None, scale: float = COUPLED_SCALE
+) -> Callable[[torch.Tensor, list[int]], tuple[np.ndarray, np.ndarray]] | None:
+    """For a sampled request whose tokens are coupled draws (``ctx.coupling``: the target's token at position t is
+    the Gumbel-max draw ``argmax_x log p_t(x) + G_t(x)``, :func:`treedraft.sampling.coupled_sample`), the children
+    of expanded nodes as :func:`grow_tree`'s ``pick``: the k tokens with the largest ``s(x) = log q(x) + G_t(x)``
+    under the draft's own distribution q and the same noise. Where q is near p they are the target's own draw and
+    its runners-up (EAGLE depth 1 at T = 1: 0.34 of the target's draws were the perturbed top-1 against 0.26 for
+    q's top-1, 0.57 against 0.45 in the top 4; benchmarks/results/session38.md).
+
+    A child's value is not its q (the perturbed top-1 is the target's token far more often than q says: 0.38
+    against a mean q of 0.16 for EAGLE at T = 1) but log softmax(s x T / ``scale``) over the row's COUPLED_POOL
+    best s: the chance that it is the argmax when the target's tempered log p is the draft's plus a Gumbel error of
+    scale ``scale`` / T (EAGLE at T = 1, scale 1: values 0.17 / 0.38 / 0.58 / 0.80 were hit 0.14 / 0.30 / 0.47 /
+    0.66 of the time, hence a little more; the int4 copy drafting for its fp32 target at T = 0.7: perturbed top-1
+    0.986, and an error scale of 0.1 / T, i.e. ``scale`` 0.07, fit best). Values that promise too much buy verify rows that are not accepted.
+    ``vocab``: the token id of each logits column (the noise is keyed by the token id). None: greedy, or the
+    request is not coupled (grow_tree then takes the top-k)."""
+    from ..sampling import gumbel_key, gumbel_topk
+
+    s, seed = getattr(ctx, "sampling", None), getattr(ctx, "coupling", None)
+    if seed is None or s is None or s.greedy:
+        return None
+    first = len(ctx.tokens)  # the position the root's row predicts; a node at depth d's row predicts first + d
+    cols = None if vocab is None else torch.from_numpy(np.ascontiguousarray(vocab, dtype=np.int64))
+    pool = max(k, COUPLED_POOL)
+
+    def pick(logits: torch.Tensor, depths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        rows = logits.float()
+        ids, vals = [], []
+        for j, d in enumerate(depths):
+            c, sc = gumbel_topk(rows[j], s, gumbel_key(seed, first + d), pool, cols)
+            z = sc * (s.temperature / scale)
+            z = z - z[0]  # the best first
+            vals.append(z - np.log(np.exp(z).sum()))
+            ids.append(c)
+        n = min(k, *(len(c) for c in ids))  # rows keeping fewer than k tokens (top-k / top-p) cut every row to that
+        return np.stack([v[:n] for v in vals]), np.stack([c[:n] for c in ids]).astype(np.int64)
+
+    return pick

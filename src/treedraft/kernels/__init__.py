@@ -48,6 +48,7 @@ __all__ = [
     "set_q4_pair",
     "sample_probs",
     "sample_draw",
+    "gumbel_topk",
 ]
 
 TILE = 16  # output columns per packed tile
@@ -357,6 +358,27 @@ def sample_draw(
     row = row.detach().to("cpu", torch.float32).contiguous()
     x = ext.sample_draw(row, float(temperature), int(top_k), float(top_p), float(u), float(min_p))
     return None if x < 0 else int(x)
+
+
+def gumbel_topk(
+    row: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    key: int,
+    k: int,
+    cols: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The k tokens of a (V,) float32 CPU logits row's support (under temperature, top-k, min-p, top-p) with the
+    largest (z - max z) + Gumbel noise keyed by (``key``, token id), best first, as (columns int64, scores float64)
+    (kernels/sample.h gumbel_topk_row; ``cols``: the token id of each column). None when the native kernel is not
+    loaded in this process or the row has no finite maximum (callers then use treedraft.sampling's version)."""
+    ext = loaded_extension()
+    if ext is None or not hasattr(ext, "gumbel_topk"):
+        return None
+    row = row.detach().to("cpu", torch.float32).contiguous()
+    return ext.gumbel_topk(row, float(temperature), int(top_k), float(top_p), float(min_p), int(key), int(k), cols)
 
 
 def set_row_pass_blocks(blocks: int | None) -> int | None:

@@ -302,6 +302,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "the inverse-CDF draw of u from the row's sampling distribution, or -1 when it has no finite maximum",
       py::arg("x"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("u"), py::arg("min_p") = 0.0);
+  m.def(
+      "gumbel_topk",
+      [](torch::Tensor x, double temperature, int64_t top_k, double top_p, double min_p, uint64_t key, int64_t k,
+         c10::optional<torch::Tensor> cols) -> py::object {
+        TORCH_CHECK(x.dim() == 1 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+                    "qgemm.gumbel_topk: x must be a contiguous float32 (V,) tensor");
+        TORCH_CHECK(temperature > 0.0, "qgemm.gumbel_topk: temperature must be > 0");
+        TORCH_CHECK(k >= 1 && k <= x.size(0), "qgemm.gumbel_topk: need 1 <= k <= V, got k=", k);
+        const int64_t* cp = nullptr;
+        if (cols.has_value()) {
+          TORCH_CHECK(cols->dim() == 1 && cols->scalar_type() == torch::kInt64 && cols->is_contiguous() &&
+                          cols->size(0) == x.size(0),
+                      "qgemm.gumbel_topk: cols must be a contiguous int64 tensor of x's length");
+          cp = cols->data_ptr<int64_t>();
+        }
+        auto ids = torch::empty({k}, torch::kInt64);
+        auto scores = torch::empty({k}, torch::kFloat64);
+        const int64_t n = td::gumbel_topk_row(x.data_ptr<float>(), x.size(0), cp, (float)temperature, top_k, top_p,
+                                              (float)min_p, key, k, ids.data_ptr<int64_t>(), scores.data_ptr<double>());
+        if (n < 0) return py::none();
+        return py::cast(std::make_tuple(ids.narrow(0, 0, n), scores.narrow(0, 0, n)));
+      },
+      "the k kept tokens with the largest (z - max z) + Gumbel noise keyed by (key, token id), best first, as "
+      "(columns, scores); None when the row has no finite maximum",
+      py::arg("x"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("key"),
+      py::arg("k"), py::arg("cols") = py::none());
   m.def("paths", &td::paths, "compiled code paths, fastest first");
   m.def(
       "set_tuning",

@@ -27,6 +27,7 @@ struct RowDist {
   double total = 0.0;        // sum of the kept e (p_j = e_j / total); < 0: the row has no finite maximum
   std::vector<int32_t> ids;  // top-p only: the kept ids (else every j with e_j > 0 is kept)
   bool sparse = false;
+  float max = 0.0f;  // max z (z = x / T): a kept token's weight is e_j = exp(z_j - max)
 };
 
 // e (V floats) <- the kept tokens' unnormalised weights, zeros elsewhere (see the header comment).
@@ -56,6 +57,7 @@ inline RowDist row_dist(const float* x, int64_t V, float temperature, int64_t to
     r.total = -1.0;
     return r;
   }
+  r.max = m;
   float kth = -INFINITY;
   if (top_k > 0 && top_k < V) {
     thread_local std::vector<float> buf;
@@ -187,6 +189,93 @@ inline int64_t sample_draw_row(const float* x, int64_t V, float temperature, int
   const RowDist d = row_dist(x, V, temperature, top_k, top_p, min_p, e.data());
   if (!(d.total > 0.0)) return -1;  // no finite maximum (-1), or no mass
   return draw_from(e.data(), V, d, u);
+}
+
+// ---- Gumbel-max coupled draws (treedraft.sampling.coupled_sample) ----------------------------------------
+//
+// The token at a seeded position is argmax_j (d_j + G_j) over the kept tokens, d_j = z_j - max z (log of the
+// weight e_j), G_j = -log(-log1p(-v_j)) a Gumbel(0, 1) noise and v_j in (0, 1] a 53-bit uniform hashed from
+// (the position's key, token id j) alone: an exact draw from p (Gumbel 1954; the "Gumbel-max trick"). Each
+// token's noise is its own, so a drafter that knows the key can take the top-k of ITS OWN d + G: where its
+// distribution is near the target's the perturbed argmaxes agree whatever order the vocabulary is in (the
+// inverse CDF's agreement falls with every CDF difference summed before the token, in id order).
+//
+// Computing 2 logarithms for each of 49k tokens per row would cost ~1 ms; instead, token j can beat a score s
+// only if d_j + G_j > s, i.e. -log1p(-v_j) < exp(d_j - s), which needs v_j < e_j * exp(-s) (-log1p(-v) >= v).
+// So each token costs one hash and one compare, and the logarithms run for the few that pass.
+
+constexpr uint64_t kGumbelTokenStep = 0xD1B54A32D192ED03ull;  // odd: token j's counter is key + (j + 1) * step
+
+inline uint64_t mix64(uint64_t z) {  // SplitMix64's output function (sampling._mix64)
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// v in (0, 1]: 53 random bits of the token's hash, plus one ulp (never 0)
+inline double gumbel_v(uint64_t key, int64_t token) {
+  return (double)((mix64(key + (uint64_t)(token + 1) * kGumbelTokenStep) >> 11) + 1) * 0x1p-53;
+}
+
+inline double gumbel_of(double v) { return -std::log(-std::log1p(-v)); }  // v = 1: -inf
+
+// The k kept tokens (row_dist's support of x under the sampling parameters) with the largest d_j + G_j, best
+// first (equal scores: the lower column first), as columns of x into ids and their scores; cols (nullable): the
+// token id of each column (a drafter's reduced vocabulary), which keys the noise. Returns how many were found
+// (< k when fewer tokens are kept), or -1 when the row has no finite maximum.
+inline int64_t gumbel_topk_row(const float* x, int64_t V, const int64_t* cols, float temperature, int64_t top_k,
+                               double top_p, float min_p, uint64_t key, int64_t k, int64_t* ids, double* scores) {
+  thread_local std::vector<float> e;
+  e.resize(V);
+  const RowDist r = row_dist(x, V, temperature, top_k, top_p, min_p, e.data());
+  if (!(r.total > 0.0)) return -1;
+  int64_t n = 0;  // best-first list ids[0..n), scores[0..n)
+  double thr = -INFINITY, c = INFINITY;  // the k-th best score once n == k; c: exp(-thr), with a margin
+  auto consider = [&](int64_t j) {
+    const double s = (double)(x[j] / temperature - r.max) + gumbel_of(gumbel_v(key, cols ? cols[j] : j));
+    if (n == k && !(s > thr)) return;
+    int64_t i = n < k ? n++ : k - 1;
+    while (i > 0 && (s > scores[i - 1] || (s == scores[i - 1] && j < ids[i - 1]))) {
+      scores[i] = scores[i - 1], ids[i] = ids[i - 1];
+      --i;
+    }
+    scores[i] = s, ids[i] = j;
+    if (n == k) thr = scores[k - 1], c = std::exp(-thr) * (1.0 + 1e-4) + 1e-300;  // e_j's exp is approximate
+  };
+  // the heaviest token first (e = 1): a first bound that prunes most of the row when k is 1
+  int64_t best = -1;
+  for (int64_t j = 0; j < V; ++j)
+    if (e[j] == 1.0f) {
+      best = j;
+      break;
+    }
+  if (best >= 0) consider(best);
+  if (r.sparse) {
+    for (int32_t j : r.ids)
+      if (j != best && (n < k || gumbel_v(key, cols ? cols[j] : j) < (double)e[j] * c)) consider(j);
+    return n;
+  }
+  // dense rows: the pruning test for a block of tokens in a branch-free loop (the compiler vectorizes the hash),
+  // then the exact score for the few that pass; c is taken per block (a later bound only prunes more)
+  constexpr int64_t B = 256;
+  uint8_t pass[B];
+  for (int64_t j0 = 0; j0 < V; j0 += B) {
+    const int64_t m = std::min(B, V - j0);
+    const double cc = n < k ? INFINITY : c;
+    const float* eb = e.data() + j0;
+    if (cols) {
+      const int64_t* cb = cols + j0;
+      for (int64_t i = 0; i < m; ++i) pass[i] = (uint8_t)((eb[i] > 0.0f) & (gumbel_v(key, cb[i]) < (double)eb[i] * cc));
+    } else {
+      for (int64_t i = 0; i < m; ++i) pass[i] = (uint8_t)((eb[i] > 0.0f) & (gumbel_v(key, j0 + i) < (double)eb[i] * cc));
+    }
+    for (int64_t i = 0; i < m; ++i)
+      if (pass[i] && j0 + i != best) {
+        const int64_t j = j0 + i;
+        if (n < k || gumbel_v(key, cols ? cols[j] : j) < (double)e[j] * c) consider(j);
+      }
+  }
+  return n;
 }
 
 }  // namespace td
