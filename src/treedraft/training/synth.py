@@ -217,10 +217,13 @@ def synthesize_prompts(
                 nxt += 1
                 ended = bool(ids) and ids[-1] in eos
                 body = ids[:-1] if ended else ids
-                text = tokenizer.decode(body).strip()
+                shown = tokenizer.decode(body)
+                text = shown.strip()
                 why = reject_reason(text, ended, cfg)
-                if why is None and tokenizer.decode(body, skip_special_tokens=False).strip() != text:
-                    why = "special token"  # a template token inside the request (decode drops it)
+                # a template token inside the request (decode drops it); compared before the strip, so one that
+                # reads as white space at either end is caught too
+                if why is None and tokenizer.decode(body, skip_special_tokens=False) != shown:
+                    why = "special token"
                 if why is None and normalize(text) in seen:
                     why = "duplicate"
                 if why is None:
