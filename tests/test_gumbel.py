@@ -4,6 +4,8 @@ scan, and a draft close to the target proposing the target's own token."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -134,3 +136,40 @@ def test_coupled_pick_proposes_the_targets_draws_by_depth() -> None:
         assert vocab[ids[d, 0]] == coupled_sample(full, params, 77, 5 + d)
     assert coupled_pick(SimpleNamespace(sampling=SamplingParams(), coupling=None, tokens=[1]), 3) is None
     assert coupled_pick(SimpleNamespace(sampling=params, coupling=None, tokens=[1]), 3) is None
+
+
+def test_a_process_draws_natively_from_its_first_token(native) -> None:
+    """The first coupled draw loads the kernel, so no process draws some tokens by the numpy path and later ones
+    natively. This row's top-p boundary falls differently under the numpy path's float32 sums (found by a review):
+    a fresh process must draw the native token before and after anything else loads the kernel."""
+    script = (
+        "import torch\n"
+        "from treedraft import kernels\n"
+        "from treedraft.sampling import SamplingParams, coupled_sample\n"
+        "x = torch.tensor([-1.3499267101287842, -1.0986123085021973, -1.216395378112793, -3.295836925506592,"
+        " -2.602689743041992])\n"
+        "p = SamplingParams(temperature=1.0, top_p=0.962963)\n"
+        "first = coupled_sample(x, p, 1, 12)\n"
+        "kernels.available()\n"
+        "print(first, coupled_sample(x, p, 1, 12))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == out[1], out
+
+
+def test_bad_arguments_are_refused() -> None:
+    """Two-dimensional logits, k < 1 and a vocabulary map of another length are errors, not silent broadcasts."""
+    row = torch.randn(10)
+    s = SamplingParams(temperature=1.0)
+    with pytest.raises(ValueError, match="one \\(V,\\) logits row"):
+        gumbel_topk(row[None], s, 1, 1)
+    with pytest.raises(ValueError, match="k >= 1"):
+        gumbel_topk(row, s, 1, 0)
+    with pytest.raises(ValueError, match="one token id per logits column"):
+        gumbel_topk(row, s, 1, 1, torch.tensor([3]))
+    with pytest.raises(ValueError, match="sampled"):
+        gumbel_topk(row, SamplingParams(), 1, 1)
+    # other integer dtypes are taken as token ids
+    assert list(gumbel_topk(row, s, 5, 3, torch.arange(10, dtype=torch.int32))[0]) == list(
+        gumbel_topk(row, s, 5, 3, torch.arange(10))[0]
+    )

@@ -1,7 +1,7 @@
 """Seeded sampling through the engine: a function of (seed, prompt), whatever the drafter and the batch.
 
-The coupled lossless rule (treedraft.verify.accept_coupled) draws token t as the inverse CDF of the target's
-p_t at a uniform keyed by (seed, t): over seeds the tokens follow the model exactly (joint of two tokens,
+The coupled lossless rule (treedraft.verify.accept_coupled) draws token t as the Gumbel-max draw from the target's
+p_t with noise keyed by (seed, t, token): over seeds the tokens follow the model exactly (joint of two tokens,
 computed from the model itself), and seeded speculative output equals seeded plain output token for token
 for deterministic, sampled and stateful (suffix index) drafters. One slow test on the real model.
 """

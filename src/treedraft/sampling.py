@@ -236,14 +236,29 @@ def gumbel_topk(
     """The k tokens of p's support of a (V,) logits row with the largest (z - max z) + G, z = logits / T and G the
     Gumbel noise of each column's token id (``cols``, default the column) under ``key``, best first (equal scores:
     the lower column first), as (columns int64, scores float64); fewer when fewer tokens are kept. The first is
-    an exact draw from p. One native call when the kernel is loaded (kernels/sample.h), else numpy: the two
-    differ at most in the last bits of a logarithm."""
+    an exact draw from p.
+
+    One native call (kernels/sample.h) wherever the native kernel can be loaded: this loads it, so a process never
+    draws some tokens natively and others by the numpy path. That path (``TREEDRAFT_NO_EXT=1``, or a machine without
+    the kernel) takes its support from :func:`target_probs`' tensor ops, whose float32 sums can put the top-p
+    boundary elsewhere than the native float64 ones in rare rows (a token's mass within rounding of the cut): a
+    seeded text can then differ between a process with the kernel and one without, never within one process."""
     from . import kernels
 
     if p.greedy:
         raise ValueError("gumbel_topk needs a sampled (temperature > 0) SamplingParams")
-    row = logits.detach().to("cpu", torch.float32).reshape(-1).contiguous()
-    out = kernels.gumbel_topk(row, p.temperature, p.top_k, p.top_p, p.min_p, key, min(k, row.numel()), cols)
+    if logits.dim() != 1:
+        raise ValueError(f"gumbel_topk takes one (V,) logits row, got shape {tuple(logits.shape)}")
+    if k < 1:
+        raise ValueError(f"gumbel_topk needs k >= 1, got {k}")
+    row = logits.detach().to("cpu", torch.float32).contiguous()
+    if cols is not None:
+        cols = cols.to("cpu", torch.int64).contiguous()
+        if cols.shape != row.shape:
+            raise ValueError(f"cols must give one token id per logits column: {tuple(cols.shape)} for {row.numel()}")
+    out = None
+    if kernels.available():  # loads (or builds) the kernel: see above
+        out = kernels.gumbel_topk(row, p.temperature, p.top_k, p.top_p, p.min_p, key, min(k, row.numel()), cols)
     if out is not None:
         return out[0].numpy(), out[1].numpy()
     keep = target_probs(row[None], p)[0] > 0  # the support, as the native pass keeps it (up to rounding)

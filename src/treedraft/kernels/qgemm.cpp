@@ -306,15 +306,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "gumbel_topk",
       [](torch::Tensor x, double temperature, int64_t top_k, double top_p, double min_p, uint64_t key, int64_t k,
          c10::optional<torch::Tensor> cols) -> py::object {
-        TORCH_CHECK(x.dim() == 1 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-                    "qgemm.gumbel_topk: x must be a contiguous float32 (V,) tensor");
+        TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+                    "qgemm.gumbel_topk: x must be a contiguous float32 (V,) CPU tensor");
         TORCH_CHECK(temperature > 0.0, "qgemm.gumbel_topk: temperature must be > 0");
         TORCH_CHECK(k >= 1 && k <= x.size(0), "qgemm.gumbel_topk: need 1 <= k <= V, got k=", k);
         const int64_t* cp = nullptr;
         if (cols.has_value()) {
-          TORCH_CHECK(cols->dim() == 1 && cols->scalar_type() == torch::kInt64 && cols->is_contiguous() &&
-                          cols->size(0) == x.size(0),
-                      "qgemm.gumbel_topk: cols must be a contiguous int64 tensor of x's length");
+          TORCH_CHECK(cols->device().is_cpu() && cols->dim() == 1 && cols->scalar_type() == torch::kInt64 &&
+                          cols->is_contiguous() && cols->size(0) == x.size(0),
+                      "qgemm.gumbel_topk: cols must be a contiguous int64 CPU tensor of x's length");
           cp = cols->data_ptr<int64_t>();
         }
         auto ids = torch::empty({k}, torch::kInt64);
