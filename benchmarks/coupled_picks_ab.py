@@ -19,6 +19,8 @@ import argparse
 import os
 from pathlib import Path
 
+from heads_ab import interleaved  # benchmarks/ is on sys.path when run as a script
+
 import treedraft
 from treedraft.drafters import draft_model, eagle, eagle_tree, medusa
 from treedraft.drafters.hybrid import fresh_copy
@@ -57,22 +59,15 @@ def main() -> None:
         use_picks(on)
         llm.generate("Hello", drafter=fresh_copy(built[m]), max_new_tokens=8, temperature=a.temperature, seed=1)
     tot = {k: [0, 0.0, 0] for k in [("plain", False), *keys]}
+
+    def drafter_for(key: tuple[str, bool]):
+        use_picks(key[1])
+        return fresh_copy(built[key[0]])
+
     for i, text in enumerate(prompts):
         ids = llm.encode_prompt(text)
         cfg = llm.config(max_new_tokens=a.tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed + i)
-        ref = llm.text.generate(ids, cfg, None)
-        runs = [(("plain", False), ref)]
-        for key in keys[i % len(keys) :] + keys[: i % len(keys)]:
-            use_picks(key[1])
-            res = llm.text.generate(ids, cfg, fresh_copy(built[key[0]]))
-            if list(res.token_ids) != list(ref.token_ids):
-                raise SystemExit(f"{key} prompt {a.skip + i}: output differs from plain's")
-            runs.append((key, res))
-        for key, res in runs:
-            t = tot[key]
-            t[0] += res.stats.new_tokens
-            t[1] += res.stats.t_decode
-            t[2] += len(res.stats.steps)
+        interleaved(llm, ids, cfg, ("plain", False), keys, drafter_for, a.skip + i, tot)
         print(f"prompt {a.skip + i} done, load {os.getloadavg()[0]:.1f}", flush=True)
     use_picks(True)
     base = tot[("plain", False)][0] / tot[("plain", False)][1]

@@ -59,6 +59,24 @@ def build(llm, method: str, heads: str):
     return priced_eagle(llm.drafters.target, where, llm.model_name, weights)
 
 
+def interleaved(llm, ids, cfg, plain_key, keys, drafter_for, i: int, tot: dict) -> None:
+    """Prompt ``i``: plain decoding, then each key's drafter (``drafter_for(key)``, called right before its run) in an
+    order rotated by ``i`` (no variant always runs first after plain); every output must equal plain's. Adds
+    (new tokens, decode seconds, steps) to ``tot[key]`` (and ``tot[plain_key]``)."""
+    ref = llm.text.generate(ids, cfg, None)
+    runs = [(plain_key, ref)]
+    for key in keys[i % len(keys) :] + keys[: i % len(keys)]:
+        res = llm.text.generate(ids, cfg, drafter_for(key))
+        if list(res.token_ids) != list(ref.token_ids):
+            raise SystemExit(f"{key} prompt {i}: output differs from plain's")
+        runs.append((key, res))
+    for key, res in runs:
+        t = tot[key]
+        t[0] += res.stats.new_tokens
+        t[1] += res.stats.t_decode
+        t[2] += len(res.stats.steps)
+
+
 def main() -> None:
     """Interleaved per prompt; totals per (method, heads)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -90,19 +108,7 @@ def main() -> None:
     for i, text in enumerate(prompts):
         ids = llm.encode_prompt(text)  # a user string, or the second turn's messages
         cfg = llm.config(max_new_tokens=a.tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed + i)
-        ref = llm.text.generate(ids, cfg, None)
-        runs = [(("plain", "-"), ref)]
-        order = pairs[i % len(pairs) :] + pairs[: i % len(pairs)]
-        for key in order:
-            res = llm.text.generate(ids, cfg, fresh_copy(built[key]))
-            if list(res.token_ids) != list(ref.token_ids):
-                raise SystemExit(f"{key} prompt {a.skip + i}: output differs from plain's")
-            runs.append((key, res))
-        for key, res in runs:
-            t = tot[key]
-            t[0] += res.stats.new_tokens
-            t[1] += res.stats.t_decode
-            t[2] += len(res.stats.steps)
+        interleaved(llm, ids, cfg, ("plain", "-"), pairs, lambda key: fresh_copy(built[key]), a.skip + i, tot)
         print(f"prompt {a.skip + i} done, load {os.getloadavg()[0]:.1f} {time.strftime('%H:%M:%S')}", flush=True)
     base = tot[("plain", "-")][0] / tot[("plain", "-")][1]
     print(
