@@ -182,6 +182,22 @@ def test_equal_probabilities_enter_the_nucleus_lower_id_first(path: str, request
     assert kept == list(range(150, 150 + len(kept))) and 1 < len(kept) < 50
 
 
+def test_seeds_are_integers_taken_modulo_2_64() -> None:
+    """A seed past 64 bits drew an overflow error from torch in the CLI and the API (the server takes it modulo 2^64,
+    as the README says); a float, string or bool seed was quietly another seed. Now: integers modulo 2^64, else a
+    ValueError naming the seed."""
+    import numpy as np
+
+    assert SamplingParams(1.0, seed=2**64 + 5).seed == 5
+    assert SamplingParams(1.0, seed=-1).seed == 2**64 - 1
+    assert SamplingParams(1.0, seed=np.int64(7)).seed == 7
+    g1, g2 = SamplingParams(1.0, seed=2**64 + 5).generator(), SamplingParams(1.0, seed=5).generator()
+    assert torch.rand(3, generator=g1).tolist() == torch.rand(3, generator=g2).tolist()
+    for bad in (1.5, "7", True, 7.0):
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            SamplingParams(1.0, seed=bad)
+
+
 def test_a_temperature_below_greedy_below_is_greedy() -> None:
     """Below GREEDY_BELOW the temperature is 0 for every consumer (target_probs, the native sampler): 1e-38 made
     float32 logits / temperature overflow to inf and NaN before."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +37,12 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        if self.seed is not None:
+            # an integer only (1.5 or "7" would quietly draw another seed's text), taken modulo 2**64 as the coupled
+            # draws key it (-1 and 2**64 - 1 draw the same; torch.manual_seed refused seeds past 64 bits)
+            if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+                raise ValueError(f"seed must be an integer, got {self.seed!r} ({type(self.seed).__name__})")
+            object.__setattr__(self, "seed", int(self.seed) % 2**64)
 
     @property
     def greedy(self) -> bool:
