@@ -287,6 +287,36 @@ def test_methods_declare_the_eos_ids_they_stop_at(engine: TextGenerator) -> None
     assert bench.LlamaCppMethod(SimpleNamespace(token_eos=lambda: 4), 4).eos_token_ids == {4}
 
 
+def test_baselines_sample_with_the_benchs_min_p() -> None:
+    """transformers and llama.cpp draw from the distribution the bench's own methods draw from: --min-p reaches
+    both, and llama.cpp is told min_p 0 when none is given (llama-cpp-python's own default is 0.05)."""
+    import torch
+
+    seen: dict = {}
+
+    def generate(tokens, **kw):
+        seen.update(kw)
+        yield 4
+
+    llama = SimpleNamespace(token_eos=lambda: 4, set_seed=lambda s: None, generate=generate)
+    bench.LlamaCppMethod(llama, 4, 0.7, 0.9, 0, 1, min_p=0.1)([1, 2])
+    assert seen["min_p"] == 0.1 and seen["temp"] == 0.7
+    bench.LlamaCppMethod(llama, 4, 0.7, 0.9, 0, 1)([1, 2])
+    assert seen["min_p"] == 0.0
+    hf_kw: dict = {}
+
+    def hf_generate(x, **kw):
+        hf_kw.update(kw)
+        return torch.cat([x, torch.tensor([[4]])], 1)
+
+    hf = SimpleNamespace(device="cpu", generate=hf_generate)
+    bench.HFMethod(hf, 4, None, 0.7, 0.9, 0, 1, min_p=0.2)([1, 2])
+    assert hf_kw["min_p"] == 0.2 and hf_kw["do_sample"]
+    hf_kw.clear()
+    bench.HFMethod(hf, 4, None, 0.7, 0.9, 0, 1)([1, 2])
+    assert "min_p" not in hf_kw
+
+
 def test_report_files_are_written(result: bench.BenchResult, tmp_path: Path) -> None:
     paths = write_report(result, tmp_path / "out", decode=lambda ids: " ".join(map(str, ids)))
     md = paths["markdown"].read_text()
@@ -488,12 +518,13 @@ def test_bench_cli_end_to_end_on_the_tiny_model(
     assert {k: getattr(b, k) for k in keys} == {k: getattr(a, k) for k in keys}
     # what changes nothing is said: a method named twice, more prompts than the file has, sampling flags when greedy
     capsys.readouterr()
-    more = ["--methods", "plain,none", "--num-prompts", "5", "--top-p", "0.5", "--seed", "3", "--out", str(out / "b")]
+    more = ["--methods", "plain,none", "--num-prompts", "5", "--top-p", "0.5", "--min-p", "0.1", "--seed", "3"]
+    more += ["--out", str(out / "b")]
     a = build_parser().parse_args([*argv, *more])
     assert a.func(a) == 0
     err = capsys.readouterr().err
     assert "--methods names plain more than once" in err and "--num-prompts 5, but there are 2 prompts" in err
-    assert "--top-p, --seed only shape sampling" in err
+    assert "--top-p, --min-p, --seed only shape sampling" in err
     with pytest.raises(BenchError, match="--pld-tokens must be >= 1"):
         bad = build_parser().parse_args([*argv, "--pld-tokens", "0"])
         bad.func(bad)

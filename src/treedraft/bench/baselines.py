@@ -20,6 +20,7 @@ class HFMethod:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -44,6 +45,8 @@ class HFMethod:
             if self.seed is not None:
                 torch.manual_seed(self.seed)
             kw.update(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)  # 0 = off
+            if self.min_p > 0:
+                kw["min_p"] = self.min_p
         else:
             kw.update(do_sample=False)
         with torch.inference_mode():
@@ -62,6 +65,7 @@ class LlamaCppMethod:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0  # passed always: llama-cpp-python's own default is 0.05, not the bench's 0
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -82,6 +86,7 @@ class LlamaCppMethod:
             temp=0.0 if greedy else self.temperature,
             top_k=1 if greedy else self.top_k,
             top_p=1.0 if greedy else self.top_p,
+            min_p=0.0 if greedy else self.min_p,
             repeat_penalty=1.0,
         ):
             out.append(int(tok))
@@ -138,4 +143,6 @@ def llama_cpp_method(name: str, model_path: Path, config: Any, pld_tokens: int, 
 
         kw["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=pld_tokens)
     sp = config.sampling
-    return LlamaCppMethod(llama_cpp.Llama(**kw), config.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed)
+    return LlamaCppMethod(
+        llama_cpp.Llama(**kw), config.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed, min_p=sp.min_p
+    )

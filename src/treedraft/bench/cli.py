@@ -81,7 +81,14 @@ def build_methods(
                 if hf_model is None:
                     hf_model = load_hf_baseline(model_path, dtype, llm.device)
                 methods[name] = HFMethod(
-                    hf_model, n, pld_tokens if name == "hf-pld" else None, sp.temperature, sp.top_p, sp.top_k, sp.seed
+                    hf_model,
+                    n,
+                    pld_tokens if name == "hf-pld" else None,
+                    sp.temperature,
+                    sp.top_p,
+                    sp.top_k,
+                    sp.seed,
+                    min_p=sp.min_p,
                 )
             elif name in ("llama.cpp", "llama.cpp-pld"):
                 methods[name] = llama_cpp_method(name, model_path, config, pld_tokens, llama_cpp)
@@ -185,7 +192,16 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise BenchError(
             f"--pld-tokens must be >= 1 (tokens hf-pld / llama.cpp-pld copy per match), got {a.pld_tokens}"
         )
-    idle = [f for f, on in (("--top-p", a.top_p != 1.0), ("--top-k", a.top_k != 0), ("--seed", a.seed != 0)) if on]
+    idle = [
+        f
+        for f, on in (
+            ("--top-p", a.top_p != 1.0),
+            ("--top-k", a.top_k != 0),
+            ("--min-p", a.min_p != 0),
+            ("--seed", a.seed != 0),
+        )
+        if on
+    ]
     if a.temperature == 0 and idle:
         from ..cli import idle_sampling_note
 
@@ -218,6 +234,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         temperature=a.temperature,
         top_p=a.top_p,
         top_k=a.top_k,
+        min_p=a.min_p,
         seed=a.seed,
         max_tree_nodes=a.max_tree_nodes,
     )
@@ -251,7 +268,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         "max_new_tokens": a.max_new_tokens,
         "decoding": "greedy"
         if a.temperature == 0
-        else f"sampling T={a.temperature} top_p={a.top_p} top_k={a.top_k} seed={a.seed}",
+        else f"sampling T={a.temperature} top_p={a.top_p} top_k={a.top_k}"
+        + (f" min_p={a.min_p}" if a.min_p else "")
+        + f" seed={a.seed}",
         "device": llm.device,
         "dtype": str(dtype).removeprefix("torch."),
         # the own runtime's linear weights as resolved (--weights auto measures them) and its KV cache storage;
@@ -341,6 +360,7 @@ def _command_line(a: argparse.Namespace, dataset: Path | None) -> str:
         ("seed", 0),
         ("top_p", 1.0),
         ("top_k", 0),
+        ("min_p", 0.0),
         ("warmup", 1),
         ("max_tree_nodes", 64),
         ("pld_tokens", 10),
@@ -434,6 +454,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--top-k", type=int, default=0)
+    b.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens below min_p x the best one's probability (0: off)"
+    )
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--max-tree-nodes", type=int, default=64)
     b.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-pld / llama.cpp-pld")
