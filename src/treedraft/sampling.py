@@ -163,25 +163,21 @@ def uniform(gen: torch.Generator) -> float:
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment (odd; 2^64 / golden ratio)
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64's output multipliers (kernels/sample.h mix64)
 
 
 def _mix64(z: int) -> int:
     """SplitMix64's output function (Steele, Lea, Flood 2014, "Fast splittable pseudorandom number generators")."""
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    z = ((z ^ (z >> 30)) * _MIX1) & _M64
+    z = ((z ^ (z >> 27)) * _MIX2) & _M64
     return z ^ (z >> 31)
 
 
 def position_uniform(seed: int, position: int) -> float:
-    """u ~ U[0, 1) (53 random bits) for token ``position`` of a request seeded with ``seed``.
-
-    Counter-based: SplitMix64 started at mix64(seed) and advanced ``position`` + 1 steps, computed directly,
-    so it depends on nothing but (seed, position). Seeds are taken modulo 2**64 (like torch.manual_seed).
-    """
-    if position < 0:
-        raise ValueError(f"position must be >= 0, got {position}")
-    state = (_mix64(int(seed) & _M64) + (position + 1) * _GOLDEN) & _M64
-    return (_mix64(state) >> 11) * 2.0**-53
+    """u ~ U[0, 1) (53 random bits) for token ``position`` of a request seeded with ``seed``: the top bits of
+    :func:`gumbel_key` (SplitMix64 started at mix64(seed) and advanced ``position`` + 1 steps, computed directly).
+    The inverse-CDF draws keyed it until session 38; coupled draws now take the key itself."""
+    return (gumbel_key(seed, position) >> 11) * 2.0**-53
 
 
 def inverse_cdf(probs: Tensor, u: float) -> int:
@@ -215,8 +211,9 @@ def draw(logits: Tensor, p: SamplingParams, u: float) -> int:
 
 
 def gumbel_key(seed: int, position: int) -> int:
-    """The 64-bit key of position ``position``'s Gumbel noise in a request seeded with ``seed`` (the counter state
-    :func:`position_uniform` takes its bits from), so a token's noise depends on (seed, position, token) alone."""
+    """The 64-bit key of position ``position``'s Gumbel noise in a request seeded with ``seed``: SplitMix64 started
+    at mix64(seed) and advanced ``position`` + 1 steps, computed directly, so a token's noise depends on (seed,
+    position, token) alone. Seeds are taken modulo 2**64 (like torch.manual_seed)."""
     if position < 0:
         raise ValueError(f"position must be >= 0, got {position}")
     return _mix64((_mix64(int(seed) & _M64) + (position + 1) * _GOLDEN) & _M64)
@@ -229,8 +226,8 @@ def gumbel_noise(key: int, tokens: np.ndarray) -> np.ndarray:
     """G (float64) for token ids ``tokens`` under ``key``: -log(-log1p(-v)), v in (0, 1] the token's 53 hash bits
     (kernels/sample.h gumbel_v, in numpy's wrapping uint64 arithmetic)."""
     z = (np.uint64(key) + (tokens.astype(np.uint64) + np.uint64(1)) * np.uint64(_TOKEN_STEP)).astype(np.uint64)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
     z = z ^ (z >> np.uint64(31))
     v = ((z >> np.uint64(11)) + np.uint64(1)).astype(np.float64) * 2.0**-53
     with np.errstate(divide="ignore"):
