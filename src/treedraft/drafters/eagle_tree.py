@@ -398,7 +398,7 @@ COUPLED_POOL = 16  # coupled_pick's candidates per row its values are normalised
 
 
 def coupled_pick(
-    ctx: Any, k: int, vocab: np.ndarray | None = None, scale: float = COUPLED_SCALE
+    ctx: Any, k: int, vocab: np.ndarray | torch.Tensor | None = None, scale: float = COUPLED_SCALE
 ) -> Callable[[torch.Tensor, list[int]], tuple[np.ndarray, np.ndarray]] | None:
     """For a sampled request whose tokens are coupled draws (``ctx.coupling``: the target's token at position t is
     the Gumbel-max draw ``argmax_x log p_t(x) + G_t(x)``, :func:`treedraft.sampling.coupled_sample`), the children
@@ -413,15 +413,15 @@ def coupled_pick(
     scale ``scale`` / T (EAGLE at T = 1, scale 1: values 0.17 / 0.38 / 0.58 / 0.80 were hit 0.14 / 0.30 / 0.47 /
     0.66 of the time, hence a little more; the int4 copy drafting for its fp32 target at T = 0.7: perturbed top-1
     0.986, and an error scale of 0.1 / T, i.e. ``scale`` 0.07, fit best). Values that promise too much buy verify rows that are not accepted.
-    ``vocab``: the token id of each logits column (the noise is keyed by the token id). None: greedy, or the
-    request is not coupled (grow_tree then takes the top-k)."""
+    ``vocab``: the token id of each logits column, an array or a tensor (the noise is keyed by the token id). None:
+    greedy, or the request is not coupled (grow_tree then takes the top-k)."""
     from ..sampling import gumbel_key, gumbel_topk
 
     s, seed = getattr(ctx, "sampling", None), getattr(ctx, "coupling", None)
     if seed is None or s is None or s.greedy:
         return None
     first = len(ctx.tokens)  # the position the root's row predicts; a node at depth d's row predicts first + d
-    cols = None if vocab is None else torch.from_numpy(np.ascontiguousarray(vocab, dtype=np.int64))
+    cols = None if vocab is None else torch.as_tensor(vocab, dtype=torch.int64).cpu().contiguous()
     pool = max(k, COUPLED_POOL)
 
     def pick(logits: torch.Tensor, depths: list[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -488,7 +488,7 @@ class MedusaDrafter:
         # position (eagle_tree.coupled_pick). Only the first: a later head's q is a marginal over the paths it does
         # not see, and its perturbed top-k were accepted less often than its top-k (session 38: depth 3 at T 0.7
         # 0.22 -> 0.13)
-        pick = coupled_pick(ctx, ks[0], None if vm is None else vm.cpu().numpy())
+        pick = coupled_pick(ctx, ks[0], vm)
         first = None if pick is None else pick(logits[:1], [0])[1][0]
         if first is not None and len(first) == ks[0]:  # else a row keeps fewer tokens than the ranks (top-k / top-p)
             rows[0] = first.tolist() + [c for c in rows[0] if c not in first][: max(ks) - ks[0]]
