@@ -515,7 +515,7 @@ def load(
     suffix_store: directory where drafter ``suffix`` keeps earlier outputs across restarts (None: in memory,
     for this LLM's lifetime); suffix_max_tokens bounds what each tenant keeps (its own oldest requests are
     evicted, never another tenant's); suffix_share lets every tenant draft from every other tenant's outputs
-    (default: each tenant only from its own, see README).
+    (default: each tenant only from its own, see docs/drafters.md).
     kv_dtype: KV cache storage of the own runtime: 'float32', 'float16' (half the cache bytes per decode step;
     keys/values rounded to fp16, rows stay bitwise row-invariant; Transformer.kv_dtype) or 'auto' (float16
     with int4/int8 weights, else the weights' dtype; see :func:`kv_dtype_for`).

@@ -449,7 +449,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     add_kv_dtype_arg(b)
     add_draft_model_args(b)  # method "draft-model"
-    add_suffix_args(b)  # method "suffix" learns from every run, the warm-up (first prompt) included: see README
+    # method "suffix" learns from every run, the warm-up (first prompt) included: see docs/drafters.md
+    add_suffix_args(b)
     b.add_argument("--raw", action="store_true", help="no chat template")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     b.add_argument("--top-p", type=float, default=1.0)
