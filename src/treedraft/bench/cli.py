@@ -416,7 +416,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "methods that cannot be built are skipped with the reason",
     )
     b.add_argument("--baselines", default=",".join(DEFAULT_BASELINES), help="speedups are reported against these")
-    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt and method (default 128)")
     b.add_argument(
         "--num-prompts",
         type=int,
