@@ -513,8 +513,8 @@ def test_shared_drafts_in_a_batch_equal_plain(monkeypatch) -> None:
     caches: list = []
     mirror = DraftModelDrafter._mirror
 
-    def checked(self, tokens, cache):
-        out = mirror(self, tokens, cache)
+    def checked(self, tokens, cache):  # _mirror is a step generator (its root row is a batched draft forward)
+        out = yield from mirror(self, tokens, cache)
         r = len(tokens) - 1
         assert torch.equal(self.cache.kv[:, :, :, :r], cache.kv[:, :, :, :r].to(self.cache.kv.dtype))
         if all(c is not cache for c in caches):
@@ -527,8 +527,12 @@ def test_shared_drafts_in_a_batch_equal_plain(monkeypatch) -> None:
     reqs = [([3, 1, 4, 1, 5][: 2 + i], cfg(20 + 7 * i)) for i in range(4)]
     ref = {i: engine.generate(p, c, None).token_ids for i, (p, c) in enumerate(reqs)}
     d = DraftModelDrafter(near_copy(model, 0.1, 4), model.vocab_size, max_len=256, depth=4, share_kv=True)
+    calls = _count_draft_forwards(monkeypatch, d.model)
     out = _batched(engine, reqs, d, step_rows=None, prefill_chunk=None)
     assert out == ref and len(caches) == len(reqs)
+    # the scheduler stepped the requests' drafts together: their draft forwards ran packed, up to all four at once (a
+    # forward only one request needed runs alone)
+    assert max(calls["packed"]) == len(reqs) and len(calls["forward"]) < sum(calls["packed"])
 
 
 def test_a_shared_draft_switching_between_copying_and_computing_stays_consistent() -> None:
@@ -564,3 +568,60 @@ def test_a_shared_draft_switching_between_copying_and_computing_stays_consistent
 
     r = engine.generate(prompt, cfg(60, max_tree_nodes=6), Alternate())
     assert r.token_ids == ref and steps["copied"] > 5 and steps["computed"] > 3
+
+
+def _count_draft_forwards(monkeypatch, model) -> dict[str, list[int]]:
+    """Record the rows of every forward and packed forward of draft ``model`` (segments per packed call)."""
+    calls: dict[str, list[int]] = {"forward": [], "packed": []}
+    forward, packed = model.forward, model.forward_packed
+
+    def counted_forward(tokens, *a, **kw):
+        calls["forward"].append(tokens.shape[-1])
+        return forward(tokens, *a, **kw)
+
+    def counted_packed(tokens, positions, segments, *a, **kw):
+        calls["packed"].append(len(segments))
+        return packed(tokens, positions, segments, *a, **kw)
+
+    monkeypatch.setattr(model, "forward", counted_forward)
+    monkeypatch.setattr(model, "forward_packed", counted_packed)
+    return calls
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+@pytest.mark.parametrize("share_kv", [False, True])
+def test_requests_drafting_side_by_side_share_packed_forwards_and_draft_the_same_trees(monkeypatch, share_kv) -> None:
+    """Several requests' drafts stepped together (drafters.steps.drive_together): each depth's draft forwards run as ONE
+    packed forward of the draft model, and every tree equals the one its drafter drafts alone. (Breaking the packing,
+    e.g. another request's rows attending to a wrong cache, changes trees; not packing leaves the count at zero.)"""
+    from native_utils import make_native
+
+    from treedraft.drafters.steps import drive_together
+
+    model = tiny(6)
+    draft = make_native(near_copy(model, 0.3, 4))  # row-invariant native linears: a packed row is bitwise the row alone
+    d = DraftModelDrafter(draft, model.vocab_size, max_len=256, depth=4, topk=2, share_kv=share_kv)
+    seqs = [[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8], [9, 9, 8, 2, 6, 5]]
+    caches = []
+    for s in seqs:  # the target's own keys and values of each context (what a shared draft copies)
+        c = model.new_cache()
+        model.forward(torch.tensor([s[:-1]]), torch.arange(len(s) - 1), c, 0)
+        c.length = len(s) - 1
+        caches.append(c)
+
+    def ctx(i: int) -> DraftContext:
+        return dataclasses.replace(DraftContext(seqs[i], None, 9, 4), cache=caches[i] if share_kv else None)
+
+    alone = [d.for_request().propose(ctx(i)) for i in range(len(seqs))]
+    twins = [d.for_request() for _ in seqs]
+    calls = _count_draft_forwards(monkeypatch, draft)
+    together = drive_together([t.propose_steps(ctx(i)) for i, t in enumerate(twins)])
+    assert [e for _, e in together] == [None] * len(seqs)
+    assert [r.tokens for r, _ in together] == [a.tokens for a in alone]
+    assert [r.parents for r, _ in together] == [a.parents for a in alone]
+    assert all(len(a) > 4 for a in alone)  # real trees: depth 4 with 2 children drafts several nodes
+    # one packed forward per depth for all three requests (the root rows too where the target cache is copied)
+    assert calls["packed"] and all(n == len(seqs) for n in calls["packed"])
+    assert len(calls["packed"]) == (4 if share_kv else 3)
+    # without a shared cache each request's commit still runs alone (its causal catch-up is not a step)
+    assert len(calls["forward"]) == (0 if share_kv else len(seqs))

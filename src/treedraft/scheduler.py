@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .budget import STEP_ROWS_MAX, NodeStats, RowBudget, measured_latency, measured_step_rows, step_rows_from_latency
+from .drafters.steps import Steps, drive, drive_together, propose_steps
 from .grammar import constrain_, prune
 from .interfaces import DraftContext, Drafter, GenerationError, request_drafter
 from .logprobs import Committed, token_logprobs
@@ -303,6 +304,11 @@ class Scheduler:
     def _draft(self, req: Request, budget: int, step: tuple[int, float, float] = (0, 0.0, 0.0)) -> _Rows:
         """This request's rows of the step: its drafter's tree of at most ``budget`` nodes (``step``: the rest of a
         batched step, see :class:`DraftContext`'s ``step_*``)."""
+        return drive(self._draft_steps(req, budget, step))
+
+    def _draft_steps(self, req: Request, budget: int, step: tuple[int, float, float]) -> Steps:
+        """:meth:`_draft` as steps: a drafter running a draft model yields its forwards (:mod:`.drafters.steps`), so
+        :meth:`_plan` runs the forwards of all requests drafting with one draft model as one packed forward."""
         eng, ts = self.engine, time.perf_counter()
         max_depth = req.max_new - req.n_out - 1  # the bonus token takes one slot of the budget
         root = req.tokens[-1]
@@ -326,7 +332,7 @@ class Scheduler:
             )
             name = getattr(req.drafter, "name", type(req.drafter).__name__)
             try:
-                tree = req.drafter.propose(ctx)
+                tree = yield from propose_steps(req.drafter, ctx)
             except TreeError as e:
                 raise TreeError(f"drafter {name!r} built a malformed tree: {e}") from e
             eng._check_tree(tree, root, eng.model.vocab_size, name)
@@ -368,13 +374,24 @@ class Scheduler:
         total = prefill_rows + sum(budgets)
         fixed = self.budget.overhead if self._sized and self.budget is not None else 0.0
         plan: list[_Rows] = []
-        for req, b in zip(decoding, budgets):
+        steps = [
             # the rest of a batched step: other rows, one token per other decoding request at least
-            step = (total - b, float(len(decoding) - 1), fixed) if len(decoding) > 1 else (0, 0.0, 0.0)
-            try:
-                plan.append(self._draft(req, b, step))
-            except Exception as e:  # this request's drafter failed: it alone leaves
-                req.error = e
+            self._draft_steps(
+                req, b, (total - b, float(len(decoding) - 1), fixed) if len(decoding) > 1 else (0, 0.0, 0.0)
+            )
+            for req, b in zip(decoding, budgets)
+        ]
+        ts = time.perf_counter()
+        # side by side: the requests' draft-model forwards at each depth run as one packed forward per draft model
+        drafted = drive_together(steps)
+        share = (time.perf_counter() - ts) / max(1, len(decoding))  # drafting time, split evenly (it ran interleaved)
+        for req, (rows, error) in zip(decoding, drafted):
+            if error is not None:  # this request's drafter failed: it alone leaves
+                req.error = error
+                continue
+            if len(decoding) > 1:
+                rows.t_draft = share
+            plan.append(rows)
         return plan + chunks
 
     def _budgets(self, decoding: list[Request], prefill_rows: int) -> list[int]:

@@ -33,7 +33,8 @@ from torch import Tensor
 
 from ..interfaces import DraftContext, TargetModel, request_twin, target_device
 from ..tree import TokenTree
-from .eagle_tree import COUPLED_SCALE_CLOSE, LatencyCurve, ProbCalibration, coupled_pick, grow_tree
+from .eagle_tree import COUPLED_SCALE_CLOSE, LatencyCurve, ProbCalibration, coupled_pick, grow_tree_steps
+from .steps import DraftForward, Steps, drive
 
 
 class DraftModelError(ValueError):
@@ -201,12 +202,12 @@ class DraftModelDrafter:
         # skipped drafting, are owed whether this step drafts or not: not this tree's cost)
         return logits[0].float(), self._seconds(min(len(new), self.depth + 1), n)
 
-    @torch.inference_mode()
-    def _mirror(self, tokens: list[int], target) -> tuple[Tensor, float] | None:
+    def _mirror(self, tokens: list[int], target) -> Steps:
         """:meth:`_commit` for a draft that is the target's own model (``share_kv``): the committed tokens' keys and
         values are the target's (``target``: its cache, holding every token before the root), copied into the draft
         cache where it does not hold them yet (the slots after the longest prefix it mirrored before), converted to
-        its dtype; only the root's row runs. Same return value."""
+        its dtype; only the root's row runs, as a step (:mod:`.steps`: batched with other requests' draft forwards).
+        Same return value."""
         r = self._room_for(tokens)
         if tokens[r] >= self.model.vocab_size:  # (the target's own vocabulary: only a draft cut short has fewer ids)
             return None
@@ -214,11 +215,9 @@ class DraftModelDrafter:
         if n < r:
             self.cache.kv[:, :, :, n:r] = target.kv[:, :, :, n:r]
         self.mirrored, self.drafted_slots = r, {}
-        dev = target_device(self.model)
-        root = torch.tensor([[tokens[r]]], dtype=torch.long, device=dev)
-        logits, _ = self.model.forward(root, torch.tensor([r], device=dev), self.cache, r, None, slice(-1, None))
+        logits = yield DraftForward(self.model, self.cache, [tokens[r]], [r], r, None, last_only=True)
         self.cache.length, self.tokens = r + 1, list(tokens)
-        return logits[0].float(), self._seconds(1, r)
+        return logits, self._seconds(1, r)
 
     def _keep_drafted(self, tokens: list[int], n: int) -> int:
         """Move the accepted drafted tokens' keys and values (the last tree's expanded nodes on the committed path,
@@ -237,9 +236,16 @@ class DraftModelDrafter:
             self.cache.keep(n, keep)
         return len(keep)
 
-    @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> TokenTree:
         """A dynamic tree of at most ``ctx.max_nodes`` nodes (root included) and ``ctx.max_depth`` depth."""
+        return drive(self.propose_steps(ctx))
+
+    @torch.inference_mode()
+    def propose_steps(self, ctx: DraftContext) -> Steps:
+        """:meth:`propose` as steps: each draft forward (the root's row where the target's cache is mirrored, then one
+        per depth) is yielded as a :class:`~.steps.DraftForward` and its logits sent back, so the batched scheduler
+        runs the forwards of every request drafting with this model as one packed forward. The same tree either way.
+        """
         budget = ctx.max_nodes - 1
         r = len(ctx.tokens) - 1
         # depth d needs (d - 1) x topk draft cache slots past the context: near the end of the draft model's window
@@ -257,26 +263,18 @@ class DraftModelDrafter:
             self.drafted_slots = {}
             return stub
         shared = self._target_cache(ctx)
-        commit = self._commit(list(ctx.tokens)) if shared is None else self._mirror(list(ctx.tokens), shared)
+        if shared is None:
+            commit = self._commit(list(ctx.tokens))
+        else:
+            commit = yield from self._mirror(list(ctx.tokens), shared)
         if commit is None:
             return stub
         logits, first_seconds = commit
         base = self.cache.length
-        dev = target_device(self.model)
         path_of: dict[int, tuple[int, ...]] = {0: ()}  # an expanded node's tokens after the root
-
-        def expand(nodes: list[int], toks: list[int], parents: list[int], depths: list[int], start: int, mask: Tensor):
-            pos = torch.tensor([r + d for d in depths], dtype=torch.long, device=dev)
-            out, _ = self.model.forward(torch.tensor([toks], device=dev), pos, self.cache, start, mask.to(dev))
-            for row, (i, p, t) in enumerate(zip(nodes, parents, toks)):
-                path_of[i] = path_of[p] + (t,)
-                self.drafted_slots[path_of[i]] = start + row
-            return out[0].float()
-
-        tree, expected, probs = grow_tree(
+        steps = grow_tree_steps(
             ctx.root,
             logits,
-            expand,
             base=base,
             budget=budget,
             depth=depth,
@@ -287,6 +285,16 @@ class DraftModelDrafter:
             drafting_seconds=lambda forwards: first_seconds + (forwards - 1) * self._seconds(self.topk, base),
             pick=pick,
         )
+        try:
+            nodes, toks, parents, depths, start, mask = next(steps)
+            while True:  # one draft forward per further depth
+                for row, (i, p, t) in enumerate(zip(nodes, parents, toks)):
+                    path_of[i] = path_of[p] + (t,)
+                    self.drafted_slots[path_of[i]] = start + row
+                out = yield DraftForward(self.model, self.cache, toks, [r + d for d in depths], start, mask)
+                nodes, toks, parents, depths, start, mask = steps.send(out)
+        except StopIteration as stop:
+            tree, expected, probs = stop.value
         self.cache.length = base  # drafts never stay in the cache
         self.last_expected = expected
         cal.drafted(expected - 1.0, r, ctx.root, tree, probs)

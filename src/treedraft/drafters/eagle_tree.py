@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import copy
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -287,10 +287,20 @@ def prune_cut(score: list[float], budget: int) -> float | None:
 Expand = Callable[[list[int], list[int], list[int], list[int], int, torch.Tensor], torch.Tensor]
 
 
-def grow_tree(
+def grow_tree(root: int, first_logits: torch.Tensor, expand: Expand, **kwargs: Any) -> tuple[Any, float, list[float]]:
+    """:func:`grow_tree_steps` with each depth's draft forward run by ``expand`` at once."""
+    steps = grow_tree_steps(root, first_logits, **kwargs)
+    try:
+        args = next(steps)
+        while True:
+            args = steps.send(expand(*args))
+    except StopIteration as stop:
+        return stop.value
+
+
+def grow_tree_steps(
     root: int,
     first_logits: torch.Tensor,
-    expand: Expand,
     *,
     base: int,
     budget: int,
@@ -301,9 +311,12 @@ def grow_tree(
     drafting_seconds: Callable[[int], float],
     vocab: np.ndarray | None = None,
     pick: Callable[[torch.Tensor, list[int]], tuple[np.ndarray, np.ndarray]] | None = None,
-) -> tuple[Any, float, list[float]]:
+) -> Generator[tuple[list[int], list[int], list[int], list[int], int, torch.Tensor], torch.Tensor, Any]:
     """An EAGLE-2 dynamic tree (Li et al. 2024, section 4) -> (TokenTree, 1 + its summed draft values (``cal.raw``),
-    each kept node's conditional draft probability in tree order, for ``cal.drafted``).
+    each kept node's conditional draft probability in tree order, for ``cal.drafted``), as a generator: it yields the
+    arguments of each depth's draft forward, ``(nodes, tokens, parents, depths, start, mask)`` (:data:`Expand`'s), and
+    is sent that forward's logits, so the caller may run several requests' forwards together
+    (:mod:`treedraft.drafters.steps`).
 
     Depth 1 = the top-k children of the root (``first_logits`` (1, V') float32); at every later depth the k frontier
     nodes with the highest cumulative draft log-probability are expanded in one ``expand`` call (``start``: the draft
@@ -366,8 +379,13 @@ def grow_tree(
             anc[i] = anc[p] + [slot_of[p]] if p > 0 else []
             mask[row, anc[i]] = True
             mask[row, start + row] = True
-        logits = expand(
-            expand_, [tok[i] for i in expand_], [par[i] for i in expand_], [dep[i] for i in expand_], start, mask
+        logits = yield (
+            expand_,
+            [tok[i] for i in expand_],
+            [par[i] for i in expand_],
+            [dep[i] for i in expand_],
+            start,
+            mask,
         )
         forwards += 1
         for row, i in enumerate(expand_):

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from ..budget import LatencyCurve
 from ..interfaces import DraftContext, Drafter, request_drafter
 from ..tree import TokenTree, TreeError
+from .steps import Steps, drive, propose_steps
 
 
 def merge_trees(trees: Sequence[TokenTree], max_nodes: int) -> TokenTree:
@@ -135,6 +136,10 @@ class HybridDrafter:
 
     def propose(self, ctx: DraftContext) -> TokenTree:
         """The members' trees merged into one of at most ``ctx.max_nodes`` nodes (confident scored trees first)."""
+        return drive(self.propose_steps(ctx))
+
+    def propose_steps(self, ctx: DraftContext) -> Steps:
+        """:meth:`propose` as steps (:mod:`.steps`): a member that drafts with a draft model yields its forwards."""
         trees: list[TokenTree | None] = [None] * len(self.drafters)
         lead: list[tuple[float, int]] = []  # (-score, member index) of the members that lead this step
         gain, rows, first = 1.0, 1, 0.0  # the scored trees' expected tokens, rows, P(a depth-1 node accepted)
@@ -173,9 +178,12 @@ class HybridDrafter:
                 # priced on the curve at this request's context (a longer cache: dearer rows, budget.ContextLatency)
                 curve = self._curve.at(len(ctx.tokens))
                 k = paid_nodes(values, gain + ctx.step_tokens, rows + ctx.step_rows, miss, cost, curve, ctx.step_fixed)
-                trees[i] = _idle(d, ctx, stub) if k == 0 else d.propose(dataclasses.replace(ctx, max_nodes=k + 1))
+                if k == 0:
+                    trees[i] = _idle(d, ctx, stub)
+                else:
+                    trees[i] = yield from propose_steps(d, dataclasses.replace(ctx, max_nodes=k + 1))
             else:
-                trees[i] = d.propose(ctx)
+                trees[i] = yield from propose_steps(d, ctx)
         return self._merge([t for t in trees if t is not None], lead, ctx)
 
     def _merge(self, trees: list[TokenTree], lead: list[tuple[float, int]], ctx: DraftContext) -> TokenTree:

@@ -1,0 +1,148 @@
+"""Drafting as steps, so that one draft model's forwards for several requests run as one packed forward.
+
+A drafter that runs a draft model (``draft-model``, the draft member of ``hybrid-draft``) drafts depth by depth, one
+draft forward per depth. In the batched server each request's drafter used to run its own forwards, one request after
+another: at 4 concurrent fp32 requests those forwards were most of what a step spent beyond its target forward
+(benchmarks/results/session33.md). Here a drafter may offer ``propose_steps(ctx)``, a generator that *yields* each
+forward it needs as a :class:`DraftForward` and receives its logits; :func:`run_forwards` runs the forwards that all
+requests yielded at the same point as one packed forward per draft model (``forward_packed``: each request's rows
+attend only within its own cache, and with row-invariant linears and exact attention each row is bitwise what it is
+alone), and :func:`drive` runs one generator alone, which is what ``propose`` does. So the trees are the same drafted
+alone or side by side; only the time changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..interfaces import DraftContext, target_device
+
+# what a stepping drafter is: it yields forwards, receives their logits, and returns its tree
+Steps = Generator["DraftForward", Tensor, Any]
+
+
+@dataclass
+class DraftForward:
+    """One draft-model forward a drafter asks for: ``tokens`` at ``positions``, written into ``cache`` at slots
+    ``[start, start + rows)``, attending as ``mask`` says ((rows, start + rows) bool; None: causal). Its result is
+    the rows' logits, (rows, V) float32, or the last row's only (``last_only``: (1, V))."""
+
+    model: Any
+    cache: Any
+    tokens: list[int]
+    positions: list[int]
+    start: int
+    mask: Tensor | None = None
+    last_only: bool = False
+
+    def run(self) -> Tensor:
+        """This forward alone."""
+        dev = target_device(self.model)
+        mask = None if self.mask is None else self.mask.to(dev)
+        logits, _ = self.model.forward(
+            torch.tensor([self.tokens], dtype=torch.long, device=dev),
+            torch.tensor(self.positions, dtype=torch.long, device=dev),
+            self.cache,
+            self.start,
+            mask,
+            slice(-1, None) if self.last_only else None,
+        )
+        return logits[0].float()
+
+
+def run_forwards(jobs: list[DraftForward]) -> list[Tensor]:
+    """Each job's logits, in order: the jobs of one model that has ``forward_packed`` (the own runtime) run as ONE
+    packed forward, any other job alone."""
+    out: list[Tensor | None] = [None] * len(jobs)
+    groups: dict[int, list[int]] = {}
+    for i, job in enumerate(jobs):
+        groups.setdefault(id(job.model), []).append(i)
+    for idx in groups.values():
+        model = jobs[idx[0]].model
+        packed = getattr(model, "forward_packed", None)
+        if len(idx) == 1 or packed is None:
+            for i in idx:
+                out[i] = jobs[i].run()
+            continue
+        from ..models.kvcache import Segment
+
+        dev = target_device(model)
+        segs, want, toks, pos, r0 = [], [], [], [], 0
+        for i in idx:
+            j = jobs[i]
+            n = len(j.tokens)
+            segs.append(Segment(j.cache, j.start, n, None if j.mask is None else j.mask.to(dev)))
+            want += [r0 + n - 1] if j.last_only else list(range(r0, r0 + n))
+            toks += j.tokens
+            pos += j.positions
+            r0 += n
+        logits, _ = packed(
+            torch.tensor(toks, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            segs,
+            torch.tensor(want, dtype=torch.long, device=dev),
+        )
+        li = 0
+        for i in idx:
+            k = 1 if jobs[i].last_only else len(jobs[i].tokens)
+            out[i] = logits[li : li + k].float()
+            li += k
+    return out  # type: ignore[return-value]
+
+
+def propose_steps(drafter: Any, ctx: DraftContext) -> Steps:
+    """``drafter``'s tree for ``ctx`` as steps: its own ``propose_steps`` where it has one, else its ``propose`` (no
+    forward to share)."""
+    steps = getattr(drafter, "propose_steps", None)
+    if callable(steps):
+        return (yield from steps(ctx))
+    return drafter.propose(ctx)
+
+
+def drive(steps: Steps) -> Any:
+    """Run a stepping drafter alone (every forward on its own) and return its result."""
+    try:
+        job = next(steps)
+        while True:
+            job = steps.send(job.run())
+    except StopIteration as stop:
+        return stop.value
+
+
+def drive_together(all_steps: list[Steps]) -> list[tuple[Any, BaseException | None]]:
+    """Run several stepping drafters side by side: at each round every one still drafting yields a forward, and the
+    round's forwards run through :func:`run_forwards` (one packed forward per draft model). Returns (result, None)
+    or (None, the exception it raised) per drafter, in order; one drafter's error does not stop the others."""
+    results: list[tuple[Any, BaseException | None]] = [(None, None)] * len(all_steps)
+    pending: dict[int, DraftForward] = {}
+    for i, g in enumerate(all_steps):
+        _advance(i, g, None, pending, results, first=True)
+    while pending:
+        order = list(pending)
+        logits = run_forwards([pending[i] for i in order])
+        pending = {}
+        for i, lg in zip(order, logits):
+            _advance(i, all_steps[i], lg, pending, results)
+    return results
+
+
+def _advance(
+    i: int,
+    g: Steps,
+    value: Tensor | None,
+    pending: dict[int, DraftForward],
+    results: list[tuple[Any, BaseException | None]],
+    first: bool = False,
+) -> None:
+    """Step generator ``i`` once (started, or sent ``value``): its next forward into ``pending``, or its result."""
+    try:
+        pending[i] = next(g) if first else g.send(value)
+    except StopIteration as stop:
+        results[i] = (stop.value, None)
+    except Exception as e:  # this drafter alone fails
+        results[i] = (None, e)
