@@ -333,7 +333,56 @@ def test_eviction_keeps_the_bound_and_drops_the_oldest(tmp_path: Path) -> None:
     assert st_.index_for("a").continuations([0]) == {}  # evicted from the index too
     st_.close()
     assert [r.tokens[0] for r in SuffixStore(tmp_path, max_tokens=100).records()] == kept
-    assert SuffixStore(tmp_path, max_tokens=30).num_tokens <= 30  # a smaller bound applies on load
+    with pytest.warns(UserWarning) as said:  # a smaller bound applies on load, and says what it dropped
+        smaller = SuffixStore(tmp_path, max_tokens=30)
+    assert smaller.num_tokens <= 30
+    gone = len(kept) - len(smaller.records())
+    assert f"{7 * gone} tokens ({gone} whole records) over the bound of 30" in str(said[0].message)
+
+
+def test_a_request_longer_than_the_bound_keeps_its_tail_and_the_tenant_its_newest(tmp_path: Path) -> None:
+    """A request over the bound used to wipe its tenant's whole history, itself included (a review found it)."""
+    st_ = SuffixStore(tmp_path, max_tokens=2000)
+    for i in range(10):
+        st_.add(list(range(100 * i, 100 * i + 150)), "A")
+    st_.add([5000 + k for k in range(2100)], "A")
+    assert [list(r.tokens) for r in st_.records("A")] == [[5000 + k for k in range(100, 2100)]]
+    assert st_.tenant_tokens("A") == 2000 and st_.index_for("A").continuations([5100]) == {5101: 1}
+    st_.close()
+    assert st_.tenant_tokens("A") == SuffixStore(tmp_path, max_tokens=2000).tenant_tokens("A") == 2000
+
+
+def test_a_store_is_tied_to_its_tokenizer(tmp_path: Path) -> None:
+    """A store written under one tokenizer is refused under another (its ids would draft other tokens, and ids past
+    the vocabulary failed every request they were drafted for: a review saw HTTP 500s); an older store without the
+    tie takes the tokenizer once its ids fit the vocabulary; models of one tokenizer share a store."""
+    st_ = SuffixStore(tmp_path / "s")
+    st_.bind_tokenizer("49152:aaaa", 49152)
+    st_.add([1, 2, 49000], "t")
+    st_.close()
+    again = SuffixStore(tmp_path / "s")
+    again.bind_tokenizer("49152:aaaa", 49152)  # the same tokenizer (another model of the family): fine
+    with pytest.raises(ValueError, match="another tokenizer.*its own --suffix-store"):
+        again.bind_tokenizer("262144:bbbb", 262144)
+    again.close()
+    old = SuffixStore(tmp_path / "old")  # written before the tie: no store.json
+    old.add([1, 2, 236761], "t")
+    with pytest.raises(ValueError, match="token id 236761, past this model's vocabulary of 49152"):
+        old.bind_tokenizer("49152:aaaa", 49152)
+    old.bind_tokenizer("262144:bbbb", 262144)  # fits: adopted
+    old.close()
+    with pytest.raises(ValueError, match="another tokenizer"):
+        SuffixStore(tmp_path / "old").bind_tokenizer("49152:aaaa", 49152)
+    SuffixStore().bind_tokenizer("x", 10)  # in memory: nothing to tie
+
+
+def test_a_snapshot_or_log_that_is_not_a_file_is_refused(tmp_path: Path) -> None:
+    """A snapshot.bin that is a directory used to be skipped without a word, hiding every record in it."""
+    SuffixStore(tmp_path / "s").close()
+    (tmp_path / "s" / "snapshot.bin").unlink(missing_ok=True)
+    (tmp_path / "s" / "snapshot.bin").mkdir()
+    with pytest.raises(ValueError, match=r"snapshot.bin is not a regular file"):
+        SuffixStore(tmp_path / "s")
 
 
 @pytest.mark.parametrize("share", [False, True])
@@ -351,8 +400,11 @@ def test_each_tenant_is_bounded_and_evicts_only_its_own_oldest(tmp_path: Path, s
     assert st_.index_for("bob").continuations([900]) == {900: 39}
     assert st_.index_for("alice").continuations([0]) == {}  # evicted from her index too
     st_.close()
-    again = SuffixStore(tmp_path, max_tokens=30, share=share)  # a smaller bound on load: each tenant trimmed
-    assert again.tenant_tokens("bob") == 0 and 0 < again.tenant_tokens("alice") <= 30
+    with pytest.warns(UserWarning, match=r"were evicted, oldest first.*--suffix-max-tokens|--suffix-max-tokens"):
+        again = SuffixStore(tmp_path, max_tokens=30, share=share)  # a smaller bound on load: each tenant trimmed
+    # bob's one request is over the new bound alone: its last 30 tokens stay (it used to vanish whole)
+    assert [list(r.tokens) for r in again.records("bob")] == [[900] * 30]
+    assert 0 < again.tenant_tokens("alice") <= 30
 
 
 def test_tenants_are_isolated_unless_shared(tmp_path: Path) -> None:
@@ -476,3 +528,22 @@ def test_a_failed_load_lets_go_of_the_suffix_store(tmp_path: Path) -> None:
         treedraft.load("no-such-model-xyz", suffix_store=str(tmp_path / "s"), drafter=None)
     assert e.value is not None  # (the traceback, which holds load's frame, is still alive here)
     SuffixStore(tmp_path / "s").close()  # the directory is free
+
+
+def test_load_ties_a_store_to_the_model_tokenizer_and_refuses_another(tmp_path: Path) -> None:
+    """treedraft.load binds --suffix-store to the model's tokenizer: a fresh store records it, a store of another
+    tokenizer is refused with what to do (not HTTP 500s at the first drafted out-of-vocabulary id) and let go."""
+    import json
+
+    import treedraft
+
+    llm = treedraft.load(suffix_store=str(tmp_path / "mine"), drafter="suffix", weights="int4")
+    llm.close()
+    meta = json.loads((tmp_path / "mine" / "store.json").read_text())
+    assert meta["vocab_size"] == 49152 and meta["tokenizer_sha256"].startswith("49152:")
+    other = tmp_path / "other"
+    SuffixStore(other).close()
+    (other / "store.json").write_text(json.dumps({"tokenizer_sha256": "262144:0123", "vocab_size": 262144}))
+    with pytest.raises(ValueError, match="another tokenizer.*give this model its own --suffix-store"):
+        treedraft.load(suffix_store=str(other), drafter="suffix", weights="int4")
+    SuffixStore(other).close()  # the failed load let go of the directory

@@ -528,6 +528,7 @@ def load(
     int4 on the CPU for a GGUF the own runtime runs, else dense in the target's dtype).
     """
     from .drafters.suffix import open_suffix_store
+    from .drafters.suffix_store import tokenizer_fingerprint
 
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
@@ -558,6 +559,8 @@ def load(
         net, tok, path, dev = load_model(
             model, device, dtype, runtime, max_seq_len, weights, kv_dtype, attn_scores=attn_scores
         )
+        # a store on disk holds token ids: refused when written under another tokenizer (its ids mean other tokens)
+        store.bind_tokenizer(tokenizer_fingerprint(tok), net.vocab_size)
         own = getattr(net, "max_seq_len", None)
         if max_seq_len is not None and own is not None and own < max_seq_len and max_seq_len != DEFAULT_MAX_SEQ_LEN:
             warnings.warn(f"max_seq_len {max_seq_len} is more than {model}'s own context: using {own}", stacklevel=2)

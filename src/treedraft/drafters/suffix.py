@@ -296,10 +296,12 @@ class SuffixDrafter:
 
 
 def tenant_id(api_key: str | None = None, user: str | None = None) -> str:
-    """The server's tenant key: a hash of the API key (never the key itself: it is written to disk), then ``user``.
+    """A tenant key for library use of the suffix drafter: a hash of the API key (never the key itself: it is written
+    to disk), then ``user``. Requests with the same key and user share an index; a different key, or a different
+    ``user`` under one key, gets its own. Without either, everyone is the anonymous tenant "".
 
-    Requests with the same key and user share an index; a different key, or a different ``user`` under
-    one key, gets its own. Without either, everyone is the anonymous tenant "".
+    (The server keys tenants otherwise: ``server.auth.tenant_id``, the key's hash alone when keys are configured,
+    else the request's ``user`` field.)
     """
     import hashlib
 

@@ -3,6 +3,8 @@
 On disk (a directory):
   log.bin        append-only; one framed record per finished request, fsynced before ``add`` returns
   snapshot.bin   every live record at some point, written to snapshot.tmp, fsynced, then renamed over
+  store.json     the tokenizer whose token ids the records are (:meth:`SuffixStore.bind_tokenizer`): a store
+                 written under another tokenizer is refused, since its ids would draft other tokens
 
 Record frame: ``<4s magic "SXR1"><u32 payload length><u32 crc32(seq, payload)><u64 seq>`` then the payload
 ``<u16 tenant length><tenant utf-8><int32 tokens...>``. Sequence numbers grow by one per record; a
@@ -28,6 +30,8 @@ tenants, at most ``max_tokens`` each (~12 bytes per token in the index, 4 in the
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import struct
@@ -225,11 +229,57 @@ class SuffixStore:
 
     for_tenant = index_for
 
+    def bind_tokenizer(self, fingerprint: str, vocab_size: int) -> None:
+        """Tie an on-disk store to the tokenizer whose token ids it holds (``fingerprint``: :func:`tokenizer_fingerprint`).
+
+        A store whose ``store.json`` names another tokenizer is refused with a ValueError: its token ids mean other
+        tokens here, and ids past this vocabulary would fail every request they were drafted for. A store without
+        one (new, or written before session 39) takes this tokenizer, once its ids are checked to fit the vocabulary.
+        """
+        if self.path is None:
+            return
+        fingerprint = fingerprint or f"vocab-{int(vocab_size)}"  # no tokenizer to read: the vocabulary's size
+        meta = self.path / "store.json"
+        want = {"tokenizer_sha256": fingerprint, "vocab_size": int(vocab_size)}
+        with self._lock:
+            if meta.exists():
+                try:
+                    have = json.loads(meta.read_text())
+                except (OSError, ValueError) as e:
+                    raise ValueError(
+                        f"suffix store {self.path}: cannot read {meta.name} ({e}); move the directory aside or give "
+                        "another --suffix-store"
+                    ) from None
+                if have.get("tokenizer_sha256") != fingerprint:
+                    raise ValueError(
+                        f"suffix store {self.path} holds the token ids of another tokenizer (a vocabulary of "
+                        f"{have.get('vocab_size')} tokens, this model's has {vocab_size}, or the same size with other "
+                        "tokens): its records would draft other tokens; give this model its own --suffix-store "
+                        "directory"
+                    )
+                return
+            top = max((int(r.tokens.max()) for r in self._records if len(r.tokens)), default=-1)
+            if top >= vocab_size:
+                raise ValueError(
+                    f"suffix store {self.path} holds token id {top}, past this model's vocabulary of {vocab_size} "
+                    "tokens: it was written for another model; give this model its own --suffix-store directory"
+                )
+            tmp = self.path / "store.json.tmp"
+            with open(tmp, "w") as f:
+                json.dump(want, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, meta)
+            _fsync_dir(self.path)
+
     def add(self, tokens: Sequence[int], tenant: str = "") -> int:
-        """Record a finished request; durable (fsynced) when this returns with a store dir. Returns its seq."""
+        """Record a finished request; durable (fsynced) when this returns with a store dir. Returns its seq.
+
+        A request longer than the bound keeps its last ``max_tokens`` tokens (what its tenant may hold at most)."""
         toks = np.array(tokens, dtype=np.int64)
         if toks.size == 0:
             return -1
+        toks = toks[-self.max_tokens :]
         if toks.min() < 0 or toks.max() > np.iinfo(np.int32).max:
             raise ValueError(f"token ids must be in [0, 2^31), got {int(toks.min())}..{int(toks.max())}")
         toks = toks.astype(np.int32)
@@ -248,7 +298,7 @@ class SuffixStore:
             idx = self._indices.get(SHARED if self.share else tenant)
             if idx is not None:
                 idx.add_sequence(toks)
-            evicted = self._evict(tenant)
+            evicted = self._evict(tenant) != (0, 0)
             self._since_snapshot += 1
             if self.path is not None and (evicted or self._since_snapshot >= self.snapshot_every):
                 self._snapshot()
@@ -312,23 +362,32 @@ class SuffixStore:
         self._tokens += len(rec.tokens)
         self._tenant_tokens[rec.tenant] = self._tenant_tokens.get(rec.tenant, 0) + len(rec.tokens)
 
-    def _evict(self, tenant: str) -> bool:
-        """Drop ``tenant``'s oldest records (only its own) down to 90% of the bound once it is over it."""
+    def _evict(self, tenant: str) -> tuple[int, int]:
+        """Drop ``tenant``'s oldest records (only its own) down to 90% of the bound once it is over it; its newest
+        record always stays (cut to its last ``max_tokens`` tokens where it alone is over the bound: a store loaded
+        with a smaller bound than it was written with). Returns (records, tokens) dropped."""
         have = self._tenant_tokens.get(tenant, 0)
         if have <= self.max_tokens:
-            return False
+            return 0, 0
         low = int(self.max_tokens * 0.9)
+        newest = next(r for r in reversed(self._records) if r.tenant == tenant)
         kept: deque[Record] = deque()
+        dropped = lost = 0
         for r in self._records:  # O(records), amortised: the next eviction is >= 10% of the bound away
-            if r.tenant == tenant and have > low:
+            if r.tenant == tenant and r is not newest and have > low:
                 have -= len(r.tokens)
                 self._tokens -= len(r.tokens)
+                dropped, lost = dropped + 1, lost + len(r.tokens)
+            elif r is newest and len(r.tokens) > self.max_tokens:
+                cut = len(r.tokens) - self.max_tokens
+                have, self._tokens, lost = have - cut, self._tokens - cut, lost + cut
+                kept.append(Record(r.seq, r.tenant, r.tokens[cut:]))
             else:
                 kept.append(r)
         self._records = kept
         self._tenant_tokens[tenant] = have
         self._indices.pop(SHARED if self.share else tenant, None)  # rebuilt lazily from what is left
-        return True
+        return dropped, lost
 
     def _snapshot(self) -> None:
         assert self.path is not None
@@ -358,6 +417,12 @@ class SuffixStore:
         recs: list[Record] = []
         damaged, last_snap = False, 0
         bad_files: list[Path] = []  # copied aside before the clean rewrite: what could not be read is not destroyed
+        for f in (snap, log):
+            if f.exists() and not f.is_file():
+                raise ValueError(
+                    f"suffix store {f} is not a regular file (a directory or a device?): move it aside, or give "
+                    "another --suffix-store directory"
+                )
         if snap.is_file():
             data = snap.read_bytes()
             if len(data) >= _SNAP_HEAD.size and data[:8] == _SNAP_MAGIC:
@@ -391,8 +456,30 @@ class SuffixStore:
                 seen.add(r.seq)
                 self._append(r)
         self._seq = max([last_snap, *seen]) if seen else last_snap
-        evicted = any([self._evict(t) for t in list(self._tenant_tokens)])  # a smaller bound than last time
-        if damaged or evicted or not log.is_file():
+        cut = [self._evict(t) for t in list(self._tenant_tokens)]  # a smaller bound than it was written with
+        evicted = sum(n for n, _ in cut), sum(k for _, k in cut)
+        if evicted != (0, 0):
+            warnings.warn(
+                f"suffix store {self.path}: {evicted[1]} tokens ({evicted[0]} whole records) over the bound of "
+                f"{self.max_tokens} tokens per tenant (--suffix-max-tokens) were evicted, oldest first, and are gone "
+                "from the store; open it with its earlier bound to keep them",
+                stacklevel=2,
+            )
+        if damaged or evicted != (0, 0) or not log.is_file():
             self._snapshot()  # rewrite clean files so damage is reported once
         else:
             self._log = open(log, "ab")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of a tokenizer's vocabulary (every id's token, in id order): what :meth:`SuffixStore.bind_tokenizer`
+    compares. Models sharing a tokenizer share it (a store may serve a family's models); "" when ``tokenizer`` has no
+    Hugging Face tokenizer to read (the store is then tied to the vocabulary size alone)."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:
+        return ""
+    toks = hf.convert_ids_to_tokens(list(range(len(hf))))
+    h = hashlib.sha256()
+    for tok in toks:
+        h.update((tok if isinstance(tok, str) else repr(tok)).encode("utf-8", "surrogatepass") + b"\x00")
+    return f"{len(toks)}:{h.hexdigest()[:32]}"

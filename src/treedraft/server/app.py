@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import hashlib
 import logging
 import threading
 import time
@@ -54,6 +55,8 @@ from .protocol import (
 )
 from .responses import _JobStreamingResponse, _spec_info, _sse, _usage
 from .worker import Done, Failed, Job, Worker
+
+MAX_USER_TENANT = 128  # characters of a `user` field kept as they are in its tenant id; a longer one is hashed
 
 if TYPE_CHECKING:
     from ..api import LLM
@@ -267,7 +270,13 @@ class OpenAIServer:
         key_tenant = getattr(request.state, "tenant", None)
         if key_tenant is not None:
             return key_tenant
-        return f"user-{req.user}" if req.user else None
+        if not req.user:
+            return None
+        if len(req.user) <= MAX_USER_TENANT:
+            return f"user-{req.user}"
+        # a long field becomes a fixed-size id: the store writes the tenant id into every record, so a client's
+        # megabyte `user` would otherwise cost a megabyte per request on disk (past 64 KiB it could not be written)
+        return "user-sha256-" + hashlib.sha256(req.user.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
     LARGE_INPUT_CHARS = 1 << 18
 
