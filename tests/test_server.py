@@ -550,6 +550,75 @@ def test_queue_full_429_and_disconnects_free_the_worker(llm: treedraft.LLM, serv
         assert httpx.post(url, json=short_body, timeout=REQUEST_TIMEOUT).status_code == 200
 
 
+def test_free_batch_slots_are_not_queue_places_and_a_refused_request_queues_nothing(llm: treedraft.LLM) -> None:
+    """--max-queue counts requests waiting behind a FULL batch. A review saw an idle --max-batch 4 --max-queue 1 server
+    answer 3 requests at once [200, 200, 429], --max-queue 0 refuse every request ("n=None is more jobs ..."), and an
+    n=3 request refused with 429 count a phantom abort (its first choice had been queued, then cancelled)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    settings = ServerSettings(max_queue=0, max_batch=3, poll_interval_s=0.05)
+    with LiveServer(create_app(llm, settings)) as s:
+        url = f"{s.url}/v1/chat/completions"
+        short_body = {"model": llm.model_name, "messages": CHAT, "max_tokens": 3, "temperature": 0}
+        with ThreadPoolExecutor(3) as ex:  # three at once on an idle server: the free batch slots take them all
+            codes = list(
+                ex.map(lambda _: httpx.post(url, json=short_body, timeout=REQUEST_TIMEOUT).status_code, range(3))
+            )
+        assert codes == [200, 200, 200]
+        r = httpx.post(url, json=short_body | {"n": 3}, timeout=REQUEST_TIMEOUT)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3
+        r = httpx.post(url, json=short_body | {"n": 4}, timeout=REQUEST_TIMEOUT)
+        assert _assert_error(r, 400) and "n=4 is more jobs than this server holds at once (3 running + 0" in r.text
+        long_body = short_body | {
+            "max_tokens": 4000,
+            "stream": True,
+            "ignore_eos": True,
+            "treedraft": {"drafter": "none"},
+        }
+        with httpx.Client(timeout=REQUEST_TIMEOUT) as c, c.stream("POST", url, json=long_body) as stream_a:
+            lines = stream_a.iter_lines()
+            while '"content": "' not in next(lines).replace('"content": ""', ""):
+                pass  # A holds one of the three slots
+            before = _metrics(s.url)
+            r = httpx.post(url, json=short_body | {"n": 3}, timeout=REQUEST_TIMEOUT)  # 2 free slots, no queue
+            assert _assert_error(r, 429)["code"] == "queue_full"
+            after = _metrics(s.url)
+            for name in ("treedraft:request_aborted_total", "treedraft:num_requests_total"):
+                assert _metric(after, name) == _metric(before, name), name  # nothing was queued, nothing aborted
+            r = httpx.post(url, json=short_body | {"n": 2}, timeout=REQUEST_TIMEOUT)  # fits the two free slots
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+def test_a_client_leaving_while_it_uploads_is_an_abort_not_a_server_error(llm: treedraft.LLM) -> None:
+    """A client that closes its socket halfway through its body used to count as a 500 and log two tracebacks."""
+    import socket
+    from urllib.parse import urlparse
+
+    with LiveServer(create_app(llm, ServerSettings(poll_interval_s=0.05))) as s:
+        u = urlparse(s.url)
+        before = _metrics(s.url)
+        for _ in range(2):
+            with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
+                sock.sendall(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 500\r\n\r\n" + b'{"messages": [{"role": "user", '
+                )
+                time.sleep(0.3)
+        _wait_for(
+            lambda: (
+                _metric(_metrics(s.url), "treedraft:request_aborted_total")
+                - _metric(before, "treedraft:request_aborted_total")
+                == 2
+            ),
+            "the two dropped uploads to count as aborted",
+            10,
+        )
+        after = _metrics(s.url)
+        assert _metric(after, "treedraft:request_errors_total", status="500") == 0
+        short_body = {"model": llm.model_name, "messages": CHAT, "max_tokens": 3, "temperature": 0}
+        assert httpx.post(f"{s.url}/v1/chat/completions", json=short_body, timeout=REQUEST_TIMEOUT).status_code == 200
+
+
 def test_every_choice_of_a_dropped_request_is_counted_once(llm: treedraft.LLM) -> None:
     """An n=3 request whose client leaves while choice 0 runs and choices 1-2 wait in the queue (--max-batch 1): 3
     jobs queued, 3 aborted (the queued two were dropped uncounted: request_aborted rose by 1), streamed or not."""

@@ -547,3 +547,18 @@ def test_load_ties_a_store_to_the_model_tokenizer_and_refuses_another(tmp_path: 
     with pytest.raises(ValueError, match="another tokenizer.*give this model its own --suffix-store"):
         treedraft.load(suffix_store=str(other), drafter="suffix", weights="int4")
     SuffixStore(other).close()  # the failed load let go of the directory
+
+
+def test_only_the_recently_drafting_tenants_keep_an_index_in_memory(monkeypatch) -> None:
+    """An index costs ~11 KB per tenant of short requests and a keyless server makes a tenant of every `user` field:
+    beyond MAX_INDICES the least recently drafting tenant's index is dropped and rebuilt, the same, when it drafts."""
+    monkeypatch.setattr(SuffixStore, "MAX_INDICES", 3)
+    st_ = SuffixStore()
+    for i in range(6):
+        st_.add([10 * i, 10 * i + 1, 10 * i + 2], f"t{i}")
+        assert st_.index_for(f"t{i}").continuations([10 * i]) == {10 * i + 1: 1}
+    assert list(st_._indices) == ["t3", "t4", "t5"]
+    st_.index_for("t4")  # drafting again makes it recent
+    st_.add([7, 8], "t0")  # t0's index is gone: its records are not
+    assert st_.index_for("t0").continuations([0]) == {1: 1} and st_.index_for("t0").continuations([7]) == {8: 1}
+    assert list(st_._indices) == ["t5", "t4", "t0"]  # t3 went: t4 had drafted after it

@@ -25,7 +25,9 @@ Bound, per tenant: each tenant keeps at most ``max_tokens`` tokens; beyond that 
 are evicted (down to 90% of the bound, so eviction and the index rebuild it needs are amortised). One
 tenant's traffic never evicts another's records (with ``share=True`` too: the bound is still counted per
 tenant, the shared index is rebuilt from what every tenant kept). So memory grows with the number of
-tenants, at most ``max_tokens`` each (~12 bytes per token in the index, 4 in the records).
+tenants ever seen, at most ``max_tokens`` each in the records (4 bytes per token); the indices of the
+:attr:`SuffixStore.MAX_INDICES` tenants that drafted last stay in memory (~12 bytes per token of a long history,
+~11 KB for one 45-token request), any other is rebuilt from its records when its tenant drafts again.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import threading
 import warnings
 import weakref
 import zlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,7 +193,10 @@ class SuffixStore:
         self._tenant_tokens: dict[str, int] = {}
         self._seq = 0
         self._since_snapshot = 0
-        self._indices: dict[str, SuffixIndex] = {}
+        # the tenants' indices, most recently drafted from last: at most MAX_INDICES are kept; another is rebuilt from
+        # its records when its tenant drafts again (an index costs ~250 bytes per token of short requests, and without
+        # API keys every distinct `user` field is a tenant: ~11 KB each for ever, where records alone cost ~0.5 KB)
+        self._indices: OrderedDict[str, SuffixIndex] = OrderedDict()
         self._lock = threading.Lock()
         self._log = None
         self._dir_lock = None  # the directory's lock file, held while this store has it open
@@ -217,6 +222,8 @@ class SuffixStore:
         """Live records, oldest first (of one tenant, or all)."""
         return [r for r in self._records if tenant is None or r.tenant == tenant]
 
+    MAX_INDICES = 256  # tenants' indices kept in memory at once (least recently drafted from dropped first)
+
     def index_for(self, tenant: str = "") -> SuffixIndex:
         """The index a request of ``tenant`` drafts from: its own records, or everyone's when shared."""
         key = SHARED if self.share else tenant
@@ -225,6 +232,10 @@ class SuffixStore:
             if idx is None:
                 idx = SuffixIndex.from_sequences(r.tokens for r in self._records if self.share or r.tenant == key)
                 self._indices[key] = idx
+                while len(self._indices) > self.MAX_INDICES:
+                    self._indices.popitem(last=False)
+            else:
+                self._indices.move_to_end(key)
             return idx
 
     for_tenant = index_for
@@ -348,7 +359,8 @@ class SuffixStore:
         self._dir_lock = f
         _OPEN_STORES.add(self)
         self._records.clear()
-        self._tokens, self._tenant_tokens, self._seq, self._indices, self._since_snapshot = 0, {}, 0, {}, 0
+        self._tokens, self._tenant_tokens, self._seq, self._since_snapshot = 0, {}, 0, 0
+        self._indices.clear()
         try:
             self._load()
         except BaseException:

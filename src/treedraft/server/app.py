@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..engine import GenerationConfig
 from ..interfaces import GenerationError
@@ -55,6 +56,11 @@ from .protocol import (
 )
 from .responses import _JobStreamingResponse, _spec_info, _sse, _usage
 from .worker import Done, Failed, Job, Worker
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read whole (counted as aborted; answered 499 to nobody)."""
+
 
 MAX_USER_TENANT = 128  # characters of a `user` field kept as they are in its tenant id; a longer one is hashed
 
@@ -212,11 +218,17 @@ class OpenAIServer:
         if declared.isdigit() and int(declared) > limit:  # refused before a byte of it is read
             raise APIError(413, f"the request body has {declared} bytes; the limit is {limit}")
         parts, size = [], 0
-        async for part in request.stream():  # counted as it arrives: a chunked upload is not buffered past the limit
-            size += len(part)
-            if size > limit:
-                raise APIError(413, f"the request body has more than {limit} bytes; the limit is {limit}")
-            parts.append(part)
+        try:
+            async for (
+                part
+            ) in request.stream():  # counted as it arrives: a chunked upload is not buffered past the limit
+                size += len(part)
+                if size > limit:
+                    raise APIError(413, f"the request body has more than {limit} bytes; the limit is {limit}")
+                parts.append(part)
+        except ClientDisconnect:  # the client left while sending: an abort, not a server error (no 500, no traceback)
+            self.metrics.aborted.inc()
+            raise ClientGone() from None
         return parse_body(model, b"".join(parts))
 
     def check_model(self, name: str | None) -> str:
@@ -360,11 +372,13 @@ class OpenAIServer:
                 await asyncio.get_running_loop().run_in_executor(pool, self.llm.json_grammar, fmt)
             except ValueError as e:  # a schema it does not support, say
                 raise APIError(400, str(e), param="response_format" if mode is None else "tools") from None
-        if len(prompts) * (req.n or 1) > self.settings.max_queue:
-            what = f"n={req.n}" if len(prompts) == 1 else f"{len(prompts)} prompts x n={req.n or 1}"
+        most = self.settings.max_batch + self.settings.max_queue  # running and waiting at once
+        if len(prompts) * (req.n or 1) > most:
+            what = f"n={req.n or 1}" if len(prompts) == 1 else f"{len(prompts)} prompts x n={req.n or 1}"
             raise APIError(
                 400,
-                f"{what} is more jobs than this server queues ({self.settings.max_queue}); send fewer at a time",
+                f"{what} is more jobs than this server holds at once ({self.settings.max_batch} running + "
+                f"{self.settings.max_queue} waiting); send fewer at a time",
                 param="n" if len(prompts) == 1 else "prompt",
             )
         inc = bool(req.stream_options and req.stream_options.include_usage)
@@ -472,18 +486,23 @@ class OpenAIServer:
             job.scored_by = scored_by
         job.score_only = p.score_only
         if not self.worker.queue.put_nowait(job):
-            s = self.settings
-            raise APIError(
-                429,
-                f"the server is busy: its queue is full ({s.max_queue} waiting); retry after {s.retry_after_s}s",
-                "rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(s.retry_after_s)},
-            )
+            raise self.queue_full()
         if self.worker.failing is not None and job.cancel():  # the drain began between the check and the queue
             raise self.worker.failing
         self.metrics.requests.inc()
         return job
+
+    def queue_full(self) -> APIError:
+        """The 429 (+ Retry-After) of a server whose batch is full and whose queue is full behind it."""
+        s = self.settings
+        return APIError(
+            429,
+            f"the server is busy: {s.max_batch} requests running and its queue is full ({s.max_queue} waiting); "
+            f"retry after {s.retry_after_s}s",
+            "rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(s.retry_after_s)},
+        )
 
     def cancel(self, job: Job) -> None:
         """Stop a job. One still waiting in the queue is counted as aborted here: it never reaches the worker, which
@@ -515,6 +534,8 @@ class OpenAIServer:
         or start streaming."""
         jobs: list[tuple[_Prepared, Job]] = []
         first: Chunk | Done | Failed | None = None
+        if self.worker.queue.room() < sum(p.n for p in preps):  # all of its choices or none: no half-queued request
+            raise self.queue_full()
         try:
             for p in preps:
                 for i in range(p.n):
@@ -832,6 +853,10 @@ def create_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
     async def _api_error(_req: Request, e: APIError) -> JSONResponse:
         metrics.error(e.status)
         return e.response()
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_req: Request, _e: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_req: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -133,7 +133,8 @@ def register(subparsers: Any) -> None:
         "--max-queue",
         type=int,
         default=64,
-        help="requests allowed to wait behind the running ones; beyond that the server answers 429",
+        help="requests allowed to wait behind a full batch (free batch slots do not count: 0 = serve up to --max-batch at "
+        "once, queue none); beyond that the server answers 429",
     )
     p.add_argument(
         "--max-batch",

@@ -60,13 +60,20 @@ class Metrics:
             h = Histogram(name, help_, ["model_name"], buckets=tuple(buckets), registry=self.registry)
             return h.labels(model_name=model_name)
 
-        self.requests = counter("treedraft:num_requests", "Requests accepted into the queue.")
+        self.requests = counter(
+            "treedraft:num_requests", "Jobs accepted: one per prompt and choice (an n=2 request counts 2)."
+        )
         self._success = counter("treedraft:request_success", "Finished requests by finish reason.", "finished_reason")
         self.aborted = counter(
-            "treedraft:request_aborted", "Requests whose client disconnected before the answer was complete."
+            "treedraft:request_aborted",
+            "Jobs whose client disconnected before the answer was complete (or before its request was read whole).",
         )
         self._errors = counter("treedraft:request_errors", "Requests answered with an error, by HTTP status.", "status")
-        self.prompt_tokens = counter("treedraft:prompt_tokens", "Prefill tokens processed.")
+        self.prompt_tokens = counter(
+            "treedraft:prompt_tokens",
+            "Prompt tokens of the jobs that began decoding, per job (an n=2 request's prompt twice), prefix-cache "
+            "hits included.",
+        )
         self.gen_tokens = counter("treedraft:generation_tokens", "Generated tokens.")
         self.last_tps = Gauge(
             "treedraft:generation_tokens_per_second",

@@ -167,8 +167,11 @@ class Job:
 class JobQueue:
     """Bounded FIFO of waiting jobs; a job whose client left can be removed from the middle."""
 
-    def __init__(self, maxsize: int) -> None:
+    def __init__(self, maxsize: int, free: int = 0) -> None:
         self.maxsize = maxsize
+        # batch slots the worker fills from the queue at its next step: jobs taking them do not wait behind the running
+        # ones, so they do not count against ``maxsize`` (the worker keeps this up to date)
+        self.free = free
         self._items: deque[Job] = deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -177,10 +180,15 @@ class JobQueue:
         with self._cv:
             return len(self._items)
 
-    def put_nowait(self, job: Job) -> bool:
-        """Append a job; False when ``maxsize`` jobs are already waiting."""
+    def room(self) -> int:
+        """Jobs that may be queued now: the free batch slots and ``maxsize`` waiting behind the running ones."""
         with self._cv:
-            if self._closed or len(self._items) >= self.maxsize:
+            return 0 if self._closed else max(0, self.maxsize + self.free - len(self._items))
+
+    def put_nowait(self, job: Job) -> bool:
+        """Append a job; False when the free batch slots are taken and ``maxsize`` jobs are already waiting."""
+        with self._cv:
+            if self._closed or len(self._items) >= self.maxsize + self.free:
                 return False
             job.queue = self
             self._items.append(job)
@@ -247,7 +255,7 @@ class Worker:
 
     def __init__(self, llm: LLM, settings: ServerSettings, metrics: Metrics) -> None:
         self.llm, self.settings, self.metrics = llm, settings, metrics
-        self.queue = JobQueue(settings.max_queue)
+        self.queue = JobQueue(settings.max_queue, free=settings.max_batch)
         self.running: dict[Job, _Live] = {}  # the batch (read by the HTTP side for gauges: len only)
         self.sched: Scheduler | None = None  # built on the worker thread (step_rows may be measured)
         # the last step's items, handed to the event loop during the next step's forward (see _step)
@@ -355,6 +363,7 @@ class Worker:
                 if job is None:
                     break
                 self._admit(job)
+            self.queue.free = self.settings.max_batch - len(self.running)
             if self.queue.closed:
                 self._flush()
                 for job in list(self.running):
@@ -493,6 +502,7 @@ class Worker:
     def _leave(self, job: Job, outcome: str) -> None:
         """Take a job out of the batch and record it."""
         live = self.running.pop(job)
+        self.queue.free = self.settings.max_batch - len(self.running)
         live.stats.cut(live.n_tokens)  # tokens committed but never delivered (cancelled) do not count
         try:
             self.sched.remove(live.req)
