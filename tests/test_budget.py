@@ -118,6 +118,36 @@ def test_a_propose_cost_concentrates_sure_chains_on_few_requests() -> None:
     assert b.allocate([_history(0.97), _history(0.5)], [9, 9])[1] == 1
 
 
+def test_drafting_is_priced_by_how_many_requests_draft_as_measured() -> None:
+    """Requests drafting with one draft model share its packed forwards (drafters.steps): a step's drafting costs
+    about the same for one request as for four. Priced as four times one request's (the old linear rule), the fp32
+    batch let two of four requests draft; priced as measured per count, all four draft their sure chains."""
+    b = RowBudget({1: 0.0143, 2: 0.0149, 4: 0.0155, 8: 0.0235, 12: 0.0298, 16: 0.0378, 24: 0.0528})  # fp32, Zen 4
+    assert b.drafting_seconds(3) == 0.0  # nothing measured, no propose cost: free
+    b.draft_cost = 0.005
+    assert b.drafting_seconds(3) == pytest.approx(0.015) and b.drafting_seconds(0) == 0.0
+    b.observe_drafting(2, 0.010)
+    assert b.drafting_seconds(4) == pytest.approx(0.020) and b.drafting_seconds(1) == pytest.approx(0.005)
+    for _ in range(50):
+        b.observe_drafting(1, 0.018)
+        b.observe_drafting(4, 0.020)
+    assert b.drafting_seconds(2) == pytest.approx(0.010)  # measured at that count
+    assert b.drafting_seconds(3) == pytest.approx(0.015, rel=1e-3)  # between 2 and 4
+    assert b.drafting_seconds(4) == pytest.approx(0.020, rel=1e-6)
+    assert b.drafting_seconds(6) > 0.020  # beyond: along the last two counts' line
+    b.drafting = {1: 0.018, 2: 0.0185, 3: 0.019, 4: 0.0195}
+    sure = []
+    for _ in range(4):
+        st = NodeStats()
+        st.tries = [100.0] * len(st.tries)
+        st.hits = [99.0] * 4 + [10.0] * (len(st.hits) - 4)  # three sure draft nodes, then misses
+        st.idle = 0
+        sure.append(st)
+    assert b.allocate(sure, [4] * 4) == [4, 4, 4, 4]
+    b.drafting = {d: 0.018 * d for d in range(1, 5)}  # drafters that do not pack: each request pays its own
+    assert sum(s > 1 for s in b.allocate(sure, [4] * 4)) < 4
+
+
 def test_a_step_overhead_beyond_the_curve_makes_drafts_pay() -> None:
     """Time every step costs whatever its rows (a batch's own attention, acceptance, streaming) raises the value of
     a drafted token: a coin-flip draft that does not pay on the bare curve does once the steps are seen to take

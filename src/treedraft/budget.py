@@ -90,6 +90,10 @@ class RowBudget:
         self.probe_every = probe_every
         self.pool = NodeStats()
         self.draft_cost = 0.0  # seconds per propose (decayed mean over the batch's proposals)
+        # seconds a step's drafting took, by how many requests drafted in it (decayed means): requests drafting with
+        # one draft model share its packed forwards (drafters.steps), so d drafting requests cost far less than d
+        # times one; drafters that do not pack cost about d times one. What allocate() prices d drafting requests at.
+        self.drafting: dict[int, float] = {}
         # seconds a batched step costs beyond the curve's forward of its rows (decayed mean, >= 0): the curve is
         # one request's forward at a 256-token context; a batch adds per-request work that draft rows do not change
         # (each request's own keys/values read by attention, acceptance, streaming, the Python around the step)
@@ -97,6 +101,37 @@ class RowBudget:
         self._overhead_seen = False
         self._table = [interpolate(self.latency, max(1, r)) for r in range(TABLE_ROWS)]  # rows -> seconds
         self._pool_est: list[float] | None = None  # the pool's estimates, recomputed after it changes
+
+    def observe_drafting(self, requests: int, seconds: float) -> None:
+        """A step in which ``requests`` requests drafted, taking ``seconds`` of drafting in all."""
+        if requests < 1:
+            return
+        old = self.drafting.get(requests)
+        self.drafting[requests] = seconds if old is None else 0.9 * old + 0.1 * seconds
+
+    def drafting_seconds(self, requests: int) -> float:
+        """What ``requests`` drafting requests cost a step: measured at that count, else interpolated between the
+        counts measured (beyond them: on the line through the last two, or through 0 where one is known), else
+        ``requests`` x :attr:`draft_cost`."""
+        if requests < 1:
+            return 0.0
+        seen = self.drafting
+        if requests in seen:
+            return seen[requests]
+        if not seen:
+            return requests * self.draft_cost
+        ds = sorted(seen)
+        lo = max((d for d in ds if d < requests), default=None)
+        hi = min((d for d in ds if d > requests), default=None)
+        if lo is not None and hi is not None:
+            return seen[lo] + (seen[hi] - seen[lo]) * (requests - lo) / (hi - lo)
+        if hi is not None:  # below every measured count: through 0
+            return seen[hi] * requests / hi
+        if len(ds) == 1:
+            return seen[lo] * requests / lo  # type: ignore[index]
+        a, b = ds[-2], ds[-1]
+        slope = max(0.0, (seen[b] - seen[a]) / (b - a))
+        return seen[b] + slope * (requests - b)
 
     def seconds(self, rows: int) -> float:
         """The curve at ``rows`` rows."""
@@ -201,7 +236,7 @@ class RowBudget:
             rows += 1
             tokens += p
             drafting += j == 1
-            ratio = tokens / (self.seconds(rows) + fixed + drafting * self.draft_cost)
+            ratio = tokens / (self.seconds(rows) + fixed + self.drafting_seconds(drafting))
             if ratio > best_ratio:
                 best_ratio, best_k = ratio, k
         taken = [0] * n

@@ -384,14 +384,18 @@ class Scheduler:
         ts = time.perf_counter()
         # side by side: the requests' draft-model forwards at each depth run as one packed forward per draft model
         drafted = drive_together(steps)
-        share = (time.perf_counter() - ts) / max(1, len(decoding))  # drafting time, split evenly (it ran interleaved)
+        spent = time.perf_counter() - ts
         for req, (rows, error) in zip(decoding, drafted):
             if error is not None:  # this request's drafter failed: it alone leaves
                 req.error = error
                 continue
-            if len(decoding) > 1:
-                rows.t_draft = share
             plan.append(rows)
+        if len(decoding) > 1:  # they ran interleaved: the drafting time is split among the requests that drafted
+            n = sum(r.drafted for r in plan)
+            for r in plan:
+                r.t_draft = spent / n if r.drafted else 0.0 if n else spent / len(plan)
+            if self._sized and self.budget is not None:
+                self.budget.observe_drafting(n, spent)
         return plan + chunks
 
     def _budgets(self, decoding: list[Request], prefill_rows: int) -> list[int]:
