@@ -187,3 +187,27 @@ def test_a_request_whose_probes_miss_is_probed_ever_more_rarely() -> None:
     assert waits[0] <= 3 and waits[1:] == [3 * 2**k for k in range(1, PROBE_BACKOFF)] + [3 * 2**PROBE_BACKOFF] * 2
     b.observe(weak, 4, [0, 1], 0.0)  # a probe that hits
     assert weak.misses == 0 and steps_to_probe() == 3
+
+
+def test_one_slow_drafting_step_does_not_price_a_count_out_for_thousands_of_steps() -> None:
+    """The step a request first drafts in can hold its draft model's prompt catch-up (150 ms): taken outright, that
+    count was priced out, chosen again only by probes, and so re-measured only every ~64 steps (a review: ~2,000
+    steps of one request not drafting). One observation now moves a count's price at most to twice what it was."""
+    b = RowBudget({1: 0.0143, 2: 0.0149, 4: 0.0155, 8: 0.0235, 12: 0.0298, 16: 0.0378, 24: 0.0528})
+    sure = []
+    for _ in range(2):
+        st = NodeStats()
+        st.tries = [100.0] * len(st.tries)
+        st.hits = [99.0] * 4 + [10.0] * (len(st.hits) - 4)
+        st.idle = 0
+        sure.append(st)
+    for _ in range(30):
+        b.observe_drafting(1, 0.005)
+        b.observe_drafting(2, 0.0055)  # packed: two cost about what one does
+    assert b.allocate(sure, [4, 4]) == [4, 4]
+    b.observe_drafting(2, 0.155)  # a step at two drafting requests with a prompt catch-up in it
+    assert b.drafting_seconds(2) <= 0.0061
+    assert b.allocate(sure, [4, 4]) == [4, 4]
+    said = b.drafting_seconds(3)  # a count not measured before: along the measured ones' line
+    b.observe_drafting(3, 0.155)  # ... and after a slow first step there, at most twice that
+    assert said < 0.008 and b.drafting_seconds(3) <= 2 * said + 1e-12

@@ -625,3 +625,75 @@ def test_requests_drafting_side_by_side_share_packed_forwards_and_draft_the_same
     assert len(calls["packed"]) == (4 if share_kv else 3)
     # without a shared cache each request's commit still runs alone (its causal catch-up is not a step)
     assert len(calls["forward"]) == (0 if share_kv else len(seqs))
+
+
+def test_stepped_drafts_write_a_grown_draft_cache_outside_inference_mode(monkeypatch) -> None:
+    """The server's worker thread is not in inference mode. A draft cache grown inside a step generator is an
+    inference tensor; the yielded forwards wrote into it outside that mode and every request of the step failed with
+    "Inplace update to inference tensor outside InferenceMode" (a review's live server: HTTP 500 for both requests)."""
+    from treedraft.drafters.steps import drive_together
+
+    monkeypatch.setattr(DraftModelDrafter, "INITIAL_SLOTS", 16)
+    model = tiny(6)
+    d = DraftModelDrafter(near_copy(model, 0.3, 4), model.vocab_size, max_len=256, depth=4, topk=2)
+    assert not torch.is_inference_mode_enabled()
+    long = [3, 1, 4, 1, 5, 9, 2, 6] * 3  # 24 tokens: past the 16 slots a cache starts with
+    a, b = d.for_request(), d.for_request()
+    got = drive_together(
+        [a.propose_steps(DraftContext(long, None, 9, 4)), b.propose_steps(DraftContext(long[:5], None, 9, 4))]
+    )
+    assert [e for _, e in got] == [None, None] and len(got[0][0]) > 1
+    assert a.cache.max_len >= 32 and len(d.for_request().propose(DraftContext(long, None, 9, 4))) > 1
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+def test_one_requests_failing_draft_forward_fails_only_that_request() -> None:
+    """A draft forward that raises (here a malformed mask) used to escape the packed step and fail every request of the
+    batch; now the packed group is run job by job, and only the owner gets the error (thrown into its generator)."""
+    from native_utils import make_native
+
+    from treedraft.drafters.steps import DraftForward, drive_together
+
+    model = tiny(6)
+    draft = make_native(near_copy(model, 0.3, 4))
+    d = DraftModelDrafter(draft, model.vocab_size, max_len=256, depth=4, topk=2)
+    cleaned = []
+
+    def broken():
+        try:
+            yield DraftForward(draft, draft.new_cache(), [1, 2], [0, 1], 0, torch.ones(3, 3, dtype=torch.bool))
+        finally:
+            cleaned.append(True)
+        return "never"
+
+    seqs = [[3, 1, 4, 1, 5], [2, 7, 1, 8]]
+    alone = [d.for_request().propose(DraftContext(s, None, 9, 4)) for s in seqs]
+    twins = [d.for_request() for _ in seqs]
+    got = drive_together([twins[0].propose_steps(DraftContext(seqs[0], None, 9, 4)), broken(),
+                          twins[1].propose_steps(DraftContext(seqs[1], None, 9, 4))])  # fmt: skip
+    assert got[0][0].tokens == alone[0].tokens and got[2][0].tokens == alone[1].tokens
+    assert got[1][0] is None and isinstance(got[1][1], (ValueError, RuntimeError)) and cleaned == [True]
+
+
+def test_a_drafter_that_overrides_propose_is_driven_through_it() -> None:
+    """A subclass (or an instance) wrapping propose must not be bypassed by the inherited propose_steps."""
+    from treedraft.drafters.steps import stepping
+
+    model = tiny(6)
+    d = DraftModelDrafter(near_copy(model, 0.3, 4), model.vocab_size, max_len=256, depth=4)
+    calls = []
+
+    class Logged(DraftModelDrafter):
+        def propose(self, ctx):
+            calls.append(len(ctx.tokens))
+            return super().propose(ctx)
+
+    logged = Logged(d.model, model.vocab_size, max_len=256, depth=4)
+    assert stepping(d) is not None and stepping(logged) is None
+    wrapped = d.for_request()
+    wrapped.propose = lambda ctx, inner=wrapped.propose: inner(ctx)
+    assert stepping(wrapped) is None
+    engine = Engine(model)
+    ref = engine.generate([3, 1, 4], cfg(12), None).token_ids
+    assert _batched(engine, [([3, 1, 4], cfg(12))], logged, step_rows=None, prefill_chunk=None)[0] == ref
+    assert calls

@@ -550,6 +550,18 @@ def test_queue_full_429_and_disconnects_free_the_worker(llm: treedraft.LLM, serv
         assert httpx.post(url, json=short_body, timeout=REQUEST_TIMEOUT).status_code == 200
 
 
+def test_a_job_the_worker_took_holds_its_slot_before_the_worker_recounts() -> None:
+    """The free slots were recounted only after the worker admitted the jobs it took (admitting can take a prompt
+    forward): meanwhile the jobs it held still counted as free slots and the queue over-admitted (a review)."""
+    q = JobQueue(0, free=2)
+    jobs = [Job([1], GenerationConfig(), None, None) for _ in range(3)]
+    assert q.put_nowait(jobs[0]) and q.put_nowait(jobs[1]) and not q.put_nowait(jobs[2])
+    assert q.get_nowait() is jobs[0] and q.room() == 0  # taken: it holds a slot, nothing new fits
+    assert not q.put_nowait(jobs[2])
+    q.free = 1  # the worker's recount after a job left
+    assert q.room() == 0 and q.get_nowait() is jobs[1] and q.room() == 0 and q.free == 0
+
+
 def test_free_batch_slots_are_not_queue_places_and_a_refused_request_queues_nothing(llm: treedraft.LLM) -> None:
     """--max-queue counts requests waiting behind a FULL batch. A review saw an idle --max-batch 4 --max-queue 1 server
     answer 3 requests at once [200, 200, 429], --max-queue 0 refuse every request ("n=None is more jobs ..."), and an

@@ -562,3 +562,27 @@ def test_only_the_recently_drafting_tenants_keep_an_index_in_memory(monkeypatch)
     st_.add([7, 8], "t0")  # t0's index is gone: its records are not
     assert st_.index_for("t0").continuations([0]) == {1: 1} and st_.index_for("t0").continuations([7]) == {8: 1}
     assert list(st_._indices) == ["t5", "t4", "t0"]  # t3 went: t4 had drafted after it
+
+
+def test_a_store_refused_after_loading_is_left_as_it_was_on_disk(tmp_path: Path) -> None:
+    """Opening another model's store with a smaller bound evicted and rewrote it before the tokenizer check refused
+    it: the owner then found 1 of 20 records (a review). A load's eviction is now written only at the next add."""
+    st_ = SuffixStore(tmp_path / "s", max_tokens=10_000)
+    st_.bind_tokenizer("A", 100)
+    for i in range(20):
+        st_.add([i % 90] * 100, "t")
+    st_.close()
+    with pytest.warns(UserWarning, match="evicted"):
+        wrong = SuffixStore(tmp_path / "s", max_tokens=150)
+    with pytest.raises(ValueError, match="another tokenizer"):
+        wrong.bind_tokenizer("B", 100)
+    wrong.close()
+    again = SuffixStore(tmp_path / "s", max_tokens=10_000)
+    assert len(again.records()) == 20
+    again.close()
+    with pytest.warns(UserWarning, match="evicted"):
+        small = SuffixStore(tmp_path / "s", max_tokens=150)
+    small.bind_tokenizer("A", 100)
+    small.add([5, 6], "t")  # the first write keeps only what the bound allows
+    small.close()
+    assert SuffixStore(tmp_path / "s", max_tokens=10_000).tenant_tokens("t") <= 150

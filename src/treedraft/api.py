@@ -560,7 +560,8 @@ def load(
             model, device, dtype, runtime, max_seq_len, weights, kv_dtype, attn_scores=attn_scores
         )
         # a store on disk holds token ids: refused when written under another tokenizer (its ids mean other tokens)
-        store.bind_tokenizer(tokenizer_fingerprint(tok), net.vocab_size)
+        if store.path is not None:
+            store.bind_tokenizer(tokenizer_fingerprint(tok), net.vocab_size)
         own = getattr(net, "max_seq_len", None)
         if max_seq_len is not None and own is not None and own < max_seq_len and max_seq_len != DEFAULT_MAX_SEQ_LEN:
             warnings.warn(f"max_seq_len {max_seq_len} is more than {model}'s own context: using {own}", stacklevel=2)

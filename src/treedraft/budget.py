@@ -106,6 +106,12 @@ class RowBudget:
         """A step in which ``requests`` requests drafted, taking ``seconds`` of drafting in all."""
         if requests < 1:
             return
+        # one slow step (a draft model catching up on a prompt in the step a request first drafts, a pause) moves the
+        # estimate at most to twice what it was, or what the other counts say: a count priced at a prefill's cost
+        # would not be chosen again, and so not measured again, for thousands of steps
+        prior = self.drafting_seconds(requests)
+        if prior > 0:
+            seconds = min(seconds, 2.0 * prior)
         old = self.drafting.get(requests)
         self.drafting[requests] = seconds if old is None else 0.9 * old + 0.1 * seconds
 

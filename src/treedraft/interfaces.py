@@ -146,7 +146,12 @@ class DraftContext:
 
 
 class Drafter(Protocol):
-    """Proposes a tree rooted at ``ctx.root``. Never verifies."""
+    """Proposes a tree rooted at ``ctx.root``. Never verifies.
+
+    A drafter that runs a draft model may also offer ``propose_steps(ctx)``: the same tree as a generator that yields
+    each draft forward and is sent its logits, so the batched scheduler packs several requests' forwards into one
+    (:mod:`treedraft.drafters.steps`). A subclass or instance that overrides ``propose`` alone is driven through it.
+    """
 
     name: str
 

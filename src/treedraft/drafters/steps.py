@@ -40,6 +40,7 @@ class DraftForward:
     mask: Tensor | None = None
     last_only: bool = False
 
+    @torch.inference_mode()  # (the generator that yielded it runs in inference mode between its yields only)
     def run(self) -> Tensor:
         """This forward alone."""
         dev = target_device(self.model)
@@ -55,6 +56,7 @@ class DraftForward:
         return logits[0].float()
 
 
+@torch.inference_mode()  # a draft cache grown inside a generator is an inference tensor: write it in that mode
 def run_forwards(jobs: list[DraftForward]) -> list[Tensor]:
     """Each job's logits, in order: the jobs of one model that has ``forward_packed`` (the own runtime) run as ONE
     packed forward, any other job alone."""
@@ -95,11 +97,25 @@ def run_forwards(jobs: list[DraftForward]) -> list[Tensor]:
     return out  # type: ignore[return-value]
 
 
-def propose_steps(drafter: Any, ctx: DraftContext) -> Steps:
-    """``drafter``'s tree for ``ctx`` as steps: its own ``propose_steps`` where it has one, else its ``propose`` (no
-    forward to share)."""
+def stepping(drafter: Any) -> Any:
+    """``drafter``'s ``propose_steps``, or None where it has none or where ``propose`` was overridden after it (a
+    subclass or an instance wrapping ``propose`` means that to run: its steps would bypass it)."""
     steps = getattr(drafter, "propose_steps", None)
-    if callable(steps):
+    if not callable(steps) or "propose" in getattr(drafter, "__dict__", {}):
+        return None
+    mro = type(drafter).__mro__
+    owner = next((c for c in mro if "propose_steps" in vars(c)), None)
+    proposer = next((c for c in mro if "propose" in vars(c)), None)
+    if owner is None or (proposer is not None and mro.index(proposer) < mro.index(owner)):
+        return None
+    return steps
+
+
+def propose_steps(drafter: Any, ctx: DraftContext) -> Steps:
+    """``drafter``'s tree for ``ctx`` as steps: its own ``propose_steps`` where it has one (:func:`stepping`), else its
+    ``propose`` (no forward to share)."""
+    steps = stepping(drafter)
+    if steps is not None:
         return (yield from steps(ctx))
     return drafter.propose(ctx)
 
@@ -109,7 +125,12 @@ def drive(steps: Steps) -> Any:
     try:
         job = next(steps)
         while True:
-            job = steps.send(job.run())
+            try:
+                out = job.run()
+            except Exception as e:  # raised inside the generator, where it stopped: its own clean-up runs
+                job = steps.throw(e)
+                continue
+            job = steps.send(out)
     except StopIteration as stop:
         return stop.value
 
@@ -124,7 +145,15 @@ def drive_together(all_steps: list[Steps]) -> list[tuple[Any, BaseException | No
         _advance(i, g, None, pending, results, first=True)
     while pending:
         order = list(pending)
-        logits = run_forwards([pending[i] for i in order])
+        try:
+            logits: list[Tensor | BaseException] = list(run_forwards([pending[i] for i in order]))
+        except Exception:  # one job's forward failed the packed one: each alone, so only its own request fails
+            logits = []
+            for i in order:
+                try:
+                    logits.append(pending[i].run())
+                except Exception as e:
+                    logits.append(e)
         pending = {}
         for i, lg in zip(order, logits):
             _advance(i, all_steps[i], lg, pending, results)
@@ -134,14 +163,20 @@ def drive_together(all_steps: list[Steps]) -> list[tuple[Any, BaseException | No
 def _advance(
     i: int,
     g: Steps,
-    value: Tensor | None,
+    value: Tensor | BaseException | None,
     pending: dict[int, DraftForward],
     results: list[tuple[Any, BaseException | None]],
     first: bool = False,
 ) -> None:
-    """Step generator ``i`` once (started, or sent ``value``): its next forward into ``pending``, or its result."""
+    """Step generator ``i`` once (started, sent ``value``, or thrown ``value`` where its forward failed): its next
+    forward into ``pending``, or its result (or error)."""
     try:
-        pending[i] = next(g) if first else g.send(value)
+        if first:
+            pending[i] = next(g)
+        elif isinstance(value, BaseException):
+            pending[i] = g.throw(value)
+        else:
+            pending[i] = g.send(value)
     except StopIteration as stop:
         results[i] = (stop.value, None)
     except Exception as e:  # this drafter alone fails

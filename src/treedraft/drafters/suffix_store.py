@@ -474,13 +474,17 @@ class SuffixStore:
             warnings.warn(
                 f"suffix store {self.path}: {evicted[1]} tokens ({evicted[0]} whole records) over the bound of "
                 f"{self.max_tokens} tokens per tenant (--suffix-max-tokens) were evicted, oldest first, and are gone "
-                "from the store; open it with its earlier bound to keep them",
+                "from the store at its next write; open it with its earlier bound to keep them",
                 stacklevel=2,
             )
-        if damaged or evicted != (0, 0) or not log.is_file():
+        # (an eviction by a smaller bound is not written here: a store refused right after loading, e.g. one of another
+        # tokenizer, stays as it was on disk; the next snapshot writes what is kept)
+        if damaged or not log.is_file():
             self._snapshot()  # rewrite clean files so damage is reported once
         else:
             self._log = open(log, "ab")
+            if evicted != (0, 0):
+                self._since_snapshot = self.snapshot_every  # the first add writes what is kept
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

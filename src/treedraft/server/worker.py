@@ -211,6 +211,7 @@ class JobQueue:
                 return None
             job = self._items.popleft()
             job.queue = None
+            self.free = max(0, self.free - 1)  # it takes a slot (the worker recounts after admitting)
             return job
 
     @property
@@ -226,6 +227,7 @@ class JobQueue:
                 return None
             job = self._items.popleft()
             job.queue = None
+            self.free = max(0, self.free - 1)  # it takes a slot (the worker recounts after admitting)
             return job
 
     def close(self) -> None:
