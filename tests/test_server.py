@@ -631,6 +631,35 @@ def test_a_client_leaving_while_it_uploads_is_an_abort_not_a_server_error(llm: t
         assert httpx.post(f"{s.url}/v1/chat/completions", json=short_body, timeout=REQUEST_TIMEOUT).status_code == 200
 
 
+def test_a_request_body_that_stalls_is_answered_408_and_closed(llm: treedraft.LLM) -> None:
+    """A client that sends its headers and a few bytes of body, then nothing, held its connection for as long as it
+    liked (a soak review: 8 such connections open for a minute, nothing closed them). Past body_timeout_s: 408."""
+    import socket
+    from urllib.parse import urlparse
+
+    with LiveServer(create_app(llm, ServerSettings(poll_interval_s=0.05, body_timeout_s=0.5))) as s:
+        u = urlparse(s.url)
+        with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 500\r\n\r\n" + b'{"messages": [{"role": "user", '
+            )
+            t0 = time.perf_counter()
+            got = b""
+            while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                got += chunk
+            waited = time.perf_counter() - t0
+        assert got.startswith(b"HTTP/1.1 408") and b"request body stalled" in got, got[:200]
+        assert 0.4 < waited < 5.0
+        short_body = {"model": llm.model_name, "messages": CHAT, "max_tokens": 3, "temperature": 0}
+        assert httpx.post(f"{s.url}/v1/chat/completions", json=short_body, timeout=REQUEST_TIMEOUT).status_code == 200
+    with pytest.raises(ValueError, match="body_timeout_s must be > 0"):
+        ServerSettings(body_timeout_s=0)
+
+
 def test_every_choice_of_a_dropped_request_is_counted_once(llm: treedraft.LLM) -> None:
     """An n=3 request whose client leaves while choice 0 runs and choices 1-2 wait in the queue (--max-batch 1): 3
     jobs queued, 3 aborted (the queued two were dropped uncounted: request_aborted rose by 1), streamed or not."""

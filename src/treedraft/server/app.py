@@ -218,10 +218,20 @@ class OpenAIServer:
         if declared.isdigit() and int(declared) > limit:  # refused before a byte of it is read
             raise APIError(413, f"the request body has {declared} bytes; the limit is {limit}")
         parts, size = [], 0
+        wait = self.settings.body_timeout_s
+        chunks = request.stream().__aiter__()
         try:
-            async for (
-                part
-            ) in request.stream():  # counted as it arrives: a chunked upload is not buffered past the limit
+            while True:  # counted as it arrives: a chunked upload is not buffered past the limit
+                try:
+                    part = await asyncio.wait_for(chunks.__anext__(), wait)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    raise APIError(
+                        408,
+                        f"the request body stalled: no bytes for {wait:g} s after {size} bytes; send it whole",
+                        headers={"Connection": "close"},
+                    ) from None
                 size += len(part)
                 if size > limit:
                     raise APIError(413, f"the request body has more than {limit} bytes; the limit is {limit}")

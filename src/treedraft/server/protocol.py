@@ -44,6 +44,9 @@ class ServerSettings:
     retry_after_s: int = 1  # Retry-After header on 429
     poll_interval_s: float = 0.25  # how often a waiting handler checks for a client disconnect
     max_body_bytes: int = 8 * 1024 * 1024
+    # a request body that stalls this long between two of its chunks is answered 408 and its connection closed (a
+    # client sending its headers and a few bytes, then nothing, held a connection for as long as it liked)
+    body_timeout_s: float = 30.0
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # Bearer keys; empty: no authentication
     protect_health_metrics: bool = False  # with api_keys: /health and /metrics need a key too
 
@@ -59,6 +62,8 @@ class ServerSettings:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb must be >= 0 (0 turns the prefix cache off), got {self.prefix_cache_mb}")
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.default_max_tokens < 1:
