@@ -211,3 +211,14 @@ def test_one_slow_drafting_step_does_not_price_a_count_out_for_thousands_of_step
     said = b.drafting_seconds(3)  # a count not measured before: along the measured ones' line
     b.observe_drafting(3, 0.155)  # ... and after a slow first step there, at most twice that
     assert said < 0.008 and b.drafting_seconds(3) <= 2 * said + 1e-12
+
+
+def test_a_first_drafting_observation_is_bounded_by_the_one_row_forward() -> None:
+    """With nothing measured yet, a step that held a draft model's prompt catch-up (155 ms) was taken as the price of
+    drafting, and nobody drafted again until probes re-measured it: now at most 4 one-row forwards."""
+    b = RowBudget({1: 0.0143, 2: 0.0149, 4: 0.0155, 8: 0.0235, 12: 0.0298, 16: 0.0378, 24: 0.0528})
+    b.observe_drafting(2, 0.155)
+    assert b.drafting_seconds(2) <= 4 * 0.0143 + 1e-12
+    st = NodeStats()
+    b.observe(st, 4, [0, 1, 2, 3], 0.155)
+    assert b.draft_cost <= 4 * 0.0143 + 1e-12

@@ -697,3 +697,36 @@ def test_a_drafter_that_overrides_propose_is_driven_through_it() -> None:
     ref = engine.generate([3, 1, 4], cfg(12), None).token_ids
     assert _batched(engine, [([3, 1, 4], cfg(12))], logged, step_rows=None, prefill_chunk=None)[0] == ref
     assert calls
+
+
+def test_a_class_level_patch_of_propose_is_not_bypassed_and_twins_still_step(monkeypatch) -> None:
+    """Only a propose marked as the driver of its own steps lets the scheduler step a drafter: a class-level patch
+    (or a subclass, or an instance wrapper) is driven through propose; plain twins keep stepping (and packing)."""
+    from treedraft.drafters.hybrid import HybridDrafter
+    from treedraft.drafters.steps import stepping
+
+    model = tiny(6)
+    d = DraftModelDrafter(near_copy(model, 0.3, 4), model.vocab_size, max_len=256, depth=4)
+    assert stepping(d) is not None and stepping(d.for_request()) is not None and stepping(d.fresh()) is not None
+    assert stepping(HybridDrafter([d]).for_request()) is not None
+    calls = []
+    original = DraftModelDrafter.propose
+
+    def patched(self, ctx):
+        calls.append(1)
+        return original(self, ctx)
+
+    monkeypatch.setattr(DraftModelDrafter, "propose", patched)
+    assert stepping(d) is None and stepping(d.for_request()) is None
+
+
+def test_a_failed_depth_forward_leaves_no_drafted_slots_behind() -> None:
+    """drafted_slots named a depth's cache slots before its forward ran: thrown into at that yield, the drafter kept
+    slots that were never written, which a later step would have moved into place as accepted drafts."""
+    model = tiny(6)
+    d = DraftModelDrafter(near_copy(model, 0.3, 4), model.vocab_size, max_len=256, depth=4, topk=2).for_request()
+    steps = d.propose_steps(DraftContext([3, 1, 4, 1, 5], None, 9, 4))
+    job = next(steps)  # the first tree depth (no shared cache: the commit ran inline)
+    with pytest.raises(RuntimeError, match="boom"):
+        steps.throw(RuntimeError("boom"))
+    assert d.drafted_slots == {} and job.start == d.cache.length

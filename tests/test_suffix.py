@@ -586,3 +586,37 @@ def test_a_store_refused_after_loading_is_left_as_it_was_on_disk(tmp_path: Path)
     small.add([5, 6], "t")  # the first write keeps only what the bound allows
     small.close()
     assert SuffixStore(tmp_path / "s", max_tokens=10_000).tenant_tokens("t") <= 150
+
+
+def test_ids_on_disk_are_checked_even_where_a_smaller_bound_dropped_them(tmp_path: Path) -> None:
+    """A store from before the tokenizer tie, opened with a smaller bound: the dropped (older) records stay on disk
+    until a write, so the vocabulary check must see them too (else they came back later under a matching tie)."""
+    old = SuffixStore(tmp_path / "s", max_tokens=10_000)
+    old.add([1, 2, 60_000], "t")  # an id past a 32k vocabulary, in the oldest record
+    for _ in range(5):
+        old.add([3, 4, 5] * 30, "t")
+    old.close()
+    with pytest.warns(UserWarning, match="evicted"):
+        small = SuffixStore(tmp_path / "s", max_tokens=300)
+    assert all(60_000 not in r.tokens for r in small.records())  # dropped in memory ...
+    with pytest.raises(ValueError, match="token id 60000, past this model's vocabulary of 32000"):
+        small.bind_tokenizer("32000:aaaa", 32_000)  # ... but still on disk: refused
+    small.close()
+
+
+def test_a_damaged_store_refused_after_loading_keeps_every_readable_record(tmp_path: Path) -> None:
+    """A torn log is rewritten at load (so the damage is reported once): with every record it could read, not with
+    what a smaller bound keeps, so a refusal right after loading loses nothing."""
+    st_ = SuffixStore(tmp_path / "s", max_tokens=10_000)
+    st_.bind_tokenizer("A", 100)
+    for i in range(20):
+        st_.add([i % 90] * 100, "t")
+    st_.close()
+    with open(tmp_path / "s" / "log.bin", "ab") as f:
+        f.write(b"SXR1\x10\x00")  # a torn append
+    with pytest.warns(UserWarning):
+        wrong = SuffixStore(tmp_path / "s", max_tokens=150)
+    with pytest.raises(ValueError, match="another tokenizer"):
+        wrong.bind_tokenizer("B", 100)
+    wrong.close()
+    assert len(SuffixStore(tmp_path / "s", max_tokens=10_000).records()) == 20

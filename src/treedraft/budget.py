@@ -38,6 +38,7 @@ PROBE_EVERY = 64
 # the wait for a probe doubles per missed draft step, up to probe_every x 2^2 = 256 steps (a 256-token request
 # is then probed twice, not four or five times; a longer one that starts repeating known text is still found)
 PROBE_BACKOFF = 2
+DRAFTING_CAP = 4.0  # a step's drafting is taken as at most this many one-row target forwards (more is a catch-up)
 PROBE_NODES = 3  # draft nodes of a probe: enough for a scored drafter (suffix) to lead the hybrid's tree
 TABLE_ROWS = 1024  # the curve is tabulated up to this many rows
 MIN_P = 0.02  # positions less likely than this are not candidates
@@ -112,6 +113,7 @@ class RowBudget:
         prior = self.drafting_seconds(requests)
         if prior > 0:
             seconds = min(seconds, 2.0 * prior)
+        seconds = min(seconds, DRAFTING_CAP * self.seconds(1))  # (nothing measured yet: the one-row forward bounds it)
         old = self.drafting.get(requests)
         self.drafting[requests] = seconds if old is None else 0.9 * old + 0.1 * seconds
 
@@ -186,6 +188,7 @@ class RowBudget:
             if pool:
                 self.pool.observe(tree_size, accepted, POOL_DECAY)
                 self._pool_est = None
+            t_draft = min(t_draft, DRAFTING_CAP * self.seconds(1))  # (a first step may hold a draft's prompt catch-up)
             self.draft_cost = t_draft if self.draft_cost == 0.0 else 0.9 * self.draft_cost + 0.1 * t_draft
             st.idle = 0
         else:

@@ -34,7 +34,7 @@ from torch import Tensor
 from ..interfaces import DraftContext, TargetModel, request_twin, target_device
 from ..tree import TokenTree
 from .eagle_tree import COUPLED_SCALE_CLOSE, LatencyCurve, ProbCalibration, coupled_pick, grow_tree_steps
-from .steps import DraftForward, Steps, drive
+from .steps import DraftForward, Steps, drive, drives_steps
 
 
 class DraftModelError(ValueError):
@@ -236,6 +236,7 @@ class DraftModelDrafter:
             self.cache.keep(n, keep)
         return len(keep)
 
+    @drives_steps
     def propose(self, ctx: DraftContext) -> TokenTree:
         """A dynamic tree of at most ``ctx.max_nodes`` nodes (root included) and ``ctx.max_depth`` depth."""
         return drive(self.propose_steps(ctx))
@@ -288,10 +289,10 @@ class DraftModelDrafter:
         try:
             nodes, toks, parents, depths, start, mask = next(steps)
             while True:  # one draft forward per further depth
-                for row, (i, p, t) in enumerate(zip(nodes, parents, toks)):
+                out = yield DraftForward(self.model, self.cache, toks, [r + d for d in depths], start, mask)
+                for row, (i, p, t) in enumerate(zip(nodes, parents, toks)):  # (written: the forward ran)
                     path_of[i] = path_of[p] + (t,)
                     self.drafted_slots[path_of[i]] = start + row
-                out = yield DraftForward(self.model, self.cache, toks, [r + d for d in depths], start, mask)
                 nodes, toks, parents, depths, start, mask = steps.send(out)
         except StopIteration as stop:
             tree, expected, probs = stop.value

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from ..budget import LatencyCurve
 from ..interfaces import DraftContext, Drafter, request_drafter
 from ..tree import TokenTree, TreeError
-from .steps import Steps, drive, propose_steps
+from .steps import Steps, drive, drives_steps, propose_steps
 
 
 def merge_trees(trees: Sequence[TokenTree], max_nodes: int) -> TokenTree:
@@ -134,6 +134,7 @@ class HybridDrafter:
     def __post_init__(self) -> None:
         self._curve = None if self.latency is None else LatencyCurve(self.latency)
 
+    @drives_steps
     def propose(self, ctx: DraftContext) -> TokenTree:
         """The members' trees merged into one of at most ``ctx.max_nodes`` nodes (confident scored trees first)."""
         return drive(self.propose_steps(ctx))

@@ -13,6 +13,7 @@ alone or side by side; only the time changes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,9 @@ import torch
 from torch import Tensor
 
 from ..interfaces import DraftContext, target_device
+
+log = logging.getLogger(__name__)
+_warned = False  # a failed packed forward is logged once per process
 
 # what a stepping drafter is: it yields forwards, receives their logits, and returns its tree
 Steps = Generator["DraftForward", Tensor, Any]
@@ -97,16 +101,19 @@ def run_forwards(jobs: list[DraftForward]) -> list[Tensor]:
     return out  # type: ignore[return-value]
 
 
+def drives_steps(propose: Any) -> Any:
+    """Mark a ``propose`` that only runs its own ``propose_steps`` (:func:`drive`): the scheduler may then step it."""
+    propose._drives_steps = True
+    return propose
+
+
 def stepping(drafter: Any) -> Any:
-    """``drafter``'s ``propose_steps``, or None where it has none or where ``propose`` was overridden after it (a
-    subclass or an instance wrapping ``propose`` means that to run: its steps would bypass it)."""
+    """``drafter``'s ``propose_steps``, or None where it has none or where the ``propose`` it would run is not the one
+    that drives them (:func:`drives_steps`): a subclass, a class patch or an instance wrapping ``propose`` means that to
+    run, and its steps would bypass it."""
     steps = getattr(drafter, "propose_steps", None)
-    if not callable(steps) or "propose" in getattr(drafter, "__dict__", {}):
-        return None
-    mro = type(drafter).__mro__
-    owner = next((c for c in mro if "propose_steps" in vars(c)), None)
-    proposer = next((c for c in mro if "propose" in vars(c)), None)
-    if owner is None or (proposer is not None and mro.index(proposer) < mro.index(owner)):
+    propose = getattr(drafter, "propose", None)
+    if not callable(steps) or not getattr(getattr(propose, "__func__", propose), "_drives_steps", False):
         return None
     return steps
 
@@ -148,6 +155,10 @@ def drive_together(all_steps: list[Steps]) -> list[tuple[Any, BaseException | No
         try:
             logits: list[Tensor | BaseException] = list(run_forwards([pending[i] for i in order]))
         except Exception:  # one job's forward failed the packed one: each alone, so only its own request fails
+            global _warned
+            if not _warned:
+                _warned = True
+                log.warning("a packed draft forward failed; running its jobs one by one", exc_info=True)
             logits = []
             for i in order:
                 try:

@@ -198,6 +198,7 @@ class SuffixStore:
         # API keys every distinct `user` field is a tenant: ~11 KB each for ever, where records alone cost ~0.5 KB)
         self._indices: OrderedDict[str, SuffixIndex] = OrderedDict()
         self._lock = threading.Lock()
+        self._disk_max_id = -1  # the largest token id the directory held when loaded
         self._log = None
         self._dir_lock = None  # the directory's lock file, held while this store has it open
         if self.path is not None:
@@ -269,7 +270,7 @@ class SuffixStore:
                         "directory"
                     )
                 return
-            top = max((int(r.tokens.max()) for r in self._records if len(r.tokens)), default=-1)
+            top = max(self._disk_max_id, max((int(r.tokens.max()) for r in self._records if len(r.tokens)), default=-1))
             if top >= vocab_size:
                 raise ValueError(
                     f"suffix store {self.path} holds token id {top}, past this model's vocabulary of {vocab_size} "
@@ -468,6 +469,12 @@ class SuffixStore:
                 seen.add(r.seq)
                 self._append(r)
         self._seq = max([last_snap, *seen]) if seen else last_snap
+        # every id on disk (bind_tokenizer checks them: records a smaller bound drops here stay on disk until a write)
+        self._disk_max_id = max((int(r.tokens.max()) for r in self._records if len(r.tokens)), default=-1)
+        if damaged or not log.is_file():
+            self._snapshot()  # rewrite clean files (what could be read, all of it) so damage is reported once
+        else:
+            self._log = open(log, "ab")
         cut = [self._evict(t) for t in list(self._tenant_tokens)]  # a smaller bound than it was written with
         evicted = sum(n for n, _ in cut), sum(k for _, k in cut)
         if evicted != (0, 0):
@@ -478,13 +485,9 @@ class SuffixStore:
                 stacklevel=2,
             )
         # (an eviction by a smaller bound is not written here: a store refused right after loading, e.g. one of another
-        # tokenizer, stays as it was on disk; the next snapshot writes what is kept)
-        if damaged or not log.is_file():
-            self._snapshot()  # rewrite clean files so damage is reported once
-        else:
-            self._log = open(log, "ab")
-            if evicted != (0, 0):
-                self._since_snapshot = self.snapshot_every  # the first add writes what is kept
+        # tokenizer, stays as it was on disk; the first add writes what is kept)
+        if evicted != (0, 0):
+            self._since_snapshot = self.snapshot_every
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
