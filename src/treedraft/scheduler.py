@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .budget import STEP_ROWS_MAX, NodeStats, RowBudget, measured_latency, measured_step_rows, step_rows_from_latency
-from .drafters.steps import Steps, drive, drive_together, propose_steps
+from .drafters.steps import Steps, drive_together, propose_steps
 from .grammar import constrain_, prune
 from .interfaces import DraftContext, Drafter, GenerationError, request_drafter
 from .logprobs import Committed, token_logprobs
@@ -301,14 +301,11 @@ class Scheduler:
             cap = min(cap, share)
         return min(cap, self.engine.model.max_seq_len - req.cache.length)
 
-    def _draft(self, req: Request, budget: int, step: tuple[int, float, float] = (0, 0.0, 0.0)) -> _Rows:
-        """This request's rows of the step: its drafter's tree of at most ``budget`` nodes (``step``: the rest of a
-        batched step, see :class:`DraftContext`'s ``step_*``)."""
-        return drive(self._draft_steps(req, budget, step))
-
     def _draft_steps(self, req: Request, budget: int, step: tuple[int, float, float]) -> Steps:
-        """:meth:`_draft` as steps: a drafter running a draft model yields its forwards (:mod:`.drafters.steps`), so
-        :meth:`_plan` runs the forwards of all requests drafting with one draft model as one packed forward."""
+        """This request's rows of the step: its drafter's tree of at most ``budget`` nodes (``step``: the rest of a
+        batched step, see :class:`DraftContext`'s ``step_*``), as steps: a drafter running a draft model yields its
+        forwards (:mod:`.drafters.steps`), so :meth:`_plan` runs the forwards of all requests drafting with one draft
+        model as one packed forward."""
         eng, ts = self.engine, time.perf_counter()
         max_depth = req.max_new - req.n_out - 1  # the bonus token takes one slot of the budget
         root = req.tokens[-1]

@@ -60,11 +60,21 @@ class DraftForward:
         return logits[0].float()
 
 
+def _alone(job: DraftForward) -> Tensor | Exception:
+    """``job``'s logits, or the exception its forward raised."""
+    try:
+        return job.run()
+    except Exception as e:
+        return e
+
+
 @torch.inference_mode()  # a draft cache grown inside a generator is an inference tensor: write it in that mode
-def run_forwards(jobs: list[DraftForward]) -> list[Tensor]:
-    """Each job's logits, in order: the jobs of one model that has ``forward_packed`` (the own runtime) run as ONE
-    packed forward, any other job alone."""
-    out: list[Tensor | None] = [None] * len(jobs)
+def run_forwards(jobs: list[DraftForward]) -> list[Tensor | Exception]:
+    """Each job's logits, or the exception its forward raised, in order: the jobs of one model that has
+    ``forward_packed`` (the own runtime) run as ONE packed forward, any other job alone. A packed forward that raises
+    is run again job by job (logged once), so only the job that fails gets its error."""
+    global _warned
+    out: list[Tensor | Exception | None] = [None] * len(jobs)
     groups: dict[int, list[int]] = {}
     for i, job in enumerate(jobs):
         groups.setdefault(id(job.model), []).append(i)
@@ -73,7 +83,7 @@ def run_forwards(jobs: list[DraftForward]) -> list[Tensor]:
         packed = getattr(model, "forward_packed", None)
         if len(idx) == 1 or packed is None:
             for i in idx:
-                out[i] = jobs[i].run()
+                out[i] = _alone(jobs[i])
             continue
         from ..models.kvcache import Segment
 
@@ -87,12 +97,20 @@ def run_forwards(jobs: list[DraftForward]) -> list[Tensor]:
             toks += j.tokens
             pos += j.positions
             r0 += n
-        logits, _ = packed(
-            torch.tensor(toks, dtype=torch.long, device=dev),
-            torch.tensor(pos, dtype=torch.long, device=dev),
-            segs,
-            torch.tensor(want, dtype=torch.long, device=dev),
-        )
+        try:
+            logits, _ = packed(
+                torch.tensor(toks, dtype=torch.long, device=dev),
+                torch.tensor(pos, dtype=torch.long, device=dev),
+                segs,
+                torch.tensor(want, dtype=torch.long, device=dev),
+            )
+        except Exception:
+            if not _warned:
+                _warned = True
+                log.warning("a packed draft forward failed; running its jobs one by one", exc_info=True)
+            for i in idx:
+                out[i] = _alone(jobs[i])
+            continue
         li = 0
         for i in idx:
             k = 1 if jobs[i].last_only else len(jobs[i].tokens)
@@ -128,18 +146,11 @@ def propose_steps(drafter: Any, ctx: DraftContext) -> Steps:
 
 
 def drive(steps: Steps) -> Any:
-    """Run a stepping drafter alone (every forward on its own) and return its result."""
-    try:
-        job = next(steps)
-        while True:
-            try:
-                out = job.run()
-            except Exception as e:  # raised inside the generator, where it stopped: its own clean-up runs
-                job = steps.throw(e)
-                continue
-            job = steps.send(out)
-    except StopIteration as stop:
-        return stop.value
+    """Run a stepping drafter alone and return its result (or raise its error)."""
+    ((result, error),) = drive_together([steps])
+    if error is not None:
+        raise error
+    return result
 
 
 def drive_together(all_steps: list[Steps]) -> list[tuple[Any, BaseException | None]]:
@@ -152,19 +163,7 @@ def drive_together(all_steps: list[Steps]) -> list[tuple[Any, BaseException | No
         _advance(i, g, None, pending, results, first=True)
     while pending:
         order = list(pending)
-        try:
-            logits: list[Tensor | BaseException] = list(run_forwards([pending[i] for i in order]))
-        except Exception:  # one job's forward failed the packed one: each alone, so only its own request fails
-            global _warned
-            if not _warned:
-                _warned = True
-                log.warning("a packed draft forward failed; running its jobs one by one", exc_info=True)
-            logits = []
-            for i in order:
-                try:
-                    logits.append(pending[i].run())
-                except Exception as e:
-                    logits.append(e)
+        logits = run_forwards([pending[i] for i in order])  # a forward's error is thrown into its own generator
         pending = {}
         for i, lg in zip(order, logits):
             _advance(i, all_steps[i], lg, pending, results)
