@@ -198,7 +198,9 @@ class SuffixStore:
         # API keys every distinct `user` field is a tenant: ~11 KB each for ever, where records alone cost ~0.5 KB)
         self._indices: OrderedDict[str, SuffixIndex] = OrderedDict()
         self._lock = threading.Lock()
-        self._disk_max_id = -1  # the largest token id the directory held when loaded
+        # the largest token id loaded or added (bind_tokenizer checks it: records a smaller bound drops at load stay on
+        # disk until the next write)
+        self._max_id = -1
         self._log = None
         self._dir_lock = None  # the directory's lock file, held while this store has it open
         if self.path is not None:
@@ -270,7 +272,7 @@ class SuffixStore:
                         "directory"
                     )
                 return
-            top = max(self._disk_max_id, max((int(r.tokens.max()) for r in self._records if len(r.tokens)), default=-1))
+            top = self._max_id
             if top >= vocab_size:
                 raise ValueError(
                     f"suffix store {self.path} holds token id {top}, past this model's vocabulary of {vocab_size} "
@@ -360,7 +362,7 @@ class SuffixStore:
         self._dir_lock = f
         _OPEN_STORES.add(self)
         self._records.clear()
-        self._tokens, self._tenant_tokens, self._seq, self._since_snapshot = 0, {}, 0, 0
+        self._tokens, self._tenant_tokens, self._seq, self._since_snapshot, self._max_id = 0, {}, 0, 0, -1
         self._indices.clear()
         try:
             self._load()
@@ -374,6 +376,8 @@ class SuffixStore:
         self._records.append(rec)
         self._tokens += len(rec.tokens)
         self._tenant_tokens[rec.tenant] = self._tenant_tokens.get(rec.tenant, 0) + len(rec.tokens)
+        if len(rec.tokens):
+            self._max_id = max(self._max_id, int(rec.tokens.max()))
 
     def _evict(self, tenant: str) -> tuple[int, int]:
         """Drop ``tenant``'s oldest records (only its own) down to 90% of the bound once it is over it; its newest
@@ -469,8 +473,6 @@ class SuffixStore:
                 seen.add(r.seq)
                 self._append(r)
         self._seq = max([last_snap, *seen]) if seen else last_snap
-        # every id on disk (bind_tokenizer checks them: records a smaller bound drops here stay on disk until a write)
-        self._disk_max_id = max((int(r.tokens.max()) for r in self._records if len(r.tokens)), default=-1)
         if damaged or not log.is_file():
             self._snapshot()  # rewrite clean files (what could be read, all of it) so damage is reported once
         else:
@@ -484,9 +486,8 @@ class SuffixStore:
                 "from the store at its next write; open it with its earlier bound to keep them",
                 stacklevel=2,
             )
-        # (an eviction by a smaller bound is not written here: a store refused right after loading, e.g. one of another
-        # tokenizer, stays as it was on disk; the first add writes what is kept)
-        if evicted != (0, 0):
+            # not written here: a store refused right after loading (one of another tokenizer) stays as it was on
+            # disk; the first add writes what is kept
             self._since_snapshot = self.snapshot_every
 
 
