@@ -180,15 +180,18 @@ class JobQueue:
         with self._cv:
             return len(self._items)
 
+    def _room(self) -> int:  # (the lock held)
+        return 0 if self._closed else max(0, self.maxsize + self.free - len(self._items))
+
     def room(self) -> int:
         """Jobs that may be queued now: the free batch slots and ``maxsize`` waiting behind the running ones."""
         with self._cv:
-            return 0 if self._closed else max(0, self.maxsize + self.free - len(self._items))
+            return self._room()
 
     def put_nowait(self, job: Job) -> bool:
         """Append a job; False when the free batch slots are taken and ``maxsize`` jobs are already waiting."""
         with self._cv:
-            if self._closed or len(self._items) >= self.maxsize + self.free:
+            if self._room() < 1:
                 return False
             job.queue = self
             self._items.append(job)
@@ -209,10 +212,13 @@ class JobQueue:
         with self._cv:
             if self._closed or not self._items:
                 return None
-            job = self._items.popleft()
-            job.queue = None
-            self.free = max(0, self.free - 1)  # it takes a slot (the worker recounts after admitting)
-            return job
+            return self._take()
+
+    def _take(self) -> Job:  # (the lock held, a job waiting)
+        job = self._items.popleft()
+        job.queue = None
+        self.free = max(0, self.free - 1)  # it takes a slot (the worker recounts after admitting)
+        return job
 
     @property
     def closed(self) -> bool:
@@ -225,10 +231,7 @@ class JobQueue:
                 self._cv.wait()
             if self._closed:
                 return None
-            job = self._items.popleft()
-            job.queue = None
-            self.free = max(0, self.free - 1)  # it takes a slot (the worker recounts after admitting)
-            return job
+            return self._take()
 
     def close(self) -> None:
         """Wake the worker and make it exit; waiting jobs are dropped."""
@@ -365,7 +368,7 @@ class Worker:
                 if job is None:
                     break
                 self._admit(job)
-            self.queue.free = self.settings.max_batch - len(self.running)
+            self._count_free()
             if self.queue.closed:
                 self._flush()
                 for job in list(self.running):
@@ -501,10 +504,14 @@ class Worker:
                 self._leave(job, finish)  # first: the drafter (suffix store) records it before the client hears Done
                 out.append((job, Done(finish, live.stats)))
 
+    def _count_free(self) -> None:
+        """Tell the queue how many batch slots its next jobs may take without waiting."""
+        self.queue.free = self.settings.max_batch - len(self.running)
+
     def _leave(self, job: Job, outcome: str) -> None:
         """Take a job out of the batch and record it."""
         live = self.running.pop(job)
-        self.queue.free = self.settings.max_batch - len(self.running)
+        self._count_free()
         live.stats.cut(live.n_tokens)  # tokens committed but never delivered (cancelled) do not count
         try:
             self.sched.remove(live.req)
