@@ -389,8 +389,8 @@ class Scheduler:
             plan.append(rows)
         if len(decoding) > 1:  # they ran interleaved: the drafting time is split among the requests that drafted
             n = sum(r.drafted for r in plan)
-            for r in plan:
-                r.t_draft = spent / n if r.drafted else 0.0 if n else spent / len(plan)
+            for r in plan:  # (where none drafted, the little time it took is split evenly)
+                r.t_draft = (spent / n if r.drafted else 0.0) if n else spent / len(plan)
             if self._sized and self.budget is not None:
                 self.budget.observe_drafting(n, spent)
         return plan + chunks
