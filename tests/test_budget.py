@@ -222,3 +222,50 @@ def test_a_first_drafting_observation_is_bounded_by_the_one_row_forward() -> Non
     st = NodeStats()
     b.observe(st, 4, [0, 1, 2, 3], 0.155)
     assert b.draft_cost <= 4 * 0.0143 + 1e-12
+
+
+def _sure(per_depth: float) -> NodeStats:
+    """A request whose first 3 draft nodes were nearly always on the accepted path and the next ones 70% of the time,
+    drafting ``per_depth`` draft-model forwards per drafted depth (1: a draft model's chain; 0: no draft model ran,
+    e.g. a suffix chain)."""
+    st = NodeStats()
+    st.tries = [100.0] * len(st.tries)
+    st.hits = [99.0] * 4 + [70.0] * (len(st.hits) - 4)
+    st.idle, st.per_depth = 0, per_depth
+    return st
+
+
+def test_draft_model_forwards_are_priced_per_round_of_depth_shared_by_the_batch() -> None:
+    """A draft model drafts one packed forward per depth for all requests drafting with it (drafters.steps). Priced
+    per count of drafting requests only, a chain of 12 cost the budget what a chain of 1 did, and the learned price
+    (measured on whatever depths ran) put off short chains that paid (session 40: four fp32 requests, two of them
+    decoding plainly next to two sure chains). Now a step's rounds are learned apart from the rest of drafting and a
+    chain is priced by its depth: sure chains of a draft model stop where a further round costs more than it gives,
+    the same chains without draft-model forwards (a suffix chain) run to the cap, and requests sharing the rounds
+    draft to the same depth."""
+    b = RowBudget({1: 0.0143, 2: 0.0149, 4: 0.0155, 8: 0.0235, 12: 0.0298, 16: 0.0378, 24: 0.0528})  # fp32, Zen 4
+    for _ in range(30):
+        b.observe_drafting(2, 0.012, rounds=2, round_seconds=0.010)
+    assert b.round_cost == pytest.approx(0.005) and b.drafting_seconds(2) == pytest.approx(0.002)
+    # a 70% node pays for its row (~1.9 ms) but not also for half a 5 ms round
+    assert b.allocate([_sure(0.0), _sure(0.0)], [13, 13]) == [13, 13]
+    assert b.allocate([_sure(1.0), _sure(1.0)], [13, 13]) == [4, 4]
+    b.round_cost = 0.0  # (without rounds measured: the count's price alone, as before)
+    assert b.allocate([_sure(1.0), _sure(1.0)], [13, 13]) == [13, 13]
+
+
+def test_a_request_given_no_rows_returns_toward_the_pool_and_one_miss_does_not_sink_it() -> None:
+    """One missed draft of a request that had drafted nothing yet put its first node at a third of the pool's
+    estimate; given no rows it gathered no evidence, and its estimate stayed there until a probe 64-256 steps later
+    (session 40: an fp32 request drafting with the target's int4 copy, accepted ~0.95, decoded plainly all its 128
+    tokens). Now one miss leaves it above half the pool's, and each step without rows fades its own evidence."""
+    b = RowBudget(CPU)
+    for _ in range(60):  # the pool: other requests' first nodes accepted ~0.95
+        b.observe(_history(0.95), 9, list(range(9)), 0.0)
+    pool = b.estimates(NodeStats(), 1)[0]
+    st = NodeStats()
+    b.observe(st, 4, [0], 0.0, pool=False)  # its first draft: nothing accepted
+    assert b.estimates(st, 1)[0] > pool / 2
+    for _ in range(30):
+        b.observe(st, 1, [0], 0.0, pool=False)  # steps without rows
+    assert b.estimates(st, 1)[0] == pytest.approx(pool, abs=0.05)

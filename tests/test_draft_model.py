@@ -535,6 +535,41 @@ def test_shared_drafts_in_a_batch_equal_plain(monkeypatch) -> None:
     assert max(calls["packed"]) == len(reqs) and len(calls["forward"]) < sum(calls["packed"])
 
 
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+def test_the_row_budget_learns_draft_rounds_and_forwards_per_depth_from_batched_steps(monkeypatch) -> None:
+    """In a budgeted batch (a latency curve) the scheduler tells the row budget each step's rounds of packed draft
+    forwards and their time, and per request how many forwards its tree took for its depth: a draft model's chain
+    takes one per depth (the root row, then one per further depth), which is what the budget prices it by."""
+    from treedraft.budget import RowBudget
+
+    seen: dict[str, list] = {"drafting": [], "observed": []}
+    drafting, observe = RowBudget.observe_drafting, RowBudget.observe
+
+    def on_drafting(self, requests, seconds, rounds=0, round_seconds=0.0):
+        seen["drafting"].append((requests, rounds, round_seconds))
+        return drafting(self, requests, seconds, rounds, round_seconds)
+
+    def on_observe(self, st, tree_size, accepted, t_draft, pool=True, forwards=0, depth=0):
+        seen["observed"].append((tree_size, forwards, depth))
+        return observe(self, st, tree_size, accepted, t_draft, pool, forwards, depth)
+
+    monkeypatch.setattr(RowBudget, "observe_drafting", on_drafting)
+    monkeypatch.setattr(RowBudget, "observe", on_observe)
+    model = tiny(6)
+    engine = Engine(model)
+    reqs = [([3, 1, 4, 1, 5][: 2 + i], cfg(24)) for i in range(3)]
+    ref = {i: engine.generate(p, c, None).token_ids for i, (p, c) in enumerate(reqs)}
+    d = DraftModelDrafter(near_copy(model, 0.1, 4), model.vocab_size, max_len=256, depth=4, share_kv=True)
+    flat = {1: 0.010, 16: 0.0101, 64: 0.011}  # rows nearly free: drafting pays
+    out = _batched(engine, reqs, d, step_rows=None, prefill_chunk=None, latency=flat)
+    assert out == ref
+    trees = [(f, dep) for n, f, dep in seen["observed"] if n > 1]
+    assert len(trees) > 5 and sum(f for f, _ in trees) >= sum(dep for _, dep in trees) > 0
+    assert all(f <= 4 for f, _ in trees)  # at most one forward per depth drafted
+    batched = [(r, t) for n, r, t in seen["drafting"] if n >= 2]
+    assert batched and all(r >= 1 and t > 0 for r, t in batched)
+
+
 def test_a_shared_draft_switching_between_copying_and_computing_stays_consistent() -> None:
     """Steps offered no target cache (every third here) compute the keys and values the draft lacks; the next copy
     starts after the prefix it still holds from the target: after every step its cache holds, for the tokens before
@@ -615,8 +650,13 @@ def test_requests_drafting_side_by_side_share_packed_forwards_and_draft_the_same
     alone = [d.for_request().propose(ctx(i)) for i in range(len(seqs))]
     twins = [d.for_request() for _ in seqs]
     calls = _count_draft_forwards(monkeypatch, draft)
-    together = drive_together([t.propose_steps(ctx(i)) for i, t in enumerate(twins)])
+    rounds: list[float] = []
+    forwards = [0] * len(seqs)
+    together = drive_together([t.propose_steps(ctx(i)) for i, t in enumerate(twins)], rounds, forwards)
     assert [e for _, e in together] == [None] * len(seqs)
+    # what the row budget prices drafting by: each round of packed forwards timed, each drafter's forwards counted
+    assert len(rounds) == len(calls["packed"]) and all(t > 0 for t in rounds)
+    assert forwards == [len(calls["packed"])] * len(seqs)
     assert [r.tokens for r, _ in together] == [a.tokens for a in alone]
     assert [r.parents for r, _ in together] == [a.parents for a in alone]
     assert all(len(a) > 4 for a in alone)  # real trees: depth 4 with 2 children drafts several nodes

@@ -12,6 +12,11 @@ maximise expected tokens per second: the most probable nodes first over all requ
 ratio (cf. the latency-aware tree sizing of Sequoia, Chen et al. 2024, and SpecInfer's batched token trees;
 here applied across requests).
 
+Drafting is priced as measured: per count of drafting requests, and for drafters that run a draft model, per round of
+packed draft forwards (:mod:`.drafters.steps`: one round per depth, shared by every request drafting with that model),
+so a chain is priced by its depth.
+
+A request given no rows fades its own evidence toward the pool's (:data:`IDLE_DECAY`).
 A request that got no draft rows for ``probe_every`` steps, and a new request at its first step, gets a few
 nodes (a probe), so a request that repeats known text (a suffix-drafter match, which leads the hybrid's
 tree once it expects 2 or more tokens) is noticed; one accepted probe is enough for its next steps to draft. Budgets never change a greedy or seeded-coupled
@@ -31,9 +36,16 @@ import numpy as np
 
 POSITIONS = 64  # node positions tracked per request (root excluded)
 DECAY = 0.85  # weight of a step's evidence after each later step of the same request
-PRIOR_WEIGHT = 0.5  # pseudo-observations of the pool's estimate in a request's own estimate
+# pseudo-observations of the pool's estimate in a request's own estimate: at 0.5 one missed draft of a request that had
+# drafted nothing yet put its first node at a third of the pool's (the fp32 target's own int4 copy, accepted ~0.95:
+# 0.32), so it got no rows, and so no evidence, until a probe (session 40)
+PRIOR_WEIGHT = 2.0
 UNSEEN_FALLOFF = 0.9  # prior of a position no request has drafted yet, relative to the position before it
 POOL_DECAY = 0.98
+# a request given no draft rows keeps this much of its evidence per step, so its estimate returns toward the pool's:
+# without it one bad step could keep it from drafting, and so from new evidence, until its next probe (session 40:
+# four fp32 requests drafting with the target's int4 copy, ~200 -> ~220 tok/s; benchmarks/results/session40.md)
+IDLE_DECAY = 0.9
 PROBE_EVERY = 64
 # the wait for a probe doubles per missed draft step, up to probe_every x 2^2 = 256 steps (a 256-token request
 # is then probed twice, not four or five times; a longer one that starts repeating known text is still found)
@@ -59,6 +71,9 @@ class NodeStats:
     tries: list[float] = field(default_factory=lambda: [0.0] * (POSITIONS + 1))
     idle: int = 1 << 30  # steps since this request last got a draft row (a new request is probed at once)
     misses: int = 0  # draft steps in a row of which no node was accepted (each doubles the wait for a probe)
+    # draft-model forwards per drafted depth (decayed; -1: not seen yet): 1 for a draft model's chain (a forward per
+    # depth), 0 where no draft model ran (a suffix chain, Medusa heads)
+    per_depth: float = -1.0
 
     def observe(self, tree_size: int, accepted: Sequence[int], decay: float) -> None:
         """One verify step: nodes 1..tree_size-1 were drafted, ``accepted`` (node ids, root first) won."""
@@ -95,6 +110,11 @@ class RowBudget:
         # one draft model share its packed forwards (drafters.steps), so d drafting requests cost far less than d
         # times one; drafters that do not pack cost about d times one. What allocate() prices d drafting requests at.
         self.drafting: dict[int, float] = {}
+        # seconds of one round of packed draft-model forwards (drafters.steps: every drafting request's forward at one
+        # depth), decayed mean: a step drafting chains of depth J runs J such rounds whatever the count, so where
+        # rounds are measured the count table above holds the rest of drafting only
+        self.round_cost = 0.0
+        self.pool_per_depth = -1.0  # NodeStats.per_depth over all requests: a request's own until it has one
         # seconds a batched step costs beyond the curve's forward of its rows (decayed mean, >= 0): the curve is
         # one request's forward at a 256-token context; a batch adds per-request work that draft rows do not change
         # (each request's own keys/values read by attention, acceptance, streaming, the Python around the step)
@@ -103,10 +123,18 @@ class RowBudget:
         self._table = [interpolate(self.latency, max(1, r)) for r in range(TABLE_ROWS)]  # rows -> seconds
         self._pool_est: list[float] | None = None  # the pool's estimates, recomputed after it changes
 
-    def observe_drafting(self, requests: int, seconds: float) -> None:
-        """A step in which ``requests`` requests drafted, taking ``seconds`` of drafting in all."""
+    def observe_drafting(self, requests: int, seconds: float, rounds: int = 0, round_seconds: float = 0.0) -> None:
+        """A step in which ``requests`` requests drafted, taking ``seconds`` of drafting in all, ``round_seconds`` of
+        it in ``rounds`` rounds of packed draft-model forwards."""
         if requests < 1:
             return
+        if rounds > 0:
+            per = round_seconds / rounds
+            if self.round_cost > 0:
+                per = min(per, 2.0 * self.round_cost)  # (one slow round moves it at most to twice what it was)
+            per = min(per, DRAFTING_CAP * self.seconds(1))
+            self.round_cost = per if self.round_cost == 0 else 0.9 * self.round_cost + 0.1 * per
+            seconds = max(0.0, seconds - round_seconds)
         # one slow step (a draft model catching up on a prompt in the step a request first drafts, a pause) moves the
         # estimate at most to twice what it was, or what the other counts say: a count priced at a prefill's cost
         # would not be chosen again, and so not measured again, for thousands of steps
@@ -176,15 +204,29 @@ class RowBudget:
         return out
 
     def observe(
-        self, st: NodeStats, tree_size: int, accepted: Sequence[int], t_draft: float, pool: bool = True
+        self,
+        st: NodeStats,
+        tree_size: int,
+        accepted: Sequence[int],
+        t_draft: float,
+        pool: bool = True,
+        forwards: int = 0,
+        depth: int = 0,
     ) -> None:
         """Fold one request's verify step into its stats and (``pool``: a step sized by this budget) the pool's.
+        ``forwards``: the draft-model forwards its drafter ran for the tree (of depth ``depth``).
 
         A lone request's big trees (a Medusa tree's node 2 is node 1's sibling) say little about the small
         trees of a batch, where a node's position is mostly its depth: they are kept out of the pool."""
         if tree_size > 1:
             st.misses = 0 if len(accepted) > 1 else st.misses + 1
             st.observe(tree_size, accepted, DECAY)
+            if depth > 0:
+                r = forwards / depth
+                st.per_depth = r if st.per_depth < 0 else 0.7 * st.per_depth + 0.3 * r
+                if pool:
+                    p = self.pool_per_depth
+                    self.pool_per_depth = r if p < 0 else 0.9 * p + 0.1 * r
             if pool:
                 self.pool.observe(tree_size, accepted, POOL_DECAY)
                 self._pool_est = None
@@ -193,6 +235,8 @@ class RowBudget:
             st.idle = 0
         else:
             st.idle += 1
+            st.hits = [h * IDLE_DECAY for h in st.hits]
+            st.tries = [t * IDLE_DECAY for t in st.tries]
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """One batched step of ``rows`` rows took ``seconds`` from its start to the next step's start, drafting
@@ -225,11 +269,20 @@ class RowBudget:
         # that order is taken. With no propose cost this is "most probable nodes first"; with one, a few requests
         # draft long chains instead of every request paying a propose for one node.
         rc = max(1e-9, self.seconds(rows + 1) - self.seconds(rows))  # marginal seconds of a row, for the order only
+        # draft-model rounds: a request's nodes down to position j need about per_depth x j rounds (a chain's position
+        # is its depth; a tree's depth is at most its position), shared by every request drafting with that model. In
+        # the order a node carries its share of a round (as if every request that drafts with a model went as deep),
+        # so that requests' nodes come depth by depth; the choice below prices the rounds the chosen nodes need.
+        per = [max(0.0, st.per_depth if st.per_depth >= 0 else self.pool_per_depth) for st in stats]
+        if self.round_cost > 0:  # the propose cost without its forwards (priced as rounds)
+            propose, share = self.drafting_seconds(n) / n, self.round_cost / max(1, sum(x > 0 for x in per))
+        else:
+            propose, share = self.draft_cost, 0.0
         groups: list[tuple[float, int, int, list[float]]] = []  # (-density, request, first position, values)
         for i, (st, cap) in enumerate(zip(stats, caps)):
             chain: list[list[float]] = []  # [sum p, cost, first position, *values] per group
             for j, p in enumerate(self.estimates(st, cap - 1), start=1):
-                chain.append([p, rc + (self.draft_cost if j == 1 else 0.0), j, p])
+                chain.append([p, rc + (propose if j == 1 else 0.0) + per[i] * share, j, p])
                 while len(chain) >= 2 and chain[-1][0] / chain[-1][1] > chain[-2][0] / chain[-2][1]:
                     last = chain.pop()
                     chain[-1][0] += last[0]
@@ -239,13 +292,14 @@ class RowBudget:
         groups.sort(key=lambda g: g[:3])  # densest first; ties: lower request, then its earlier group
         cand = [(i, j + k) for _d, i, j, vals in groups for k in range(len(vals))]
         values = [v for *_x, vals in groups for v in vals]
-        drafting, fixed = 0, self.overhead
+        drafting, fixed, rounds = 0, self.overhead, 0.0
         best_ratio, best_k = tokens / (self.seconds(max(1, rows)) + fixed), 0
-        for k, ((_i, j), p) in enumerate(zip(cand, values), start=1):
+        for k, ((i, j), p) in enumerate(zip(cand, values), start=1):
             rows += 1
             tokens += p
             drafting += j == 1
-            ratio = tokens / (self.seconds(rows) + fixed + self.drafting_seconds(drafting))
+            rounds = max(rounds, per[i] * j)
+            ratio = tokens / (self.seconds(rows) + fixed + self.drafting_seconds(drafting) + self.round_cost * rounds)
             if ratio > best_ratio:
                 best_ratio, best_k = ratio, k
         taken = [0] * n

@@ -138,6 +138,7 @@ class _Rows:
     t_draft: float = 0.0
     states: list | None = None  # JSON mode: each tree row's automaton state (after the committed tokens and its path)
     drafted: bool = False  # its drafter proposed draft tokens (JSON mode may have pruned them all)
+    forwards: int = 0  # draft-model forwards its drafter asked for this step (drafters.steps)
 
 
 @dataclass
@@ -380,19 +381,22 @@ class Scheduler:
         ]
         ts = time.perf_counter()
         # side by side: the requests' draft-model forwards at each depth run as one packed forward per draft model
-        drafted = drive_together(steps)
+        rounds: list[float] = []  # seconds of each round of packed draft forwards
+        forwards = [0] * len(steps)
+        drafted = drive_together(steps, rounds, forwards)
         spent = time.perf_counter() - ts
-        for req, (rows, error) in zip(decoding, drafted):
+        for req, (rows, error), f in zip(decoding, drafted, forwards):
             if error is not None:  # this request's drafter failed: it alone leaves
                 req.error = error
                 continue
+            rows.forwards = f
             plan.append(rows)
         if len(decoding) > 1:  # they ran interleaved: the drafting time is split among the requests that drafted
             n = sum(r.drafted for r in plan)
             for r in plan:  # (where none drafted, the little time it took is split evenly)
                 r.t_draft = (spent / n if r.drafted else 0.0) if n else spent / len(plan)
             if self._sized and self.budget is not None:
-                self.budget.observe_drafting(n, spent)
+                self.budget.observe_drafting(n, spent, len(rounds), sum(rounds))
         return plan + chunks
 
     def _budgets(self, decoding: list[Request], prefill_rows: int) -> list[int]:
@@ -565,7 +569,9 @@ class Scheduler:
             undo()
         req.cache.keep(p.start, list(acc_nodes))
         if self.budget is not None:
-            self.budget.observe(req.node_stats, n, acc_nodes, p.t_draft, self._sized)
+            self.budget.observe(
+                req.node_stats, n, acc_nodes, p.t_draft, self._sized, p.forwards, max(tree.depths()) if n > 1 else 0
+            )
         if hidden is not None:
             req.last_hidden = hidden[acc_nodes[-1]]
             if req.drafter is not None or req.keep_hidden:  # (a root-only step: a view, no gather)

@@ -14,6 +14,7 @@ alone or side by side; only the time changes.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
@@ -153,17 +154,27 @@ def drive(steps: Steps) -> Any:
     return result
 
 
-def drive_together(all_steps: list[Steps]) -> list[tuple[Any, BaseException | None]]:
+def drive_together(
+    all_steps: list[Steps], rounds: list[float] | None = None, forwards: list[int] | None = None
+) -> list[tuple[Any, BaseException | None]]:
     """Run several stepping drafters side by side: at each round every one still drafting yields a forward, and the
     round's forwards run through :func:`run_forwards` (one packed forward per draft model). Returns (result, None)
-    or (None, the exception it raised) per drafter, in order; one drafter's error does not stop the others."""
+    or (None, the exception it raised) per drafter, in order; one drafter's error does not stop the others.
+    ``rounds``: each round's seconds are appended to it; ``forwards``: per drafter, how many forwards it asked for is
+    added to it (what the batch scheduler's row budget prices drafting by)."""
     results: list[tuple[Any, BaseException | None]] = [(None, None)] * len(all_steps)
     pending: dict[int, DraftForward] = {}
     for i, g in enumerate(all_steps):
         _advance(i, g, None, pending, results, first=True)
     while pending:
         order = list(pending)
+        if forwards is not None:
+            for i in order:
+                forwards[i] += 1
+        t0 = time.perf_counter()
         logits = run_forwards([pending[i] for i in order])  # a forward's error is thrown into its own generator
+        if rounds is not None:
+            rounds.append(time.perf_counter() - t0)
         pending = {}
         for i, lg in zip(order, logits):
             _advance(i, all_steps[i], lg, pending, results)
