@@ -224,14 +224,14 @@ def test_a_first_drafting_observation_is_bounded_by_the_one_row_forward() -> Non
     assert b.draft_cost <= 4 * 0.0143 + 1e-12
 
 
-def _sure(per_depth: float) -> NodeStats:
+def _sure(forwards: bool) -> NodeStats:
     """A request whose first 3 draft nodes were nearly always on the accepted path and the next ones 70% of the time,
-    drafting ``per_depth`` draft-model forwards per drafted depth (1: a draft model's chain; 0: no draft model ran,
-    e.g. a suffix chain)."""
+    every node drafted with a draft-model forward (a draft model's chain: ``forwards``) or none (e.g. a suffix chain)."""
     st = NodeStats()
     st.tries = [100.0] * len(st.tries)
     st.hits = [99.0] * 4 + [70.0] * (len(st.hits) - 4)
-    st.idle, st.per_depth = 0, per_depth
+    st.rounds = [100.0 * forwards] * len(st.tries)
+    st.idle = 0
     return st
 
 
@@ -248,10 +248,16 @@ def test_draft_model_forwards_are_priced_per_round_of_depth_shared_by_the_batch(
         b.observe_drafting(2, 0.012, rounds=2, round_seconds=0.010)
     assert b.round_cost == pytest.approx(0.005) and b.drafting_seconds(2) == pytest.approx(0.002)
     # a 70% node pays for its row (~1.9 ms) but not also for half a 5 ms round
-    assert b.allocate([_sure(0.0), _sure(0.0)], [13, 13]) == [13, 13]
-    assert b.allocate([_sure(1.0), _sure(1.0)], [13, 13]) == [4, 4]
+    assert b.allocate([_sure(False), _sure(False)], [13, 13]) == [13, 13]
+    assert b.allocate([_sure(True), _sure(True)], [13, 13]) == [4, 4]
+    # a request whose draft model ran in a third of its steps, three deep (a suffix chain led the others): its long
+    # chain is priced at about one expected round, not at one round per node (12 rounds of 10 ms would not pay)
+    mixed = _sure(False)
+    mixed.rounds = [0.0] + [33.0] * 3 + [0.0] * (len(mixed.rounds) - 4)
+    b.round_cost = 0.010
+    assert b.allocate([mixed, mixed], [13, 13]) == [13, 13]
     b.round_cost = 0.0  # (without rounds measured: the count's price alone, as before)
-    assert b.allocate([_sure(1.0), _sure(1.0)], [13, 13]) == [13, 13]
+    assert b.allocate([_sure(True), _sure(True)], [13, 13]) == [13, 13]
 
 
 def test_a_request_given_no_rows_returns_toward_the_pool_and_one_miss_does_not_sink_it() -> None:

@@ -536,10 +536,13 @@ def test_shared_drafts_in_a_batch_equal_plain(monkeypatch) -> None:
 
 
 @pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
-def test_the_row_budget_learns_draft_rounds_and_forwards_per_depth_from_batched_steps(monkeypatch) -> None:
+def test_the_row_budget_learns_draft_rounds_and_the_positions_that_take_forwards_from_batched_steps(
+    monkeypatch,
+) -> None:
     """In a budgeted batch (a latency curve) the scheduler tells the row budget each step's rounds of packed draft
-    forwards and their time, and per request how many forwards its tree took for its depth: a draft model's chain
-    takes one per depth (the root row, then one per further depth), which is what the budget prices it by."""
+    forwards and their time, and per request how many forwards its tree took: a draft model's chain takes one per node
+    (the root row, then one per further depth), so its positions are learned as taking rounds, which the budget
+    prices."""
     from treedraft.budget import RowBudget
 
     seen: dict[str, list] = {"drafting": [], "observed": []}
@@ -549,9 +552,9 @@ def test_the_row_budget_learns_draft_rounds_and_forwards_per_depth_from_batched_
         seen["drafting"].append((requests, rounds, round_seconds))
         return drafting(self, requests, seconds, rounds, round_seconds)
 
-    def on_observe(self, st, tree_size, accepted, t_draft, pool=True, forwards=0, depth=0):
-        seen["observed"].append((tree_size, forwards, depth))
-        return observe(self, st, tree_size, accepted, t_draft, pool, forwards, depth)
+    def on_observe(self, st, tree_size, accepted, t_draft, pool=True, forwards=0):
+        seen["observed"].append((tree_size, forwards, st))
+        return observe(self, st, tree_size, accepted, t_draft, pool, forwards)
 
     monkeypatch.setattr(RowBudget, "observe_drafting", on_drafting)
     monkeypatch.setattr(RowBudget, "observe", on_observe)
@@ -563,9 +566,10 @@ def test_the_row_budget_learns_draft_rounds_and_forwards_per_depth_from_batched_
     flat = {1: 0.010, 16: 0.0101, 64: 0.011}  # rows nearly free: drafting pays
     out = _batched(engine, reqs, d, step_rows=None, prefill_chunk=None, latency=flat)
     assert out == ref
-    trees = [(f, dep) for n, f, dep in seen["observed"] if n > 1]
-    assert len(trees) > 5 and sum(f for f, _ in trees) >= sum(dep for _, dep in trees) > 0
-    assert all(f <= 4 for f, _ in trees)  # at most one forward per depth drafted
+    trees = [(n, f) for n, f, _ in seen["observed"] if n > 1]
+    assert len(trees) > 5 and all(1 <= f <= min(4, n - 1) for n, f in trees)  # a chain: one forward per node
+    stats = {id(st): st for *_, st in seen["observed"]}.values()
+    assert all(st.rounds[1] > 0.5 * st.tries[1] for st in stats if st.tries[1] >= 1)  # position 1 took a forward
     batched = [(r, t) for n, r, t in seen["drafting"] if n >= 2]
     assert batched and all(r >= 1 and t > 0 for r, t in batched)
 

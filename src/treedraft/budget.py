@@ -71,16 +71,19 @@ class NodeStats:
     tries: list[float] = field(default_factory=lambda: [0.0] * (POSITIONS + 1))
     idle: int = 1 << 30  # steps since this request last got a draft row (a new request is probed at once)
     misses: int = 0  # draft steps in a row of which no node was accepted (each doubles the wait for a probe)
-    # draft-model forwards per drafted depth (decayed; -1: not seen yet): 1 for a draft model's chain (a forward per
-    # depth), 0 where no draft model ran (a suffix chain, Medusa heads)
-    per_depth: float = -1.0
+    # decayed counts of "node position j needed a draft-model forward", over the same steps as ``tries``: a draft model
+    # drafts one forward per depth and puts its chain first, so a tree that took f forwards needed one for positions
+    # 1..f (a suffix chain that led, Medusa heads: none)
+    rounds: list[float] = field(default_factory=lambda: [0.0] * (POSITIONS + 1))
 
-    def observe(self, tree_size: int, accepted: Sequence[int], decay: float) -> None:
-        """One verify step: nodes 1..tree_size-1 were drafted, ``accepted`` (node ids, root first) won."""
+    def observe(self, tree_size: int, accepted: Sequence[int], decay: float, forwards: int = 0) -> None:
+        """One verify step: nodes 1..tree_size-1 were drafted (with ``forwards`` draft-model forwards), ``accepted``
+        (node ids, root first) won."""
         on_path = set(accepted)
         for j in range(1, min(tree_size, POSITIONS + 1)):
             self.hits[j] = self.hits[j] * decay + (j in on_path)
             self.tries[j] = self.tries[j] * decay + 1.0
+            self.rounds[j] = self.rounds[j] * decay + (j <= forwards)
 
 
 def interpolate(latency: dict[int, float], rows: int) -> float:
@@ -114,7 +117,6 @@ class RowBudget:
         # depth), decayed mean: a step drafting chains of depth J runs J such rounds whatever the count, so where
         # rounds are measured the count table above holds the rest of drafting only
         self.round_cost = 0.0
-        self.pool_per_depth = -1.0  # NodeStats.per_depth over all requests: a request's own until it has one
         # seconds a batched step costs beyond the curve's forward of its rows (decayed mean, >= 0): the curve is
         # one request's forward at a 256-token context; a batch adds per-request work that draft rows do not change
         # (each request's own keys/values read by attention, acceptance, streaming, the Python around the step)
@@ -181,6 +183,17 @@ class RowBudget:
             ]
         return self._pool_est
 
+    def round_fractions(self, st: NodeStats, n: int) -> list[float]:
+        """P(node position j needs a draft-model forward) for j = 1..n: the request's own rate, shrunk toward the
+        pool's (a position neither has seen takes the one before it)."""
+        out, last = [], 0.0
+        pool_r, pool_t = self.pool.rounds, self.pool.tries
+        for j in range(1, min(n, POSITIONS) + 1):
+            prior = pool_r[j] / pool_t[j] if pool_t[j] >= 1.0 else last
+            last = (st.rounds[j] + PRIOR_WEIGHT * prior) / (st.tries[j] + PRIOR_WEIGHT)
+            out.append(last)
+        return out
+
     def estimates(self, st: NodeStats, n: int) -> list[float]:
         """P(node position j on the accepted path) for j = 1..n, non-increasing (prefixes of the tree are kept)."""
         pool = self._pool_estimates()
@@ -211,24 +224,17 @@ class RowBudget:
         t_draft: float,
         pool: bool = True,
         forwards: int = 0,
-        depth: int = 0,
     ) -> None:
         """Fold one request's verify step into its stats and (``pool``: a step sized by this budget) the pool's.
-        ``forwards``: the draft-model forwards its drafter ran for the tree (of depth ``depth``).
+        ``forwards``: the draft-model forwards its drafter ran for the tree.
 
         A lone request's big trees (a Medusa tree's node 2 is node 1's sibling) say little about the small
         trees of a batch, where a node's position is mostly its depth: they are kept out of the pool."""
         if tree_size > 1:
             st.misses = 0 if len(accepted) > 1 else st.misses + 1
-            st.observe(tree_size, accepted, DECAY)
-            if depth > 0:
-                r = forwards / depth
-                st.per_depth = r if st.per_depth < 0 else 0.7 * st.per_depth + 0.3 * r
-                if pool:
-                    p = self.pool_per_depth
-                    self.pool_per_depth = r if p < 0 else 0.9 * p + 0.1 * r
+            st.observe(tree_size, accepted, DECAY, forwards)
             if pool:
-                self.pool.observe(tree_size, accepted, POOL_DECAY)
+                self.pool.observe(tree_size, accepted, POOL_DECAY, forwards)
                 self._pool_est = None
             t_draft = min(t_draft, DRAFTING_CAP * self.seconds(1))  # (a first step may hold a draft's prompt catch-up)
             self.draft_cost = t_draft if self.draft_cost == 0.0 else 0.9 * self.draft_cost + 0.1 * t_draft
@@ -237,6 +243,7 @@ class RowBudget:
             st.idle += 1
             st.hits = [h * IDLE_DECAY for h in st.hits]
             st.tries = [t * IDLE_DECAY for t in st.tries]
+            st.rounds = [r * IDLE_DECAY for r in st.rounds]
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """One batched step of ``rows`` rows took ``seconds`` from its start to the next step's start, drafting
@@ -269,20 +276,22 @@ class RowBudget:
         # that order is taken. With no propose cost this is "most probable nodes first"; with one, a few requests
         # draft long chains instead of every request paying a propose for one node.
         rc = max(1e-9, self.seconds(rows + 1) - self.seconds(rows))  # marginal seconds of a row, for the order only
-        # draft-model rounds: a request's nodes down to position j need about per_depth x j rounds (a chain's position
-        # is its depth; a tree's depth is at most its position), shared by every request drafting with that model. In
-        # the order a node carries its share of a round (as if every request that drafts with a model went as deep),
-        # so that requests' nodes come depth by depth; the choice below prices the rounds the chosen nodes need.
-        per = [max(0.0, st.per_depth if st.per_depth >= 0 else self.pool_per_depth) for st in stats]
-        if self.round_cost > 0:  # the propose cost without its forwards (priced as rounds)
-            propose, share = self.drafting_seconds(n) / n, self.round_cost / max(1, sum(x > 0 for x in per))
+        # draft-model rounds: a request's first k nodes need the sum of their round fractions in rounds, and the step
+        # runs as many rounds as its deepest drafting request (one packed forward per depth for all of them). In the
+        # order a node carries its share of a round (as if every request that drafts with a model went as deep), so
+        # that requests' nodes come depth by depth; the choice below prices the rounds the chosen nodes need.
+        priced = self.round_cost > 0
+        q = [self.round_fractions(st, cap - 1) if priced else [] for st, cap in zip(stats, caps)]
+        if priced:  # the propose cost without its forwards (priced as rounds)
+            propose, share = self.drafting_seconds(n) / n, self.round_cost / max(1, sum(any(qi) for qi in q))
         else:
             propose, share = self.draft_cost, 0.0
         groups: list[tuple[float, int, int, list[float]]] = []  # (-density, request, first position, values)
         for i, (st, cap) in enumerate(zip(stats, caps)):
             chain: list[list[float]] = []  # [sum p, cost, first position, *values] per group
             for j, p in enumerate(self.estimates(st, cap - 1), start=1):
-                chain.append([p, rc + (propose if j == 1 else 0.0) + per[i] * share, j, p])
+                r = q[i][j - 1] * share if priced else 0.0
+                chain.append([p, rc + (propose if j == 1 else 0.0) + r, j, p])
                 while len(chain) >= 2 and chain[-1][0] / chain[-1][1] > chain[-2][0] / chain[-2][1]:
                     last = chain.pop()
                     chain[-1][0] += last[0]
@@ -292,13 +301,15 @@ class RowBudget:
         groups.sort(key=lambda g: g[:3])  # densest first; ties: lower request, then its earlier group
         cand = [(i, j + k) for _d, i, j, vals in groups for k in range(len(vals))]
         values = [v for *_x, vals in groups for v in vals]
-        drafting, fixed, rounds = 0, self.overhead, 0.0
+        drafting, fixed, rounds, need = 0, self.overhead, 0.0, [0.0] * n
         best_ratio, best_k = tokens / (self.seconds(max(1, rows)) + fixed), 0
         for k, ((i, j), p) in enumerate(zip(cand, values), start=1):
             rows += 1
             tokens += p
             drafting += j == 1
-            rounds = max(rounds, per[i] * j)
+            if priced:  # (a request's nodes come in its own order: j is the next position of request i)
+                need[i] += q[i][j - 1]
+                rounds = max(rounds, need[i])
             ratio = tokens / (self.seconds(rows) + fixed + self.drafting_seconds(drafting) + self.round_cost * rounds)
             if ratio > best_ratio:
                 best_ratio, best_k = ratio, k

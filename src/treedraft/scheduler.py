@@ -569,9 +569,7 @@ class Scheduler:
             undo()
         req.cache.keep(p.start, list(acc_nodes))
         if self.budget is not None:
-            self.budget.observe(
-                req.node_stats, n, acc_nodes, p.t_draft, self._sized, p.forwards, max(tree.depths()) if n > 1 else 0
-            )
+            self.budget.observe(req.node_stats, n, acc_nodes, p.t_draft, self._sized, p.forwards)
         if hidden is not None:
             req.last_hidden = hidden[acc_nodes[-1]]
             if req.drafter is not None or req.keep_hidden:  # (a root-only step: a view, no gather)
