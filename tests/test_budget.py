@@ -256,6 +256,7 @@ def test_draft_model_forwards_are_priced_per_round_of_depth_shared_by_the_batch(
     mixed.rounds = [0.0] + [33.0] * 3 + [0.0] * (len(mixed.rounds) - 4)
     b.round_cost = 0.010
     assert b.allocate([mixed, mixed], [13, 13]) == [13, 13]
+    assert b.allocate([], [], fixed_rows=3, fixed_tokens=3) == []  # a step of pinned or plain requests only
     b.round_cost = 0.0  # (without rounds measured: the count's price alone, as before)
     assert b.allocate([_sure(True), _sure(True)], [13, 13]) == [13, 13]
 

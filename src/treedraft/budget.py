@@ -280,7 +280,7 @@ class RowBudget:
         # runs as many rounds as its deepest drafting request (one packed forward per depth for all of them). In the
         # order a node carries its share of a round (as if every request that drafts with a model went as deep), so
         # that requests' nodes come depth by depth; the choice below prices the rounds the chosen nodes need.
-        priced = self.round_cost > 0
+        priced = self.round_cost > 0 and n > 0  # (n = 0: every request of the step is pinned or plain)
         q = [self.round_fractions(st, cap - 1) if priced else [] for st, cap in zip(stats, caps)]
         if priced:  # the propose cost without its forwards (priced as rounds)
             propose, share = self.drafting_seconds(n) / n, self.round_cost / max(1, sum(any(qi) for qi in q))
