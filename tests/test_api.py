@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import treedraft
@@ -282,3 +283,35 @@ def test_load_arguments_the_drafter_does_not_read_are_warned_about(tmp_path) -> 
         warn_unread_args(["--heads / heads="], type("D", (), {"name": "suffix"})())
     with pytest.raises(ValueError, match="hf runtime keeps transformers' cache"):
         treedraft.load(runtime="hf", kv_dtype="float16", drafter=None)
+
+
+def test_sampling_values_and_stop_strings_of_the_wrong_kind_are_clear_errors() -> None:
+    """An infinite temperature divided every logit to nan and drew junk text without a word; a string temperature
+    failed deep in a comparison, a fractional top_k was accepted, and ``stop=None`` (OpenAI's null: no stop strings)
+    or ``stop=5`` raised a bare TypeError (a review)."""
+    import os
+    import sys
+
+    from treedraft.interfaces import GenerationError
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from server_utils import tiny_llm
+
+    llm = tiny_llm()
+    for kw, msg in [
+        ({"temperature": float("inf")}, "temperature must be a finite number"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"temperature": "0.7"}, "temperature must be a number"),
+        ({"top_p": None}, "top_p must be a number"),
+        ({"top_k": 1.5}, "top_k must be an integer"),
+        ({"top_k": True}, "top_k must be an integer"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            llm.generate("xyz", max_new_tokens=2, **kw)
+    with pytest.raises(GenerationError, match="stop must be a string or a list of strings"):
+        llm.generate("xyz", max_new_tokens=2, stop=5)
+    assert llm.generate("xyz", max_new_tokens=4, stop=None).token_ids == llm.generate("xyz", max_new_tokens=4).token_ids
+    assert (
+        llm.config(top_k=np.int64(3)).sampling.top_k == 3
+        and llm.config(temperature=np.float32(0.5)).sampling.temperature == 0.5
+    )

@@ -72,6 +72,17 @@ def pick_dtype(dtype: str, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def _stop_strings(stop) -> tuple:
+    """``stop`` as a tuple: one string is one stop string and None none (as in OpenAI's API); else a list of them."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, (list, tuple)):
+        return tuple(stop)
+    raise GenerationError(f"stop must be a string or a list of strings, got {stop!r} ({type(stop).__name__})")
+
+
 @dataclass
 class LLM:
     """A loaded target model + tokenizer + default drafter, ready to generate."""
@@ -159,7 +170,7 @@ class LLM:
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int | None = None,
-        stop: str | list[str] | tuple[str, ...] = (),
+        stop: str | list[str] | tuple[str, ...] | None = (),
         min_p: float = 0.0,
         stop_token_ids: Sequence[int] = (),
         rule: str = "speculative",
@@ -205,7 +216,7 @@ class LLM:
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature, top_k, top_p, seed, min_p),
             rule=rule,
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),  # one string is one stop string, as in OpenAI's
+            stop=_stop_strings(stop),
             max_tree_nodes=max_tree_nodes,
             logprobs=logprobs,
             penalties=penalties,

@@ -27,12 +27,17 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability (0 = off; vLLM's, llama.cpp's)
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        for name in ("temperature", "top_p", "min_p"):  # (a string or None failed deep inside a comparison)
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {v!r} ({type(v).__name__})")
+        if not (0 <= self.temperature < math.inf):  # (inf divided every logit to nan: junk text, not an error)
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        object.__setattr__(self, "top_k", int(self.top_k))
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):
