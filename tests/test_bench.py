@@ -530,6 +530,31 @@ def test_bench_cli_end_to_end_on_the_tiny_model(
         bad.func(bad)
 
 
+def test_bench_baselines_not_run_fall_back_to_plain_and_a_run_without_plain_names_no_reference(
+    engine: TextGenerator, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """``--baselines X`` with X not among --methods dropped every speedup column (plain's too), with only a note;
+    a run without plain wrote "equality is against `None`" and a column headed "= None" (a review)."""
+    import treedraft
+    from treedraft.cli import build_parser
+    from treedraft.models import registry
+
+    monkeypatch.setattr(treedraft, "load", lambda *a, **k: tiny_llm(engine))
+    monkeypatch.setattr(registry, "resolve", lambda model: Path("/nonexistent.gguf"))
+    common = ["--dataset", str(dataset), "--max-new-tokens", "4", "--warmup", "0", "--no-progress", "--model", "tiny"]
+    a = build_parser().parse_args(
+        ["bench", *common, "--methods", "plain,prompt-lookup", "--baselines", "medusa", "--out", str(tmp_path / "a")]
+    )
+    assert a.func(a) == 0
+    assert "speedups are against plain instead" in capsys.readouterr().err
+    doc = json.loads((tmp_path / "a" / "records.json").read_text())
+    assert doc["baselines"] == ["plain"] and "× vs plain" in (tmp_path / "a" / "report.md").read_text()
+    a = build_parser().parse_args(["bench", *common, "--methods", "prompt-lookup", "--out", str(tmp_path / "b")])
+    assert a.func(a) == 0
+    report = (tmp_path / "b" / "report.md").read_text()
+    assert "None" not in report and "outputs are not compared (no reference method" in report
+
+
 def test_record_mean_accepted_length() -> None:
     r = Record("m", "1", "c", 3, 5, 1.0, 5.0, "length", [1] * 5, accepted_lengths=[1, 3])
     assert r.mean_accepted_length == 2.0

@@ -214,10 +214,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise BenchError(f"unknown --baselines {', '.join(bad)}; choose from {', '.join(known_methods())}")
     idle = [b for b in baselines if b not in methods_wanted]
     if idle and a.baselines != ",".join(DEFAULT_BASELINES):  # asked for, but nothing to compare with: said
+        fallback = len(idle) == len(baselines) and "plain" in methods_wanted  # (else the report had no speedups)
         print(
-            f"[bench] --baselines {', '.join(idle)}: not among --methods, so no speedup column against it",
+            f"[bench] --baselines {', '.join(idle)}: not among --methods, so no speedup column against it"
+            + ("; speedups are against plain instead" if fallback else ""),
             file=sys.stderr,
         )
+        if fallback:
+            baselines = ["plain"]
     out = Path(a.out) if a.out else default_out_dir()
     try:  # checked now: a path that cannot take the report would otherwise fail after the whole run
         out.mkdir(parents=True, exist_ok=True)

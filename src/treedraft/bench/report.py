@@ -196,8 +196,12 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
     lines += [
         "tokens/s = total new tokens / total wall time (prefill included) per method; speedup = ratio of "
         "tokens/s over the same prompts; mean accepted = tokens per verify step incl. the bonus token; "
-        f"equality is against `{result.reference}`: same tokens and length (a shorter output must end at "
-        "EOS where the other has that EOS).",
+        + (
+            f"equality is against `{result.reference}`: same tokens and length (a shorter output must end at "
+            "EOS where the other has that EOS)."
+            if result.reference is not None
+            else "outputs are not compared (no reference method, e.g. plain, in the run)."
+        ),
         "",
     ]
     others = [m for m in result.methods if m in ("hf", "hf-pld", "llama.cpp", "llama.cpp-pld")]
@@ -221,7 +225,7 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
     head = (
         ["method", "tok/s"]
         + [f"× vs {b}" for b in base]
-        + ["mean accepted", "accept. d1..d5", "draft / verify / rest", f"= {result.reference}"]
+        + ["mean accepted", "accept. d1..d5", "draft / verify / rest", f"= {result.reference or 'reference'}"]
     )
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m, s in summary[ALL_CATEGORIES].items():
