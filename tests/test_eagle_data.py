@@ -3,6 +3,7 @@ the answers are plain greedy decoding's, the features the target's own, resuming
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,7 +100,8 @@ def test_resume_skips_finished_shards(tmp_path: Path, monkeypatch: pytest.Monkey
     generate_eagle_dataset(llm, PROMPTS, tmp_path, max_shards=1, **kw)
     assert sorted(p.name for p in tmp_path.glob("shard_*")) == ["shard_00000.safetensors"]
     first = load_file(str(tmp_path / "shard_00000.safetensors"))
-    assert (tmp_path / PROGRESS_FILE).is_file()
+    progress = json.loads((tmp_path / PROGRESS_FILE).read_text())  # (it counted the shards past --max-shards: 3 of 1)
+    assert progress["shards_done"] == 1 and progress["shards"] == 1
 
     fed: list[int] = []
     real = eagle_data.scheduled_greedy

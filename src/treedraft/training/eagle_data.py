@@ -146,7 +146,7 @@ def generate_eagle_dataset(
     bar = tqdm(
         total=sum(map(len, shards[:upto])), initial=done_before, desc="eagle data", disable=not progress, unit="prompt"
     )
-    t0, new_tokens, written = time.perf_counter(), 0, len(shards) - len(pending)
+    t0, new_tokens, written = time.perf_counter(), 0, upto - len(pending)
     feed = [(idx, ids) for si in pending for idx, ids in shards[si]]
     for idx, answer, hid in scheduled_greedy(
         llm.engine, feed, max_new_tokens, llm.tokenizer.eos_token_ids, concurrency, temperature, seed
