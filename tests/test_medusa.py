@@ -546,3 +546,8 @@ def test_a_heads_path_that_is_missing_or_a_file_says_so(tmp_path) -> None:
         MedusaHeads.load(tmp_path / "f.md", None)
     with pytest.raises(FileNotFoundError, match="no medusa.json"):
         MedusaHeads.load(tmp_path, None)
+    # an EAGLE drafter's directory given to a Medusa drafter (the default): say which drafters read it (a review: the
+    # error named only train-heads)
+    (tmp_path / "eagle.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="an EAGLE drafter .*--drafter eagle, eagle-lookup or hybrid-eagle"):
+        MedusaHeads.load(tmp_path, None)

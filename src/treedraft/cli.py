@@ -33,10 +33,12 @@ def _installed(name: str) -> bool:
         return False
 
 
-def add_model_args(p: argparse.ArgumentParser, drafting: bool = True, heads: bool = True) -> None:
+def add_model_args(
+    p: argparse.ArgumentParser, drafting: bool = True, heads: bool = True, heads_help: str | None = None
+) -> None:
     """Options shared by every command that loads a model; ``drafting``: --drafter, --max-seq-len and the suffix
     store's options, ``heads``: --heads (commands that train drafters or only generate data take neither: nothing
-    would read them)."""
+    would read them), described as ``heads_help`` says where the command reads only some of it."""
     from .api import DEFAULT_MAX_SEQ_LEN
     from .models.registry import DEFAULT_MODEL
 
@@ -49,7 +51,8 @@ def add_model_args(p: argparse.ArgumentParser, drafting: bool = True, heads: boo
         p.add_argument(
             "--heads",
             default="default",
-            help="drafter weights directory: Medusa heads (medusa.json) and/or an EAGLE drafter (eagle.json) "
+            help=heads_help
+            or "drafter weights directory: Medusa heads (medusa.json) and/or an EAGLE drafter (eagle.json) "
             "(default: the shipped ones)",
         )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")

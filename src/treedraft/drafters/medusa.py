@@ -373,6 +373,12 @@ def check_heads_dir(d: Path) -> None:
         what = "is a file" if d.exists() else "does not exist"
         raise FileNotFoundError(f"heads directory {d} {what}; give the directory `treedraft train-heads` wrote")
     if not (d / "medusa.json").is_file():
+        if (d / "eagle.json").is_file():  # (the error named only train-heads: an EAGLE directory is no mistake)
+            raise FileNotFoundError(
+                f"{d}: an EAGLE drafter (eagle.json), not Medusa heads (no medusa.json): pick a drafter that reads it, "
+                "--drafter eagle, eagle-lookup or hybrid-eagle (treedraft.load(drafter=...)); Medusa heads are what "
+                "`treedraft train-heads` writes"
+            )
         raise FileNotFoundError(f"{d}: no medusa.json; expected a directory written by `treedraft train-heads`")
 
 

@@ -179,7 +179,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=cmd_train)
 
     c = sub.add_parser("calibrate", help="choose the tree for this machine from head accuracy and latency")
-    add_model_args(c, drafting=False)
+    add_model_args(
+        c,
+        drafting=False,
+        heads_help="Medusa heads directory (medusa.json, from train-heads) whose tree to choose (default: the shipped "
+        "ones); an EAGLE drafter sizes its trees itself as it drafts",
+    )
     c.add_argument(
         "--eval-data",
         default=None,
