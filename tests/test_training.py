@@ -441,6 +441,27 @@ def test_data_of_another_model_or_prompt_count_and_a_file_as_out_are_said(tmp_pa
 def test_train_heads_missing_prompt_file(tmp_path, capsys) -> None:
     rc, err = _main(["train-heads", "--out", str(tmp_path / "o"), "--prompts", str(tmp_path / "none.jsonl")], capsys)
     assert rc == 2 and "no such file" in err
+    rc, err = _main(["train-heads", "--out", str(tmp_path / "o"), "--prompts", str(tmp_path)], capsys)
+    assert rc == 2 and "a directory; give a prompt file" in err  # (it said "no such file": a review)
+
+
+def test_train_heads_says_a_short_prompt_file_only_for_a_num_prompts_given(tmp_path, capsys) -> None:
+    """Without --num-prompts a file of 3 prompts warned "--num-prompts 1280, but ... has 3 prompts" about a flag the
+    user never passed (a review); with it, the warning stays. The default is still 1280 (its data cache's name)."""
+    from treedraft.cli import build_parser
+    from treedraft.prompts import first_prompts
+    from treedraft.training import cli as tcli
+    from treedraft.training.data import read_prompts
+
+    p = _jsonl(tmp_path / "p.jsonl", [{"prompt": f"x{i}"} for i in range(3)])
+    for extra, want, warned in (([], tcli.NUM_PROMPTS, False), (["--num-prompts", "7"], 7, True)):
+        a = build_parser().parse_args(["train-heads", "--out", str(tmp_path / "o"), "--prompts", str(p), *extra])
+        tcli.validate_train_args(a)  # (what cmd_train runs before the model load and this selection)
+        assert a.num_prompts == want
+        capsys.readouterr()
+        assert len(first_prompts(read_prompts(a.prompts), a.num_prompts, a.prompts, warn=a.num_prompts_given)) == 3
+        assert ("has 3 prompts" in capsys.readouterr().err) == warned
+    assert tcli.NUM_PROMPTS == 1280
 
 
 def test_calibrate_validates_arguments(tmp_path, capsys, monkeypatch) -> None:

@@ -111,12 +111,12 @@ def find_shared_data(name: str) -> Path | None:
     return None
 
 
-def first_prompts(items: list, n: int | None, path: str | Path) -> list:
+def first_prompts(items: list, n: int | None, path: str | Path, warn: bool = True) -> list:
     """The first ``n`` of ``items`` (None: all), saying so on stderr when the file has fewer than ``n`` (the run uses
-    them all; a silently smaller run was mistaken for the one asked)."""
+    them all; a silently smaller run was mistaken for the one asked) and ``warn`` (the user gave ``n``)."""
     import sys
 
-    if n is not None and n > len(items):
+    if warn and n is not None and n > len(items):
         print(
             f"warning: --num-prompts {n}, but {path} has {len(items)} prompts: using all {len(items)}", file=sys.stderr
         )

@@ -102,7 +102,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=_default_prompts(),
         help=f"jsonl of prompts: {FORMATS} (default: {SHARED_DATA / SHAREGPT_FILE} when present)",
     )
-    t.add_argument("--num-prompts", type=int, default=1280)
+    t.add_argument(
+        "--num-prompts", type=int, default=None, help=f"the first N prompts of --prompts (default {NUM_PROMPTS})"
+    )
     t.add_argument(
         "--eval-prompts",
         default=_default_eval(),
@@ -219,11 +221,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     register_synth(sub)
 
 
+NUM_PROMPTS = 1280  # train-heads' prompts when --num-prompts is not given
+
+
+def _not_a_file(path) -> str:
+    """Why ``path`` is no file to read: it is a directory, or it does not exist."""
+    return "a directory; give a prompt file (jsonl)" if Path(path).is_dir() else "no such file"
+
+
 def validate_train_args(a: argparse.Namespace) -> None:
     """Argument checks that need no model (ValueError with the option to change)."""
     _check(a.prompts is not None, f"no prompt file: {SHARED_DATA / SHAREGPT_FILE} was not found; pass --prompts FILE")
-    _check(Path(a.prompts).is_file(), f"--prompts {a.prompts}: no such file")
-    _check(a.eval_prompts is None or Path(a.eval_prompts).is_file(), f"--eval-prompts {a.eval_prompts}: no such file")
+    _check(Path(a.prompts).is_file(), f"--prompts {a.prompts}: {_not_a_file(a.prompts)}")
+    _check(
+        a.eval_prompts is None or Path(a.eval_prompts).is_file(),
+        f"--eval-prompts {a.eval_prompts}: {_not_a_file(a.eval_prompts)}",
+    )
+    a.num_prompts_given = a.num_prompts is not None  # (a warning about a flag never passed confused a review)
+    if a.num_prompts is None:
+        a.num_prompts = NUM_PROMPTS
     check_at_least(
         (
             ("--num-prompts", a.num_prompts, 1),
@@ -269,7 +285,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     llm = load(a.model, drafter=None, **model_kwargs(a))
     vocab = llm.model.vocab_size
     _check(a.draft_vocab <= vocab, f"--draft-vocab must be <= the model's vocabulary ({vocab}), got {a.draft_vocab}")
-    prompts = first_prompts(read_prompts(a.prompts), a.num_prompts, a.prompts)
+    prompts = first_prompts(read_prompts(a.prompts), a.num_prompts, a.prompts, warn=a.num_prompts_given)
     data = Path(a.data_dir)
     train_dir = (
         Path(a.train_data)
