@@ -297,6 +297,7 @@ def test_training_lowers_the_loss_and_resumes(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="other settings") as e:
         train_eagle(tmp_path / "data", model, cfg_, dataclasses.replace(tc, epochs=4), tmp_path / "ck", progress=False)
     assert "(epochs 3 -> 4)" in str(e.value)  # the setting that changed, named
+    assert f"--init-from {tmp_path} --out" in str(e.value)  # and how to train further (the --out it wrote: a review)
 
 
 def test_extra_training_data_leaves_out_the_held_out_prompts(tmp_path: Path, monkeypatch) -> None:

@@ -293,7 +293,7 @@ def test_resume_with_other_heads_or_run_is_refused(tmp_path, mkw, tcfg, match) -
     json.dumps(st["medusa_config"])  # stored as a JSON-able dict
     with pytest.raises(CheckpointMismatchError, match=match) as e:
         train_heads(d, m.lm_head.weight, _mcfg(m, **mkw), tcfg, tmp_path / "o", progress=False)
-    assert str(ck) in str(e.value)
+    assert str(ck) in str(e.value) and f"--init-from {ck.parent}" in str(e.value)  # (how to train further: a review)
     # the same run resumes (nothing left to do) and gives the same heads
     h, _ = train_heads(d, m.lm_head.weight, _mcfg(m, num_heads=2), TC, tmp_path / "o", progress=False)
     assert torch.equal(h.state_dict()["blocks.0.0.linear.weight"], st["heads"]["blocks.0.0.linear.weight"])

@@ -316,8 +316,8 @@ def train_eagle(
         if st["key"] != key:
             changed = "; ".join(key_diffs(st["key"], key)) or "?"
             raise ValueError(
-                f"{ck} was written for other settings or data ({changed}); run with those again to resume, or delete "
-                f"{ckpt_dir} to start over"
+                f"{ck} was written for other settings or data ({changed}); run with those again to resume, delete "
+                f"{ckpt_dir} to start over, or train further from what it wrote: --init-from {ckpt_dir.parent} --out NEW_DIR"
             )
         net.load_state_dict(st["net"])
         opt.load_state_dict(st["opt"])
