@@ -315,3 +315,28 @@ def test_sampling_values_and_stop_strings_of_the_wrong_kind_are_clear_errors() -
         llm.config(top_k=np.int64(3)).sampling.top_k == 3
         and llm.config(temperature=np.float32(0.5)).sampling.temperature == 0.5
     )
+
+
+def test_a_config_made_by_llm_config_is_taken_by_generate_and_stream_and_raw_needs_a_string() -> None:
+    """``llm.config(...)`` builds a GenerationConfig that nothing public took: ``generate(p, config=cfg)`` failed with
+    "LLM.config() got an unexpected keyword argument 'config'"; ``raw=True`` with chat messages was silently ignored
+    (a review)."""
+    import os
+    import sys
+
+    from treedraft.interfaces import GenerationError
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from server_utils import tiny_llm
+
+    llm = tiny_llm()
+    cfg = llm.config(max_new_tokens=5, temperature=0.9, seed=3)
+    want = llm.generate("xyz xyz", max_new_tokens=5, temperature=0.9, seed=3)
+    assert llm.generate("xyz xyz", config=cfg).token_ids == want.token_ids and len(want.token_ids) == 5
+    assert "".join(c.text for c in llm.stream("xyz xyz", config=cfg)) == want.text
+    with pytest.raises(GenerationError, match="give config= or generation keywords \\(max_new_tokens\\), not both"):
+        llm.generate("xyz", config=cfg, max_new_tokens=3)
+    with pytest.raises(GenerationError, match="config must be a GenerationConfig"):
+        llm.generate("xyz", config={"max_new_tokens": 3})
+    with pytest.raises(GenerationError, match="raw=True takes a string prompt"):
+        llm.generate([{"role": "user", "content": "hi"}], raw=True)

@@ -146,6 +146,9 @@ class LLM:
         if isinstance(prompt, list):  # read as the server reads a request's messages (roles, parts, tool turns)
             from .tools import chat_dicts, render_messages
 
+            if raw:  # (it was ignored: the template applied anyway)
+                raise GenerationError("raw=True takes a string prompt; chat messages are always read with the template")
+
             try:
                 return self.tokenizer.apply_chat_template(render_messages(chat_dicts(prompt), (), None))
             except GenerationError:
@@ -342,9 +345,10 @@ class LLM:
         drafter: Drafter | str | None = DEFAULT,
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
+        config: GenerationConfig | None = None,
         **kw,
     ) -> GenerationResult:
-        """Generate a whole answer. kw: see :meth:`config`. ``tools`` / ``tool_choice``: OpenAI's function tools
+        """Generate a whole answer. kw: see :meth:`config` (or ``config``: one it made). ``tools`` / ``tool_choice``: OpenAI's function tools
         (:mod:`treedraft.tools`); a call comes back in ``tool_calls`` (``finish_reason`` "tool_calls", ``text``
         empty), a plain answer (tool_choice "auto") in ``text``; an answer cut by ``max_new_tokens`` keeps
         ``finish_reason`` "length" (a call's arguments then incomplete JSON: :func:`treedraft.tools.answer_message`)."""
@@ -368,7 +372,10 @@ class LLM:
         except ValueError as e:
             raise GenerationError(str(e)) from None
         if mode is None:
-            return self.text.generate(self.encode_prompt(prompt, raw), self.config(**kw), self.get_drafter(drafter))
+            cfg = self._config(config, kw)
+            return self.text.generate(self.encode_prompt(prompt, raw), cfg, self.get_drafter(drafter))
+        if config is not None:
+            raise GenerationError("tools build the answer's config themselves: give keyword arguments, not config=")
         try:
             fmt = answer_format(parsed, mode, kw.pop("stop", ()), kw.pop("response_format", None))
             cfg = self.config(**kw, response_format=fmt)
@@ -390,16 +397,32 @@ class LLM:
         stats: GenerationStats | None = None,
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
+        config: GenerationConfig | None = None,
         **kw,
     ) -> Iterator[Chunk]:
-        """Yield chunks of text as they are produced. (Tools: :meth:`generate`, which returns the parsed call; the
+        """Yield chunks of text as they are produced (kw or ``config``: as :meth:`generate`). (Tools: :meth:`generate`, which returns the parsed call; the
         server streams tool calls.)"""
         if tools is not None or tool_choice is not None:
             raise GenerationError(
                 "stream() takes no tools: use generate(..., tools=...), which returns the parsed tool calls "
                 "(or the OpenAI-compatible server, which streams them)"
             )
-        return self.text.stream(self.encode_prompt(prompt, raw), self.config(**kw), self.get_drafter(drafter), stats)
+        cfg = self._config(config, kw)
+        return self.text.stream(self.encode_prompt(prompt, raw), cfg, self.get_drafter(drafter), stats)
+
+    def _config(self, config: GenerationConfig | None, kw: dict) -> GenerationConfig:
+        """``config`` (a :meth:`config` made earlier, reused across calls) or one made from ``kw``; not both."""
+        if config is None:
+            return self.config(**kw)
+        if not isinstance(config, GenerationConfig):
+            raise GenerationError(
+                f"config must be a GenerationConfig (from llm.config(...)), got {type(config).__name__}"
+            )
+        if kw:
+            raise GenerationError(
+                f"give config= or generation keywords ({', '.join(sorted(kw))}), not both: llm.config(...) takes them"
+            )
+        return config
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
