@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -54,7 +56,13 @@ def test_save_load_roundtrip_and_mismatch(tmp_path) -> None:
     with torch.no_grad():
         for p in heads.parameters():
             p.normal_()
-    heads.save(tmp_path)
+    old = os.umask(0o022)
+    try:
+        heads.save(tmp_path)
+    finally:
+        os.umask(old)
+    # as readable as the json beside it (0644 under umask 022): safetensors wrote the weights 0600 (a review)
+    assert {(tmp_path / f).stat().st_mode & 0o777 for f in ("heads.safetensors", "medusa.json")} == {0o644}
     back = MedusaHeads.load(tmp_path, m.lm_head.weight, "tiny", m.hidden_size, m.vocab_size)
     h = torch.randn(3, m.hidden_size)
     torch.testing.assert_close(back(h), heads(h))

@@ -161,14 +161,14 @@ class EagleNet(nn.Module):
     # ---- persistence ---------------------------------------------------
     def save(self, d: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write eagle.safetensors (weights in ``dtype`` if given) + eagle.json into directory ``d``."""
-        from safetensors.torch import save_file
+        from ..models.cache import save_tensors
 
         d = Path(d)
         d.mkdir(parents=True, exist_ok=True)
         sd = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         if self.vocab_map is not None:
             sd["vocab_map"] = self.vocab_map.to(torch.int32).cpu()
-        save_file(sd, str(d / EAGLE_WEIGHTS))
+        save_tensors(sd, d / EAGLE_WEIGHTS)
         (d / EAGLE_JSON).write_text(json.dumps(asdict(self.config), indent=1))
 
     @staticmethod

@@ -264,14 +264,14 @@ class MedusaHeads(nn.Module):
     def save(self, d: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write heads.safetensors (weights in ``dtype`` if given, e.g. fp16 to halve a shipped file)
         + medusa.json into directory d."""
-        from safetensors.torch import save_file
+        from ..models.cache import save_tensors
 
         d = Path(d)
         d.mkdir(parents=True, exist_ok=True)
         sd = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         if self.vocab_map is not None:
             sd["vocab_map"] = self.vocab_map.to(torch.int32).cpu()
-        save_file(sd, str(d / "heads.safetensors"))
+        save_tensors(sd, d / "heads.safetensors")
         cfg = asdict(self.config)
         cfg["choices"] = [list(c) for c in self.config.choices]
         if not cfg["choices"]:

@@ -33,6 +33,28 @@ def atomic_write_text(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def save_tensors(tensors: dict, path: str | Path) -> None:
+    """``safetensors.torch.save_file`` with the file's mode as any other new file's (0666 less the umask): the library
+    creates it 0600, so trained heads on a shared machine could not be read by the others who use them."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it where Linux shows it (setting it to read it is not thread-safe)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def publish_dir(tmp: Path, out: Path, marker: str) -> bool:
     """Move the directory ``tmp`` (this process's, see :func:`temp_sibling`) to ``out`` by one rename, so a
     concurrent reader finds all of it or nothing. A leftover ``out`` without the file ``marker`` is removed
