@@ -191,7 +191,9 @@ class LLM:
     ) -> GenerationConfig:
         """A :class:`GenerationConfig` from keyword arguments. ``logprobs``: None (off), or n: each generated
         token's log-probability and its position's n most likely alternatives (``GenerationResult.logprobs``,
-        ``Chunk.logprobs``; the model's own distribution, before penalties, temperature / top-k / top-p).
+        ``Chunk.logprobs``; the model's own distribution, before penalties, temperature / top-k / top-p), one entry
+        per id of ``token_ids``, so an ending EOS or ``stop_token_ids`` id has one (the server leaves those out of
+        its responses' logprobs, as it does of their text).
         Penalties (:mod:`treedraft.penalties`): ``repetition_penalty`` r > 0 on every token of the prompt and the
         output so far (logit / r where positive, * r where not; 1.0 off), ``presence_penalty`` and
         ``frequency_penalty`` in [-2, 2] on the output's tokens (OpenAI's; 0 off); ``logit_bias`` {token id: amount
