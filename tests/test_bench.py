@@ -549,6 +549,10 @@ def test_bench_baselines_not_run_fall_back_to_plain_and_a_run_without_plain_name
     assert "speedups are against plain instead" in capsys.readouterr().err
     doc = json.loads((tmp_path / "a" / "records.json").read_text())
     assert doc["baselines"] == ["plain"] and "× vs plain" in (tmp_path / "a" / "report.md").read_text()
+    (tmp_path / "f").write_text("x")  # a file as --out is named as one (it read "[Errno 17] File exists")
+    a = build_parser().parse_args(["bench", *common, "--methods", "plain", "--out", str(tmp_path / "f")])
+    with pytest.raises(BenchError, match="--out .*f is a file; give a directory"):
+        a.func(a)
     a = build_parser().parse_args(["bench", *common, "--methods", "prompt-lookup", "--out", str(tmp_path / "b")])
     assert a.func(a) == 0
     report = (tmp_path / "b" / "report.md").read_text()

@@ -187,6 +187,9 @@ def test_other_settings_or_foreign_file_refused(tmp_path: Path) -> None:
     (tmp_path / "orphan.rejected.jsonl").write_text('{"key": 0, "reason": "too short"}\n')
     with pytest.raises(SynthError, match="orphan.rejected.jsonl exists but was not written"):
         synthesize_prompts(s.engine, s.tok, tmp_path / "orphan.jsonl", SynthConfig(num=4, **CFG), progress=False)
+    (tmp_path / "adir").mkdir()  # a directory as --out is named as one (it read "not written by synth-prompts")
+    with pytest.raises(SynthError, match="adir is a directory; give the jsonl file to write"):
+        synthesize_prompts(s.engine, s.tok, tmp_path / "adir", SynthConfig(num=4, **CFG), progress=False)
 
 
 @pytest.mark.parametrize(

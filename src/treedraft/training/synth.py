@@ -173,6 +173,8 @@ def synthesize_prompts(
     from .eagle_data import scheduled_greedy
 
     out = Path(out)
+    if out.is_dir():  # (it said "exists but was not written by synth-prompts")
+        raise SynthError(f"--out {out} is a directory; give the jsonl file to write, e.g. {out / 'prompts.jsonl'}")
     rejected_path = out.with_name(out.stem + ".rejected.jsonl")
     meta_path = out.with_name(out.stem + ".meta.json")
     prefix = pre_query_ids(tokenizer)
