@@ -36,10 +36,9 @@ import numpy as np
 
 POSITIONS = 64  # node positions tracked per request (root excluded)
 DECAY = 0.85  # weight of a step's evidence after each later step of the same request
-# pseudo-observations of the pool's estimate in a request's own estimate: at 0.5 one missed draft of a request that had
-# drafted nothing yet put its first node at a third of the pool's (the fp32 target's own int4 copy, accepted ~0.95:
-# 0.32), so it got no rows, and so no evidence, until a probe (session 40)
-PRIOR_WEIGHT = 2.0
+# pseudo-observations of the pool's estimate in a request's own estimate (one missed first draft puts a request's first
+# node at a third of the pool's: IDLE_DECAY brings it back; 2 instead cut a copying request's long chains, session 40)
+PRIOR_WEIGHT = 0.5
 UNSEEN_FALLOFF = 0.9  # prior of a position no request has drafted yet, relative to the position before it
 POOL_DECAY = 0.98
 # a request given no draft rows keeps this much of its evidence per step, so its estimate returns toward the pool's:
