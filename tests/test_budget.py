@@ -259,20 +259,3 @@ def test_draft_model_forwards_are_priced_per_round_of_depth_shared_by_the_batch(
     assert b.allocate([], [], fixed_rows=3, fixed_tokens=3) == []  # a step of pinned or plain requests only
     b.round_cost = 0.0  # (without rounds measured: the count's price alone, as before)
     assert b.allocate([_sure(True), _sure(True)], [13, 13]) == [13, 13]
-
-
-def test_a_request_given_no_rows_returns_toward_the_pool() -> None:
-    """One missed draft of a request that had drafted nothing yet puts its first node at a third of the pool's
-    estimate; given no rows it gathered no evidence, and its estimate stayed there until a probe 64-256 steps later
-    (session 40: an fp32 request drafting with the target's int4 copy, accepted ~0.95, decoded plainly all its 128
-    tokens). Now each step without rows fades its own evidence, so it returns toward the pool's."""
-    b = RowBudget(CPU)
-    for _ in range(60):  # the pool: other requests' first nodes accepted ~0.95
-        b.observe(_history(0.95), 9, list(range(9)), 0.0)
-    pool = b.estimates(NodeStats(), 1)[0]
-    st = NodeStats()
-    b.observe(st, 4, [0], 0.0, pool=False)  # its first draft: nothing accepted
-    assert b.estimates(st, 1)[0] < pool / 2
-    for _ in range(60):
-        b.observe(st, 1, [0], 0.0, pool=False)  # steps without rows
-    assert b.estimates(st, 1)[0] == pytest.approx(pool, abs=0.05)

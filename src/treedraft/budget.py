@@ -16,7 +16,6 @@ Drafting is priced as measured: per count of drafting requests, and for drafters
 packed draft forwards (:mod:`.drafters.steps`: one round per depth, shared by every request drafting with that model),
 so a chain is priced by its depth.
 
-A request given no rows fades its own evidence toward the pool's (:data:`IDLE_DECAY`).
 A request that got no draft rows for ``probe_every`` steps, and a new request at its first step, gets a few
 nodes (a probe), so a request that repeats known text (a suffix-drafter match, which leads the hybrid's
 tree once it expects 2 or more tokens) is noticed; one accepted probe is enough for its next steps to draft. Budgets never change a greedy or seeded-coupled
@@ -36,15 +35,9 @@ import numpy as np
 
 POSITIONS = 64  # node positions tracked per request (root excluded)
 DECAY = 0.85  # weight of a step's evidence after each later step of the same request
-# pseudo-observations of the pool's estimate in a request's own estimate (one missed first draft puts a request's first
-# node at a third of the pool's: IDLE_DECAY brings it back; 2 instead cut a copying request's long chains, session 40)
-PRIOR_WEIGHT = 0.5
+PRIOR_WEIGHT = 0.5  # pseudo-observations of the pool's estimate in a request's own estimate
 UNSEEN_FALLOFF = 0.9  # prior of a position no request has drafted yet, relative to the position before it
 POOL_DECAY = 0.98
-# a request given no draft rows keeps this much of its evidence per step, so its estimate returns toward the pool's:
-# without it one bad step could keep it from drafting, and so from new evidence, until its next probe (session 40:
-# four fp32 requests drafting with the target's int4 copy, ~200 -> ~220 tok/s; benchmarks/results/session40.md)
-IDLE_DECAY = 0.9
 PROBE_EVERY = 64
 # the wait for a probe doubles per missed draft step, up to probe_every x 2^2 = 256 steps (a 256-token request
 # is then probed twice, not four or five times; a longer one that starts repeating known text is still found)
@@ -240,9 +233,6 @@ class RowBudget:
             st.idle = 0
         else:
             st.idle += 1
-            st.hits = [h * IDLE_DECAY for h in st.hits]
-            st.tries = [t * IDLE_DECAY for t in st.tries]
-            st.rounds = [r * IDLE_DECAY for r in st.rounds]
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """One batched step of ``rows`` rows took ``seconds`` from its start to the next step's start, drafting
