@@ -340,3 +340,13 @@ def test_a_config_made_by_llm_config_is_taken_by_generate_and_stream_and_raw_nee
         llm.generate("xyz", config={"max_new_tokens": 3})
     with pytest.raises(GenerationError, match="raw=True takes a string prompt"):
         llm.generate([{"role": "user", "content": "hi"}], raw=True)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(GenerationError, match="raw=True takes no tools"):
+        llm.generate("hi", raw=True, tools=[tool], tool_choice="auto")
+    # any iterable of stop strings, as before (a set, a generator); a mapping or bytes is no list of strings
+    assert (
+        llm.generate("xyz", max_new_tokens=3, stop={"q"}).token_ids == llm.generate("xyz", max_new_tokens=3).token_ids
+    )
+    assert llm.config(stop=(s for s in ["a", "b"])).stop == ("a", "b")
+    with pytest.raises(GenerationError, match="stop must be a string or a list of strings"):
+        llm.config(stop={"a": 1})

@@ -557,6 +557,13 @@ def test_bench_baselines_not_run_fall_back_to_plain_and_a_run_without_plain_name
     assert a.func(a) == 0
     report = (tmp_path / "b" / "report.md").read_text()
     assert "None" not in report and "outputs are not compared (no reference method" in report
+    # with another runtime's baseline in such a run too (its paragraph said "may differ from `None`'s")
+    from treedraft.bench import report as rep
+    from treedraft.bench.harness import BenchResult
+
+    md = rep.markdown_report(BenchResult([], ["llama.cpp", "prompt-lookup"], reference=None, config={}),
+                             {rep.ALL_CATEGORIES: {}}, [])  # fmt: skip
+    assert "None" not in md and "may differ from treedraft's without a bug" in md
 
 
 def test_record_mean_accepted_length() -> None:

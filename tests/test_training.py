@@ -293,7 +293,7 @@ def test_resume_with_other_heads_or_run_is_refused(tmp_path, mkw, tcfg, match) -
     json.dumps(st["medusa_config"])  # stored as a JSON-able dict
     with pytest.raises(CheckpointMismatchError, match=match) as e:
         train_heads(d, m.lm_head.weight, _mcfg(m, **mkw), tcfg, tmp_path / "o", progress=False)
-    assert str(ck) in str(e.value) and f"--init-from {ck.parent}" in str(e.value)  # (how to train further: a review)
+    assert str(ck) in str(e.value) and "--init-from <its --out> --out NEW_DIR" in str(e.value)  # (train further)
     # the same run resumes (nothing left to do) and gives the same heads
     h, _ = train_heads(d, m.lm_head.weight, _mcfg(m, num_heads=2), TC, tmp_path / "o", progress=False)
     assert torch.equal(h.state_dict()["blocks.0.0.linear.weight"], st["heads"]["blocks.0.0.linear.weight"])
@@ -469,6 +469,10 @@ def test_calibrate_validates_arguments(tmp_path, capsys, monkeypatch) -> None:
     assert rc == 2 and "--max-nodes counts the root" in err
     rc, err = _main(["calibrate", "--check-file", str(tmp_path)], capsys)  # a directory is not a prompt file
     assert rc == 2 and "--check-file" in err
+    (tmp_path / "eagle1").mkdir()  # an EAGLE drafter's directory: it said to pick a --drafter calibrate does not have
+    (tmp_path / "eagle1" / "eagle.json").write_text("{}")
+    rc, err = _main(["calibrate", "--heads", str(tmp_path / "eagle1")], capsys)
+    assert rc == 2 and "calibrate chooses a Medusa tree only" in err
     import treedraft.training.cli as tcli
 
     monkeypatch.setattr(tcli, "find_shared_data", lambda name: None)  # no MT-Bench file next to the repo

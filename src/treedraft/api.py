@@ -12,7 +12,7 @@ import json
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -73,12 +73,13 @@ def pick_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 def _stop_strings(stop) -> tuple:
-    """``stop`` as a tuple: one string is one stop string and None none (as in OpenAI's API); else a list of them."""
+    """``stop`` as a tuple: one string is one stop string and None none (as in OpenAI's API); else any iterable of
+    them (each checked by GenerationConfig)."""
     if stop is None:
         return ()
     if isinstance(stop, str):
         return (stop,)
-    if isinstance(stop, (list, tuple)):
+    if isinstance(stop, Iterable) and not isinstance(stop, (bytes, bytearray, Mapping)):
         return tuple(stop)
     raise GenerationError(f"stop must be a string or a list of strings, got {stop!r} ({type(stop).__name__})")
 
@@ -378,6 +379,8 @@ class LLM:
             return self.text.generate(self.encode_prompt(prompt, raw), cfg, self.get_drafter(drafter))
         if config is not None:
             raise GenerationError("tools build the answer's config themselves: give keyword arguments, not config=")
+        if raw:  # (ignored before: the tools' template applied anyway)
+            raise GenerationError("raw=True takes no tools: the tools are given to the model through its chat template")
         try:
             fmt = answer_format(parsed, mode, kw.pop("stop", ()), kw.pop("response_format", None))
             cfg = self.config(**kw, response_format=fmt)

@@ -211,7 +211,8 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
             f"(transformers runs the file dequantized to {cfg.get('dtype', 'float32')}, "
             "llama.cpp its own quantized kernels; treedraft runs "
             f"`{cfg.get('weights', '?')}` weights), so their outputs may differ from "
-            f"`{result.reference}`'s without a bug, and their speed ratios compare different weights.",
+            + (f"`{result.reference}`'s" if result.reference is not None else "treedraft's")
+            + " without a bug, and their speed ratios compare different weights.",
             "",
         ]
     if cfg.get("suffix_store"):  # one store on disk for every method: runs learn from the runs before them

@@ -237,7 +237,8 @@ def validate_train_args(a: argparse.Namespace) -> None:
         a.eval_prompts is None or Path(a.eval_prompts).is_file(),
         f"--eval-prompts {a.eval_prompts}: {_not_a_file(a.eval_prompts)}",
     )
-    a.num_prompts_given = a.num_prompts is not None  # (a warning about a flag never passed confused a review)
+    if not hasattr(a, "num_prompts_given"):  # (once: a second call would take the default for a given value)
+        a.num_prompts_given = a.num_prompts is not None  # (a warning about a flag never passed confused a review)
     if a.num_prompts is None:
         a.num_prompts = NUM_PROMPTS
     check_at_least(
@@ -406,6 +407,12 @@ def validate_calibrate_args(a: argparse.Namespace) -> None:
     _check(a.max_nodes >= 1, f"--max-nodes counts the root and must be >= 1, got {a.max_nodes}")
     _check(a.context >= 1, f"--context must be >= 1, got {a.context}")
     _check(a.check_prompts >= 0, f"--check-prompts must be >= 0, got {a.check_prompts}")
+    heads = Path(a.heads) if a.heads not in (None, "default") else None
+    _check(
+        heads is None or (heads / "medusa.json").is_file() or not (heads / "eagle.json").is_file(),
+        f"--heads {a.heads}: an EAGLE drafter (eagle.json), and calibrate chooses a Medusa tree only (medusa.json, "
+        "from train-heads); an EAGLE drafter sizes its trees itself as it drafts, nothing to calibrate",
+    )
     if a.check_prompts:
         _check(
             a.check_file is not None,

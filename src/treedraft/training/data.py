@@ -283,8 +283,9 @@ def generate_dataset(
     exactly as they are served. ``meta.json`` (model, prompts, token limits, shard size) is written
     before the first shard; resuming with other settings raises DataCacheMismatchError.
     """
-    from safetensors.torch import save_file
     from tqdm import tqdm
+
+    from ..models.cache import save_tensors
 
     out = Path(out_dir)
     encoded = encode_fitting(llm, prompts, max_prompt_tokens)
@@ -327,7 +328,7 @@ def generate_dataset(
         tensors = {"tokens": torch.cat(rows_tok), "hidden": torch.cat(rows_hid), "seq": torch.cat(rows_seq)}
         if keep_prompt:
             tensors["answer"] = torch.cat(rows_ans)
-        save_file(tensors, str(tmp))
+        save_tensors(tensors, tmp)
         tmp.replace(path)
     bar.close()
     _write_meta(out, {**old, **meta, "complete": True})

@@ -116,8 +116,9 @@ def generate_eagle_dataset(
     temperature > 0: sampled answers (seed + prompt index per prompt; see :func:`scheduled_greedy`), recorded in
     meta.json so that a resumed run cannot mix greedy and sampled shards.
     """
-    from safetensors.torch import save_file
     from tqdm import tqdm
+
+    from ..models.cache import save_tensors
 
     out = Path(out_dir)
     encoded = encode_fitting(llm, prompts, max_prompt_tokens)
@@ -172,7 +173,7 @@ def generate_eagle_dataset(
             "answer": torch.cat(ans),
         }
         tmp = paths[si].with_suffix(".tmp")
-        save_file(tensors, str(tmp))
+        save_tensors(tensors, tmp)
         tmp.replace(paths[si])
         del results[si]
         written += 1

@@ -317,7 +317,8 @@ def train_eagle(
             changed = "; ".join(key_diffs(st["key"], key)) or "?"
             raise ValueError(
                 f"{ck} was written for other settings or data ({changed}); run with those again to resume, delete "
-                f"{ckpt_dir} to start over, or train further from what it wrote: --init-from {ckpt_dir.parent} --out NEW_DIR"
+                f"{ckpt_dir} to start over, or, where that run finished, train further from the drafter it wrote: "
+                f"--init-from {ckpt_dir.parent} --out NEW_DIR"
             )
         net.load_state_dict(st["net"])
         opt.load_state_dict(st["opt"])

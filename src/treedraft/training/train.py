@@ -222,8 +222,8 @@ def check_checkpoint(
         raise CheckpointMismatchError(
             f"checkpoint {path} was written by another training run: "
             + "; ".join(diffs)
-            + f". Delete {path} (or choose another --out) to start over, change the option in [brackets] back, or"
-            f" train further from the heads it wrote: --init-from {path.parent} --out NEW_DIR."
+            + f". Delete {path} (or choose another --out) to start over, change the option in [brackets] back, or,"
+            " where that run finished, train further from the heads it wrote: --init-from <its --out> --out NEW_DIR."
         )
 
 
