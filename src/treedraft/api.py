@@ -375,8 +375,8 @@ class LLM:
         except ValueError as e:
             raise GenerationError(str(e)) from None
         if mode is None:
-            cfg = self._config(config, kw)
-            return self.text.generate(self.encode_prompt(prompt, raw), cfg, self.get_drafter(drafter))
+            ids = self.encode_prompt(prompt, raw)  # (first: a tokenizer-less LLM says so before its config fails)
+            return self.text.generate(ids, self._config(config, kw), self.get_drafter(drafter))
         if config is not None:
             raise GenerationError("tools build the answer's config themselves: give keyword arguments, not config=")
         if raw:  # (ignored before: the tools' template applied anyway)
@@ -412,8 +412,8 @@ class LLM:
                 "stream() takes no tools: use generate(..., tools=...), which returns the parsed tool calls "
                 "(or the OpenAI-compatible server, which streams them)"
             )
-        cfg = self._config(config, kw)
-        return self.text.stream(self.encode_prompt(prompt, raw), cfg, self.get_drafter(drafter), stats)
+        ids = self.encode_prompt(prompt, raw)  # (first, as in generate)
+        return self.text.stream(ids, self._config(config, kw), self.get_drafter(drafter), stats)
 
     def _config(self, config: GenerationConfig | None, kw: dict) -> GenerationConfig:
         """``config`` (a :meth:`config` made earlier, reused across calls) or one made from ``kw``; not both."""
