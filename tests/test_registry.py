@@ -202,7 +202,8 @@ def test_the_files_a_drafter_needs_are_checked_before_the_model_loads(tmp_path, 
                 check_files(name, DrafterOptions("gemma-3-270m"))
     check_files("prompt-lookup", DrafterOptions("gemma-3-270m"))
     (tmp_path / "file").write_text("x")
-    for heads, match in ((tmp_path / "none", "does not exist"), (tmp_path / "file", "is a file")):
+    # named as the CLI flag and as load()'s argument (Python users read "--heads" alone: a review)
+    for heads, match in ((tmp_path / "none", r"--heads \(heads=\) .*does not exist"), (tmp_path / "file", "is a file")):
         with pytest.raises(FileNotFoundError, match=match):
             check_files("prompt-lookup", DrafterOptions("smollm2-135m-instruct", str(heads)))
     with pytest.raises(FileNotFoundError, match="no medusa.json"):

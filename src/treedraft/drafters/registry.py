@@ -335,12 +335,12 @@ def _no_eagle(options: DrafterOptions) -> str:
 
     if options.heads not in (None, DEFAULT):
         return (
-            f"--heads {options.heads} holds no {EAGLE_JSON}, so it is no EAGLE drafter (Medusa heads?); pass the "
-            "directory `treedraft train-eagle` wrote, or leave --heads out for the shipped EAGLE drafter"
+            f"--heads (heads=) {options.heads} holds no {EAGLE_JSON}, so it is no EAGLE drafter (Medusa heads?); pass "
+            "the directory `treedraft train-eagle` wrote, or leave it out for the shipped EAGLE drafter"
         )
     return (
         f"no EAGLE drafter is shipped for {options.model_name!r}; "
-        f"train one with `treedraft train-eagle` and pass --heads DIR (the directory holding {EAGLE_JSON})"
+        f"train one with `treedraft train-eagle` and pass --heads DIR (heads=DIR: the directory holding {EAGLE_JSON})"
     )
 
 
@@ -351,7 +351,7 @@ def check_files(name: str, options: DrafterOptions) -> None:
     if options.heads not in (None, DEFAULT) and not Path(options.heads).is_dir():
         what = "is a file" if Path(options.heads).exists() else "does not exist"
         raise FileNotFoundError(
-            f"--heads {options.heads} {what}; give the directory `treedraft train-heads` or `train-eagle` wrote"
+            f"--heads (heads=) {options.heads} {what}; give the directory `treedraft train-heads` or `train-eagle` wrote"
         )
     if name in MEDUSA_DRAFTERS:
         from .medusa import check_heads_dir
