@@ -553,6 +553,10 @@ def test_bench_baselines_not_run_fall_back_to_plain_and_a_run_without_plain_name
     a = build_parser().parse_args(["bench", *common, "--methods", "plain", "--out", str(tmp_path / "f")])
     with pytest.raises(BenchError, match="--out .*f is a file; give a directory"):
         a.func(a)
+    a = build_parser().parse_args(["bench", *common, "--methods", "plain", "--out", str(tmp_path / "a")])
+    assert (
+        a.func(a) == 0 and "--out " + str(tmp_path / "a") + " already holds a bench report" in capsys.readouterr().err
+    )
     a = build_parser().parse_args(["bench", *common, "--methods", "prompt-lookup", "--out", str(tmp_path / "b")])
     assert a.func(a) == 0
     report = (tmp_path / "b" / "report.md").read_text()

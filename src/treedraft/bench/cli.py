@@ -223,6 +223,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         if fallback:
             baselines = ["plain"]
     out = Path(a.out) if a.out else default_out_dir()
+    if (out / "records.json").is_file():  # (it was replaced without a word)
+        print(f"[bench] --out {out} already holds a bench report: this run replaces it", file=sys.stderr)
     if out.exists() and not out.is_dir():  # (mkdir said "[Errno 17] File exists")
         raise BenchError(f"--out {out} is a file; give a directory for the report (it is created if missing)")
     try:  # checked now: a path that cannot take the report would otherwise fail after the whole run
