@@ -585,6 +585,7 @@ def test_train_heads_no_generate_generates_nothing(tmp_path, capsys, monkeypatch
     extra = json.loads((out / "medusa.json").read_text())["extra"]
     if with_eval:
         assert extra["eval_data"] == str(d) and len(extra["rank_accuracy"]) == 2
+        assert extra["training"]["eval_prompts"] == str(d)  # what the "mt_bench" block measured (any prompts)
         assert "no evaluation" not in err
     else:
         assert extra["eval_data"] is None and "rank_accuracy" not in extra

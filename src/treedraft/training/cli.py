@@ -377,7 +377,9 @@ def cmd_train(a: argparse.Namespace) -> int:
     if eval_dir is not None:
         tok, hid, seq = load_shards(eval_dir)
         targets = head_targets(tok, seq, heads.config.num_heads)
+        # (the key keeps its old name, read from shipped files; "eval_prompts" below says which prompts it measured)
         report["mt_bench"] = evaluate(heads, hid, targets, roots=tok)
+        report["eval_prompts"] = str(a.eval_data or a.eval_prompts)
         # what each machine builds its tree from at first use (training/calibrate.machine_tree)
         acc_extra = {
             "rank_accuracy": rank_accuracy(heads, hid.float(), targets, roots=tok),
