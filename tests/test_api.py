@@ -132,7 +132,17 @@ def test_chat_messages_are_read_as_the_server_reads_them() -> None:
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
     ]
     text = tok.decode(enc(turns))
-    assert '<assistant>{"weather": {"city": "Oslo"}}' in text and "<user>Result of weather (call c1): sunny" in text
+    # a free-text answer (no tools here): the call is told with its result; replayed as the assistant's JSON, SmolLM2
+    # copied that JSON as its answer after the result (a review); with tools offered the JSON stays (the answer's form)
+    assert text == '<user>weather?<user>weather was called with {"city": "Oslo"} and returned: sunny<assistant>'
+    from treedraft.tools import parse_tools, render_messages
+
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    auto = render_messages(turns, parse_tools([tool]), "auto")
+    assert auto[2:] == [
+        {"role": "assistant", "content": '{"weather": {"city": "Oslo"}}'},
+        {"role": "user", "content": "Result of weather (call c1): sunny"},
+    ]
     for bad, says in [
         ([{"role": "wizard", "content": "hi"}], "role must be one of system, developer, user, assistant, tool"),
         ([{"role": "user", "content": None}], "content is required"),

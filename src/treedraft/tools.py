@@ -205,22 +205,33 @@ def chat_dicts(messages: Sequence[Any]) -> list[dict]:
 def render_messages(messages: list[dict], tools: Sequence[Tool], mode: str | None) -> list[dict]:
     """Chat messages for a template that knows no tools: the tools' description joined to the system message (or
     a new one first), an assistant's earlier tool calls as the JSON it would have written, and tool results as user
-    turns naming the call they answer."""
+    turns naming the call they answer. Where the answer is free text (``mode`` None: tool_choice "none", or no
+    tools) a call is told with its result instead ("get_weather was called with {...} and returned: ..."): replayed
+    as the assistant's JSON, the model copied that JSON as its answer after the result (a review, SmolLM2)."""
     names: dict[str, str] = {}
+    args: dict[str, str] = {}  # mode None: a call's arguments, told with its result
     out: list[dict] = []
     for m in messages:
         calls = m.get("tool_calls") or []
         if m["role"] == "assistant" and calls:
-            text = "\n".join(
-                json.dumps({c["function"]["name"]: _arguments(c)}, ensure_ascii=False) for c in calls
-            )  # fmt: skip
+            if mode is None:  # the calls are told with their results (below); only the turn's own text stays
+                for c in calls:
+                    names[c.get("id", "")] = c["function"]["name"]
+                    args[c.get("id", "")] = json.dumps(_arguments(c), ensure_ascii=False)
+                if (m.get("content") or "").strip():
+                    out.append({"role": "assistant", "content": m["content"].strip()})
+                continue
+            text = "\n".join(json.dumps({c["function"]["name"]: _arguments(c)}, ensure_ascii=False) for c in calls)
             for c in calls:
                 names[c.get("id", "")] = c["function"]["name"]
             out.append({"role": "assistant", "content": ((m.get("content") or "") + "\n" + text).strip()})
         elif m["role"] == "tool":  # consecutive results make one user turn (templates may want roles to alternate)
             cid = m.get("tool_call_id") or ""
             who = names.get(cid)
-            line = f"{f'Result of {who}' if who else 'Tool result'} (call {cid}): {m.get('content') or ''}"
+            if cid in args:
+                line = f"{who} was called with {args[cid]} and returned: {m.get('content') or ''}"
+            else:
+                line = f"{f'Result of {who}' if who else 'Tool result'} (call {cid}): {m.get('content') or ''}"
             if out and out[-1].get("tool_result"):
                 out[-1]["content"] += "\n" + line
             else:
