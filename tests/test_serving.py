@@ -606,6 +606,30 @@ def test_one_model_can_be_retrieved_and_health_answers_head(server: LiveServer) 
     assert httpx.head(f"{server.url}/health", timeout=TIMEOUT).status_code == 200
 
 
+def test_every_answer_carries_an_x_request_id(server: LiveServer) -> None:
+    """OpenAI's API sends x-request-id (its SDK shows it with errors and in logs; a review found none): a new one per
+    answer, errors and streams included, or the client's own echoed; an unprintable or long one is replaced."""
+    url = f"{server.url}/v1/chat/completions"
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 3, "temperature": 0}
+    a, b = (httpx.post(url, json=body, timeout=TIMEOUT) for _ in range(2))
+    ids = [r.headers.get("x-request-id", "") for r in (a, b)]
+    assert all(i.startswith("req-") for i in ids) and ids[0] != ids[1]
+    assert httpx.post(url, json=body, headers={"x-request-id": "mine-1"}, timeout=TIMEOUT).headers["x-request-id"] == (
+        "mine-1"
+    )
+    assert (
+        httpx.post(url, json=body, headers={"x-request-id": "x" * 200}, timeout=TIMEOUT)
+        .headers["x-request-id"]
+        .startswith("req-")
+    )
+    bad = httpx.post(url, json={**body, "temperature": -1}, timeout=TIMEOUT)
+    assert bad.status_code == 400 and bad.headers["x-request-id"].startswith("req-")
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=TIMEOUT) as r:
+        assert r.headers["x-request-id"].startswith("req-") and "".join(r.iter_text()).rstrip().endswith("[DONE]")
+    raw = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0).chat.completions.with_raw_response
+    assert raw.create(model="tiny", messages=CHAT, max_tokens=2).headers["x-request-id"].startswith("req-")
+
+
 def test_a_prediction_changes_nothing_but_is_drafted_from_and_counted(server: LiveServer) -> None:
     """OpenAI's predicted outputs: the answer equals the one without a prediction, the drafters accept the
     prediction's tokens (more accepted per step), and usage.completion_tokens_details counts the prediction's tokens

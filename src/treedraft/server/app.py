@@ -930,15 +930,39 @@ def create_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
         body, content_type = metrics.exposition(request.headers.get("accept"))
         return Response(body, media_type=content_type)
 
-    if srv.settings.api_keys:  # outermost, so that unknown paths are 401 too, not 404
+    if srv.settings.api_keys:  # outside the routes, so that unknown paths are 401 too, not 404
         app.add_middleware(
             AuthMiddleware,
             keys=APIKeys(srv.settings.api_keys),
             protect_open_paths=srv.settings.protect_health_metrics,
             on_reject=metrics.error,
         )
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer has one, a 401 too
 
     return app
+
+
+class RequestIdMiddleware:
+    """An ``x-request-id`` header on every response, as OpenAI's API sends (its SDK shows it with errors and in
+    logs): the client's own ``x-request-id`` echoed where it sent a short printable one, else a new ``req-<hex>``."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"")
+        ok = 0 < len(given) <= 128 and all(33 <= c < 127 for c in given)
+        rid = given if ok else f"req-{uuid.uuid4().hex}".encode()
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def _version() -> str:

@@ -181,7 +181,12 @@ def register(subparsers: Any) -> None:
         default=None,
         help="largest max_tokens a request may ask for (default and upper bound: the context window - 1)",
     )
-    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=256,
+        help="max_tokens when a request gives none (default 256; OpenAI and vLLM run to the context's end instead)",
+    )
     p.add_argument(
         "--served-model-name",
         action="append",
