@@ -276,9 +276,10 @@ class RowBudget:
         else:
             propose, share = self.draft_cost, 0.0
         groups: list[tuple[float, int, int, list[float]]] = []  # (-density, request, first position, values)
-        for i, (st, cap) in enumerate(zip(stats, caps)):
+        ests = [self.estimates(st, cap - 1) for st, cap in zip(stats, caps)]
+        for i, est in enumerate(ests):
             chain: list[list[float]] = []  # [sum p, cost, first position, *values] per group
-            for j, p in enumerate(self.estimates(st, cap - 1), start=1):
+            for j, p in enumerate(est, start=1):
                 r = q[i][j - 1] * share if priced else 0.0
                 chain.append([p, rc + (propose if j == 1 else 0.0) + r, j, p])
                 while len(chain) >= 2 and chain[-1][0] / chain[-1][1] > chain[-2][0] / chain[-2][1]:
@@ -302,10 +303,26 @@ class RowBudget:
             ratio = tokens / (self.seconds(rows) + fixed + self.drafting_seconds(drafting) + self.round_cost * rounds)
             if ratio > best_ratio:
                 best_ratio, best_k = ratio, k
+        common = 0
+        if priced:  # requests drafting with one draft model share its rounds: every request to one depth is tried too,
+            # valued by the pool's estimates: where rows are nearly free the order above puts one request's whole chain
+            # before another's first node, and one early miss kept a request from drafting (four fp32 requests drafting
+            # with the target's int4 copy: ~200 -> ~218 tok/s, equal shares ~228; session 40). Each request's drafter
+            # still sizes its own tree within that depth, as with equal shares.
+            pooled = [self.estimates(NodeStats(), cap - 1) for cap in caps]
+            for depth in range(1, max(map(len, pooled), default=0) + 1):
+                r, t, d, rnd = fixed_rows + n, float(n + fixed_tokens), 0, 0.0
+                for i, est in enumerate(pooled):
+                    k = min(depth, len(est))
+                    if k:
+                        r, t, d, rnd = r + k, t + sum(est[:k]), d + 1, max(rnd, sum(q[i][:k]))
+                ratio = t / (self.seconds(r) + fixed + self.drafting_seconds(d) + self.round_cost * rnd)
+                if ratio > best_ratio:
+                    best_ratio, common = ratio, depth
         taken = [0] * n
         for i, _j in cand[:best_k]:
             taken[i] += 1
-        sizes = [1 + t for t in taken]
+        sizes = [1 + min(common, len(est)) for est in pooled] if common else [1 + t for t in taken]
         for i, st in enumerate(stats):
             # (a request whose drafts keep missing is probed more rarely: on fresh text in a full batch a probe's
             # rows and propose were ~7% of the step time for nothing, benchmarks/results/session10.md)
