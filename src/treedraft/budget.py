@@ -309,20 +309,20 @@ class RowBudget:
             # before another's first node, and one early miss kept a request from drafting (four fp32 requests drafting
             # with the target's int4 copy: ~200 -> ~218 tok/s, equal shares ~228; session 40). Each request's drafter
             # still sizes its own tree within that depth, as with equal shares.
-            pooled = [self.estimates(NodeStats(), cap - 1) for cap in caps]
-            for depth in range(1, max(map(len, pooled), default=0) + 1):
-                r, t, d, rnd = fixed_rows + n, float(n + fixed_tokens), 0, 0.0
-                for i, est in enumerate(pooled):
-                    k = min(depth, len(est))
-                    if k:
-                        r, t, d, rnd = r + k, t + sum(est[:k]), d + 1, max(rnd, sum(q[i][:k]))
-                ratio = t / (self.seconds(r) + fixed + self.drafting_seconds(d) + self.round_cost * rnd)
+            pool = self.estimates(NodeStats(), max(caps) - 1)  # (one list: a request's is its first cap - 1)
+            r, t, d, went = fixed_rows + n, float(n + fixed_tokens), 0, [0.0] * n  # went: each request's rounds
+            for depth, p in enumerate(pool, start=1):  # each depth adds one node to every request with room for it
+                for i, cap in enumerate(caps):
+                    if depth < cap:
+                        r, t, d = r + 1, t + p, d + (depth == 1)
+                        went[i] += q[i][depth - 1]
+                ratio = t / (self.seconds(r) + fixed + self.drafting_seconds(d) + self.round_cost * max(went))
                 if ratio > best_ratio:
                     best_ratio, common = ratio, depth
         taken = [0] * n
         for i, _j in cand[:best_k]:
             taken[i] += 1
-        sizes = [1 + min(common, len(est)) for est in pooled] if common else [1 + t for t in taken]
+        sizes = [1 + min(common, cap - 1) for cap in caps] if common else [1 + t for t in taken]
         for i, st in enumerate(stats):
             # (a request whose drafts keep missing is probed more rarely: on fresh text in a full batch a probe's
             # rows and propose were ~7% of the step time for nothing, benchmarks/results/session10.md)
