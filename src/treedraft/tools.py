@@ -214,16 +214,15 @@ def render_messages(messages: list[dict], tools: Sequence[Tool], mode: str | Non
     for m in messages:
         calls = m.get("tool_calls") or []
         if m["role"] == "assistant" and calls:
+            for c in calls:
+                names[c.get("id", "")] = c["function"]["name"]
             if mode is None:  # the calls are told with their results (below); only the turn's own text stays
                 for c in calls:
-                    names[c.get("id", "")] = c["function"]["name"]
                     args[c.get("id", "")] = json.dumps(_arguments(c), ensure_ascii=False)
                 if (m.get("content") or "").strip():
                     out.append({"role": "assistant", "content": m["content"].strip()})
                 continue
             text = "\n".join(json.dumps({c["function"]["name"]: _arguments(c)}, ensure_ascii=False) for c in calls)
-            for c in calls:
-                names[c.get("id", "")] = c["function"]["name"]
             out.append({"role": "assistant", "content": ((m.get("content") or "") + "\n" + text).strip()})
         elif m["role"] == "tool":  # consecutive results make one user turn (templates may want roles to alternate)
             cid = m.get("tool_call_id") or ""
