@@ -49,18 +49,13 @@ __attribute__((always_inline)) inline __m512i dot_q4(const __m512i* wv, const in
   return _mm512_madd_epi16(s16, _mm512_set1_epi16(1));
 }
 
-// Q8_0 (llama.cpp's signed-by-signed trick: the byte multiplies take one unsigned operand): per 4-k group
-// |w| as the unsigned operand and x with w's sign applied (a masked byte subtract from zero; AVX-512BW has
-// no vpsignb), so |w| * sign(w) x = w x exactly. Without VNNI no saturation needs care: |w| <= 128,
-// |x| <= 127, a pair sums to <= 2 * 128 * 127 = 32512 < 32767; but two pairs can exceed int16, so every
-// vpmaddubsw is widened at once by vpmaddwd with ones. Per (row, block): 8 x (vpbroadcastd load, masked
-// vpsubb, vpmaddubsw, vpmaddwd, vpaddd), against 16 x (vpbroadcastd, vpmaddwd, vpaddd) on sign-extended
-// int16 weights before (~0.8-0.95x the cycles in a one-thread cache-resident A/B); with VNNI, vpdpbusd
-// replaces vpmaddubsw + vpmaddwd + vpaddd.
-template <bool VNNI>
-__attribute__((always_inline)) inline __m512i dot_q8(const __m512i* wa, const __mmask64* neg,
-                                                      const int8_t* xr) {
-  const __m512i zero = _mm512_setzero_si512();
+// Q8_0 without VNNI (llama.cpp's signed-by-signed trick: the byte multiplies take one unsigned operand): per 4-k group
+// |w| as the unsigned operand and x with w's sign applied (a masked byte subtract from zero; AVX-512BW has no vpsignb),
+// so |w| * sign(w) x = w x exactly. |w| <= 128, |x| <= 127: a pair sums to <= 2 * 128 * 127 = 32512 < 32767, but two
+// pairs can exceed int16, so every vpmaddubsw is widened at once by vpmaddwd with ones. Per (row, block): 8 x
+// (vpbroadcastd load, masked vpsubb, vpmaddubsw, vpmaddwd, vpaddd). (VNNI builds: dot_q8_biased.)
+__attribute__((always_inline)) inline __m512i dot_q8(const __m512i* wa, const __mmask64* neg, const int8_t* xr) {
+  const __m512i zero = _mm512_setzero_si512(), ones = _mm512_set1_epi16(1);
   __m512i s0 = zero, s1 = zero;
   _Pragma("GCC unroll 8")
   for (int i = 0; i < 8; i += 2) {
@@ -68,14 +63,6 @@ __attribute__((always_inline)) inline __m512i dot_q8(const __m512i* wa, const __
     const __m512i x1 = _mm512_set1_epi32(load_i32(xr + 4 * i + 4));
     const __m512i y0 = _mm512_mask_sub_epi8(x0, neg[i], zero, x0);
     const __m512i y1 = _mm512_mask_sub_epi8(x1, neg[i + 1], zero, x1);
-#if defined(__AVX512VNNI__)
-    if constexpr (VNNI) {
-      s0 = _mm512_dpbusd_epi32(s0, wa[i], y0);
-      s1 = _mm512_dpbusd_epi32(s1, wa[i + 1], y1);
-      continue;
-    }
-#endif
-    const __m512i ones = _mm512_set1_epi16(1);
     s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(_mm512_maddubs_epi16(wa[i], y0), ones));
     s1 = _mm512_add_epi32(s1, _mm512_madd_epi16(_mm512_maddubs_epi16(wa[i + 1], y1), ones));
   }
@@ -125,7 +112,26 @@ void tile_q4_1_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo, i
   for (int r = 0; r < RB; ++r) store16(out + (int64_t)(r0 + r) * ldo, acc[r], ncols);
 }
 
-// Q8_0 tile: |w| and the sign masks are computed once per block for RB rows.
+// Q8_0 with AVX512_VNNI: w + 128 (w XOR 0x80) as vpdpbusd's unsigned operand, once per block for all RB rows, and the
+// row's int8 codes as the signed one, broadcast straight from memory: sum (w + 128) x = sum w x + 128 sum x, so the
+// exact sum starts from the activation block's -128 sum(q) (Act::n, from the quantization pass) and takes 8 vpdpbusd a
+// row, against dot_q8's 8 x (broadcast, masked vpsubb, vpdpbusd). |sum (w + 128) x| <= 32 * 255 * 127: no overflow.
+__attribute__((always_inline)) inline __m512i dot_q8_biased(const __m512i* wb, const int8_t* xr, int32_t n) {
+#if defined(__AVX512VNNI__)
+  __m512i s0 = _mm512_set1_epi32(n), s1 = _mm512_setzero_si512();
+  _Pragma("GCC unroll 8")
+  for (int i = 0; i < 8; i += 2) {
+    s0 = _mm512_dpbusd_epi32(s0, wb[i], _mm512_set1_epi32(load_i32(xr + 4 * i)));
+    s1 = _mm512_dpbusd_epi32(s1, wb[i + 1], _mm512_set1_epi32(load_i32(xr + 4 * i + 4)));
+  }
+  return _mm512_add_epi32(s0, s1);
+#else
+  (void)wb, (void)xr, (void)n;
+  return _mm512_setzero_si512();
+#endif
+}
+
+// Q8_0 tile: per block |w| and the sign masks (or, with VNNI, w + 128) are computed once for RB rows.
 template <int RB, bool VNNI>
 void tile_q8_0_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo, int ncols) {
   const int pf = g_prefetch_ahead;
@@ -138,20 +144,30 @@ void tile_q8_0_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo, i
       for (int l = 0; l < kQ80Bytes; l += 64)
         _mm_prefetch((const char*)(w + pf + l), _MM_HINT_T0);
     }
-    __m512i wa[8];  // |w| of k = 4i..4i+3, all 16 columns (as unsigned bytes: |-128| = 128)
-    __mmask64 neg[8];  // w < 0
+    __m512i wa[8];  // |w| of k = 4i..4i+3, all 16 columns (as unsigned bytes: |-128| = 128); VNNI: w + 128
+    __mmask64 neg[8];  // w < 0 (without VNNI)
     _Pragma("GCC unroll 8")
     for (int i = 0; i < 8; ++i) {
       const __m512i v = _mm512_loadu_si512((const void*)(w + 64 * i));
-      wa[i] = _mm512_abs_epi8(v);
-      neg[i] = _mm512_movepi8_mask(v);
+      if constexpr (VNNI) {
+        wa[i] = _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
+      } else {
+        wa[i] = _mm512_abs_epi8(v);
+        neg[i] = _mm512_movepi8_mask(v);
+      }
     }
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + 512)));
     const int8_t* xb = a.q + ((int64_t)b * a.M + r0) * kQK;  // row r at xb + 32 r
     const float* db = a.d + (int64_t)b * a.M + r0;
+    const int32_t* nb = a.n + (int64_t)b * a.M + r0;
     _Pragma("GCC unroll 16")
     for (int r = 0; r < RB; ++r) {
-      const __m512 f = _mm512_cvtepi32_ps(dot_q8<VNNI>(wa, neg, xb + r * kQK));
+      __m512i isum;
+      if constexpr (VNNI)
+        isum = dot_q8_biased(wa, xb + r * kQK, nb[r]);
+      else
+        isum = dot_q8(wa, neg, xb + r * kQK);
+      const __m512 f = _mm512_cvtepi32_ps(isum);
       acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(db[r])), acc[r]);
     }
   }

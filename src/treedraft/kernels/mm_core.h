@@ -76,7 +76,7 @@ inline __m512i clamp_round(__m512 v, __m512 nlim, __m512 lim) {
 
 // Quantize one row's block of 32 floats. Identical arithmetic on every path (IEEE division,
 // multiply, round-to-nearest-even), so a row's codes never depend on the path or the batch.
-inline void quantize_block(const float* x, int8_t* q, float* d_out, float* s_out) {
+inline void quantize_block(const float* x, int8_t* q, float* d_out, float* s_out, int32_t* n_out) {
 #if defined(__AVX512F__)
   const __m512 a0 = _mm512_loadu_ps(x), a1 = _mm512_loadu_ps(x + 16);
   const float amax =
@@ -104,6 +104,7 @@ inline void quantize_block(const float* x, int8_t* q, float* d_out, float* s_out
 #endif
   *d_out = d;
   *s_out = d * (float)sum;
+  *n_out = -128 * sum;
 }
 
 #if defined(__AVX512F__)
@@ -126,8 +127,8 @@ inline __m512 transpose_reduce16(const __m512* v, Op op) {
 
 // 16 consecutive blocks of one row (x: 512 floats): quantize_block's arithmetic for each, with the
 // per-block max / sum reductions, the division and the reciprocal done 16 blocks at a time.
-// Block j's codes go to q + j * qstride, its d / s to d_out[j * dstride] / s_out[j * dstride].
-inline void quantize_16blocks(const float* x, int8_t* q, int64_t qstride, float* d_out, float* s_out,
+// Block j's codes go to q + j * qstride, its d / s / n to d_out / s_out / n_out [j * dstride].
+inline void quantize_16blocks(const float* x, int8_t* q, int64_t qstride, float* d_out, float* s_out, int32_t* n_out,
                               int64_t dstride) {
   __m512 v[16];
   for (int j = 0; j < 16; ++j)
@@ -152,11 +153,14 @@ inline void quantize_16blocks(const float* x, int8_t* q, int64_t qstride, float*
     return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
   }));
   alignas(64) float dd[16], ss[16];
+  alignas(64) int32_t nn[16];
   _mm512_store_ps(dd, d);
   _mm512_store_ps(ss, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum)));  // d * (float)sum, |sum| <= 4064: exact
+  _mm512_store_si512((void*)nn, _mm512_mullo_epi32(sum, _mm512_set1_epi32(-128)));
   for (int j = 0; j < 16; ++j) {
     d_out[j * dstride] = dd[j];
     s_out[j * dstride] = ss[j];
+    n_out[j * dstride] = nn[j];
   }
 }
 #endif
@@ -165,6 +169,7 @@ inline void quantize_16blocks(const float* x, int8_t* q, int64_t qstride, float*
 struct ActBuf {
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> n;
   int64_t M = 0, K = 0;
 
   // Sizes the buffers for M rows of length K (a multiple of 32); call before quantize_row.
@@ -174,6 +179,7 @@ struct ActBuf {
     q.resize(rows * len);
     d.resize(rows * (len / kQK));
     s.resize(rows * (len / kQK));
+    n.resize(rows * (len / kQK));
   }
 
   Act view() const {
@@ -184,6 +190,7 @@ struct ActBuf {
     a.q = q.data();
     a.d = d.data();
     a.s = s.data();
+    a.n = n.data();
     return a;
   }
 
@@ -194,10 +201,11 @@ struct ActBuf {
 #if defined(__AVX512F__)
     for (; b + 16 <= B; b += 16)
       quantize_16blocks(x + b * kQK, q.data() + (b * M + m) * kQK, M * kQK, d.data() + b * M + m, s.data() + b * M + m,
-                        M);
+                        n.data() + b * M + m, M);
 #endif
     for (; b < B; ++b)
-      quantize_block(x + b * kQK, q.data() + (b * M + m) * kQK, d.data() + b * M + m, s.data() + b * M + m);
+      quantize_block(x + b * kQK, q.data() + (b * M + m) * kQK, d.data() + b * M + m, s.data() + b * M + m,
+                     n.data() + b * M + m);
   }
 };
 
