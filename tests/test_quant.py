@@ -509,6 +509,37 @@ def test_auto_times_int4_with_its_measured_q4_tiles(tmp_path, monkeypatch) -> No
     assert again["q4_pair"] is False and len(measured) == 1  # reused from the auto measurement
 
 
+def test_auto_times_int4_and_int8_in_alternating_rounds_and_keeps_each_ones_fastest(tmp_path, monkeypatch) -> None:
+    """'auto' times int4 and int8 in alternating rounds and keeps each one's fastest: a burst of load that meets one
+    format's first timing does not decide (timed one after the other, it had made a session-41 Xeon choose int8,
+    whose every forward there is slower)."""
+    from treedraft.models import quant_load
+
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path))
+    monkeypatch.delenv("TREEDRAFT_RETUNE", raising=False)
+    trials: list[torch.nn.Module] = []
+    real_trial = quant_load._trial_model
+    monkeypatch.setattr(quant_load, "_trial_model", lambda *a: trials.append(real_trial(*a)) or trials[-1])
+    calls: list[str] = []
+
+    def fake_time(mods, rows, *a, **k):
+        ids = {id(m) for m in mods}
+        w = next((f for f, t in zip(("int4", "int8"), trials) if ids <= {id(m) for m in t.modules()}), "fp32")
+        calls.append(w)
+        if w == "int4":  # int4 is the faster format, but its first timing meets a burst of load
+            return 0.05 if calls.count("int4") == 1 else 0.001
+        return {"fp32": 1.0, "int8": 0.002}[w]
+
+    monkeypatch.setattr(quant_load, "time_modules", fake_time)
+    monkeypatch.setattr(quant_load, "_top1_agreement", lambda *a, **k: 1.0)
+    info = quant_load.apply_weights(_tiny(), None, "auto", probe_ids=list(range(1, 20)))
+    q = [w for w in calls if w != "fp32"]
+    assert len(q) == 2 * 2 * quant_load.AUTO_ROUNDS  # 1 and 16 rows, both formats, every round
+    assert q[:8] == ["int4", "int4", "int8", "int8", "int8", "int8", "int4", "int4"]  # the order alternates
+    assert info["chosen"] == "int4" and info["resolved"] == "int4"
+    assert info["linear_ms_rows_1_16"]["int4"] == pytest.approx(2.0)  # its fastest round (ms), not the burst's
+
+
 def test_int_weights_elsewhere_name_the_setting_to_change() -> None:
     """int4 / int8 off the own runtime on the CPU in float32: the error names the one setting in the way (it told an hf
     runtime user to pass --device cpu --dtype fp32, which changed nothing)."""
