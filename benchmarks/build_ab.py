@@ -1,14 +1,16 @@
 """Two builds of the native GEMM timed side by side in one process (interleaved per repetition, one thread, thread
 CPU time), and their outputs compared bit for bit: a kernel change's A/B without a second process's noise.
 
-Build each side first (any treedraft command loads, and so builds, the kernel into its cache), e.g. from a worktree of
-the old commit and this checkout:
+Build each side first (importing treedraft.kernels builds the kernel into its cache), e.g. the commit before the
+Q8_0 change (87587f2~1) against this checkout, from the repository root:
 
-    git worktree add /tmp/wt_old HEAD~1
-    (cd /tmp/wt_old && TREEDRAFT_CACHE=/tmp/c_old PYTHONPATH=src ../main/.venv/bin/python -c "import treedraft.kernels as k; k.paths()")
+    git worktree add /tmp/wt_old 87587f2~1
+    TREEDRAFT_CACHE=/tmp/c_old PYTHONPATH=/tmp/wt_old/src .venv/bin/python -c "import treedraft.kernels as k; k.paths()"
     TREEDRAFT_CACHE=/tmp/c_new .venv/bin/python -c "import treedraft.kernels as k; k.paths()"
-    python benchmarks/build_ab.py /tmp/c_old /tmp/c_new --kinds q8_0,q4_1
+    TREEDRAFT_CACHE=/tmp/c_new .venv/bin/python benchmarks/build_ab.py /tmp/c_old /tmp/c_new --kinds q8_0,q4_1
 
+(The test helpers imported for the random weights load this checkout's kernel too: give the script the cache of
+one of the two builds, as above, or it builds a third.)
 Builds are loaded straight from their cache folders (``kernels/<key>/*.so``); -fvisibility=hidden keeps each one's
 thread pool and settings its own.
 """

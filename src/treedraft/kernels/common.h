@@ -38,7 +38,7 @@ struct Act {
   const int8_t* q = nullptr;  // (B, M, 32) quantized values
   const float* d = nullptr;   // (B, M) scales
   const float* s = nullptr;   // (B, M) d * sum(q)
-  const int32_t* n = nullptr;  // (B, M) -128 * sum(q): the bias term of Q8_0's VNNI kernel (kern_avx512.h dot_q8)
+  const int32_t* n = nullptr;  // (B, M) -128 * sum(q): the bias term of Q8_0's VNNI kernel (kern_avx512.h dot_q8_biased)
 };
 
 // Runtime tunables of the matmul, neither changes any result bit (set by qgemm.set_tuning):
