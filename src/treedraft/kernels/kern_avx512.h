@@ -27,18 +27,24 @@ inline void store16(float* dst, __m512 v, int ncols) {
 // With AVX512_VNNI (Ice Lake and later Xeons, AMD Zen 4/5): vpdpbusd multiplies unsigned by signed bytes,
 // sums each group of 4 products and adds to int32 lanes in one instruction: 8 vpdpbusd in two chains +
 // vpaddd against 8 vpmaddubsw + 7 vpaddw + vpmaddwd.
+#if defined(__AVX512VNNI__)
+// init + sum over the block of w (8 vectors of unsigned bytes, k groups as above) times the row's codes xr (signed,
+// broadcast 4 at a time): 8 vpdpbusd in two chains. Shared by Q4_1 (nibbles, init 0) and Q8_0 (dot_q8_biased).
+__attribute__((always_inline)) inline __m512i dot_vnni(const __m512i* w, const int8_t* xr, __m512i init) {
+  __m512i s0 = init, s1 = _mm512_setzero_si512();
+  _Pragma("GCC unroll 8")
+  for (int i = 0; i < 8; i += 2) {
+    s0 = _mm512_dpbusd_epi32(s0, w[i], _mm512_set1_epi32(load_i32(xr + 4 * i)));
+    s1 = _mm512_dpbusd_epi32(s1, w[i + 1], _mm512_set1_epi32(load_i32(xr + 4 * i + 4)));
+  }
+  return _mm512_add_epi32(s0, s1);
+}
+#endif
+
 template <bool VNNI>
 __attribute__((always_inline)) inline __m512i dot_q4(const __m512i* wv, const int8_t* xr) {
 #if defined(__AVX512VNNI__)
-  if constexpr (VNNI) {
-    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < 8; i += 2) {
-      s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(load_i32(xr + 4 * i)));
-      s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(load_i32(xr + 4 * i + 4)));
-    }
-    return _mm512_add_epi32(s0, s1);
-  }
+  if constexpr (VNNI) return dot_vnni(wv, xr, _mm512_setzero_si512());
 #endif
   __m512i xv[8];  // the row's 4-byte groups broadcast (k = 4i.. and 16+4i..)
   _Pragma("GCC unroll 8")
@@ -119,13 +125,7 @@ void tile_q4_1_rb(const uint8_t* w, const Act& a, int r0, float* out, int ldo, i
 // (1.30-1.39x at 1-32 rows on a Sapphire-Rapids-class Xeon). |sum (w + 128) x| <= 32 * 255 * 127: no overflow.
 __attribute__((always_inline)) inline __m512i dot_q8_biased(const __m512i* wb, const int8_t* xr, int32_t n) {
 #if defined(__AVX512VNNI__)
-  __m512i s0 = _mm512_set1_epi32(n), s1 = _mm512_setzero_si512();
-  _Pragma("GCC unroll 8")
-  for (int i = 0; i < 8; i += 2) {
-    s0 = _mm512_dpbusd_epi32(s0, wb[i], _mm512_set1_epi32(load_i32(xr + 4 * i)));
-    s1 = _mm512_dpbusd_epi32(s1, wb[i + 1], _mm512_set1_epi32(load_i32(xr + 4 * i + 4)));
-  }
-  return _mm512_add_epi32(s0, s1);
+  return dot_vnni(wb, xr, _mm512_set1_epi32(n));
 #else
   (void)wb, (void)xr, (void)n;
   return _mm512_setzero_si512();
