@@ -542,6 +542,26 @@ def test_auto_times_int4_and_int8_in_alternating_rounds_and_keeps_each_ones_fast
     assert info["linear_ms_rows_1_16"] == pytest.approx({"fp32": 2000.0, "int4": 1.0, "int8": 2.0})
 
 
+def test_int4_and_int8_targets_get_their_own_latency_curves(tmp_path, monkeypatch) -> None:
+    """The measurement key of a target names its native linears' block formats: int4 and int8 models have the same
+    linear classes and parameters, and shared one cached latency curve (each load's check then measured again)."""
+    import treedraft.kernels as tk
+    from treedraft.models import quant_load
+    from treedraft.training.calibrate import _target_facts
+
+    if not tk.available():
+        pytest.skip("needs the native kernels")
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path))
+    facts = {}
+    for w in ("int4", "int8"):
+        m = _tiny()
+        quant_load.apply_weights(m, None, w)
+        facts[w] = _target_facts(m)
+    assert facts["int4"]["linears"] == facts["int8"]["linears"] == ["NativeLinear"]
+    assert facts["int4"]["packed"] == ["Q4_1"] and facts["int8"]["packed"] == ["Q8_0"]  # (a GGUF int4: + Q8_0)
+    assert "packed" not in _target_facts(_tiny())  # fp32: the key as it was
+
+
 def test_int_weights_elsewhere_name_the_setting_to_change() -> None:
     """int4 / int8 off the own runtime on the CPU in float32: the error names the one setting in the way (it told an hf
     runtime user to pass --device cpu --dtype fp32, which changed nothing)."""

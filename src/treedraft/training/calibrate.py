@@ -183,14 +183,19 @@ def shipped_accuracies(cfg: MedusaConfig) -> list[list[float]] | None:
 def _target_facts(target: object) -> dict[str, Any]:
     """What about a target changes its latency: class, size, dtype, device."""
     params = list(target.parameters()) if callable(getattr(target, "parameters", None)) else []
-    modules = target.modules() if callable(getattr(target, "modules", None)) else ()
+    modules = list(target.modules()) if callable(getattr(target, "modules", None)) else []
     # the linear kernels (fp32 plan, int4/int8 pack, native) change the latency curve as much as the size does
     linears = sorted({type(m).__name__ for m in modules if "Linear" in type(m).__name__})
+    # ... and so do the native linears' block formats: int4 (Q4_1 + a Q8_0 lm_head) and int8 (Q8_0) have the same
+    # linear classes and parameters, and shared one curve file (each load's check found the other's curve and
+    # measured again)
+    packed = sorted({k for m in modules if (k := getattr(getattr(m, "packed", None), "kind_name", None))})
     fused = _fused_decode(target)
     return {
         "target": type(target).__name__,
         "params": sum(p.numel() for p in params),
         "linears": linears,
+        **({"packed": packed} if packed else {}),
         "dtype": str(params[0].dtype) if params else "?",
         # the KV cache's bytes are part of every step (an fp16 cache reads half): a curve per cache dtype
         "kv_dtype": str(getattr(target, "kv_dtype", None)),
