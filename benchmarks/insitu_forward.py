@@ -14,12 +14,10 @@ import collections
 import json
 import statistics
 import time
-from pathlib import Path
 
 import treedraft
+from treedraft.prompts import MT_BENCH_FILE, find_shared_data
 from treedraft.training.calibrate import measure_latency
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
 
 
 def main() -> None:
@@ -29,6 +27,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--methods", default="none,hybrid-suffix")
     args = ap.parse_args()
+    data = find_shared_data(MT_BENCH_FILE)
+    if data is None:
+        raise SystemExit(f"needs ../shared/data/{MT_BENCH_FILE} beside the checkout")
     llm = treedraft.load(weights=args.weights)
     m = llm.model
     rec: dict[int, list[float]] = collections.defaultdict(list)
@@ -41,7 +42,7 @@ def main() -> None:
         return out
 
     m.forward_packed = timed
-    qs = [json.loads(line)["turns"][0] for line in DATA.open()][: args.prompts]
+    qs = [json.loads(line)["turns"][0] for line in data.open() if line.strip()][: args.prompts]
     for meth in args.methods.split(","):
         rec.clear()
         t, n = time.perf_counter(), 0

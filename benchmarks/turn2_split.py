@@ -48,8 +48,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--methods", default="hybrid-draft,hybrid")
     a = ap.parse_args()
+    data = find_shared_data(MT_BENCH_FILE)
+    if data is None:
+        raise SystemExit(f"needs ../shared/data/{MT_BENCH_FILE} beside the checkout")
     llm = treedraft.load(drafter=None, weights=a.weights)
-    data = find_shared_data(MT_BENCH_FILE) or "/work/shared/data/" + MT_BENCH_FILE
     qs = [json.loads(ln) for ln in Path(data).read_text().splitlines() if ln.strip()][: a.prompts]
     methods = a.methods.split(",")
     built = {m: llm.get_drafter(m) for m in methods}
