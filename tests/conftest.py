@@ -20,6 +20,10 @@ _cache_root = os.environ.get("TREEDRAFT_CACHE", os.path.join(os.path.expanduser(
 if os.path.basename(os.path.normpath(_cache_root)) != "tests":  # (xdist workers inherit the controller's setting)
     os.environ["TREEDRAFT_CACHE"] = os.path.join(_cache_root, "tests")
 os.environ["TREEDRAFT_CURVE_CHECK"] = "0"
+# Step costs learned in decoding (treedraft/step_costs.py) are off here too: the learner is shared by every request
+# of a process and takes a one-row step now and then, so two identical requests would verify different trees and
+# the tests that compare their accepted counts could not; test_step_costs.py turns it on.
+os.environ["TREEDRAFT_LEARN_COSTS"] = "0"
 
 # torch's intra-op thread count at startup: what a user and the CLI subprocesses of the tests run with.
 # Per-machine measurements (kernel plan, weights=auto, Medusa tree) are cached per thread count, so a

@@ -333,6 +333,11 @@ class RowBudget:
         return sizes
 
 
+class MeasuredLatency(dict):
+    """rows -> seconds of a forward, as :func:`measured_latency` measured it on one context (a dict that can carry
+    ``learned``: its model's :class:`treedraft.step_costs.StepCosts`)."""
+
+
 class ContextLatency(dict):
     """A latency curve (rows -> seconds of a forward on a ``context``-token cache, the dict itself) that also
     knows the same forward on a longer cache (``long``, at ``long_context`` tokens), so its cost at any context
@@ -385,6 +390,10 @@ class LatencyCurve:
         self._source = latency if isinstance(latency, ContextLatency) else None
         self._lower_hull = lower_hull
         self._by_context: dict[int, LatencyCurve] = {}
+        # a measured curve's learner of decoding's step costs (step_costs.StepCosts): :meth:`at` applies its shape
+        self._learned = getattr(latency, "learned", None)
+        self._points = {int(n): float(t) for n, t in latency.items()}
+        self._version = -1
         pts = sorted((int(n), float(t)) for n, t in latency.items())
         if not pts or pts[0][0] != 1 or any(t <= 0 for _, t in pts):
             raise ValueError(f"the latency curve needs positive times including the one-row forward, got {pts}")
@@ -403,14 +412,26 @@ class LatencyCurve:
 
     def at(self, context: int) -> LatencyCurve:
         """This curve for a forward on a ``context``-token cache (rounded to :data:`CONTEXT_BUCKET` tokens): from
-        its :class:`ContextLatency`, else this curve itself (one measured context: the same curve everywhere)."""
-        if self._source is None:
+        its :class:`ContextLatency`, else this curve itself (one measured context: the same curve everywhere); with
+        the shape decoding's steps taught its learner (:mod:`treedraft.step_costs`), where it has one."""
+        learned = self._learned
+        if self._source is None and learned is None:
             return self
-        key = max(0, int(context)) // CONTEXT_BUCKET * CONTEXT_BUCKET
+        version = learned.version if learned is not None else 0
+        if version != self._version:  # the learned shape moved: every context's curve is built again
+            self._by_context.clear()
+            self._version = version
+        key = 0 if self._source is None else max(0, int(context)) // CONTEXT_BUCKET * CONTEXT_BUCKET
         curve = self._by_context.get(key)
         if curve is None:
+            pts = self._points if self._source is None else self._source.at(key)
+            hull = self._lower_hull
+            if learned is not None and learned.active:
+                # decoding's own costs: kept as met (a second row may cost more than the next ones), not smoothed
+                # as a measurement that load could only have slowed
+                pts, hull = learned.adjust(pts), False
             curve = object.__new__(type(self))  # the same kind of curve (a subclass's smoothing) at that context
-            LatencyCurve.__init__(curve, self._source.at(key), self._lower_hull)
+            LatencyCurve.__init__(curve, pts, hull)
             self._by_context[key] = curve
         return curve
 
@@ -571,6 +592,7 @@ def measured_latency(model: Any) -> dict[int, float]:
     """
     from .interfaces import target_device
     from .models.plan import cached_measurement, measurement_path
+    from .step_costs import learning_enabled, step_costs_for
     from .training.calibrate import LATENCY_METHOD, _target_facts, latency_sizes, measure_latency
 
     room = getattr(model, "max_seq_len", 512)
@@ -621,12 +643,17 @@ def measured_latency(model: Any) -> dict[int, float]:
 
     lat = cached_measurement(STEP_ROWS_KIND, key, measure, load, dev, stale)
     _checked.add(f)  # measured just now, or checked
+    out: MeasuredLatency | ContextLatency
     if long < 2 * short:  # a small cache: one context is all there is
-        return lat
-    at_long = cached_measurement(
-        STEP_ROWS_KIND, {**key, "context": long}, lambda: measure(long), load, dev, lambda _: bool(replaced)
-    )
-    return ContextLatency(lat, short, at_long, long)
+        out = MeasuredLatency(lat)
+    else:
+        at_long = cached_measurement(
+            STEP_ROWS_KIND, {**key, "context": long}, lambda: measure(long), load, dev, lambda _: bool(replaced)
+        )
+        out = ContextLatency(lat, short, at_long, long)
+    if learning_enabled():  # decoding's own step times correct the curve's shape (step_costs.py)
+        out.learned = step_costs_for(model, out)
+    return out
 
 
 def measured_step_rows(model: Any, factor: float = STEP_ROWS_FACTOR) -> int:

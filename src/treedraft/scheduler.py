@@ -37,6 +37,7 @@ from .interfaces import DraftContext, Drafter, GenerationError, request_drafter
 from .logprobs import Committed, token_logprobs
 from .penalties import PenaltyState, penalize_
 from .prefix_cache import PrefixCache
+from .step_costs import StepCosts, step_costs_of
 from .tree import TokenTree, TreeError, full_attention_mask
 from .verify import accept, coupling_seed, sample_token, uses_coupling
 
@@ -202,6 +203,9 @@ class Scheduler:
         self.prefix_cache = PrefixCache(prefix_cache_bytes, align) if prefix_cache_bytes > 0 else None
         self._sized = False
         self._prev: tuple[float, int, float] | None = None  # (start, rows, drafting s) of the last sized step
+        # this step's learner of the forward's cost in decoding (step_costs.py): set when one drafting request's
+        # tree is verified alone
+        self._learn: StepCosts | None = None
         self.active: list[Request] = []
         self._torch_threads: int | None = host_torch_threads(engine.model)
         self.last_step = StepTimes()  # timings of the latest step (benchmarks, metrics)
@@ -312,7 +316,9 @@ class Scheduler:
         root = req.tokens[-1]
         paused = req.pause > 0
         req.pause -= paused
-        if req.drafter is not None and budget > 1 and max_depth > 0 and not paused:
+        # a one-row step now and then, so the learner knows what the root alone costs here (step_costs.py)
+        explore = self._learn is not None and self._learn.explore_due()
+        if req.drafter is not None and budget > 1 and max_depth > 0 and not paused and not explore:
             s = req.config.sampling
             ctx = DraftContext(
                 req.tokens,
@@ -369,6 +375,8 @@ class Scheduler:
         decoding = [r for r in self.active if not r.prefilling and not r.done and r.first_logits is None]
         prefill_rows = sum(len(c.tokens) for c in chunks)
         budgets = self._budgets(decoding, prefill_rows)
+        learn = step_costs_of(self.engine.model) if len(decoding) == 1 and not chunks else None
+        self._learn = learn if learn is not None and learn.enabled and decoding[0].drafter is not None else None
         total = prefill_rows + sum(budgets)
         fixed = self.budget.overhead if self._sized and self.budget is not None else 0.0
         plan: list[_Rows] = []
@@ -498,6 +506,8 @@ class Scheduler:
             if new or p.req.error is not None:
                 out.append((p.req, new))
         te = time.perf_counter()
+        if self._learn is not None and len(plan) == 1:  # one request's tree alone: what its rows cost in decoding
+            self._learn.observe(len(plan[0].tokens), plan[0].start, te - tv)  # (the forward and the acceptance)
         t_draft = sum(p.t_draft for p in plan)
         rows = sum(len(p.tokens) for p in plan)
         if self._sized:

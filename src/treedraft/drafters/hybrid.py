@@ -30,6 +30,7 @@ changes the output distribution. Such trees are refused with a :class:`TreeError
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -175,6 +176,11 @@ class HybridDrafter:
                 cost = (
                     [per_k(k) for k in range(1, len(values) + 1)] if callable(per_k) else getattr(d, "draft_cost", 0.0)
                 )
+                # a one-call propose (the heads) priced as decoding timed it, once known (step_costs.py)
+                learned = None if callable(per_k) else getattr(self.latency, "learned", None)
+                name = getattr(d, "name", type(d).__name__)
+                seen = None if learned is None else learned.draft_cost(name)
+                cost = cost if seen is None else seen
                 # in a batched step the member's rows and its propose delay the whole step (ctx.step_*)
                 # priced on the curve at this request's context (a longer cache: dearer rows, budget.ContextLatency)
                 curve = self._curve.at(len(ctx.tokens))
@@ -182,7 +188,10 @@ class HybridDrafter:
                 if k == 0:
                     trees[i] = _idle(d, ctx, stub)
                 else:
+                    t0 = time.perf_counter()
                     trees[i] = yield from propose_steps(d, dataclasses.replace(ctx, max_nodes=k + 1))
+                    if learned is not None:
+                        learned.observe_draft(name, time.perf_counter() - t0)
             else:
                 trees[i] = yield from propose_steps(d, ctx)
         return self._merge([t for t in trees if t is not None], lead, ctx)

@@ -1,0 +1,114 @@
+"""Step costs learned in decoding (``treedraft/step_costs.py``) on and off, side by side in one process.
+
+Per MT-Bench question (every one of the first ``--prompts``, ``--rounds`` times): plain decoding, then each method with
+the learner on and off, in a shuffled order (seeded), each generation with a fresh drafter (nothing learned from the
+earlier requests' outputs). What was learned is kept across generations, as in a long-lived process; "off" only
+stops using and feeding it (``StepCosts.set_enabled``). ``prompt-lookup`` is not sized on the curve: it is the
+control, its on/off ratio is the noise of the comparison. ``--turn 2``: the second turns, with the model's own
+greedy first answer (``--tokens`` long) in the context. Prints tokens/s, x plain, tokens per step, the median of the
+per-question on/off ratios, the learned shape and whether every output equals plain decoding's.
+
+    python benchmarks/learned_costs_ab.py [--weights int4] [--prompts 10] [--tokens 256] [--rounds 3] [--turn 1]
+        [--methods hybrid-suffix,prompt-lookup]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import statistics
+import subprocess
+
+from turn2_ceiling import second_turn  # benchmarks/ is on sys.path when run as a script
+
+import treedraft
+from treedraft.drafters.hybrid import fresh_copy
+from treedraft.engine import GenerationConfig
+from treedraft.prompts import MT_BENCH_FILE, find_shared_data
+from treedraft.step_costs import step_costs_of
+
+
+def cpu_name() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--weights", default="int4")
+    ap.add_argument("--prompts", type=int, default=10)
+    ap.add_argument("--start", type=int, default=0, help="first question index")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--turn", type=int, choices=(1, 2), default=1)
+    ap.add_argument("--methods", default="hybrid-suffix,prompt-lookup")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    data = find_shared_data(MT_BENCH_FILE)
+    if data is None:
+        raise SystemExit(f"needs ../shared/data/{MT_BENCH_FILE} beside the checkout")
+    qs = [json.loads(line) for line in open(data)][a.start : a.start + a.prompts]
+    llm = treedraft.load(weights=a.weights)
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    base = {m: llm.get_drafter(m) for m in methods}
+    costs = step_costs_of(llm.model)
+    if costs is None:
+        raise SystemExit("no learner: none of --methods is sized on the latency curve, or TREEDRAFT_LEARN_COSTS=0")
+    if a.turn == 2:
+        prompts = [llm.encode_prompt(second_turn(llm, q, a.tokens)[1]) for q in qs]
+    else:
+        prompts = [llm.encode_prompt([{"role": "user", "content": q["turns"][0]}]) for q in qs]
+    print(f"CPU {cpu_name()}; weights {a.weights}; turn {a.turn}; {len(prompts)} prompts x {a.tokens} x {a.rounds}")
+    cfg = GenerationConfig(max_new_tokens=a.tokens)
+    rng = random.Random(a.seed)
+    tot: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0, 0])
+    pair: dict[str, list[float]] = collections.defaultdict(list)  # per question: on / off tokens/s
+    ref: dict[int, list[int]] = {}
+    mismatches = 0
+
+    def run(i: int, method: str | None) -> float:
+        nonlocal mismatches
+        res = llm.engine.generate(prompts[i], cfg, None if method is None else fresh_copy(base[method]))
+        ref.setdefault(i, res.token_ids)
+        mismatches += res.token_ids != ref[i]
+        s = res.stats
+        key = "plain" if method is None else method + (" on" if costs.enabled else " off")
+        t = tot[key]
+        t[0], t[1], t[2] = t[0] + s.t_decode, t[1] + s.new_tokens, t[2] + len(s.steps)
+        return s.new_tokens / s.t_decode
+
+    for r in range(a.rounds):
+        for i in range(len(prompts)):
+            run(i, None)
+            order = [(m, on) for m in methods for on in (False, True)]
+            rng.shuffle(order)
+            got = {}
+            for m, on in order:
+                costs.set_enabled(on)
+                got[m, on] = run(i, m)
+            for m in methods:
+                pair[m].append(got[m, True] / got[m, False])
+        costs.set_enabled(True)
+        p = tot["plain"][1] / tot["plain"][0]
+        print(f"after round {r + 1}:")
+        for k, (t, n, steps) in tot.items():
+            print(f"  {k:22s} {n / t:7.1f} tok/s  {n / t / p:.3f}x plain  {n / steps:.2f} tokens/step")
+        for m in methods:
+            print(f"  {m}: on / off per question, median {statistics.median(pair[m]):.3f} ({len(pair[m])} pairs)")
+        shape = costs.shape()
+        if shape is not None:
+            pts = dict(zip(costs.sizes.astype(int).tolist(), shape.round(2).tolist()))
+            print(f"  learned shape (x the curve's, one row = 1): {pts}; observations {costs.weight.round().tolist()}")
+        for name in ("medusa",):
+            got_cost, curve_1 = costs.draft_cost(name), float(costs.prior[1])
+            if got_cost is not None:
+                print(
+                    f"  {name} propose on the curve's scale: {got_cost * 1e3:.2f} ms (one row {curve_1 * 1e3:.2f} ms)"
+                )
+    print(f"outputs = plain: {'all' if mismatches == 0 else f'{mismatches} MISMATCHES'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Forward costs as decoding meets them: the measured latency curve's shape corrected by the steps' own timings.
+
+The drafters size their trees on the target's latency curve (:func:`treedraft.budget.measured_latency`): every row
+count timed once per round, interleaved, the fastest of a few rounds. On some CPUs a forward's cost depends on what ran
+before it, and the curve's shape is not the one decoding sees. Session 41's Xeon (L3 300 MB shared, int4 weights
+96 MB): a one-row forward after a pause or after multi-row forwards took 6-7 ms and fell to ~3.5 ms only after 20-30
+back-to-back ones; the cached curve read 5.55 ms for one row and 6.71 ms for four (1.21x), while in decoding the
+default's four-row steps took 5.1 ms against plain's one-row 3.2 ms (1.6x). Trees sized on the curve bought rows at
+a fraction of their price (``benchmarks/insitu_forward.py``, ``benchmarks/results/session41.md``).
+
+:class:`StepCosts` learns, per measured row count, the ratio of what such a step cost in decoding (its forward and its
+acceptance: a tree's acceptance walk costs more than a one-row step's draw) to the curve's forward time (at that step's
+context: :class:`treedraft.budget.ContextLatency`), as a decayed mean of log ratios, and gives the curve back
+with its shape corrected: each size's time x its ratio / the one-row ratio. The one-row point keeps the measured time,
+so every cost priced on the curve's scale (EAGLE's drafting, measured against a one-row forward) stays on it; only
+the relative price of extra rows changes. The paid hybrids' Medusa heads are priced by their proposes as decoding
+times them, put on the curve's scale the same way (:meth:`StepCosts.draft_cost`): on session 42's Xeon a propose cost
+0.17 one-row forwards inside decoding where the cached measurement said 0.05. A drafter that always drafts never runs a one-row
+step, so the scheduler asks :meth:`StepCosts.explore_due` and verifies the root alone (no drafting) once every
+:data:`EXPLORE_WARM` steps until the one-row ratio has :data:`MIN_WEIGHT` observations, then once every
+:data:`EXPLORE_EVERY`: such a step still yields its token at plain decoding's rate, so it costs at most the difference
+between the two rates on one step in 64.
+
+Only steps that verify one request's tree alone (no other request's rows, no prefill chunk in the forward) are
+observed, and only requests that draft: plain decoding's back-to-back one-row forwards are another regime.
+``TREEDRAFT_LEARN_COSTS=0`` turns it off (the curve as measured, no exploration steps).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+MIN_WEIGHT = 4.0  # observations before a size's ratio is used (the one-row ratio: before any correction is made)
+ALPHA = 1.0 / 16  # weight of a new observation once a size has 1 / ALPHA of them (a running mean before)
+MAX_STEP = math.log(2.0)  # an observation moves a warmed-up size's log ratio by at most this (a paused step)
+UPDATE_EVERY = 8  # observations between two versions of the corrected curve (the drafters' tables are rebuilt)
+EXPLORE_WARM = 8  # a one-row step at least this often until the one-row ratio is known
+EXPLORE_EVERY = 64  # then at least this often
+RATIO_RANGE = (0.5, 4.0)  # bounds of a size's corrected / measured shape
+
+
+def learning_enabled() -> bool:
+    """False when ``TREEDRAFT_LEARN_COSTS`` is 0/false/no/off (the measured curve is used as it is)."""
+    return os.environ.get("TREEDRAFT_LEARN_COSTS", "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+class StepCosts:
+    """The forward's cost by rows as decoding meets it, learned over a measured ``prior`` curve (rows -> seconds, a
+    plain mapping or a :class:`treedraft.budget.ContextLatency`); see the module docstring."""
+
+    def __init__(self, prior: Mapping[int, float]) -> None:
+        pts = sorted(int(n) for n in prior)
+        if not pts or pts[0] != 1:
+            raise ValueError(f"the latency curve needs the one-row forward, got sizes {pts}")
+        self.prior = prior
+        self.sizes = np.array(pts, dtype=np.float64)
+        self.log_ratio = np.zeros(len(pts))
+        self.weight = np.zeros(len(pts))
+        self.version = 0  # bumped when the corrected shape changes (curves rebuild their tables)
+        self.enabled = learning_enabled()
+        self._pending = 0
+        self._since_one = 0  # observed steps since the last one-row one
+        self._shape: np.ndarray | None = None  # corrected / measured, per size; None: not known yet
+        self._by_context: dict[int, Mapping[int, float]] = {}
+        self._drafting: dict[str, list[float]] = {}  # member name -> [observations, mean seconds]
+
+    # -- learning -------------------------------------------------------------------------------------------
+    def _prior_at(self, context: int) -> Mapping[int, float]:
+        at = getattr(self.prior, "at", None)
+        if at is None:
+            return self.prior
+        key = max(0, int(context)) // 32 * 32  # (budget.CONTEXT_BUCKET)
+        got = self._by_context.get(key)
+        if got is None:
+            got = self._by_context[key] = at(key)
+        return got
+
+    def observe(self, rows: int, context: int, seconds: float) -> None:
+        """A step of ``rows`` rows on a ``context``-token cache took ``seconds`` inside decoding (its forward and its
+        acceptance; its drafting is priced apart)."""
+        from .budget import interpolate
+
+        if not self.enabled or rows < 1 or not seconds > 0:
+            return
+        expected = interpolate(dict(self._prior_at(context)), rows)
+        if not expected > 0:
+            return
+        x = math.log(seconds / expected)
+        i = int(np.searchsorted(self.sizes, rows))
+        if i < len(self.sizes) and self.sizes[i] == rows:
+            parts = [(i, 1.0)]
+        elif i == 0 or i >= len(self.sizes):
+            parts = [(min(i, len(self.sizes) - 1), 1.0)]
+        else:  # between two measured sizes: shared by distance
+            lo, hi = self.sizes[i - 1], self.sizes[i]
+            parts = [(i - 1, (hi - rows) / (hi - lo)), (i, (rows - lo) / (hi - lo))]
+        for j, w in parts:
+            if w <= 0:
+                continue
+            n = self.weight[j]
+            if n >= MIN_WEIGHT:  # warmed up: a paused or preempted step moves it only so far
+                x_j = min(max(x, self.log_ratio[j] - MAX_STEP), self.log_ratio[j] + MAX_STEP)
+            else:
+                x_j = x
+            self.weight[j] = n + w
+            rate = max(w / self.weight[j], ALPHA * w)
+            self.log_ratio[j] += rate * (x_j - self.log_ratio[j])
+        self._since_one = 0 if rows == 1 else self._since_one + 1
+        self._pending += 1
+        if self._pending >= UPDATE_EVERY:
+            self._pending = 0
+            self._refresh()
+
+    def observe_draft(self, name: str, seconds: float) -> None:
+        """A paid drafter ``name`` (the hybrid's Medusa heads) took ``seconds`` to propose inside decoding."""
+        if not self.enabled or not seconds > 0:
+            return
+        got = self._drafting.setdefault(name, [0.0, 0.0])
+        n, mean = got
+        if n >= MIN_WEIGHT:  # a preempted propose moves it only so far
+            seconds = min(seconds, 2.0 * mean)
+        got[0] = n + 1
+        got[1] = mean + max(1.0 / got[0], ALPHA) * (seconds - mean)
+
+    def draft_cost(self, name: str) -> float | None:
+        """``name``'s propose on the measured curve's scale (seconds x the curve's one-row time / decoding's), as
+        decoding met it: what the hybrid weighs against the rows its nodes would add; None until known."""
+        got = self._drafting.get(name)
+        if not self.enabled or got is None or got[0] < MIN_WEIGHT or self.weight[0] < MIN_WEIGHT:
+            return None
+        return got[1] * math.exp(-self.log_ratio[0])
+
+    def explore_due(self) -> bool:
+        """Whether the next observed step should verify the root alone (a one-row step: the anchor of the shape)."""
+        if not self.enabled:
+            return False
+        every = EXPLORE_EVERY if self.weight[0] >= MIN_WEIGHT else EXPLORE_WARM
+        return self._since_one >= every - 1
+
+    def _refresh(self) -> None:
+        shape = self.shape()
+        if shape is None and self._shape is None:
+            return
+        if shape is not None and self._shape is not None and np.allclose(shape, self._shape, rtol=1e-3):
+            return
+        self._shape = shape
+        self.version += 1
+
+    def shape(self) -> np.ndarray | None:
+        """Per measured size, decoding's time / the curve's, relative to the one-row point's: sizes with too few
+        observations interpolated between their known neighbours (beyond the largest known one: its value); None
+        until the one-row point and one other size are known."""
+        known = self.weight >= MIN_WEIGHT
+        if not known[0] or known.sum() < 2:
+            return None
+        rel = np.exp(self.log_ratio - self.log_ratio[0])
+        xs, ys = self.sizes[known], rel[known]
+        out = np.interp(self.sizes, xs, ys)  # (np.interp holds the end values beyond the known range)
+        return np.clip(out, *RATIO_RANGE)
+
+    def set_enabled(self, on: bool) -> None:
+        """Learn and apply (True) or leave the curve as measured (False); what was learned is kept (benchmarks
+        compare both in one process)."""
+        self.enabled = bool(on)
+        self.version += 1
+
+    # -- use --------------------------------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        """Whether :meth:`adjust` changes a curve (learning on and a shape known)."""
+        return self.enabled and self._shape is not None
+
+    def adjust(self, latency: Mapping[int, float]) -> dict[int, float]:
+        """``latency`` (rows -> seconds, this curve's sizes or some of them) with the learned shape; as it is while
+        none is known or learning is off."""
+        out = {int(n): float(t) for n, t in latency.items()}
+        if not self.active:
+            return out
+        for n in out:
+            out[n] *= float(np.interp(n, self.sizes, self._shape))
+        return out
+
+
+_learned: weakref.WeakKeyDictionary[Any, StepCosts] = weakref.WeakKeyDictionary()
+
+
+def step_costs_for(model: Any, prior: Mapping[int, float]) -> StepCosts:
+    """The model's learner (one per target model and process, shared by every drafter sized on its curve): kept
+    while its prior is the same curve, a new one when the curve was measured again."""
+    got = _learned.get(model)
+    same = (
+        got is not None
+        and dict(got.prior) == dict(prior)
+        and getattr(got.prior, "long", None) == getattr(prior, "long", None)
+    )
+    if not same:
+        got = _learned[model] = StepCosts(prior)
+    return got
+
+
+def step_costs_of(model: Any) -> StepCosts | None:
+    """The model's learner, if a drafter sized on its measured curve made one (else None: nothing to learn for)."""
+    try:
+        return _learned.get(model)
+    except TypeError:  # not weak-referenceable: never had one
+        return None

@@ -1,0 +1,238 @@
+"""Step costs learned in decoding (step_costs.py): the measured curve's shape corrected by the steps' own timings."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from treedraft import step_costs
+from treedraft.budget import ContextLatency, LatencyCurve, MeasuredLatency
+from treedraft.drafters.hybrid import HybridDrafter
+from treedraft.engine import Engine, GenerationConfig
+from treedraft.interfaces import DraftContext
+from treedraft.models.tiny import tiny_llama
+from treedraft.step_costs import EXPLORE_EVERY, EXPLORE_WARM, MIN_WEIGHT, StepCosts, step_costs_of
+from treedraft.tree import TokenTree
+
+
+@pytest.fixture(autouse=True)
+def _learning_on(monkeypatch) -> None:
+    monkeypatch.setenv("TREEDRAFT_LEARN_COSTS", "1")  # (the suite's conftest turns it off elsewhere)
+
+
+PRIOR = {1: 10.0, 2: 11.0, 4: 12.0, 8: 16.0}  # measured cold: extra rows look cheap
+TRUE = {1: 5.0, 2: 7.0, 4: 9.0, 8: 12.0}  # what decoding meets: relative to one row, 1.4x / 1.8x / 2.4x
+
+
+def _learned(prior=PRIOR, truth=TRUE, reps: int = 20) -> tuple[MeasuredLatency, StepCosts]:
+    lat = MeasuredLatency(prior)
+    lat.learned = costs = StepCosts(lat)
+    for _ in range(reps):
+        for n, t in truth.items():
+            costs.observe(n, 100, t)
+    return lat, costs
+
+
+def test_the_learned_curve_keeps_the_one_row_time_and_takes_decodings_shape() -> None:
+    lat, costs = _learned()
+    assert costs.shape() == pytest.approx([1.0, 1.4 / 1.1, 1.8 / 1.2, 2.4 / 1.6])
+    curve = LatencyCurve(lat).at(100)
+    # decoding's relative costs on the measured one-row time: 10, 14, 18, 24 (3 rows between 2 and 4)
+    assert [float(curve(n)) for n in (1, 2, 3, 4, 8)] == pytest.approx([10.0, 14.0, 16.0, 18.0, 24.0])
+    # the plain curve and a disabled learner: as measured
+    assert float(LatencyCurve(PRIOR).at(100)(4)) == 12.0
+    costs.set_enabled(False)
+    assert float(LatencyCurve(lat).at(100)(4)) == pytest.approx(12.0)
+    costs.set_enabled(True)
+    assert float(LatencyCurve(lat).at(100)(4)) == pytest.approx(18.0)
+
+
+def test_no_correction_until_the_one_row_cost_and_another_size_are_known() -> None:
+    lat, costs = _learned(truth={2: 7.0, 4: 9.0})  # a drafter that always drafts: no one-row step seen
+    assert costs.shape() is None and costs.version == 0
+    assert float(LatencyCurve(lat).at(0)(4)) == 12.0
+    for _ in range(int(MIN_WEIGHT)):
+        costs.observe(1, 100, 5.0)
+    for _ in range(8):  # the next version comes with the next batch of observations
+        costs.observe(4, 100, 9.0)
+    assert costs.version >= 1 and float(LatencyCurve(lat).at(0)(4)) == pytest.approx(18.0)
+    # a size never observed takes its nearest known neighbours' correction (beyond the largest: held)
+    assert float(LatencyCurve(lat).at(0)(8)) == pytest.approx(16.0 * 1.8 / 1.2)
+
+
+def test_a_size_between_measured_ones_is_shared_by_distance() -> None:
+    costs = StepCosts(PRIOR)
+    costs.observe(3, 0, 11.5 * 2)  # 3 rows: prior 11.5 (between 2 and 4), took twice that
+    assert costs.weight.tolist() == [0.0, 0.5, 0.5, 0.0]
+    assert costs.log_ratio[1] == pytest.approx(math.log(2)) and costs.log_ratio[2] == pytest.approx(math.log(2))
+    costs.observe(64, 0, 16.0 * 8)  # beyond the largest size: the largest one's
+    assert costs.weight[3] == 1.0
+
+
+def test_a_paused_step_moves_a_known_ratio_only_so_far() -> None:
+    _, costs = _learned()
+    before = costs.log_ratio[0]
+    costs.observe(1, 100, 5.0 * 1000)  # preempted for a long time
+    assert costs.log_ratio[0] - before <= step_costs.ALPHA * step_costs.MAX_STEP + 1e-12
+    # and nonsense is ignored
+    w = costs.weight.copy()
+    costs.observe(0, 100, 1.0)
+    costs.observe(2, 100, 0.0)
+    assert (costs.weight == w).all()
+
+
+def test_observations_are_relative_to_the_curve_at_their_context() -> None:
+    long = {1: 20.0, 2: 24.0, 4: 30.0, 8: 48.0}
+    lat = ContextLatency(PRIOR, 256, long, 1024)
+    costs = StepCosts(lat)
+    for _ in range(10):
+        costs.observe(1, 1024, 20.0)  # exactly the curve at 1,024 tokens
+        costs.observe(4, 1024, 30.0)
+    assert costs.shape() == pytest.approx([1.0, 1.0, 1.0, 1.0])
+    for _ in range(40):
+        costs.observe(4, 256, 24.0)  # twice the short curve's 4 rows (12)
+    assert costs.shape()[2] > 1.5
+
+
+def test_one_row_steps_are_asked_for_until_known_then_seldom() -> None:
+    costs = StepCosts(PRIOR)
+    due = []
+    for _ in range(3 * EXPLORE_WARM):
+        due.append(costs.explore_due())
+        costs.observe(1 if due[-1] else 4, 0, 12.0 if not due[-1] else 10.0)
+    assert due.count(True) == 3 and due[EXPLORE_WARM - 1] and not any(due[: EXPLORE_WARM - 1])
+    for _ in range(int(MIN_WEIGHT)):
+        costs.observe(1, 0, 10.0)
+    gaps = 0
+    while not costs.explore_due():
+        costs.observe(4, 0, 12.0)
+        gaps += 1
+    assert gaps == EXPLORE_EVERY - 1
+    costs.set_enabled(False)
+    assert not costs.explore_due()
+
+
+def test_the_heads_drafting_is_priced_as_decoding_timed_it_on_the_curves_scale() -> None:
+    _, costs = _learned()  # decoding's one-row forward: half the curve's
+    assert costs.draft_cost("heads") is None
+    for _ in range(int(MIN_WEIGHT)):
+        costs.observe_draft("heads", 1.5)
+    assert costs.draft_cost("heads") == pytest.approx(3.0)  # 1.5 s next to a 5 s forward = 3 s next to 10 s
+    costs.observe_draft("heads", 1000.0)  # one preempted propose: at most twice the mean
+    assert costs.draft_cost("heads") <= 3.0 * 2
+
+
+class Paid:
+    name = "heads"
+
+    def __init__(self) -> None:
+        self.draft_cost, self.asked = 0.1, 0
+
+    def node_values(self, max_depth: int) -> list[float]:
+        return [0.5]
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        self.asked += 1
+        return TokenTree((ctx.root, 100), (-1, 0))
+
+
+def test_the_hybrid_stops_running_heads_that_decoding_found_dear() -> None:
+    lat, costs = _learned(truth={1: 10.0, 2: 11.0, 4: 12.0, 8: 16.0})  # the curve is right
+    paid = Paid()
+    h = HybridDrafter([paid], latency=lat)
+    ctx = DraftContext([1, 2, 3], None, max_nodes=8, max_depth=4)
+    for _ in range(int(MIN_WEIGHT)):  # cheap enough: 1.5 tokens / (11 + 0.1) > 1 / 10; its proposes are timed
+        assert h.propose(ctx).tokens == (3, 100)
+    assert paid.asked == int(MIN_WEIGHT) and costs.draft_cost("heads") is not None
+    for _ in range(300):  # decoding says a propose costs two forwards (a jump from microseconds: followed gradually)
+        costs.observe_draft("heads", 20.0)
+    assert costs.draft_cost("heads") == pytest.approx(20.0, rel=0.01)
+    assert h.propose(ctx).tokens == (3,) and paid.asked == int(MIN_WEIGHT)
+
+
+class Oracle:
+    """Drafts the next three tokens of a known greedy output (always accepted: no backoff pauses its drafting)."""
+
+    name = "oracle"
+
+    def __init__(self, latency, prompt: list[int], output: list[int]) -> None:
+        self.curve, self.prompt, self.output = LatencyCurve(latency), prompt, output
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        self.curve.at(len(ctx.tokens))  # a drafter sized on the curve
+        k = len(ctx.tokens) - len(self.prompt)  # output tokens committed so far (the root is the last)
+        nxt = self.output[k : k + min(3, ctx.max_nodes - 1, ctx.max_depth)]
+        return TokenTree((ctx.root, *nxt), (-1, *range(len(nxt))))
+
+
+def test_decoding_teaches_the_models_learner_and_takes_one_row_steps_greedy_unchanged() -> None:
+    m = tiny_llama()
+    lat = MeasuredLatency({1: 1e-3, 2: 1.1e-3, 4: 1.2e-3, 8: 1.6e-3})
+    lat.learned = step_costs.step_costs_for(m, lat)
+    assert step_costs_of(m) is lat.learned and step_costs.step_costs_for(m, MeasuredLatency(lat)) is lat.learned
+    prompt, cfg = [1, 5, 9, 5, 9, 5, 9, 3, 5], GenerationConfig(max_new_tokens=80)
+    plain = Engine(m).generate(prompt, cfg, None).token_ids
+    assert lat.learned.weight.sum() == 0  # plain decoding is not observed
+    out = Engine(m).generate(prompt, cfg, Oracle(lat, prompt, plain))
+    assert out.token_ids == plain
+    steps = out.stats.steps
+    assert lat.learned.weight.sum() == pytest.approx(len(steps))  # every verify step observed
+    one_row = [i for i, s in enumerate(steps[:-1]) if s.tree_size == 1]
+    # the drafter always drafts: the one-row steps are the ones the scheduler asked for, every EXPLORE_WARM-th
+    assert one_row == list(range(EXPLORE_WARM - 1, len(steps) - 1, EXPLORE_WARM))[: len(one_row)]
+    assert len(one_row) >= 2
+    # two requests in one forward: not observed (another regime), no exploration
+    from treedraft.scheduler import Scheduler
+
+    seen = lat.learned.weight.sum()
+    sched = Scheduler(Engine(m), step_rows=16)
+    reqs = [sched.add(prompt, cfg, Oracle(lat, prompt, plain)), sched.add(prompt, cfg, Oracle(lat, prompt, plain))]
+    while not all(r.done for r in reqs):
+        sched.step()
+    assert lat.learned.weight.sum() == seen and all(s.tree_size > 1 for r in reqs for s in r.stats.steps[:-1])
+    # off: nothing learned, no one-row steps asked for
+    lat.learned.set_enabled(False)
+    again = Engine(m).generate(prompt, cfg, Oracle(lat, prompt, plain))
+    assert again.token_ids == plain
+    assert lat.learned.weight.sum() == seen and all(s.tree_size > 1 for s in again.stats.steps[:-1])
+
+
+def test_measured_latency_carries_the_learner_unless_turned_off(monkeypatch, tmp_path) -> None:
+    from treedraft import budget
+
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setattr(
+        "treedraft.training.calibrate.measure_latency",
+        lambda model, ctx, sizes, reps=5: {n: 1e-3 * (1 + n / 8) for n in sizes},
+    )
+    m = tiny_llama()
+    lat = budget.measured_latency(m)
+    assert isinstance(lat.learned, StepCosts) and step_costs_of(m) is lat.learned
+    assert budget.measured_latency(m).learned is lat.learned  # one learner per model and curve
+    monkeypatch.setenv("TREEDRAFT_LEARN_COSTS", "0")
+    m2 = tiny_llama()
+    assert getattr(budget.measured_latency(m2), "learned", None) is None and step_costs_of(m2) is None
+
+
+def test_the_default_drafter_learning_on_the_real_model_keeps_greedy_output(smollm_int4) -> None:
+    """The shipped default (``hybrid-suffix``: heads paid, suffix sized on the curve) with learning on, on the bundled
+    model: the learner is fed and corrects the curve, one-row steps are taken, and the text is plain decoding's."""
+    from treedraft.drafters import registry
+
+    llm = smollm_int4
+    d = registry.build("hybrid-suffix", llm.model, llm.tokenizer, llm.drafters.options)
+    costs = d.latency.learned
+    assert isinstance(costs, StepCosts) and step_costs_of(llm.model) is costs
+    prompt = llm.encode_prompt([{"role": "user", "content": "Write three sentences about the sea."}])
+    cfg = GenerationConfig(max_new_tokens=96)
+    plain = llm.engine.generate(prompt, cfg, None).token_ids
+    seen = costs.weight.sum()
+    try:
+        out = llm.engine.generate(prompt, cfg, d)
+        assert out.token_ids == plain
+        assert costs.weight.sum() - seen == pytest.approx(len(out.stats.steps))
+        assert costs.weight[0] >= MIN_WEIGHT and costs.active  # one-row steps seen, the shape in use
+        assert costs.draft_cost("medusa") is not None  # the heads' proposes timed
+    finally:  # the model is shared with the other test modules of this process, which run without learning
+        costs.set_enabled(False)
