@@ -427,9 +427,11 @@ class LatencyCurve:
             pts = self._points if self._source is None else self._source.at(key)
             hull = self._lower_hull
             if learned is not None and learned.active:
-                # decoding's own costs: kept as met (a second row may cost more than the next ones), not smoothed
-                # as a measurement that load could only have slowed
-                pts, hull = learned.adjust(pts), False
+                # the measured points smoothed as always, then decoding's shape, kept as met (a second row may cost
+                # more than the next ones): not smoothed again as a measurement that load could only have slowed
+                smooth = LatencyCurve(pts, hull)
+                pts = learned.adjust({n: float(smooth(n)) for n in pts})
+                hull = False
             curve = object.__new__(type(self))  # the same kind of curve (a subclass's smoothing) at that context
             LatencyCurve.__init__(curve, pts, hull)
             self._by_context[key] = curve

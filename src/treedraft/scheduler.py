@@ -37,7 +37,7 @@ from .interfaces import DraftContext, Drafter, GenerationError, request_drafter
 from .logprobs import Committed, token_logprobs
 from .penalties import PenaltyState, penalize_
 from .prefix_cache import PrefixCache
-from .step_costs import StepCosts, step_costs_of
+from .step_costs import StepCosts, learner_of
 from .tree import TokenTree, TreeError, full_attention_mask
 from .verify import accept, coupling_seed, sample_token, uses_coupling
 
@@ -140,6 +140,7 @@ class _Rows:
     states: list | None = None  # JSON mode: each tree row's automaton state (after the committed tokens and its path)
     drafted: bool = False  # its drafter proposed draft tokens (JSON mode may have pruned them all)
     forwards: int = 0  # draft-model forwards its drafter asked for this step (drafters.steps)
+    observed: bool = False  # its drafter was asked, or a one-row exploration step: the learner takes its time
 
 
 @dataclass
@@ -317,8 +318,9 @@ class Scheduler:
         paused = req.pause > 0
         req.pause -= paused
         # a one-row step now and then, so the learner knows what the root alone costs here (step_costs.py)
-        explore = self._learn is not None and self._learn.explore_due()
-        if req.drafter is not None and budget > 1 and max_depth > 0 and not paused and not explore:
+        explore = self._learn is not None and not req.pinned and self._learn.explore_due()
+        asked = req.drafter is not None and budget > 1 and max_depth > 0 and not paused and not explore
+        if asked:
             s = req.config.sampling
             ctx = DraftContext(
                 req.tokens,
@@ -353,6 +355,7 @@ class Scheduler:
         rows = _Rows(req, list(tree.tokens), pos, start, mask, tree, list(range(n)))
         rows.states = None if states is None else states[:n]
         rows.drafted = drafted
+        rows.observed = asked or explore  # a step of the drafting regime (not a backoff pause): the learner's
         rows.t_draft = time.perf_counter() - ts
         return rows
 
@@ -375,8 +378,12 @@ class Scheduler:
         decoding = [r for r in self.active if not r.prefilling and not r.done and r.first_logits is None]
         prefill_rows = sum(len(c.tokens) for c in chunks)
         budgets = self._budgets(decoding, prefill_rows)
-        learn = step_costs_of(self.engine.model) if len(decoding) == 1 and not chunks else None
-        self._learn = learn if learn is not None and learn.enabled and decoding[0].drafter is not None else None
+        self._learn = None
+        if len(decoding) == 1 and not chunks:  # one request's tree alone: what its rows cost in decoding
+            r = decoding[0]
+            learn = learner_of(r.drafter) if r.drafter is not None else None
+            if learn is not None and learn.enabled and r.gstate is None and r.penalty is None:
+                self._learn = learn if r.config.logprobs is None else None
         total = prefill_rows + sum(budgets)
         fixed = self.budget.overhead if self._sized and self.budget is not None else 0.0
         plan: list[_Rows] = []
@@ -506,8 +513,8 @@ class Scheduler:
             if new or p.req.error is not None:
                 out.append((p.req, new))
         te = time.perf_counter()
-        if self._learn is not None and len(plan) == 1:  # one request's tree alone: what its rows cost in decoding
-            self._learn.observe(len(plan[0].tokens), plan[0].start, te - tv)  # (the forward and the acceptance)
+        if self._learn is not None and len(plan) == 1 and plan[0].observed:  # (the forward and the acceptance)
+            self._learn.observe(len(plan[0].tokens), plan[0].start, te - tv)
         t_draft = sum(p.t_draft for p in plan)
         rows = sum(len(p.tokens) for p in plan)
         if self._sized:

@@ -22,7 +22,12 @@ step, so the scheduler asks :meth:`StepCosts.explore_due` and verifies the root 
 between the two rates on one step in 64.
 
 Only steps that verify one request's tree alone (no other request's rows, no prefill chunk in the forward) are
-observed, and only requests that draft: plain decoding's back-to-back one-row forwards are another regime.
+observed, only for a request whose drafter sizes its trees on the learned curve (:func:`learner_of`), and not for
+one with a grammar, penalties or logprobs (their acceptance costs are the request's own); a one-row step only when
+its drafter was asked (or it was an exploration step): a backoff pause's back-to-back one-row forwards are another
+regime. A seeded request under typical acceptance (its draws depend on its trees) gets no exploration steps; its
+trees are still sized on the learned curve, so like the measured curve it can change its text from run to run
+(``TREEDRAFT_LEARN_COSTS=0`` fixes the sizing to the cached curve).
 ``TREEDRAFT_LEARN_COSTS=0`` turns it off (the curve as measured, no exploration steps).
 """
 
@@ -39,6 +44,7 @@ import numpy as np
 MIN_WEIGHT = 4.0  # observations before a size's ratio is used (the one-row ratio: before any correction is made)
 ALPHA = 1.0 / 16  # weight of a new observation once a size has 1 / ALPHA of them (a running mean before)
 MAX_STEP = math.log(2.0)  # an observation moves a warmed-up size's log ratio by at most this (a paused step)
+DRAFT_RETIME = 32  # a paid member priced out by its learned cost is priced as measured once per this many asks
 UPDATE_EVERY = 8  # observations between two versions of the corrected curve (the drafters' tables are rebuilt)
 EXPLORE_WARM = 8  # a one-row step at least this often until the one-row ratio is known
 EXPLORE_EVERY = 64  # then at least this often
@@ -68,27 +74,28 @@ class StepCosts:
         self._since_one = 0  # observed steps since the last one-row one
         self._shape: np.ndarray | None = None  # corrected / measured, per size; None: not known yet
         self._by_context: dict[int, Mapping[int, float]] = {}
-        self._drafting: dict[str, list[float]] = {}  # member name -> [observations, mean seconds]
+        self._drafting: dict[str, list[float]] = {}  # member name -> [observations, mean seconds, asks since timed]
+        self._first_drafts: dict[str, list[float]] = {}  # a member's first MIN_WEIGHT proposes (their median starts it)
 
     # -- learning -------------------------------------------------------------------------------------------
-    def _prior_at(self, context: int) -> Mapping[int, float]:
-        at = getattr(self.prior, "at", None)
-        if at is None:
-            return self.prior
-        key = max(0, int(context)) // 32 * 32  # (budget.CONTEXT_BUCKET)
+    def _prior_at(self, context: int) -> Any:
+        """The measured curve at ``context`` (a :class:`treedraft.budget.LatencyCurve`: smoothed as the drafters'
+        curves are, so the ratios learned are to what they price on)."""
+        from .budget import LatencyCurve
+
+        key = max(0, int(context)) // 32 * 32 if hasattr(self.prior, "at") else 0  # (budget.CONTEXT_BUCKET)
         got = self._by_context.get(key)
         if got is None:
-            got = self._by_context[key] = at(key)
+            pts = self.prior.at(key) if hasattr(self.prior, "at") else self.prior
+            got = self._by_context[key] = LatencyCurve(pts)
         return got
 
     def observe(self, rows: int, context: int, seconds: float) -> None:
         """A step of ``rows`` rows on a ``context``-token cache took ``seconds`` inside decoding (its forward and its
         acceptance; its drafting is priced apart)."""
-        from .budget import interpolate
-
         if not self.enabled or rows < 1 or not seconds > 0:
             return
-        expected = interpolate(dict(self._prior_at(context)), rows)
+        expected = float(self._prior_at(context)(rows))
         if not expected > 0:
             return
         x = math.log(seconds / expected)
@@ -121,18 +128,29 @@ class StepCosts:
         """A paid drafter ``name`` (the hybrid's Medusa heads) took ``seconds`` to propose inside decoding."""
         if not self.enabled or not seconds > 0:
             return
-        got = self._drafting.setdefault(name, [0.0, 0.0])
-        n, mean = got
-        if n >= MIN_WEIGHT:  # a preempted propose moves it only so far
-            seconds = min(seconds, 2.0 * mean)
+        got = self._drafting.get(name)
+        if got is None:  # the first few: their median starts the mean (one slow first propose is not the price)
+            first = self._first_drafts.setdefault(name, [])
+            first.append(seconds)
+            if len(first) >= MIN_WEIGHT:
+                self._drafting[name] = [float(len(first)), float(np.median(first)), 0.0]
+                del self._first_drafts[name]
+            return
+        n, mean, _ = got
+        seconds = min(seconds, 2.0 * mean)  # a preempted propose moves it only so far
         got[0] = n + 1
         got[1] = mean + max(1.0 / got[0], ALPHA) * (seconds - mean)
+        got[2] = 0.0
 
     def draft_cost(self, name: str) -> float | None:
         """``name``'s propose on the measured curve's scale (seconds x the curve's one-row time / decoding's), as
         decoding met it: what the hybrid weighs against the rows its nodes would add; None until known."""
         got = self._drafting.get(name)
-        if not self.enabled or got is None or got[0] < MIN_WEIGHT or self.weight[0] < MIN_WEIGHT:
+        if not self.enabled or got is None or self.weight[0] < MIN_WEIGHT:
+            return None
+        got[2] += 1
+        if got[2] >= DRAFT_RETIME:  # not timed for a while (priced out?): the measured price once, to be timed again
+            got[2] = 0.0
             return None
         return got[1] * math.exp(-self.log_ratio[0])
 
@@ -182,9 +200,24 @@ class StepCosts:
         out = {int(n): float(t) for n, t in latency.items()}
         if not self.active:
             return out
+        assert self._shape is not None
         for n in out:
             out[n] *= float(np.interp(n, self.sizes, self._shape))
         return out
+
+
+def learner_of(drafter: Any) -> StepCosts | None:
+    """The learner a drafter's tree sizing reads (its curve's, a hybrid's members' too), else None: a drafter that
+    does not size on the learned curve gains nothing from one-row steps taken for it."""
+    for d in (drafter, *(getattr(drafter, "drafters", None) or ())):
+        got = getattr(getattr(d, "latency", None), "learned", None)
+        if got is None:
+            got = getattr(getattr(d, "curve", None), "_learned", None) or getattr(
+                getattr(d, "_curve", None), "_learned", None
+            )
+        if isinstance(got, StepCosts):
+            return got
+    return None
 
 
 _learned: weakref.WeakKeyDictionary[Any, StepCosts] = weakref.WeakKeyDictionary()
