@@ -22,7 +22,7 @@ def _learning_on(monkeypatch) -> None:
 
 
 PRIOR = {1: 10.0, 2: 10.5, 4: 12.0, 8: 16.0}  # measured cold: extra rows look cheap (convex: the hull keeps it)
-TRUE = {1: 5.0, 2: 7.0, 4: 9.0, 8: 12.0}  # what decoding meets: relative to one row, 1.4x / 1.8x / 2.4x
+TRUE = {1: 5.0, 2: 5.75, 4: 7.5, 8: 12.0}  # what decoding meets: relative to one row, 1.15x / 1.5x / 2.4x
 
 
 def _learned(prior=PRIOR, truth=TRUE, reps: int = 20) -> tuple[MeasuredLatency, StepCosts]:
@@ -36,16 +36,25 @@ def _learned(prior=PRIOR, truth=TRUE, reps: int = 20) -> tuple[MeasuredLatency, 
 
 def test_the_learned_curve_keeps_the_one_row_time_and_takes_decodings_shape() -> None:
     lat, costs = _learned()
-    assert costs.shape() == pytest.approx([1.0, 1.4 / 1.05, 1.8 / 1.2, 2.4 / 1.6])
+    assert costs.shape() == pytest.approx([1.0, 1.15 / 1.05, 1.5 / 1.2, 2.4 / 1.6])
     curve = LatencyCurve(lat).at(100)
-    # decoding's relative costs on the measured one-row time: 10, 14, 18, 24 (3 rows between 2 and 4)
-    assert [float(curve(n)) for n in (1, 2, 3, 4, 8)] == pytest.approx([10.0, 14.0, 16.0, 18.0, 24.0])
+    # decoding's relative costs on the measured one-row time: 10, 11.5, 15, 24 (3 rows between 2 and 4)
+    assert [float(curve(n)) for n in (1, 2, 3, 4, 8)] == pytest.approx([10.0, 11.5, 13.25, 15.0, 24.0])
     # the plain curve and a disabled learner: as measured
     assert float(LatencyCurve(PRIOR).at(100)(4)) == 12.0
     costs.set_enabled(False)
     assert float(LatencyCurve(lat).at(100)(4)) == pytest.approx(12.0)
     costs.set_enabled(True)
-    assert float(LatencyCurve(lat).at(100)(4)) == pytest.approx(18.0)
+    assert float(LatencyCurve(lat).at(100)(4)) == pytest.approx(15.0)
+
+
+def test_a_concave_learned_shape_is_smoothed_to_a_convex_curve() -> None:
+    """The sizers stop adding rows where one more stops paying: right only on a convex curve. Decoding's shape with a
+    dear second row (1.4x one row, then +0.2x a row) is smoothed like a measurement: its lower hull."""
+    lat, _ = _learned(truth={1: 5.0, 2: 7.0, 4: 9.0, 8: 12.0})
+    curve = LatencyCurve(lat).at(0)
+    # points 10, 14, 18, 24 (on the measured one-row time): 2 and 4 rows lie above the 1 -> 8 chord
+    assert [float(curve(n)) for n in (1, 2, 4, 8)] == pytest.approx([10.0, 12.0, 16.0, 24.0])
 
 
 def test_a_point_the_hull_drops_stays_dropped_and_a_reused_curve_follows_new_versions() -> None:
@@ -56,22 +65,26 @@ def test_a_point_the_hull_drops_stays_dropped_and_a_reused_curve_follows_new_ver
     curve = LatencyCurve(lat)
     assert float(curve.at(0)(8)) == pytest.approx(float(hulled(8))) and float(hulled(8)) < 20  # not 30
     assert float(curve.at(0)(4)) == pytest.approx(12.0)
-    for _ in range(16):  # decoding's 4-row steps turn dearer: the same curve object follows the next version
-        costs.observe(4, 0, 24.0)
-    assert float(curve.at(0)(4)) > 16.0 and float(curve.at(0)(1)) == pytest.approx(10.0)
+    for _ in range(16):  # decoding's 16-row steps turn dearer: the same curve object follows the next version
+        costs.observe(16, 0, 2 * 26.0)
+    assert float(curve.at(0)(16)) > 30.0 and float(curve.at(0)(1)) == pytest.approx(10.0)  # (26 measured)
 
 
 def test_no_correction_until_the_one_row_cost_and_another_size_are_known() -> None:
-    lat, costs = _learned(truth={2: 7.0, 4: 9.0})  # a drafter that always drafts: no one-row step seen
+    lat, costs = _learned(truth={2: 5.75, 4: 7.5})  # a drafter that always drafts: no one-row step seen
     assert costs.shape() is None and costs.version == 0
     assert float(LatencyCurve(lat).at(0)(4)) == 12.0
     for _ in range(int(MIN_WEIGHT)):
         costs.observe(1, 100, 5.0)
     for _ in range(8):  # the next version comes with the next batch of observations
-        costs.observe(4, 100, 9.0)
-    assert costs.version >= 1 and float(LatencyCurve(lat).at(0)(4)) == pytest.approx(18.0)
-    # a size never observed takes its nearest known neighbours' correction (beyond the largest: held)
-    assert float(LatencyCurve(lat).at(0)(8)) == pytest.approx(16.0 * 1.8 / 1.2)
+        costs.observe(4, 100, 7.5)
+    assert costs.version >= 1
+    # a size never observed takes its nearest known neighbours' correction (beyond the largest: held): 8 rows x 1.25
+    assert costs.adjust(PRIOR) == pytest.approx({1: 10.0, 2: 11.5, 4: 15.0, 8: 20.0})
+    expected = LatencyCurve({1: 10.0, 2: 11.5, 4: 15.0, 8: 20.0})  # (its hull: 4 rows lie above the 2 -> 8 chord)
+    assert [float(LatencyCurve(lat).at(0)(n)) for n in (2, 4, 8)] == pytest.approx(
+        [float(expected(n)) for n in (2, 4, 8)]
+    )
 
 
 def test_a_size_between_measured_ones_is_shared_by_distance() -> None:
