@@ -307,3 +307,27 @@ def test_no_one_row_steps_for_pinned_requests_or_drafters_off_the_curve_and_no_b
     one_row = sum(s.tree_size == 1 for s in out.stats.steps)
     assert out.token_ids == plain and one_row > 8  # mostly paused
     assert costs.weight[0] - before[0] < one_row  # the paused ones are not learned
+
+
+def test_seeded_sampling_with_learning_and_one_row_steps_equals_seeded_plain() -> None:
+    """Coupled seeded draws do not depend on the trees: the learner's one-row steps and its resized trees leave a
+    seeded request's tokens those of seeded plain decoding."""
+    from treedraft.drafters.suffix import SuffixDrafter
+    from treedraft.drafters.suffix_store import SuffixStore
+    from treedraft.sampling import SamplingParams
+
+    m = tiny_llama()
+    lat = MeasuredLatency({1: 1e-3, 2: 1.1e-3, 4: 1.2e-3, 8: 1.6e-3})
+    lat.learned = costs = step_costs.step_costs_for(m, lat)
+    store = SuffixStore()  # shared, so later requests draft from earlier outputs
+    accepted = 0
+    for i, sp in enumerate([SamplingParams(1.0, seed=1), SamplingParams(0.7, top_p=0.9, seed=2)] * 2):
+        prompt = [(3 * i + 7 * j) % 50 + 1 for j in range(8 + 3 * i)]
+        cfg = GenerationConfig(max_new_tokens=48, sampling=sp)
+        plain = Engine(m).generate(prompt, cfg, None).token_ids
+        d = SuffixDrafter(store, latency=lat, alpha=4.0)
+        out = Engine(m).generate(prompt, cfg, d)
+        assert out.token_ids == plain, f"seed {sp.seed}: speculative output differs from plain"
+        accepted += out.stats.accepted_tokens
+        d.finish(prompt, out.token_ids)
+    assert costs.weight.sum() > 0 and costs.weight[0] > 0 and accepted > 0  # learned, explored, drafts accepted
