@@ -432,8 +432,9 @@ class LatencyCurve:
                 # (suffix_sizing.RatePricer); decoding's shape here is concave at the start (the second row dearer
                 # than the next ones), and kept as met it cut second-turn trees from 3.4 to 2.0 tokens a step
                 # (0.93x, session 42)
-                smooth = LatencyCurve(pts, hull)
-                pts = learned.adjust({n: float(smooth(n)) for n in pts})
+                sizes = sorted(pts)
+                smooth = LatencyCurve(pts, hull)(np.array(sizes, dtype=np.float64)).tolist()
+                pts = learned.adjust(dict(zip(sizes, smooth)))
             curve = object.__new__(type(self))  # the same kind of curve (a subclass's smoothing) at that context
             LatencyCurve.__init__(curve, pts, hull)
             self._by_context[key] = curve

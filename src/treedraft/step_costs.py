@@ -45,7 +45,8 @@ MIN_WEIGHT = 4.0  # observations before a size's ratio is used (the one-row rati
 ALPHA = 1.0 / 16  # weight of a new observation once a size has 1 / ALPHA of them (a running mean before)
 MAX_STEP = math.log(2.0)  # an observation moves a warmed-up size's log ratio by at most this (a paused step)
 DRAFT_RETIME = 32  # a paid member priced out by its learned cost is priced as measured once per this many asks
-UPDATE_EVERY = 8  # observations between two versions of the corrected curve (the drafters' tables are rebuilt)
+UPDATE_EVERY = 8  # observations between two looks at the corrected shape
+SHAPE_RTOL = 0.02  # a new version (the drafters' curves and tables rebuilt, ~0.1 ms each) only when it moved this much
 EXPLORE_WARM = 8  # a one-row step at least this often until the one-row ratio is known
 EXPLORE_EVERY = 64  # then at least this often
 RATIO_RANGE = (0.5, 4.0)  # bounds of a size's corrected / measured shape
@@ -165,7 +166,7 @@ class StepCosts:
         shape = self.shape()
         if shape is None and self._shape is None:
             return
-        if shape is not None and self._shape is not None and np.allclose(shape, self._shape, rtol=1e-3):
+        if shape is not None and self._shape is not None and np.allclose(shape, self._shape, rtol=SHAPE_RTOL, atol=0.0):
             return
         self._shape = shape
         self.version += 1
@@ -201,9 +202,8 @@ class StepCosts:
         if not self.active:
             return out
         assert self._shape is not None
-        for n in out:
-            out[n] *= float(np.interp(n, self.sizes, self._shape))
-        return out
+        scale = np.interp(np.array(list(out), dtype=np.float64), self.sizes, self._shape).tolist()
+        return {n: t * f for (n, t), f in zip(out.items(), scale)}
 
 
 def learner_of(drafter: Any) -> StepCosts | None:
