@@ -10,13 +10,15 @@ a fraction of their price (``benchmarks/insitu_forward.py``, ``benchmarks/result
 
 :class:`StepCosts` learns, per measured row count, the ratio of what such a step cost in decoding (its forward and its
 acceptance: a tree's acceptance walk costs more than a one-row step's draw) to the curve's forward time (at that step's
-context: :class:`treedraft.budget.ContextLatency`), as a decayed mean of log ratios, and gives the curve back
-with its shape corrected: each size's time x its ratio / the one-row ratio. The one-row point keeps the measured time,
+context: :class:`treedraft.budget.ContextLatency`, smoothed to its lower hull), as a decayed mean of log ratios, and
+gives the curve back with its shape corrected: each size's time x its ratio / the one-row ratio, smoothed to its lower
+hull again (:meth:`treedraft.budget.LatencyCurve.at`: the sizers' stopping rule needs a convex curve). The one-row
+point keeps the measured time,
 so every cost priced on the curve's scale (EAGLE's drafting, measured against a one-row forward) stays on it; only
 the relative price of extra rows changes. The paid hybrids' Medusa heads are priced by their proposes as decoding
 times them, put on the curve's scale the same way (:meth:`StepCosts.draft_cost`): on session 42's Xeon a propose cost
-0.17 one-row forwards inside decoding where the cached measurement said 0.05. A drafter that always drafts never runs a one-row
-step, so the scheduler asks :meth:`StepCosts.explore_due` and verifies the root alone (no drafting) once every
+0.17 one-row forwards inside decoding where the cached measurement said 0.05. A drafter that always drafts never runs
+a one-row step, so the scheduler asks :meth:`StepCosts.explore_due` and verifies the root alone (no drafting) once every
 :data:`EXPLORE_WARM` steps until the one-row ratio has :data:`MIN_WEIGHT` observations, then once every
 :data:`EXPLORE_EVERY`: such a step still yields its token at plain decoding's rate, so it costs at most the difference
 between the two rates on one step in 64.
@@ -27,8 +29,8 @@ one with a grammar, penalties or logprobs (their acceptance costs are the reques
 its drafter was asked (or it was an exploration step): a backoff pause's back-to-back one-row forwards are another
 regime. A seeded request under typical acceptance (its draws depend on its trees) gets no exploration steps; its
 trees are still sized on the learned curve, so like the measured curve it can change its text from run to run
-(``TREEDRAFT_LEARN_COSTS=0`` fixes the sizing to the cached curve).
-``TREEDRAFT_LEARN_COSTS=0`` turns it off (the curve as measured, no exploration steps).
+(``TREEDRAFT_LEARN_COSTS=0`` fixes the sizing to the cached curve). ``TREEDRAFT_LEARN_COSTS=0`` turns it all off (the
+curve as measured, no exploration steps).
 """
 
 from __future__ import annotations
