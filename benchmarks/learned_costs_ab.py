@@ -19,20 +19,15 @@ import collections
 import json
 import random
 import statistics
-import subprocess
 
 from turn2_ceiling import second_turn  # benchmarks/ is on sys.path when run as a script
 
 import treedraft
 from treedraft.drafters.hybrid import fresh_copy
 from treedraft.engine import GenerationConfig
+from treedraft.models.plan import machine_key
 from treedraft.prompts import MT_BENCH_FILE, find_shared_data
 from treedraft.step_costs import step_costs_of
-
-
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
 
 
 def main() -> None:
@@ -60,7 +55,9 @@ def main() -> None:
         prompts = [llm.encode_prompt(second_turn(llm, q, a.tokens)[1]) for q in qs]
     else:
         prompts = [llm.encode_prompt([{"role": "user", "content": q["turns"][0]}]) for q in qs]
-    print(f"CPU {cpu_name()}; weights {a.weights}; turn {a.turn}; {len(prompts)} prompts x {a.tokens} x {a.rounds}")
+    print(
+        f"CPU {machine_key()['cpu']}; weights {a.weights}; turn {a.turn}; {len(prompts)} prompts x {a.tokens} x {a.rounds}"
+    )
     cfg = GenerationConfig(max_new_tokens=a.tokens)
     rng = random.Random(a.seed)
     tot: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0, 0])

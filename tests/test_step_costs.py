@@ -296,6 +296,12 @@ def test_no_one_row_steps_for_pinned_requests_or_drafters_off_the_curve_and_no_b
     while not req.done:
         sched.step()
     assert costs.weight[0] == 0  # (drafted steps observed; none of one row)
+    seen = costs.weight.sum()
+
+    # logprobs (like a grammar or penalties) make the acceptance the request's own cost: not learned, not explored
+    out = Engine(m).generate(prompt, GenerationConfig(max_new_tokens=60, logprobs=2), Oracle(lat, prompt, plain))
+    assert out.token_ids == plain and all(s.tree_size > 1 for s in out.stats.steps[:-1])
+    assert costs.weight.sum() == seen
 
     class Wrong(Oracle):  # always rejected: backoff pauses drafting for stretches of one-row steps
         def propose(self, ctx: DraftContext) -> TokenTree:

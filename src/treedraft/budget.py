@@ -386,15 +386,16 @@ class LatencyCurve:
     Built from a :class:`ContextLatency`, :meth:`at` gives the curve at a context length (else itself).
     """
 
-    def __init__(self, latency: Mapping[int, float], lower_hull: bool = True) -> None:
+    def __init__(self, latency: Mapping[int, float], lower_hull: bool = True, learned: bool = True) -> None:
         self._source = latency if isinstance(latency, ContextLatency) else None
         self._lower_hull = lower_hull
         self._by_context: dict[int, LatencyCurve] = {}
         # a measured curve's learner of decoding's step costs (step_costs.StepCosts): :meth:`at` applies its shape
-        self._learned = getattr(latency, "learned", None)
-        self._points = {int(n): float(t) for n, t in latency.items()}
-        self._version = -1
+        # (learned=False: the curve as measured, what the learner itself compares decoding's steps with)
+        self._learned = getattr(latency, "learned", None) if learned else None
         pts = sorted((int(n), float(t)) for n, t in latency.items())
+        self._points = dict(pts)
+        self._version = -1
         if not pts or pts[0][0] != 1 or any(t <= 0 for _, t in pts):
             raise ValueError(f"the latency curve needs positive times including the one-row forward, got {pts}")
         # Load on a shared machine only ever slows a measurement down, so the curve is the *lower* convex hull

@@ -379,11 +379,10 @@ class Scheduler:
         prefill_rows = sum(len(c.tokens) for c in chunks)
         budgets = self._budgets(decoding, prefill_rows)
         self._learn = None
-        if len(decoding) == 1 and not chunks:  # one request's tree alone: what its rows cost in decoding
-            r = decoding[0]
-            learn = learner_of(r.drafter) if r.drafter is not None else None
-            if learn is not None and learn.enabled and r.gstate is None and r.penalty is None:
-                self._learn = learn if r.config.logprobs is None else None
+        solo = decoding[0] if len(decoding) == 1 and not chunks else None  # one request's tree alone
+        if solo is not None and solo.gstate is None and solo.penalty is None and solo.config.logprobs is None:
+            # (None for plain decoding and drafters not sized on the learner; one turned off neither explores nor learns)
+            self._learn = learner_of(solo.drafter)
         total = prefill_rows + sum(budgets)
         fixed = self.budget.overhead if self._sized and self.budget is not None else 0.0
         plan: list[_Rows] = []

@@ -76,22 +76,19 @@ class StepCosts:
         self._pending = 0
         self._since_one = 0  # observed steps since the last one-row one
         self._shape: np.ndarray | None = None  # corrected / measured, per size; None: not known yet
-        self._by_context: dict[int, Mapping[int, float]] = {}
+        self._measured: Any = None  # the prior as a budget.LatencyCurve (built at first use)
         self._drafting: dict[str, list[float]] = {}  # member name -> [observations, mean seconds, asks since timed]
         self._first_drafts: dict[str, list[float]] = {}  # a member's first MIN_WEIGHT proposes (their median starts it)
 
     # -- learning -------------------------------------------------------------------------------------------
     def _prior_at(self, context: int) -> Any:
-        """The measured curve at ``context`` (a :class:`treedraft.budget.LatencyCurve`: smoothed as the drafters'
-        curves are, so the ratios learned are to what they price on)."""
-        from .budget import LatencyCurve
+        """The measured curve at ``context`` (smoothed as the drafters' curves are, so the ratios learned are to what
+        they price on; its per-context curves cached by :meth:`treedraft.budget.LatencyCurve.at`)."""
+        if self._measured is None:
+            from .budget import LatencyCurve
 
-        key = max(0, int(context)) // 32 * 32 if hasattr(self.prior, "at") else 0  # (budget.CONTEXT_BUCKET)
-        got = self._by_context.get(key)
-        if got is None:
-            pts = self.prior.at(key) if hasattr(self.prior, "at") else self.prior
-            got = self._by_context[key] = LatencyCurve(pts)
-        return got
+            self._measured = LatencyCurve(self.prior, learned=False)
+        return self._measured.at(context)
 
     def observe(self, rows: int, context: int, seconds: float) -> None:
         """A step of ``rows`` rows on a ``context``-token cache took ``seconds`` inside decoding (its forward and its
