@@ -44,6 +44,7 @@ __all__ = [
     "read_bandwidth",
     "torch_threads",
     "set_tuning",
+    "set_idle_wait",
     "q4_pair_supported",
     "set_q4_pair",
     "sample_probs",
@@ -90,6 +91,27 @@ def get_num_threads() -> int:
     """Threads used by mm (1 when the extension is unavailable)."""
     ext = _ext()
     return int(ext.get_num_threads()) if ext is not None else 1
+
+
+def set_idle_wait(spin_us: int | None = None, yield_us: int | None = None) -> None:
+    """How an idle pool worker waits for the next call: ``spin_us`` of pause-loop spinning (default 100), then
+    ``yield_us`` of polling with sched_yield (default 2000; ``TREEDRAFT_POOL_YIELD_US`` at load), then sleep. None
+    keeps a setting. Never changes a result bit, only when a worker is awake (the pool is rebuilt at the next call).
+
+    The yielding phase covers the Python work between two decode forwards (drafting, acceptance: 0.1-1.5 ms):
+    a worker asleep then woke ~0.45 ms late on session 43's KVM Xeon; sched_yield gives the core to any other
+    runnable thread at once, so a busy machine loses nothing to it.
+    """
+    for name, v in (("spin_us", spin_us), ("yield_us", yield_us)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"{name} must be a whole number of microseconds >= 0, got {v!r}")
+    ext = _ext()
+    if ext is None:
+        return
+    if spin_us is not None:
+        ext.set_spin_us(spin_us)
+    if yield_us is not None:
+        ext.set_yield_us(yield_us)
 
 
 def set_tuning(prefetch_bytes: int | None = None, unit_bytes: int | None = None) -> tuple[int, int]:

@@ -167,6 +167,26 @@ def loaded_extension() -> ModuleType | None:
     return _state["module"] if _state.get("loaded") else None
 
 
+ENV_IDLE_YIELD = "TREEDRAFT_POOL_YIELD_US"
+
+
+def idle_yield_from_env() -> int | None:
+    """``TREEDRAFT_POOL_YIELD_US`` as microseconds (None: unset, the built-in default); a ValueError naming the
+    variable when it is not a whole number >= 0."""
+    raw = os.environ.get(ENV_IDLE_YIELD, "").strip()
+    if not raw:
+        return None
+    try:
+        us = int(raw)
+    except ValueError:
+        us = -1
+    if us < 0:
+        raise ValueError(
+            f"{ENV_IDLE_YIELD} must be a whole number of microseconds >= 0 (0: sleep after the short spin), got {raw!r}"
+        )
+    return us
+
+
 def load_extension(reload: bool = False) -> ModuleType | None:
     """The extension module (built at first use), or None with the reason in build_info()."""
     if _state["loaded"] and not reload:  # fast path of every mm call
@@ -190,6 +210,9 @@ def load_extension(reload: bool = False) -> ModuleType | None:
                 mod = _build(out, name)
                 _state["built"] = True
             mod.set_num_threads(max(1, torch.get_num_threads()))
+            idle = idle_yield_from_env()
+            if idle is not None:
+                mod.set_yield_us(idle)
         except Exception as e:
             _state["reason"] = f"build or load failed: {type(e).__name__}: {str(e).strip()[-800:]}"
             return None

@@ -51,6 +51,8 @@ inline bool g_q4_pair = true;
 inline bool g_time_quant = false;
 inline int64_t g_quant_ns = 0;
 inline int g_spin_us = 100;
+// then poll with sched_yield this long before sleeping (pool.h; qgemm.set_yield_us, TREEDRAFT_POOL_YIELD_US)
+inline int g_yield_us = 2000;
 inline std::unique_ptr<Pool> g_pool;
 
 inline Pool& pool() {
@@ -59,7 +61,7 @@ inline Pool& pool() {
   }
   if (!g_pool || g_pool->size() != g_threads) {
     g_pool.reset();
-    g_pool = std::make_unique<Pool>(g_threads, g_spin_us);
+    g_pool = std::make_unique<Pool>(g_threads, g_spin_us, g_yield_us);
   }
   return *g_pool;
 }

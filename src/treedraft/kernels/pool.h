@@ -4,8 +4,14 @@
 // worker descheduled by another process on a busy machine stalls the whole call for a time
 // slice (the 10-20x stalls of issue 11). Here the caller works too and claims units from one
 // atomic counter; a worker that has not woken up simply claims nothing, so the caller only ever
-// waits for units a worker has actually started. Idle workers spin briefly, then sleep on a
-// condition variable (passive waiting), so they do not keep a core busy between steps.
+// waits for units a worker has actually started. Idle workers spin briefly (pause), then keep
+// polling with sched_yield() for a while (yield_us: the Python work between two decode forwards,
+// drafting and acceptance, takes 0.1-1.5 ms), then sleep on a condition variable (passive waiting),
+// so they do not keep a core busy between requests. Why the yielding phase: on session 43's KVM
+// Xeon a worker that had gone to sleep between two forwards made the next forward ~0.45 ms slower
+// (a 1-row step 3.56 vs 3.06 ms; waking the thread and its halted vCPU); polling with sched_yield
+// keeps the vCPU running yet gives the core away at once to any other runnable thread (another
+// process on a busy machine, the server's own threads), which a pause loop would not.
 // The caller, once no unit is left, waits for the units in flight the same way: it spins for
 // kDoneSpinUs, then sleeps until the last one finishes. A worker preempted in the middle of a unit
 // (another process took its core) then finds the caller's core idle and the kernel moves it
@@ -26,6 +32,7 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+#include <sched.h>
 #include <unistd.h>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -43,8 +50,8 @@ struct Job {
 
 class Pool {
  public:
-  explicit Pool(int nthreads, int spin_us)
-      : spin_us_(spin_us), pid_(getpid()), regions_(std::max(1, nthreads)) {
+  explicit Pool(int nthreads, int spin_us, int yield_us = 0)
+      : spin_us_(spin_us), yield_us_(yield_us), pid_(getpid()), regions_(std::max(1, nthreads)) {
     for (int i = 1; i < nthreads; ++i) th_.emplace_back([this, i] { worker(i); });
   }
   ~Pool() {
@@ -146,20 +153,30 @@ class Pool {
     for (;;) {
       uint64_t g = state0.load(std::memory_order_acquire) >> 40;
       if (g == seen) {
-        // spin for spin_us_, then sleep until a new generation is published
+        // spin for spin_us_, poll with sched_yield for yield_us_ more, then sleep until a new generation is published
         auto t0 = std::chrono::steady_clock::now();
+        const auto hot = std::chrono::microseconds(spin_us_);
+        const auto limit = std::chrono::microseconds(spin_us_ + yield_us_);
+        bool yielding = false;
         int it = 0;
         while ((state0.load(std::memory_order_acquire) >> 40) == seen && !stop_.load()) {
-          TD_PAUSE();
-          if ((++it & 63) == 0 &&
-              std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(spin_us_)) {
-            sleeping_.fetch_add(1, std::memory_order_seq_cst);
-            std::unique_lock<std::mutex> lk(mu_);
-            cv_.wait(lk, [&] {
-              return stop_.load() || (state0.load(std::memory_order_seq_cst) >> 40) != seen;
-            });
-            sleeping_.fetch_sub(1, std::memory_order_seq_cst);
-            break;
+          if (yielding) {
+            sched_yield();
+          } else {
+            TD_PAUSE();
+          }
+          if (yielding || (++it & 63) == 0) {
+            const auto waited = std::chrono::steady_clock::now() - t0;
+            yielding = waited > hot;
+            if (waited > limit) {
+              sleeping_.fetch_add(1, std::memory_order_seq_cst);
+              std::unique_lock<std::mutex> lk(mu_);
+              cv_.wait(lk, [&] {
+                return stop_.load() || (state0.load(std::memory_order_seq_cst) >> 40) != seen;
+              });
+              sleeping_.fetch_sub(1, std::memory_order_seq_cst);
+              break;
+            }
           }
         }
         if (stop_.load()) return;
@@ -171,6 +188,7 @@ class Pool {
   }
 
   int spin_us_;
+  int yield_us_;
   pid_t pid_;
   std::vector<std::thread> th_;
   struct alignas(64) Region {

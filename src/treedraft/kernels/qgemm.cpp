@@ -139,6 +139,12 @@ void set_spin_us(int64_t us) {
   g_pool.reset();  // re-created with the new setting at the next call
 }
 
+void set_yield_us(int64_t us) {
+  TORCH_CHECK(us >= 0, "qgemm.set_yield_us: need us >= 0");
+  g_yield_us = (int)us;
+  g_pool.reset();
+}
+
 // Row-invariant decode attention (see attn.h): q (T, nh, hd) float32, k/v (nkv, L, hd) float32 or float16 with unit
 // last stride, allowed bool (T, L) or empty for "all L keys" -> (T, nh, hd).
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor allowed,
@@ -424,5 +430,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "smallest row pass (in 32-blocks of all rows) run over the pool; returns the previous value (same bits)");
   m.def(
       "set_spin_us", [](int64_t us) { td::serialized([&] { td::set_spin_us(us); }); },
-      "how long idle workers spin before sleeping");
+      "how long idle workers spin (pause) before polling with sched_yield");
+  m.def(
+      "set_yield_us", [](int64_t us) { td::serialized([&] { td::set_yield_us(us); }); },
+      "how long idle workers then poll with sched_yield before sleeping");
 }
