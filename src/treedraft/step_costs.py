@@ -18,10 +18,17 @@ so every cost priced on the curve's scale (EAGLE's drafting, measured against a 
 the relative price of extra rows changes. The paid hybrids' Medusa heads are priced by their proposes as decoding
 times them, put on the curve's scale the same way (:meth:`StepCosts.draft_cost`): on session 42's Xeon a propose cost
 0.17 one-row forwards inside decoding where the cached measurement said 0.05. A drafter that always drafts never runs
-a one-row step, so the scheduler asks :meth:`StepCosts.explore_due` and verifies the root alone (no drafting) once every
-:data:`EXPLORE_WARM` steps until the one-row ratio has :data:`MIN_WEIGHT` observations, then once every
-:data:`EXPLORE_EVERY`: such a step still yields its token at plain decoding's rate, so it costs at most the difference
-between the two rates on one step in 64.
+a one-row step, so the scheduler asks :meth:`StepCosts.explore_due` and verifies the root alone (no drafting) for
+:data:`EXPLORE_BURST` steps in a row once every :data:`EXPLORE_WARM` steps until the one-row ratio has
+:data:`MIN_WEIGHT` observations, then once every :data:`EXPLORE_EVERY`: such a step still yields its token at plain
+decoding's rate, so it costs at most the difference between the two rates on three steps in 64.
+
+The one-row point is the price of not drafting, and that is what a run of one-row steps pays: only a one-row step right
+after another one is its observation (session 43). On session 43's Xeon (after the thread pool's idle-wait fix,
+``kernels/pool.h``) a one-row step right after tree steps cost 4.0-4.5 ms while plain decoding's took 3.4-3.5 and a
+one-row step after a one-row one 3.5: an anchor taken from single exploration steps between trees made every tree look
+cheaper than it is, and the default drafted its Medusa heads' node on most steps where that node's 1.39 tokens per
+5.7 ms step trailed plain's 1 per 3.4 ms (``benchmarks/learned_costs_ab.py --compare anchor``).
 
 Only steps that verify one request's tree alone (no other request's rows, no prefill chunk in the forward) are
 observed, only for a request whose drafter sizes its trees on the learned curve (:func:`learner_of`), and not for
@@ -51,6 +58,7 @@ UPDATE_EVERY = 8  # observations between two looks at the corrected shape
 SHAPE_RTOL = 0.02  # a new version (the drafters' curves and tables rebuilt, ~0.1 ms each) only when it moved this much
 EXPLORE_WARM = 8  # a one-row step at least this often until the one-row ratio is known
 EXPLORE_EVERY = 64  # then at least this often
+EXPLORE_BURST = 3  # one-row steps in a row per exploration (only those after a one-row step are the anchor)
 RATIO_RANGE = (0.5, 4.0)  # bounds of a size's corrected / measured shape
 
 
@@ -74,7 +82,11 @@ class StepCosts:
         self.version = 0  # bumped when the corrected shape changes (curves rebuild their tables)
         self.enabled = learning_enabled()
         self._pending = 0
-        self._since_one = 0  # observed steps since the last one-row one
+        self._since_one = 0  # observed steps since the last one-row one taken as the anchor
+        self._burst = 0  # exploration steps still due in the current burst
+        self._last_rows = 0  # rows of the last observed step
+        # the one-row anchor from one-row steps after a one-row step only (False: any one-row step; A/B benchmarks)
+        self.sustained_anchor = True
         self._shape: np.ndarray | None = None  # corrected / measured, per size; None: not known yet
         self._measured: Any = None  # the prior as a budget.LatencyCurve (built at first use)
         self._drafting: dict[str, list[float]] = {}  # member name -> [observations, mean seconds, asks since timed]
@@ -95,6 +107,9 @@ class StepCosts:
         acceptance; its drafting is priced apart)."""
         if not self.enabled or rows < 1 or not seconds > 0:
             return
+        after, self._last_rows = self._last_rows, rows
+        if rows == 1 and after != 1 and self.sustained_anchor:
+            return  # a one-row step right after a tree: not what decoding without drafts pays (module docstring)
         expected = float(self._prior_at(context)(rows))
         if not expected > 0:
             return
@@ -158,8 +173,14 @@ class StepCosts:
         """Whether the next observed step should verify the root alone (a one-row step: the anchor of the shape)."""
         if not self.enabled:
             return False
+        if self._burst > 0:
+            self._burst -= 1
+            return True
         every = EXPLORE_EVERY if self.weight[0] >= MIN_WEIGHT else EXPLORE_WARM
-        return self._since_one >= every - 1
+        if self._since_one >= every - 1:
+            self._burst = (EXPLORE_BURST if self.sustained_anchor else 1) - 1
+            return True
+        return False
 
     def _refresh(self) -> None:
         shape = self.shape()
