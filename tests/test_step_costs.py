@@ -173,7 +173,6 @@ def test_a_one_row_step_after_a_tree_is_not_the_anchor() -> None:
     old.observe(1, 0, 20.0)
     assert not old.explore_due()
 
-
     costs.set_enabled(False)
     assert not costs.explore_due()
 
