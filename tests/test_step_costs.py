@@ -19,6 +19,7 @@ from treedraft.tree import TokenTree
 @pytest.fixture(autouse=True)
 def _learning_on(monkeypatch) -> None:
     monkeypatch.setenv("TREEDRAFT_LEARN_COSTS", "1")  # (the suite's conftest turns it off elsewhere)
+    monkeypatch.setenv("TREEDRAFT_RATE_GUARD", "0")  # its pauses would add one-row steps (tests/test_rate_guard.py)
 
 
 PRIOR = {1: 10.0, 2: 10.5, 4: 12.0, 8: 16.0}  # measured cold: extra rows look cheap (convex: the hull keeps it)

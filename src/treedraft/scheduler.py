@@ -22,6 +22,7 @@ is part of a request's arithmetic: :meth:`Engine.generate` prefills natively in 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,21 @@ if TYPE_CHECKING:
 BACKOFF_AFTER = 12
 BACKOFF_START = 4
 BACKOFF_MAX = 32
+# Drafting that pays less than plain decoding pauses too (session 43, the rate guard): a request that steps alone on a
+# learned curve (step_costs.py: its one-row anchor is what a run of plain steps costs here) adds up each drafted step's
+# tokens and seconds (drafting, forward, acceptance); every GUARD_STEPS such steps, if they made fewer tokens per
+# second than plain steps would have, it decodes plainly for its guard pause (GUARD_PAUSE_START steps, doubled on
+# each further verdict against drafting, up to GUARD_PAUSE_MAX; a verdict for drafting resets it). On session 43's
+# Xeon, where a tree row costs a quarter of a one-row step and drafting a few tenths of a millisecond, the default
+# drafter's steps on first turns made 0.9x plain's tokens per second. TREEDRAFT_RATE_GUARD=0 turns it off.
+GUARD_STEPS = 16
+GUARD_PAUSE_START = 8
+GUARD_PAUSE_MAX = 64
+
+
+def rate_guard_enabled() -> bool:
+    """False when ``TREEDRAFT_RATE_GUARD`` is 0/false/no/off."""
+    return os.environ.get("TREEDRAFT_RATE_GUARD", "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
 @dataclass(eq=False)
@@ -87,6 +103,8 @@ class Request:
     idle_streak: int = 0  # drafted steps in a row that accepted no draft token
     pause: int = 0  # steps left to decode plainly (drafting stopped paying; BACKOFF_*)
     backoff: int = BACKOFF_START  # the next pause's length
+    guard: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # drafted solo steps: [steps, tokens, seconds]
+    guard_pause: int = GUARD_PAUSE_START  # the rate guard's next pause
     gstate: tuple | None = None  # JSON mode (config.grammar): the automaton's state after the committed tokens
     # the key of its coupled draws (verify.accept_coupled): the seed, or for an unseeded sampled request one drawn
     # once from its generator (each position's uniform is still fresh, so its draws are exact samples), so that a
@@ -141,6 +159,7 @@ class _Rows:
     drafted: bool = False  # its drafter proposed draft tokens (JSON mode may have pruned them all)
     forwards: int = 0  # draft-model forwards its drafter asked for this step (drafters.steps)
     observed: bool = False  # its drafter was asked, or a one-row exploration step: the learner takes its time
+    asked: bool = False  # its drafter was asked (not a backoff pause, not an exploration step)
 
 
 @dataclass
@@ -207,6 +226,7 @@ class Scheduler:
         # this step's learner of the forward's cost in decoding (step_costs.py): set when one drafting request's
         # tree is verified alone
         self._learn: StepCosts | None = None
+        self.rate_guard = rate_guard_enabled()  # GUARD_*: pause drafting that trails plain decoding's rate
         self.active: list[Request] = []
         self._torch_threads: int | None = host_torch_threads(engine.model)
         self.last_step = StepTimes()  # timings of the latest step (benchmarks, metrics)
@@ -355,6 +375,7 @@ class Scheduler:
         rows = _Rows(req, list(tree.tokens), pos, start, mask, tree, list(range(n)))
         rows.states = None if states is None else states[:n]
         rows.drafted = drafted
+        rows.asked = asked
         rows.observed = asked or explore  # a step of the drafting regime (not a backoff pause): the learner's
         rows.t_draft = time.perf_counter() - ts
         return rows
@@ -514,6 +535,8 @@ class Scheduler:
         te = time.perf_counter()
         if self._learn is not None and len(plan) == 1 and plan[0].observed:  # (the forward and the acceptance)
             self._learn.observe(len(plan[0].tokens), plan[0].start, te - tv)
+            if plan[0].asked and out and self.rate_guard:
+                self._guard(plan[0], len(out[-1][1]), plan[0].t_draft + te - tv)
         t_draft = sum(p.t_draft for p in plan)
         rows = sum(len(p.tokens) for p in plan)
         if self._sized:
@@ -640,6 +663,23 @@ class Scheduler:
             if state is None:  # the rows were constrained: only a broken mask gets here
                 raise GenerationError(f"constrained answer: token {t} was chosen where the grammar cannot take it")
         return state
+
+    def _guard(self, p: _Rows, tokens: int, seconds: float) -> None:
+        """The rate guard (GUARD_*): a drafted solo step of ``p``'s request made ``tokens`` in ``seconds``."""
+        req, learn = p.req, self._learn
+        plain = None if learn is None else learn.one_row_seconds(p.start)
+        if plain is None or req.pinned:  # no anchor yet; a pinned request's trees must not depend on timings
+            return
+        g = req.guard
+        g[0], g[1], g[2] = g[0] + 1, g[1] + tokens, g[2] + seconds
+        if g[0] < GUARD_STEPS:
+            return
+        if g[1] * plain < g[2]:  # fewer tokens per second than plain steps: pause drafting
+            req.pause = max(req.pause, req.guard_pause)
+            req.guard_pause = min(2 * req.guard_pause, GUARD_PAUSE_MAX)
+        else:
+            req.guard_pause = GUARD_PAUSE_START
+        g[0] = g[1] = g[2] = 0.0
 
     @staticmethod
     def _track_drafting(req: Request, accepted: bool) -> None:

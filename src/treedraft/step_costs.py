@@ -172,6 +172,13 @@ class StepCosts:
             return None
         return got[1] * math.exp(-self.log_ratio[0])
 
+    def one_row_seconds(self, context: int) -> float | None:
+        """What a one-row step (forward and acceptance) costs in decoding at ``context``, as the anchor learned it (a
+        one-row step after a one-row step: plain decoding's regime); None until known or with learning off."""
+        if not self.enabled or self.weight[0] < MIN_WEIGHT:
+            return None
+        return float(self._prior_at(context)(1)) * math.exp(float(self.log_ratio[0]))
+
     def explore_due(self) -> bool:
         """Whether the next observed step should verify the root alone (a one-row step: the anchor of the shape)."""
         if not self.enabled:
