@@ -161,6 +161,13 @@ def test_a_one_row_step_after_a_tree_is_not_the_anchor() -> None:
     assert costs.weight[0] == 0
     costs.observe(1, 0, 5.0)  # after a one-row step (the last one above): the anchor
     assert costs.weight[0] == 1 and costs.log_ratio[0] == pytest.approx(math.log(0.5))
+    # a forward the learner does not observe (a backoff pause, a batched step) still tells what the next comes after
+    costs.saw(8)
+    costs.observe(1, 0, 5.0)
+    assert costs.weight[0] == 1
+    costs.saw(1)
+    costs.observe(1, 0, 5.0)
+    assert costs.weight[0] == 2
     # the rule before session 43 (benchmarks A/B it): every one-row step, exploration one step at a time
     old = StepCosts(PRIOR)
     old.sustained_anchor = False

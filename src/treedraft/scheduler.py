@@ -38,7 +38,7 @@ from .interfaces import DraftContext, Drafter, GenerationError, request_drafter
 from .logprobs import Committed, token_logprobs
 from .penalties import PenaltyState, penalize_
 from .prefix_cache import PrefixCache
-from .step_costs import StepCosts, learner_of
+from .step_costs import StepCosts, learner_of, step_costs_of
 from .tree import TokenTree, TreeError, full_attention_mask
 from .verify import accept, coupling_seed, sample_token, uses_coupling
 
@@ -65,6 +65,9 @@ BACKOFF_MAX = 32
 GUARD_STEPS = 16
 GUARD_PAUSE_START = 8
 GUARD_PAUSE_MAX = 64
+GUARD_CAP = 4.0  # a drafted step's forward counts as at most this many one-row forwards per row (a preempted one)
+LOOP_ALPHA = 0.1  # weight of a step in the loop's per-step time (Scheduler._loop)
+LOOP_GAP_MAX = 0.01  # a gap between two steps longer than this is idle time (between requests), not the loop's
 
 
 def rate_guard_enabled() -> bool:
@@ -227,6 +230,8 @@ class Scheduler:
         # tree is verified alone
         self._learn: StepCosts | None = None
         self.rate_guard = rate_guard_enabled()  # GUARD_*: pause drafting that trails plain decoding's rate
+        self._te: float | None = None  # when the last step ended
+        self._loop = 0.0  # seconds a step spends outside drafting, forward and acceptance (decayed mean)
         self.active: list[Request] = []
         self._torch_threads: int | None = host_torch_threads(engine.model)
         self.last_step = StepTimes()  # timings of the latest step (benchmarks, metrics)
@@ -533,12 +538,19 @@ class Scheduler:
             if new or p.req.error is not None:
                 out.append((p.req, new))
         te = time.perf_counter()
+        t_draft = sum(p.t_draft for p in plan)
+        rows = sum(len(p.tokens) for p in plan)
+        if self._te is not None and t0 - self._te < LOOP_GAP_MAX:  # the step's Python outside drafting and forward
+            self._loop += LOOP_ALPHA * (t0 - self._te + tv - t0 - t_draft - self._loop)
+        self._te = te
         if self._learn is not None and len(plan) == 1 and plan[0].observed:  # (the forward and the acceptance)
             self._learn.observe(len(plan[0].tokens), plan[0].start, te - tv)
             if plan[0].asked and out and self.rate_guard:
-                self._guard(plan[0], len(out[-1][1]), plan[0].t_draft + te - tv)
-        t_draft = sum(p.t_draft for p in plan)
-        rows = sum(len(p.tokens) for p in plan)
+                self._guard(plan[0], len(out[-1][1]), te - tv)
+        else:  # what this forward was (rows), so the learner knows what its next step comes after
+            seen = step_costs_of(self.engine.model)
+            if seen is not None:
+                seen.saw(rows)
         if self._sized:
             self._prev = (t0, rows, t_draft)
         self.last_step = StepTimes(
@@ -665,11 +677,16 @@ class Scheduler:
         return state
 
     def _guard(self, p: _Rows, tokens: int, seconds: float) -> None:
-        """The rate guard (GUARD_*): a drafted solo step of ``p``'s request made ``tokens`` in ``seconds``."""
+        """The rate guard (GUARD_*): a drafted solo step of ``p``'s request made ``tokens`` with its forward and
+        acceptance taking ``seconds`` (its drafting: ``p.t_draft``)."""
         req, learn = p.req, self._learn
-        plain = None if learn is None else learn.one_row_seconds(p.start)
-        if plain is None or req.pinned:  # no anchor yet; a pinned request's trees must not depend on timings
+        anchor = None if learn is None else learn.one_row_seconds(p.start)
+        if anchor is None or req.pinned:  # no anchor yet; a pinned request's trees must not depend on timings
             return
+        # both sides with the loop's own per-step time (planning, streaming: a plain token pays it per token); a
+        # preempted forward counts as GUARD_CAP one-row forwards a row at most
+        seconds = p.t_draft + min(seconds, GUARD_CAP * anchor * len(p.tokens)) + self._loop
+        plain = anchor + self._loop
         g = req.guard
         g[0], g[1], g[2] = g[0] + 1, g[1] + tokens, g[2] + seconds
         if g[0] < GUARD_STEPS:

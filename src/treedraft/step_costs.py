@@ -140,6 +140,11 @@ class StepCosts:
             self._pending = 0
             self._refresh()
 
+    def saw(self, rows: int) -> None:
+        """A forward of ``rows`` rows that is not an observation (batched, a prefill chunk, a backoff pause, another
+        request's): what the next observed step comes after (a one-row step after a one-row pause is an anchor)."""
+        self._last_rows = int(rows)
+
     def observe_draft(self, name: str, seconds: float) -> None:
         """A paid drafter ``name`` (the hybrid's Medusa heads) took ``seconds`` to propose inside decoding."""
         if not self.enabled or not seconds > 0:

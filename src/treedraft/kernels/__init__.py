@@ -27,7 +27,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from treedraft.kernels._build import build_info, load_extension, loaded_extension
+from treedraft.kernels._build import MAX_IDLE_US, build_info, load_extension, loaded_extension
 
 __all__ = [
     "PackedWeight",
@@ -103,8 +103,8 @@ def set_idle_wait(spin_us: int | None = None, yield_us: int | None = None) -> No
     runnable thread at once, so a busy machine loses nothing to it.
     """
     for name, v in (("spin_us", spin_us), ("yield_us", yield_us)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise ValueError(f"{name} must be a whole number of microseconds >= 0, got {v!r}")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_IDLE_US):
+            raise ValueError(f"{name} must be a whole number of microseconds from 0 to {MAX_IDLE_US}, got {v!r}")
     ext = _ext()
     if ext is None:
         return
@@ -112,6 +112,12 @@ def set_idle_wait(spin_us: int | None = None, yield_us: int | None = None) -> No
         ext.set_spin_us(spin_us)
     if yield_us is not None:
         ext.set_yield_us(yield_us)
+
+
+def idle_workers_asleep() -> int:
+    """How many of the pool's workers are asleep now (-1: no pool yet or no extension); for tests of the idle wait."""
+    ext = _ext()
+    return -1 if ext is None else int(ext.pool_asleep())
 
 
 def set_tuning(prefetch_bytes: int | None = None, unit_bytes: int | None = None) -> tuple[int, int]:

@@ -168,11 +168,12 @@ def loaded_extension() -> ModuleType | None:
 
 
 ENV_IDLE_YIELD = "TREEDRAFT_POOL_YIELD_US"
+MAX_IDLE_US = 1_000_000  # an idle worker's spin or yield window: at most a second
 
 
 def idle_yield_from_env() -> int | None:
     """``TREEDRAFT_POOL_YIELD_US`` as microseconds (None: unset, the built-in default); a ValueError naming the
-    variable when it is not a whole number >= 0."""
+    variable when it is not a whole number from 0 to MAX_IDLE_US."""
     raw = os.environ.get(ENV_IDLE_YIELD, "").strip()
     if not raw:
         return None
@@ -180,9 +181,10 @@ def idle_yield_from_env() -> int | None:
         us = int(raw)
     except ValueError:
         us = -1
-    if us < 0:
+    if not 0 <= us <= MAX_IDLE_US:
         raise ValueError(
-            f"{ENV_IDLE_YIELD} must be a whole number of microseconds >= 0 (0: sleep after the short spin), got {raw!r}"
+            f"{ENV_IDLE_YIELD} must be a whole number of microseconds from 0 (sleep after the short spin) to "
+            f"{MAX_IDLE_US}, got {raw!r}"
         )
     return us
 
@@ -210,12 +212,16 @@ def load_extension(reload: bool = False) -> ModuleType | None:
                 mod = _build(out, name)
                 _state["built"] = True
             mod.set_num_threads(max(1, torch.get_num_threads()))
-            idle = idle_yield_from_env()
-            if idle is not None:
-                mod.set_yield_us(idle)
         except Exception as e:
             _state["reason"] = f"build or load failed: {type(e).__name__}: {str(e).strip()[-800:]}"
             return None
+        try:
+            idle = idle_yield_from_env()
+        except ValueError as e:  # a bad setting must not cost the kernels: said, and the default kept
+            print(f"treedraft: {e}; using the default", file=sys.stderr)
+            idle = None
+        if idle is not None:
+            mod.set_yield_us(idle)
         _state["module"] = mod
         _state["march"] = os.environ.get(ENV_MARCH, "").strip() or None
         _state["seconds"] = time.perf_counter() - t0

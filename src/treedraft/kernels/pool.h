@@ -63,6 +63,7 @@ class Pool {
     for (auto& t : th_) t.join();
   }
   int size() const { return 1 + (int)th_.size(); }
+  int asleep() const { return sleeping_.load(std::memory_order_seq_cst); }  // workers asleep now (tests)
   pid_t pid() const { return pid_; }
 
   // Run fn(0..total-1) on the caller plus the workers; returns when every unit is done.

@@ -134,13 +134,15 @@ void set_num_threads(int64_t n) {
 int64_t get_num_threads() { return g_threads; }
 
 void set_spin_us(int64_t us) {
-  TORCH_CHECK(us >= 0, "qgemm.set_spin_us: need us >= 0");
+  TORCH_CHECK(us >= 0 && us <= 10000000, "qgemm.set_spin_us: need 0 <= us <= 10^7");
   g_spin_us = (int)us;
   g_pool.reset();  // re-created with the new setting at the next call
 }
 
+int64_t pool_asleep() { return g_pool ? g_pool->asleep() : -1; }
+
 void set_yield_us(int64_t us) {
-  TORCH_CHECK(us >= 0, "qgemm.set_yield_us: need us >= 0");
+  TORCH_CHECK(us >= 0 && us <= 10000000, "qgemm.set_yield_us: need 0 <= us <= 10^7");
   g_yield_us = (int)us;
   g_pool.reset();
 }
@@ -434,4 +436,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "set_yield_us", [](int64_t us) { td::serialized([&] { td::set_yield_us(us); }); },
       "how long idle workers then poll with sched_yield before sleeping");
+  m.def("pool_asleep", &td::pool_asleep, "workers of the pool asleep now (-1: no pool yet)");
 }
