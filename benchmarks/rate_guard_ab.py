@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import random
 import statistics
 
-from turn2_ceiling import second_turn  # benchmarks/ is on sys.path when run as a script
+from turn2_ceiling import questions, second_turn  # benchmarks/ is on sys.path when run as a script
 
 import treedraft
 from treedraft.drafters.hybrid import fresh_copy
 from treedraft.engine import GenerationConfig
 from treedraft.models.plan import machine_key
-from treedraft.prompts import MT_BENCH_FILE, find_shared_data
 
 
 def main() -> None:
@@ -39,10 +37,7 @@ def main() -> None:
     ap.add_argument("--methods", default="hybrid-suffix,suffix,prompt-lookup")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    data = find_shared_data(MT_BENCH_FILE)
-    if data is None:
-        raise SystemExit(f"needs ../shared/data/{MT_BENCH_FILE} beside the checkout")
-    qs = [json.loads(line) for line in open(data)][a.start : a.start + a.prompts]
+    qs = questions(a.start, a.prompts)
     llm = treedraft.load(weights=a.weights)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     base = {m: llm.get_drafter(m) for m in methods}

@@ -59,6 +59,14 @@ def oracle_ms(runs: list[int], lat: dict[int, float], novel_ms: float, min_run: 
     return cost[0]
 
 
+def questions(start: int, count: int) -> list[dict]:
+    """MT-Bench questions ``start`` .. ``start + count - 1`` from ../shared/data (SystemExit when it is missing)."""
+    data = find_shared_data(MT_BENCH_FILE)
+    if data is None:
+        raise SystemExit(f"needs ../shared/data/{MT_BENCH_FILE} beside the checkout")
+    return [json.loads(line) for line in open(data)][start : start + count]
+
+
 def second_turn(llm, q: dict, max_new: int) -> tuple:
     """(plain greedy first answer, the second turn's messages with it in the context) of an MT-Bench question."""
     first = llm.generate([{"role": "user", "content": q["turns"][0]}], drafter=None, max_new_tokens=max_new)

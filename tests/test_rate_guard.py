@@ -6,15 +6,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from oracle_drafter import Oracle
 
 from treedraft import scheduler, step_costs
-from treedraft.budget import LatencyCurve, MeasuredLatency
+from treedraft.budget import MeasuredLatency
 from treedraft.engine import Engine, GenerationConfig
-from treedraft.interfaces import DraftContext
 from treedraft.models.tiny import tiny_llama
 from treedraft.scheduler import GUARD_PAUSE_MAX, GUARD_PAUSE_START, GUARD_STEPS, Request, Scheduler
 from treedraft.step_costs import MIN_WEIGHT, StepCosts
-from treedraft.tree import TokenTree
 
 
 @pytest.fixture(autouse=True)
@@ -105,21 +104,6 @@ def test_no_verdict_without_an_anchor_or_for_a_pinned_request() -> None:
     assert pinned.pinned  # seeded typical acceptance: its draws depend on its trees, which must not depend on timings
     _window(sched, pinned, 1, 1.0)
     assert pinned.pause == 0 and pinned.guard == [0.0, 0.0, 0.0]
-
-
-class Oracle:
-    """Drafts the next three tokens of a known greedy output (always accepted)."""
-
-    name = "oracle"
-
-    def __init__(self, latency, prompt: list[int], output: list[int]) -> None:
-        self.curve, self.prompt, self.output = LatencyCurve(latency), prompt, output
-
-    def propose(self, ctx: DraftContext) -> TokenTree:
-        self.curve.at(len(ctx.tokens))  # a drafter sized on the curve
-        k = len(ctx.tokens) - len(self.prompt)
-        nxt = self.output[k : k + min(3, ctx.max_nodes - 1, ctx.max_depth)]
-        return TokenTree((ctx.root, *nxt), (-1, *range(len(nxt))))
 
 
 def _runs(steps) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from oracle_drafter import Oracle
 
 from treedraft import step_costs
 from treedraft.budget import ContextLatency, LatencyCurve, MeasuredLatency
@@ -225,21 +226,6 @@ def test_the_hybrid_stops_running_heads_that_decoding_found_dear() -> None:
         costs.observe_draft("heads", 20.0)
     assert costs.draft_cost("heads") == pytest.approx(20.0, rel=0.01)
     assert h.propose(ctx).tokens == (3,) and paid.asked == int(MIN_WEIGHT)
-
-
-class Oracle:
-    """Drafts the next three tokens of a known greedy output (always accepted: no backoff pauses its drafting)."""
-
-    name = "oracle"
-
-    def __init__(self, latency, prompt: list[int], output: list[int]) -> None:
-        self.curve, self.prompt, self.output = LatencyCurve(latency), prompt, output
-
-    def propose(self, ctx: DraftContext) -> TokenTree:
-        self.curve.at(len(ctx.tokens))  # a drafter sized on the curve
-        k = len(ctx.tokens) - len(self.prompt)  # output tokens committed so far (the root is the last)
-        nxt = self.output[k : k + min(3, ctx.max_nodes - 1, ctx.max_depth)]
-        return TokenTree((ctx.root, *nxt), (-1, *range(len(nxt))))
 
 
 def test_decoding_teaches_the_models_learner_and_takes_one_row_steps_greedy_unchanged() -> None:
