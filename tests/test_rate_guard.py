@@ -135,3 +135,33 @@ def test_the_scheduler_pauses_drafting_that_trails_plain_steps_output_unchanged(
     monkeypatch.setattr(StepCosts, "one_row_seconds", lambda self, context: 1.0)
     fast = Engine(m).generate(prompt, cfg, Oracle(lat, prompt, plain))
     assert fast.token_ids == plain and max(_runs(fast.stats.steps), default=0) <= step_costs.EXPLORE_BURST
+
+
+def test_seeded_sampling_paused_by_the_guard_draws_seeded_plain_decodings_tokens(monkeypatch) -> None:
+    """Lossless sampling's tokens do not depend on the trees verified (the coupled rule), so the guard's pauses leave a
+    seeded request's text as seeded plain decoding's (checked on the bundled model too, session 43: 3 seeds)."""
+    from treedraft.sampling import SamplingParams
+
+    m = tiny_llama()
+    lat = MeasuredLatency({1: 1e-3, 2: 1.1e-3, 4: 1.2e-3, 8: 1.6e-3})
+    lat.learned = step_costs.step_costs_for(m, lat)
+    prompt = [1, 5, 9, 5, 9, 5, 9, 3, 5]
+    greedy = Engine(m).generate(prompt, GenerationConfig(max_new_tokens=300), None).token_ids
+    monkeypatch.setattr(StepCosts, "one_row_seconds", lambda self, context: 1e-6)
+    monkeypatch.setattr(scheduler, "LOOP_ALPHA", 0.0)
+    paused = []
+    guard = Scheduler._guard
+
+    def counted(self, p, tokens: int, seconds: float) -> None:
+        before = p.req.guard_pause
+        guard(self, p, tokens, seconds)
+        paused.append(p.req.guard_pause > before)  # a verdict against drafting (the next pause doubled)
+
+    monkeypatch.setattr(Scheduler, "_guard", counted)
+    for seed in (1, 2):
+        cfg = GenerationConfig(max_new_tokens=300, sampling=SamplingParams(temperature=0.8, seed=seed))
+        plain = Engine(m).generate(prompt, cfg, None).token_ids
+        out = Engine(m).generate(prompt, cfg, Oracle(lat, prompt, greedy))
+        assert out.token_ids == plain
+        assert any(paused)  # the guard paused this request's drafting (beside the failure backoff's pauses)
+        paused.clear()
