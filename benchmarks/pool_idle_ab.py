@@ -13,45 +13,31 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
+
+from turn2_ceiling import ab_prompts, add_ab_args  # benchmarks/ is on sys.path when run as a script
 
 import treedraft
 from treedraft import kernels
 from treedraft.drafters.hybrid import fresh_copy
-from treedraft.prompts import MT_BENCH_FILE, find_shared_data
+from treedraft.engine import GenerationConfig
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--prompts", type=int, default=8)
-ap.add_argument("--start", type=int, default=0)
-ap.add_argument("--tokens", type=int, default=256)
+add_ab_args(ap, "none,suffix,hybrid-suffix", prompts=8, seeded=False)
 ap.add_argument("--spins", default="100:0,100:2000,2000:0")
-ap.add_argument("--methods", default="none,suffix,hybrid-suffix")
-ap.add_argument("--turn", type=int, default=1)
-ap.add_argument("--weights", default="int4")
 a = ap.parse_args()
 llm = treedraft.load(weights=a.weights, threads=2)
 spins = [tuple(int(x) for x in s.split(":")) for s in a.spins.split(",")]
 methods = a.methods.split(",")
-qs = [json.loads(l) for l in open(find_shared_data(MT_BENCH_FILE))][a.start : a.start + a.prompts]
+cfg = GenerationConfig(max_new_tokens=a.tokens)
 tok = collections.Counter()
 sec = collections.Counter()
 outs = {}
 combos = [(s, m) for s in spins for m in methods]
-for i, q in enumerate(qs):
-    if a.turn == 2:
-        first = llm.generate(q["turns"][0], max_new_tokens=a.tokens, drafter="none").text
-        msgs = [
-            {"role": "user", "content": q["turns"][0]},
-            {"role": "assistant", "content": first},
-            {"role": "user", "content": q["turns"][1]},
-        ]
-    else:
-        msgs = [{"role": "user", "content": q["turns"][0]}]
+for i, ids in enumerate(ab_prompts(llm, a)):
     k = i % len(combos)
     for s, m in combos[k:] + combos[:k]:
         kernels.set_idle_wait(spin_us=s[0], yield_us=s[1])
-        d = fresh_copy(llm.get_drafter(m)) if m != "none" else "none"
-        r = llm.generate(msgs, max_new_tokens=a.tokens, drafter=d)
+        r = llm.engine.generate(ids, cfg, None if m == "none" else fresh_copy(llm.get_drafter(m)))
         tok[s, m] += r.stats.new_tokens
         sec[s, m] += r.stats.t_decode
         outs.setdefault((i, m), set()).add(tuple(r.token_ids))

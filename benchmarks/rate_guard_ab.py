@@ -19,7 +19,7 @@ import os
 import random
 import statistics
 
-from turn2_ceiling import questions, second_turn  # benchmarks/ is on sys.path when run as a script
+from turn2_ceiling import ab_prompts, add_ab_args  # benchmarks/ is on sys.path when run as a script
 
 import treedraft
 from treedraft.drafters.hybrid import fresh_copy
@@ -29,22 +29,12 @@ from treedraft.models.plan import machine_key
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--weights", default="int4")
-    ap.add_argument("--prompts", type=int, default=10)
-    ap.add_argument("--start", type=int, default=0, help="first question index")
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--turn", type=int, choices=(1, 2), default=1)
-    ap.add_argument("--methods", default="hybrid-suffix,suffix,prompt-lookup")
-    ap.add_argument("--seed", type=int, default=0)
+    add_ab_args(ap, "hybrid-suffix,suffix,prompt-lookup")
     a = ap.parse_args()
-    qs = questions(a.start, a.prompts)
     llm = treedraft.load(weights=a.weights)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     base = {m: llm.get_drafter(m) for m in methods}
-    if a.turn == 2:
-        prompts = [llm.encode_prompt(second_turn(llm, q, a.tokens)[1]) for q in qs]
-    else:
-        prompts = [llm.encode_prompt([{"role": "user", "content": q["turns"][0]}]) for q in qs]
+    prompts = ab_prompts(llm, a)
     print(f"CPU {machine_key()['cpu']}; weights {a.weights}; turn {a.turn}; {len(prompts)} prompts x {a.tokens}")
     cfg = GenerationConfig(max_new_tokens=a.tokens)
     rng = random.Random(a.seed)

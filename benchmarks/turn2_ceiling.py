@@ -78,6 +78,28 @@ def second_turn(llm, q: dict, max_new: int) -> tuple:
     return first, conv
 
 
+def add_ab_args(ap: argparse.ArgumentParser, methods: str, prompts: int = 10, seeded: bool = True) -> None:
+    """The arguments the side-by-side A/B scripts share: weights, questions, tokens, turn, methods (and, ``seeded``,
+    the seed of their shuffled order)."""
+    ap.add_argument("--weights", default="int4")
+    ap.add_argument("--prompts", type=int, default=prompts)
+    ap.add_argument("--start", type=int, default=0, help="first question index")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--turn", type=int, choices=(1, 2), default=1)
+    ap.add_argument("--methods", default=methods)
+    if seeded:
+        ap.add_argument("--seed", type=int, default=0)
+
+
+def ab_prompts(llm, a: argparse.Namespace) -> list[list[int]]:
+    """Token ids of questions ``a.start`` .. (``a.prompts`` of them): first turns, or with ``a.turn == 2`` the second
+    turns with the model's own greedy first answer (``a.tokens`` long) in the context."""
+    qs = questions(a.start, a.prompts)
+    if a.turn == 2:
+        return [llm.encode_prompt(second_turn(llm, q, a.tokens)[1]) for q in qs]
+    return [llm.encode_prompt([{"role": "user", "content": q["turns"][0]}]) for q in qs]
+
+
 def decode_s(r) -> float:
     """Decode seconds of a generation (its steps' drafting, verify and the rest; prefill excluded)."""
     return sum(s.t_draft + s.t_verify + s.t_rest for s in r.stats.steps)
