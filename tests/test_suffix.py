@@ -620,3 +620,91 @@ def test_a_damaged_store_refused_after_loading_keeps_every_readable_record(tmp_p
         wrong.bind_tokenizer("B", 100)
     wrong.close()
     assert len(SuffixStore(tmp_path / "s", max_tokens=10_000).records()) == 20
+
+
+def test_a_closed_store_never_writes_over_a_directory_another_store_holds(tmp_path: Path) -> None:
+    a = SuffixStore(tmp_path)
+    a.add([1, 1, 1], "t")
+    a.close()
+    b = SuffixStore(tmp_path)
+    b.add([2, 2, 2], "t")  # acknowledged while b holds the directory
+    with pytest.raises(ValueError, match="open in another store"):
+        a.snapshot()  # a let go of the directory: it must not write its stale records there
+    with pytest.raises(ValueError, match="open in another store"):
+        a.bind_tokenizer("x", 10)
+    b.add([3, 3, 3], "t")
+    b.close()
+    a.snapshot()  # nobody holds it now: a takes it again and writes what is there
+    a.close()
+    assert [list(r.tokens) for r in SuffixStore(tmp_path).records()] == [[1, 1, 1], [2, 2, 2], [3, 3, 3]]
+
+
+def test_a_failed_snapshot_loses_nothing_and_the_store_keeps_recording(tmp_path: Path, monkeypatch) -> None:
+    import treedraft.drafters.suffix_store as ss
+
+    st_ = SuffixStore(tmp_path, snapshot_every=2)
+    st_.add([1, 2, 3], "t")
+    real, fails = os.replace, []
+
+    def full_disk(src, dst):
+        if str(src).endswith("snapshot.tmp") and not fails:
+            fails.append(src)
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(ss.os, "replace", full_disk)
+    with pytest.warns(UserWarning, match="could not write a snapshot"):
+        assert st_.add([4, 5, 6], "t") == 2  # durable in the log: acknowledged
+    assert fails
+    st_.add([7, 8, 9], "t")  # the retry snapshots (the disk is fine again) and empties the log
+    assert (tmp_path / "log.bin").stat().st_size == 0
+    st_.add([7, 8, 10], "t")
+    st_.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = [list(r.tokens) for r in SuffixStore(tmp_path).records()]
+    assert got == [[1, 2, 3], [4, 5, 6], [7, 8, 9], [7, 8, 10]]
+
+
+@pytest.mark.parametrize("damage", ["bit", "ones"])
+def test_a_damaged_snapshot_header_hides_no_log_record(tmp_path: Path, damage: str) -> None:
+    st_ = SuffixStore(tmp_path, snapshot_every=2)
+    for i in range(3):
+        st_.add([1, 2, 3, i], "t")  # records 1-2 in the snapshot, 3 in the log
+    st_.close()
+    snap = tmp_path / "snapshot.bin"
+    data = bytearray(snap.read_bytes())
+    if damage == "bit":
+        data[11] ^= 1  # the last sequence number's third byte: 2 -> 65538
+    else:
+        data[8:16] = b"\xff" * 8
+    snap.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="last sequence number .* is damaged"):
+        again = SuffixStore(tmp_path)
+    assert [r.seq for r in again.records()] == [1, 2, 3]
+    assert again.add([9], "t") == 4
+
+
+def test_a_snapshot_written_before_the_header_checksum_still_loads(tmp_path: Path) -> None:
+    import struct
+
+    recs = [encode_record(1, "t", [1, 2]), encode_record(2, "t", [3, 4])]
+    (tmp_path / "snapshot.bin").write_bytes(struct.pack("<8sQ", b"SXSNAP01", 2) + b"".join(recs))
+    (tmp_path / "log.bin").write_bytes(encode_record(2, "t", [3, 4]) + encode_record(3, "t", [5]))  # 2: stale
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        st_ = SuffixStore(tmp_path)
+    assert [(r.seq, list(r.tokens)) for r in st_.records()] == [(1, [1, 2]), (2, [3, 4]), (3, [5])]
+
+
+def test_a_forked_child_gets_a_free_store_lock(tmp_path: Path) -> None:
+    st_ = SuffixStore(tmp_path)
+    st_.add([1, 2], "t")
+    with st_.lock:  # as if another thread of the parent were inside add() at the fork
+        pid = os.fork()
+        if pid == 0:
+            ok = st_.lock.acquire(timeout=5)
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    st_.close()

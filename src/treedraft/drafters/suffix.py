@@ -99,8 +99,11 @@ class SuffixDrafter:
     _prev: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.alpha <= 0 or self.max_spec_tokens < 1 or self.max_depth < 1 or self.max_match < 1:
-            raise ValueError("alpha must be > 0 and max_spec_tokens, max_depth, max_match >= 1")
+        if not self.alpha > 0:
+            raise ValueError(f"alpha must be > 0, got {self.alpha}")
+        for name in ("max_spec_tokens", "max_depth", "max_match"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.min_match <= self.max_match or self.max_occurrences < 1 or self.expand_occurrences < 1:
             raise ValueError(
                 f"need 1 <= min_match <= max_match and max_occurrences, expand_occurrences >= 1; got min_match="

@@ -2,14 +2,19 @@
 
 On disk (a directory):
   log.bin        append-only; one framed record per finished request, fsynced before ``add`` returns
-  snapshot.bin   every live record at some point, written to snapshot.tmp, fsynced, then renamed over
+  snapshot.bin   every live record at some point, written to snapshot.tmp, fsynced, then renamed over; then the
+                 log is emptied in place (truncated and fsynced: a crash in between leaves records the snapshot
+                 holds, which the load skips)
   store.json     the tokenizer whose token ids the records are (:meth:`SuffixStore.bind_tokenizer`): a store
                  written under another tokenizer is refused, since its ids would draft other tokens
 
 Record frame: ``<4s magic "SXR1"><u32 payload length><u32 crc32(seq, payload)><u64 seq>`` then the payload
 ``<u16 tenant length><tenant utf-8><int32 tokens...>``. Sequence numbers grow by one per record; a
-snapshot's header names the last sequence number it holds, so log records at or below it (left by a
-crash between writing a snapshot and emptying the log) are skipped. A torn or corrupt record is
+snapshot's header (``<8s "SXSNAP02"><u64 last seq><u32 crc32 of the 16 bytes before>``; "SXSNAP01" files, without
+the checksum, are still read) names the last sequence number it holds, so log records at or below it (left by a
+crash between writing a snapshot and emptying the log) are skipped. A header that fails its checksum, or names a
+number below its own records' or past 2^63, is reported and replaced by its records' largest number (the newest
+record of a snapshot always stays in it), so one flipped bit cannot hide acknowledged log records. A torn or corrupt record is
 reported with ``warnings.warn`` (file and byte offset) and skipped; reading resumes at the next valid
 frame, so records fsynced after a damaged one are kept. A load that found damage writes a fresh
 snapshot at once, so the damage is reported once; the damaged file is first copied to ``<name>.damaged`` beside it
@@ -63,6 +68,7 @@ def _after_fork_in_child() -> None:
     """A forked child shares its parent's lock files: it closes its copies (the parent keeps the directory), so the
     parent's close() lets other processes in; the child's stores open the directory anew if they add."""
     for st in list(_OPEN_STORES):
+        st._lock = threading.Lock()  # another thread of the parent may have held it at the fork: it never lets go here
         for f in (st._log, st._dir_lock):
             if f is not None:
                 try:
@@ -77,8 +83,11 @@ if hasattr(os, "register_at_fork"):
 
 MAGIC = b"SXR1"
 _HEAD = struct.Struct("<4sIIQ")  # magic, payload length, crc32, seq
-_SNAP_HEAD = struct.Struct("<8sQ")  # b"SXSNAP01", last seq included
-_SNAP_MAGIC = b"SXSNAP01"
+_SNAP_HEAD_V1 = struct.Struct("<8sQ")  # b"SXSNAP01", last seq included (read only)
+_SNAP_MAGIC_V1 = b"SXSNAP01"
+_SNAP_HEAD = struct.Struct("<8sQI")  # b"SXSNAP02", last seq included, crc32 of the 16 bytes before
+_SNAP_MAGIC = b"SXSNAP02"
+_MAX_SEQ = 1 << 63
 _MAX_PAYLOAD = 1 << 30
 SHARED = "\x00shared"  # the index key used when share=True
 
@@ -223,7 +232,8 @@ class SuffixStore:
 
     def records(self, tenant: str | None = None) -> list[Record]:
         """Live records, oldest first (of one tenant, or all)."""
-        return [r for r in self._records if tenant is None or r.tenant == tenant]
+        with self._lock:  # another thread's add() may be changing the deque
+            return [r for r in self._records if tenant is None or r.tenant == tenant]
 
     MAX_INDICES = 256  # tenants' indices kept in memory at once (least recently drafted from dropped first)
 
@@ -256,6 +266,7 @@ class SuffixStore:
         meta = self.path / "store.json"
         want = {"tokenizer_sha256": fingerprint, "vocab_size": int(vocab_size)}
         with self._lock:
+            self._reopen()  # closed: take the directory again (another store may hold it now)
             if meta.exists():
                 try:
                     have = json.loads(meta.read_text())
@@ -299,8 +310,7 @@ class SuffixStore:
         toks = toks.astype(np.int32)
         toks.flags.writeable = False
         with self._lock:
-            if self.path is not None and self._log is None:  # closed: open the directory again
-                self._open()
+            self._reopen()
             self._seq += 1
             rec = Record(self._seq, tenant, toks)
             if self.path is not None:
@@ -315,7 +325,15 @@ class SuffixStore:
             evicted = self._evict(tenant) != (0, 0)
             self._since_snapshot += 1
             if self.path is not None and (evicted or self._since_snapshot >= self.snapshot_every):
-                self._snapshot()
+                try:
+                    self._snapshot()
+                except OSError as e:  # the record is durable in the log already: the next add tries again
+                    warnings.warn(
+                        f"suffix store {self.path}: could not write a snapshot ({e}); the records are safe in "
+                        f"log.bin, the next request's add tries again (free space in {self.path.parent}?)",
+                        stacklevel=2,
+                    )
+                    self._since_snapshot = self.snapshot_every
             return rec.seq
 
     def snapshot(self) -> None:
@@ -323,6 +341,7 @@ class SuffixStore:
         if self.path is None:
             return
         with self._lock:
+            self._reopen()  # closed: another store may hold the directory now; write what is there
             self._snapshot()
 
     def close(self) -> None:
@@ -337,6 +356,12 @@ class SuffixStore:
                 self._dir_lock = None
 
     # ---- the directory ----------------------------------------------------
+    def _reopen(self) -> None:
+        """With a store directory that this store let go of (:meth:`close`, or a fork's child): take it again and load
+        what is there now, before any write (writing without the lock would replace another store's files)."""
+        if self.path is not None and self._dir_lock is None:
+            self._open()
+
     def _open(self) -> None:
         """Take the directory (one store at a time: two writers handed out the same sequence numbers and one's
         records were lost) and load it."""
@@ -410,22 +435,20 @@ class SuffixStore:
         assert self.path is not None
         tmp, snap = self.path / "snapshot.tmp", self.path / "snapshot.bin"
         with open(tmp, "wb") as f:
-            f.write(_SNAP_HEAD.pack(_SNAP_MAGIC, self._seq))
+            f.write(snapshot_header(self._seq))
             f.writelines(encode_record(r.seq, r.tenant, r.tokens) for r in self._records)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, snap)
         _fsync_dir(self.path)
-        # the snapshot now holds everything up to self._seq: start an empty log the same way
-        if self._log is not None:
-            self._log.close()
-        ltmp = self.path / "log.tmp"
-        with open(ltmp, "wb") as f:
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(ltmp, self.path / "log.bin")
-        _fsync_dir(self.path)
-        self._log = open(self.path / "log.bin", "ab")
+        # the snapshot now holds everything up to self._seq: empty the log in place (the file stays open, so a failure
+        # here leaves a log that still takes records; a crash leaves records the load skips as the snapshot's)
+        if self._log is None:
+            self._log = open(self.path / "log.bin", "ab")
+            _fsync_dir(self.path)
+        self._log.flush()
+        os.ftruncate(self._log.fileno(), 0)
+        os.fsync(self._log.fileno())
         self._since_snapshot = 0
 
     def _load(self) -> None:
@@ -442,15 +465,26 @@ class SuffixStore:
                 )
         if snap.is_file():
             data = snap.read_bytes()
-            if len(data) >= _SNAP_HEAD.size and data[:8] == _SNAP_MAGIC:
-                last_snap = _SNAP_HEAD.unpack_from(data, 0)[1]
-                recs, damaged = decode_records(data, str(snap), _SNAP_HEAD.size)
+            head = read_snapshot_header(data)
+            if head is not None:
+                last_snap, start, ok = head
+                recs, damaged = decode_records(data, str(snap), start)
+                top = max((r.seq for r in recs), default=0)
+                if not ok or last_snap < top or last_snap >= _MAX_SEQ:
+                    # its records' largest number: a snapshot holds every live record, its newest included
+                    warnings.warn(
+                        f"suffix store {snap}: its header's last sequence number ({last_snap}) is damaged; taking "
+                        f"its records' largest ({top}) instead",
+                        stacklevel=2,
+                    )
+                    last_snap, damaged = top, True
             else:
                 warnings.warn(
                     f"suffix store {snap}: bad snapshot header at byte offset 0; trying its records anyway",
                     stacklevel=2,
                 )
                 recs, damaged = decode_records(data, str(snap), 0)
+                last_snap = max((r.seq for r in recs), default=0)  # (as for a damaged number above)
                 damaged = True
             if damaged:
                 bad_files.append(snap)
@@ -489,6 +523,23 @@ class SuffixStore:
             # not written here: a store refused right after loading (one of another tokenizer) stays as it was on
             # disk; the first add writes what is kept
             self._since_snapshot = self.snapshot_every
+
+
+def snapshot_header(last_seq: int) -> bytes:
+    """A snapshot's header: magic, the last sequence number it holds, the checksum of both."""
+    body = struct.pack("<8sQ", _SNAP_MAGIC, last_seq)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def read_snapshot_header(data: bytes) -> tuple[int, int, bool] | None:
+    """(last seq, offset of the first record, whether the header checks out) of a snapshot file's bytes; None when
+    neither header's magic is there."""
+    if len(data) >= _SNAP_HEAD.size and data[:8] == _SNAP_MAGIC:
+        _, last, crc = _SNAP_HEAD.unpack_from(data, 0)
+        return last, _SNAP_HEAD.size, zlib.crc32(data[:16]) == crc
+    if len(data) >= _SNAP_HEAD_V1.size and data[:8] == _SNAP_MAGIC_V1:  # written before session 44: no checksum
+        return _SNAP_HEAD_V1.unpack_from(data, 0)[1], _SNAP_HEAD_V1.size, True
+    return None
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
