@@ -673,3 +673,47 @@ def test_generate_prefills_natively_in_the_servers_chunks() -> None:
         st.decoder = real
     assert calls[:3] == [([64], [0]), ([64], [64]), ([22], [128])] and len(calls) == 3 + 11
     assert out == run_alone(engine, prompt, cfg, drafter=None, prefill_chunk=256, native_prefill=True)
+
+
+def test_a_pinned_request_drafts_the_same_tree_alone_and_batched() -> None:
+    """A seeded typical request's drafter is not told the batch's other rows (DraftContext.step_*): a paid member
+    (priced on the step, like the Medusa heads in the hybrid) would size its tree by them, and the request's text with
+    it."""
+    from treedraft.drafters.hybrid import HybridDrafter
+
+    seen: list[tuple[int, float, float]] = []
+
+    class Paid:  # a pure function of the context, priced per node like the heads
+        name = "paid"
+        draft_cost = 0.0
+
+        def node_values(self, max_depth: int) -> list[float]:
+            return [0.3, 0.2, 0.1, 0.05]
+
+        def propose(self, ctx):
+            seen.append((ctx.step_rows, ctx.step_tokens, ctx.step_fixed))
+            r = random.Random(hash(tuple(ctx.tokens)))
+            return TokenTree.from_sequences(ctx.root, [[r.randrange(V) for _ in range(ctx.max_nodes - 1)]])
+
+    lat = {1: 0.010, 2: 0.0105, 4: 0.012, 8: 0.016, 16: 0.03, 32: 0.06, 64: 0.12}
+    engine = Engine(native_tiny(0))
+    drafter = HybridDrafter([Paid()], latency=lat)
+    typ = GenerationConfig(
+        40, SamplingParams(temperature=1.0, seed=7), rule="typical", max_tree_nodes=8, ignore_eos=True
+    )
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    with torch.inference_mode():
+        solo = run_alone(engine, prompt, typ, drafter=drafter)
+        sched = Scheduler(engine)
+        a = sched.add(prompt, typ, drafter, GenerationStats())
+        assert a.pinned
+        for _ in range(6):
+            sched.add([7, 7, 8, 9, 10, 11] * 3, GenerationConfig(40, ignore_eos=True), None, GenerationStats())
+        out: list[int] = []
+        while not a.done:
+            for r, new in sched.step():
+                if r is a:
+                    out += new
+    assert max(s.tree_size for s in a.stats.steps) > 2  # the member drafted
+    assert set(seen) == {(0, 0.0, 0.0)}
+    assert out == solo

@@ -102,3 +102,12 @@ def test_token_logprobs_never_load_the_native_kernel(monkeypatch) -> None:
     ref = logits.double().log_softmax(-1)
     for r, (x, t) in enumerate(zip(out, [3, 4], strict=True)):
         assert abs(x.logprob - float(ref[r, t])) < 1e-6
+
+
+def test_more_top_logprobs_than_the_vocabulary_gives_all_of_it() -> None:
+    from treedraft.models.tiny import tiny_llama
+
+    r = Engine(tiny_llama(vocab_size=8)).generate([1, 2, 3], GenerationConfig(max_new_tokens=4, logprobs=20), None)
+    assert len(r.token_ids) == 4 and len(r.logprobs) == 4
+    for lp in r.logprobs:
+        assert sorted(i for i, _ in lp.top) == list(range(8))  # every token, each once

@@ -359,3 +359,19 @@ def test_typical_threshold() -> None:
     assert len(accept_typical(tree, logits[[0] * 7], params, gen, eps=0.0, alpha=0.0).nodes) == 3
     # greedy params: the greedy rule
     assert accept_typical(tree, logits[[0] * 7], SamplingParams(), gen) == accept_greedy(tree, logits[[0] * 7])
+
+
+def test_a_drafters_q_is_renormalised_before_the_ratio_test() -> None:
+    """A drafter's q passes the engine's check when it sums to 1 within 1e-3; min(1, p / q) must use it renormalised,
+    else a draft with p(x) = q(x) is rejected whenever the uniform lands in [p / (1.0009 q), 1), and the output's
+    law moves by as much."""
+    p = torch.tensor([[0.25, 0.5, 0.25], [1 / 3, 1 / 3, 1 / 3]])
+    q = torch.tensor([0.25, 0.5, 0.25], dtype=torch.float64) * 1.0009  # what the drafter reports
+    seed = next(  # a generator whose first uniform is in that band (where the unnormalised q rejects)
+        s
+        for s in range(200_000)
+        if float(torch.rand((), generator=torch.Generator().manual_seed(s), dtype=torch.float64)) > 1 / 1.0009
+    )
+    tree = TokenTree((0, 1), (-1, 0), {0: q})
+    a = verify.accept_speculative(tree, p, torch.Generator().manual_seed(seed))
+    assert a.nodes == (0, 1)

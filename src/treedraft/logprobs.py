@@ -67,7 +67,8 @@ def token_logprobs(logits: Tensor, tokens: Sequence[int], top: int) -> list[Toke
     rows = logits.detach().to("cpu", torch.float32)
     # load=False: asking for logprobs must not build or load the native kernel (which would also switch this
     # process's sampling to the native path mid-way: the same seeded request could then round differently)
-    vals, ids = kernels.topk_rows(rows, max(1, top), log_softmax=True, load=False)
+    # (a vocabulary smaller than ``top``, a toy or callable target's: all of it)
+    vals, ids = kernels.topk_rows(rows, max(1, min(top, rows.shape[1])), log_softmax=True, load=False)
     out = []
     for r, tok in enumerate(tokens):
         best = tuple((int(i), float(v)) for i, v in zip(ids[r, :top], vals[r, :top], strict=True))

@@ -413,9 +413,12 @@ class Scheduler:
         fixed = self.budget.overhead if self._sized and self.budget is not None else 0.0
         plan: list[_Rows] = []
         steps = [
-            # the rest of a batched step: other rows, one token per other decoding request at least
+            # the rest of a batched step: other rows, one token per other decoding request at least (not told to a pinned
+            # request: its tree, and so its seeded typical text, must not depend on the batch; Request.pinned)
             self._draft_steps(
-                req, b, (total - b, float(len(decoding) - 1), fixed) if len(decoding) > 1 else (0, 0.0, 0.0)
+                req,
+                b,
+                (total - b, float(len(decoding) - 1), fixed) if len(decoding) > 1 and not req.pinned else (0, 0.0, 0.0),
             )
             for req, b in zip(decoding, budgets)
         ]

@@ -80,7 +80,10 @@ def accept_speculative(tree: TokenTree, probs: Tensor, gen: torch.Generator) -> 
     while True:
         p = probs[node].double().clone()
         q = tree.child_q.get(node)
+        # renormalised: a drafter's q is checked to sum to 1 within 1e-3 (TokenTree), and min(1, p / q) with a q
+        # summing to 1.001 would move the output's law by as much
         q = None if q is None else q.to(device="cpu", dtype=torch.float64)
+        q = None if q is None else q / q.sum().clamp_min(1e-300)
         moved = False
         for c in kids[node]:
             x = tree.tokens[c]
