@@ -197,7 +197,7 @@ def test_every_key_is_compared(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(Exception, match="incorrect API key"):
         keys.tenant("Bearer zz")
     assert len(calls) == 6
-    for bad in ([""], [" a"], "abc"):
+    for bad in ([""], [" a"], "abc", ["clé-secret"], ["a\tb"]):  # (a header carries printable ASCII reliably)
         with pytest.raises(ValueError, match="API key"):
             APIKeys(bad)
 
@@ -1710,3 +1710,54 @@ def test_a_shutdown_answers_unfinished_requests_with_a_503(llm: LLM, monkeypatch
     assert made["cfg"].timeout_graceful_shutdown == 7.0 and made["cfg"].host == "127.0.0.1"
     made["drain"]()
     assert drains == [6.0]
+
+
+def test_requests_that_would_be_answered_wrongly_or_slowly_are_400s(server: LiveServer, llm: LLM) -> None:
+    """A review (session 44): vLLM's extras that change the answer were ignored (200 with unconstrained text); an
+    invalid max_tokens passed beside max_completion_tokens; 60,000 stop strings slowed every other request 5.6x; a
+    prediction of 800 KB held the event loop for seconds. Each is now a 400 naming its field; nulls are defaults."""
+    url = f"{server.url}/v1/chat/completions"
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 2, "temperature": 0}
+    for extra, param in (
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({"bad_words": ["abc"]}, "bad_words"),
+        ({"continue_final_message": True}, "continue_final_message"),
+        ({"max_tokens": -7, "max_completion_tokens": 3}, "max_tokens"),
+        ({"stop": [f"s{i}" for i in range(65)]}, "stop"),
+        ({"stop": ["x" * 1025]}, "stop"),
+        ({"prediction": {"type": "content", "content": "abc " * llm.model.max_seq_len}}, "prediction"),
+    ):
+        err = assert_error(httpx.post(url, json=body | extra, timeout=TIMEOUT), 400, param)
+        assert err["message"]
+    ok = body | {
+        "stop": [f"s{i}" for i in range(64)],
+        "include_stop_str_in_output": None,  # null: not asked for
+        "messages": [
+            {"role": "user", "content": "abc", "name": "ann"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": None, "function": {"name": "f", "arguments": "{}"}}],
+            },
+            {"role": "user", "content": "abc"},
+        ],
+    }
+    r = httpx.post(url, json=ok, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    streamed = body | {"stream": True, "stream_options": {"include_usage": None}}
+    r = httpx.post(url, json=streamed, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+    assert '"usage"' not in r.text  # null: the default, no usage chunk
+
+
+def test_a_message_name_reaches_the_chat_template() -> None:
+    from treedraft.server.protocol import ChatMessage
+
+    assert ChatMessage(role="user", content="hi", name="ann").as_dict() == {
+        "role": "user",
+        "content": "hi",
+        "name": "ann",
+    }
+    assert "name" not in ChatMessage(role="user", content="hi").as_dict()

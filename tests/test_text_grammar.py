@@ -220,3 +220,11 @@ def test_stop_token_ids_are_refused_next_to_a_constraint() -> None:
     for kw in (dict(regex="b+"), dict(choice=["bb"]), dict(response_format="json_object")):
         with pytest.raises(GenerationError, match="stop_token_ids cannot be combined with a constrained answer"):
             llm.generate("abc abc", max_new_tokens=4, stop_token_ids=[66], **kw)
+
+
+def test_a_regex_no_token_can_begin_is_refused_when_built() -> None:
+    """A review (session 44): the request failed mid-generation, naming token 0; now the build says what is wrong."""
+    for regex in ("[一-鿿]+", "Ω|ΩΩ"):  # characters whose first byte no token of this vocabulary has
+        with pytest.raises(ValueError, match="no token begins one"):
+            VOCAB.grammar(regex)
+    assert VOCAB.grammar("a*").allowed((0, b""))[EOS]  # an empty answer may end at once

@@ -125,8 +125,15 @@ class TextVocab:
         return cls(token_bytes_of(tokenizer), tokenizer.eos_token_ids, vocab_size)
 
     def grammar(self, regex: str) -> TextGrammar:
-        """The grammar of "the whole answer matches ``regex``" (ValueError naming it when it cannot be one)."""
-        return TextGrammar(self, full_match(regex))
+        """The grammar of "the whole answer matches ``regex``" (ValueError naming it when it cannot be one, or when no
+        token of this vocabulary can begin an answer matching it)."""
+        g = TextGrammar(self, full_match(regex))
+        if not g.allowed(g.start()).any():  # else the request fails mid-generation, naming a token id
+            raise ValueError(
+                f"no answer matching {regex[:80]!r} can be written with this model's vocabulary: no token begins one "
+                "(characters it has no tokens for?)"
+            )
+        return g
 
 
 class TextGrammar:

@@ -63,6 +63,10 @@ class ClientGone(Exception):
 
 
 MAX_USER_TENANT = 128  # characters of a `user` field kept as they are in its tenant id; a longer one is hashed
+# stop strings a request may give (OpenAI allows 4): each is looked for after every token on the thread that decodes
+# every request, so a request with 60,000 of them made another's answer 5.6x slower (a review, session 44)
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
 
 if TYPE_CHECKING:
     from ..api import LLM
@@ -325,17 +329,18 @@ class OpenAIServer:
         pname = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(req, pname)
         score_only = max_tokens == 0 and not chat and bool(req.echo)  # OpenAI's echo with max_tokens 0: scoring
-        if max_tokens is not None and max_tokens < 1 and not score_only:
-            raise APIError(
-                400,
-                f"{pname} must be at least 1, got {max_tokens}"
-                + ("" if chat else " (0 only with echo: the prompt back, scored with logprobs, nothing generated)"),
-                param=pname,
-            )
-        if max_tokens is not None and max_tokens > self.tokens_limit:
-            raise APIError(
-                400, f"{pname}={max_tokens} is above this server's limit of {self.tokens_limit}", param=pname
-            )
+        # both limits checked where both are given (max_completion_tokens is the one used)
+        for name in dict.fromkeys((pname, "max_tokens")):
+            value = getattr(req, name)
+            if value is not None and value < 1 and not score_only:
+                raise APIError(
+                    400,
+                    f"{name} must be at least 1, got {value}"
+                    + ("" if chat else " (0 only with echo: the prompt back, scored with logprobs, nothing generated)"),
+                    param=name,
+                )
+            if value is not None and value > self.tokens_limit:
+                raise APIError(400, f"{name}={value} is above this server's limit of {self.tokens_limit}", param=name)
         opts = req.treedraft or TreedraftOptions()
         drafter = opts.drafter or "default"
         if drafter not in request_drafters():
@@ -351,12 +356,27 @@ class OpenAIServer:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not x for x in stop):
             raise APIError(400, f"stop strings must be non-empty, got {stop!r}", param="stop")
+        # every stop string is looked for after every token, on the thread that decodes every request
+        if len(stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in stop):
+            raise APIError(
+                400,
+                f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters each, got {len(stop)} "
+                f"(the longest {max(map(len, stop))} characters)",
+                param="stop",
+            )
         pool = self.pool_for(req)
         prompts = await asyncio.get_running_loop().run_in_executor(pool, self.encode, req, tools, mode)
         predicted = prediction_text(req)
         prediction = ()
         if predicted:  # tokenized off the event loop, once for every prompt and choice
             prediction = await asyncio.get_running_loop().run_in_executor(pool, self.llm.prediction_ids, predicted)
+            if len(prediction) > self.context:  # no answer can be longer (and its usage count grows with its square)
+                raise APIError(
+                    400,
+                    f"the predicted output is {len(prediction)} tokens, longer than the model's context window of "
+                    f"{self.context}; send at most that much of it",
+                    param="prediction",
+                )
         fmt = req.response_format
         if mode is not None:  # the answer: one JSON object naming a tool (treedraft.tools)
             own = None if fmt is None or fmt.get("type") == "text" else fmt

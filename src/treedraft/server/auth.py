@@ -50,6 +50,13 @@ class APIKeys:
                     "an API key must be non-empty and have no surrounding whitespace; "
                     "check --api-key and $TREEDRAFT_API_KEYS"
                 )
+            if not (k.isascii() and k.isprintable()):
+                # an HTTP header carries bytes that servers read as Latin-1: a key with other characters could never
+                # be sent as it was configured
+                raise ValueError(
+                    "an API key must be printable ASCII (a header cannot carry other characters reliably); check "
+                    "--api-key and $TREEDRAFT_API_KEYS"
+                )
         self._digests = [_digest(k) for k in dict.fromkeys(keys)]
 
     def __bool__(self) -> bool:

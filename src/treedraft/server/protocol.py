@@ -114,6 +114,11 @@ class ToolCall(BaseModel):
     type: Literal["function"] = "function"
     function: FunctionCall
 
+    @field_validator("id", mode="before")
+    @classmethod
+    def _null_id(cls, v: object) -> object:
+        return "" if v is None else v  # explicit JSON null: none given, as with every optional field
+
 
 class TextPart(BaseModel):
     model_config = _STRICT
@@ -146,6 +151,8 @@ class ChatMessage(BaseModel):
     def as_dict(self) -> dict:
         """The message as :func:`treedraft.tools.render_messages` reads it (developer is a system message)."""
         out: dict = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:  # for the chat template (as vLLM passes it): one that has no use for it ignores it
+            out["name"] = self.name
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
@@ -155,7 +162,7 @@ class ChatMessage(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = _STRICT
-    include_usage: bool = False
+    include_usage: bool | None = False  # (null: the default)
 
 
 class TreedraftOptions(BaseModel):
@@ -286,6 +293,20 @@ UNSUPPORTED_FIELDS = {
     "function_call": _LEGACY_FUNCTIONS,
     "audio": "audio output is not supported; this server answers in text",
     "web_search_options": "web search is not supported",
+    # vLLM's extras that change the answer, beside the ones implemented (guided_regex / guided_choice, top_k, ...)
+    "guided_json": 'guided_json is not supported; send response_format {"type": "json_schema", "json_schema": '
+    '{"name": ..., "schema": ...}}',
+    "guided_grammar": "guided_grammar is not supported; use guided_regex, guided_choice or response_format",
+    "include_stop_str_in_output": "include_stop_str_in_output is not supported: the stop string is never in the text",
+    "bad_words": "bad_words is not supported; ban single tokens with logit_bias {token id: -100}",
+    "allowed_token_ids": "allowed_token_ids is not supported; use guided_choice or guided_regex",
+    "continue_final_message": "continue_final_message is not supported: the answer is always a new assistant turn",
+    "add_generation_prompt": "add_generation_prompt is not supported: the answer is always a new assistant turn",
+    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported; send a prompt that fits the context window",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "length_penalty (beam search) is not supported",
+    "logits_processors": "logits_processors are not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported; on /v1/completions use echo with logprobs",
 }
 
 
