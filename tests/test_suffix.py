@@ -708,3 +708,29 @@ def test_a_forked_child_gets_a_free_store_lock(tmp_path: Path) -> None:
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     st_.close()
+
+
+def test_the_store_is_bounded_in_all_evicting_the_oldest_of_any_tenant(tmp_path: Path) -> None:
+    """Per-tenant bounds alone let a keyless server's store grow with every new `user` field (a review, session 44)."""
+    assert SuffixStore(max_tokens=10).max_total_tokens == 160  # default: 16 tenants' worth
+    st_ = SuffixStore(tmp_path, max_tokens=1000, max_total_tokens=100, snapshot_every=10**6)
+    for i in range(12):  # twelve tenants, ten tokens each: over the bound at the eleventh
+        st_.add([100 + i] * 5 + [7, 8, 9, 10, i], f"user-{i}")
+    assert st_.num_tokens <= 100
+    tenants = [r.tenant for r in st_.records()]
+    assert tenants == [f"user-{i}" for i in range(12 - len(tenants), 12)]  # the oldest went first, whoever's
+    assert st_.tenant_tokens("user-0") == 0 and "user-0" not in st_._tenant_tokens  # forgotten, not kept at 0
+    assert st_.index_for("user-0").continuations([7, 8, 9, 10]) == {}  # its index rebuilt from what is left
+    assert st_.index_for("user-11").continuations([7, 8, 9, 10]) == {11: 1}
+    kept = [(r.seq, list(r.tokens)) for r in st_.records()]
+    st_.close()
+    assert [(r.seq, list(r.tokens)) for r in SuffixStore(tmp_path, max_total_tokens=100).records()] == kept
+    with pytest.warns(UserWarning, match="or 30 in all"):  # opened with a smaller bound in all: evicted and said
+        small = SuffixStore(tmp_path, max_total_tokens=30)
+    assert small.num_tokens <= 30 and small.records()[-1].seq == kept[-1][0]
+    small.close()
+    one = SuffixStore(max_tokens=1000, max_total_tokens=20)
+    one.add(list(range(50)), "a")  # a request alone over the bound in all keeps its last tokens
+    assert [list(r.tokens) for r in one.records()] == [list(range(30, 50))]
+    with pytest.raises(ValueError, match="suffix-max-total-tokens"):
+        SuffixStore(max_total_tokens=0)

@@ -530,6 +530,7 @@ def load(
     suffix_store: str | None = None,
     suffix_max_tokens: int = DEFAULT_MAX_TOKENS,
     suffix_share: bool = False,
+    suffix_max_total_tokens: int | None = None,
     kv_dtype: str = "auto",
     draft_model: str | None = None,
     draft_weights: str = "auto",
@@ -553,8 +554,9 @@ def load(
     machine whose quality check passes; see treedraft.models.quant_load). int4/int8: own runtime, cpu, fp32.
     suffix_store: directory where drafter ``suffix`` keeps earlier outputs across restarts (None: in memory,
     for this LLM's lifetime); suffix_max_tokens bounds what each tenant keeps (its own oldest requests are
-    evicted, never another tenant's); suffix_share lets every tenant draft from every other tenant's outputs
-    (default: each tenant only from its own, see docs/drafters.md).
+    evicted, never another tenant's), suffix_max_total_tokens what the store keeps in all (the oldest requests of any
+    tenant evicted; None: 16 x suffix_max_tokens); suffix_share lets every tenant draft from every other tenant's
+    outputs (default: each tenant only from its own, see docs/drafters.md).
     kv_dtype: KV cache storage of the own runtime: 'float32', 'float16' (half the cache bytes per decode step;
     keys/values rounded to fp16, rows stay bitwise row-invariant; Transformer.kv_dtype) or 'auto' (float16
     with int4/int8 weights, else the weights' dtype; see :func:`kv_dtype_for`).
@@ -589,7 +591,7 @@ def load(
         check_files(
             name, DrafterOptions(model_name=model if not Path(model).exists() else str(resolve(model)), heads=heads)
         )
-    store = open_suffix_store(suffix_store, suffix_max_tokens, suffix_share)  # before the slow model load
+    store = open_suffix_store(suffix_store, suffix_max_tokens, suffix_share, suffix_max_total_tokens)  # before the load
     try:  # a load that fails lets go of the store's directory (a retry would find it held, with nothing to close)
         if threads is not None:
             from .cli import apply_threads
@@ -620,6 +622,7 @@ def load(
             unread = [flag for flag, given in (("--heads / heads=", heads not in (None, DEFAULT)),
                                                ("--suffix-store / suffix_store=", suffix_store is not None),
                                                ("--suffix-max-tokens / suffix_max_tokens=", suffix_max_tokens != DEFAULT_MAX_TOKENS),
+                                               ("--suffix-max-total-tokens / suffix_max_total_tokens=", suffix_max_total_tokens is not None),
                                                ("--suffix-share / suffix_share=", suffix_share)) if given]  # fmt: skip
             warn_unread_args(unread, llm.engine.drafter)
     except BaseException:

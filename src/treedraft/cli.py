@@ -135,7 +135,7 @@ def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
 
 def add_suffix_args(p: argparse.ArgumentParser) -> None:
     """--suffix-store / --suffix-max-tokens / --suffix-share (drafter ``suffix``), shared with bench and serve."""
-    from .drafters.suffix_store import DEFAULT_MAX_TOKENS
+    from .drafters.suffix_store import DEFAULT_MAX_TOKENS, TOTAL_PER_TENANT
 
     p.add_argument(
         "--suffix-store",
@@ -152,6 +152,14 @@ def add_suffix_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="drafters with suffix branches: tokens kept at most per tenant, that tenant's oldest requests evicted "
         f"first (default {DEFAULT_MAX_TOKENS})",
+    )
+    p.add_argument(
+        "--suffix-max-total-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="drafters with suffix branches: tokens kept at most in all, the oldest requests of any tenant evicted "
+        f"first (default {TOTAL_PER_TENANT} x --suffix-max-tokens)",
     )
     p.add_argument(
         "--suffix-share",
@@ -175,7 +183,12 @@ def model_kwargs(a: argparse.Namespace) -> dict:
 
 def suffix_kwargs(a: argparse.Namespace) -> dict:
     """load() keyword arguments from the --suffix-* flags."""
-    return dict(suffix_store=a.suffix_store, suffix_max_tokens=a.suffix_max_tokens, suffix_share=a.suffix_share)
+    return dict(
+        suffix_store=a.suffix_store,
+        suffix_max_tokens=a.suffix_max_tokens,
+        suffix_share=a.suffix_share,
+        suffix_max_total_tokens=a.suffix_max_total_tokens,
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -422,6 +435,7 @@ def notes_after_load(a: argparse.Namespace, llm: Any) -> None:
                                        ("--heads", getattr(a, "heads", None) not in (None, "default")),
                                        ("--suffix-store", getattr(a, "suffix_store", None) is not None),
                                        ("--suffix-max-tokens", getattr(a, "suffix_max_tokens", DEFAULT_MAX_TOKENS) != DEFAULT_MAX_TOKENS),
+                                       ("--suffix-max-total-tokens", getattr(a, "suffix_max_total_tokens", None) is not None),
                                        ("--suffix-share", getattr(a, "suffix_share", False))) if on]  # fmt: skip
         if given:
             notes.append(f"{', '.join(given)}: plain decoding (drafter none) drafts nothing, so reads none of them")

@@ -386,6 +386,8 @@ def _command_line(a: argparse.Namespace, dataset: Path | None) -> str:
         parts += ["--suffix-store", a.suffix_store]
     if a.suffix_max_tokens != DEFAULT_MAX_TOKENS:
         parts += ["--suffix-max-tokens", str(a.suffix_max_tokens)]
+    if a.suffix_max_total_tokens is not None:
+        parts += ["--suffix-max-total-tokens", str(a.suffix_max_total_tokens)]
     if a.suffix_share:
         parts.append("--suffix-share")
     if a.threads is not None:

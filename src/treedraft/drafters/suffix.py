@@ -313,18 +313,24 @@ def tenant_id(api_key: str | None = None, user: str | None = None) -> str:
 
 
 def open_suffix_store(
-    path: str | os.PathLike | None = None, max_tokens: int = DEFAULT_MAX_TOKENS, share: bool = False
+    path: str | os.PathLike | None = None,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    share: bool = False,
+    max_total_tokens: int | None = None,
 ) -> SuffixStore:
-    """The store behind ``--suffix-store DIR --suffix-max-tokens N --suffix-share`` (None = in memory); a ValueError
-    naming the directory when it cannot be one (a file there, no permission), or what is wrong with the arguments."""
+    """The store behind ``--suffix-store DIR --suffix-max-tokens N --suffix-share --suffix-max-total-tokens M`` (None =
+    in memory; M None: 16 N); a ValueError naming the directory when it cannot be one (a file there, no permission), or
+    what is wrong with the arguments."""
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"suffix_store must be a directory path (or None: in memory), got {path!r}")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         raise ValueError(f"suffix_max_tokens must be an integer >= 1, got {max_tokens!r}")
+    if max_total_tokens is not None and (isinstance(max_total_tokens, bool) or not isinstance(max_total_tokens, int)):
+        raise ValueError(f"suffix_max_total_tokens must be an integer >= 1 or None, got {max_total_tokens!r}")
     if not isinstance(share, bool):
         raise ValueError(f"suffix_share must be True or False, got {share!r}")
     try:
-        return SuffixStore(path, max_tokens=max_tokens, share=share)
+        return SuffixStore(path, max_tokens=max_tokens, share=share, max_total_tokens=max_total_tokens)
     except OSError as e:
         raise ValueError(f"cannot keep the suffix store in {path} (--suffix-store / suffix_store=): {e}") from None
 

@@ -28,11 +28,13 @@ across tenants is an operator's explicit choice.
 
 Bound, per tenant: each tenant keeps at most ``max_tokens`` tokens; beyond that *its own* oldest requests
 are evicted (down to 90% of the bound, so eviction and the index rebuild it needs are amortised). One
-tenant's traffic never evicts another's records (with ``share=True`` too: the bound is still counted per
-tenant, the shared index is rebuilt from what every tenant kept). So memory grows with the number of
-tenants ever seen, at most ``max_tokens`` each in the records (4 bytes per token); the indices of the
-:attr:`SuffixStore.MAX_INDICES` tenants that drafted last stay in memory (~12 bytes per token of a long history,
-~11 KB for one 45-token request), any other is rebuilt from its records when its tenant drafts again.
+tenant's traffic never evicts another's records through this bound (with ``share=True`` too: the bound is still
+counted per tenant, the shared index is rebuilt from what every tenant kept). Bound, in all: the store keeps at most
+``max_total_tokens`` tokens (default :data:`TOTAL_PER_TENANT` x ``max_tokens``); beyond that the oldest requests of
+any tenant are evicted, down to 90% (session 44: without it a server without API keys, where every distinct
+``user`` field is a tenant, grew without end). The records cost 4 bytes per token and ~0.5 KB per request; the
+indices of the :attr:`SuffixStore.MAX_INDICES` tenants that drafted last stay in memory (~12 bytes per token of a
+long history, ~11 KB for one 45-token request), any other is rebuilt from its records when its tenant drafts again.
 """
 
 from __future__ import annotations
@@ -179,6 +181,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 DEFAULT_MAX_TOKENS = 1_000_000  # tokens a tenant keeps at most (--suffix-max-tokens, suffix_max_tokens=)
+TOTAL_PER_TENANT = 16  # the store's default bound in all: this many tenants' worth (--suffix-max-total-tokens)
 
 
 class SuffixStore:
@@ -191,11 +194,17 @@ class SuffixStore:
         share: bool = False,
         snapshot_every: int = 256,
         fsync: bool = True,
+        max_total_tokens: int | None = None,
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"suffix_max_tokens (--suffix-max-tokens) must be >= 1, got {max_tokens}")
+        if max_total_tokens is not None and max_total_tokens < 1:
+            raise ValueError(
+                f"suffix_max_total_tokens (--suffix-max-total-tokens) must be >= 1, got {max_total_tokens}"
+            )
         self.path = Path(path) if path is not None else None
         self.max_tokens, self.share, self.fsync = max_tokens, share, fsync
+        self.max_total_tokens = TOTAL_PER_TENANT * max_tokens if max_total_tokens is None else max_total_tokens
         self.snapshot_every = snapshot_every
         self._records: deque[Record] = deque()  # every tenant's, oldest first
         self._tokens = 0
@@ -323,6 +332,7 @@ class SuffixStore:
             if idx is not None:
                 idx.add_sequence(toks)
             evicted = self._evict(tenant) != (0, 0)
+            evicted |= self._evict_total(rec) != (0, 0)
             self._since_snapshot += 1
             if self.path is not None and (evicted or self._since_snapshot >= self.snapshot_every):
                 try:
@@ -431,6 +441,41 @@ class SuffixStore:
         self._indices.pop(SHARED if self.share else tenant, None)  # rebuilt lazily from what is left
         return dropped, lost
 
+    def _evict_total(self, keep: Record | None = None) -> tuple[int, int]:
+        """Drop the oldest records of any tenant down to 90% of ``max_total_tokens`` once the store is over it (``keep``,
+        the request just added, stays; cut to the bound's last tokens if it alone is over). Returns (records, tokens)
+        dropped."""
+        if self._tokens <= self.max_total_tokens:
+            return 0, 0
+        low = int(self.max_total_tokens * 0.9)
+        kept: deque[Record] = deque()
+        dropped = lost = 0
+        touched: set[str] = set()
+        for r in self._records:
+            if r is not keep and self._tokens > low:
+                n = len(r.tokens)
+                self._tokens -= n
+                self._tenant_tokens[r.tenant] -= n
+                if not self._tenant_tokens[r.tenant]:
+                    del self._tenant_tokens[r.tenant]  # (a tenant with nothing left is forgotten: bounded too)
+                dropped, lost = dropped + 1, lost + n
+                touched.add(r.tenant)
+            elif r is keep and len(r.tokens) > self.max_total_tokens:
+                cut = len(r.tokens) - self.max_total_tokens
+                self._tokens, self._tenant_tokens[r.tenant], lost = (
+                    self._tokens - cut,
+                    self._tenant_tokens[r.tenant] - cut,
+                    lost + cut,
+                )
+                kept.append(Record(r.seq, r.tenant, r.tokens[cut:]))
+                touched.add(r.tenant)
+            else:
+                kept.append(r)
+        self._records = kept
+        for t in {SHARED} if self.share else touched:
+            self._indices.pop(t, None)  # rebuilt lazily from what is left
+        return dropped, lost
+
     def _snapshot(self) -> None:
         assert self.path is not None
         tmp, snap = self.path / "snapshot.tmp", self.path / "snapshot.bin"
@@ -512,12 +557,14 @@ class SuffixStore:
         else:
             self._log = open(log, "ab")
         cut = [self._evict(t) for t in list(self._tenant_tokens)]  # a smaller bound than it was written with
+        cut.append(self._evict_total(self._records[-1] if self._records else None))
         evicted = sum(n for n, _ in cut), sum(k for _, k in cut)
         if evicted != (0, 0):
             warnings.warn(
                 f"suffix store {self.path}: {evicted[1]} tokens ({evicted[0]} whole records) over the bound of "
-                f"{self.max_tokens} tokens per tenant (--suffix-max-tokens) were evicted, oldest first, and are gone "
-                "from the store at its next write; open it with its earlier bound to keep them",
+                f"{self.max_tokens} tokens per tenant (--suffix-max-tokens) or {self.max_total_tokens} in all "
+                "(--suffix-max-total-tokens) were evicted, oldest first, and are gone from the store at its next write; "
+                "open it with its earlier bounds to keep them",
                 stacklevel=2,
             )
             # not written here: a store refused right after loading (one of another tokenizer) stays as it was on
