@@ -4,7 +4,7 @@
 #   scripts/train_eagle_shipped.sh [OUT_DIR]      (default: eagle-train/ in the current directory)
 #
 # Every step is resumable: the data steps keep per-shard progress, a training step whose output directory already
-# holds eagle.safetensors is skipped (and an interrupted one resumes from its checkpoint). Stop and restart at will.
+# holds eagle.json is skipped (and an interrupted one resumes from its checkpoint). Stop and restart at will.
 # The start is the session-7 file from git history (the steps before it: git log -- src/treedraft/heads), then
 # warm epochs over the target's greedy answers and sampled answers (T 0.7) to the 2,640 ShareGPT prompts that fit.
 # Wall time on a 2-core CPU: data ~11 min per set on a Zen 5 EPYC, ~35 min on a Zen 4; training 12-31 min per
@@ -25,11 +25,12 @@ gen="--weights int4 --max-new-tokens 256 --shard-size 32 --gen-concurrency 8 --t
 shared_data_sets  # greedy ShareGPT, template and two self-written sets (data, tmpl, synth, synth2)
 for s in 1 2; do "$T" train-eagle $gen --train-data data-t07-s$s --gen-temperature 0.7 --gen-seed $s; done
 
-if [ ! -f s7/eagle.safetensors ]; then
-  mkdir -p s7
+if [ ! -f s7/eagle.json ]; then
+  rm -rf s7.tmp && mkdir -p s7.tmp
   for f in eagle.json eagle.safetensors; do
-    git -C "$here" show c8843c3:src/treedraft/heads/smollm2-135m-instruct/$f > s7/$f
+    git -C "$here" show c8843c3:src/treedraft/heads/smollm2-135m-instruct/$f > s7.tmp/$f
   done
+  rm -rf s7 && mv s7.tmp s7  # whole or not at all: an interrupt here redoes the step
 fi
 
 common="--weights int4 --max-new-tokens 256 --shard-size 32 --gen-concurrency 8 --train-data data --no-generate
@@ -38,7 +39,7 @@ common="--weights int4 --max-new-tokens 256 --shard-size 32 --gen-concurrency 8 
 step() {  # step OUT INIT THREADS UNROLL [extra train-eagle args]
   local o=$1 init=$2 threads=$3 unroll=$4
   shift 4
-  if [ -f "$o/eagle.safetensors" ]; then echo "train-eagle: $o done, skipped"; return; fi
+  if [ -f "$o/eagle.json" ]; then echo "train-eagle: $o done, skipped"; return; fi
   "$T" train-eagle $common --threads "$threads" --unroll "$unroll" --init-from "$init" --out "$o" "$@"
 }
 step a s7 1 2

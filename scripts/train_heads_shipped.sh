@@ -4,7 +4,7 @@
 #   scripts/train_heads_shipped.sh [OUT_DIR]      (default: heads-train/ in the current directory)
 #
 # Every step is resumable (the data steps keep per-shard progress; synth-prompts continues its file; a training step
-# whose output already holds heads.safetensors is skipped). The start is the previous shipped heads from git history
+# whose output already holds medusa.json is skipped). The start is the previous shipped heads from git history
 # (session 6: 1,001 ShareGPT prompts x 192 tokens, fp32 runtime), then ONE epoch (lr 1e-3) on the int4 serving
 # loop's own answers (train-eagle's data step: the hidden states the heads read when drafting) to
 #   - the 2,640 ShareGPT prompts that fit (the same data step as scripts/train_eagle_shipped.sh),
@@ -32,20 +32,21 @@ gen="--weights int4 --max-new-tokens 256 --shard-size 32 --gen-concurrency 8 --t
 shared_data_sets  # greedy ShareGPT, template and two self-written sets (data, tmpl, synth, synth2)
 "$T" train-eagle $gen --train-data mtb --prompts "$mtb"
 
-if [ ! -f start/heads.safetensors ]; then
-  mkdir -p start
+if [ ! -f start/medusa.json ]; then
+  rm -rf start.tmp && mkdir -p start.tmp
   for f in medusa.json heads.safetensors; do
-    git -C "$here" show d378cce:src/treedraft/heads/smollm2-135m-instruct/$f > start/$f
+    git -C "$here" show d378cce:src/treedraft/heads/smollm2-135m-instruct/$f > start.tmp/$f
   done
+  rm -rf start && mv start.tmp start  # whole or not at all: an interrupt here redoes the step
 fi
-if [ ! -f H/heads.safetensors ]; then
+if [ ! -f H/medusa.json ]; then
   "$T" train-heads --weights int4 --no-generate --train-data data --extra-train-data tmpl --extra-train-data synth \
     --eval-data mtb --init-from start --epochs 1 --lr 1e-3 --threads 1 --out H
 fi
 
 # session 20: one more epoch from H (lr 5e-4) on 4,000 more self-written requests (synth2: 3,275 kept) + the template
 # set + the first synthesized set (ShareGPT left out: seen already): ~23 min here
-if [ ! -f H20/heads.safetensors ]; then
+if [ ! -f H20/medusa.json ]; then
   "$T" train-heads --weights int4 --no-generate --train-data synth2 --extra-train-data tmpl --extra-train-data synth \
     --eval-data mtb --init-from H --epochs 1 --lr 5e-4 --threads 1 --out H20
 fi

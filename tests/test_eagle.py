@@ -383,3 +383,49 @@ def test_fast_drafting_on_a_native_target_drafts_like_the_float_net(tmp_path: Pa
     d = EagleDrafter.for_target(model, tmp_path)
     assert d.project is not None and d.vm is not None
     assert engine.generate([5, 3, 8, 1], cfg(24, max_tree_nodes=8), d).token_ids == ref
+
+
+def test_init_from_a_drafter_of_another_model_is_refused(tmp_path: Path) -> None:
+    """A review (session 44): --init-from loaded any eagle.safetensors of the right shape, another model's included,
+    and relabelled it as this model's."""
+    from treedraft.drafters.eagle_net import EagleMismatchError
+
+    model = tiny(5, scale=2.0)
+    write_tiny_shards(model, tmp_path / "data", n=8)
+    cfg_ = EagleConfig.for_target(model, "tiny")
+    tc = EagleTrainConfig(epochs=1, lr=3e-3, tokens_per_batch=256, heldout=0.25, unroll=2, eval_unroll=2)
+    other = random_net(tiny(7), 0)
+    other.config = dataclasses.replace(other.config, base_model="some-other-model")
+    other.save(tmp_path / "other")
+    with pytest.raises(EagleMismatchError, match="some-other-model"):
+        train_eagle(tmp_path / "data", model, cfg_, tc, tmp_path / "ck", progress=False, init_from=tmp_path / "other")
+    mine = random_net(tiny(7), 0)
+    mine.config = dataclasses.replace(mine.config, base_model="tiny")
+    mine.save(tmp_path / "mine")
+    net, _ = train_eagle(
+        tmp_path / "data", model, cfg_, tc, tmp_path / "ck2", progress=False, init_from=tmp_path / "mine"
+    )
+    assert net.config.base_model == "tiny"
+
+
+def test_an_evaluation_interrupted_at_an_epochs_end_is_redone_on_resume(tmp_path: Path, monkeypatch) -> None:
+    """A review (session 44): the step checkpoint landing on an epoch's last step, an interrupt in the evaluation
+    resumed into the next epoch and that epoch's held-out figure was never recorded."""
+    from treedraft.training import eagle_train
+
+    model = tiny(5, scale=2.0)
+    write_tiny_shards(model, tmp_path / "data", n=16)
+    cfg_ = EagleConfig.for_target(model, "tiny")
+    tc = EagleTrainConfig(epochs=1, lr=3e-3, tokens_per_batch=256, heldout=0.25, unroll=2, eval_unroll=2, ckpt_every=1)
+    _, whole = train_eagle(tmp_path / "data", model, cfg_, tc, tmp_path / "ck1", progress=False)
+    real = eagle_train.evaluate
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eagle_train, "evaluate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_eagle(tmp_path / "data", model, cfg_, tc, tmp_path / "ck2", progress=False)
+    monkeypatch.setattr(eagle_train, "evaluate", real)
+    _, resumed = train_eagle(tmp_path / "data", model, cfg_, tc, tmp_path / "ck2", progress=False)
+    assert resumed["epochs"] == whole["epochs"] and len(whole["epochs"]) == 1

@@ -166,6 +166,7 @@ def test_sampled_answers_are_seeded_and_kept_apart_from_greedy_data(tmp_path: Pa
         (["--out", "o", "--extra-train-data", "nowhere"], "--extra-train-data nowhere: no shard"),
         (["--out", "o", "--init-from", "d", "--init-from-target"], "give one"),
         (["--out", "p.jsonl"], "is a file"),  # said before the data step and an epoch, not after them
+        (["--out", "o", "--init-from", "nowhere"], "no eagle.json there"),  # (was said after the data step: hours)
     ],
 )
 def test_train_eagle_cli_checks(tmp_path: Path, args: list[str], msg: str) -> None:

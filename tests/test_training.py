@@ -576,13 +576,15 @@ def test_train_heads_no_generate_generates_nothing(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(data_mod, "generate_dataset", no_generation)
     p = _jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
     out = tmp_path / "heads"
-    argv = ["train-heads", "--no-generate", "--train-data", str(d), "--prompts", str(p), "--eval-prompts", str(p)]
+    gone = tmp_path / "nothere.jsonl"  # never read under --no-generate (a review: it was required, and recorded)
+    argv = ["train-heads", "--no-generate", "--train-data", str(d), "--prompts", str(gone), "--eval-prompts", str(p)]
     argv += ["--num-heads", "2", "--draft-vocab", "0", "--epochs", "1", "--out", str(out)] + (
         ["--eval-data", str(d)] if with_eval else []
     )
     rc, err = _main(argv, capsys)
     assert rc == 0, err
     extra = json.loads((out / "medusa.json").read_text())["extra"]
+    assert extra["prompts"] is None and extra["num_prompts"] is None and extra["train_data"] == str(d)
     if with_eval:
         assert extra["eval_data"] == str(d) and len(extra["rank_accuracy"]) == 2
         assert extra["training"]["eval_prompts"] == str(d)  # what the "mt_bench" block measured (any prompts)
@@ -603,3 +605,110 @@ def test_no_fitting_prompt_says_which_flags_to_change() -> None:
         ValueError, match="none of the 2 prompts fits in max_prompt_tokens=10: raise --max-prompt-tokens"
     ):
         encode_fitting(llm, ["x" * 50, "y" * 11], 10)
+
+
+def _copy_with_meta(src: Path, out: Path, prompts_sha1: str) -> Path:
+    import shutil
+
+    shutil.copytree(src, out)
+    (out / "meta.json").write_text(json.dumps({"model": "tiny", "prompts_sha1": prompts_sha1}))
+    return out
+
+
+def test_answers_to_held_out_prompts_are_held_out_in_every_directory_of_those_prompts(tmp_path) -> None:
+    """A review (session 44): train-eagle's data beside a copy over the same prompt file (--extra-train-data) trained
+    on the held-out prompts through the copy, and the held-out top-1 rose from 0.71 to 0.93."""
+    from treedraft.training.data import load_many_shards
+    from treedraft.training.train import hold_out_copies, split_by_sequence
+
+    m, d = _tiny_data(tmp_path)
+    a = _copy_with_meta(d, tmp_path / "a", "same")
+    b = _copy_with_meta(d, tmp_path / "b", "same")
+    c = _copy_with_meta(d, tmp_path / "c", "other")  # other prompts: its sequence 3 is another prompt's answer
+    tok, hid, seq, offsets, rows = load_many_shards([a, b, c], with_offsets=True)
+    held = split_by_sequence(seq, 0.25, 0)
+    raw = {int(s) - offsets[0] if s < offsets[1] else int(s) - offsets[1] for s in seq[held].unique() if s < offsets[2]}
+    assert raw  # something of a or b is held out by the plain split
+    got = hold_out_copies(held, seq, offsets, [a, b, c])
+    for lo in offsets[:2]:  # a's and b's answers to every prompt held out in either
+        for r in raw:
+            assert got[seq == lo + r].all()
+    assert torch.equal(got[seq >= offsets[2]], held[seq >= offsets[2]])  # c's own split untouched
+    seq2 = load_many_shards([a, b])[2]
+    held2 = split_by_sequence(seq2, 0.25, 0)
+    raw2 = {int(s) % offsets[1] for s in seq2[held2].unique()}
+    tc = TrainConfig(epochs=1, batch_size=16, heldout_frac=0.25)
+    _, report = train_heads([a, b], m.lm_head.weight, _mcfg(m, num_heads=2), tc, tmp_path / "o", progress=False)
+    assert raw2 and report["heldout_rows"] == 2 * sum(int((seq == r).sum()) for r in raw2)  # (a's ids: raw)
+
+
+def test_no_training_rows_is_an_error_not_zero_heads(tmp_path) -> None:
+    """A single prompt: the split keeps it for training; answered twice (two copies of its data), one copy held out
+    holds the other out too, and nothing is left to train on: said, where zero heads were written before."""
+    from safetensors.torch import load_file, save_file
+
+    m, d = _tiny_data(tmp_path)
+    one = load_file(str(d / "shard_00000.safetensors"))
+    keep = one["seq"] == 0
+    (tmp_path / "one").mkdir()
+    save_file({k: v[keep].contiguous() for k, v in one.items()}, str(tmp_path / "one" / "shard_00000.safetensors"))
+    _, report = train_heads(
+        tmp_path / "one",
+        m.lm_head.weight,
+        _mcfg(m, num_heads=2),
+        TrainConfig(epochs=1, heldout_frac=0.1),
+        tmp_path / "o1",
+        progress=False,
+    )
+    assert report["train_rows"] == int(keep.sum()) and report["heldout_rows"] == 0
+    a = _copy_with_meta(tmp_path / "one", tmp_path / "a", "same")
+    b = _copy_with_meta(tmp_path / "one", tmp_path / "b", "same")
+    with pytest.raises(ValueError, match="no training rows"):
+        train_heads(
+            [a, b],
+            m.lm_head.weight,
+            _mcfg(m, num_heads=2),
+            TrainConfig(epochs=1, heldout_frac=0.1),
+            tmp_path / "o",
+            progress=False,
+        )
+    assert not (tmp_path / "o" / "heads.safetensors").exists()
+
+
+def test_a_torn_checkpoint_or_reordered_data_is_said_not_a_traceback(tmp_path) -> None:
+    m, d = _tiny_data(tmp_path)
+    a = _copy_with_meta(d, tmp_path / "a", "pa")
+    b = _copy_with_meta(d, tmp_path / "b", "pb")
+    tc = TrainConfig(epochs=2, batch_size=16, heldout_frac=0.0, checkpoint_every=1)
+    train_heads([a, b], m.lm_head.weight, _mcfg(m, num_heads=2), tc, tmp_path / "o", progress=False)
+    ck = tmp_path / "o" / "checkpoint.pt"
+    assert not ck.with_name("checkpoint.pt.tmp").exists()  # written whole, then renamed
+    with pytest.raises(CheckpointMismatchError, match="training data directories"):
+        train_heads([b, a], m.lm_head.weight, _mcfg(m, num_heads=2), tc, tmp_path / "o", progress=False)
+    ck.write_bytes(ck.read_bytes()[:1000])  # as an interrupted write left it before saves were atomic
+    with pytest.raises(CheckpointMismatchError, match="cannot be read.*delete it"):
+        train_heads([a, b], m.lm_head.weight, _mcfg(m, num_heads=2), tc, tmp_path / "o", progress=False)
+
+
+def test_an_interrupted_save_leaves_no_heads_to_load_and_a_torn_file_is_said(tmp_path, monkeypatch) -> None:
+    from treedraft.drafters.medusa import HeadsMismatchError
+    from treedraft.models import cache
+
+    m = tiny_llama(seed=2, vocab_size=32)
+    heads = MedusaHeads(_mcfg(m, num_heads=2), m.lm_head.weight)
+    heads.save(tmp_path / "h")
+    assert sorted(p.name for p in (tmp_path / "h").iterdir()) == ["heads.safetensors", "medusa.json"]
+
+    def interrupted(path, text):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cache, "write_text_atomic", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        heads.save(tmp_path / "h")  # overwriting: the old config must not stay beside the new weights
+    assert not (tmp_path / "h" / "medusa.json").exists()
+    monkeypatch.undo()
+    heads.save(tmp_path / "h")
+    w = tmp_path / "h" / "heads.safetensors"
+    w.write_bytes(w.read_bytes()[:100])
+    with pytest.raises(HeadsMismatchError, match="cannot be read"):
+        MedusaHeads.load(tmp_path / "h", m.lm_head.weight, "tiny", m.hidden_size, m.vocab_size)

@@ -161,15 +161,18 @@ class EagleNet(nn.Module):
     # ---- persistence ---------------------------------------------------
     def save(self, d: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write eagle.safetensors (weights in ``dtype`` if given) + eagle.json into directory ``d``."""
-        from ..models.cache import save_tensors
+        from ..models.cache import save_tensors, write_text_atomic
 
         d = Path(d)
         d.mkdir(parents=True, exist_ok=True)
         sd = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         if self.vocab_map is not None:
             sd["vocab_map"] = self.vocab_map.to(torch.int32).cpu()
+        (d / EAGLE_JSON).unlink(
+            missing_ok=True
+        )  # back last: an interrupted save leaves no config (as MedusaHeads.save)
         save_tensors(sd, d / EAGLE_WEIGHTS)
-        (d / EAGLE_JSON).write_text(json.dumps(asdict(self.config), indent=1))
+        write_text_atomic(d / EAGLE_JSON, json.dumps(asdict(self.config), indent=1))
 
     @staticmethod
     def load(d: str | Path, target: TargetModel, base_model: str | None = None) -> EagleNet:
@@ -200,7 +203,13 @@ class EagleNet(nn.Module):
             raise ValueError(
                 f"the eagle drafter needs the target's embedding and lm_head; {type(target).__name__} has none"
             )
-        sd = load_file(str(d / EAGLE_WEIGHTS))
+        try:
+            sd = load_file(str(d / EAGLE_WEIGHTS))
+        except Exception as e:  # safetensors' own error: a torn or foreign file
+            raise EagleMismatchError(
+                f"{d / EAGLE_WEIGHTS} cannot be read ({type(e).__name__}: {e}); rewrite it with `treedraft "
+                "train-eagle`, or restore it"
+            ) from None
         vm = sd.pop("vocab_map", None)
         if vm is not None and (int(vm.min()) < 0 or int(vm.max()) >= cfg.vocab_size):
             raise EagleMismatchError(f"{d / EAGLE_WEIGHTS}: vocab_map has ids outside [0, {cfg.vocab_size})")

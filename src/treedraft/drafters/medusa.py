@@ -264,19 +264,22 @@ class MedusaHeads(nn.Module):
     def save(self, d: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write heads.safetensors (weights in ``dtype`` if given, e.g. fp16 to halve a shipped file)
         + medusa.json into directory d."""
-        from ..models.cache import save_tensors
+        from ..models.cache import save_tensors, write_text_atomic
 
         d = Path(d)
         d.mkdir(parents=True, exist_ok=True)
         sd = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         if self.vocab_map is not None:
             sd["vocab_map"] = self.vocab_map.to(torch.int32).cpu()
-        save_tensors(sd, d / "heads.safetensors")
         cfg = asdict(self.config)
         cfg["choices"] = [list(c) for c in self.config.choices]
         if not cfg["choices"]:
             del cfg["choices"]  # no fixed tree: each machine chooses its own
-        (d / "medusa.json").write_text(json.dumps(cfg, indent=1))
+        # the config goes first and comes back last: interrupted in between, the directory has no medusa.json (said
+        # so when loaded, and the reproduce scripts redo the step), never new weights under an old config
+        (d / "medusa.json").unlink(missing_ok=True)
+        save_tensors(sd, d / "heads.safetensors")
+        write_text_atomic(d / "medusa.json", json.dumps(cfg, indent=1))
 
     @staticmethod
     def load(
@@ -319,7 +322,13 @@ class MedusaHeads(nn.Module):
                 + "; ".join(problems)
                 + ". Train heads for this model with `treedraft train-heads`."
             )
-        sd = load_file(str(d / "heads.safetensors"))
+        try:
+            sd = load_file(str(d / "heads.safetensors"))
+        except Exception as e:  # safetensors' own error: a torn or foreign file
+            raise HeadsMismatchError(
+                f"{d / 'heads.safetensors'} cannot be read ({type(e).__name__}: {e}); rewrite it with `treedraft "
+                "train-heads`, or restore it"
+            ) from None
         vocab_map = sd.pop("vocab_map", None)
         vocab_map = None if vocab_map is None else vocab_map.long()
         where = d / "heads.safetensors"

@@ -231,8 +231,11 @@ def _not_a_file(path) -> str:
 
 def validate_train_args(a: argparse.Namespace) -> None:
     """Argument checks that need no model (ValueError with the option to change)."""
-    _check(a.prompts is not None, f"no prompt file: {SHARED_DATA / SHAREGPT_FILE} was not found; pass --prompts FILE")
-    _check(Path(a.prompts).is_file(), f"--prompts {a.prompts}: {_not_a_file(a.prompts)}")
+    if not getattr(a, "no_generate", False):  # (--no-generate trains on --train-data: no prompt is read)
+        _check(
+            a.prompts is not None, f"no prompt file: {SHARED_DATA / SHAREGPT_FILE} was not found; pass --prompts FILE"
+        )
+        _check(Path(a.prompts).is_file(), f"--prompts {a.prompts}: {_not_a_file(a.prompts)}")
     _check(
         a.eval_prompts is None or Path(a.eval_prompts).is_file(),
         f"--eval-prompts {a.eval_prompts}: {_not_a_file(a.eval_prompts)}",
@@ -286,11 +289,17 @@ def cmd_train(a: argparse.Namespace) -> int:
     llm = load(a.model, drafter=None, **model_kwargs(a))
     vocab = llm.model.vocab_size
     _check(a.draft_vocab <= vocab, f"--draft-vocab must be <= the model's vocabulary ({vocab}), got {a.draft_vocab}")
-    prompts = first_prompts(read_prompts(a.prompts), a.num_prompts, a.prompts, warn=a.num_prompts_given)
+    prompts = (  # (--no-generate: read none; --train-data is the data)
+        []
+        if a.no_generate
+        else first_prompts(read_prompts(a.prompts), a.num_prompts, a.prompts, warn=a.num_prompts_given)
+    )
     data = Path(a.data_dir)
     train_dir = (
         Path(a.train_data)
         if a.train_data
+        else None
+        if a.no_generate  # (refused just below)
         else data / cache_name(llm.model_name, a.prompts, len(prompts), a.max_new_tokens, a.max_prompt_tokens)
     )
     if a.no_generate:
@@ -390,8 +399,9 @@ def cmd_train(a: argparse.Namespace) -> int:
         extra={
             **heads.config.extra,
             "training": report,
-            "prompts": a.prompts,
-            "num_prompts": a.num_prompts,
+            # (with --no-generate the data's own meta.json says what it was made from, not these flags)
+            "prompts": None if getattr(a, "no_generate", False) else a.prompts,
+            "num_prompts": None if getattr(a, "no_generate", False) else a.num_prompts,
             "train_data": str(train_dir),
             **({"extra_train_data": list(a.extra_train_data)} if a.extra_train_data else {}),
             **({"init_from": str(a.init_from)} if a.init_from else {}),

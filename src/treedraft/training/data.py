@@ -359,15 +359,18 @@ def load_shards(d: str | Path) -> tuple[Tensor, Tensor, Tensor]:
     )
 
 
-def load_many_shards(dirs: Sequence[str | Path]) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`load_shards` of several directories in order; sequence ids kept apart (directory i's ids + offset)."""
-    toks, hids, seqs, off = [], [], [], 0
+def load_many_shards(dirs: Sequence[str | Path], with_offsets: bool = False) -> tuple:
+    """:func:`load_shards` of several directories in order; sequence ids kept apart (directory i's ids + offset).
+    ``with_offsets``: also each directory's offset and its rows."""
+    toks, hids, seqs, offs, off = [], [], [], [], 0
     for d in dirs:
         t, h, s = load_shards(d)
         toks.append(t)
         hids.append(h)
+        offs.append(off)
         seqs.append(s + off)
         off = int(seqs[-1].max()) + 1 if len(s) else off
     if len({h.shape[1] for h in hids}) > 1:
         raise ValueError(f"data directories {list(map(str, dirs))} hold hidden states of different sizes")
-    return torch.cat(toks), torch.cat(hids), torch.cat(seqs)
+    out = (torch.cat(toks), torch.cat(hids), torch.cat(seqs))
+    return (*out, offs, [len(t) for t in toks]) if with_offsets else out

@@ -111,6 +111,10 @@ def validate(a: argparse.Namespace) -> None:
         not (a.init_from and a.init_from_target),
         "--init-from and --init-from-target both set the starting weights; give one",
     )
+    _check(  # before the model load and the data step (hours), not after them
+        a.init_from is None or (Path(a.init_from) / "eagle.json").is_file(),
+        f"--init-from {a.init_from}: no eagle.json there; give a directory `treedraft train-eagle` wrote",
+    )
     check_extra_train_data(a.extra_train_data)
     check_out_dir(a.out)
     _check(

@@ -285,13 +285,18 @@ def train_eagle(
         data = {k: torch.cat([data[k], more[k]]) for k in data}
     net = EagleNet(cfg, target.input_embedding_weight(), target.output_projection_weight(), vm)
     init_weights(net, target if init_from_target else None)
-    if init_from is not None:
-        from safetensors.torch import load_file
+    if init_from is not None:  # through EagleNet.load's checks: a drafter of another model is refused by name
+        from ..drafters.eagle_net import EagleMismatchError
 
-        sd = {
-            k: v.float() for k, v in load_file(str(Path(init_from) / "eagle.safetensors")).items() if k != "vocab_map"
-        }
-        net.load_state_dict(sd)
+        start = EagleNet.load(init_from, target, cfg.base_model or None)
+        sd = {k: v.float() for k, v in start.state_dict().items()}  # (the buffers, vocab map included, are not in it)
+        try:
+            net.load_state_dict(sd)
+        except RuntimeError as e:
+            raise EagleMismatchError(
+                f"--init-from {init_from}: its drafter has another shape than the one to train "
+                f"({str(e).splitlines()[-1].strip()}); give one trained with the same --draft-vocab, or none"
+            ) from None
     # trained where the target's weights are (a GPU when the model was loaded there; the net's embedding and
     # lm_head buffers are the target's own), batches built on the CPU and moved over one at a time
     dev = net.embed_weight.device
@@ -348,8 +353,8 @@ def train_eagle(
             bar.update(1)
             loss = loss.detach()  # (a float of it with its graph warned)
             bar.set_postfix(loss=f"{float(loss):.3f}", ce1=f"{stats['ce1']:.2f}")
-            if step % tcfg.ckpt_every == 0:
-                save()
+            if step % tcfg.ckpt_every == 0 and step % len(batches):  # (an epoch's end is saved with its evaluation:
+                save()  # saved before it, an interrupted evaluation resumed into the next epoch and lost this one's)
         net.eval()
         acc = evaluate(net, data, held, tcfg.eval_unroll, tcfg.tokens_per_batch) if held else []
         report["epochs"].append({"epoch": epoch + 1, "loss": float(loss), **stats, "heldout_top1": acc})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -57,10 +58,11 @@ def frequency_vocab(tokens: Tensor, vocab_size: int, size: int) -> Tensor:
 
 
 def split_by_sequence(seq: Tensor, frac: float, seed: int) -> Tensor:
-    """Boolean (N,) mask of held-out rows: whole sequences, chosen by a seeded permutation."""
+    """Boolean (N,) mask of held-out rows: whole sequences, chosen by a seeded permutation (at least one where ``frac``
+    > 0, and never every one: a single sequence is trained on, nothing held out)."""
     ids = seq.unique()
     g = torch.Generator().manual_seed(seed)
-    n_hold = max(1, int(round(len(ids) * frac))) if frac > 0 else 0
+    n_hold = min(max(1, int(round(len(ids) * frac))), len(ids) - 1) if frac > 0 else 0
     held = ids[torch.randperm(len(ids), generator=g)[:n_hold]]
     return torch.isin(seq, held)
 
@@ -178,6 +180,40 @@ def heads_digest(heads: MedusaHeads | None) -> str | None:
     return h.hexdigest()
 
 
+def hold_out_copies(held: Tensor, seq: Tensor, offsets: Sequence[int], dirs: Sequence[str | Path]) -> Tensor:
+    """``held`` with, in every data directory made from the same prompts (meta.json's ``prompts_sha1``) as another,
+    the answers to the prompts held out in any of them held out too: their sequence ids are prompt indices, and
+    train-eagle's greedy data beside a sampled copy of it would otherwise train on the held-out prompts (a review,
+    session 44). ``offsets``: where each directory's ids start in ``seq`` (:func:`load_many_shards`)."""
+    from .data import read_meta
+
+    groups: dict[str, list[int]] = {}
+    for i, d in enumerate(dirs):
+        key = read_meta(d).get("prompts_sha1")
+        if key:
+            groups.setdefault(key, []).append(i)
+    ends = [*offsets[1:], None]
+    for members in (m for m in groups.values() if len(m) > 1):
+        raw: set[int] = set()
+        for i in members:
+            lo, hi = offsets[i], ends[i]
+            part = (seq >= lo) & (seq < hi) if hi is not None else seq >= lo
+            raw |= {int(x) - lo for x in seq[part & held].unique().tolist()}
+        for i in members:
+            lo, hi = offsets[i], ends[i]
+            part = (seq >= lo) & (seq < hi) if hi is not None else seq >= lo
+            held = held | (part & torch.isin(seq - lo, torch.tensor(sorted(raw), dtype=seq.dtype)))
+    return held
+
+
+def data_fingerprint(dirs: Sequence[str | Path], rows: Sequence[int]) -> list[list]:
+    """Per training-data directory, in order: its path, its prompts' digest (meta.json) and its rows; a resume with
+    the directories reordered or swapped would hold other sequences out, some trained on already."""
+    from .data import read_meta
+
+    return [[str(Path(d).resolve()), read_meta(d).get("prompts_sha1"), int(n)] for d, n in zip(dirs, rows)]
+
+
 def check_checkpoint(
     st: dict,
     path: Path,
@@ -186,6 +222,7 @@ def check_checkpoint(
     vocab_map: Tensor | None,
     rows: int,
     init: str | None = None,
+    data: list[list] | None = None,
 ) -> None:
     """Refuse to resume ``st`` unless it was written for the same heads, run settings and data.
 
@@ -208,6 +245,11 @@ def check_checkpoint(
     if "data_rows" in st and st["data_rows"] != rows:
         diffs.append(
             f"training data rows {st['data_rows']} (now {rows}) [--train-data / --extra-train-data / --data-dir]"
+        )
+    elif data is not None and st.get("data_dirs") is not None and st["data_dirs"] != data:
+        diffs.append(
+            f"training data directories {[d[0] for d in st['data_dirs']]} (now {[d[0] for d in data]}, or their "
+            "content changed) [--train-data / --extra-train-data / --data-dir]"
         )
     elif not diffs and "vocab_map" in st:
         old_vm = st["vocab_map"]
@@ -247,12 +289,18 @@ def train_heads(
     if mcfg.draft_vocab < 0 or mcfg.draft_vocab > mcfg.vocab_size:
         raise ValueError(f"draft_vocab must be in 0 .. {mcfg.vocab_size} (0 = full vocabulary), got {mcfg.draft_vocab}")
     dirs = [data_dir] if isinstance(data_dir, (str, Path)) else list(data_dir)
-    tokens, hidden, seq = load_many_shards(dirs)
+    tokens, hidden, seq, offsets, dir_rows = load_many_shards(dirs, with_offsets=True)
     if hidden.shape[1] != mcfg.hidden_size:
         raise ValueError(f"{dirs[0]}: hidden size {hidden.shape[1]} does not match the model's {mcfg.hidden_size}")
     targets = head_targets(tokens, seq, mcfg.num_heads)
-    held = split_by_sequence(seq, tcfg.heldout_frac, tcfg.seed)
+    held = hold_out_copies(split_by_sequence(seq, tcfg.heldout_frac, tcfg.seed), seq, offsets, dirs)
     tr_idx = (~held).nonzero().squeeze(1)
+    if len(tr_idx) == 0:
+        raise ValueError(
+            f"no training rows: the {len(seq.unique())} answer(s) in {', '.join(map(str, dirs))} are all held out "
+            "(heldout_frac); give more prompts (--num-prompts) or more data directories"
+        )
+    data_fp = data_fingerprint(dirs, dir_rows)
     init_id = heads_digest(init)
     if init is not None:
         if replace(init.config, extra={}, choices=()) != replace(mcfg, extra={}, choices=()):
@@ -275,8 +323,14 @@ def train_heads(
     ckpt = out / "checkpoint.pt"
     step = 0
     if resume and ckpt.is_file():
-        st = torch.load(ckpt, weights_only=False, map_location="cpu")  # (load_state_dict moves it to the heads)
-        check_checkpoint(st, ckpt, mcfg, tcfg, vocab_map, len(tokens), init_id)
+        try:  # (load_state_dict moves it to the heads)
+            st = torch.load(ckpt, weights_only=False, map_location="cpu")
+        except Exception as e:  # torn (written before saves were atomic, or a full disk): not a traceback
+            raise CheckpointMismatchError(
+                f"checkpoint {ckpt} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                f"delete it to start over, or choose another --out"
+            ) from None
+        check_checkpoint(st, ckpt, mcfg, tcfg, vocab_map, len(tokens), init_id, data_fp)
         try:
             heads.load_state_dict(st["heads"])
         except RuntimeError as e:  # an old checkpoint without stored configs, for other heads
@@ -328,6 +382,7 @@ def train_heads(
             bar.set_postfix(loss=f"{loss.item():.3f}", top1="/".join(f"{a:.2f}" for a in acc))
             bar.update(1)
             if step % tcfg.checkpoint_every == 0 or step == total:
+                tmp = ckpt.with_name(ckpt.name + ".tmp")  # written whole, then renamed: an interrupt keeps the last one
                 torch.save(
                     {
                         "heads": heads.state_dict(),
@@ -337,10 +392,12 @@ def train_heads(
                         "train_config": asdict(tcfg),
                         "vocab_map": vocab_map,
                         "data_rows": len(tokens),
+                        "data_dirs": data_fp,
                         "init": init_id,
                     },
-                    ckpt,
+                    tmp,
                 )
+                os.replace(tmp, ckpt)
             if step >= total:
                 break
     bar.close()
