@@ -360,3 +360,54 @@ def test_a_config_made_by_llm_config_is_taken_by_generate_and_stream_and_raw_nee
     assert llm.config(stop=(s for s in ["a", "b"])).stop == ("a", "b")
     with pytest.raises(GenerationError, match="stop must be a string or a list of strings"):
         llm.config(stop={"a": 1})
+
+
+def test_arguments_of_the_wrong_kind_are_clear_errors_not_tracebacks_or_coerced(monkeypatch) -> None:
+    """A review (session 44): stop_token_ids "12" became (1, 2) and [2.9] (2,); load(drafter=<object>) passed its check
+    and then failed after the model load; load(device=5), logit_bias=[...], max_tree_nodes="8" raised tracebacks."""
+    import os
+    import sys
+
+    from treedraft import api
+    from treedraft.interfaces import GenerationError
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from server_utils import tiny_llm
+
+    llm = tiny_llm()
+    for kw, msg in [
+        ({"stop_token_ids": "12"}, "stop_token_ids must be a list of token ids"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids"),
+        ({"stop_token_ids": [2.9]}, "stop_token_ids must be integer token ids"),
+        ({"stop_token_ids": [True]}, "stop_token_ids must be integer token ids"),
+        ({"logit_bias": [1, 2]}, "logit_bias must be a dict"),
+        ({"max_tree_nodes": "8"}, "max_tree_nodes must be an integer"),
+        ({"max_tree_nodes": 2.5}, "max_tree_nodes must be an integer"),
+    ]:
+        with pytest.raises(GenerationError, match=msg):
+            llm.config(**kw)
+    assert llm.config(stop_token_ids=[np.int64(3)]).stop_token_ids == (3,)
+    with pytest.raises(ValueError, match="drafter must be a drafter name"):
+        llm.generate("xyz", max_new_tokens=2, drafter=5)
+    monkeypatch.setattr(api, "load_model", lambda *a, **k: pytest.fail("the model was read before the bad argument"))
+    for kw, says in [({"device": 5}, "device must be a string"), ({"model": 5}, "model must be a name or path"),
+                     ({"heads": 5}, "heads must be a name or path")]:  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            treedraft.load(**kw)
+
+
+def test_load_takes_a_drafter_object_as_its_default(monkeypatch) -> None:
+    import os
+    import sys
+
+    from treedraft import api
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from server_utils import tiny_llm
+
+    small = tiny_llm()
+    monkeypatch.setattr(api, "load_model", lambda *a, **k: (small.model, small.tokenizer, Path("tiny"), "cpu"))
+    d = PromptLookupDrafter()
+    llm = treedraft.load("tiny", drafter=d)  # (it failed after the load: unhashable type in the registry)
+    assert llm.engine.drafter is d
+    llm.close()

@@ -881,3 +881,20 @@ def test_report_says_when_a_baseline_runs_other_weights() -> None:
     stored = {**cfg, "suffix_store": "/tmp/s"}
     md = report.markdown_report(BenchResult([], ["plain", "suffix"], config=stored), {report.ALL_CATEGORIES: {}}, [])
     assert "--suffix-store `/tmp/s`" in md and "a warmed-store measurement" in md
+
+
+def test_a_sampled_run_without_plain_compares_nothing_with_another_librarys_draws(
+    engine: TextGenerator, dataset: Path, tmp_path: Path
+) -> None:
+    """A review (session 44): `--methods hf,prompt-lookup --temperature 1 --seed 1` took hf as the reference and
+    listed every sampled output as a mismatch (transformers' draws are not treedraft's coupled ones)."""
+    prompts = [(p, fake_encode(p.text)) for p in load_prompts(dataset)]
+    cfg = GenerationConfig(max_new_tokens=MAX_NEW, sampling=SamplingParams(temperature=1.5, seed=3))
+    methods = {
+        "hf": wrong_after(EngineMethod(engine, cfg, None), 0),
+        "prompt-lookup": EngineMethod(engine, cfg, PromptLookupDrafter()),
+    }
+    res = run_bench(prompts, methods, reference="hf", greedy=False, seeded=True, warmup=0, progress=False)
+    assert res.reference is None and all(r.equal_to_reference is None for r in res.records)
+    assert not bench.mismatches(res)
+    assert "run `plain` beside them" in write_report(res, tmp_path)["markdown"].read_text()

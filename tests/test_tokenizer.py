@@ -132,3 +132,25 @@ def test_generated_text_offsets_index_the_streamed_text(make, text: str) -> None
             before = before[1:]
         assert at[k] == len(before) and shown.startswith(before), (k, at, shown)
     assert tok.leading_strip == (1 if make is dummy_prefix else 0)
+
+
+def test_a_model_directorys_generation_config_end_ids_end_answers(tmp_path) -> None:
+    """A review (session 44): Gemma 3 IT's <end_of_turn> is an EOS only in generation_config.json; read from the
+    tokenizer alone, an answer ran on into a made-up next turn."""
+    import json
+
+    tok = byte_level()
+    tok.hf.save_pretrained(str(tmp_path))
+    eos = tok.hf.eos_token_id
+    assert Tokenizer.from_dir(tmp_path).eos_token_ids == {eos}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 7]}))
+    assert Tokenizer.from_dir(tmp_path).eos_token_ids == {eos, 7}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert Tokenizer.from_dir(tmp_path).eos_token_ids == {eos, 9}
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert Tokenizer.from_dir(tmp_path).eos_token_ids == {eos}  # unreadable: the tokenizer's own EOS still ends
+
+
+def test_chat_messages_without_a_chat_template_say_to_send_one_string() -> None:
+    with pytest.raises(ValueError, match="pass the text as one string with raw=True"):
+        byte_level().apply_chat_template([{"role": "user", "content": "hi"}])

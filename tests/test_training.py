@@ -116,6 +116,16 @@ def test_directory_and_missing_file_are_clear_errors(tmp_path) -> None:
         read_prompts(tmp_path / "nope.jsonl")
 
 
+def test_a_prompt_file_with_a_byte_order_mark_reads_and_one_not_in_utf8_is_named(tmp_path) -> None:
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + '{"prompt": "caf\u00e9"}\n'.encode())
+    assert [p.text for p in read_prompt_file(bom)] == ["café"]
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"prompt": "a"}\n{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(PromptFileError, match="latin.jsonl:2: not UTF-8 text.*save the file as UTF-8"):
+        read_prompt_file(latin)
+
+
 def test_bench_uses_the_same_reader(tmp_path) -> None:
     from treedraft.bench import BenchError, load_prompts
 

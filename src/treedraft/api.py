@@ -9,6 +9,8 @@ from __future__ import annotations
 import atexit
 import gc
 import json
+import numbers
+import os
 import threading
 import warnings
 import weakref
@@ -208,6 +210,17 @@ class LLM:
         changes: the answer is the one it would be without. ``regex`` (vLLM's guided_regex): the whole answer is a
         match of this regular expression (:mod:`treedraft.text_grammar`); ``choice`` (guided_choice): the answer is
         exactly one of these strings. At most one of response_format, regex and choice."""
+        if logit_bias is not None and not isinstance(logit_bias, Mapping):
+            raise GenerationError(f"logit_bias must be a dict {{token id: bias}}, got {type(logit_bias).__name__}")
+        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable):
+            raise GenerationError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
+        stop_token_ids = list(stop_token_ids)
+        if any(
+            isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in stop_token_ids
+        ):  # ("12", 2.9 were coerced)
+            raise GenerationError(f"stop_token_ids must be integer token ids, got {stop_token_ids!r}")
+        if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, numbers.Integral):
+            raise GenerationError(f"max_tree_nodes must be an integer >= 1, got {max_tree_nodes!r}")
         bias = tuple((t, float(v)) for t, v in (logit_bias or {}).items())
         stop_ids = tuple(int(t) for t in stop_token_ids)
         bad = [t for t in stop_ids if not 0 <= t < self.model.vocab_size]
@@ -339,6 +352,10 @@ class LLM:
             return self.engine.drafter
         if isinstance(drafter, str):
             return self.drafters.get(drafter, heads)
+        if drafter is not None and not callable(getattr(drafter, "propose", None)):
+            raise ValueError(
+                f"drafter must be a drafter name, a drafter object (with propose) or None, got {drafter!r}"
+            )
         return drafter
 
     def generate(
@@ -571,6 +588,9 @@ def load(
     from .drafters.suffix import open_suffix_store
     from .drafters.suffix_store import tokenizer_fingerprint
 
+    for name, value, none_ok in (("model", model, False), ("heads", heads, True), ("device", device, False)):
+        if not (isinstance(value, (str, os.PathLike)) or (none_ok and value is None)):
+            raise ValueError(f"{name} must be a {'string' if name == 'device' else 'name or path'}, got {value!r}")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
     check_attn_scores(attn_scores)
@@ -617,7 +637,8 @@ def load(
             draft_weights,
         )
         if drafter is not None:
-            llm.engine.drafter = llm.drafters.get(drafter)
+            # a name through the registry ("default" included), a drafter object as it is
+            llm.engine.drafter = llm.drafters.get(drafter) if isinstance(drafter, str) else drafter
             warn_unread_draft_args(draft_model, draft_weights, llm.engine.drafter)
             unread = [flag for flag, given in (("--heads / heads=", heads not in (None, DEFAULT)),
                                                ("--suffix-store / suffix_store=", suffix_store is not None),

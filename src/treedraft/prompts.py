@@ -84,8 +84,15 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
     if not path.is_file():
         raise PromptFileError(f"prompt file {path} does not exist")
     out: list[Prompt] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # lines decoded one by one: a line that is not UTF-8 is named by its number
+        for n, raw in enumerate(f, 1):
+            try:  # (utf-8-sig on line 1: a byte-order mark some editors write is not a bad first line)
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise PromptFileError(
+                    f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start} of the line); save the file as UTF-8 "
+                    "(JSON Lines are UTF-8)"
+                ) from None
             if not line.strip():
                 continue
             try:

@@ -23,6 +23,18 @@ def byte_level_alphabet() -> dict[str, int]:
     return table
 
 
+def generation_eos_ids(d: str | Path) -> list[int]:
+    """The ``eos_token_id`` (an id or a list of ids) of ``d/generation_config.json``; [] without one (or when it
+    cannot be read: the tokenizer's own EOS still ends answers)."""
+    f = Path(d) / "generation_config.json"
+    try:
+        got = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return []
+    ids = got if isinstance(got, list) else [got]
+    return [int(t) for t in ids if isinstance(t, int) and not isinstance(t, bool) and t >= 0]
+
+
 class Tokenizer:
     """Thin wrapper around a transformers fast tokenizer with the bits the engine needs."""
 
@@ -58,9 +70,12 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, d: str | Path) -> Tokenizer:
+        """A Hugging Face model directory's tokenizer; its end-of-answer ids are the tokenizer's EOS and every
+        ``eos_token_id`` of ``generation_config.json`` (an instruction model's end-of-turn, e.g. Gemma 3 IT's
+        ``<end_of_turn>``, is often only there: without it an answer ran on into a made-up next turn)."""
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(str(d)))
+        return cls(AutoTokenizer.from_pretrained(str(d)), eos_token_ids=generation_eos_ids(d))
 
     @property
     def backend(self):
@@ -154,7 +169,10 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation, ending with the assistant's generation prompt."""
         if not self.chat_template:
-            raise ValueError("this model has no chat template; pass raw=True (CLI: --raw) for plain completion")
+            raise ValueError(
+                "this model has no chat template, so it cannot read chat messages: pass the text as one string with "
+                "raw=True (CLI: --raw) for plain completion"
+            )
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")

@@ -222,6 +222,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
         )
         if fallback:
             baselines = ["plain"]
+    from ..sampling import SamplingParams
+
+    try:  # a bad sampling limit is said now, before the model load and the report directory (as generate does)
+        SamplingParams(a.temperature, a.top_k, a.top_p, a.seed, a.min_p)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
     out = Path(a.out) if a.out else default_out_dir()
     if (out / "records.json").is_file():  # (it was replaced without a word)
         print(f"[bench] --out {out} already holds a bench report: this run replaces it", file=sys.stderr)

@@ -379,6 +379,8 @@ def run_bench(
 
     records = [r for r in records if r.method.removesuffix(BUSY_SUFFIX) in live]
     ref = reference if reference in live else None
+    if not greedy and ref is not None and not isinstance(methods.get(ref), EngineMethod):
+        ref = None  # sampled: another library's draws are not treedraft's coupled ones; nothing to compare with
     if (greedy or seeded) and ref is not None:
         default_eos = frozenset(int(t) for t in eos_token_ids)
         eos = {

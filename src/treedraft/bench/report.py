@@ -274,7 +274,14 @@ def markdown_report(result: BenchResult, summary: dict, mism: list[dict]) -> str
     lines += ["## Output mismatches", ""]
     checked = result.greedy or result.seeded
     if result.reference is None or not checked:
-        lines.append("not checked (" + ("unseeded sampling" if not checked else "no reference method in the run") + ")")
+        why = (
+            "unseeded sampling"
+            if not checked
+            else "no reference method in the run"
+            if result.greedy
+            else "sampled: only treedraft's own methods share the seeded draws; run `plain` beside them"
+        )
+        lines.append(f"not checked ({why})")
     elif not mism:
         kind = "greedy" if result.greedy else "seeded sampled"
         lines.append(f"none: every method's {kind} output equals `{result.reference}`.")
