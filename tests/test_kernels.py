@@ -523,3 +523,79 @@ def test_an_avx2_only_build_compiles_and_loads(tmp_path) -> None:
     code = "from treedraft import kernels as k; print(k.available(), k.paths(), k.unavailable_reason())"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900, check=False)
     assert r.returncode == 0 and r.stdout.startswith("True ['avx2', 'scalar']"), (r.stdout + r.stderr)[-3000:]
+
+
+def test_a_killed_build_is_built_again_and_never_imported_half_written(tmp_path, monkeypatch) -> None:
+    """A review (session 44): torch's builder wrote the .so in place and held a lock file in the build folder; a
+    build killed half-way left a lock that made every later process wait for ever, or a truncated .so that killed it
+    with SIGBUS. A folder is now loaded only with its completion marker (the .so's size, written after the import),
+    and a build goes to the process's own folder, renamed into place."""
+    import types
+
+    from treedraft.kernels import _build
+
+    name = "treedraft_qgemm_test"
+    out = tmp_path / "kernels" / "key"
+    out.mkdir(parents=True)
+    (out / f"{name}.so").write_bytes(b"\x7fELF" + b"\0" * 100)  # what a killed build left: a .so, no marker
+    (out / "lock").write_text("")
+    assert not _build._complete(out, name)
+    built = []
+
+    def fake_build(folder, n):
+        folder.mkdir(parents=True)
+        (folder / f"{n}.so").write_bytes(b"\x7fELF" + b"\1" * 5000)
+        built.append(folder)
+        return types.ModuleType(n)
+
+    monkeypatch.setattr(_build, "_build", fake_build)
+    with _build._build_lock(out):
+        mod = _build._build_and_publish(out, name)
+    assert mod.__name__ == name and built and built[0] != out  # built in a folder of its own
+    assert _build._complete(out, name) and not (out / "lock").exists()
+    assert [p.name for p in out.parent.iterdir() if p.name.startswith(".")] == []  # no temporaries left
+    (out / f"{name}.so").write_bytes(b"\x7fELF" + b"\1" * 10)  # truncated after publishing: not trusted either
+    assert not _build._complete(out, name)
+
+
+def test_a_held_build_lock_is_waited_for_and_a_dead_holders_is_not(tmp_path) -> None:
+    from treedraft.kernels import _build
+
+    out = tmp_path / "k"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a builder that takes the lock, then dies
+        import fcntl
+
+        f = open(out.with_name("k.lock"), "a+")
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        os.write(w, b"x")
+        os._exit(0)
+    os.read(r, 1)
+    os.waitpid(pid, 0)
+    t = __import__("time").monotonic()
+    with _build._build_lock(out, timeout_s=30):  # the holder is dead: its lock went with it
+        pass
+    assert __import__("time").monotonic() - t < 5
+    import fcntl
+
+    held = open(out.with_name("k.lock"), "a+")
+    fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # a live holder: waited for up to the timeout, then built beside it
+    t = __import__("time").monotonic()
+    with _build._build_lock(out, timeout_s=0.5):
+        pass
+    assert 0.4 < __import__("time").monotonic() - t < 5
+    held.close()
+
+
+def test_an_unavailable_native_build_is_said_once(monkeypatch, capsys) -> None:
+    from treedraft.kernels import _build
+
+    saved = dict(_build._state)
+    monkeypatch.setenv(_build.ENV_MARCH, "x86-64 v3")  # not a -march value: refused, and said
+    try:
+        assert _build.load_extension(reload=True) is None
+        err = capsys.readouterr().err
+        assert "native CPU kernels are unavailable" in err and "TREEDRAFT_KERNEL_MARCH" in err
+    finally:
+        _build._state.update(saved)

@@ -712,7 +712,7 @@ def test_an_interrupted_save_leaves_no_heads_to_load_and_a_torn_file_is_said(tmp
     def interrupted(path, text):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cache, "write_text_atomic", interrupted)
+    monkeypatch.setattr(cache, "atomic_write_text", interrupted)
     with pytest.raises(KeyboardInterrupt):
         heads.save(tmp_path / "h")  # overwriting: the old config must not stay beside the new weights
     assert not (tmp_path / "h" / "medusa.json").exists()

@@ -161,7 +161,7 @@ class EagleNet(nn.Module):
     # ---- persistence ---------------------------------------------------
     def save(self, d: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write eagle.safetensors (weights in ``dtype`` if given) + eagle.json into directory ``d``."""
-        from ..models.cache import save_tensors, write_text_atomic
+        from ..models.cache import atomic_write_text, save_tensors
 
         d = Path(d)
         d.mkdir(parents=True, exist_ok=True)
@@ -172,7 +172,7 @@ class EagleNet(nn.Module):
             missing_ok=True
         )  # back last: an interrupted save leaves no config (as MedusaHeads.save)
         save_tensors(sd, d / EAGLE_WEIGHTS)
-        write_text_atomic(d / EAGLE_JSON, json.dumps(asdict(self.config), indent=1))
+        atomic_write_text(d / EAGLE_JSON, json.dumps(asdict(self.config), indent=1))
 
     @staticmethod
     def load(d: str | Path, target: TargetModel, base_model: str | None = None) -> EagleNet:

@@ -264,7 +264,7 @@ class MedusaHeads(nn.Module):
     def save(self, d: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write heads.safetensors (weights in ``dtype`` if given, e.g. fp16 to halve a shipped file)
         + medusa.json into directory d."""
-        from ..models.cache import save_tensors, write_text_atomic
+        from ..models.cache import atomic_write_text, save_tensors
 
         d = Path(d)
         d.mkdir(parents=True, exist_ok=True)
@@ -279,7 +279,7 @@ class MedusaHeads(nn.Module):
         # so when loaded, and the reproduce scripts redo the step), never new weights under an old config
         (d / "medusa.json").unlink(missing_ok=True)
         save_tensors(sd, d / "heads.safetensors")
-        write_text_atomic(d / "medusa.json", json.dumps(cfg, indent=1))
+        atomic_write_text(d / "medusa.json", json.dumps(cfg, indent=1))
 
     @staticmethod
     def load(

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
 import platform
+import shutil
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
+
+try:  # POSIX: the build lock (elsewhere concurrent first builds each build into their own folder)
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None  # type: ignore[assignment]
 
 _SRC_DIR = Path(__file__).resolve().parent
 _SOURCES = ["qgemm.cpp"]
@@ -153,13 +161,60 @@ def _build(out: Path, name: str) -> ModuleType:
     )
 
 
-def _wait_for_other_build(out: Path, timeout_s: float = 300.0) -> None:
-    """Wait while another process builds into ``out``: torch's cpp_extension holds ``out/lock`` while its
-    linker writes the .so in place, so a concurrent process (pytest -n) could import half a file. Bounded:
-    a lock left by a killed build does not block loading a complete .so for longer than ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while (out / "lock").exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
+COMPLETE = "complete"  # in a build folder: written (the .so's size) after the build imported; only then is it loaded
+BUILD_WAIT_S = 600.0  # longest wait for another process's build before building beside it
+
+
+def _complete(out: Path, name: str) -> bool:
+    """Whether ``out`` holds a published build: its marker, naming the size of a .so that is there whole. A folder
+    without it (a build killed half-way, or one from before session 44: torch's builder wrote the .so in place, and a
+    truncated one killed every later process with SIGBUS) is built again."""
+    so = out / f"{name}.so"
+    try:
+        return int((out / COMPLETE).read_text().strip()) == so.stat().st_size
+    except (OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path, timeout_s: float = BUILD_WAIT_S) -> Iterator[None]:
+    """One builder per build folder at a time, across processes (pytest -n): an flock on a file beside the folder, so
+    a builder that dies lets go with its process (torch's own lock file, left by a killed build, made the next
+    process wait for ever). After ``timeout_s`` the caller builds anyway (into its own temporary folder)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    f = open(out.with_name(out.name + ".lock"), "a+")
+    try:
+        if fcntl is not None:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)
+        yield
+    finally:
+        f.close()  # (releases the flock)
+
+
+def _build_and_publish(out: Path, name: str) -> ModuleType:
+    """Build into this process's own temporary folder, import it, mark it complete, then rename it to ``out`` (a
+    leftover incomplete ``out`` is replaced): no process ever imports a half-written .so."""
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.build")
+    shutil.rmtree(tmp, ignore_errors=True)
+    mod = _build(tmp, name)
+    (tmp / COMPLETE).write_text(str((tmp / f"{name}.so").stat().st_size))
+    if out.exists():
+        old = out.with_name(f".{out.name}.{os.getpid()}.old")
+        out.replace(old)  # (the folder of a killed build, or of a build from before the marker)
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        tmp.replace(out)  # the module stays mapped from the renamed file
+    except OSError:  # another process published first: its build is the same; ours is dropped
+        shutil.rmtree(tmp, ignore_errors=True)
+    return mod
 
 
 def loaded_extension() -> ModuleType | None:
@@ -205,15 +260,27 @@ def load_extension(reload: bool = False) -> ModuleType | None:
             out, name = build_dir(), _module_name()
             so = out / f"{name}.so"
             _state["path"] = str(so)
-            if so.is_file():
-                _wait_for_other_build(out)
-                mod = _import_built(so, name) if name not in sys.modules else sys.modules[name]
+            if name in sys.modules:
+                mod = sys.modules[name]
+            elif _complete(out, name):
+                mod = _import_built(so, name)
             else:
-                mod = _build(out, name)
-                _state["built"] = True
+                with _build_lock(out):
+                    if _complete(out, name):  # another process built it while this one waited
+                        mod = _import_built(so, name)
+                    else:
+                        mod = _build_and_publish(out, name)
+                        _state["built"] = True
             mod.set_num_threads(max(1, torch.get_num_threads()))
         except Exception as e:
             _state["reason"] = f"build or load failed: {type(e).__name__}: {str(e).strip()[-800:]}"
+            # said once (a bad TREEDRAFT_KERNEL_MARCH, a missing compiler): the PyTorch fallback is several times slower
+            print(
+                f"treedraft: the native CPU kernels are unavailable ({_state['reason'][:300]}); decoding falls back to "
+                "PyTorch's kernels, several times slower (TREEDRAFT_NO_EXT=1 chooses that without trying)",
+                file=sys.stderr,
+                flush=True,
+            )
             return None
         try:
             idle = idle_yield_from_env()

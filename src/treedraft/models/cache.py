@@ -39,18 +39,9 @@ def save_tensors(tensors: dict, path: str | Path) -> None:
     from safetensors.torch import save_file
 
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")  # whole, then renamed: an interrupted write never leaves a torn file
+    tmp = temp_sibling(path)  # whole, then renamed: an interrupted write never leaves a torn file
     save_file(tensors, str(tmp))
     os.chmod(tmp, 0o666 & ~_umask())
-    os.replace(tmp, path)
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """``path.write_text(text)`` through a temporary file renamed over it (an interrupt leaves the old file or the
-    new one, never a torn one)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
     os.replace(tmp, path)
 
 
