@@ -500,3 +500,85 @@ def test_hf_dir_with_rope_scaling_in_the_old_key_and_unsupported_types(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(c))
     with pytest.raises(ModelLoadError, match="yarn.*runtime='hf'"):
         load_hf_dir(tmp_path)
+
+
+def test_a_torn_weight_cache_is_converted_again_not_a_failed_load(tmp_path, capsys) -> None:
+    """A review (session 44): a truncated cached .safetensors failed every later load with SafetensorError."""
+    from treedraft.models.registry import load_own
+
+    p = tmp_path / "m.gguf"
+    _write_gguf(p)
+    first, _ = load_own(p, torch.float32, "cpu", None)
+    (cached,) = (tmp_path / "cache" / "weights").glob("*.safetensors")
+    whole = cached.stat().st_size
+    cached.write_bytes(cached.read_bytes()[: 1 << 10])
+    again, _ = load_own(p, torch.float32, "cpu", None)
+    assert "cannot be used" in capsys.readouterr().err and cached.stat().st_size == whole
+    assert torch.equal(again.embed.weight, first.embed.weight)
+
+
+def test_tune_files_that_cannot_be_read_are_measured_again_and_retune_0_is_off(tmp_path, monkeypatch, capsys) -> None:
+    from treedraft.models.quant_load import _read_tune
+
+    f = tmp_path / "quant-x.json"
+    f.write_text(json.dumps({"kernels": {"q4": "native"}}))
+    monkeypatch.setenv("TREEDRAFT_RETUNE", "0")  # documented: any value but empty or 0 asks (0 measured again)
+    assert _read_tune(f, "kernels") == {"kernels": {"q4": "native"}}
+    assert _read_tune(f, "chosen") is None  # incomplete for what is asked: measured again, not a KeyError
+    monkeypatch.setenv("TREEDRAFT_RETUNE", "1")
+    assert _read_tune(f, "kernels") is None
+    monkeypatch.delenv("TREEDRAFT_RETUNE")
+    f.write_text('{"kernels": {"q4": "nat')  # torn
+    assert _read_tune(f, "kernels") is None and "cannot be read" in capsys.readouterr().err
+
+
+def test_an_empty_cache_variable_is_the_default_cache_not_the_working_directory(monkeypatch, tmp_path) -> None:
+    from pathlib import Path
+
+    from treedraft.models.cache import cache_dir
+
+    monkeypatch.setenv("TREEDRAFT_CACHE", "")
+    assert cache_dir() == (Path.home() / ".cache" / "treedraft").resolve()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TREEDRAFT_CACHE", "rel")
+    assert cache_dir() == tmp_path / "rel"  # absolute: a later chdir does not move it
+
+
+def test_a_gguf_with_a_zero_alignment_or_a_type_it_cannot_read_says_so(tmp_path) -> None:
+    import gguf
+
+    def make(path, alignment=None, q_type=None) -> None:
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_context_length(128)
+        if alignment is not None:
+            w.add_uint32("general.alignment", alignment)
+        if q_type is not None:
+            bs, ts = gguf.GGML_QUANT_SIZES[q_type]
+            w.add_tensor("blk.0.attn_q.weight", np.zeros((64, 64 // bs * ts), np.uint8), raw_dtype=q_type)
+        w.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    make(tmp_path / "a0.gguf", alignment=0)
+    with pytest.raises(ModelLoadError, match="alignment is 0"):
+        gguf_meta.parse_gguf(tmp_path / "a0.gguf")
+    q = getattr(gguf.GGMLQuantizationType, "Q1_0", None)
+    if q is None:
+        pytest.skip("this gguf package has no Q1_0 type")
+    make(tmp_path / "q.gguf", q_type=q)
+    meta = gguf_meta.parse_gguf(tmp_path / "q.gguf")
+    with pytest.raises(ModelLoadError, match="attn_q.*cannot dequantize"):  # was a bare NotImplementedError
+        list(meta.dequantized())
+
+
+def test_the_kernel_choice_key_names_the_isa(monkeypatch) -> None:
+    """A KVM guest's CPU model name is generic: an AVX2 build reused the AVX-512 build's choices unmeasured."""
+    from treedraft.models import quant_load
+
+    real = plan.machine_key
+    a = quant_load._machine_key(None, "int4|native=build-a")
+    monkeypatch.setattr(plan, "machine_key", lambda *x: {**real(*x), "isa": ["avx2"]})
+    assert quant_load._machine_key(None, "int4|native=build-a") != a
+    assert quant_load._machine_key(None, "int4|native=build-b") != quant_load._machine_key(None, "int4|native=build-a")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from collections.abc import Sequence
 from functools import cache, cached_property
 from pathlib import Path
@@ -55,9 +56,18 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         path = Path(path)
+        tok = None
         if cache_dir is not None and (cache_dir / "tokenizer.json").is_file():
-            tok = AutoTokenizer.from_pretrained(str(cache_dir))
-        else:
+            try:
+                tok = AutoTokenizer.from_pretrained(str(cache_dir))
+            except Exception as e:  # a torn or foreign cache entry: converted again, not a failed load
+                print(
+                    f"treedraft: the tokenizer cache {cache_dir} cannot be read ({type(e).__name__}); converting again",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                shutil.rmtree(cache_dir, ignore_errors=True)
+        if tok is None:
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             if cache_dir is not None:  # whole directory by a rename: a concurrent load never sees half of it
                 from .models.cache import publish_dir, temp_sibling

@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """Where converted weights/tokenizers are cached (TREEDRAFT_CACHE, default ~/.cache/treedraft)."""
-    return Path(os.environ.get("TREEDRAFT_CACHE", Path.home() / ".cache" / "treedraft"))
+    """Where converted weights/tokenizers are cached (TREEDRAFT_CACHE, default ~/.cache/treedraft; an empty value, as
+    ``TREEDRAFT_CACHE=$UNSET`` gives, is the default too: it put every cache in the working directory), absolute."""
+    given = os.environ.get("TREEDRAFT_CACHE", "").strip()
+    return (Path(given).expanduser() if given else Path.home() / ".cache" / "treedraft").resolve()
+
+
+def read_json_cache(f: Path, what: str = "cache entry") -> object | None:
+    """The JSON in cache file ``f``, or None when there is none or it cannot be read (a torn write, another tool's
+    file): said on stderr, and the caller measures or builds it again instead of failing the load."""
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        print(f"treedraft: the {what} {f} cannot be read ({e}); making it again", file=sys.stderr, flush=True)
+        return None
 
 
 def file_key(p: Path) -> str:

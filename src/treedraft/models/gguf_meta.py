@@ -134,7 +134,13 @@ class GGUFMeta:
 
         mm = np.memmap(self.path, mode="r")
         for t in self.tensors:
-            a = gguf.dequantize(self.tensor_raw(mm, t), gguf.GGMLQuantizationType[t.type])
+            try:
+                a = gguf.dequantize(self.tensor_raw(mm, t), gguf.GGMLQuantizationType[t.type])
+            except NotImplementedError:  # a type the gguf package knows but cannot dequantize
+                raise ModelLoadError(
+                    f"{self.path}: tensor {t.name!r} is of type {t.type}, which the installed gguf package cannot "
+                    "dequantize; give a GGUF of other types (e.g. Q4_K_M, Q8_0), or try --runtime hf"
+                ) from None
             a = np.asarray(a, dtype=np.float32).reshape(t.shape)
             yield t, a if a.flags.writeable else a.copy()  # F32 tensors are views of the read-only map
 
@@ -217,6 +223,7 @@ class _Header:
 
 def parse_gguf(path: Path) -> GGUFMeta:
     """Parse the header (long arrays skipped; use :func:`read_gguf_meta`, which caches the result)."""
+    import gguf
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     try:
@@ -253,12 +260,17 @@ def parse_gguf(path: Path) -> GGUFMeta:
                 dims = [h.scalar("<Q") for _ in range(h.scalar("<I"))]  # GGUF order: fastest-varying first
                 infos.append((name, dims, h.scalar("<I"), h.scalar("<Q")))
             align = int(fields.get("general.alignment", 32))
+            if align < 1:
+                raise ValueError(f"general.alignment is {align}; a GGUF's alignment is a positive number of bytes")
             start = -(-h.pos // align) * align  # tensor data begins at the next multiple of the alignment
             size = len(buf)
         tensors = []
         for name, dims, qtype, off in infos:
-            if qtype not in GGML_QUANT_SIZES:
-                raise ValueError(f"tensor {name!r} has unknown ggml type {qtype}")
+            if qtype not in GGML_QUANT_SIZES:  # (a newer llama.cpp's type: the file may be fine)
+                raise ModelLoadError(
+                    f"{path}: tensor {name!r} has ggml type {qtype}, unknown to the installed gguf package "
+                    f"({getattr(gguf, '__version__', '?')}); upgrade gguf, or give a GGUF of other types"
+                )
             per, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
             n_bytes = int(np.prod(dims, dtype=np.int64)) * type_size // per
             end = start + off + n_bytes

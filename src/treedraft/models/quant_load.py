@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import platform
 import sys
 import warnings
@@ -177,12 +176,28 @@ def _machine_key(path: Path | None, extra: str) -> str:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
+    from .plan import machine_key
+
     fk = file_key(path) if path is not None and path.is_file() else str(path)
+    isa = ",".join(machine_key()["isa"])  # (a KVM guest's model name is generic: "Intel(R) Xeon(R) Processor")
     return hashlib.sha1(
         # v2 (session 41): the Q8_0 kernel's VNNI path got 1.3x faster and int4 / int8 are timed in alternating rounds:
-        # choices made before are made again
-        f"quant-v2|{cpu}|{torch.__version__}|{torch.get_num_threads()}|{fk}|{extra}".encode()
+        # choices made before are made again. v3 (session 44): the ISA flags and the kernel build are in the key (an
+        # AVX2 build, TREEDRAFT_KERNEL_MARCH=x86-64-v3, reused the AVX-512 build's choices unmeasured)
+        f"quant-v3|{cpu}|{isa}|{torch.__version__}|{torch.get_num_threads()}|{fk}|{extra}".encode()
     ).hexdigest()[:16]
+
+
+def _read_tune(f: Path, *keys: str) -> dict | None:
+    """A tune file's dict when it holds ``keys`` (None: missing, unreadable, incomplete, or TREEDRAFT_RETUNE: measured
+    again; a torn file failed the load with a JSONDecodeError)."""
+    from .cache import read_json_cache
+    from .plan import retune_requested
+
+    if retune_requested():  # (TREEDRAFT_RETUNE=0 measured again too: any value but empty or 0 asks)
+        return None
+    got = read_json_cache(f, "measurement")
+    return got if isinstance(got, dict) and all(k in got for k in keys) else None
 
 
 def _top1_agreement(model: torch.nn.Module, ids: Tensor, ref: Tensor) -> float:
@@ -215,11 +230,13 @@ def apply_weights(
         return info
     natives = native_kernels()
 
+    build = _kernel_build_key() if natives is not None else None
+
     def tune_file(w: str) -> Path:
-        return cache_dir() / "tune" / f"quant-{_machine_key(path, f'{w}|native={natives is not None}')}.json"
+        return cache_dir() / "tune" / f"quant-{_machine_key(path, f'{w}|native={build}')}.json"
 
     f = tune_file(weights)
-    cached = json.loads(f.read_text()) if f.is_file() and not os.environ.get("TREEDRAFT_RETUNE") else None
+    cached = _read_tune(f, *(("chosen", "kernels_by_format") if weights == "auto" else ("kernels",)))
     is_gguf = path is not None and path.is_file() and path.suffix == ".gguf"
     cfg = getattr(model, "config", None)
 
@@ -411,7 +428,7 @@ def choose_bf16_scores(net, path: Path | None, log=None, reps: int = 5) -> bool:
 
     key = "bf16_scores@" + _kernel_build_key()
     f = cache_dir() / "tune" / f"attn-{_machine_key(path, 'bf16-scores')}.json"
-    cached = json.loads(f.read_text()) if f.is_file() and not os.environ.get("TREEDRAFT_RETUNE") else {}
+    cached = _read_tune(f) or {}
     if key in cached:
         return bool(cached[key])
     ctx, rows = BF16_PROBE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from importlib import util as import_util
 from pathlib import Path
 
@@ -72,8 +73,14 @@ def load_own(path: Path, dtype: torch.dtype, device: str, max_seq_len: int | Non
     if cached.is_file():
         try:
             return from_state_dict(cfg, load_file(str(cached)), str(cached), dtype, device), meta
-        except ModelLoadError as e:
-            raise ModelLoadError(f"{e}; the weight cache is stale: delete {cached} to rebuild it") from e
+        except Exception as e:  # torn (a killed write before they were atomic), stale, foreign: rebuilt, not fatal
+            print(
+                f"treedraft: the weight cache {cached} cannot be used ({type(e).__name__}: {str(e)[:200]}); "
+                "converting the GGUF again",
+                file=sys.stderr,
+                flush=True,
+            )
+            cached.unlink(missing_ok=True)
     model, _ = load_gguf(path, torch.float32, "cpu", max_seq_len)
     cached.parent.mkdir(parents=True, exist_ok=True)
     sd = {
