@@ -1761,3 +1761,18 @@ def test_a_message_name_reaches_the_chat_template() -> None:
         "name": "ann",
     }
     assert "name" not in ChatMessage(role="user", content="hi").as_dict()
+
+
+def test_ray_serves_key_value_arguments_give_the_serve_flags_on_off_ones_included() -> None:
+    """A review (session 44): native_prefill=false became `--native-prefill false` (an argparse error): on/off flags
+    take true / false; store_true switches key=true; api_key comma-separated (no Ray needed: the argv alone)."""
+    from treedraft.cli import build_parser
+    from treedraft.server.cli import serve_argv
+
+    argv = serve_argv({"model": "m", "native_prefill": "false", "suffix_share": "true", "api-key": "k1,k2"})
+    a = build_parser().parse_args(argv)
+    assert a.native_prefill is False and a.suffix_share and a.api_key == ["k1", "k2"] and a.model == "m"
+    assert build_parser().parse_args(serve_argv({"native_prefill": "true"})).native_prefill is True
+    assert build_parser().parse_args(serve_argv({"protect_health_metrics": "no"})).protect_health_metrics is False
+    with pytest.raises(ValueError, match="native_prefill=true or native_prefill=false"):
+        serve_argv({"native_prefill": "maybe"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from .app import create_app
@@ -243,3 +244,29 @@ def register(subparsers: Any) -> None:
         help="with --ray: Ray CPUs each replica reserves (default: --threads, else 1)",
     )
     p.set_defaults(func=cmd_serve)
+
+
+_SWITCHES = ("protect_health_metrics", "suffix_share")  # store_true flags: key=true turns them on
+_ON_OFF = ("native_prefill",)  # --flag / --no-flag pairs: key=true or key=false (a review: they could not be given)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def serve_argv(args: Mapping[str, str]) -> list[str]:
+    """``treedraft serve --ray`` arguments from Ray Serve's ``key=value`` pairs (``serve run
+    treedraft.server.ray_serve:app_builder ...``); a ValueError for an on/off flag given neither true nor false."""
+    argv = ["serve", "--ray"]
+    for k, v in args.items():
+        key = k.replace("-", "_")
+        flag = "--" + key.replace("_", "-")
+        if key in _SWITCHES or key in _ON_OFF:
+            on = str(v).strip().lower()
+            if on not in _TRUE + _FALSE:
+                raise ValueError(f"{k}={v!r}: give {k}=true or {k}=false")
+            if on in _TRUE:
+                argv.append(flag)
+            elif key in _ON_OFF:
+                argv.append("--no-" + flag[2:])
+            continue
+        for x in str(v).split(",") if key in ("api_key", "served_model_name") else [str(v)]:
+            argv += [flag, x]
+    return argv

@@ -263,23 +263,12 @@ def joined_cluster(address: str) -> Iterator[None]:
             ray.shutdown()
 
 
-_SWITCHES = ("protect_health_metrics", "suffix_share")  # store_true flags: key=true turns them on
-
-
 def app_builder(args: Mapping[str, str]) -> Application:
     """``serve run treedraft.server.ray_serve:app_builder model=... replicas=2 threads=1``: the
-    ``treedraft serve`` flags as ``key=value`` (dashes or underscores; ``api_key`` may be comma-separated)."""
+    ``treedraft serve`` flags as ``key=value`` (dashes or underscores; ``api_key`` may be comma-separated; on/off
+    flags as key=true / key=false; see :func:`treedraft.server.cli.serve_argv`)."""
     from ..cli import build_parser
-    from .cli import settings_from_args
+    from .cli import serve_argv, settings_from_args
 
-    argv = ["serve", "--ray"]
-    for k, v in args.items():
-        key = k.replace("-", "_")
-        flag = "--" + key.replace("_", "-")
-        if key in _SWITCHES:
-            argv += [flag] if str(v).lower() in ("1", "true", "yes") else []
-            continue
-        for x in str(v).split(",") if key in ("api_key", "served_model_name") else [str(v)]:
-            argv += [flag, x]
-    a = build_parser().parse_args(argv)
+    a = build_parser().parse_args(serve_argv(args))
     return app_from_args(a, settings_from_args(a))
