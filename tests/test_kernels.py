@@ -599,3 +599,25 @@ def test_an_unavailable_native_build_is_said_once(monkeypatch, capsys) -> None:
         assert "native CPU kernels are unavailable" in err and "TREEDRAFT_KERNEL_MARCH" in err
     finally:
         _build._state.update(saved)
+
+
+@pytest.mark.parametrize("value, off", [("1", True), ("yes", True), ("0", False), ("false", False), ("off", False)])
+def test_no_ext_reads_like_the_other_switches(monkeypatch, value: str, off: bool) -> None:
+    """TREEDRAFT_NO_EXT=false disabled the kernels (only "" and "0" left them on): 0/false/no/off keep them."""
+    from treedraft.kernels import _build
+
+    saved = dict(_build._state)
+    monkeypatch.setenv("TREEDRAFT_NO_EXT", value)
+    if off:
+        monkeypatch.setattr(_build, "build_dir", lambda: pytest.fail("tried to build"))
+    try:
+        _build._state["loaded"] = False
+        if off:
+            assert (
+                _build.load_extension(reload=True) is None and _build._state["reason"] == "disabled by TREEDRAFT_NO_EXT"
+            )
+        else:
+            _build.load_extension(reload=True)
+            assert _build._state["reason"] != "disabled by TREEDRAFT_NO_EXT"
+    finally:
+        _build._state.update(saved)

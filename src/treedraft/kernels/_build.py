@@ -252,7 +252,7 @@ def load_extension(reload: bool = False) -> ModuleType | None:
         if _state["loaded"] and not reload:
             return _state["module"]
         _state.update(loaded=True, module=None, reason=None, built=False, seconds=None, march=None)
-        if os.environ.get("TREEDRAFT_NO_EXT", "") not in ("", "0"):
+        if os.environ.get("TREEDRAFT_NO_EXT", "").strip().lower() not in ("", "0", "false", "no", "off"):
             _state["reason"] = "disabled by TREEDRAFT_NO_EXT"
             return None
         t0 = time.perf_counter()
