@@ -429,3 +429,11 @@ def test_an_evaluation_interrupted_at_an_epochs_end_is_redone_on_resume(tmp_path
     monkeypatch.setattr(eagle_train, "evaluate", real)
     _, resumed = train_eagle(tmp_path / "data", model, cfg_, tc, tmp_path / "ck2", progress=False)
     assert resumed["epochs"] == whole["epochs"] and len(whole["epochs"]) == 1
+
+
+def test_an_eagle_drafter_of_depth_or_topk_0_is_refused_not_given_the_configs() -> None:
+    net = random_net(tiny(5), 0)
+    for kw in ({"depth": 0}, {"topk": 0}):
+        with pytest.raises(ValueError, match="depth and topk must be >= 1"):
+            EagleDrafter(net, max_len=64, **kw)
+    assert EagleDrafter(net, max_len=64).depth == net.config.depth  # None: the config's

@@ -217,3 +217,33 @@ def test_the_files_a_drafter_needs_are_checked_before_the_model_loads(tmp_path, 
     monkeypatch.setattr(api, "load_model", no_load)
     with pytest.raises(FileNotFoundError, match="no Medusa heads are shipped for 'gemma-3-270m'"):
         treedraft.load("gemma-3-270m", drafter="hybrid-suffix")
+
+
+def test_the_default_with_ones_own_eagle_drafter_is_hybrid_eagle_on_any_weights(tmp_path: Path) -> None:
+    """A review (session 44): `--heads <an EAGLE directory>` on int4 weights resolved "default" to hybrid-suffix,
+    which then failed on the EAGLE directory after the model load."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from native_utils import tiny_native
+    from test_eagle import random_net
+
+    target = tiny_native(128)  # quantized linears: not a float target
+    assert not registry.float_cpu_target(target)
+    random_net(target, 0).save(tmp_path / "my-eagle")
+    opts = DrafterOptions("tiny", heads=str(tmp_path / "my-eagle"))
+    assert registry.default_name(opts, target) == "hybrid-eagle"
+    assert isinstance(registry.build("default", target, None, opts), HybridDrafter)
+
+
+def test_medusa_node_values_are_cached_once_per_useful_depth() -> None:
+    """The scheduler's max_depth (tokens left) changes every step: the values were recomputed and cached anew each
+    time (38 entries in 51 steps in a review's run)."""
+    m = tiny_llama()
+    cfg = MedusaConfig(
+        "tiny", m.hidden_size, m.vocab_size, extra={"rank_accuracy": [[0.5, 0.2], [0.3, 0.1], [0.2, 0.1], [0.1, 0.1]]}
+    )
+    d = MedusaDrafter(MedusaHeads(cfg, m.lm_head.weight), ((0,), (1,), (0, 0), (0, 0, 0)))
+    first = d.node_values(300)
+    assert all(d.node_values(k) == first for k in range(3, 300))
+    assert len(d._values) == 1 and d.node_values(1) == first[:2] and len(d._values) == 2

@@ -73,8 +73,8 @@ class EagleDrafter:
         self.native = native
         self.vm = net.vocab_map if project is None and native is None else project_vocab
         self._vm_np = None if self.vm is None else self.vm.cpu().numpy()
-        self.depth = depth or c.depth
-        self.topk = topk or c.topk
+        self.depth = c.depth if depth is None else depth  # (0 was taken for "the config's": refused now)
+        self.topk = c.topk if topk is None else topk
         self.nodes = c.nodes if nodes is None else nodes
         if self.depth < 1 or self.topk < 1:
             raise ValueError(f"depth and topk must be >= 1, got {self.depth}, {self.topk}")

@@ -430,6 +430,8 @@ class MedusaDrafter:
     def node_values(self, max_depth: int) -> list[float] | None:
         """Each node's expected acceptance, in :meth:`ordered_choices` order: the product of the shipped
         per-depth rank accuracies along its path (the rule the machine tree is grown by); None without them."""
+        # (every depth past the deepest choice gives the same list: the scheduler's max_depth changes every step)
+        max_depth = min(max_depth, max(len(c) for c in self.choices))
         if max_depth in self._values:
             return self._values[max_depth]
         from ..training.calibrate import shipped_accuracies
