@@ -898,3 +898,27 @@ def test_a_sampled_run_without_plain_compares_nothing_with_another_librarys_draw
     assert res.reference is None and all(r.equal_to_reference is None for r in res.records)
     assert not bench.mismatches(res)
     assert "run `plain` beside them" in write_report(res, tmp_path)["markdown"].read_text()
+
+
+def test_every_method_failing_is_said_and_the_busy_median_is_the_middle(dataset: Path, tmp_path: Path) -> None:
+    """A review (session 44): all methods failing raised ZeroDivisionError (or, with no warm-up, a matplotlib error
+    after report.md); the busy-core "median" of 1.0 and 3.0 read 3.0."""
+    from treedraft.bench import harness, report
+
+    prompts = [(p, fake_encode(p.text)) for p in load_prompts(dataset)]
+
+    def broken(ids):
+        raise RuntimeError("no model")
+
+    with pytest.raises(BenchError, match="every method failed: a: failed on prompt .*no model"):
+        run_bench(prompts, {"a": broken, "b": broken}, warmup=1, progress=False)
+    res = run_bench(prompts[:2], {"a": broken}, warmup=0, progress=False)
+    write_report(res, tmp_path)  # nothing ran: the report says so, the plot has no legend
+
+    def rec(m: str, p, wall: float):
+        return harness.Record(m, p.id, p.category, 3, 1, wall, 1.0 / wall, "length", [1])
+
+    quiet = [rec("plain", p, 1.0) for p, _ in prompts[:2]]
+    busy = [rec("plain+busy", p, w) for (p, _), w in zip(prompts[:2], (1.0, 3.0))]
+    res2 = harness.BenchResult(quiet + busy, ["plain", "plain+busy"], {}, None, [], True, {})
+    assert report.busy_core_ratios(res2)["plain"]["median"] == 2.0

@@ -267,7 +267,11 @@ def test_metrics_record_and_render() -> None:
     assert v("treedraft:spec_decode_num_drafts_per_pos_total", position="1") == 2
     assert v("treedraft:generation_tokens_total") == 6
     assert v("treedraft:prompt_tokens_total") == 5
-    assert v("treedraft:generation_tokens_per_second") == 12
+    # (6 - 1) / 0.5: the first token is the prefill's (a review, session 44: 6 / 0.5 read n / (n - 1) too high)
+    assert v("treedraft:generation_tokens_per_second") == 10
+    one = Metrics("tiny")  # a one-token answer ran no decode step: no rate recorded (it read ~10^6 tok/s)
+    one.record(GenerationStats(prompt_tokens=5, new_tokens=1, t_decode=1e-6), 0.0, 0.1, 0.2, 0.2, 1, "length")
+    assert parse_metrics(one.render())[("treedraft:request_generation_tokens_per_second_count", frozenset())] == 0
     assert v("treedraft:request_success_total", finished_reason="stop") == 1
     assert v("treedraft:request_aborted_total") == 1
     assert v("treedraft:time_to_first_token_seconds_bucket", le="0.75") == 0
@@ -1538,6 +1542,14 @@ def test_loadtest_raw_client_parses_chunked_and_plain_event_streams() -> None:
     assert (bad.error, bad.detail) == ("http 400", "unknown drafter 'bogus'")
     cut = asyncio.run(one(b"200 OK", stream[:40], True, cut=1))
     assert not cut.ok and cut.error == "stream ended without [DONE]"
+    # legal SSE framings of other servers (a review, session 44: each made every request an error): CRLF line ends
+    # (sse-starlette's default, llama-cpp-python's server), "data:" without the space; the chunks (7 bytes) split CRLFs
+    for framed in (stream.replace(b"\n", b"\r\n"), stream.replace(b"data: ", b"data:")):
+        for chunked in (True, False):
+            r = asyncio.run(one(b"200 OK", framed, chunked))
+            assert r.ok and r.completion_tokens == 2 and len(r.gaps) == 1, (framed[:30], chunked, r.error)
+    bad = asyncio.run(one(b"500 Internal Server Error", b'{"error": {"message": "model overloaded"}}', True))
+    assert bad.detail == "model overloaded"  # a chunked error body: its chunk sizes were part of the detail
 
 
 def test_loadtest_without_a_server_says_so(capsys: pytest.CaptureFixture) -> None:

@@ -171,8 +171,10 @@ class GenerationStats:
 
     @property
     def tokens_per_s(self) -> float:
-        """New tokens per second of decoding (prefill excluded)."""
-        return self.new_tokens / self.t_decode if self.t_decode > 0 else 0.0
+        """Tokens per second of decoding: the new tokens after the first (the prefill's, its time in ``t_prefill``)
+        over ``t_decode``; 0.0 with fewer than two (a review, session 44: counting the first made a one-token answer
+        read ~10^6 tok/s in the server's metrics, and every rate n / (n - 1) too high)."""
+        return (self.new_tokens - 1) / self.t_decode if self.new_tokens > 1 and self.t_decode > 0 else 0.0
 
     def cut(self, delivered: int) -> None:
         """Only the first ``delivered`` new tokens reached the user (EOS, stop string): forget the rest.

@@ -245,7 +245,7 @@ class RawStreamClient:
                     body = await asyncio.wait_for(reader.read(4096), timeout=5.0)
                 except (asyncio.TimeoutError, TimeoutError, OSError):
                     body = b""
-                raise _HTTPStatus(status, body)
+                raise _HTTPStatus(status, dechunk(body) if chunked else body)
             buf = b""
             while True:
                 if chunked:
@@ -262,16 +262,36 @@ class RawStreamClient:
                     if not data:
                         return
                     buf += data
+                # SSE lines end in LF, CRLF or CR (sse-starlette, under llama-cpp-python's server, writes CRLF): one form
+                # (a CR ending the buffer waits for the next read: it may be the first half of a CRLF)
+                tail = b"\r" if buf.endswith(b"\r") else b""
+                buf = buf[: len(buf) - len(tail)].replace(b"\r\n", b"\n").replace(b"\r", b"\n") + tail
                 while True:
                     end = buf.find(b"\n\n")
                     if end < 0:
                         break
                     event, buf = buf[:end], buf[end + 2 :]
                     for line in event.split(b"\n"):
-                        if line.startswith(b"data: "):
-                            yield line[6:].rstrip(b"\r")
+                        if line.startswith(b"data:"):  # (the space after the colon is optional in SSE)
+                            yield line[5:].removeprefix(b" ")
         finally:
             writer.close()
+
+
+def dechunk(body: bytes) -> bytes:
+    """The payload of a chunked HTTP body (as much of it as ``body`` holds): an error's JSON read raw kept the chunk
+    sizes ('2a\\r\\n{...}\\r\\n0'), which garbled the detail shown."""
+    out, rest = b"", body
+    while rest:
+        size_line, sep, rest = rest.partition(b"\r\n")
+        try:
+            size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
+        except ValueError:
+            return body  # not chunk framing after all
+        if not sep or size == 0:
+            break
+        out, rest = out + rest[:size], rest[size + 2 :]
+    return out
 
 
 async def stream_one(client: Any, url: str, body: dict, headers: dict[str, str]) -> RequestResult:
@@ -341,8 +361,8 @@ async def _stream_httpx(client: Any, url: str, body: dict, headers: dict, on_dat
         if r.status_code != 200:
             res.error, res.detail = f"http {r.status_code}", error_detail(await r.aread())
             return
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and on_data(line[6:]):
+        async for line in r.aiter_lines():  # (httpx splits on LF, CRLF and CR alike)
+            if line.startswith("data:") and on_data(line[5:].removeprefix(" ")):
                 return
     res.error = res.error or "stream ended without [DONE]"
 

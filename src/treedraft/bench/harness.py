@@ -357,6 +357,8 @@ def run_bench(
             call(name, p, ids, warm=True)
 
     names = list(live)
+    if not names:  # every method failed in the warm-up: said with why (it was a ZeroDivisionError)
+        raise BenchError("every method failed: " + "; ".join(f"{n}: {why}" for n, why in skipped.items()))
     bar = tqdm(total=len(prompts) * len(names), desc="bench", unit="run", disable=not progress, file=sys.stderr)
     for i, (p, ids) in enumerate(prompts):
         k = i % len(names)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -122,7 +123,7 @@ def busy_core_ratios(result: BenchResult) -> dict[str, dict]:
         )
         if ratios:
             out[base] = {
-                "median": ratios[len(ratios) // 2][0],
+                "median": statistics.median(x for x, _ in ratios),  # (the upper middle one for an even count)
                 "max": ratios[-1][0],
                 "worst_prompt": ratios[-1][1],
                 "prompts": len(ratios),
@@ -331,7 +332,8 @@ def plot_speedup(summary: dict, result: BenchResult, path: Path) -> None:
         ax.set_xticks(range(len(cats)), cats, rotation=20)
         ax.set_ylabel(f"speedup vs {b}" if b else "tokens/s")
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=min(6, len(labels)), fontsize=8, frameon=False)
+    if labels:  # (no method left: no legend; matplotlib refused ncol 0)
+        fig.legend(handles, labels, loc="upper center", ncol=min(6, len(labels)), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
     fig.savefig(path, dpi=110)
     plt.close(fig)

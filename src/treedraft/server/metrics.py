@@ -171,7 +171,7 @@ class Metrics:
         for g in token_gaps:
             self.itl.observe(g)
         self.gen_tokens.inc(n_tokens)
-        if n_tokens and stats.t_decode > 0:
+        if stats.new_tokens > 1 and stats.t_decode > 0:  # (one token: no decode step ran, no rate to record)
             self.tps.observe(stats.tokens_per_s)
             self.last_tps.set(stats.tokens_per_s)
         if stats.steps:

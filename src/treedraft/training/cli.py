@@ -522,12 +522,15 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         qs = read_prompts(a.check_file)[: a.check_prompts]
         d = MedusaDrafter(heads, tuple(tuple(c) for c in res["choices"])) if res["choices"] else None
         pooled = GenerationStats()  # all prompts' steps together: the stats' own definitions apply
+        decoded = 0  # each answer's tokens after its first (the prefill's): what the decode time made
         for q in qs:
             r = llm.generate(q, drafter=d, max_new_tokens=128, max_tree_nodes=a.max_nodes)
             pooled.steps += r.stats.steps
             pooled.new_tokens += r.stats.new_tokens
             pooled.t_decode += r.stats.t_decode
-        measured = {"mean_accepted_length": pooled.mean_accepted_length, "tok_per_s": pooled.tokens_per_s}
+            decoded += max(0, r.stats.new_tokens - 1)
+        tps = decoded / pooled.t_decode if pooled.t_decode > 0 else 0.0
+        measured = {"mean_accepted_length": pooled.mean_accepted_length, "tok_per_s": tps}
         print(
             f"measured on {len(qs)} prompts of {a.check_file}: mean accepted length "
             f"{measured['mean_accepted_length']:.2f} (expected {res['expected_len']:.2f}), "
