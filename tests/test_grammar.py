@@ -2251,3 +2251,20 @@ def test_too_many_union_branches_fail_where_the_token_is_taken_never_in_a_draft(
     tree = TokenTree((ord(":"), ord(" "), ord("{"), ord("{")), (-1, 0, 1, 0))
     kept, states = prune(g, tree, s)
     assert kept.tokens == (ord(":"), ord(" ")) and states[1] == g.advance(s, ord(" "))
+
+
+def test_enum_strings_keep_to_their_lengths_and_enum_with_pattern_or_format_is_refused() -> None:
+    """A review (session 44): an enum or const ignored minLength / maxLength / pattern / format and wrote a value that
+    broke them. Lengths now filter the values (in code points); pattern and format next to an enum are refused."""
+    g = JsonGrammar([bytes([b]) for b in range(256)], [256], 257)
+    g2 = g.with_schema(
+        {"type": "object", "properties": {"v": {"enum": ["a", "bbbb", "é", 7], "maxLength": 2}}, "required": ["v"]}
+    )
+    kept = [v for v in (b'"a"', b'"bbbb"', '"é"'.encode(), b"7") if (e := run(g2.start(), b'{"v":' + v + b"}", g2.nodes))
+            and e[0] == DONE]  # fmt: skip
+    assert kept == [b'"a"', '"é"'.encode(), b"7"]
+    for extra in ({"pattern": "^a$"}, {"format": "date"}):
+        with pytest.raises(ValueError, match="enum / const with (pattern|format) is not supported"):
+            g.with_schema({"type": "object", "properties": {"v": {"enum": ["a"], **extra}}})
+    with pytest.raises(ValueError, match="within minLength / maxLength"):
+        g.with_schema({"type": "object", "properties": {"v": {"const": "abc", "minLength": 4}}})

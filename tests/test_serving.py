@@ -1788,3 +1788,33 @@ def test_ray_serves_key_value_arguments_give_the_serve_flags_on_off_ones_include
     assert build_parser().parse_args(serve_argv({"protect_health_metrics": "no"})).protect_health_metrics is False
     with pytest.raises(ValueError, match="native_prefill=true or native_prefill=false"):
         serve_argv({"native_prefill": "maybe"})
+
+
+def test_an_error_in_one_jobs_text_fails_that_job_alone_and_frees_its_slot(llm: LLM, monkeypatch) -> None:
+    """A review (session 44): an exception while turning one job's tokens into text dropped the rest of the step's
+    events; a job whose request finished in that step would then stay in the batch for ever (never planned again)."""
+    import concurrent.futures
+
+    from treedraft import text as text_mod
+
+    real = text_mod.TextStream.feed
+
+    def feed(self, new):
+        if "QQQ" in self.stopper.stops:  # the marked request's text fails
+            raise RuntimeError("text failed")
+        return real(self, new)
+
+    monkeypatch.setattr(text_mod.TextStream, "feed", feed)
+    with LiveServer(create_app(llm, ServerSettings(poll_interval_s=0.05, max_batch=4))) as s:
+        url = f"{s.url}/v1/completions"
+
+        def post(stop):
+            body = {"model": "tiny", "prompt": "abc abc", "max_tokens": 3, "temperature": 0, "stop": stop}
+            return httpx.post(url, json=body, timeout=TIMEOUT).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            codes = list(ex.map(post, [["QQQ"], ["zzz"], ["yyy"]]))
+        assert codes == [500, 200, 200]
+        worker = s.app.state.treedraft.worker
+        wait_for(lambda: not worker.running, "every slot free again", 10)
+        assert post(["zzz"]) == 200

@@ -211,3 +211,17 @@ def test_finish_gets_exactly_the_delivered_tokens(how: str) -> None:
     took = [t for _, c in zip(range(3), s) for t in c.token_ids]
     s.close()
     assert d.finished == [(prompt, took)]
+
+
+def test_the_stop_string_met_first_wins_however_the_text_is_split() -> None:
+    """A review (session 44): with stops "bc" and "abcd", "abcd" in one token cut at "" (the earliest start) but
+    token by token at "a": generation meets "bc" first, so the answer is "a" either way."""
+    for pieces in (["abcd"], list("abcd"), ["ab", "cd"]):
+        sc = StopChecker(["bc", "abcd"])
+        out, hit = "", False
+        for p in pieces:
+            text, hit = sc.feed(p)
+            out += text
+            if hit:
+                break
+        assert (out, hit) == ("a", True), pieces

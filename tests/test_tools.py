@@ -219,3 +219,17 @@ def test_answer_format_refuses_what_cannot_go_with_tools() -> None:
     assert e.value.param == "response_format"
     fmt = answer_format(tools, "required")
     assert fmt == {"type": "json_schema", "json_schema": {"schema": answer_schema(tools, "required")}}
+
+
+def test_a_tool_without_a_parameters_type_takes_an_object_and_its_arguments_are_the_models_own_json() -> None:
+    """A review (session 44): parameters {} let the grammar write {"f": 5} (arguments 5; OpenAI's are an object), and
+    the arguments were json.dumps of the parsed value: 1e400 came back as Infinity (not JSON), long numbers lost
+    digits, repeated keys merged."""
+    for params in ({}, {"description": "no args"}):
+        sch = answer_schema(
+            parse_tools([{"type": "function", "function": {"name": "f", "parameters": params}}]), "required"
+        )
+        assert not accepts(sch, b'{"f":5}') and not accepts(sch, b'{"f":null}') and accepts(sch, b'{"f":{}}')
+    for args in ('{"x":1e400}', '{"x":12345678901234567890.123456789}', '{"x": 1, "d": {"k": 1, "k": 2}}'):
+        msg, _ = answer_message('{"f": ' + args + "}", "stop", "required")
+        assert msg["tool_calls"][0]["function"]["arguments"] == args

@@ -890,6 +890,14 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
             vals = [sch["const"]] if "const" in sch else sch["enum"]
             if not isinstance(vals, list) or not vals:
                 raise ValueError(f"json_schema at {where}: enum must be a non-empty list")
+            both = sorted({"pattern", "format"} & set(sch))
+            if both:  # (they were ignored: an enum value breaking them was written, a review found)
+                raise ValueError(f"json_schema at {where}: enum / const with {' / '.join(both)} is not supported; list "
+                                 "only the values that match it")  # fmt: skip
+            lo, hi = sch.get("minLength", 0), sch.get("maxLength")  # string lengths in code points, as JSON Schema
+            if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in (lo, 0 if hi is None else hi)):
+                raise ValueError(f"json_schema at {where}: minLength / maxLength must be integers >= 0")
+            vals = [v for v in vals if not isinstance(v, str) or (len(v) >= lo and (hi is None or len(v) <= hi))]
             texts = []
             for v in vals:
                 if isinstance(v, (dict, list)):
@@ -899,7 +907,8 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
                     texts.append(json.dumps(v, ensure_ascii=False, allow_nan=False).encode("utf-8"))
             if not texts:
                 raise ValueError(f"json_schema at {where}: no enum / const value is of type {t!r}"
-                                 + (" within its bounds / multipleOf" if num else ""))  # fmt: skip
+                                 + (" within its bounds / multipleOf" if num else "")
+                                 + (" within minLength / maxLength" if {"minLength", "maxLength"} & set(sch) else ""))  # fmt: skip
             return SchemaNode(enum=tuple(dict.fromkeys(texts)))
         props = sch.get("properties", {})
         if not isinstance(props, dict):

@@ -83,9 +83,11 @@ class StopChecker:
     def feed(self, text: str) -> tuple[str, bool]:
         """Return (text safe to emit, stop string hit)."""
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:  # cut at the earliest stop string, whichever of them it is
-            out = self.pending[: min(hits)]
+        hits = [(i + len(s), i) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
+        if hits:  # cut at the stop string that ended first (the one generation met first; ties: the earlier start),
+            # so the cut does not depend on how the text came in tokens (stops "bc", "abcd" on "abcd": "a" whole or
+            # token by token, where the earliest start gave "" for one token and "a" for four)
+            out = self.pending[: min(hits)[1]]
             self.pending = ""
             return out, True
         hold = 0

@@ -97,6 +97,13 @@ def _moved_refs(sch: Any, base: str) -> Any:
     return sch
 
 
+def _object_args(params: dict) -> dict:
+    """A tool's parameters as the schema of a JSON *object*: ``{}`` or one without ``type`` (read as type object when the
+    tools were parsed) let the grammar write any JSON value as the arguments (a review: ``{"f": 5}`` gave arguments
+    5; OpenAI's are always an object)."""
+    return params if "type" in params else {**params, "type": "object"}
+
+
 def answer_schema(tools: Sequence[Tool], mode: str) -> dict:
     """The JSON Schema of the answer: an object with exactly one key, a tool's name (its value: the arguments)
     or, with "auto", ``"response"`` (a string). Each tool's parameters sit in ``$defs`` with their references
@@ -104,7 +111,10 @@ def answer_schema(tools: Sequence[Tool], mode: str) -> dict:
     offered = _offered(tools, mode)
     if mode == "auto" and any(t.name == RESPONSE_KEY for t in offered):
         raise ValueError(f"a tool named {RESPONSE_KEY!r} clashes with tool_choice 'auto''s answer key; rename it")
-    defs = {f"tool{i}": _moved_refs(copy.deepcopy(t.parameters), f"#/$defs/tool{i}") for i, t in enumerate(offered)}
+    defs = {
+        f"tool{i}": _object_args(_moved_refs(copy.deepcopy(t.parameters), f"#/$defs/tool{i}"))
+        for i, t in enumerate(offered)
+    }
     props: dict[str, Any] = {RESPONSE_KEY: {"type": "string"}} if mode == "auto" else {}
     props |= {t.name: {"$ref": f"#/$defs/tool{i}"} for i, t in enumerate(offered)}
     return {
@@ -353,5 +363,10 @@ def answer_message(text: str, finish_reason: str, mode: str) -> tuple[dict, str]
     ((key, value),) = obj.items()  # the grammar allows exactly one key
     if mode == "auto" and key == RESPONSE_KEY:
         return {"role": "assistant", "content": value}, "stop"
-    call = _call(key, json.dumps(value, ensure_ascii=False))
+    # the model's own JSON text of the arguments, not a re-encoding of the parsed value (1e400 came back as Infinity,
+    # not JSON; long numbers lost digits; repeated keys merged)
+    m = _FIRST_KEY.match(text)  # (the grammar wrote {"name": <arguments>}: the pattern eats the colon and spaces)
+    assert m is not None
+    end = json.JSONDecoder().raw_decode(text, m.end())[1]
+    call = _call(key, text[m.end() : end])
     return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"

@@ -468,41 +468,61 @@ class Worker:
                 )
 
     def _collect(self, events: list[tuple[Request, list[int]]], out: list[tuple[Job, Chunk | Done | Failed]]) -> None:
-        """Turn a step's tokens into each job's item (one chunk per job and step: its tokens' text together)."""
+        """Turn a step's tokens into each job's item (one chunk per job and step: its tokens' text together). An error
+        in one job's text fails that job alone: the others' events of the step are still delivered (dropped, a job
+        whose request finished in this step would have stayed in the batch for ever: never planned again)."""
         for req, new in events:
             job = req.tag
             live = self.running.get(job)
             if live is None:
                 continue
-            if req.error is not None:
-                if job.claim_final():
-                    out.append((job, Failed(self._api_error(job, req.error))))
+            try:
+                self._collect_one(job, live, req, new, out)
+            except Exception as e:
+                log.exception("worker: error while delivering a step's tokens; failing that request")
+                if job in self.running:
+                    if job.claim_final():
+                        out.append((job, Failed(self._api_error(job, e))))
+                    try:
+                        self._leave(job, "error")
+                    except Exception:
+                        self.running.pop(job, None)
+                        self._count_free()
+                        log.exception("worker: error while removing a failed request")
+
+    def _collect_one(
+        self, job: Job, live: _Live, req: Request, new: list[int], out: list[tuple[Job, Chunk | Done | Failed]]
+    ) -> None:
+        """:meth:`_collect` for one job's event."""
+        if req.error is not None:
+            if job.claim_final():
+                out.append((job, Failed(self._api_error(job, req.error))))
+            self._leave(job, "error")
+            return
+        chunks = live.text.feed(new)
+        now = time.perf_counter()
+        n = sum(len(c.token_ids) for c in chunks)
+        if n:
+            if live.t_first is None:
+                live.t_first = now
+            else:
+                live.gaps.append(now - live.t_last)
+            live.gaps += [0.0] * (n - 1)  # tokens that arrived together
+            live.t_last = now
+            live.n_tokens += n
+        if len(chunks) == 1:
+            out.append((job, chunks[0]))
+        elif chunks:
+            text, ids = "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]
+            lps = None if chunks[0].logprobs is None else [x for c in chunks for x in c.logprobs or []]
+            out.append((job, Chunk(text, ids, chunks[-1].finish_reason, lps)))
+        if live.text.done:
+            finish = chunks[-1].finish_reason or "length"
+            if not job.claim_final():  # a shutdown's drain answered it with a 503 during this step
                 self._leave(job, "error")
-                continue
-            chunks = live.text.feed(new)
-            now = time.perf_counter()
-            n = sum(len(c.token_ids) for c in chunks)
-            if n:
-                if live.t_first is None:
-                    live.t_first = now
-                else:
-                    live.gaps.append(now - live.t_last)
-                live.gaps += [0.0] * (n - 1)  # tokens that arrived together
-                live.t_last = now
-                live.n_tokens += n
-            if len(chunks) == 1:
-                out.append((job, chunks[0]))
-            elif chunks:
-                text, ids = "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]
-                lps = None if chunks[0].logprobs is None else [x for c in chunks for x in c.logprobs or []]
-                out.append((job, Chunk(text, ids, chunks[-1].finish_reason, lps)))
-            if live.text.done:
-                finish = chunks[-1].finish_reason or "length"
-                if not job.claim_final():  # a shutdown's drain answered it with a 503 during this step
-                    self._leave(job, "error")
-                    continue
-                self._leave(job, finish)  # first: the drafter (suffix store) records it before the client hears Done
-                out.append((job, Done(finish, live.stats)))
+                return
+            self._leave(job, finish)  # first: the drafter (suffix store) records it before the client hears Done
+            out.append((job, Done(finish, live.stats)))
 
     def _count_free(self) -> None:
         """Tell the queue how many batch slots its next jobs may take without waiting."""
