@@ -418,59 +418,43 @@ class SuffixStore:
         """Drop ``tenant``'s oldest records (only its own) down to 90% of the bound once it is over it; its newest
         record always stays (cut to its last ``max_tokens`` tokens where it alone is over the bound: a store loaded
         with a smaller bound than it was written with). Returns (records, tokens) dropped."""
-        have = self._tenant_tokens.get(tenant, 0)
-        if have <= self.max_tokens:
-            return 0, 0
-        low = int(self.max_tokens * 0.9)
-        newest = next(r for r in reversed(self._records) if r.tenant == tenant)
-        kept: deque[Record] = deque()
-        dropped = lost = 0
-        for r in self._records:  # O(records), amortised: the next eviction is >= 10% of the bound away
-            if r.tenant == tenant and r is not newest and have > low:
-                have -= len(r.tokens)
-                self._tokens -= len(r.tokens)
-                dropped, lost = dropped + 1, lost + len(r.tokens)
-            elif r is newest and len(r.tokens) > self.max_tokens:
-                cut = len(r.tokens) - self.max_tokens
-                have, self._tokens, lost = have - cut, self._tokens - cut, lost + cut
-                kept.append(Record(r.seq, r.tenant, r.tokens[cut:]))
-            else:
-                kept.append(r)
-        self._records = kept
-        self._tenant_tokens[tenant] = have
-        self._indices.pop(SHARED if self.share else tenant, None)  # rebuilt lazily from what is left
-        return dropped, lost
+        newest = next((r for r in reversed(self._records) if r.tenant == tenant), None)
+        return self._drop_oldest(tenant, self.max_tokens, newest)
 
     def _evict_total(self, keep: Record | None = None) -> tuple[int, int]:
         """Drop the oldest records of any tenant down to 90% of ``max_total_tokens`` once the store is over it (``keep``,
         the request just added, stays; cut to the bound's last tokens if it alone is over). Returns (records, tokens)
         dropped."""
-        if self._tokens <= self.max_total_tokens:
+        return self._drop_oldest(None, self.max_total_tokens, keep)
+
+    def _drop_oldest(self, tenant: str | None, bound: int, keep: Record | None) -> tuple[int, int]:
+        """The eviction of :meth:`_evict` (``tenant``'s records) and :meth:`_evict_total` (everyone's, ``tenant`` None):
+        once the records counted hold more than ``bound`` tokens, drop the oldest of them down to 90% of it; ``keep``
+        stays, cut to its last ``bound`` tokens where it alone is over. A tenant left with nothing is forgotten; the
+        indices of the tenants touched are rebuilt lazily. O(records), amortised: the next eviction is >= 10% of the
+        bound away. Returns (records, tokens) dropped."""
+        have = self._tokens if tenant is None else self._tenant_tokens.get(tenant, 0)
+        if have <= bound:
             return 0, 0
-        low = int(self.max_total_tokens * 0.9)
+        low = int(bound * 0.9)
         kept: deque[Record] = deque()
         dropped = lost = 0
         touched: set[str] = set()
         for r in self._records:
-            if r is not keep and self._tokens > low:
-                n = len(r.tokens)
-                self._tokens -= n
-                self._tenant_tokens[r.tenant] -= n
-                if not self._tenant_tokens[r.tenant]:
-                    del self._tenant_tokens[r.tenant]  # (a tenant with nothing left is forgotten: bounded too)
-                dropped, lost = dropped + 1, lost + n
-                touched.add(r.tenant)
-            elif r is keep and len(r.tokens) > self.max_total_tokens:
-                cut = len(r.tokens) - self.max_total_tokens
-                self._tokens, self._tenant_tokens[r.tenant], lost = (
-                    self._tokens - cut,
-                    self._tenant_tokens[r.tenant] - cut,
-                    lost + cut,
-                )
-                kept.append(Record(r.seq, r.tenant, r.tokens[cut:]))
-                touched.add(r.tenant)
+            n = len(r.tokens)
+            if (tenant is None or r.tenant == tenant) and r is not keep and have > low:
+                gone, dropped = n, dropped + 1
+            elif r is keep and n > bound:
+                gone = n - bound
+                kept.append(Record(r.seq, r.tenant, r.tokens[gone:]))
             else:
                 kept.append(r)
+                continue
+            have, lost, self._tokens = have - gone, lost + gone, self._tokens - gone
+            self._tenant_tokens[r.tenant] -= gone
+            if not self._tenant_tokens[r.tenant]:
+                del self._tenant_tokens[r.tenant]
+            touched.add(r.tenant)
         self._records = kept
         for t in {SHARED} if self.share else touched:
             self._indices.pop(t, None)  # rebuilt lazily from what is left
@@ -574,7 +558,7 @@ class SuffixStore:
 
 def snapshot_header(last_seq: int) -> bytes:
     """A snapshot's header: magic, the last sequence number it holds, the checksum of both."""
-    body = struct.pack("<8sQ", _SNAP_MAGIC, last_seq)
+    body = _SNAP_HEAD_V1.pack(_SNAP_MAGIC, last_seq)  # (the first header's layout, then its checksum)
     return body + struct.pack("<I", zlib.crc32(body))
 
 
