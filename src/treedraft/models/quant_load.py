@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import platform
 import sys
 import warnings
 from collections.abc import Iterator
@@ -168,23 +167,16 @@ def float_weights(model: torch.nn.Module, weights: str) -> dict[str, QWeight]:
 
 
 def _machine_key(path: Path | None, extra: str) -> str:
+    from .plan import machine_key
     from .registry import file_key
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    from .plan import machine_key
-
+    m = machine_key()  # CPU model, ISA flags (a KVM guest's model name is generic: "Intel(R) Xeon(R) Processor"), ...
     fk = file_key(path) if path is not None and path.is_file() else str(path)
-    isa = ",".join(machine_key()["isa"])  # (a KVM guest's model name is generic: "Intel(R) Xeon(R) Processor")
     return hashlib.sha1(
         # v2 (session 41): the Q8_0 kernel's VNNI path got 1.3x faster and int4 / int8 are timed in alternating rounds:
         # choices made before are made again. v3 (session 44): the ISA flags and the kernel build are in the key (an
         # AVX2 build, TREEDRAFT_KERNEL_MARCH=x86-64-v3, reused the AVX-512 build's choices unmeasured)
-        f"quant-v3|{cpu}|{isa}|{torch.__version__}|{torch.get_num_threads()}|{fk}|{extra}".encode()
+        f"quant-v3|{m['cpu']}|{','.join(m['isa'])}|{m['torch']}|{m['threads']}|{fk}|{extra}".encode()
     ).hexdigest()[:16]
 
 
