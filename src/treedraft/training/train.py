@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..drafters.medusa import MedusaConfig, MedusaHeads
-from .data import load_many_shards
+from ..models.cache import temp_sibling
+from .data import load_many_shards, read_meta
 
 
 @dataclass(frozen=True)
@@ -180,38 +181,31 @@ def heads_digest(heads: MedusaHeads | None) -> str | None:
     return h.hexdigest()
 
 
-def hold_out_copies(held: Tensor, seq: Tensor, offsets: Sequence[int], dirs: Sequence[str | Path]) -> Tensor:
-    """``held`` with, in every data directory made from the same prompts (meta.json's ``prompts_sha1``) as another,
-    the answers to the prompts held out in any of them held out too: their sequence ids are prompt indices, and
-    train-eagle's greedy data beside a sampled copy of it would otherwise train on the held-out prompts (a review,
-    session 44). ``offsets``: where each directory's ids start in ``seq`` (:func:`load_many_shards`)."""
-    from .data import read_meta
-
+def hold_out_copies(held: Tensor, seq: Tensor, offsets: Sequence[int], prompt_keys: Sequence[str | None]) -> Tensor:
+    """``held`` with, in every data directory made from the same prompts (``prompt_keys``: meta.json's
+    ``prompts_sha1`` per directory) as another, the answers to the prompts held out in any of them held out too: their
+    sequence ids are prompt indices, and train-eagle's greedy data beside a sampled copy of it would otherwise train on
+    the held-out prompts (a review, session 44). ``offsets``: where each directory's ids start in ``seq``
+    (:func:`load_many_shards`)."""
     groups: dict[str, list[int]] = {}
-    for i, d in enumerate(dirs):
-        key = read_meta(d).get("prompts_sha1")
+    for i, key in enumerate(prompt_keys):
         if key:
             groups.setdefault(key, []).append(i)
-    ends = [*offsets[1:], None]
-    for members in (m for m in groups.values() if len(m) > 1):
-        raw: set[int] = set()
-        for i in members:
-            lo, hi = offsets[i], ends[i]
-            part = (seq >= lo) & (seq < hi) if hi is not None else seq >= lo
-            raw |= {int(x) - lo for x in seq[part & held].unique().tolist()}
-        for i in members:
-            lo, hi = offsets[i], ends[i]
-            part = (seq >= lo) & (seq < hi) if hi is not None else seq >= lo
-            held = held | (part & torch.isin(seq - lo, torch.tensor(sorted(raw), dtype=seq.dtype)))
+    shared = [m for m in groups.values() if len(m) > 1]
+    if not shared:
+        return held
+    where = torch.bucketize(seq, torch.tensor(offsets[1:], dtype=seq.dtype), right=True)  # each row's directory
+    raw = seq - torch.tensor(offsets, dtype=seq.dtype)[where]  # its id within that directory: the prompt's index
+    for members in shared:
+        group = torch.isin(where, torch.tensor(members))
+        held = held | (group & torch.isin(raw, raw[group & held].unique()))
     return held
 
 
-def data_fingerprint(dirs: Sequence[str | Path], rows: Sequence[int]) -> list[list]:
+def data_fingerprint(dirs: Sequence[str | Path], prompt_keys: Sequence[str | None], rows: Sequence[int]) -> list[list]:
     """Per training-data directory, in order: its path, its prompts' digest (meta.json) and its rows; a resume with
     the directories reordered or swapped would hold other sequences out, some trained on already."""
-    from .data import read_meta
-
-    return [[str(Path(d).resolve()), read_meta(d).get("prompts_sha1"), int(n)] for d, n in zip(dirs, rows)]
+    return [[str(Path(d).resolve()), key, int(n)] for d, key, n in zip(dirs, prompt_keys, rows)]
 
 
 def check_checkpoint(
@@ -293,14 +287,15 @@ def train_heads(
     if hidden.shape[1] != mcfg.hidden_size:
         raise ValueError(f"{dirs[0]}: hidden size {hidden.shape[1]} does not match the model's {mcfg.hidden_size}")
     targets = head_targets(tokens, seq, mcfg.num_heads)
-    held = hold_out_copies(split_by_sequence(seq, tcfg.heldout_frac, tcfg.seed), seq, offsets, dirs)
+    prompt_keys = [read_meta(d).get("prompts_sha1") for d in dirs]  # what each directory was made from
+    held = hold_out_copies(split_by_sequence(seq, tcfg.heldout_frac, tcfg.seed), seq, offsets, prompt_keys)
     tr_idx = (~held).nonzero().squeeze(1)
     if len(tr_idx) == 0:
         raise ValueError(
             f"no training rows: the {len(seq.unique())} answer(s) in {', '.join(map(str, dirs))} are all held out "
             "(heldout_frac); give more prompts (--num-prompts) or more data directories"
         )
-    data_fp = data_fingerprint(dirs, dir_rows)
+    data_fp = data_fingerprint(dirs, prompt_keys, dir_rows)
     init_id = heads_digest(init)
     if init is not None:
         if replace(init.config, extra={}, choices=()) != replace(mcfg, extra={}, choices=()):
@@ -382,7 +377,7 @@ def train_heads(
             bar.set_postfix(loss=f"{loss.item():.3f}", top1="/".join(f"{a:.2f}" for a in acc))
             bar.update(1)
             if step % tcfg.checkpoint_every == 0 or step == total:
-                tmp = ckpt.with_name(ckpt.name + ".tmp")  # written whole, then renamed: an interrupt keeps the last one
+                tmp = temp_sibling(ckpt)  # written whole, then renamed: an interrupt keeps the last one
                 torch.save(
                     {
                         "heads": heads.state_dict(),
