@@ -752,6 +752,17 @@ def _within(v: object, spec: tuple | None) -> bool:
     return (lo is None or (x > lo if lo_x else x >= lo)) and (hi is None or (x < hi if hi_x else x <= hi))
 
 
+def _length_bounds(sch: dict, where: str) -> tuple[int, int]:
+    """A string schema's (minLength, maxLength; -1: none), checked: non-negative integers, min not above max."""
+    lo, hi = sch.get("minLength", 0), sch.get("maxLength", -1)
+    for kw, v in (("minLength", lo), ("maxLength", hi)):
+        if isinstance(v, bool) or not isinstance(v, int) or (kw in sch and v < 0):
+            raise ValueError(f"json_schema at {where}: {kw} must be a non-negative integer, got {v!r}")
+    if 0 <= hi < lo:
+        raise ValueError(f"json_schema at {where}: minLength {lo} is more than maxLength {hi}")
+    return lo, hi
+
+
 def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
     """A JSON Schema (the subset OpenAI's strict structured outputs use, and what pydantic's ``model_json_schema``
     writes for models of plain fields) as schema nodes, the root last. Keywords:
@@ -894,10 +905,8 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
             if both:  # (they were ignored: an enum value breaking them was written, a review found)
                 raise ValueError(f"json_schema at {where}: enum / const with {' / '.join(both)} is not supported; list "
                                  "only the values that match it")  # fmt: skip
-            lo, hi = sch.get("minLength", 0), sch.get("maxLength")  # string lengths in code points, as JSON Schema
-            if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in (lo, 0 if hi is None else hi)):
-                raise ValueError(f"json_schema at {where}: minLength / maxLength must be integers >= 0")
-            vals = [v for v in vals if not isinstance(v, str) or (len(v) >= lo and (hi is None or len(v) <= hi))]
+            lo, hi = _length_bounds(sch, where)  # string lengths in code points, as JSON Schema
+            vals = [v for v in vals if not isinstance(v, str) or (len(v) >= lo and (hi < 0 or len(v) <= hi))]
             texts = []
             for v in vals:
                 if isinstance(v, (dict, list)):
@@ -940,13 +949,7 @@ def compile_schema(schema: dict) -> tuple[SchemaNode, ...]:
         pattern: Pattern | Length | LengthBounded | None = None
         parts: list[Pattern | Length] = []
         if {"minLength", "maxLength"} & set(sch):
-            lo, hi = sch.get("minLength", 0), sch.get("maxLength", -1)
-            for kw, v in (("minLength", lo), ("maxLength", hi)):
-                if isinstance(v, bool) or not isinstance(v, int) or (kw in sch and v < 0):
-                    raise ValueError(f"json_schema at {where}: {kw} must be a non-negative integer, got {v!r}")
-            if 0 <= hi < lo:
-                raise ValueError(f"json_schema at {where}: minLength {lo} is more than maxLength {hi}")
-            parts.append(Length(lo, hi))
+            parts.append(Length(*_length_bounds(sch, where)))
         if "pattern" in sch:
             if not isinstance(sch["pattern"], str):
                 raise ValueError(f"json_schema at {where}: pattern must be a string")
