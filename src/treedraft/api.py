@@ -215,9 +215,8 @@ class LLM:
         if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable):
             raise GenerationError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
         stop_token_ids = list(stop_token_ids)
-        if any(
-            isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in stop_token_ids
-        ):  # ("12", 2.9 were coerced)
+        # ("12" and 2.9 were coerced to (1, 2) and 2)
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in stop_token_ids):
             raise GenerationError(f"stop_token_ids must be integer token ids, got {stop_token_ids!r}")
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, numbers.Integral):
             raise GenerationError(f"max_tree_nodes must be an integer >= 1, got {max_tree_nodes!r}")

@@ -168,9 +168,8 @@ class EagleNet(nn.Module):
         sd = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         if self.vocab_map is not None:
             sd["vocab_map"] = self.vocab_map.to(torch.int32).cpu()
-        (d / EAGLE_JSON).unlink(
-            missing_ok=True
-        )  # back last: an interrupted save leaves no config (as MedusaHeads.save)
+        # the config goes first and comes back last: an interrupted save leaves no config (as MedusaHeads.save)
+        (d / EAGLE_JSON).unlink(missing_ok=True)
         save_tensors(sd, d / EAGLE_WEIGHTS)
         atomic_write_text(d / EAGLE_JSON, json.dumps(asdict(self.config), indent=1))
 

@@ -125,10 +125,9 @@ def default_name(options: DrafterOptions, target: TargetModel | None = None) -> 
     """
     if options.heads in (None, DEFAULT) and target is not None and self_draftable(options, target):
         return "hybrid-draft"
+    # the user's own EAGLE drafter, on any weights (hybrid-suffix failed on it, after the load)
     if options.heads not in (None, DEFAULT) and eagle_dir(options) is not None:
-        return (
-            "hybrid-eagle"  # the user's own EAGLE drafter, on any weights (hybrid-suffix failed on it, after the load)
-        )
+        return "hybrid-eagle"
     if heads_dir(options) is None:
         return "prompt-lookup"
     if target is not None and float_cpu_target(target) and eagle_dir(options) is not None:
