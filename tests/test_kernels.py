@@ -559,32 +559,31 @@ def test_a_killed_build_is_built_again_and_never_imported_half_written(tmp_path,
 
 
 def test_a_held_build_lock_is_waited_for_and_a_dead_holders_is_not(tmp_path) -> None:
+    import fcntl
+    import time
+
     from treedraft.kernels import _build
 
     out = tmp_path / "k"
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # a builder that takes the lock, then dies
-        import fcntl
-
         f = open(out.with_name("k.lock"), "a+")
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         os.write(w, b"x")
         os._exit(0)
     os.read(r, 1)
     os.waitpid(pid, 0)
-    t = __import__("time").monotonic()
+    t = time.monotonic()
     with _build._build_lock(out, timeout_s=30):  # the holder is dead: its lock went with it
         pass
-    assert __import__("time").monotonic() - t < 5
-    import fcntl
-
+    assert time.monotonic() - t < 5
     held = open(out.with_name("k.lock"), "a+")
     fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # a live holder: waited for up to the timeout, then built beside it
-    t = __import__("time").monotonic()
+    t = time.monotonic()
     with _build._build_lock(out, timeout_s=0.5):
         pass
-    assert 0.4 < __import__("time").monotonic() - t < 5
+    assert 0.4 < time.monotonic() - t < 5
     held.close()
 
 
